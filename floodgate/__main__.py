@@ -1,0 +1,3 @@
+from floodgate.cli import main
+
+raise SystemExit(main())

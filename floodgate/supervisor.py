@@ -1,0 +1,145 @@
+"""Start and stop the local processes of a stack (Redis, Envoy, processors, emulators).
+
+Used by `floodgate up`, the benchmarks and the integration tests, so every one of them
+starts real processes the same way and leaves none behind: each child gets its own process
+group, and `stop()` terminates the group, escalating to SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from floodgate.binaries import envoy_binary, redis_server_binary
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(5)
+        # Reap anything left in the group (e.g. a shell's children).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@dataclass
+class Supervisor:
+    """Owns a set of child processes and a scratch directory for their logs and configs."""
+
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="floodgate-")))
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.workdir / f"{name}.log"
+        log = log_path.open("ab")
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+        )
+        log.close()
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def start_redis(self, port: int | None = None, name: str = "redis") -> tuple[Child, str]:
+        port = port or free_port()
+        data = self.workdir / f"{name}-data"
+        data.mkdir(exist_ok=True)
+        child = self.start(
+            name,
+            [
+                redis_server_binary(),
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(data),
+            ],
+        )
+        wait_for_port("127.0.0.1", port, 10, child.proc)
+        return child, f"redis://127.0.0.1:{port}/0"
+
+    def start_envoy(self, config_path: Path, admin_port: int, name: str = "envoy",
+                    concurrency: int = 1, extra: Sequence[str] = ()) -> Child:
+        child = self.start(
+            name,
+            [
+                envoy_binary(), "-c", str(config_path),
+                "--concurrency", str(concurrency),
+                "--base-id", str(admin_port),  # unique shared-memory id per instance
+                "--log-level", "warn",
+                *extra,
+            ],
+        )
+        wait_for_port("127.0.0.1", admin_port, 20, child.proc)
+        return child
+
+    def start_python(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        return self.start(name, [sys.executable, *args], env)
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
