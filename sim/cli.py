@@ -1,0 +1,156 @@
+"""`floodgate sim`: run the emulated vLLM server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from sim.engine import EngineConfig
+
+_D = EngineConfig()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "sim",
+        help="run an emulated vLLM server (OpenAI API, vLLM metrics, sleep mode)",
+        description=(
+            "Emulated vLLM server: OpenAI-compatible /v1/completions and /v1/chat/completions "
+            "(streaming and not), /v1/models, /health, /metrics with vLLM metric names, and the "
+            "vLLM sleep API. A continuous-batching model (max_num_seqs, KV-block budget, FIFO "
+            "waiting queue, prefill and batch-dependent decode time) makes TTFT climb with "
+            "queueing and TPOT with batch size. Per request, the header x-sim-output-tokens: N "
+            "sets the output length and x-sim-prompt-tokens: N the prompt length. Defaults "
+            "resemble a 7-8B model on one modern GPU; see docs/emulator.md."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (vLLM's default)")
+    srv.add_argument("--model", default="floodgate-sim-8b",
+                     help="served model name; requests naming another model get 404, like vLLM")
+    srv.add_argument("--cold-start", type=_non_negative, default=10.0, metavar="SECONDS",
+                     help="delay before /health turns 200 and completions are served (503 "
+                          "until then), emulating weight loading and warm-up")
+    srv.add_argument("--enable-sleep-mode", action="store_true",
+                     help="serve POST /sleep, POST /wake_up and GET /is_sleeping (404 without "
+                          "it, like vLLM without sleep mode / VLLM_SERVER_DEV_MODE)")
+    srv.add_argument("--default-output-tokens", type=_positive_int, default=256,
+                     help="output length of chat requests with neither max_tokens nor "
+                          "x-sim-output-tokens (completions default to 16, like vLLM)")
+    srv.add_argument("--log-level", default="info",
+                     choices=("debug", "info", "warning", "error"))
+
+    eng = p.add_argument_group("engine model")
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=_D.max_num_seqs,
+                     help="maximum sequences in a batch; further requests wait")
+    eng.add_argument("--kv-blocks", type=_positive_int, default=_D.num_kv_blocks,
+                     help="KV-cache blocks (capacity = kv-blocks * block-size tokens)")
+    eng.add_argument("--block-size", type=_positive_int, default=_D.block_size,
+                     help="tokens per KV-cache block")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int,
+                     default=_D.max_num_batched_tokens,
+                     help="tokens computed per step (chunked-prefill budget)")
+    eng.add_argument("--max-model-len", type=_positive_int, default=_D.max_model_len,
+                     help="context window; longer prompt+output requests get 400")
+    eng.add_argument("--prefill-ms-per-token", type=_non_negative,
+                     default=_D.prefill_per_token_s * 1000,
+                     help="prefill time per prompt token, milliseconds")
+    eng.add_argument("--decode-base-ms", type=_non_negative, default=_D.decode_base_s * 1000,
+                     help="fixed time per engine step, milliseconds")
+    eng.add_argument("--decode-per-seq-ms", type=_non_negative,
+                     default=_D.decode_per_seq_s * 1000,
+                     help="extra step time per decoding sequence in the batch, milliseconds")
+    eng.add_argument("--sleep-delay", type=_non_negative, default=_D.sleep_s,
+                     metavar="SECONDS", help="time POST /sleep takes once the engine is idle")
+    eng.add_argument("--wake-delay-level1", type=_non_negative, default=_D.wake_level1_s,
+                     metavar="SECONDS",
+                     help="time POST /wake_up takes after sleep level 1 (weights in CPU RAM)")
+    eng.add_argument("--wake-delay-level2", type=_non_negative, default=_D.wake_level2_s,
+                     metavar="SECONDS",
+                     help="time POST /wake_up takes after sleep level 2 (weights discarded)")
+    eng.add_argument("--time-scale", type=_positive, default=1.0,
+                     help="multiply every emulated duration (step times, cold start, sleep and "
+                          "wake delays); 0.1 runs the model ten times faster")
+    p.set_defaults(handler=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from sim.emulator import EmulatorConfig
+
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_kv_blocks=args.kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        prefill_per_token_s=args.prefill_ms_per_token / 1000,
+        decode_base_s=args.decode_base_ms / 1000,
+        decode_per_seq_s=args.decode_per_seq_ms / 1000,
+        wake_level1_s=args.wake_delay_level1,
+        wake_level2_s=args.wake_delay_level2,
+        sleep_s=args.sleep_delay,
+    ).scaled(args.time_scale)
+    return EmulatorConfig(
+        model=args.model,
+        engine=engine,
+        cold_start_s=args.cold_start * args.time_scale,
+        enable_sleep_mode=args.enable_sleep_mode,
+        default_output_tokens=args.default_output_tokens,
+    )
+
+
+def _run_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # optional: plain asyncio works, just slower
+        asyncio.run(main())
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.emulator import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve(config, args.host, args.port, stop)
+
+    _run_loop(main)
+    return 0
