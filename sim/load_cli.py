@@ -1,0 +1,289 @@
+"""`floodgate load`: drive a target with open-loop streaming traffic and report what happened."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sim.arrivals import (
+    DEFAULT_TRACE,
+    LengthDist,
+    Mix,
+    PlannedRequest,
+    RateProfile,
+    arrival_times,
+    assign,
+    burst_profile,
+    constant_profile,
+    load_trace,
+    step_profile,
+    trace_plan,
+)
+
+T = TypeVar("T")
+
+EPILOG = """\
+examples:
+  floodgate load --rate 20 --duration 60 --out runs/base
+  floodgate load --shape burst --rate 10 --duration 90 --burst-start 30 \\
+      --burst-duration 20 --burst-multiplier 5 --metrics-url http://127.0.0.1:9464/metrics --out runs/burst
+  floodgate load --shape step --phases 30:5,30:20,30:5
+  floodgate load --shape trace --speedup 20 --rate-scale 0.5 --duration 120
+  floodgate load --shape poisson --rate 50 --duration 10 --dry-run
+
+Every request carries x-request-priority, x-tenant-id, x-sim-prompt-tokens and
+x-sim-output-tokens. Results: requests.json (every request + run metadata), summary.md and
+rates.png / latency.png / metrics.png in --out; the summary is also printed to stdout.
+"""
+
+
+def _floats(text: str, n: int | None = None) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if n is not None and len(vals) != n:
+        raise argparse.ArgumentTypeError(f"expected {n} comma-separated numbers, got {text!r}")
+    return vals
+
+
+def priority_mix(text: str) -> tuple[float, float, float]:
+    a, b, c = _floats(text, 3)
+    if min(a, b, c) < 0 or a + b + c <= 0:
+        raise argparse.ArgumentTypeError("priority shares must be >= 0 with a positive sum")
+    return (a, b, c)
+
+
+def phases(text: str) -> list[tuple[float, float]]:
+    out = []
+    for part in text.split(","):
+        d, sep, r = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out.append((float(d), float(r)))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"phases are DURATION:RATE,..., got {part!r}") from exc
+    return out
+
+
+def tenants(text: str) -> tuple[tuple[str, float], ...]:
+    """`4` (tenant-0..3, equal), `a,b,c` (equal) or `a:0.7,b:0.3` (weighted)."""
+    text = text.strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError("need at least one tenant")
+        return tuple((f"tenant-{i}", 1.0) for i in range(n))
+    out = []
+    for part in text.split(","):
+        name, sep, share = part.strip().partition(":")
+        try:
+            out.append((name, float(share) if sep else 1.0))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"tenants are NAME[:SHARE],..., got {part!r}") from exc
+    if not out or any(not n for n, _ in out):
+        raise argparse.ArgumentTypeError(f"bad tenant list {text!r}")
+    return tuple(out)
+
+
+def window(text: str) -> tuple[str, float, float]:
+    name, sep, span = text.partition("=")
+    t0, sep2, t1 = span.partition(":")
+    try:
+        if not sep or not sep2:
+            raise ValueError
+        return name, float(t0), float(t1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"windows are NAME=T0:T1, got {text!r}") from exc
+
+
+def header(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition(":")
+    if not sep or not k.strip():
+        raise argparse.ArgumentTypeError(f"headers are NAME:VALUE, got {text!r}")
+    return k.strip(), v.strip()
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "load",
+        help="open-loop streaming load generator (synthetic shapes or trace replay)",
+        description=(
+            "Send OpenAI /v1/completions streaming requests open-loop (at planned times, regardless "
+            "of completions) to a target, record per-request outcome, TTFT, TPOT and Floodgate's "
+            "rejection headers, and write a summary and plots."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("target")
+    g.add_argument("--target", default="http://127.0.0.1:10000",
+                   help="base URL (default: %(default)s, Envoy's local listener)")
+    g.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default: %(default)s)")
+    g.add_argument("--model", help="model name (default: first of the target's /v1/models)")
+    g.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s (default: %(default)s)")
+    g.add_argument("--retry", type=int, default=0, metavar="N",
+                   help="retry a rejected request up to N times after its Retry-After (default: 0)")
+    g.add_argument("--retry-max-wait", type=float, default=30.0,
+                   help="cap on one Retry-After wait, s (default: %(default)s)")
+    g.add_argument("--header", type=header, action="append", default=[], metavar="NAME:VALUE",
+                   help="extra request header (repeatable)")
+
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--shape", choices=("poisson", "constant", "step", "burst", "trace"), default="poisson",
+                   help="poisson: Poisson at --rate; constant: evenly spaced at --rate; step: --phases; "
+                        "burst: --rate with a --burst-multiplier window; trace: replay --trace "
+                        "(default: %(default)s)")
+    g.add_argument("--rate", type=float, default=10.0, help="requests/s (base rate for burst; default: %(default)s)")
+    g.add_argument("--duration", type=float,
+                   help="run length, s (default 60; for trace: replay window after --speedup, default whole trace)")
+    g.add_argument("--arrival", choices=("poisson", "uniform"), default="poisson",
+                   help="arrival process within step/burst segments (default: %(default)s)")
+    g.add_argument("--phases", type=phases, metavar="D:R,D:R,...",
+                   help="step shape: phases of DURATION seconds at RATE req/s")
+    g.add_argument("--burst-start", type=float, default=None, help="burst start, s (default: duration/3)")
+    g.add_argument("--burst-duration", type=float, default=None, help="burst length, s (default: duration/3)")
+    g.add_argument("--burst-multiplier", type=float, default=5.0, help="rate multiplier during the burst (default: %(default)s)")
+    g.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                   help="CSV with TIMESTAMP,ContextTokens,GeneratedTokens (default: the Azure conv trace)")
+    g.add_argument("--speedup", type=float, default=1.0, help="trace time compression factor (default: %(default)s)")
+    g.add_argument("--rate-scale", type=float, default=1.0,
+                   help="trace rate multiplier: <1 thins, >1 duplicates (default: %(default)s)")
+    g.add_argument("--trace-start", type=float, default=0.0, help="trace window start, trace seconds (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="random seed; same seed, same plan (default: 0)")
+
+    g = p.add_argument_group("request mix")
+    g.add_argument("--priority-mix", type=priority_mix, default=(0.2, 0.5, 0.3), metavar="P0,P1,P2",
+                   help="shares of priorities 0,1,2 (default: 0.2,0.5,0.3)")
+    g.add_argument("--tenants", type=tenants, default=(("tenant-a", 1.0),), metavar="SPEC",
+                   help="N (tenant-0..N-1), a,b,c (equal) or a:0.7,b:0.3 (default: tenant-a)")
+    g.add_argument("--prompt-mean", type=float, default=512, help="synthetic prompt tokens, lognormal mean (default: %(default)s)")
+    g.add_argument("--prompt-sigma", type=float, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
+    g.add_argument("--prompt-max", type=int, default=None, help="clip prompt tokens (default 4096; trace: unclipped)")
+    g.add_argument("--output-mean", type=float, default=128, help="synthetic output tokens, lognormal mean (default: %(default)s)")
+    g.add_argument("--output-sigma", type=float, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
+    g.add_argument("--output-max", type=int, default=None, help="clip output tokens (default 1024; trace: unclipped)")
+
+    g = p.add_argument_group("report")
+    g.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s (default: %(default)s)")
+    g.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, s (default: %(default)s)")
+    g.add_argument("--metrics-url", help="Prometheus endpoint to sample during the run, e.g. http://127.0.0.1:9464/metrics")
+    g.add_argument("--metrics", default="floodgate_queue_depth,floodgate_limit,floodgate_inflight",
+                   help="comma-separated metric names to sample (summed across labels; default: %(default)s)")
+    g.add_argument("--sample-interval", type=float, default=1.0, help="metrics scrape period, s (default: %(default)s)")
+    g.add_argument("--window", type=window, action="append", default=[], metavar="NAME=T0:T1",
+                   help="extra summary for requests arriving in [T0,T1) s (repeatable; burst adds one)")
+    g.add_argument("--out", type=Path, help="directory for requests.json, summary.md and plots")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--dry-run", action="store_true", help="print the plan's statistics and exit without sending")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary on stdout")
+    p.set_defaults(handler=main)
+    return p
+
+
+def build_plan(args: argparse.Namespace) -> tuple[list[PlannedRequest], dict[str, tuple[float, float]]]:
+    """The plan the arguments describe, plus named windows to summarize (e.g. the burst)."""
+    mix = Mix(
+        priority_shares=args.priority_mix,
+        tenants=args.tenants,
+        prompt=LengthDist(args.prompt_mean, args.prompt_sigma, max=args.prompt_max or 4096),
+        output=LengthDist(args.output_mean, args.output_sigma, max=args.output_max or 1024),
+    )
+    windows = {name: (t0, t1) for name, t0, t1 in args.window}
+    if args.shape == "trace":
+        if not Path(args.trace).exists():
+            raise SystemExit(f"floodgate load: trace file not found: {args.trace}")
+        plan = trace_plan(
+            load_trace(str(args.trace)), speedup=args.speedup, rate_scale=args.rate_scale,
+            start=args.trace_start, duration=args.duration, mix=mix,
+            max_prompt_tokens=args.prompt_max, max_output_tokens=args.output_max, seed=args.seed,
+        )
+        return plan, windows
+    duration = 60.0 if args.duration is None else args.duration
+    profile: RateProfile
+    process = args.arrival
+    if args.shape == "poisson":
+        profile, process = constant_profile(args.rate, duration), "poisson"
+    elif args.shape == "constant":
+        profile, process = constant_profile(args.rate, duration), "uniform"
+    elif args.shape == "step":
+        if not args.phases:
+            raise SystemExit("floodgate load: --shape step needs --phases D:R,D:R,...")
+        profile = step_profile(args.phases)
+    else:
+        bs = duration / 3 if args.burst_start is None else args.burst_start
+        bd = duration / 3 if args.burst_duration is None else args.burst_duration
+        try:
+            profile = burst_profile(args.rate, duration, bs, bd, args.burst_multiplier)
+        except ValueError as exc:
+            raise SystemExit(f"floodgate load: {exc}") from exc
+        windows.setdefault("burst", (bs, bs + bd))
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    return assign(arrival_times(profile, process, rng), mix, rng), windows
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    # uvloop roughly halves the client's per-request CPU; the box is small and shared.
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def main(args: argparse.Namespace) -> int:
+    from sim.loadgen import run_load_detailed
+    from sim.report import SLO, render_markdown, summarize, summarize_window, write_report
+
+    plan, windows = build_plan(args)
+    if args.dry_run:
+        import numpy as np
+
+        n = len(plan)
+        span = plan[-1].t_offset if plan else 0.0
+        pr = np.bincount([r.priority for r in plan], minlength=3) if plan else np.zeros(3, int)
+        print(f"{n} requests over {span:.1f} s ({n / span if span else 0:.2f} req/s); "
+              f"priorities P0/P1/P2 = {pr[0]}/{pr[1]}/{pr[2]}; "
+              f"mean prompt {np.mean([r.prompt_tokens for r in plan]) if plan else 0:.0f} tokens, "
+              f"mean output {np.mean([r.output_tokens for r in plan]) if plan else 0:.0f} tokens")
+        return 0
+    if not plan:
+        print("floodgate load: the plan is empty (rate, duration or trace window too small)", file=sys.stderr)
+        return 2
+
+    progress = not args.quiet and sys.stderr.isatty()
+    result = _run(run_load_detailed(
+        plan, args.target, model=args.model, api=args.api, request_timeout=args.timeout,
+        retry=args.retry, retry_max_wait=args.retry_max_wait, metrics_url=args.metrics_url,
+        metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
+        sample_interval=args.sample_interval, extra_headers=dict(args.header), progress=progress,
+    ))
+    result.meta.update(shape=args.shape, seed=args.seed, windows={k: list(v) for k, v in windows.items()})
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    if args.out:
+        paths = write_report(args.out, result, slo, plots=not args.no_plots, windows=windows)
+        if not args.quiet:
+            print(paths["summary"].read_text())
+            print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    elif not args.quiet:
+        summary = summarize(result.records, slo)
+        md = render_markdown(summary, result.meta)
+        for name, (t0, t1) in windows.items():
+            md += "\n" + render_markdown(summarize_window(result.records, t0, t1, slo), {},
+                                         title=f"Window: {name}", level=2)
+        print(md)
+    if all(r.status is None for r in result.records):
+        first = next((r.error for r in result.records if r.error), "no response")
+        print(f"floodgate load: no request got a response from {args.target}: {first}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,103 @@
+"""Summary, markdown, JSON and plots computed from hand-built records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
+from sim.report import SLO, load_json, rate_series, render_markdown, summarize, summarize_window, write_report
+
+
+def make_records() -> list[Record]:
+    recs: list[Record] = []
+    for i in range(60):
+        t = i * 0.5  # 2 req/s for 30 s
+        prio = i % 3
+        r = Record(i, t, prio, f"t{i % 2}", 100, 20)
+        r.t_sent = t
+        burst = 10 <= t < 20
+        if burst and prio == 2:
+            r.outcome, r.status, r.reject_reason, r.retry_after = REJECTED, 429, "early_drop", 1.5
+            r.t_done = t + 0.01
+        elif burst and prio == 1 and i % 2 == 0:
+            r.outcome, r.status, r.reject_reason = REJECTED, 429, "queue_timeout"
+            r.t_done = t + 5
+        elif i == 59:
+            r.outcome, r.status, r.error = ERROR, 504, "HTTP 504: upstream timeout"
+            r.t_done = t + 1
+        else:
+            r.outcome, r.status, r.tokens = OK, 200, 20
+            # Burst arrivals are slow (TTFT 3 s > SLO), the rest fast.
+            r.ttft_s = 3.0 if burst else 0.2
+            r.tpot_s = 0.02
+            r.queue_ms = 2900.0 if burst else 1.0
+            r.e2e_s = r.ttft_s + 19 * r.tpot_s
+            r.t_done = t + r.e2e_s
+        recs.append(r)
+    return recs
+
+
+def test_summary_counts_and_invariant() -> None:
+    recs = make_records()
+    s = summarize(recs, SLO(2.0, 0.1))
+    s.check()
+    o = s.overall
+    assert o.offered == 60
+    assert o.offered == o.admitted + o.rejected + o.errors
+    assert o.rejected == s.per_priority[2].rejected + s.per_priority[1].rejected
+    assert s.per_priority[2].rejected_by_reason == {"early_drop": 7}
+    assert o.rejected_by_reason["queue_timeout"] == s.per_priority[1].rejected
+    assert o.errors == 1 and o.errors_by_kind == {"HTTP 504": 1}
+    # SLO: only admitted requests that arrived outside the burst meet TTFT <= 2 s.
+    outside_ok = [r for r in recs if r.outcome == OK and not 10 <= r.t_planned < 20]
+    assert o.slo_met == len(outside_ok)
+    assert o.goodput_tok_s == pytest.approx(20 * len(outside_ok) / s.duration_s)
+    assert o.ttft_p50 == pytest.approx(0.2)
+    assert s.per_priority[0].success_rate == 1.0
+
+
+def test_window_summary_is_during_the_burst() -> None:
+    recs = make_records()
+    w = summarize_window(recs, 10, 20)
+    w.check()
+    assert w.overall.offered == 20 and w.duration_s == 10
+    assert w.overall.slo_met == 0 and w.overall.goodput_tok_s == 0
+    assert w.per_priority[2].admitted == 0
+    assert w.per_priority[0].ttft_p99 == pytest.approx(3.0)
+
+
+def test_rate_series_keeps_the_invariant_per_bin() -> None:
+    s = rate_series(make_records())
+    assert (s["offered"] == s["admitted"] + s["rejected"] + s["errors"]).all()
+    assert s["offered"].sum() == 60
+
+
+def test_markdown_sections() -> None:
+    md = render_markdown(summarize(make_records()), {"target": "http://x", "requests": 60})
+    for section in ("# Load run summary", "## Admission", "## Rejections by reason",
+                    "## Latency", "## Throughput", "## Errors"):
+        assert section in md
+    assert "early_drop" in md and "queue_timeout" in md and "P2 sheddable" in md
+    assert "| overall | 60 |" in md
+
+
+def test_write_report_files_and_roundtrip(tmp_path: Path) -> None:
+    recs = make_records()
+    samples = [Sample(float(t), {"floodgate_queue_depth": float(t % 5), "floodgate_limit": 10.0})
+               for t in range(30)]
+    result = LoadResult(recs, samples, {"target": "http://x"})
+    paths = write_report(tmp_path, result, SLO(), windows={"burst": (10, 20)})
+    for key in ("json", "summary", "rates", "latency", "metrics"):
+        assert paths[key].exists(), key
+    for key in ("rates", "latency", "metrics"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["summary"].read_text()
+    assert "## Window: burst" in md and "### Admission" in md
+    back = load_json(paths["json"])
+    assert [r.to_dict() for r in back.records] == [r.to_dict() for r in recs]
+    assert back.samples[3].values == samples[3].values
+    # No samples: no metrics plot, everything else still written.
+    paths2 = write_report(tmp_path / "b", LoadResult(recs), plots=True)
+    assert "metrics" not in paths2 and paths2["rates"].exists()
