@@ -1,0 +1,264 @@
+"""The emulator as a real process, driven by the official `openai` client and aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from floodgate.supervisor import Supervisor, free_port, wait_for_port
+
+MODEL = "floodgate-sim-test"
+# Fast model so the tests stay short: 5 ms steps, +1 ms per decoding sequence.
+FAST_ARGS = (
+    "--model", MODEL,
+    "--decode-base-ms", "5", "--decode-per-seq-ms", "1", "--prefill-ms-per-token", "0.01",
+    "--wake-delay-level1", "0.3", "--wake-delay-level2", "0.6", "--sleep-delay", "0.05",
+    "--log-level", "warning",
+)
+
+
+class Server:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
+
+
+def start(sup: Supervisor, name: str, extra: Sequence[str]) -> Server:
+    port = free_port()
+    child = sup.start_python(name, ["-m", "floodgate", "sim", "--port", str(port),
+                                    *FAST_ARGS, *extra])
+    try:
+        wait_for_port("127.0.0.1", port, 15, child.proc)
+    except (RuntimeError, TimeoutError):
+        pytest.fail(f"emulator did not start:\n{child.log_tail()}")
+    return Server(port)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with Supervisor() as sup:
+        yield start(sup, "sim", ["--cold-start", "0", "--enable-sleep-mode"])
+
+
+async def metrics(server: Server) -> dict[str, float]:
+    """Samples keyed by name plus the labels other than model_name/engine."""
+    async with aiohttp.ClientSession() as s, s.get(server.base + "/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.labels.get("model_name") == MODEL
+            extra = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                             if k not in ("model_name", "engine", "le"))
+            key = sample.name + (f"{{{extra}}}" if extra else "")
+            if "le" not in sample.labels:
+                out[key] = sample.value
+    return out
+
+
+async def test_non_streaming_completion_and_chat(server: Server) -> None:
+    client = server.client()
+    cmpl = await client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=7)
+    assert cmpl.choices[0].finish_reason == "length"
+    assert cmpl.usage is not None and cmpl.usage.completion_tokens == 7
+    assert cmpl.choices[0].text.strip()
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_streaming_chat_with_usage_and_trace_headers(server: Server) -> None:
+    client = server.client()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=100,
+        stream=True, stream_options={"include_usage": True},
+        extra_headers={"x-sim-output-tokens": "12", "x-sim-prompt-tokens": "321"})
+    content: list[str] = []
+    finish = None
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert len(content) == 12
+    assert finish == "stop"  # the trace length, not max_tokens, ended it
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (321, 12)
+
+
+async def test_streaming_completion_without_usage(server: Server) -> None:
+    client = server.client()
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True)
+    chunks = [c async for c in stream]
+    assert len(chunks) == 4 and all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_errors_look_like_openai_errors(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="other-model", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+
+
+async def test_metrics_names_and_monotonic_counters(server: Server) -> None:
+    before = await metrics(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_success_total{finished_reason=length}",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:engine_sleep_state{sleep_state=awake}",
+                 "vllm:engine_sleep_state{sleep_state=weights_offloaded}",
+                 "vllm:engine_sleep_state{sleep_state=discard_all}"):
+        assert name in before, name
+    client = server.client()
+    await asyncio.gather(*(client.completions.create(
+        model=MODEL, prompt="count me", max_tokens=3,
+        extra_headers={"x-sim-prompt-tokens": "10"}) for _ in range(5)))
+    after = await metrics(server)
+    assert after["vllm:request_success_total{finished_reason=length}"] >= \
+        before["vllm:request_success_total{finished_reason=length}"] + 5
+    assert after["vllm:prompt_tokens_total"] >= before["vllm:prompt_tokens_total"] + 50
+    assert after["vllm:generation_tokens_total"] >= before["vllm:generation_tokens_total"] + 15
+    assert after["vllm:time_to_first_token_seconds_count"] >= \
+        before["vllm:time_to_first_token_seconds_count"] + 5
+    assert after["vllm:inter_token_latency_seconds_count"] >= \
+        before["vllm:inter_token_latency_seconds_count"] + 10
+    assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+async def test_client_disconnect_frees_the_sequence(server: Server) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.base + "/v1/completions",
+                          json={"model": MODEL, "prompt": "x" * 4000, "max_tokens": 5000,
+                                "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readline()  # the first token arrived: the sequence runs
+            mid = await metrics(server)
+            assert mid["vllm:num_requests_running"] >= 1
+            assert mid["vllm:kv_cache_usage_perc"] > 0
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 5
+    while True:
+        now = await metrics(server)
+        if now["vllm:num_requests_running"] == 0 and now["vllm:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.05)
+    assert now["vllm:request_success_total{finished_reason=abort}"] >= 1
+
+
+async def _stream_timing(client: openai.AsyncOpenAI, tokens: int) -> tuple[float, float]:
+    """(TTFT, mean gap between later chunks) as the client sees them."""
+    t0 = time.monotonic()
+    stream = await client.completions.create(model=MODEL, prompt="p", max_tokens=tokens,
+                                             stream=True)
+    stamps = [time.monotonic() async for _ in stream]
+    return stamps[0] - t0, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+async def test_ttft_climbs_with_queueing_and_tpot_with_batch() -> None:
+    with Supervisor() as sup:
+        srv = start(sup, "sim-small", ["--cold-start", "0", "--max-num-seqs", "4",
+                                       "--decode-per-seq-ms", "4"])
+        client = srv.client()
+        # 12 concurrent requests, 4 slots: three waves, later waves wait for earlier ones.
+        results = await asyncio.gather(*(_stream_timing(client, 20) for _ in range(12)))
+        ttfts = sorted(r[0] for r in results)
+        wave = 20 * (0.005 + 4 * 0.004)  # ~0.42 s per wave of 4
+        assert ttfts[-1] > ttfts[0] + wave  # generous: the last wave waits for two
+        # TPOT: one stream alone (9 ms steps) vs four together (21 ms steps), as the client
+        # sees it; the margin absorbs scheduling noise on a shared machine.
+        solo = await _stream_timing(client, 30)
+        together = await asyncio.gather(*(_stream_timing(client, 30) for _ in range(4)))
+        assert statistics.mean(t[1] for t in together) > solo[1] * 1.4
+
+
+async def test_sleep_wake_cycle(server: Server) -> None:
+    client = server.client()
+    async with aiohttp.ClientSession() as s:
+        # mode=wait lets the in-flight request finish before sleeping.
+        inflight = asyncio.create_task(client.completions.create(
+            model=MODEL, prompt="x", max_tokens=30))
+        await asyncio.sleep(0.05)
+        async with s.post(server.base + "/sleep", params={"level": "1", "mode": "wait"}) as r:
+            assert r.status == 200
+        done = await inflight
+        assert done.choices[0].finish_reason == "length"
+        async with s.get(server.base + "/is_sleeping") as r:
+            assert await r.json() == {"is_sleeping": True}
+        m = await metrics(server)
+        assert m["vllm:engine_sleep_state{sleep_state=awake}"] == 0
+        assert m["vllm:engine_sleep_state{sleep_state=weights_offloaded}"] == 1
+        async with s.get(server.base + "/health") as r:
+            assert r.status == 200  # like vLLM: alive while asleep
+        with pytest.raises(openai.APIStatusError) as exc:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert exc.value.status_code == 503
+        t0 = time.monotonic()
+        async with s.post(server.base + "/wake_up") as r:
+            assert r.status == 200
+        assert time.monotonic() - t0 >= 0.25  # the level-1 wake delay (0.3 s)
+        async with s.get(server.base + "/is_sleeping") as r:
+            assert await r.json() == {"is_sleeping": False}
+        ok = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert ok.usage is not None and ok.usage.completion_tokens == 2
+
+        # mode=abort ends the in-flight stream at once; level 2 shows as discard_all.
+        stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=10_000,
+                                                 stream=True)
+        first = await stream.__anext__()
+        assert first.choices
+        async with s.post(server.base + "/sleep", params={"level": "2", "mode": "abort"}) as r:
+            assert r.status == 200
+        rest = [c async for c in stream]
+        assert rest[-1].choices[0].finish_reason == "abort"
+        m = await metrics(server)
+        assert m["vllm:engine_sleep_state{sleep_state=discard_all}"] == 1
+        assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+        async with s.post(server.base + "/wake_up") as r:
+            assert r.status == 200
+        m = await metrics(server)
+        assert m["vllm:engine_sleep_state{sleep_state=awake}"] == 1
+
+
+async def test_cold_start_and_sleep_mode_disabled() -> None:
+    with Supervisor() as sup:
+        srv = start(sup, "sim-cold", ["--cold-start", "1.0"])
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.base + "/health") as r:
+                assert r.status == 503
+            async with s.post(srv.base + "/v1/completions",
+                              json={"model": MODEL, "prompt": "x"}) as r:
+                assert r.status == 503
+            deadline = time.monotonic() + 10
+            while True:
+                async with s.get(srv.base + "/health") as r:
+                    if r.status == 200:
+                        break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            for method, path in (("POST", "/sleep"), ("POST", "/wake_up"),
+                                 ("GET", "/is_sleeping")):
+                async with s.request(method, srv.base + path) as r:
+                    assert r.status == 404
