@@ -203,6 +203,7 @@ def render_markdown(
             lines.append(f"- {key}: {format(v, '.3f') if isinstance(v, float) else v}")
     if summary.window:
         lines.append(f"- window: requests planned in [{summary.window[0]:g}, {summary.window[1]:g}) s")
+        lines.append("- token rates: output tokens of requests that arrived in the window ÷ window length")
     lines.append(f"- rate denominator: {summary.duration_s:.1f} s")
     lines.append(f"- SLO: TTFT ≤ {summary.slo.ttft_s:g} s and TPOT ≤ {summary.slo.tpot_s * 1000:g} ms")
     lag = meta.get("send_lag_p99_s")
@@ -304,10 +305,11 @@ def plot_rates(records: Sequence[Record], path: Path, bin_s: float = 1.0) -> Pat
     s = rate_series(records, bin_s)
     fig = Figure(figsize=(10, 4))
     ax = fig.subplots()
-    styles = {"offered": ("k", "-"), "admitted": ("tab:green", "-"),
-              "rejected": ("tab:orange", "-"), "errors": ("tab:red", ":")}
-    for key, (color, ls) in styles.items():
-        ax.step(s["t"], s[key], where="post", color=color, linestyle=ls, label=key)
+    # Offered drawn wide and pale so it stays visible under admitted when nothing is rejected.
+    styles = {"offered": ("0.6", "-", 4.0), "admitted": ("tab:green", "-", 1.5),
+              "rejected": ("tab:orange", "-", 1.5), "errors": ("tab:red", ":", 1.5)}
+    for key, (color, ls, lw) in styles.items():
+        ax.step(s["t"], s[key], where="post", color=color, linestyle=ls, linewidth=lw, label=key)
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("requests/s")
     ax.set_title("Offered vs admitted vs rejected (by arrival time)")
@@ -325,16 +327,16 @@ def plot_metrics(samples: Sequence[Sample], path: Path) -> Path | None:
         return None
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
-    ax = fig.subplots()
-    for name in names:
+    # One panel per metric: queue depth, limit and a 0..1 ratio do not share a useful scale.
+    fig = Figure(figsize=(10, 1.0 + 2.0 * len(names)))
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, name in zip(axes, names, strict=True):
         pts = [(s.t, s.values[name]) for s in samples if name in s.values]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker=".", markersize=3)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("value (summed across labels)")
-    ax.set_title("Sampled metrics")
-    ax.legend(loc="upper right")
-    ax.grid(alpha=0.3)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", markersize=3)
+        ax.set_ylabel(name, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("Sampled metrics (summed across labels)")
+    axes[-1].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
-from sim.report import SLO, load_json, rate_series, render_markdown, summarize, summarize_window, write_report
+from sim.report import (
+    SLO,
+    load_json,
+    rate_series,
+    render_markdown,
+    summarize,
+    summarize_window,
+    write_report,
+)
 
 
 def make_records() -> list[Record]:

@@ -1,0 +1,146 @@
+"""The real load generator against the real emulator (`floodgate sim` as a process).
+
+The rejection test uses a tiny in-test HTTP endpoint that only answers with Floodgate's §5
+rejection shape (429 + headers + OpenAI error body): it stands in for the gateway's reject
+path, not for the emulator, so retry and header parsing are covered before extproc exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from floodgate.cli import main as floodgate_main
+from floodgate.supervisor import Supervisor, free_port, wait_for_port
+from sim.arrivals import PlannedRequest
+from sim.loadgen import ERROR, OK, REJECTED, run_load, run_load_detailed
+from sim.report import summarize
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[str]:
+    # Only the emulator tests depend on it; the rejection and unreachable tests run regardless.
+    pytest.importorskip("sim.emulator", reason="the vLLM emulator (sim.emulator) is not importable")
+    port = free_port()
+    with Supervisor() as sup:
+        child = sup.start_python(
+            "sim", ["-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0", "--log-level", "warning"]
+        )
+        wait_for_port("127.0.0.1", port, 20, child.proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"emulator never became healthy:\n{child.log_tail()}")
+            time.sleep(0.1)
+        yield url
+
+
+def plan(n: int, rate: float, output_tokens: int, prompt_tokens: int = 64) -> list[PlannedRequest]:
+    return [
+        PlannedRequest(i / rate, i % 3, f"tenant-{i % 2}", prompt_tokens, output_tokens) for i in range(n)
+    ]
+
+
+async def test_open_loop_streaming_against_emulator(emulator: str) -> None:
+    result = await run_load_detailed(
+        plan(24, rate=24.0, output_tokens=120),
+        emulator,
+        request_timeout=60,
+        metrics_url=emulator + "/metrics",
+        metrics=["vllm:num_requests_running", "vllm:num_requests_waiting", "floodgate_queue_depth"],
+        sample_interval=0.25,
+    )
+    recs = result.records
+    assert [r.outcome for r in recs] == [OK] * 24, [r.error for r in recs if r.error]
+    for r in recs:
+        assert r.status == 200 and r.tokens == 120
+        assert r.ttft_s is not None and r.ttft_s > 0
+        assert r.tpot_s is not None and r.tpot_s > 0
+        assert r.e2e_s is not None and r.e2e_s >= r.ttft_s
+        assert r.queue_ms is None  # no gateway in front
+    # Open loop: every request went out before the first one (>= 120 decode steps) finished.
+    assert max(r.t_sent or 0 for r in recs) < min(r.t_done or 0 for r in recs)
+    assert result.meta["model"] and result.meta["requests"] == 24
+    assert result.samples, "the sampler recorded nothing"
+    assert max(s.values.get("vllm:num_requests_running", 0) for s in result.samples) > 0
+    assert all("floodgate_queue_depth" not in s.values for s in result.samples)  # absent stays absent
+    s = summarize(recs)
+    s.check()
+    assert s.overall.admitted == 24 and s.overall.ttft_p50 is not None
+
+
+def test_cli_writes_report(emulator: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rc = floodgate_main([
+        "load", "--target", emulator, "--shape", "constant", "--rate", "10", "--duration", "1.5",
+        "--prompt-mean", "32", "--prompt-sigma", "0", "--output-mean", "8", "--output-sigma", "0",
+        "--tenants", "a,b", "--priority-mix", "1,1,1", "--window", "mid=0.5:1.0", "--out", str(out), "--quiet",
+    ])
+    assert rc == 0
+    data = json.loads((out / "requests.json").read_text())
+    assert len(data["records"]) == 15
+    assert all(r["outcome"] == OK and r["tokens"] == 8 for r in data["records"])
+    assert {r["tenant"] for r in data["records"]} <= {"a", "b"}
+    md = (out / "summary.md").read_text()
+    assert "| overall | 15 | 15 | 0 | 0 |" in md and "## Window: mid" in md
+    assert (out / "rates.png").exists() and (out / "latency.png").exists()
+
+
+def test_unreachable_target_exits_nonzero() -> None:
+    port = free_port()  # nothing listens here
+    rc = floodgate_main(["load", "--target", f"http://127.0.0.1:{port}", "--rate", "5",
+                         "--duration", "0.6", "--timeout", "5", "--quiet"])
+    assert rc == 1
+
+
+async def test_rejection_headers_and_bounded_retry() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def reject(request: web.Request) -> web.Response:
+        seen.append({"headers": dict(request.headers), "body": await request.json()})
+        if request.headers.get("x-tenant-id") == "no-reason":
+            return web.Response(status=503, text="no healthy upstream")
+        return web.json_response(
+            {"error": {"message": "predicted wait exceeds timeout", "type": "rate_limit_error",
+                       "code": "early_drop"}},
+            status=429,
+            headers={"retry-after": "0.05", "x-floodgate-reject-reason": "early_drop"},
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", reject)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        p = [PlannedRequest(0.0, 2, "noisy", 40, 7), PlannedRequest(0.01, 0, "no-reason", 40, 7)]
+        recs = await run_load(p, f"http://127.0.0.1:{port}", retry=2, request_timeout=5)
+    finally:
+        await runner.cleanup()
+    rej, err = recs
+    assert rej.outcome == REJECTED and rej.status == 429 and rej.reject_reason == "early_drop"
+    assert rej.retry_after == pytest.approx(0.05) and rej.retries == 2
+    assert rej.error is not None and "predicted wait exceeds timeout" in rej.error
+    # A 503 without Floodgate's reason header is an upstream error, not a rejection; no retry.
+    assert err.outcome == ERROR and err.status == 503 and err.retries == 0
+    first = next(s for s in seen if s["headers"]["x-tenant-id"] == "noisy")
+    assert sum(s["headers"]["x-tenant-id"] == "noisy" for s in seen) == 3  # 1 + 2 retries
+    h, body = first["headers"], first["body"]
+    assert h["x-request-priority"] == "2" and h["x-sim-output-tokens"] == "7" and h["x-sim-prompt-tokens"] == "40"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 7 and len(body["prompt"].split()) == pytest.approx(40, abs=2)
