@@ -1,0 +1,430 @@
+"""The admitter: one per processor process. It owns the bookkeeping around the pure policy.
+
+`admit()` returns a `Permit` (now or after queueing) or a `Reject`; `release()` returns the
+permit exactly once. Shared mode talks to Redis (`state.py`); when Redis fails, the process
+switches within one call to a local `PermitTable` sized to its share of the last seen limit,
+and a background probe switches back when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from extproc.config import Config, PoolConfig
+from extproc.metrics import Metrics
+from extproc.permits import PermitTable
+from extproc.policy import Enqueue, Reject, Snapshot, queue_decision, timeout_reject
+from extproc.state import PoolState, PoolStatus, gateway_channel
+from extproc.vegas import Sample, SampleWindow, VegasLimit
+
+log = logging.getLogger("floodgate.admission")
+
+T = TypeVar("T")
+
+PRIORITY_LABELS = ("0", "1", "2")
+
+
+class RedisDown(Exception):
+    """Raised inside the admitter when a Redis call fails; never escapes admit()/release()."""
+
+
+@dataclass
+class Permit:
+    pool: str
+    ticket: str
+    priority: int
+    backend: str  # "redis" | "local"
+    queue_s: float
+    admitted_at: float
+    released: bool = False
+
+
+@dataclass
+class _PoolRuntime:
+    cfg: PoolConfig
+    state: PoolState
+    local: PermitTable
+    vegas: VegasLimit
+    window: SampleWindow
+    shares: tuple[float, float, float]
+    held: set[str] = field(default_factory=set)  # redis tickets this process holds
+    local_held: set[str] = field(default_factory=set)
+    limit: int = 1
+    inflight_total: int = 0
+    live_gateways: int = 1
+    grant_rate: float = 0.0
+
+
+def default_gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class Admitter:
+    def __init__(self, cfg: Config, client: aioredis.Redis, *, metrics: Metrics | None = None,
+                 pubsub_client: aioredis.Redis | None = None, gateway_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.pubsub_client = pubsub_client or client
+        self.gateway_id = gateway_id or cfg.server.gateway_id or default_gateway_id()
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.rng = rng
+        self.degraded = False
+        self._tickets = itertools.count(1)
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._waiter_pool: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[object]] = set()
+        self._closing = False
+        self.pools: dict[str, _PoolRuntime] = {}
+        for p in cfg.pools:
+            shares = (p.classes[0].share, p.classes[1].share, p.classes[2].share)
+            self.pools[p.name] = _PoolRuntime(
+                cfg=p,
+                state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s,
+                                initial_limit=p.limit.initial, shares=shares),
+                local=PermitTable(limit=p.limit.initial, shares=shares),
+                vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier),
+                window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
+                shares=shares, limit=p.limit.initial)
+            self.metrics.limit.labels(p.name).set(p.limit.initial)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        for rt in self.pools.values():
+            if rt.cfg.limit.mode == "static":
+                await self._force_static_limit(rt)
+            with contextlib.suppress(RedisDown):
+                self._observe(rt, await self._call("status", rt.state.status()))
+        self._tasks = [
+            asyncio.create_task(self._pubsub_loop(), name="fg-pubsub"),
+            asyncio.create_task(self._renew_loop(), name="fg-renew"),
+            asyncio.create_task(self._poll_loop(), name="fg-poll"),
+        ]
+
+    async def stop(self) -> None:
+        """Processor shutdown: wake every waiter (they reject), return every held permit."""
+        self._closing = True
+        for fut in list(self._waiters.values()):
+            if not fut.done():
+                fut.set_exception(asyncio.CancelledError())
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for rt in self.pools.values():
+            if rt.held:
+                with contextlib.suppress(RedisDown):
+                    await self._call("release", rt.state.release(*rt.held))
+                rt.held.clear()
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run a coroutine that must finish even if the request that started it is cancelled."""
+        task: asyncio.Task[object] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---------------------------------------------------------------- redis plumbing
+
+    async def _call(self, op: str, coro: Awaitable[T]) -> T:
+        timeout = self.cfg.redis.op_timeout_s * 2
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.redis_errors.labels(op).inc()
+            self._enter_degraded(f"{op}: {type(exc).__name__}: {exc}")
+            raise RedisDown(op) from exc
+
+    def _enter_degraded(self, why: str) -> None:
+        if self.degraded:
+            return
+        self.degraded = True
+        self.metrics.degraded.set(1)
+        self.metrics.degraded_transitions.inc()
+        for rt in self.pools.values():
+            share = max(1, rt.limit // max(1, rt.live_gateways))
+            self._resolve_local(rt, rt.local.set_limit(share, self.clock()))
+        log.warning("redis unreachable (%s): degraded to local limits %s", why,
+                    {n: rt.local.limit for n, rt in self.pools.items()})
+        # Waiters on the shared queue cannot be granted any more: move them to the local one.
+        for ticket, fut in list(self._waiters.items()):
+            if not fut.done() and not ticket.startswith("L"):
+                fut.set_exception(RedisDown("degraded"))
+
+    def _leave_degraded(self) -> None:
+        if not self.degraded:
+            return
+        self.degraded = False
+        self.metrics.degraded.set(0)
+        log.warning("redis reachable again: shared admission state resumed")
+
+    def _observe(self, rt: _PoolRuntime, st: PoolStatus) -> None:
+        rt.limit, rt.inflight_total, rt.grant_rate = st.limit, st.inflight_total, st.grant_rate
+        rt.live_gateways = max(1, st.live_gateways)
+        name = rt.cfg.name
+        self.metrics.limit.labels(name).set(st.limit)
+        for c in range(3):
+            self.metrics.queue_depth.labels(name, PRIORITY_LABELS[c]).set(st.queued[c])
+            self.metrics.inflight.labels(name, PRIORITY_LABELS[c]).set(st.inflight[c])
+
+    @staticmethod
+    def _snapshot(st: PoolStatus) -> Snapshot:
+        return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate)
+
+    # ---------------------------------------------------------------- admission
+
+    async def admit(self, pool: str, priority: int, tenant: str) -> Permit | Reject:
+        rt = self.pools[pool]
+        started = self.clock()
+        deadline = started + rt.cfg.classes[priority].queue_timeout_s
+        result: Permit | Reject | None = None
+        if not self.degraded:
+            with contextlib.suppress(RedisDown):
+                result = await self._admit_shared(rt, priority, tenant, started, deadline)
+        if result is None:
+            result = await self._admit_local(rt, priority, tenant, started, deadline)
+        self._count(rt, priority, result)
+        return result
+
+    def _count(self, rt: _PoolRuntime, priority: int, result: Permit | Reject) -> None:
+        label = PRIORITY_LABELS[priority]
+        if isinstance(result, Permit):
+            reason = "queued" if result.queue_s > 0.0005 else "immediate"
+            self.metrics.decisions.labels(rt.cfg.name, label, "admitted", reason).inc()
+            self.metrics.queue_wait.labels(rt.cfg.name, label).observe(result.queue_s)
+            self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held) + len(rt.local_held))
+        else:
+            self.metrics.decisions.labels(rt.cfg.name, label, "rejected", result.reason).inc()
+
+    def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float) -> Permit:
+        now = self.clock()
+        (rt.held if backend == "redis" else rt.local_held).add(ticket)
+        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now)
+
+    async def _admit_shared(self, rt: _PoolRuntime, priority: int, tenant: str,
+                            started: float, deadline: float) -> Permit | Reject | None:
+        """None means Redis failed part-way: the caller continues on the local limiter."""
+        ticket = f"{self.gateway_id}:{next(self._tickets)}"
+        st = await self._call("acquire", rt.state.acquire(ticket, self.gateway_id, priority, tenant))
+        self._observe(rt, st)
+        if st.granted:
+            return self._permit(rt, ticket, priority, "redis", started)
+        decision = queue_decision(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
+        if isinstance(decision, Reject):
+            return decision
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = fut
+        self._waiter_pool[ticket] = rt.cfg.name
+        try:
+            remaining = max(0.001, deadline - self.clock())
+            st = await self._call("enqueue", rt.state.enqueue(ticket, self.gateway_id, priority, tenant, remaining))
+            self._observe(rt, st)
+            if st.granted or (fut.done() and fut.exception() is None):
+                return self._permit(rt, ticket, priority, "redis", started)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
+                return self._permit(rt, ticket, priority, "redis", started)
+            except TimeoutError:
+                pass
+            except RedisDown:
+                return None
+            # Timed out: remove ourselves atomically; we may have been granted in the meantime.
+            outcome = await self._call("cancel", rt.state.cancel(ticket))
+            if outcome == 1:
+                return self._permit(rt, ticket, priority, "redis", started)
+            return timeout_reject(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
+        except asyncio.CancelledError:
+            # Client went away while queued (or shutdown): leave the queue, or hand back a
+            # permit granted in the race, in a task the cancellation cannot interrupt.
+            self.spawn(self._abandon(rt, ticket))
+            raise
+        finally:
+            self._waiters.pop(ticket, None)
+            self._waiter_pool.pop(ticket, None)
+
+    async def _abandon(self, rt: _PoolRuntime, ticket: str) -> None:
+        with contextlib.suppress(RedisDown):
+            outcome = await self._call("cancel", rt.state.cancel(ticket))
+            if outcome == 1:
+                await self._call("release", rt.state.release(ticket))
+                self.metrics.releases.labels(rt.cfg.name, "abandoned_grant").inc()
+
+    async def _admit_local(self, rt: _PoolRuntime, priority: int, tenant: str,
+                           started: float, deadline: float) -> Permit | Reject:
+        ticket = f"L{self.gateway_id}:{next(self._tickets)}"
+        now = self.clock()
+        if rt.local.try_acquire(ticket, priority, now):
+            return self._permit(rt, ticket, priority, "local", started)
+        snap = rt.local.snapshot(priority, tenant, rt.grant_rate / max(1, rt.live_gateways))
+        decision = queue_decision(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
+        if isinstance(decision, Reject):
+            return decision
+        assert isinstance(decision, Enqueue)
+        if deadline <= now:
+            return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = fut
+        try:
+            self._resolve_local(rt, rt.local.enqueue(ticket, priority, tenant, deadline, now))
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
+                return self._permit(rt, ticket, priority, "local", started)
+            except TimeoutError:
+                if rt.local.cancel(ticket) == 1:
+                    return self._permit(rt, ticket, priority, "local", started)
+                return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
+        except asyncio.CancelledError:
+            if rt.local.cancel(ticket) == 1:
+                self._resolve_local(rt, rt.local.release(ticket, self.clock())[1])
+            raise
+        finally:
+            self._waiters.pop(ticket, None)
+
+    def _resolve_local(self, rt: _PoolRuntime, granted: list[str]) -> None:
+        for t in granted:
+            fut = self._waiters.get(t)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            elif fut is None:
+                # Granted to a waiter that already left: give the permit straight back.
+                self._resolve_local(rt, rt.local.release(t, self.clock())[1])
+
+    # ---------------------------------------------------------------- release
+
+    async def release(self, permit: Permit, reason: str = "completed") -> None:
+        """Return the permit. Safe to call more than once; only the first call counts."""
+        if permit.released:
+            return
+        permit.released = True
+        rt = self.pools[permit.pool]
+        self.metrics.releases.labels(permit.pool, reason).inc()
+        if permit.backend == "local":
+            rt.local_held.discard(permit.ticket)
+            self._resolve_local(rt, rt.local.release(permit.ticket, self.clock())[1])
+        else:
+            # Stop renewing first: if Redis is down now, the lease simply expires.
+            rt.held.discard(permit.ticket)
+            with contextlib.suppress(RedisDown):
+                await self._call("release", rt.state.release(permit.ticket))
+        self.metrics.local_inflight.labels(permit.pool).set(len(rt.held) + len(rt.local_held))
+
+    # ---------------------------------------------------------------- latency feedback
+
+    def observe_latency(self, pool: str, rtt: float | None, dropped: bool = False) -> None:
+        """Feed one request's measured latency (or a drop) to the pool's Vegas window."""
+        rt = self.pools[pool]
+        if rt.cfg.limit.mode != "vegas":
+            return
+        now = self.clock()
+        rt.window.add(now, rtt, rt.inflight_total, dropped)
+        if rt.window.ready(now):
+            sample = rt.window.take()
+            if sample is not None and not self.degraded:
+                self.spawn(self._apply_sample(rt, sample))
+
+    async def _apply_sample(self, rt: _PoolRuntime, sample: Sample) -> None:
+        with contextlib.suppress(RedisDown):
+            for _ in range(5):  # compare-and-set; another gateway may win the race
+                rec = await self._call("get_limit", rt.state.get_limit())
+                new = rt.vegas.update(rec.state, sample, self.rng())
+                if new == rec.state:
+                    return
+                if await self._call("set_limit", rt.state.set_limit(rec.version, new)):
+                    self.metrics.limit_updates.labels(rt.cfg.name).inc()
+                    self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
+                    return
+
+    async def _force_static_limit(self, rt: _PoolRuntime) -> None:
+        with contextlib.suppress(RedisDown):
+            for _ in range(5):
+                rec = await self._call("get_limit", rt.state.get_limit())
+                st = rt.vegas.initial(rt.cfg.limit.initial)
+                if await self._call("set_limit", rt.state.set_limit(rec.version, st)):
+                    return
+
+    # ---------------------------------------------------------------- background loops
+
+    async def _pubsub_loop(self) -> None:
+        channel = gateway_channel(self.gateway_id)
+        while not self._closing:
+            pubsub = self.pubsub_client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                while not self._closing:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg and msg.get("type") == "message":
+                        data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                        _, _, ticket = data.partition("|")
+                        fut = self._waiters.get(ticket)
+                        if fut is not None and not fut.done():
+                            fut.set_result(None)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                log.debug("pubsub connection lost: %s", exc)
+                await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _poll_loop(self) -> None:
+        """Fallback for lost grant messages; also drives reclaim when traffic is idle."""
+        while not self._closing:
+            await asyncio.sleep(self.cfg.redis.poll_interval_s)
+            if self.degraded:
+                continue
+            by_pool: dict[str, list[str]] = {}
+            for ticket, pool in list(self._waiter_pool.items()):
+                by_pool.setdefault(pool, []).append(ticket)
+            for pool, tickets in by_pool.items():
+                with contextlib.suppress(RedisDown):
+                    granted = await self._call("mine", self.pools[pool].state.granted_among(tickets))
+                    for t in granted:
+                        fut = self._waiters.get(t)
+                        if fut is not None and not fut.done():
+                            fut.set_result(None)
+
+    async def _renew_loop(self) -> None:
+        interval = self.cfg.redis.lease_ttl_s / 3
+        last_renew = 0.0
+        while not self._closing:
+            if self.degraded:
+                await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
+                try:
+                    await asyncio.wait_for(self.client.ping(), self.cfg.redis.op_timeout_s * 2)
+                except (RedisError, OSError, TimeoutError):
+                    continue
+                self._leave_degraded()
+                last_renew = 0.0
+                continue
+            now = self.clock()
+            if now - last_renew >= interval:
+                last_renew = now
+                for rt in self.pools.values():
+                    with contextlib.suppress(RedisDown):
+                        lost = await self._call("renew", rt.state.renew(self.gateway_id, sorted(rt.held)))
+                        for t in lost:
+                            rt.held.discard(t)
+                            self.metrics.lost_leases.labels(rt.cfg.name).inc()
+                            log.warning("lease %s expired before renewal (process stalled?)", t)
+                        self._observe(rt, await self._call("status", rt.state.status()))
+            await asyncio.sleep(min(interval, 1.0))

@@ -1,0 +1,70 @@
+"""`floodgate extproc`: run the Envoy ext_proc admission processor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from extproc.config import ConfigError, load_config
+
+HELP = """\
+Run the Envoy external processor that admits, queues (P0 > P1 > P2) or rejects (429 with
+Retry-After) every request of the configured pools. All processes pointed at the same Redis
+share one limit, one set of leases and one queue per pool. Flags override the config file,
+which overrides the defaults; FLOODGATE_REDIS_URL, FLOODGATE_LISTEN, FLOODGATE_METRICS_LISTEN,
+FLOODGATE_GATEWAY_ID and FLOODGATE_REDIS_PASSWORD override the file too.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("extproc", help="run the ext_proc admission processor",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", "-c", metavar="FILE", help="YAML config file (see docs/configuration.md)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="Prometheus /metrics address (default 127.0.0.1:9464; '' disables)")
+    p.add_argument("--redis-url", metavar="URL", help="redis:// or rediss:// URL of the shared state")
+    p.add_argument("--gateway-id", metavar="ID", help="unique id of this process (default host-pid-random)")
+    p.add_argument("--check-config", action="store_true", help="validate the config, print it, and exit")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        cfg = load_config(args.config, {
+            ("server", "listen"): args.listen,
+            ("server", "metrics_listen"): args.metrics_listen,
+            ("redis", "url"): args.redis_url,
+            ("server", "gateway_id"): args.gateway_id,
+        })
+    except ConfigError as exc:
+        print(f"floodgate extproc: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(cfg.model_dump_json(indent=2))
+        return 0
+    from extproc.app import serve
+
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        pass
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop)
+
+    asyncio.run(main())
+    return 0

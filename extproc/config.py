@@ -1,0 +1,196 @@
+"""Processor configuration: one YAML file, validated by pydantic, with env overrides.
+
+A bad file stops start-up with a message naming the field (`pools.0.limit.min: ...`), never
+a traceback. Env overrides (`FLOODGATE_REDIS_URL`, `FLOODGATE_LISTEN`, ...) win over the file,
+and CLI flags win over both.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PRIORITY_NAMES = ("critical", "standard", "sheddable")
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the operator."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClassConfig(_Strict):
+    """Per-priority-class admission settings."""
+
+    queue_timeout_s: float = Field(gt=0, le=600, description="Longest a request of this class waits in the queue before 429.")
+    max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
+    share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
+    tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one tenant may hold (tenant_cap).")
+
+
+def _default_classes() -> dict[int, ClassConfig]:
+    return {
+        0: ClassConfig(queue_timeout_s=30, max_queue=1000, share=0.5),
+        1: ClassConfig(queue_timeout_s=15, max_queue=1000, share=0.3),
+        2: ClassConfig(queue_timeout_s=5, max_queue=500, share=0.1),
+    }
+
+
+class LimitConfig(_Strict):
+    """The Vegas limit on concurrent requests for a pool."""
+
+    mode: Literal["vegas", "static"] = Field(default="vegas", description="`vegas` adapts to latency; `static` holds `initial`.")
+    initial: int = Field(default=16, ge=1, description="Limit at first start (and the static limit).")
+    min: int = Field(default=1, ge=1, description="Lowest the limit may fall.")
+    max: int = Field(default=512, ge=1, description="Highest the limit may rise.")
+    smoothing: float = Field(default=1.0, gt=0, le=1, description="Weight of a new limit versus the old (1 = no smoothing).")
+    signal: Literal["ttft", "tpot", "combined"] = Field(
+        default="tpot", description="Latency signal fed to Vegas (see docs/admission.md).")
+    probe_multiplier: int = Field(default=30, ge=1, description="rtt_noload resets every jitter(0.5..1)*probe_multiplier*L samples.")
+    window_min_samples: int = Field(default=10, ge=1, description="Samples a window needs before it updates the limit.")
+    window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
+    window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
+    sample_rate: float = Field(default=0.25, ge=0, le=1, description="Fraction of admitted requests whose response body is streamed to measure TTFT/TPOT.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LimitConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(f"initial ({self.initial}) is outside [min, max] = [{self.min}, {self.max}]")
+        return self
+
+
+class PoolConfig(_Strict):
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
+    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
+    limit: LimitConfig = LimitConfig()
+    classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
+
+    @field_validator("classes")
+    @classmethod
+    def _three_classes(cls, v: dict[int, ClassConfig]) -> dict[int, ClassConfig]:
+        if set(v) != {0, 1, 2}:
+            raise ValueError(f"must define exactly the classes 0, 1 and 2, got {sorted(v)}")
+        if sum(c.share for c in v.values()) > 1.0 + 1e-9:
+            raise ValueError("class shares add up to more than 1")
+        return v
+
+
+class TrustConfig(_Strict):
+    """Who may set `x-request-priority` themselves."""
+
+    cidrs: list[str] = Field(default_factory=list, description="Source address ranges whose priority header is honoured.")
+    spiffe_ids: list[str] = Field(default_factory=list, description="mTLS peer URI SANs whose priority header is honoured (exact, or prefix ending in '/').")
+    spiffe_priorities: dict[str, int] = Field(default_factory=dict, description="mTLS peer URI SAN -> priority, applied when the caller sends no header.")
+
+    @field_validator("cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for c in v:
+            try:
+                ipaddress.ip_network(c, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{c!r} is not a CIDR") from exc
+        return v
+
+
+class AdmissionConfig(_Strict):
+    default_priority: int = Field(default=1, ge=0, le=2, description="Priority when no trusted header or tenant mapping applies.")
+    priority_header: str = Field(default="x-request-priority", description="Header carrying the requested priority.")
+    tenant_header: str = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust).")
+    tenant_priorities: dict[str, int] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted.")
+    trust: TrustConfig = TrustConfig()
+    retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")
+    retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
+    retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is multiplied by 1 + uniform(0, jitter) to spread retries.")
+
+
+class RedisConfig(_Strict):
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL (rediss:// for TLS; password in the URL or below).")
+    password: str | None = Field(default=None, description="Password, if not in the URL.")
+    op_timeout_s: float = Field(default=0.25, gt=0, le=5, description="A Redis call slower than this counts as an outage.")
+    lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this.")
+    poll_interval_s: float = Field(default=0.25, gt=0, description="Waiters poll Redis this often in case a grant message is lost.")
+    reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
+
+
+class ServerConfig(_Strict):
+    listen: str = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service.")
+    metrics_listen: str = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
+    gateway_id: str | None = Field(default=None, description="Unique id of this process (default: host-pid-random).")
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    redis: RedisConfig = RedisConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()], min_length=1)
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "FLOODGATE_REDIS_URL": ("redis", "url"),
+    "FLOODGATE_REDIS_PASSWORD": ("redis", "password"),
+    "FLOODGATE_LISTEN": ("server", "listen"),
+    "FLOODGATE_METRICS_LISTEN": ("server", "metrics_listen"),
+    "FLOODGATE_GATEWAY_ID": ("server", "gateway_id"),
+}
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """Read, merge and validate. Raises ConfigError with an operator-facing message."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
+        raw = loaded
+    environ: Mapping[str, str] = os.environ if env is None else env
+    merged: dict[tuple[str, ...], Any] = {}
+    for var, where in ENV_OVERRIDES.items():
+        if environ.get(var):
+            merged[where] = environ[var]
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for where, value in merged.items():
+        node = raw
+        for key in where[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config: {'.'.join(where[:-1])} must be a mapping")
+        node[where[-1]] = value
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None

@@ -1,0 +1,276 @@
+-- Floodgate shared admission state for one pool. All keys share the pool's hash tag, so this
+-- runs in one Redis Cluster slot. Time is the server's (TIME), never a gateway's.
+--
+-- KEYS: 1 leases  ZSET ticket -> lease expiry (ms)
+--       2 lmeta   HASH ticket -> class of the lease
+--       3 queue   ZSET ticket -> class * 2^32 + seq  (strict priority, FIFO within a class)
+--       4 qmeta   HASH ticket -> "class|deadline_ms|gateway|tenant"
+--       5 qdl     ZSET ticket -> deadline (ms), to reap abandoned waiters
+--       6 counts  HASH i0..i2 in-flight, q0..q2 queued, t<class>:<tenant> queued per tenant
+--       7 state   HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, rate, rate_ts
+--       8 gws     ZSET gateway -> liveness expiry (ms)
+-- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares, 7 pool name, 8.. op args
+--
+-- Invariants (tests/test_state_invariants.py checks them):
+--  * a ticket is in at most one of queue / leases; a lease is created only by `acquire`
+--    (when grantable) or by the grant loop, and removed only by `release` or reclaim;
+--  * sum(i0..i2) = ZCARD leases <= floor(limit) after every grant (a lowered limit only
+--    stops new grants; held permits finish);
+--  * each freed permit is granted to exactly one waiter: the loop pops the waiter before
+--    leasing it, and `cancel` reports "granted" if the waiter was popped, so the gateway
+--    that owns it must use or release it.
+
+if redis.replicate_commands then redis.replicate_commands() end
+
+local K_LEASES, K_LMETA, K_QUEUE, K_QMETA, K_QDL, K_COUNTS, K_STATE, K_GWS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local op = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local initial = tonumber(ARGV[3])
+local shares = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
+local pool = ARGV[7]
+local CLASS_SPAN = 4294967296
+local RATE_TAU_MS = 10000
+local RATE_MIN_EVENTS = 5
+local RATE_MIN_AGE_MS = 1000
+local WAITER_GRACE_MS = 1000
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function num(v, d) if v then return tonumber(v) end return d end
+
+local function limit_value()
+  local l = redis.call('HGET', K_STATE, 'limit')
+  if not l then
+    redis.call('HSET', K_STATE, 'limit', initial, 'version', 0)
+    return initial
+  end
+  return tonumber(l)
+end
+
+local function counts()
+  local v = redis.call('HMGET', K_COUNTS, 'i0', 'i1', 'i2', 'q0', 'q1', 'q2')
+  return {num(v[1], 0), num(v[2], 0), num(v[3], 0)}, {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
+end
+
+-- policy.eligible, mirrored: a class may take a free permit if it is inside its reservation,
+-- or if what stays free still covers the other classes' unused reservations.
+local function eligible(c, L, inflight)
+  local free = L - inflight[1] - inflight[2] - inflight[3]
+  if free < 1 then return false end
+  local res = {}
+  for k = 1, 3 do res[k] = math.floor(shares[k] * L + 1e-9) end
+  if inflight[c] < res[c] then return true end
+  local others = 0
+  for k = 1, 3 do
+    if k ~= c then others = others + math.max(0, res[k] - inflight[k]) end
+  end
+  return free - 1 >= others
+end
+
+local function gateway_alive(gw)
+  local exp = redis.call('ZSCORE', K_GWS, gw)
+  return exp and tonumber(exp) >= now
+end
+
+local function lease(ticket, c)
+  redis.call('ZADD', K_LEASES, now + ttl, ticket)
+  redis.call('HSET', K_LMETA, ticket, c - 1)
+  redis.call('HINCRBY', K_COUNTS, 'i' .. (c - 1), 1)
+end
+
+local function unqueue(ticket, meta)
+  -- meta = "class|deadline|gateway|tenant"
+  local c, rest = string.match(meta, '^(%d)|(.*)$')
+  local tenant = string.match(rest, '^[^|]*|[^|]*|(.*)$')
+  redis.call('ZREM', K_QUEUE, ticket)
+  redis.call('ZREM', K_QDL, ticket)
+  redis.call('HDEL', K_QMETA, ticket)
+  redis.call('HINCRBY', K_COUNTS, 'q' .. c, -1)
+  if redis.call('HINCRBY', K_COUNTS, 't' .. c .. ':' .. tenant, -1) <= 0 then
+    redis.call('HDEL', K_COUNTS, 't' .. c .. ':' .. tenant)
+  end
+end
+
+local function drop_lease(ticket)
+  if redis.call('ZREM', K_LEASES, ticket) == 0 then return false end
+  local c = redis.call('HGET', K_LMETA, ticket) or '1'
+  redis.call('HDEL', K_LMETA, ticket)
+  redis.call('HINCRBY', K_COUNTS, 'i' .. c, -1)
+  -- Exponentially decayed rate of freed permits (events per second); rate_t0 and rate_n let
+  -- current_rate() correct the start-up bias and say "unknown" until it has seen enough.
+  local s = redis.call('HMGET', K_STATE, 'rate', 'rate_ts', 'rate_t0', 'rate_n')
+  local rate, ts = num(s[1], 0), num(s[2], now)
+  rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
+  redis.call('HSET', K_STATE, 'rate', tostring(rate), 'rate_ts', now, 'rate_t0', num(s[3], now),
+             'rate_n', math.min(num(s[4], 0) + 1, 1000000))
+  return true
+end
+
+local function current_rate()
+  local s = redis.call('HMGET', K_STATE, 'rate', 'rate_ts', 'rate_t0', 'rate_n')
+  local rate, ts, t0, n = num(s[1], 0), num(s[2], now), num(s[3], now), num(s[4], 0)
+  if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
+  local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
+  return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
+end
+
+-- Hand free permits to waiters: highest eligible class first, FIFO within it. Each waiter is
+-- popped before it is leased, so no permit is ever granted twice.
+local function grant_loop()
+  local L = math.max(1, math.floor(limit_value()))
+  local granted = 0
+  for _ = 1, 10000 do
+    local inflight, queued = counts()
+    if inflight[1] + inflight[2] + inflight[3] >= L then break end
+    local progressed = false
+    for c = 1, 3 do
+      if queued[c] > 0 and eligible(c, L, inflight) then
+        local lo = (c - 1) * CLASS_SPAN
+        local head = redis.call('ZRANGEBYSCORE', K_QUEUE, lo, '(' .. (lo + CLASS_SPAN), 'LIMIT', 0, 1)[1]
+        if not head then
+          redis.call('HSET', K_COUNTS, 'q' .. (c - 1), 0)  -- repair a drifted counter
+        else
+          local meta = redis.call('HGET', K_QMETA, head) or ((c - 1) .. '|0||')
+          local deadline, gw = string.match(meta, '^%d|([^|]*)|([^|]*)|')
+          unqueue(head, meta)
+          if tonumber(deadline) >= now and gateway_alive(gw) then
+            lease(head, c)
+            redis.call('PUBLISH', 'fg:gw:' .. gw, pool .. '|' .. head)
+            granted = granted + 1
+          end
+        end
+        progressed = true
+        break
+      end
+    end
+    if not progressed then break end
+  end
+  return granted
+end
+
+local function reclaim()
+  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 200)
+  for _, ticket in ipairs(expired) do drop_lease(ticket) end
+  local abandoned = redis.call('ZRANGEBYSCORE', K_QDL, '-inf', now - WAITER_GRACE_MS, 'LIMIT', 0, 200)
+  for _, ticket in ipairs(abandoned) do
+    local meta = redis.call('HGET', K_QMETA, ticket)
+    if meta then unqueue(ticket, meta) else redis.call('ZREM', K_QDL, ticket) end
+  end
+  redis.call('ZREMRANGEBYSCORE', K_GWS, '-inf', now - 60000)
+  return #expired
+end
+
+local function touch_gateway(gw)
+  redis.call('ZADD', K_GWS, now + ttl, gw)
+end
+
+-- {granted(0/1), limit, i0, i1, i2, q0, q1, q2, tenant_queued, rate, live_gateways, now}
+local function snapshot(granted, c, tenant)
+  local L = math.max(1, math.floor(limit_value()))
+  local inflight, queued = counts()
+  local tq = 0
+  if c then tq = num(redis.call('HGET', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant), 0) end
+  return {granted, L, inflight[1], inflight[2], inflight[3], queued[1], queued[2], queued[3], tq,
+          tostring(current_rate()), redis.call('ZCOUNT', K_GWS, now, '+inf'), now}
+end
+
+if op == 'acquire' then
+  -- ARGV 8 ticket, 9 gateway, 10 class, 11 tenant: lease now if the grant loop would.
+  local ticket, gw, c, tenant = ARGV[8], ARGV[9], tonumber(ARGV[10]) + 1, ARGV[11]
+  reclaim()
+  touch_gateway(gw)
+  grant_loop()
+  local L = math.max(1, math.floor(limit_value()))
+  local inflight, queued = counts()
+  local ok = eligible(c, L, inflight)
+  if ok then
+    for k = 1, c do
+      if queued[k] > 0 and eligible(k, L, inflight) then ok = false end
+    end
+  end
+  if ok then lease(ticket, c) return snapshot(1, c, tenant) end
+  return snapshot(0, c, tenant)
+
+elseif op == 'enqueue' then
+  -- ARGV 8 ticket, 9 gateway, 10 class, 11 tenant, 12 timeout (ms)
+  local ticket, gw, c, tenant = ARGV[8], ARGV[9], tonumber(ARGV[10]) + 1, ARGV[11]
+  local deadline = now + tonumber(ARGV[12])
+  reclaim()
+  touch_gateway(gw)
+  local seq = redis.call('HINCRBY', K_STATE, 'seq', 1) % CLASS_SPAN
+  redis.call('ZADD', K_QUEUE, (c - 1) * CLASS_SPAN + seq, ticket)
+  redis.call('ZADD', K_QDL, deadline, ticket)
+  redis.call('HSET', K_QMETA, ticket, (c - 1) .. '|' .. deadline .. '|' .. gw .. '|' .. tenant)
+  redis.call('HINCRBY', K_COUNTS, 'q' .. (c - 1), 1)
+  redis.call('HINCRBY', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant, 1)
+  grant_loop()
+  local mine = redis.call('ZSCORE', K_LEASES, ticket) and 1 or 0
+  return snapshot(mine, c, tenant)
+
+elseif op == 'cancel' then
+  -- ARGV 8 ticket. 0 = was queued, now removed; 1 = already granted (caller owns a permit);
+  -- 2 = neither (its lease was reclaimed, or it was reaped).
+  local ticket = ARGV[8]
+  local meta = redis.call('HGET', K_QMETA, ticket)
+  if meta then unqueue(ticket, meta) return 0 end
+  if redis.call('ZSCORE', K_LEASES, ticket) then return 1 end
+  return 2
+
+elseif op == 'release' then
+  -- ARGV 8.. tickets. Returns how many were held (a missing one was reclaimed already).
+  local released = 0
+  for i = 8, #ARGV do
+    if drop_lease(ARGV[i]) then released = released + 1 end
+  end
+  reclaim()
+  grant_loop()
+  return released
+
+elseif op == 'renew' then
+  -- ARGV 8 gateway, 9.. tickets. Extends every lease still held; returns the ones lost.
+  touch_gateway(ARGV[8])
+  local lost = {}
+  for i = 9, #ARGV do
+    if redis.call('ZADD', K_LEASES, 'XX', 'CH', now + ttl, ARGV[i]) == 0 and
+       not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
+      table.insert(lost, ARGV[i])
+    end
+  end
+  reclaim()
+  grant_loop()
+  return lost
+
+elseif op == 'mine' then
+  -- ARGV 8.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
+  reclaim()
+  grant_loop()
+  local leased = {}
+  for i = 8, #ARGV do
+    if redis.call('ZSCORE', K_LEASES, ARGV[i]) then table.insert(leased, ARGV[i]) end
+  end
+  return leased
+
+elseif op == 'status' then
+  reclaim()
+  grant_loop()
+  return snapshot(0, nil, nil)
+
+elseif op == 'get_limit' then
+  limit_value()
+  local s = redis.call('HMGET', K_STATE, 'limit', 'rtt_noload', 'probe_count', 'probe_jitter', 'version')
+  return {s[1], s[2] or '0', s[3] or '0', s[4] or '1', s[5] or '0'}
+
+elseif op == 'set_limit' then
+  -- ARGV 8 expected version, 9 limit, 10 rtt_noload, 11 probe_count, 12 probe_jitter.
+  -- Compare-and-set: the Vegas arithmetic stays in Python (vegas.py), atomic here.
+  limit_value()
+  local version = num(redis.call('HGET', K_STATE, 'version'), 0)
+  if version ~= tonumber(ARGV[8]) then return {0, tostring(version)} end
+  redis.call('HSET', K_STATE, 'limit', ARGV[9], 'rtt_noload', ARGV[10], 'probe_count', ARGV[11],
+             'probe_jitter', ARGV[12], 'version', version + 1)
+  grant_loop()
+  return {1, tostring(version + 1)}
+end
+return redis.error_reply('unknown op ' .. tostring(op))

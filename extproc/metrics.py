@@ -1,0 +1,55 @@
+"""Prometheus metrics of the processor (`floodgate_` prefix, labelled by pool and priority)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "floodgate_decisions", "Admission decisions by outcome (admitted|rejected) and reason.",
+            ["pool", "priority", "outcome", "reason"], registry=r)
+        self.queue_depth = Gauge(
+            "floodgate_queue_depth", "Requests waiting in the cluster-wide queue (last seen by this process).",
+            ["pool", "priority"], registry=r)
+        self.inflight = Gauge(
+            "floodgate_inflight", "Cluster-wide requests holding a permit (last seen by this process).",
+            ["pool", "priority"], registry=r)
+        self.local_inflight = Gauge(
+            "floodgate_process_inflight", "Permits held by requests passing through this process.",
+            ["pool"], registry=r)
+        self.limit = Gauge("floodgate_limit", "Current concurrency limit of the pool.", ["pool"], registry=r)
+        self.queue_wait = Histogram(
+            "floodgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
+            ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "floodgate_ttft_seconds", "Time to first response byte after admission (sampled requests).",
+            ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "floodgate_tpot_seconds", "Time per output token after the first (sampled requests).",
+            ["pool", "priority"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.releases = Counter(
+            "floodgate_releases", "Permits released, by how the request ended.",
+            ["pool", "reason"], registry=r)
+        self.invalid_priority = Counter(
+            "floodgate_invalid_priority_header", "Requests whose priority header was unparseable or conflicting.",
+            ["pool"], registry=r)
+        self.untrusted_priority = Counter(
+            "floodgate_untrusted_priority_header", "Priority headers ignored because the caller is not trusted.",
+            ["pool"], registry=r)
+        self.degraded = Gauge(
+            "floodgate_degraded", "1 while Redis is unreachable and admission uses the local limiter.", registry=r)
+        self.degraded_transitions = Counter(
+            "floodgate_degraded_transitions", "Entries into degraded mode.", registry=r)
+        self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
+        self.lost_leases = Counter(
+            "floodgate_lost_leases", "Leases found expired on renewal (process paused longer than the TTL).",
+            ["pool"], registry=r)
+        self.limit_updates = Counter(
+            "floodgate_limit_updates", "Vegas window samples applied to the shared limit.", ["pool"], registry=r)

@@ -1,0 +1,255 @@
+"""The ext_proc gRPC service: turns Envoy's per-request stream into admit / wait / reject.
+
+Envoy opens one `Process` stream per HTTP request. The shipped filter config sends request
+headers, response headers and response trailers (bodies NONE), which keeps the stream open
+until the HTTP request ends (design §3): so the end of this stream, for whatever reason, is
+where the permit is released. A sampled fraction of admitted requests asks for the response
+body via `mode_override` to measure TTFT and TPOT for the Vegas limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+
+from extproc.admission import PRIORITY_LABELS, Admitter, Permit
+from extproc.config import Config
+from extproc.policy import Reject
+from extproc.priority import Caller, PriorityResolver, source_ip_of
+
+log = logging.getLogger("floodgate.server")
+
+ATTR_NS = "envoy.filters.http.ext_proc"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PRIORITY_OUT = "x-floodgate-priority"
+QUEUE_MS_OUT = "x-floodgate-queue-ms"
+REASON_OUT = "x-floodgate-reject-reason"
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+COMBINED_TOKENS = 32  # `combined` signal = time to the 32nd token (TTFT + 31 * TPOT)
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_STREAM_BODY = processing_mode_pb2.ProcessingMode(
+    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+    response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
+)
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, list[str]]:
+    """Lower-cased name -> every value, in order (Envoy sends raw_value bytes in 1.40)."""
+    out: dict[str, list[str]] = {}
+    for h in headers.headers.headers:
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        out.setdefault(h.key.lower(), []).append(value)
+    return out
+
+
+def _attr(attrs: Any, name: str) -> Any:
+    if attrs is None or name not in attrs.fields:
+        return None
+    v = attrs.fields[name]
+    kind = v.WhichOneof("kind")
+    return getattr(v, kind) if kind else None
+
+
+def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
+    """429 (or 503 for no endpoints) with Retry-After and an OpenAI-style JSON error body."""
+    if reject.status == 503:
+        message, etype = "No model endpoints are available for this pool.", "service_unavailable"
+    else:
+        message = (f"The model pool is at capacity for priority {priority} ({reject.reason}); "
+                   f"retry after {reject.retry_after_s} s.")
+        etype = "rate_limit_exceeded"
+    body = json.dumps({"error": {"message": message, "type": etype, "param": None, "code": reject.reason}})
+    headers = pb.HeaderMutation(set_headers=[
+        _set("retry-after", str(reject.retry_after_s)),
+        _set("content-type", "application/json"),
+        _set(REASON_OUT, reject.reason),
+        _set(PRIORITY_OUT, str(priority)),
+    ])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=reject.status),
+        headers=headers, body=body.encode(), details=f"floodgate_{reject.reason}"))
+
+
+@dataclass
+class _Exchange:
+    """What one admitted request has shown us so far."""
+
+    permit: Permit
+    sampled: bool
+    status: int | None = None
+    first_body_at: float | None = None
+    last_body_at: float | None = None
+    chunks: int = 0
+    tokens: int | None = None
+    finished: bool = False
+    tail: bytes = field(default=b"")
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, cfg: Config, admitter: Admitter) -> None:
+        self.cfg = cfg
+        self.admitter = admitter
+        self.resolver = PriorityResolver(cfg.admission)
+        self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
+        self._default_pool = cfg.pools[0].name
+
+    def _pool_for(self, headers: dict[str, list[str]]) -> str:
+        authority = (headers.get(":authority") or [""])[0].lower()
+        return self._by_authority.get(authority) or self._by_authority.get(
+            authority.rsplit(":", 1)[0]) or self._default_pool
+
+    def _caller(self, req: pb.ProcessingRequest, headers: dict[str, list[str]]) -> Caller:
+        attrs = req.attributes[ATTR_NS] if ATTR_NS in req.attributes else None
+        san = _attr(attrs, "connection.uri_san_peer_certificate")
+        tenants = headers.get(self.cfg.admission.tenant_header.lower())
+        return Caller(
+            source_ip=source_ip_of(_attr(attrs, "source.address")),
+            mtls=bool(_attr(attrs, "connection.mtls")),
+            peer_uri_sans=(str(san),) if san else (),
+            tenant=tenants[0][:128] if tenants else None,
+            priority_values=tuple(headers.get(self.cfg.admission.priority_header.lower(), ())),
+        )
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("request") != "request_headers":
+            # Not how the shipped config talks to us; answer without interfering.
+            yield _passthrough(first)
+            async for msg in it:
+                yield _passthrough(msg)
+            return
+        headers = header_map(first.request_headers)
+        pool = self._pool_for(headers)
+        caller = self._caller(first, headers)
+        decision = self.resolver.resolve(caller)
+        m = self.admitter.metrics
+        if decision.invalid_header:
+            m.invalid_priority.labels(pool).inc()
+        if decision.untrusted_header:
+            m.untrusted_priority.labels(pool).inc()
+        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "")
+        if isinstance(result, Reject):
+            yield reject_response(result, decision.priority)
+            return
+        limit_cfg = self.cfg.pool(pool).limit
+        ex = _Exchange(result, sampled=limit_cfg.mode == "vegas" and self.admitter.rng() < limit_cfg.sample_rate)
+        reason = "cancelled"
+        try:
+            queue_ms = str(int(result.queue_s * 1000))
+            mutation = pb.HeaderMutation(
+                set_headers=[_set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)],
+                # A client must never choose its upstream host, and an untrusted priority
+                # header must not reach the model server.
+                remove_headers=[DESTINATION_HEADER] + (
+                    [self.cfg.admission.priority_header] if decision.source != "header" else []),
+            )
+            reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)))
+            if ex.sampled:
+                reply.mode_override.CopyFrom(_STREAM_BODY)
+            yield reply
+            async for msg in it:
+                kind = msg.WhichOneof("request")
+                if kind == "response_headers":
+                    status = (header_map(msg.response_headers).get(":status") or ["0"])[0]
+                    ex.status = int(status) if status.isdigit() else 0
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(set_headers=[
+                            _set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)]))))
+                    if msg.response_headers.end_of_stream:
+                        ex.finished = True
+                elif kind == "response_body":
+                    self._on_body(ex, msg.response_body)
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                elif kind == "response_trailers":
+                    ex.finished = True
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                else:
+                    yield _passthrough(msg)
+            # Envoy ends the stream when the HTTP request ends, for whatever reason: completion
+            # and a client disconnect both arrive as a plain end of stream (EOF), so one label.
+            reason = "stream_end"
+        except BaseException:
+            reason = "cancelled"
+            raise
+        finally:
+            if ex.status is not None and ex.status >= 500:
+                reason = "upstream_error"
+            self._feed_limit(pool, ex)
+            self.admitter.spawn(self.admitter.release(result, reason))
+
+    def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> None:
+        now = self.admitter.clock()
+        if body.body:
+            if ex.first_body_at is None:
+                ex.first_body_at = now
+            ex.last_body_at = now
+            ex.chunks += body.body.count(b"data:") or 1
+            # `usage` arrives in the last SSE chunk; keep a short tail in case it straddles chunks.
+            data = ex.tail + body.body
+            found = _COMPLETION_TOKENS.findall(data)
+            if found:
+                ex.tokens = int(found[-1])
+            ex.tail = data[-256:]
+        if body.end_of_stream:
+            ex.finished = True
+
+    def _feed_limit(self, pool: str, ex: _Exchange) -> None:
+        if ex.status is not None and ex.status >= 500:
+            self.admitter.observe_latency(pool, None, dropped=True)
+            return
+        if not ex.sampled or ex.first_body_at is None or not ex.finished:
+            return
+        ttft = ex.first_body_at - ex.permit.admitted_at
+        tokens = ex.tokens if ex.tokens else max(1, ex.chunks - 1)  # minus [DONE]
+        tpot = ((ex.last_body_at or ex.first_body_at) - ex.first_body_at) / (tokens - 1) if tokens > 1 else None
+        label = PRIORITY_LABELS[ex.permit.priority]
+        m = self.admitter.metrics
+        m.ttft.labels(pool, label).observe(ttft)
+        if tpot is not None:
+            m.tpot.labels(pool, label).observe(tpot)
+        signal = self.cfg.pool(pool).limit.signal
+        rtt: float | None
+        if signal == "ttft":
+            rtt = ttft
+        elif signal == "tpot":
+            rtt = tpot
+        else:
+            rtt = ttft + (COMBINED_TOKENS - 1) * tpot if tpot is not None else None
+        if rtt is not None:
+            self.admitter.observe_latency(pool, rtt)
+
+
+def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    kind = msg.WhichOneof("request")
+    if kind in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
+    if kind in ("request_body", "response_body"):
+        return pb.ProcessingResponse(**{kind: pb.BodyResponse()})
+    if kind in ("request_trailers", "response_trailers"):
+        return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
+    return pb.ProcessingResponse()

@@ -1,0 +1,103 @@
+"""Render the shipped Envoy files into a bootstrap Envoy can run.
+
+`envoy/local.yaml` pulls the filter and cluster includes in with `!include` (Envoy has no
+include mechanism of its own), so the includes a user pastes are the very files the local stack
+and the tests run. `render_local` resolves the includes and sets addresses and ports.
+
+    python -m floodgate.envoy_config > /tmp/envoy.yaml   # the defaults, ready for envoy -c
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
+
+
+class _IncludeLoader(yaml.SafeLoader):
+    pass
+
+
+def _include(loader: _IncludeLoader, node: yaml.Node) -> Any:
+    base = Path(getattr(loader, "name", ENVOY_DIR / "x")).parent
+    return load_yaml(base / str(loader.construct_scalar(node)))  # type: ignore[arg-type]
+
+
+_IncludeLoader.add_constructor("!include", _include)
+
+
+def load_yaml(path: Path) -> Any:
+    with path.open() as f:
+        return yaml.load(f, Loader=_IncludeLoader)
+
+
+def _endpoints(addrs: Sequence[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+        "address": host, "port_value": port}}}} for host, port in addrs]}]
+
+
+def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def _ext_proc_filter(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    for f in _hcm(cfg)["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            tc: dict[str, Any] = f["typed_config"]
+            return tc
+    return None
+
+
+def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
+                 processors: Sequence[tuple[str, int]] = (("127.0.0.1", 50051),),
+                 upstreams: Sequence[tuple[str, int]] = (("127.0.0.1", 8000),),
+                 failure_mode_allow: bool | None = None, admission: bool = True,
+                 message_timeout_s: float | None = None,
+                 extra_filters: Sequence[dict[str, Any]] = (),
+                 source: Path | None = None) -> dict[str, Any]:
+    """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
+    (the no-admission baseline of the benchmarks); `extra_filters` go before the router."""
+    cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] == "floodgate_extproc":
+            cluster["type"] = "STATIC"
+            cluster["load_assignment"]["endpoints"] = _endpoints(processors)
+        elif cluster["name"] == "model":
+            cluster["load_assignment"]["endpoints"] = _endpoints(upstreams)
+    hcm = _hcm(cfg)
+    ext = _ext_proc_filter(cfg)
+    if ext is not None:
+        if failure_mode_allow is not None:
+            ext["failure_mode_allow"] = failure_mode_allow
+        if message_timeout_s is not None:
+            ext["message_timeout"] = f"{message_timeout_s}s"
+    filters = hcm["http_filters"]
+    if not admission:
+        filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            for route in vh["routes"]:
+                route.pop("typed_per_filter_config", None)
+        cfg["static_resources"]["clusters"] = [
+            c for c in cfg["static_resources"]["clusters"] if c["name"] != "floodgate_extproc"]
+    router_at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.router")
+    filters[router_at:router_at] = list(extra_filters)
+    return cfg
+
+
+def write_config(cfg: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML; Envoy reads either
+    return path
+
+
+if __name__ == "__main__":
+    yaml.safe_dump(render_local(), sys.stdout, sort_keys=False)

@@ -1,0 +1,83 @@
+"""Small clients for the integration tests: HTTP through Envoy, metrics, Redis state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.state import PoolStatus, read_pool_status, redis_client
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed: float
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def post(session: aiohttp.ClientSession, url: str, *, headers: dict[str, str] | None = None,
+               timeout: float = 30.0, stream: bool = True) -> Reply:
+    t0 = time.monotonic()
+    body = {"model": "m", "prompt": "hello", "stream": stream, "max_tokens": 4}
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers or {},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            data = await r.read()
+            return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, data, time.monotonic() - t0)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Reply(0, {}, b"", time.monotonic() - t0, error=f"{type(exc).__name__}: {exc}")
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as r:
+        return await r.json()
+
+
+async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Flatten a /metrics page into {'name{a="b"}': value} with labels sorted."""
+    async with session.get(url) as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+async def pool_status(redis_url: str, pool: str = "default") -> PoolStatus:
+    client = redis_client(redis_url, op_timeout_s=2)
+    try:
+        return await read_pool_status(client, pool)
+    finally:
+        await client.aclose()
+
+
+async def wait_until(pred: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred():
+            return True
+        await asyncio.sleep(interval)
+    return bool(await pred())
+
+
+async def drained(redis_url: str, timeout: float = 10.0) -> PoolStatus:
+    """Wait until nothing holds a permit and nothing waits; return the final status."""
+    async def idle() -> bool:
+        st = await pool_status(redis_url)
+        return st.inflight_total == 0 and st.queued_total == 0
+    await wait_until(idle, timeout)
+    return await pool_status(redis_url)

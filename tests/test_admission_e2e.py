@@ -1,0 +1,319 @@
+"""The admission core through the real Envoy, real processors and a real Redis-protocol server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Any
+
+import aiohttp
+import pytest
+
+from floodgate.stack import LocalStack
+from tests.helpers import Reply, drained, get_json, metrics, pool_status, post, wait_until
+
+pytestmark = pytest.mark.integration
+
+TRUST_LOCAL = {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}}
+
+
+def static(limit: int, **extra: Any) -> dict[str, Any]:
+    pool: dict[str, Any] = {"name": "default", "limit": {"mode": "static", "initial": limit}}
+    pool.update(extra)
+    return {"pools": [pool], **TRUST_LOCAL}
+
+
+def classes(p0: float = 30, p1: float = 15, p2: float = 5, max_queue: int = 100) -> dict[int, Any]:
+    return {0: {"queue_timeout_s": p0, "max_queue": max_queue, "share": 0.5},
+            1: {"queue_timeout_s": p1, "max_queue": max_queue, "share": 0.3},
+            2: {"queue_timeout_s": p2, "max_queue": max_queue, "share": 0.1}}
+
+
+def hdr(prio: int | str, **kw: str) -> dict[str, str]:
+    h = {"x-request-priority": str(prio)}
+    h.update({f"x-test-{k.replace('_', '-')}": v for k, v in kw.items()})
+    return h
+
+
+async def upstream_inflight(session: aiohttp.ClientSession, port: int) -> int:
+    return int((await get_json(session, f"http://127.0.0.1:{port}/stats"))["inflight"])
+
+
+async def test_priority_order_and_fifo(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    stack.start_processor(static(1))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, id="hold", chunks="1", delay_ms="1500")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        order = [("p2a", 2), ("p2b", 2), ("p1a", 1), ("p1b", 1), ("p0a", 0), ("p0b", 0)]
+        tasks = []
+        for name, prio in order:
+            tasks.append(asyncio.create_task(post(s, envoy.url, headers=hdr(prio, id=name, chunks="1", delay_ms="1"))))
+            # each waiter must be enqueued before the next one arrives for FIFO to be defined
+            want = len(tasks)
+            assert await wait_until(lambda w=want: _queued_is(stack.redis_url, w), 5)
+        replies = await asyncio.gather(hold, *tasks)
+        assert [r.status for r in replies] == [200] * 7, [(r.status, r.body) for r in replies]
+        seen = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]
+        ids = [h["x-test-id"] for h in seen]
+        assert ids == ["hold", "p0a", "p0b", "p1a", "p1b", "p2a", "p2b"]
+        # queue wait is reported to the client and grows with the wait
+        waits = {r.extra.get("id", i): int(r.headers["x-floodgate-queue-ms"]) for i, r in enumerate(replies)}
+        assert waits[5] >= 1000 and waits[6] >= 1000  # the P0s waited for the 1.5 s hold
+        assert replies[5].headers["x-floodgate-priority"] == "0"
+    assert (await drained(stack.redis_url)).inflight_total == 0
+
+
+async def _eq(coro: Any, value: int) -> bool:
+    return bool(await coro == value)
+
+
+async def _queued_is(redis_url: str, n: int) -> bool:
+    return (await pool_status(redis_url)).queued_total == n
+
+
+async def test_429_shape_and_early_drop(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    cfg = static(1, classes={**classes(), 2: {"queue_timeout_s": 5, "max_queue": 0, "share": 0.1}})
+    stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1000")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        r = await post(s, envoy.url, headers=hdr(2))
+        assert r.status == 429
+        assert r.headers["x-floodgate-reject-reason"] == "queue_full"
+        assert r.headers["content-type"] == "application/json"
+        retry = int(r.headers["retry-after"])
+        assert 1 <= retry <= 60
+        err = r.json()["error"]
+        assert err["code"] == "queue_full" and err["type"] == "rate_limit_exceeded" and err["message"]
+        assert r.elapsed < 0.5  # answered at once, not after a queue timeout
+        assert (await hold).status == 200
+        m = await metrics(s, stack.processors[0].metrics_url)
+        assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == 1
+
+
+async def test_queue_timeout_rejects_with_retry_after(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    stack.start_processor(static(1, classes=classes(p2=0.5)))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="2000")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        r = await post(s, envoy.url, headers=hdr(2))
+        assert r.status == 429 and r.headers["x-floodgate-reject-reason"] == "queue_timeout"
+        assert 0.4 < r.elapsed < 1.9
+        assert int(r.headers["retry-after"]) >= 1
+        await hold
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
+async def test_release_on_every_ending(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    stack.start_processor(static(1))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        # 1. completion
+        assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+        assert (await drained(stack.redis_url)).inflight_total == 0
+        # 2. upstream 500
+        r = await post(s, envoy.url, headers=hdr(1, status="500"))
+        assert r.status == 500
+        assert (await drained(stack.redis_url)).inflight_total == 0
+        # 3. client disconnect mid-stream
+        task = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="50", delay_ms="100")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        await asyncio.sleep(0.3)
+        task.cancel()
+        st = await drained(stack.redis_url, timeout=5)
+        assert st.inflight_total == 0 and st.queued_total == 0
+        # 4. client disconnect while queued
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1500")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        waiter = asyncio.create_task(post(s, envoy.url, headers=hdr(1)))
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 1), 5)
+        waiter.cancel()
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 0), 5)
+        assert (await hold).status == 200
+        st = await drained(stack.redis_url)
+        assert st.inflight_total == 0 and st.queued_total == 0
+        # and the pool still works afterwards
+        assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+        assert (await drained(stack.redis_url)).inflight_total == 0
+        m = await metrics(s, stack.processors[0].metrics_url)
+        assert m['floodgate_releases_total{pool="default",reason="upstream_error"}'] == 1
+        released = sum(v for k, v in m.items() if k.startswith("floodgate_releases_total"))
+        admitted = sum(v for k, v in m.items()
+                       if k.startswith("floodgate_decisions_total") and 'outcome="admitted"' in k)
+        assert released == admitted == 5  # the waiter that left the queue was never admitted
+
+
+async def test_cluster_wide_limit_two_processors_two_envoys(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    limit = 3
+    p1 = stack.start_processor(static(limit, classes=classes(max_queue=1000)))
+    p2 = stack.start_processor(static(limit, classes=classes(max_queue=1000)))
+    e1 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p1])
+    e2 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p2])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        urls = [e1.url, e2.url]
+        replies = await asyncio.gather(*(post(s, urls[i % 2], headers=hdr(i % 3, chunks="3", delay_ms="20"))
+                                         for i in range(60)))
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+    assert all(r.status in (200, 429) for r in replies), [r.status for r in replies]
+    assert sum(r.status == 200 for r in replies) >= 30
+    assert 1 <= stats["max_inflight"] <= limit
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
+async def test_sigkill_returns_permits_within_lease_ttl(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    cfg = static(2, classes=classes(p1=20))
+    cfg["redis"] = {"lease_ttl_s": 2}
+    victim = stack.start_processor(cfg)
+    survivor = stack.start_processor(cfg)
+    e_victim = stack.start_envoy([("127.0.0.1", upstream)], processors=[victim])
+    e_survivor = stack.start_envoy([("127.0.0.1", upstream)], processors=[survivor])
+    async with aiohttp.ClientSession() as s:
+        held = [asyncio.create_task(post(s, e_victim.url, headers=hdr(1, chunks="1", delay_ms="30000")))
+                for _ in range(2)]
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 2), 10)
+        waiter = asyncio.create_task(post(s, e_survivor.url, headers=hdr(1)))
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 1), 5)
+        victim.child.kill(signal.SIGKILL)
+        r = await asyncio.wait_for(waiter, 10)
+        assert r.status == 200
+        # it got a permit only after the victim's leases expired (TTL 2 s, renewed every 2/3 s)
+        assert int(r.headers["x-floodgate-queue-ms"]) >= 1000
+        for t in held:
+            t.cancel()
+    st = await drained(stack.redis_url, timeout=10)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
+async def _inflight_is(redis_url: str, n: int) -> bool:
+    return (await pool_status(redis_url)).inflight_total == n
+
+
+async def test_degraded_mode_when_redis_dies_and_recovers(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    port = int(stack.redis_url.rsplit(":", 1)[1].split("/")[0])
+    # Two processors: each falls back to limit 4 / 2 live gateways = 2.
+    cfg = static(4, classes=classes(p0=2, p1=2, p2=2, max_queue=5))
+    cfg["redis"] = {"lease_ttl_s": 3, "op_timeout_s": 0.2}
+    p = stack.start_processor(cfg)
+    stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+        assert stack.redis_child is not None
+        stack.redis_child.stop()
+        await asyncio.sleep(0.2)
+        await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+        await s.post(f"http://127.0.0.1:{upstream}/stats/reset")
+        replies: list[Reply] = await asyncio.gather(*(
+            post(s, envoy.url, headers=hdr(1, chunks="2", delay_ms="150"), timeout=10) for _ in range(20)))
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+        codes = sorted(r.status for r in replies)
+        assert set(codes) <= {200, 429}, codes  # nothing hangs, nothing errors
+        assert codes.count(200) >= 2 and codes.count(429) >= 1
+        assert max(r.elapsed for r in replies) < 6  # no request waits past its 2 s timeout by much
+        assert stats["max_inflight"] <= 2  # the local share of the limit
+        m = await metrics(s, p.metrics_url)
+        assert m["floodgate_degraded"] == 1
+        # Redis comes back on the same port: shared state resumes.
+        stack.sup.start_redis(port, name="redis2")
+        assert await wait_until(lambda: _metric_is(s, p.metrics_url, "floodgate_degraded", 0), 10)
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1000")))
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 1), 5)
+        assert (await hold).status == 200
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0
+
+
+async def _metric_is(s: aiohttp.ClientSession, url: str, name: str, value: float) -> bool:
+    return (await metrics(s, url)).get(name) == value
+
+
+async def test_trusted_and_untrusted_priority(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    untrusted = {"pools": [{"name": "default"}],
+                 "admission": {"trust": {"cidrs": ["10.99.0.0/16"]}, "tenant_priorities": {"gold": 0}}}
+    p_untrusted = stack.start_processor(untrusted)
+    p_trusted = stack.start_processor(TRUST_LOCAL)
+    e_untrusted = stack.start_envoy([("127.0.0.1", upstream)], processors=[p_untrusted])
+    e_trusted = stack.start_envoy([("127.0.0.1", upstream)], processors=[p_trusted])
+    async with aiohttp.ClientSession() as s:
+        r = await post(s, e_untrusted.url, headers=hdr(0, id="u"))
+        assert r.status == 200 and r.headers["x-floodgate-priority"] == "1"
+        r = await post(s, e_untrusted.url, headers={**hdr(0, id="gold"), "x-tenant-id": "gold"})
+        assert r.headers["x-floodgate-priority"] == "0"  # tenant mapping, not the header
+        r = await post(s, e_trusted.url, headers=hdr("critical", id="t"))
+        assert r.status == 200 and r.headers["x-floodgate-priority"] == "0"
+        seen = {h["x-test-id"]: h for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]}
+        assert "x-request-priority" not in seen["u"]  # untrusted header stripped before the model
+        assert seen["u"]["x-floodgate-priority"] == "1"
+        assert seen["t"]["x-request-priority"] == "critical"  # trusted header passes through
+        m = await metrics(s, p_untrusted.metrics_url)
+        assert m['floodgate_untrusted_priority_header_total{pool="default"}'] == 2
+
+
+@pytest.mark.parametrize("values", [
+    ["garbage"], ["9"], ["-1"], [""], ["x" * 8000], ["0", "2"], ["1", "1"], ["\u00e9\u00e9"],
+])
+async def test_bad_priority_headers_never_fail(stack: LocalStack, upstream: int, values: list[str]) -> None:
+    if not stack.processors:
+        stack.start_redis()
+        stack.start_processor(TRUST_LOCAL)
+    envoy = stack.envoys[0] if stack.envoys else stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        # aiohttp sends repeated headers from a multidict
+        from multidict import CIMultiDict
+        h: CIMultiDict[str] = CIMultiDict()
+        for v in values:
+            h.add("x-request-priority", v)
+        r = await post(s, envoy.url, headers=h)  # type: ignore[arg-type]
+        assert r.status == 200, r.body
+        expected = "1" if values != ["1", "1"] else "1"
+        assert r.headers["x-floodgate-priority"] == expected
+        m = await metrics(s, stack.processors[0].metrics_url)
+        if values != ["1", "1"]:
+            assert m['floodgate_invalid_priority_header_total{pool="default"}'] >= 1
+
+
+async def test_client_cannot_choose_upstream_host(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    stack.start_processor(TRUST_LOCAL)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        r = await post(s, envoy.url, headers={"x-gateway-destination-endpoint": "10.0.0.1:22", "x-test-id": "d"})
+        assert r.status == 200
+        seen = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]
+        assert "x-gateway-destination-endpoint" not in seen[-1]
+
+
+async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {
+        "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
+        "window_min_samples": 3, "window_s": 0.2, "signal": "tpot"}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for _ in range(6):  # saturating waves: inflight*2 >= L, flat latency => the limit grows
+            await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="5", delay_ms="20")) for _ in range(8)))
+        m = await metrics(s, p.metrics_url)
+    assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 40
+    assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 40
+    assert m['floodgate_limit_updates_total{pool="default"}'] >= 1
+    st = await pool_status(stack.redis_url)
+    assert st.limit > 4
+
+
+def _json(b: bytes) -> Any:
+    return json.loads(b)

@@ -1,0 +1,85 @@
+"""A tiny OpenAI-style upstream for the admission tests (not the emulator: no batching model).
+
+Streams `x-test-chunks` SSE chunks `x-test-delay-ms` apart, answers `x-test-status` instead when
+set, and counts concurrent requests so tests can check the limit at the model's door:
+`GET /stats` -> {"inflight", "max_inflight", "total"}, `POST /stats/reset`.
+
+    python tests/upstream.py --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+
+class Upstream:
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.max_inflight = 0
+        self.total = 0
+        self.seen: list[dict[str, str]] = []
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.total += 1
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        self.seen.append({k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-")})
+        del self.seen[:-200]
+        try:
+            h = request.headers
+            status = int(h.get("x-test-status", "200"))
+            chunks = int(h.get("x-test-chunks", "4"))
+            delay = float(h.get("x-test-delay-ms", "5")) / 1000
+            if status != 200:
+                await asyncio.sleep(delay)
+                return web.json_response({"error": {"message": "test failure", "type": "server_error",
+                                                    "code": None}}, status=status)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(chunks):
+                await asyncio.sleep(delay)
+                chunk = {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {"id": "t", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": chunks,
+                                                          "total_tokens": chunks + 4}}
+            await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+        finally:
+            self.inflight -= 1
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"inflight": self.inflight, "max_inflight": self.max_inflight,
+                                  "total": self.total, "seen": self.seen[-20:]})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.max_inflight = self.inflight
+        self.total = 0
+        self.seen.clear()
+        return web.json_response({})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args()
+    up = Upstream()
+    app = web.Application()
+    app.router.add_post("/v1/completions", up.completions)
+    app.router.add_post("/v1/chat/completions", up.completions)
+    app.router.add_get("/stats", up.stats)
+    app.router.add_post("/stats/reset", up.reset)
+    app.router.add_get("/health", up.health)
+    app.router.add_post("/sleep", up.health)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
