@@ -300,9 +300,14 @@ class Emulator:
                 await self._wake.wait()
                 continue
             delay = nxt - loop.time()
-            if delay > 0:
-                # A step in flight is not affected by arrivals, but an idle engine waiting for
-                # a future arrival or a wake-up is: let either event end the wait.
+            if delay <= 0:
+                await asyncio.sleep(0)  # the clock moved on while advancing: go again
+                continue
+            if self.engine.step_in_flight:
+                # Arrivals cannot change a step already running: sleep through them.
+                await asyncio.sleep(delay)
+            else:
+                # Waiting for a wake-up to complete: a sleep/wake call may change the plan.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
 

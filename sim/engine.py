@@ -284,6 +284,10 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------------
 
+    @property
+    def step_in_flight(self) -> bool:
+        return self._step is not None
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._step)
 
