@@ -39,6 +39,7 @@ Api = Literal["completions", "chat"]
 
 REJECT_REASON_HEADER = "x-floodgate-reject-reason"
 QUEUE_MS_HEADER = "x-floodgate-queue-ms"
+PRIORITY_HEADER = "x-floodgate-priority"
 
 
 @dataclass(slots=True)
@@ -58,6 +59,9 @@ class Record:
     reject_reason: str | None = None  # x-floodgate-reject-reason of the last rejection
     retry_after: float | None = None  # retry-after of the last rejection, seconds
     queue_ms: float | None = None  # x-floodgate-queue-ms of the admitted attempt
+    # x-floodgate-priority: the class the gateway applied (differs from `priority` when the
+    # caller is untrusted and its tenant's mapping wins, design §5).
+    gateway_priority: int | None = None
     ttft_s: float | None = None  # first content chunk - first send (includes retry waits)
     tpot_s: float | None = None  # mean gap between content chunks after the first
     e2e_s: float | None = None  # last byte - first send
@@ -175,6 +179,7 @@ class _Attempt:
     reject_reason: str | None = None
     retry_after: float | None = None
     queue_ms: float | None = None
+    gateway_priority: int | None = None
     t_first: float | None = None
     t_last_chunk: float | None = None
     t_end: float | None = None
@@ -211,6 +216,8 @@ async def _attempt(
             a.reject_reason = resp.headers.get(REJECT_REASON_HEADER)
             a.retry_after = _float_header(resp.headers, "retry-after")
             a.queue_ms = _float_header(resp.headers, QUEUE_MS_HEADER)
+            gp = _float_header(resp.headers, PRIORITY_HEADER)
+            a.gateway_priority = int(gp) if gp is not None else None
             if resp.status != 200:
                 text = await resp.text(errors="replace")
                 a.t_end = loop.time() - t0
@@ -265,7 +272,7 @@ def _error_text(status: int, text: str) -> str:
 
 def _is_rejection(a: _Attempt) -> bool:
     # 429 is always a rejection; 503 only when Floodgate says why (else it is an upstream error).
-    return a.status == 429 or (a.status is not None and a.reject_reason is not None and a.status in (503,))
+    return a.status == 429 or (a.status == 503 and a.reject_reason is not None)
 
 
 async def send_one(
@@ -311,6 +318,7 @@ async def send_one(
         a = await _attempt(session, url, body, headers, request_timeout, loop, t0)
         rec.status = a.status
         rec.t_done = a.t_end
+        rec.gateway_priority = a.gateway_priority
         if _is_rejection(a):
             rec.outcome = REJECTED
             rec.reject_reason = a.reject_reason or f"http_{a.status}"

@@ -118,7 +118,8 @@ async def test_rejection_headers_and_bounded_retry() -> None:
             {"error": {"message": "predicted wait exceeds timeout", "type": "rate_limit_error",
                        "code": "early_drop"}},
             status=429,
-            headers={"retry-after": "0.05", "x-floodgate-reject-reason": "early_drop"},
+            headers={"retry-after": "0.05", "x-floodgate-reject-reason": "early_drop",
+                     "x-floodgate-priority": "2"},
         )
 
     app = web.Application()
@@ -135,6 +136,7 @@ async def test_rejection_headers_and_bounded_retry() -> None:
     rej, err = recs
     assert rej.outcome == REJECTED and rej.status == 429 and rej.reject_reason == "early_drop"
     assert rej.retry_after == pytest.approx(0.05) and rej.retries == 2
+    assert rej.gateway_priority == 2
     assert rej.error is not None and "predicted wait exceeds timeout" in rej.error
     # A 503 without Floodgate's reason header is an upstream error, not a rejection; no retry.
     assert err.outcome == ERROR and err.status == 503 and err.retries == 0
