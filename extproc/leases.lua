@@ -54,9 +54,10 @@ local function counts()
   return {num(v[1], 0), num(v[2], 0), num(v[3], 0)}, {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
 end
 
--- policy.eligible, mirrored: a class may take a free permit if it is inside its reservation,
--- or if what stays free still covers the other classes' unused reservations.
-local function eligible(c, L, inflight)
+-- policy.eligible, mirrored: below the limit any class may take a free permit; a class inside
+-- its reservation always may; otherwise what stays free must still cover the unused
+-- reservations of the other classes that have waiters.
+local function eligible(c, L, inflight, queued)
   local free = L - inflight[1] - inflight[2] - inflight[3]
   if free < 1 then return false end
   local res = {}
@@ -64,7 +65,7 @@ local function eligible(c, L, inflight)
   if inflight[c] < res[c] then return true end
   local others = 0
   for k = 1, 3 do
-    if k ~= c then others = others + math.max(0, res[k] - inflight[k]) end
+    if k ~= c and queued[k] > 0 then others = others + math.max(0, res[k] - inflight[k]) end
   end
   return free - 1 >= others
 end
@@ -126,7 +127,7 @@ local function grant_loop()
     if inflight[1] + inflight[2] + inflight[3] >= L then break end
     local progressed = false
     for c = 1, 3 do
-      if queued[c] > 0 and eligible(c, L, inflight) then
+      if queued[c] > 0 and eligible(c, L, inflight, queued) then
         local lo = (c - 1) * CLASS_SPAN
         local head = redis.call('ZRANGEBYSCORE', K_QUEUE, lo, '(' .. (lo + CLASS_SPAN), 'LIMIT', 0, 1)[1]
         if not head then
@@ -184,10 +185,10 @@ if op == 'acquire' then
   grant_loop()
   local L = math.max(1, math.floor(limit_value()))
   local inflight, queued = counts()
-  local ok = eligible(c, L, inflight)
+  local ok = eligible(c, L, inflight, queued)
   if ok then
     for k = 1, c do
-      if queued[k] > 0 and eligible(k, L, inflight) then ok = false end
+      if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
   if ok then lease(ticket, c) return snapshot(1, c, tenant) end

@@ -37,6 +37,9 @@ class PermitTable:
             counts[c] += 1
         return counts[0], counts[1], counts[2]
 
+    def queued(self) -> list[int]:
+        return [len(q) for q in self.queues]
+
     def snapshot(self, cls: int, tenant: str, grant_rate: float) -> Snapshot:
         return Snapshot(
             limit=self.limit, inflight=self.inflight(),
@@ -47,10 +50,10 @@ class PermitTable:
     def try_acquire(self, ticket: str, cls: int, now: float) -> bool:
         """Lease at once if the grant loop would give this class the next permit."""
         self.grant(now)
-        inflight = list(self.inflight())
-        if not eligible(cls, self.limit, inflight, self.shares):
+        inflight, queued = list(self.inflight()), self.queued()
+        if not eligible(cls, self.limit, inflight, queued, self.shares):
             return False
-        if any(self.queues[k] and eligible(k, self.limit, inflight, self.shares) for k in CLASSES if k <= cls):
+        if any(queued[k] and eligible(k, self.limit, inflight, queued, self.shares) for k in CLASSES if k <= cls):
             return False
         self.held[ticket] = cls
         return True
@@ -79,9 +82,9 @@ class PermitTable:
     def grant(self, now: float) -> list[str]:
         granted: list[str] = []
         while sum(self.inflight()) < self.limit:
-            inflight = list(self.inflight())
+            inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
-                if self.queues[k] and eligible(k, self.limit, inflight, self.shares):
+                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares):
                     w = self.queues[k].popleft()
                     if w.deadline >= now:
                         self.held[w.ticket] = k

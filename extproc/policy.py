@@ -22,11 +22,13 @@ def reservations(limit: int, shares: Sequence[float]) -> list[int]:
     return [math.floor(s * limit + 1e-9) for s in shares]
 
 
-def eligible(cls: int, limit: int, inflight: Sequence[int], shares: Sequence[float]) -> bool:
+def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int],
+             shares: Sequence[float]) -> bool:
     """May class `cls` take a free permit now? (Netflix partitions, never above the limit.)
 
-    Below the limit any class may use spare capacity, as long as what stays free still covers
-    the other classes' unused reservations; a class inside its own reservation always may.
+    Below the limit any class may use spare capacity; under contention a class inside its own
+    reservation always may, and any other class only if what stays free still covers the
+    unused reservations of the other classes that have requests waiting.
     """
     free = limit - sum(inflight)
     if free < 1:
@@ -34,7 +36,7 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], shares: Sequence[flo
     res = reservations(limit, shares)
     if inflight[cls] < res[cls]:
         return True
-    others_unused = sum(max(0, res[k] - inflight[k]) for k in CLASSES if k != cls)
+    others_unused = sum(max(0, res[k] - inflight[k]) for k in CLASSES if k != cls and queued[k] > 0)
     return free - 1 >= others_unused
 
 

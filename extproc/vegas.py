@@ -101,12 +101,14 @@ class SampleWindow:
     rtt_sum: float = 0.0
     max_inflight: int = 0
     dropped: bool = False
+    drops: int = 0
 
     def add(self, now: float, rtt: float | None, inflight: int, dropped: bool = False) -> None:
         if self.started is None:
             self.started = now
         if dropped:
             self.dropped = True
+            self.drops += 1
         elif rtt is not None and rtt > 0:
             self.count += 1
             self.rtt_sum += rtt
@@ -117,7 +119,7 @@ class SampleWindow:
             return False
         age = now - self.started
         has_any = self.count > 0 or self.dropped
-        return (self.count >= self.min_samples and age >= self.min_duration) or (
+        return (self.count + self.drops >= self.min_samples and age >= self.min_duration) or (
             has_any and age >= self.max_duration)
 
     def take(self) -> Sample | None:
@@ -126,5 +128,6 @@ class SampleWindow:
         if self.count or self.dropped:
             rtt = self.rtt_sum / self.count if self.count else 0.0
             sample = Sample(rtt=rtt, inflight=self.max_inflight, dropped=self.dropped)
-        self.started, self.count, self.rtt_sum, self.max_inflight, self.dropped = None, 0, 0.0, 0, False
+        self.started, self.count, self.rtt_sum, self.max_inflight = None, 0, 0.0, 0
+        self.dropped, self.drops = False, 0
         return sample
