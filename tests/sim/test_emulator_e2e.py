@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -166,6 +167,21 @@ async def test_client_disconnect_frees_the_sequence(server: Server) -> None:
         assert time.monotonic() < deadline, now
         await asyncio.sleep(0.05)
     assert now["vllm:request_success_total{finished_reason=abort}"] >= 1
+
+    # A non-streaming client that gives up is noticed too (the handler gets cancelled).
+    client = server.client()
+    task = asyncio.create_task(client.completions.create(model=MODEL, prompt="x",
+                                                         max_tokens=5000))
+    await asyncio.sleep(0.3)
+    assert (await metrics(server))["vllm:num_requests_running"] >= 1
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await client.close()  # closes the pooled connection the request was using
+    deadline = time.monotonic() + 5
+    while (await metrics(server))["vllm:num_requests_running"] != 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
 
 
 async def _stream_timing(client: openai.AsyncOpenAI, tokens: int) -> tuple[float, float]:
