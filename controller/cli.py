@@ -1,0 +1,174 @@
+"""`floodgate controller …`: the scaling controller's command line.
+
+Layout: `register()` adds the `controller` command with its own sub-commands. Today there is
+`simulate` (the trace backtest, pure, no services needed). The live controller
+(`floodgate controller --config FILE`) plugs in here: add `--config` to `parser` and make
+`_main` run it when no sub-command is given; until then a bare `floodgate controller` prints
+help and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "controller",
+        help="scaling controller (and its backtest: `controller simulate`)",
+        description="The Floodgate scaling controller. `simulate` backtests the policy on a trace.",
+    )
+    parser.set_defaults(handler=lambda args: _main(parser, args))
+    sub = parser.add_subparsers(dest="controller_command", metavar="<subcommand>")
+    _add_simulate(sub)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # Sub-commands set their own handler; reaching here means none was given.
+    parser.print_help()
+    return 2
+
+
+def _add_simulate(sub: Any) -> None:
+    from controller.simulate import POLICY_NAMES
+
+    p = sub.add_parser(
+        "simulate",
+        help="backtest scaling policies on a request trace",
+        description=(
+            "Replay a request trace through a discrete-event model of replicas (cold starts, "
+            "warm-pool wakes, drains) under Floodgate's policy and the HPA/KPA baselines and a "
+            "perfect-foresight oracle; print SLO attainment and replica-seconds side by side."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--trace", type=Path, default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); none: synthetic tokens")
+    p.add_argument(
+        "--mode",
+        choices=("tile", "synthetic", "replay"),
+        default=None,
+        help="tile: the trace tiled into diurnal+burst days; synthetic: Poisson diurnal+burst days; "
+        "replay: the trace as recorded (default: tile with --trace, else synthetic)",
+    )
+    p.add_argument("--days", type=int, default=8, help="days generated; the last is evaluated, the others are forecast history")
+    p.add_argument("--eval-hours", type=float, default=24.0, help="hours of the last day that are simulated")
+    p.add_argument("--peak-rps", type=float, default=10.0, help="request rate at the diurnal peak, before events and bursts")
+    p.add_argument("--bursts-per-day", type=float, default=6.0, help="mean number of random (unforecastable) bursts per day")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="replay mode: multiply the trace's rate")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
+    p.add_argument("--queue-timeout", type=float, default=15.0, help="queued requests are rejected (429) after this long")
+    p.add_argument("--warm-weight", type=float, default=0.25, help="cost weight of a sleeping warm-pool replica")
+    p.add_argument("--slots", type=int, default=8, help="concurrent sequences per replica")
+    p.add_argument("--cold-start", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN", "MAX"))
+    p.add_argument("--wake", type=float, nargs=2, default=(5.0, 15.0), metavar=("MIN", "MAX"))
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated subset")
+    p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:` sections overriding the defaults")
+    p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here")
+    p.set_defaults(handler=_simulate)
+
+
+def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
+    import yaml
+    from pydantic import ValidationError
+
+    from controller.forecast import ForecastConfig
+    from controller.lifecycle import WarmPoolConfig
+    from controller.policy import PolicyConfig
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping with policy/forecast/warm_pool sections")
+        unknown = set(loaded) - {"policy", "forecast", "warm_pool"}
+        if unknown:
+            raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
+        raw = loaded
+    try:
+        return (
+            PolicyConfig(**(raw.get("policy") or {})),
+            ForecastConfig(**(raw.get("forecast") or {})),
+            WarmPoolConfig(**(raw.get("warm_pool") or {})),
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"{path}: {exc.title}.{loc}: {err['msg']}") from None
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import time
+
+    from controller import simulate as sm
+
+    try:
+        policy, forecast, pool = _load_overrides(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"floodgate controller simulate: {exc}", file=sys.stderr)
+        return 2
+    sim = sm.SimConfig(
+        slots_per_replica=args.slots,
+        cold_start_min_s=args.cold_start[0],
+        cold_start_max_s=args.cold_start[1],
+        wake_min_s=args.wake[0],
+        wake_max_s=args.wake[1],
+        slo_wait_s=args.slo_wait,
+        queue_timeout_s=args.queue_timeout,
+        warm_cost_weight=args.warm_weight,
+        seed=args.seed,
+    )
+    trace = None
+    if args.trace is not None:
+        if not args.trace.is_file():
+            print(f"floodgate controller simulate: no such trace file: {args.trace}", file=sys.stderr)
+            return 2
+        trace = sm.load_trace(args.trace)
+    mode = args.mode or ("tile" if trace is not None else "synthetic")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in sm.POLICY_NAMES]
+    if unknown:
+        print(f"floodgate controller simulate: unknown policies {unknown}; known: {', '.join(sm.POLICY_NAMES)}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if mode == "replay":
+        if trace is None:
+            print("floodgate controller simulate: --mode replay needs --trace", file=sys.stderr)
+            return 2
+        w = sm.make_replay_workload(trace, sim, args.rate_scale, args.seed)
+    else:
+        shape = sm.DayShape(bursts_per_day=args.bursts_per_day)
+        w = sm.make_day_workload(
+            days=args.days,
+            peak_rps=args.peak_rps,
+            sim=sim,
+            trace=trace,
+            tile=mode == "tile",
+            shape=shape,
+            eval_hours=args.eval_hours,
+            seed=args.seed,
+        )
+    print(f"workload: {w.description}", flush=True)
+    results = sm.compare(
+        w, sim, policy, forecast, pool, names, progress=lambda m: print(f"  ran {m}", file=sys.stderr, flush=True)
+    )
+    print()
+    print(sm.markdown_table(results, sim))
+    print()
+    for r in results:
+        if r.notes:
+            print(f"{r.name}: {r.notes}")
+    print(
+        f"SLO: queueing delay ≤ {sim.slo_wait_s:g} s (rejections after {sim.queue_timeout_s:g} s count as misses); "
+        f"cost = replica-seconds, sleeping warm-pool replicas × {sim.warm_cost_weight:g}; "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    if args.out is not None:
+        sm.write_outputs(args.out, w, sim, results, {"policy": policy.model_dump(), "forecast": forecast.model_dump(), "warm_pool": pool.model_dump()})
+        print(f"wrote {args.out}/simulate.json, timeline.json, replicas.png")
+    return 0

@@ -1,0 +1,257 @@
+"""Replica lifecycle: the state machine and the warm-pool planner (both pure).
+
+    cold ─start→ loading ─loaded→ warming ─warmup_ok→ warm ─promote→ waking ─wake_ok→ active
+    active ─drain→ draining ─drained→ warm (recycle, asleep where sleep mode is on)
+                            ─drained→ terminated (pool full)
+                            ─drain_timeout→ terminated (force-stopped)
+    any live state ─fail→ failed ─terminate→ terminated
+    cold|loading|warming|warm|waking ─terminate→ terminated
+
+A cold start ends in `warm` only after its warm-up request succeeded (the seeds' "dummy
+request before the readiness probe"), and every promotion goes through `waking` (wake from
+sleep if asleep, one-token warm-up, then mark active), so no replica enters the registry as
+active before it has served a token. `active` cannot be terminated directly: it must drain.
+
+`plan_pool` turns the policy's desired active count into actions with replica ids:
+promote warm replicas first, cold-start only the remainder (counting replicas already loading),
+refill the warm pool in the background, drain the most idle active replica (one at a time by
+default), recycle a finished drain into the pool when it is below target (else terminate),
+and force-stop a drain that outlives `max_drain_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.signals import ReplicaState, ReplicaView
+
+S = ReplicaState
+
+
+class Event(StrEnum):
+    START = "start"
+    LOADED = "loaded"
+    WARMUP_OK = "warmup_ok"
+    PROMOTE = "promote"
+    WAKE_OK = "wake_ok"
+    DRAIN = "drain"
+    DRAINED = "drained"
+    DRAIN_TIMEOUT = "drain_timeout"
+    FAIL = "fail"
+    TERMINATE = "terminate"
+
+
+class InvalidTransition(ValueError):
+    """An event that is not allowed in the replica's current state."""
+
+    def __init__(self, state: ReplicaState, event: Event) -> None:
+        allowed = sorted(e.value for (s, e) in _TABLE if s is state)
+        super().__init__(
+            f"invalid replica transition: event '{event.value}' in state '{state.value}' "
+            f"(allowed: {', '.join(allowed) or 'none'})"
+        )
+        self.state = state
+        self.event = event
+
+
+_LIVE = (S.COLD, S.LOADING, S.WARMING, S.WARM, S.WAKING, S.ACTIVE, S.DRAINING)
+_TABLE: dict[tuple[ReplicaState, Event], ReplicaState] = {
+    (S.COLD, Event.START): S.LOADING,
+    (S.LOADING, Event.LOADED): S.WARMING,
+    (S.WARMING, Event.WARMUP_OK): S.WARM,
+    (S.WARM, Event.PROMOTE): S.WAKING,
+    (S.WAKING, Event.WAKE_OK): S.ACTIVE,
+    (S.ACTIVE, Event.DRAIN): S.DRAINING,
+    (S.DRAINING, Event.DRAINED): S.WARM,  # or TERMINATED when not recycled, see transition()
+    (S.DRAINING, Event.DRAIN_TIMEOUT): S.TERMINATED,
+    **{(s, Event.FAIL): S.FAILED for s in _LIVE},
+    **{
+        (s, Event.TERMINATE): S.TERMINATED
+        for s in (S.COLD, S.LOADING, S.WARMING, S.WARM, S.WAKING, S.FAILED)
+    },
+}
+
+
+def transition(state: ReplicaState, event: Event, *, recycle: bool = False) -> ReplicaState:
+    """Next state, or `InvalidTransition`. `recycle` picks warm vs terminated after a drain."""
+    nxt = _TABLE.get((state, event))
+    if nxt is None:
+        raise InvalidTransition(state, event)
+    if event is Event.DRAINED and not recycle:
+        return S.TERMINATED
+    return nxt
+
+
+def apply_event(
+    view: ReplicaView, event: Event, now: float, *, recycle: bool = False, asleep: bool | None = None
+) -> ReplicaView:
+    """`view` after `event` at `now` (state_since reset; `asleep` updated when given)."""
+    nxt = transition(view.state, event, recycle=recycle)
+    if asleep is None:
+        # Waking clears sleep; anything else keeps the flag unless told.
+        asleep = False if nxt is S.ACTIVE else view.asleep
+    return replace(view, state=nxt, state_since=now, asleep=asleep)
+
+
+class WarmPoolConfig(BaseModel):
+    """Warm pool and drain settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Keep drained/refilled replicas warm instead of terminating them.")
+    min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target.")
+    max_size: int = Field(default=16, ge=0, description="Largest warm-pool target.")
+    burst_fraction: float = Field(
+        default=0.25, ge=0, description="Pool target = ceil(burst_fraction × max(desired, forecast)) + forecast rise."
+    )
+    sleep_enabled: bool = Field(default=True, description="Put pool replicas to sleep (vLLM sleep level 1).")
+    max_drain_s: float = Field(default=300.0, gt=0, description="Force-stop a drain after this long.")
+    max_concurrent_drains: int = Field(default=1, ge=1, description="Drains in progress at once.")
+    max_total: int = Field(default=128, ge=1, description="Most replicas of any live state together.")
+    warm_min_age_s: float = Field(
+        default=120.0, ge=0, description="A warm replica above target is kept at least this long (anti-churn)."
+    )
+
+
+def warm_pool_target(desired_active: int, forecast_replicas: int | None, cfg: WarmPoolConfig) -> int:
+    """Pool size that follows the forecast: a burst reserve proportional to the expected size,
+    plus the forecast rise above the current desired count (so pre-scaling wakes instead of
+    cold-starting)."""
+    if not cfg.enabled:
+        return 0
+    f = forecast_replicas or 0
+    target = math.ceil(cfg.burst_fraction * max(desired_active, f) - 1e-9) + max(0, f - desired_active)
+    return min(max(target, cfg.min_size), cfg.max_size)
+
+
+class ActionKind(StrEnum):
+    START = "start"  # cold start a new replica (ends warm after its warm-up)
+    PROMOTE = "promote"  # warm → waking → active
+    SLEEP = "sleep"  # put an awake pool replica to sleep
+    DRAIN = "drain"  # active → draining
+    RECYCLE = "recycle"  # finished drain → warm pool
+    TERMINATE = "terminate"  # stop a non-serving replica
+    FORCE_STOP = "force_stop"  # drain exceeded max_drain_s
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: ActionKind
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    actions: tuple[Action, ...]
+    next_seq: int  # feed back in for the next fresh replica id
+    warm_target: int
+
+
+def plan_pool(
+    desired_active: int,
+    replicas: tuple[ReplicaView, ...],
+    warm_target: int,
+    now: float,
+    cfg: WarmPoolConfig,
+    next_seq: int = 0,
+    id_prefix: str = "r",
+) -> PoolPlan:
+    """Actions that move `replicas` toward `desired_active` serving replicas and a warm pool of
+    `warm_target`. New replicas get ids `f"{id_prefix}{seq}"` from `next_seq` on."""
+    if not cfg.enabled:
+        warm_target = 0
+    acts: list[Action] = []
+    serving = 0
+    warm: list[ReplicaView] = []
+    pipeline = 0
+    active: list[ReplicaView] = []
+    draining_busy = 0
+    finished: list[ReplicaView] = []
+    live = 0
+    for r in replicas:
+        st = r.state
+        if st is S.TERMINATED:
+            continue
+        live += 1
+        if st is S.FAILED:
+            acts.append(Action(ActionKind.TERMINATE, r.replica_id, "failed"))
+        elif st is S.ACTIVE:
+            serving += 1
+            active.append(r)
+        elif st is S.WAKING:
+            serving += 1
+        elif st is S.WARM:
+            warm.append(r)
+        elif st in (S.COLD, S.LOADING, S.WARMING):
+            pipeline += 1
+        elif st is S.DRAINING:
+            if now - r.state_since >= cfg.max_drain_s:
+                acts.append(Action(ActionKind.FORCE_STOP, r.replica_id, "drain_timeout"))
+            elif r.inflight == 0 and r.running == 0:
+                finished.append(r)
+            else:
+                draining_busy += 1
+
+    deficit = desired_active - serving
+    # Awake replicas promote fastest; ids break ties so plans are deterministic.
+    warm.sort(key=lambda r: (r.asleep, r.replica_id))
+    promoted = warm[: max(0, deficit)]
+    for r in promoted:
+        acts.append(Action(ActionKind.PROMOTE, r.replica_id, "scale_up"))
+    need = max(0, deficit) - len(promoted)  # still uncovered after promotion
+    from_pipeline = min(need, pipeline)  # loading replicas will be promoted when warm
+    need -= from_pipeline
+    pool = len(warm) - len(promoted) + pipeline - from_pipeline
+    room = cfg.max_total - live
+
+    # Finished drains: cover the remaining need first, then the pool, else terminate.
+    for r in sorted(finished, key=lambda r: r.replica_id):
+        if cfg.enabled and (need > 0 or pool < warm_target):
+            acts.append(Action(ActionKind.RECYCLE, r.replica_id, "scale_up" if need > 0 else "pool_refill"))
+            if need > 0:
+                need -= 1
+            else:
+                pool += 1
+        else:
+            acts.append(Action(ActionKind.TERMINATE, r.replica_id, "pool_full"))
+            room += 1
+
+    seq = next_seq
+    for _ in range(min(need, max(0, room))):
+        acts.append(Action(ActionKind.START, f"{id_prefix}{seq}", "scale_up"))
+        seq += 1
+        room -= 1
+
+    if deficit < 0:
+        n = min(-deficit, cfg.max_concurrent_drains - draining_busy)
+        idle_first = sorted(active, key=lambda r: (r.inflight + r.running, r.last_busy_at, r.replica_id))
+        for r in idle_first[: max(0, n)]:
+            acts.append(Action(ActionKind.DRAIN, r.replica_id, "scale_down"))
+
+    refill = max(0, warm_target - pool)
+    for _ in range(min(refill, max(0, room))):
+        acts.append(Action(ActionKind.START, f"{id_prefix}{seq}", "pool_refill"))
+        seq += 1
+        room -= 1
+
+    spare = warm[len(promoted) :]
+    excess = pool - warm_target
+    if excess > 0:
+        # Shrink the pool from the longest-idle end, but never churn a fresh one.
+        for r in sorted(spare, key=lambda r: (r.state_since, r.replica_id)):
+            if excess <= 0:
+                break
+            if now - r.state_since >= cfg.warm_min_age_s:
+                acts.append(Action(ActionKind.TERMINATE, r.replica_id, "pool_excess"))
+                excess -= 1
+                spare = [s for s in spare if s is not r]
+    if cfg.sleep_enabled:
+        for r in spare:
+            if not r.asleep:
+                acts.append(Action(ActionKind.SLEEP, r.replica_id, "pool"))
+    return PoolPlan(tuple(acts), seq, warm_target)

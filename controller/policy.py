@@ -1,0 +1,322 @@
+"""The scaling policy: a pure function from (signals, replicas, state, now) to a plan.
+
+Modelled on Knative's autoscaler: one `decide(...)` per pool per tick, no I/O, no clock of its
+own (`now` is an argument), returning the desired number of *active* replicas with a reason,
+plus the new policy state to feed into the next call. The warm-pool planner
+(`controller.lifecycle.plan_pool`) turns the desired count into replica actions.
+
+Rules (design §8, issue 4):
+
+* Demand = vLLM running + vLLM waiting + Floodgate's queue for the pool: pressure held in
+  Floodgate's queue never reaches vLLM's waiting queue, so both are counted.
+* Recommendation = ceil(demand / target_concurrency), unless within the tolerance band of the
+  current size (no flapping on noise).
+* Queue pressure: waiting per replica > `queue_pressure_per_replica` ⇒ multiply by
+  `scale_up_factor` (double) at once. KV-cache pressure (mean usage over active replicas above
+  `kv_pressure_threshold`) is a second scale-up trigger.
+* Loading / warming / waking replicas count as incoming capacity: triggers are sized on the
+  active replicas and compared with the current size (which includes the incoming ones), so
+  a queue that is still waiting for the first wave asks for the same wave again, not a second
+  one (no cold-start cascade). The backlog itself is bounded by Floodgate's queue timeouts.
+* Scale-down only to the max recommendation over the last `stabilization_window_s`, one
+  replica per `scale_down_interval_s`.
+* Panic: a burst (any scale-up trigger, or demand ≥ `panic_threshold` × current capacity)
+  forbids scale-down for `panic_window_s`.
+* Stale or failed scrapes are never read as zero: the policy computes everything from fresh
+  values only (a lower bound of the true load); a lower bound may justify a scale-up but never
+  a scale-down, so any stale input turns a would-be scale-down into a hold.
+* The predictive floor (from `controller.forecast`) raises the desired count but never lowers
+  it; it enters the stabilization window, so its own decline is smoothed like any other.
+* `min_replicas` / `max_replicas` bound the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
+
+# Reason strings (decision log and the `reason` label of scale-event metrics).
+REASON_QUEUE = "queue_pressure"
+REASON_KV = "kv_pressure"
+REASON_DEMAND = "demand"
+REASON_FLOOR = "forecast_floor"
+REASON_DOWN = "stabilized_down"
+REASON_STEADY = "steady"
+REASON_HOLD_WINDOW = "hold_window"
+REASON_HOLD_STALE = "hold_stale"
+REASON_HOLD_PANIC = "hold_panic"
+REASON_HOLD_STEP = "hold_step"
+REASON_BOUNDS = "bounds"
+REASONS: tuple[str, ...] = (
+    REASON_QUEUE,
+    REASON_KV,
+    REASON_DEMAND,
+    REASON_FLOOR,
+    REASON_DOWN,
+    REASON_STEADY,
+    REASON_HOLD_WINDOW,
+    REASON_HOLD_STALE,
+    REASON_HOLD_PANIC,
+    REASON_HOLD_STEP,
+    REASON_BOUNDS,
+)
+
+
+class PolicyConfig(BaseModel):
+    """Every threshold of the scaling policy. Defaults are the ones tuned with
+    `floodgate controller simulate` (docs/controller.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest active replicas.")
+    max_replicas: int = Field(default=64, ge=1, description="Most active replicas.")
+    target_concurrency: float = Field(
+        default=7.0,
+        gt=0,
+        description="Requests (running + waiting) one active replica should carry; "
+        "sizes the proportional recommendation and the forecast floor.",
+    )
+    tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="No proportional change while demand/(current×target) is within 1±tolerance.",
+    )
+    queue_pressure_per_replica: float = Field(
+        default=2.0, gt=0, description="Waiting requests per replica above which the pool is multiplied."
+    )
+    scale_up_factor: float = Field(
+        default=2.0, ge=1, description="Multiplier applied at once on queue pressure (2 = double)."
+    )
+    kv_pressure_threshold: float = Field(
+        default=0.9, gt=0, le=1, description="Mean KV-cache usage over active replicas that triggers a scale-up."
+    )
+    kv_target: float = Field(
+        default=0.75, gt=0, le=1, description="KV usage the kv_pressure scale-up sizes the pool for."
+    )
+    stabilization_window_s: float = Field(
+        default=300.0, ge=0, description="Scale down only to the max recommendation over this window."
+    )
+    scale_down_step: int = Field(default=1, ge=1, description="Replicas removed per scale-down step.")
+    scale_down_interval_s: float = Field(
+        default=10.0, ge=0, description="Shortest time between two scale-down steps."
+    )
+    panic_threshold: float = Field(
+        default=2.0, gt=1, description="Demand ≥ this × current capacity × target enters panic."
+    )
+    panic_window_s: float = Field(
+        default=60.0, ge=0, description="No scale-down for this long after the last panic trigger."
+    )
+    stale_after_s: float = Field(
+        default=10.0, gt=0, description="A scrape older than this is stale (never read as zero)."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PolicyConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be ≤ max_replicas")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """What the policy remembers between ticks (per pool).
+
+    `window` holds (time, recommendation) pairs of the stabilization window, pruned to a
+    decreasing sequence: a recommendation followed by a larger one can never be the window's
+    max again, so only O(distinct levels) entries are kept.
+    """
+
+    desired: int | None = None
+    window: tuple[tuple[float, int], ...] = ()
+    panic_until: float = -math.inf
+    last_scale_down_at: float = -math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePlan:
+    """One decision: desired active replicas, why, and the inputs that led to it."""
+
+    desired: int
+    previous: int
+    reason: str
+    cause: str  # the rule that set the value before bounds were applied (== reason if unbounded)
+    recommendation: int  # this tick's recommendation (incl. triggers and floor)
+    stabilized: int  # max recommendation over the stabilization window
+    floor: int | None
+    active: int
+    incoming: int
+    demand: float
+    waiting: float
+    running: float
+    kv_mean: float | None
+    stale: bool
+    panic: bool
+
+    @property
+    def direction(self) -> str:
+        if self.desired > self.previous:
+            return "up"
+        if self.desired < self.previous:
+            return "down"
+        return "none"
+
+
+def _fresh(scraped_at: float, ok: bool, now: float, cfg: PolicyConfig) -> bool:
+    return ok and now - scraped_at <= cfg.stale_after_s
+
+
+def _push_window(
+    window: tuple[tuple[float, int], ...], now: float, rec: int, span: float
+) -> tuple[tuple[float, int], ...]:
+    # Drop expired entries and entries dominated by the new one (max-queue invariant).
+    kept = [(t, r) for (t, r) in window if now - t < span and r > rec]
+    kept.append((now, rec))
+    return tuple(kept)
+
+
+def decide(
+    cfg: PolicyConfig,
+    signals: PoolSignals,
+    replicas: tuple[ReplicaView, ...],
+    state: PolicyState,
+    now: float,
+    forecast_floor: int | None = None,
+) -> tuple[ScalePlan, PolicyState]:
+    """Desired active replicas for one pool at `now`, and the next policy state.
+
+    `replicas` is the lifecycle view (states decide active vs incoming capacity); `signals`
+    carries the measurements. `forecast_floor` (replicas, from `controller.forecast`) may only
+    raise the result.
+    """
+    active_ids: set[str] = set()
+    draining_ids: set[str] = set()
+    incoming = 0
+    for r in replicas:
+        if r.state is ReplicaState.ACTIVE:
+            active_ids.add(r.replica_id)
+        elif r.state is ReplicaState.DRAINING:
+            draining_ids.add(r.replica_id)
+        elif r.state in INCOMING_STATES:
+            incoming += 1
+    active = len(active_ids)
+    capacity = active + incoming
+    current = state.desired if state.desired is not None else capacity
+    current = min(max(current, cfg.min_replicas), cfg.max_replicas)
+
+    # Fresh values only; anything missing or stale for an active replica marks the tick stale.
+    waiting = 0.0
+    running = 0.0
+    kv_sum = 0.0
+    kv_n = 0
+    fresh_active: set[str] = set()
+    for m in signals.replicas:
+        is_active = m.replica_id in active_ids
+        if not (is_active or m.replica_id in draining_ids):
+            continue
+        if not _fresh(m.scraped_at, m.ok, now, cfg):
+            continue
+        waiting += m.waiting
+        running += m.running
+        if is_active:
+            fresh_active.add(m.replica_id)
+            kv_sum += m.kv_cache_usage
+            kv_n += 1
+    stale = len(fresh_active) < active
+    q = signals.queue
+    if q is not None:
+        if _fresh(q.scraped_at, q.ok, now, cfg):
+            waiting += q.depth
+        else:
+            stale = True
+    kv_mean = kv_sum / kv_n if kv_n else None
+    demand = running + waiting
+
+    # Proportional recommendation with a tolerance band around the current size.
+    base = max(capacity, 1)
+    ratio = demand / (max(current, 1) * cfg.target_concurrency)
+    if current > 0 and abs(ratio - 1.0) <= cfg.tolerance:
+        rec = current
+    else:
+        rec = math.ceil(demand / cfg.target_concurrency - 1e-9)
+    cause = REASON_DEMAND
+
+    # Burst triggers, sized on *active* replicas and compared with the current size, which
+    # already counts loading ones: while the first wave loads, the queue (still growing) asks
+    # for the same wave again, not for a second one (cascade prevention).
+    panic = False
+    act = max(active, 1)
+    if waiting / act > cfg.queue_pressure_per_replica:
+        up = math.ceil(act * cfg.scale_up_factor - 1e-9)
+        panic = True
+        if up > rec:
+            rec, cause = up, REASON_QUEUE
+    if kv_mean is not None and kv_mean > cfg.kv_pressure_threshold:
+        up = max(active + 1, math.ceil(active * kv_mean / cfg.kv_target - 1e-9))
+        panic = True
+        if up > rec:
+            rec, cause = up, REASON_KV
+    if demand >= cfg.panic_threshold * base * cfg.target_concurrency:
+        panic = True
+
+    if forecast_floor is not None and forecast_floor > rec:
+        rec, cause = forecast_floor, REASON_FLOOR
+    # A stale tick only knows a lower bound: never let it pull the window down.
+    window_rec = max(rec, current) if stale else rec
+    window = _push_window(state.window, now, window_rec, cfg.stabilization_window_s)
+    stabilized = max(r for _, r in window)
+
+    panic_until = now + cfg.panic_window_s if panic else state.panic_until
+    in_panic = now < panic_until
+    last_down = state.last_scale_down_at
+
+    if rec > current:
+        desired = min(rec, cfg.max_replicas)
+        reason = cause if rec <= cfg.max_replicas else REASON_BOUNDS
+    elif max(stabilized, cfg.min_replicas) < current:
+        if stale:
+            desired, reason = current, REASON_HOLD_STALE
+        elif in_panic:
+            desired, reason = current, REASON_HOLD_PANIC
+        elif now - last_down < cfg.scale_down_interval_s:
+            desired, reason = current, REASON_HOLD_STEP
+        else:
+            desired = max(stabilized, cfg.min_replicas, current - cfg.scale_down_step)
+            reason = REASON_DOWN
+            last_down = now
+    else:
+        desired = current
+        if stale and rec < current:
+            reason = REASON_HOLD_STALE
+        elif rec < current:
+            reason = REASON_BOUNDS if stabilized < cfg.min_replicas <= current else REASON_HOLD_WINDOW
+        else:
+            reason = REASON_STEADY
+    if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_FLOOR):
+        cause = reason
+
+    plan = ScalePlan(
+        desired=desired,
+        previous=current,
+        reason=reason,
+        cause=cause,
+        recommendation=rec,
+        stabilized=stabilized,
+        floor=forecast_floor,
+        active=active,
+        incoming=incoming,
+        demand=demand,
+        waiting=waiting,
+        running=running,
+        kv_mean=kv_mean,
+        stale=stale,
+        panic=in_panic,
+    )
+    new_state = replace(
+        state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down
+    )
+    return plan, new_state

@@ -1,0 +1,97 @@
+"""Plain data the pure controller core reads: per-pool signals and replica views.
+
+The scrapers (live) or the simulator fill these; the policy, forecaster and warm-pool planner
+only read them. Every measured value carries the time it was taken and whether the scrape
+succeeded, because a failed or stale scrape must never be read as zero (design §8): a scrape
+outage would otherwise look like an idle pool and trigger a scale-down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ReplicaState(StrEnum):
+    """Lifecycle states of one model replica (see `controller.lifecycle`)."""
+
+    COLD = "cold"  # known slot, no process yet
+    LOADING = "loading"  # process starting, model loading
+    WARMING = "warming"  # server up, warm-up request in flight (not ready)
+    WARM = "warm"  # loaded and warmed up, serving nothing (asleep when sleep mode is on)
+    WAKING = "waking"  # being promoted: wake + one-token warm-up, then active
+    ACTIVE = "active"  # in the registry as a target for new requests
+    DRAINING = "draining"  # gets no new requests, finishing in-flight ones
+    FAILED = "failed"  # crashed or failed its warm-up; must be terminated
+    TERMINATED = "terminated"  # gone
+
+
+# States whose capacity will become servable without a new cold start decision: counted as
+# "incoming" so the policy does not order a second wave while the first is loading.
+INCOMING_STATES: frozenset[ReplicaState] = frozenset(
+    {ReplicaState.COLD, ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.WAKING}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMetrics:
+    """One vLLM `/metrics` scrape of one replica.
+
+    `ok` is False when the scrape failed (timeout, refused, parse error); values are then
+    meaningless. `scraped_at` is the controller's clock at scrape time; the policy treats a
+    sample older than `PolicyConfig.stale_after_s` as stale.
+    """
+
+    replica_id: str
+    scraped_at: float
+    ok: bool = True
+    waiting: float = 0.0  # vllm:num_requests_waiting
+    running: float = 0.0  # vllm:num_requests_running
+    kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSignal:
+    """Floodgate's own queue for the pool (all priority classes), read from Redis.
+
+    Requests held here never reach vLLM's waiting queue, so the policy adds both.
+    """
+
+    depth: float
+    scraped_at: float
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSignals:
+    """Everything measured about one pool at one tick."""
+
+    pool: str
+    replicas: tuple[ReplicaMetrics, ...]
+    queue: QueueSignal | None  # None: Floodgate queue not wired (e.g. admission disabled)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the controller knows about one replica: lifecycle state plus load.
+
+    `inflight` is Floodgate's in-flight count for the endpoint (from the lease table);
+    `running` is vLLM's `num_requests_running`. Both must reach 0 before a drain completes.
+    `last_busy_at` orders replicas by idleness when choosing one to drain.
+    """
+
+    replica_id: str
+    state: ReplicaState
+    state_since: float
+    inflight: int = 0
+    running: int = 0
+    asleep: bool = False
+    last_busy_at: float = 0.0
+
+
+def count_states(replicas: tuple[ReplicaView, ...]) -> dict[ReplicaState, int]:
+    """Number of replicas per state (every state present, zeros included)."""
+    counts = dict.fromkeys(ReplicaState, 0)
+    for r in replicas:
+        counts[r.state] += 1
+    return counts

@@ -1,0 +1,173 @@
+"""Forecaster: weights, lead window, fallbacks, history encoding."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from controller import forecast as fc
+
+DAY = 1440
+CFG = fc.ForecastConfig()
+
+
+def hist_from(fn, days: int, end_minute: int) -> fc.DemandHistory:  # type: ignore[no-untyped-def]
+    """History of `days` full days ending at `end_minute`, value fn(absolute minute)."""
+    h = fc.DemandHistory.empty(8 * DAY, end_minute)
+    mins = np.arange(end_minute - days * DAY + 1, end_minute + 1)
+    v = np.array(h.values)
+    v[-len(mins):] = [fn(int(m)) for m in mins]
+    v.flags.writeable = False
+    return fc.DemandHistory(end_minute, v)
+
+
+def test_weights_decay_by_day() -> None:
+    w = fc.weights(CFG)
+    assert len(w) == 7
+    assert w[0] == 1.0
+    assert w[1] == pytest.approx(math.exp(-0.3))
+    assert w[6] == pytest.approx(math.exp(-1.8))
+
+
+def test_same_minute_weighted_average() -> None:
+    m = 10 * DAY + 600
+    h = fc.DemandHistory.empty(8 * DAY, m)
+    h = h.record(m - DAY, 10.0).record(m - 2 * DAY, 20.0)
+    f, days = fc.forecast_minutes(h, np.array([m]), CFG)
+    w2 = math.exp(-0.3)
+    assert f[0] == pytest.approx((10 + 20 * w2) / (1 + w2))
+    assert days[0] == 2
+
+
+def test_constant_history_forecasts_the_constant() -> None:
+    now_min = 20 * DAY + 300
+    h = hist_from(lambda m: 40.0, 7, now_min)
+    f = fc.predict(h, now_min * 60.0, CFG)
+    assert f.engaged and f.reason == "ok"
+    assert f.peak == pytest.approx(40.0)
+    assert f.days == 7
+    assert f.error == pytest.approx(0.0)
+    assert fc.floor_replicas(f, 10.0) == 4
+
+
+def test_lead_window_is_five_to_ten_minutes_ahead() -> None:
+    now_min = 20 * DAY + 300
+
+    def spike_at(offset: int):  # type: ignore[no-untyped-def]
+        return lambda m: 100.0 if (m % DAY) == ((now_min + offset) % DAY) else 10.0
+
+    for offset, expected in ((4, 10.0), (5, 100.0), (7, 100.0), (10, 100.0), (11, 10.0)):
+        h = hist_from(spike_at(offset), 7, now_min - 1)
+        f = fc.predict(h, now_min * 60.0, CFG.model_copy(update={"max_error": 100.0}))
+        assert f.engaged
+        assert f.peak == pytest.approx(expected), offset
+
+
+def test_short_history_falls_back_to_reactive() -> None:
+    now_min = 20 * DAY
+    h = hist_from(lambda m: 40.0, 2, now_min)
+    f = fc.predict(h, now_min * 60.0, CFG)
+    assert (f.engaged, f.reason, f.days) == (False, "short_history", 2)
+    assert fc.floor_replicas(f, 10.0) is None
+    h3 = hist_from(lambda m: 40.0, 3, now_min)
+    assert fc.predict(h3, now_min * 60.0, CFG).engaged
+
+
+def test_missing_minutes_are_skipped_not_zero() -> None:
+    now_min = 20 * DAY
+    h = hist_from(lambda m: 40.0, 7, now_min)
+    target = now_min + 6
+    h = h.record(target - DAY, float("nan"))  # yesterday's minute lost (controller down)
+    f, days = fc.forecast_minutes(h, np.array([target]), CFG)
+    assert f[0] == pytest.approx(40.0)
+    assert days[0] == 6
+
+
+def test_high_recent_error_falls_back() -> None:
+    now_min = 20 * DAY
+    # Past days said 40, the last hour actually ran at 100.
+    h = hist_from(lambda m: 100.0 if m > now_min - 60 else 40.0, 7, now_min)
+    f = fc.predict(h, now_min * 60.0 + 30, CFG)
+    assert (f.engaged, f.reason) == (False, "high_error")
+    assert f.error is not None and f.error > CFG.max_error
+    # A modest error keeps it engaged.
+    h = hist_from(lambda m: 44.0 if m > now_min - 60 else 40.0, 7, now_min)
+    assert fc.predict(h, now_min * 60.0 + 30, CFG).engaged
+
+
+def test_error_not_judged_without_recent_actuals() -> None:
+    now_min = 20 * DAY
+    h = hist_from(lambda m: 40.0, 7, now_min - 120)  # two-hour gap (restart)
+    f = fc.predict(h, now_min * 60.0, CFG)
+    assert f.engaged and f.error is None
+
+
+def test_disabled() -> None:
+    h = hist_from(lambda m: 40.0, 7, 20 * DAY)
+    f = fc.predict(h, 20 * DAY * 60.0, CFG.model_copy(update={"enabled": False}))
+    assert (f.engaged, f.reason) == (False, "disabled")
+
+
+def test_floor_replicas_rounding_and_headroom() -> None:
+    f = fc.Forecast(True, "ok", 25.0, 7, 0.1)
+    assert fc.floor_replicas(f, 10.0) == 3
+    assert fc.floor_replicas(f, 12.5) == 2
+    assert fc.floor_replicas(f, 10.0, headroom=1.2) == 3
+    assert fc.floor_replicas(f, 10.0, headroom=1.3) == 4
+
+
+def test_history_record_shift_and_retention() -> None:
+    h = fc.DemandHistory.empty(10, end_minute=100)
+    h2 = h.record(100, 1.0)
+    assert h.values[-1] != h.values[-1]  # original untouched (NaN)
+    h3 = h2.record(103, 4.0)
+    assert h3.end_minute == 103
+    assert list(h3.get(np.array([100, 101, 103]))) == pytest.approx([1.0, np.nan, 4.0], nan_ok=True)
+    assert h3.record(90, 9.0) is h3  # older than retention
+    h4 = h3.record(102, 3.0)  # inside the window
+    assert h4.get(np.array([102]))[0] == 3.0
+    h5 = h4.record(500, 5.0)  # jump beyond the whole window
+    assert np.isnan(h5.values[:-1]).all() and h5.values[-1] == 5.0
+    with pytest.raises(ValueError):
+        h5.values[0] = 1.0  # immutable
+
+
+def test_history_dict_round_trip() -> None:
+    h = fc.DemandHistory.empty(5, end_minute=10).record(9, 2.5).record(10, 3.0)
+    d = h.to_dict()
+    assert d == {"end_minute": 10, "values": [None, None, None, 2.5, 3.0]}
+    back = fc.DemandHistory.from_dict(d)
+    assert back.end_minute == 10
+    assert np.array_equal(back.values, h.values, equal_nan=True)
+    # Re-sized on load when retention changed: newest minutes kept.
+    small = fc.DemandHistory.from_dict(d, retention_minutes=2)
+    assert list(small.values) == [2.5, 3.0]
+    big = fc.DemandHistory.from_dict(d, retention_minutes=8)
+    assert len(big.values) == 8 and big.values[-1] == 3.0
+
+
+def test_days_with_data() -> None:
+    assert hist_from(lambda m: 1.0, 3, 20 * DAY).days_with_data() == 3
+
+
+def test_minute_accumulator() -> None:
+    acc = fc.MinuteAccumulator()
+    out = []
+    for t, v in ((60.0, 2.0), (70.0, 4.0), (119.0, 6.0), (120.0, 10.0), (185.0, 1.0)):
+        acc, done = fc.accumulate(acc, t, v)
+        if done:
+            out.append(done)
+    assert out == [(1, 4.0), (2, 10.0)]
+    assert acc.minute == 3
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValidationError, match="lead_min_s"):
+        fc.ForecastConfig(lead_min_s=700, lead_max_s=600)
+    with pytest.raises(ValidationError, match="retention_days"):
+        fc.ForecastConfig(days=7, retention_days=3)
+    c = fc.ForecastConfig()
+    assert (c.days, c.decay, c.lead_min_s, c.lead_max_s) == (7, 0.3, 300.0, 600.0)

@@ -1,0 +1,246 @@
+"""Replica state machine and warm-pool planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.lifecycle import (
+    Action,
+    ActionKind,
+    Event,
+    InvalidTransition,
+    WarmPoolConfig,
+    apply_event,
+    plan_pool,
+    transition,
+    warm_pool_target,
+)
+from controller.signals import ReplicaState, ReplicaView
+
+S = ReplicaState
+E = Event
+K = ActionKind
+CFG = WarmPoolConfig(max_drain_s=300, warm_min_age_s=60, max_total=20)
+NOW = 10_000.0
+
+
+def rv(rid: str, state: ReplicaState, since: float = NOW - 1000, **kw) -> ReplicaView:  # type: ignore[no-untyped-def]
+    return ReplicaView(rid, state, since, **kw)
+
+
+def kinds(plan_actions: tuple[Action, ...]) -> list[tuple[str, str]]:
+    return [(a.kind.value, a.replica_id) for a in plan_actions]
+
+
+# --- transitions -------------------------------------------------------------------------------
+
+def test_cold_start_path_to_active_and_recycle() -> None:
+    s = S.COLD
+    for ev, expect in (
+        (E.START, S.LOADING),
+        (E.LOADED, S.WARMING),
+        (E.WARMUP_OK, S.WARM),
+        (E.PROMOTE, S.WAKING),
+        (E.WAKE_OK, S.ACTIVE),
+        (E.DRAIN, S.DRAINING),
+    ):
+        s = transition(s, ev)
+        assert s is expect
+    assert transition(S.DRAINING, E.DRAINED, recycle=True) is S.WARM
+    assert transition(S.DRAINING, E.DRAINED, recycle=False) is S.TERMINATED
+    assert transition(S.DRAINING, E.DRAIN_TIMEOUT) is S.TERMINATED
+
+
+@pytest.mark.parametrize("state", [S.COLD, S.LOADING, S.WARMING, S.WARM, S.WAKING, S.ACTIVE, S.DRAINING])
+def test_fail_from_any_live_state(state: ReplicaState) -> None:
+    assert transition(state, E.FAIL) is S.FAILED
+    assert transition(S.FAILED, E.TERMINATE) is S.TERMINATED
+
+
+@pytest.mark.parametrize("state", [S.COLD, S.LOADING, S.WARMING, S.WARM, S.WAKING, S.FAILED])
+def test_terminate_from_non_serving_states(state: ReplicaState) -> None:
+    assert transition(state, E.TERMINATE) is S.TERMINATED
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [
+        (S.ACTIVE, E.TERMINATE),  # must drain first
+        (S.DRAINING, E.TERMINATE),  # drained / drain_timeout decide
+        (S.COLD, E.PROMOTE),
+        (S.LOADING, E.WARMUP_OK),
+        (S.WARM, E.WAKE_OK),
+        (S.WARM, E.DRAIN),
+        (S.ACTIVE, E.START),
+        (S.ACTIVE, E.DRAINED),
+        (S.TERMINATED, E.START),
+        (S.TERMINATED, E.FAIL),
+        (S.FAILED, E.FAIL),
+    ],
+)
+def test_invalid_transitions_are_rejected(state: ReplicaState, event: Event) -> None:
+    with pytest.raises(InvalidTransition) as err:
+        transition(state, event)
+    msg = str(err.value)
+    assert f"'{event.value}'" in msg and f"'{state.value}'" in msg and "allowed" in msg
+    assert err.value.state is state and err.value.event is event
+
+
+def test_every_state_event_pair_is_either_defined_or_rejected() -> None:
+    valid = 0
+    for st in S:
+        for ev in E:
+            try:
+                transition(st, ev)
+                valid += 1
+            except InvalidTransition:
+                pass
+    assert valid == 8 + 7 + 6  # main path + fail from 7 live states + terminate from 6
+
+
+def test_apply_event_updates_since_and_sleep() -> None:
+    v = rv("r1", S.WARM, asleep=True)
+    w = apply_event(v, E.PROMOTE, NOW)
+    assert (w.state, w.state_since, w.asleep) == (S.WAKING, NOW, True)
+    a = apply_event(w, E.WAKE_OK, NOW + 8)
+    assert (a.state, a.asleep) == (S.ACTIVE, False)
+    d = apply_event(apply_event(a, E.DRAIN, NOW + 9), E.DRAINED, NOW + 20, recycle=True, asleep=True)
+    assert (d.state, d.asleep, d.state_since) == (S.WARM, True, NOW + 20)
+    assert v.state is S.WARM  # input untouched
+
+
+# --- warm pool target -------------------------------------------------------------------------
+
+def test_warm_pool_target_follows_forecast() -> None:
+    cfg = WarmPoolConfig(burst_fraction=0.25, min_size=1, max_size=10)
+    assert warm_pool_target(8, None, cfg) == 2
+    assert warm_pool_target(8, 12, cfg) == 3 + 4  # reserve on 12, plus the 4-replica rise
+    assert warm_pool_target(8, 4, cfg) == 2  # forecast below desired: reserve only
+    assert warm_pool_target(0, None, cfg) == 1  # min_size
+    assert warm_pool_target(100, None, cfg) == 10  # max_size
+    assert warm_pool_target(8, 12, cfg.model_copy(update={"enabled": False})) == 0
+
+
+# --- planner ----------------------------------------------------------------------------------
+
+def test_promotes_warm_first_awake_before_asleep_then_cold_starts() -> None:
+    reps = (
+        rv("a0", S.ACTIVE),
+        rv("w-sleepy", S.WARM, asleep=True),
+        rv("w-awake", S.WARM, asleep=False),
+    )
+    p = plan_pool(5, reps, 0, NOW, CFG, next_seq=7)
+    assert kinds(p.actions) == [("promote", "w-awake"), ("promote", "w-sleepy"), ("start", "r7"), ("start", "r8")]
+    assert p.next_seq == 9
+    assert all(a.reason == "scale_up" for a in p.actions)
+
+
+def test_loading_replicas_are_counted_before_cold_starting_more() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("l0", S.LOADING), rv("l1", S.WARMING), rv("c0", S.COLD))
+    p = plan_pool(4, reps, 0, NOW, CFG)
+    assert p.actions == ()
+    p = plan_pool(6, reps, 0, NOW, CFG)
+    assert kinds(p.actions) == [("start", "r0"), ("start", "r1")]
+
+
+def test_waking_counts_as_serving() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("k0", S.WAKING))
+    assert plan_pool(2, reps, 0, NOW, CFG).actions == ()
+
+
+def test_refills_pool_in_background() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("a1", S.ACTIVE), rv("w0", S.WARM, asleep=True))
+    p = plan_pool(2, reps, 3, NOW, CFG)
+    assert [(a.kind, a.reason) for a in p.actions] == [(K.START, "pool_refill")] * 2
+    # Promotion uses the pool, then refill makes it up again.
+    p = plan_pool(3, reps, 1, NOW, CFG)
+    assert [(a.kind.value, a.reason) for a in p.actions] == [("promote", "scale_up"), ("start", "pool_refill")]
+
+
+def test_pipeline_serves_demand_before_pool() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("l0", S.LOADING))
+    p = plan_pool(2, reps, 1, NOW, CFG)  # l0 is for demand, the pool still needs one
+    assert [(a.kind.value, a.reason) for a in p.actions] == [("start", "pool_refill")]
+
+
+def test_drains_most_idle_active_one_at_a_time() -> None:
+    reps = (
+        rv("a0", S.ACTIVE, inflight=3, running=3),
+        rv("a1", S.ACTIVE, inflight=0, running=1, last_busy_at=NOW - 5),
+        rv("a2", S.ACTIVE, inflight=0, running=1, last_busy_at=NOW - 50),
+        rv("a3", S.ACTIVE, inflight=2, running=2),
+    )
+    p = plan_pool(1, reps, 0, NOW, CFG)
+    assert kinds(p.actions) == [("drain", "a2")]  # least loaded, idle longest
+    busy_drain = (*reps[:1], rv("a2", S.DRAINING, NOW - 10, inflight=1, running=1), reps[1], reps[3])
+    assert kinds(plan_pool(1, busy_drain, 0, NOW, CFG).actions) == []  # one at a time
+    two = CFG.model_copy(update={"max_concurrent_drains": 3})
+    assert kinds(plan_pool(1, busy_drain, 0, NOW, two).actions) == [("drain", "a1"), ("drain", "a3")]
+
+
+def test_finished_drain_recycled_when_pool_below_target_else_terminated() -> None:
+    done = rv("d0", S.DRAINING, NOW - 30, inflight=0, running=0)
+    still = rv("d1", S.DRAINING, NOW - 30, inflight=1, running=0)
+    reps = (rv("a0", S.ACTIVE), done, still)
+    assert kinds(plan_pool(1, reps, 1, NOW, CFG).actions) == [("recycle", "d0")]
+    p = plan_pool(1, reps, 0, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("terminate", "d0", "pool_full")]
+    # Pool disabled: always terminate.
+    off = CFG.model_copy(update={"enabled": False})
+    assert kinds(plan_pool(1, reps, 5, NOW, off).actions) == [("terminate", "d0")]
+
+
+def test_finished_drain_covers_new_demand_before_a_cold_start() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 30))
+    p = plan_pool(2, reps, 0, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("recycle", "d0", "scale_up")]
+
+
+def test_force_stop_after_max_drain_time() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 301, inflight=2, running=2))
+    p = plan_pool(1, reps, 0, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("force_stop", "d0", "drain_timeout")]
+    reps = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 299, inflight=2, running=2))
+    assert plan_pool(1, reps, 0, NOW, CFG).actions == ()
+
+
+def test_failed_replicas_are_terminated_and_replaced() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("f0", S.FAILED))
+    p = plan_pool(2, reps, 0, NOW, CFG)
+    assert kinds(p.actions) == [("terminate", "f0"), ("start", "r0")]
+
+
+def test_pool_excess_terminated_longest_idle_first_but_not_fresh_ones() -> None:
+    reps = (
+        rv("a0", S.ACTIVE),
+        rv("w-old", S.WARM, NOW - 500, asleep=True),
+        rv("w-mid", S.WARM, NOW - 200, asleep=True),
+        rv("w-new", S.WARM, NOW - 10, asleep=True),
+    )
+    p = plan_pool(1, reps, 0, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [
+        ("terminate", "w-old", "pool_excess"),
+        ("terminate", "w-mid", "pool_excess"),
+    ]
+
+
+def test_awake_pool_replicas_are_put_to_sleep() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("w0", S.WARM, asleep=False), rv("w1", S.WARM, asleep=True))
+    assert kinds(plan_pool(1, reps, 2, NOW, CFG).actions) == [("sleep", "w0")]
+    nosleep = CFG.model_copy(update={"sleep_enabled": False})
+    assert plan_pool(1, reps, 2, NOW, nosleep).actions == ()
+
+
+def test_max_total_caps_cold_starts() -> None:
+    cfg = CFG.model_copy(update={"max_total": 4})
+    reps = (rv("a0", S.ACTIVE), rv("a1", S.ACTIVE))
+    p = plan_pool(10, reps, 5, NOW, cfg)
+    assert kinds(p.actions) == [("start", "r0"), ("start", "r1")]
+
+
+def test_terminated_replicas_are_ignored_and_plan_is_deterministic() -> None:
+    reps = (rv("a0", S.ACTIVE), rv("t0", S.TERMINATED), rv("w1", S.WARM), rv("w0", S.WARM))
+    a = plan_pool(2, reps, 0, NOW, CFG)
+    b = plan_pool(2, tuple(reversed(reps)), 0, NOW, CFG)
+    assert a == b
+    assert kinds(a.actions)[0] == ("promote", "w0")

@@ -1,0 +1,327 @@
+"""Scripted-signal tests for every rule of the scaling policy (fake clock, no I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from pydantic import ValidationError
+
+from controller.policy import (
+    REASON_BOUNDS,
+    REASON_DEMAND,
+    REASON_DOWN,
+    REASON_FLOOR,
+    REASON_HOLD_PANIC,
+    REASON_HOLD_STALE,
+    REASON_HOLD_STEP,
+    REASON_HOLD_WINDOW,
+    REASON_KV,
+    REASON_QUEUE,
+    REASON_STEADY,
+    PolicyConfig,
+    PolicyState,
+    ScalePlan,
+    decide,
+)
+from controller.signals import PoolSignals, ReplicaView
+
+from .conftest import FakeClock, signals, views
+
+CFG = PolicyConfig(min_replicas=1, max_replicas=64, target_concurrency=10.0)
+
+
+def step(
+    cfg: PolicyConfig,
+    state: PolicyState,
+    now: float,
+    reps: tuple[ReplicaView, ...],
+    sig: PoolSignals,
+    floor: int | None = None,
+) -> tuple[ScalePlan, PolicyState]:
+    return decide(cfg, sig, reps, state, now, floor)
+
+
+def run_steady(cfg: PolicyConfig, clock: FakeClock, n: int, running: float, seconds: float,
+               state: PolicyState, tick: float = 2.0) -> tuple[ScalePlan, PolicyState]:
+    """Tick for `seconds` with `n` active replicas and constant load; returns the last plan."""
+    plan = None
+    end = clock.now + seconds
+    while clock.now < end:
+        reps = views(clock.now, active=n)
+        plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=running))
+        n = plan.desired
+        clock.advance(tick)
+    assert plan is not None
+    return plan, state
+
+
+def test_steady_load_keeps_size(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4)
+    plan, st = step(CFG, PolicyState(), clock.now, reps, signals(clock.now, reps, running=40))
+    assert (plan.desired, plan.reason, plan.direction) == (4, REASON_STEADY, "none")
+    assert st.desired == 4
+
+
+def test_tolerance_band_absorbs_small_changes(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=43))  # ratio 1.075
+    assert plan.desired == 4
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=46))  # ratio 1.15
+    assert (plan.desired, plan.reason) == (5, REASON_DEMAND)
+
+
+def test_queue_pressure_doubles_at_once_counting_floodgate_queue(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    # 4 waiting in vLLM + 5 in Floodgate's queue = 9 > 2 per replica: double.
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=36, waiting=4, queue=5))
+    assert (plan.desired, plan.reason, plan.waiting) == (8, REASON_QUEUE, 9)
+    # Exactly 2 per replica is not above the threshold: proportional only.
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=36, waiting=4, queue=4))
+    assert (plan.desired, plan.reason) == (5, REASON_DEMAND)
+
+
+def test_doubling_factor_is_configurable(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"scale_up_factor": 1.5})
+    reps = views(clock.now, active=4)
+    plan, _ = step(cfg, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=40, queue=20))
+    assert plan.desired == 6
+
+
+def test_loading_replicas_prevent_a_cold_start_cascade(clock: FakeClock) -> None:
+    state = PolicyState(desired=4)
+    reps = views(clock.now, active=4)
+    plan, state = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, queue=12))
+    assert plan.desired == 8
+    # The first wave is loading for minutes; the queue keeps growing meanwhile.
+    for queue in (20, 30, 40):  # 10 waiting per active replica: "double" = the same 8
+        now = clock.advance(2)
+        reps = views(now, active=4, loading=4)
+        plan, state = step(CFG, state, now, reps, signals(now, reps, running=40, queue=queue))
+        assert plan.desired == 8, queue
+        assert plan.incoming == 4
+    # But demand that really outgrows active + incoming still scales.
+    now = clock.advance(2)
+    reps = views(now, active=4, loading=4)
+    plan, state = step(CFG, state, now, reps, signals(now, reps, running=40, queue=100))
+    assert (plan.desired, plan.reason) == (14, REASON_DEMAND)
+
+
+def test_loading_replicas_count_as_capacity_for_demand(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4, loading=4)
+    state = PolicyState(desired=8, window=((clock.now - 1, 8),))
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, queue=8))
+    # Demand 48 → 5 replicas, less than the 8 active + incoming: nothing new is started.
+    assert (plan.desired, plan.reason, plan.incoming) == (8, REASON_HOLD_WINDOW, 4)
+
+
+def test_kv_pressure_is_a_second_trigger(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    assert (plan.desired, plan.reason) == (6, REASON_KV)  # ceil(4 × 0.95 / 0.75)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.9))
+    assert plan.desired == 4  # at the threshold, not above
+    cfg = CFG.model_copy(update={"kv_target": 0.94})
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    assert plan.desired == 5  # always at least one more
+
+
+def test_scale_down_waits_for_the_five_minute_window(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0})
+    t0 = clock.now
+    plan, state = run_steady(cfg, clock, 10, 100, 2, PolicyState())
+    assert plan.desired == 10
+    # Load drops to 2 replicas' worth; hold until the high recommendation leaves the window.
+    while clock.now < t0 + 298:
+        reps = views(clock.now, active=10)
+        plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=20))
+        assert (plan.desired, plan.reason) == (10, REASON_HOLD_WINDOW), clock.now - t0
+        clock.advance(2)
+    assert clock.now == t0 + 298
+    reps = views(clock.now, active=10)
+    plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=20))
+    assert plan.desired == 10
+    clock.advance(2)  # t0 + 300: the t0 sample has left the window
+    reps = views(clock.now, active=10)
+    plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=20))
+    assert (plan.desired, plan.reason, plan.direction) == (9, REASON_DOWN, "down")
+
+
+def test_window_uses_the_max_recommendation(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0, "scale_down_interval_s": 0.0})
+    state = PolicyState(desired=10)
+    reps = views(clock.now, active=10)
+    t0 = clock.now
+    # 100 s in: a recommendation of 7; everything else 2.
+    for dt, running in ((0, 20), (100, 70), (200, 20)):
+        plan, state = step(cfg, state, t0 + dt, reps, signals(t0 + dt, reps, running=running))
+    downs = []
+    for dt in range(300, 420, 2):
+        plan, state = step(cfg, state, t0 + dt, views(t0 + dt, active=state.desired or 0),
+                           signals(t0 + dt, reps, running=20))
+        downs.append(plan.desired)
+    assert min(downs[:50]) == 7  # the 7 from t0+100 holds until t0+400
+    assert downs[-1] < 7
+
+
+def test_scale_down_one_replica_per_step(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0, "stabilization_window_s": 0.0, "scale_down_interval_s": 10.0})
+    state = PolicyState(desired=10)
+    seen = []
+    for _ in range(16):
+        reps = views(clock.now, active=state.desired or 0)
+        plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=0))
+        seen.append((plan.desired, plan.reason))
+        clock.advance(2)
+    assert seen[0] == (9, REASON_DOWN)
+    assert seen[1:5] == [(9, REASON_HOLD_STEP)] * 4
+    assert seen[5] == (8, REASON_DOWN)
+    assert all(b[0] >= a[0] - 1 for a, b in itertools.pairwise(seen))
+
+
+def test_panic_window_forbids_scale_down_after_a_burst(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"stabilization_window_s": 0.0, "panic_window_s": 60.0, "scale_down_interval_s": 0.0})
+    reps = views(clock.now, active=4)
+    t0 = clock.now
+    plan, state = step(cfg, PolicyState(desired=4), t0, reps, signals(t0, reps, running=40, queue=20))
+    assert plan.desired == 8 and plan.panic
+    for dt in range(2, 60, 2):
+        reps = views(t0 + dt, active=8)
+        plan, state = step(cfg, state, t0 + dt, reps, signals(t0 + dt, reps, running=5))
+        assert (plan.desired, plan.reason) == (8, REASON_HOLD_PANIC)
+    reps = views(t0 + 60, active=8)
+    plan, state = step(cfg, state, t0 + 60, reps, signals(t0 + 60, reps, running=5))
+    assert (plan.desired, plan.reason) == (7, REASON_DOWN)
+
+
+def test_demand_spike_enters_panic_without_queue(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"stabilization_window_s": 0.0, "scale_down_interval_s": 0.0})
+    reps = views(clock.now, active=4)
+    plan, state = step(cfg, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=80))
+    assert plan.panic and plan.desired == 8
+    now = clock.advance(10)
+    plan, _ = step(cfg, state, now, views(now, active=8), signals(now, views(now, active=8), running=0))
+    assert plan.reason == REASON_HOLD_PANIC
+
+
+def test_bounds(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"max_replicas": 6, "min_replicas": 2, "panic_window_s": 0.0, "stabilization_window_s": 0.0})
+    reps = views(clock.now, active=4)
+    plan, _ = step(cfg, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=40, queue=20))
+    assert (plan.desired, plan.reason, plan.cause) == (6, REASON_BOUNDS, REASON_QUEUE)
+    reps = views(clock.now, active=2)
+    plan, _ = step(cfg, PolicyState(desired=2), clock.now, reps, signals(clock.now, reps, running=0))
+    assert (plan.desired, plan.reason) == (2, REASON_BOUNDS)
+    # A previous desired outside new bounds is clamped.
+    plan, _ = step(cfg, PolicyState(desired=50), clock.now, views(clock.now, active=50),
+                   signals(clock.now, views(clock.now, active=50), running=500))
+    assert plan.desired == 6
+
+
+def test_scale_from_zero(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"min_replicas": 0})
+    plan, _ = step(cfg, PolicyState(desired=0), clock.now, (), signals(clock.now, (), queue=1))
+    assert plan.desired == 1
+    plan, _ = step(cfg, PolicyState(desired=0), clock.now, (), signals(clock.now, (), queue=0))
+    assert plan.desired == 0
+
+
+@pytest.mark.parametrize("how", ["stale_replica", "failed_replica", "missing_replica", "queue_failed", "queue_stale"])
+def test_stale_signals_never_read_as_zero(clock: FakeClock, how: str) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0, "stabilization_window_s": 0.0})
+    reps = views(clock.now, active=6)
+    kw: dict[str, object] = {}
+    if how == "stale_replica":
+        kw["stale_ids"] = frozenset({"a0"})
+    elif how == "failed_replica":
+        kw["failed_ids"] = frozenset({"a0"})
+    elif how == "queue_failed":
+        kw["queue_ok"] = False
+    elif how == "queue_stale":
+        kw["queue_age"] = 30.0
+    sig = signals(clock.now, reps, running=0, **kw)  # type: ignore[arg-type]
+    if how == "missing_replica":
+        sig = dataclasses.replace(sig, replicas=sig.replicas[1:])
+    plan, _ = step(cfg, PolicyState(desired=6), clock.now, reps, sig)
+    assert plan.stale
+    assert (plan.desired, plan.reason) == (6, REASON_HOLD_STALE)
+    # Fresh evidence of pressure still scales up while another signal is stale.
+    sig = signals(clock.now, reps, running=60, waiting=30, stale_ids=frozenset({"a0"}))
+    plan, _ = step(cfg, PolicyState(desired=6), clock.now, reps, sig)
+    assert plan.stale and plan.desired == 12 and plan.reason == REASON_QUEUE
+
+
+def test_stale_period_does_not_pull_the_window_down(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0, "scale_down_interval_s": 0.0})
+    state = PolicyState(desired=6)
+    reps = views(clock.now, active=6)
+    t0 = clock.now
+    for dt in range(0, 400, 2):  # 400 s of outage: everything stale
+        sig = signals(t0 + dt, reps, running=0, failed_ids=frozenset(r.replica_id for r in reps))
+        plan, state = step(cfg, state, t0 + dt, reps, sig)
+        assert (plan.desired, plan.reason) == (6, REASON_HOLD_STALE)
+    # Scrapes recover showing low load: still a full window before the first step down.
+    plan, state = step(cfg, state, t0 + 400, reps, signals(t0 + 400, reps, running=0))
+    assert (plan.desired, plan.reason) == (6, REASON_HOLD_WINDOW)
+    plan, state = step(cfg, state, t0 + 700, reps, signals(t0 + 700, reps, running=0))
+    assert (plan.desired, plan.reason) == (5, REASON_DOWN)
+
+
+def test_forecast_floor_raises_but_never_scales_in(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4)
+    plan, state = step(CFG, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=40), floor=12)
+    assert (plan.desired, plan.reason) == (12, REASON_FLOOR)
+    # A floor below the reactive size changes nothing.
+    reps = views(clock.now, active=10)
+    plan, _ = step(CFG, PolicyState(desired=10), clock.now, reps, signals(clock.now, reps, running=100), floor=3)
+    assert (plan.desired, plan.reason) == (10, REASON_STEADY)
+    # When the floor goes away, the window smooths the way down like any recommendation.
+    now = clock.advance(2)
+    reps = views(now, active=12)
+    plan, state = step(CFG, state, now, reps, signals(now, reps, running=40), floor=None)
+    assert (plan.desired, plan.reason) == (12, REASON_HOLD_WINDOW)
+
+
+def test_decide_is_pure_and_deterministic(clock: FakeClock) -> None:
+    reps = views(clock.now, active=4, loading=2, warm=3, draining=1)
+    sig = signals(clock.now, reps, running=33, waiting=7, queue=11, kv=0.5)
+    state = PolicyState(desired=6, window=((clock.now - 10, 9),))
+    a = decide(CFG, sig, reps, state, clock.now, 5)
+    b = decide(CFG, sig, reps, state, clock.now, 5)
+    assert a == b
+    assert state == PolicyState(desired=6, window=((clock.now - 10, 9),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.desired = 3  # type: ignore[misc]
+
+
+def test_draining_replicas_are_not_capacity_but_their_load_counts(clock: FakeClock) -> None:
+    reps = views(clock.now, active=2, draining=1)
+    sig = signals(clock.now, reps, running=20)
+    sig = dataclasses.replace(sig, replicas=(*sig.replicas, dataclasses.replace(sig.replicas[0], replica_id="d0", running=10)))
+    plan, _ = step(CFG, PolicyState(desired=2), clock.now, reps, sig)
+    assert plan.active == 2 and plan.running == 30 and plan.desired == 3
+
+
+def test_window_is_compact() -> None:
+    cfg = CFG
+    state = PolicyState(desired=10)
+    reps = views(0, active=10)
+    for k in range(150):  # a decreasing recommendation over 300 s
+        _, state = decide(cfg, signals(k * 2.0, reps, running=max(0, 100 - k)), reps, state, k * 2.0)
+    assert len(state.window) <= 12
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValidationError, match="min_replicas"):
+        PolicyConfig(min_replicas=5, max_replicas=2)
+    with pytest.raises(ValidationError, match="bogus"):
+        PolicyConfig(bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="kv_pressure_threshold"):
+        PolicyConfig(kv_pressure_threshold=1.5)
+    assert PolicyConfig().stabilization_window_s == 300.0
+    assert PolicyConfig().queue_pressure_per_replica == 2.0
+    assert PolicyConfig().scale_up_factor == 2.0
