@@ -1,0 +1,41 @@
+"""`floodgate bench <benchmark>`: side-by-side benchmarks that print ratios.
+
+Each benchmark is a module in `bench/` exposing `SUMMARY` (one line for --help),
+`add_arguments(parser)` and `run(args) -> exit code`. To add one (e.g. `overload`), write the
+module and add it to `BENCHMARKS`. Modules are imported when the parser is built, so keep their
+top level light and import heavy dependencies inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Sub-benchmark name -> module, in --help order.
+BENCHMARKS: dict[str, str] = {
+    "overhead": "bench.overhead",
+}
+
+HELP = """\
+Run a benchmark against real processes started on this machine (Envoy, Redis, processors)
+and print a table with ratios to its reference configuration. See docs/benchmarks.md.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benches = p.add_subparsers(dest="benchmark", metavar="<benchmark>")
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or "").strip()
+        bp = benches.add_parser(name, help=module.SUMMARY, description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(bp)
+        bp.set_defaults(handler=module.run)
+
+    def usage(_args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(handler=usage)
