@@ -103,7 +103,7 @@ class PolicyConfig(BaseModel):
     )
     scale_down_step: int = Field(default=1, ge=1, description="Replicas removed per scale-down step.")
     scale_down_interval_s: float = Field(
-        default=10.0, ge=0, description="Shortest time between two scale-down steps."
+        default=30.0, ge=0, description="Shortest time between two scale-down steps."
     )
     panic_threshold: float = Field(
         default=2.0, gt=1, description="Demand ≥ this × current capacity × target enters panic."
