@@ -36,7 +36,7 @@ async def post(session: aiohttp.ClientSession, url: str, *, headers: dict[str, s
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             data = await r.read()
             return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, data, time.monotonic() - t0)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Reply(0, {}, b"", time.monotonic() - t0, error=f"{type(exc).__name__}: {exc}")
 
 

@@ -132,12 +132,13 @@ async def test_release_on_every_ending(stack: LocalStack, upstream: int) -> None
         st = await drained(stack.redis_url, timeout=5)
         assert st.inflight_total == 0 and st.queued_total == 0
         # 4. client disconnect while queued
-        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1500")))
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="4000")))
         assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
         waiter = asyncio.create_task(post(s, envoy.url, headers=hdr(1)))
         assert await wait_until(lambda: _queued_is(stack.redis_url, 1), 5)
         waiter.cancel()
         assert await wait_until(lambda: _queued_is(stack.redis_url, 0), 5)
+        assert not hold.done()  # so the waiter left the queue by itself, it was not granted
         assert (await hold).status == 200
         st = await drained(stack.redis_url)
         assert st.inflight_total == 0 and st.queued_total == 0
@@ -279,8 +280,7 @@ async def test_bad_priority_headers_never_fail(stack: LocalStack, upstream: int,
             h.add("x-request-priority", v)
         r = await post(s, envoy.url, headers=h)  # type: ignore[arg-type]
         assert r.status == 200, r.body
-        expected = "1" if values != ["1", "1"] else "1"
-        assert r.headers["x-floodgate-priority"] == expected
+        assert r.headers["x-floodgate-priority"] == "1"  # the default, or the agreeing duplicates
         m = await metrics(s, stack.processors[0].metrics_url)
         if values != ["1", "1"]:
             assert m['floodgate_invalid_priority_header_total{pool="default"}'] >= 1
