@@ -14,6 +14,7 @@ import importlib
 # Sub-benchmark name -> module, in --help order.
 BENCHMARKS: dict[str, str] = {
     "overhead": "bench.overhead",
+    "overload": "bench.overload",
 }
 
 HELP = """\

@@ -1,0 +1,829 @@
+"""Overload: the same pool and the same burst, with and without admission control.
+
+One invocation starts a fixed pool of `floodgate sim` replicas and replays one seeded, open-loop
+arrival plan against each configuration in turn, every one on fresh processes:
+
+* `none`        Envoy alone, no admission control;
+* `adaptive`    Envoy's `adaptive_concurrency` filter (gradient controller), 429 when over;
+* `static-N`    Floodgate with a static limit of N concurrent requests (one run per N: the best
+                one is the hand-tuned reference);
+* `vegas-SIG`   Floodgate with the untuned Vegas limit fed by signal SIG (ttft, tpot, combined).
+
+The plan: an unloaded phase (the reference for P0 TTFT), a steady phase at ~70 % of the pool's
+capacity, a burst at 3x capacity, then recovery; priority mix 20/50/30 % P0/P1/P2. Capacity
+is derived first from the pure engine model (`sim/engine.py`, the same code the replicas run)
+and, by default, the pool's best steady goodput is then measured on the real pool with a short
+step sweep without admission control.
+
+    floodgate bench overload                                  # full run, ~10 min
+    floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
+
+Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,
+the plan and the measured CPU use), one `<config>.json.gz` per config (every request record
+and metric sample, as `sim.report.write_json`), and timeline.png; and, unless --no-doc, the
+"Overload" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "overload"
+DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+SECTION_START = "<!-- overload:begin -->"
+SECTION_END = "<!-- overload:end -->"
+
+# Targets from issue 3.
+TARGET_P0_SUCCESS = 0.999
+TARGET_P0_TTFT_RATIO = 2.0
+TARGET_GOODPUT_RATIO = 0.95
+TARGET_P2_REJECT_MS = 10.0
+
+FLOODGATE_METRICS = ("floodgate_limit", "floodgate_inflight", "floodgate_queue_depth")
+ADAPTIVE_LIMIT = "envoy_http_adaptive_concurrency_gradient_controller_concurrency_limit"
+ADAPTIVE_METRICS = (ADAPTIVE_LIMIT, "envoy_http_adaptive_concurrency_gradient_controller_rq_blocked")
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    load: float  # multiple of the pool's capacity
+
+
+DEFAULT_PHASES = (
+    Phase("unloaded", 8, 0.3),
+    Phase("steady", 16, 0.7),
+    Phase("burst", 24, 3.0),
+    Phase("recovery", 12, 0.7),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    replicas: int = 2
+    time_scale: float = 1.0
+    max_num_seqs: int = 256
+    prompt_mean: int = 512
+    output_mean: int = 64
+    length_sigma: float = 0.5
+    priority_shares: tuple[float, float, float] = (0.2, 0.5, 0.3)
+    seed: int = 1
+    phases: tuple[Phase, ...] = DEFAULT_PHASES
+
+    def engine_config(self) -> Any:
+        from sim.engine import EngineConfig
+
+        return EngineConfig(max_num_seqs=self.max_num_seqs).scaled(self.time_scale)
+
+    def mix(self) -> Any:
+        from sim.arrivals import LengthDist, Mix
+
+        return Mix(priority_shares=self.priority_shares,
+                   tenants=(("tenant-a", 0.5), ("tenant-b", 0.5)),
+                   prompt=LengthDist(self.prompt_mean, self.length_sigma, max=4 * self.prompt_mean),
+                   output=LengthDist(self.output_mean, self.length_sigma, max=4 * self.output_mean))
+
+    def windows(self) -> dict[str, tuple[float, float]]:
+        out, t = {}, 0.0
+        for p in self.phases:
+            out[p.name] = (t, t + p.duration_s)
+            t += p.duration_s
+        return out
+
+
+def build_plan(w: Workload, capacity_rps: float) -> list[Any]:
+    from sim.arrivals import step_profile, synthetic_plan
+
+    profile = step_profile([(p.duration_s, p.load * capacity_rps) for p in w.phases])
+    return list(synthetic_plan(profile, w.mix(), seed=w.seed))
+
+
+# --------------------------------------------------------------------------- capacity (offline)
+
+
+@dataclass
+class CapacityPoint:
+    rate_rps: float
+    goodput_tok_s: float
+    slo_attainment: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+
+
+def simulate_pool(w: Workload, rate: float, duration: float, slo_ttft: float, slo_tpot: float) -> CapacityPoint:
+    """Constant Poisson load on `replicas` pure engines behind least-request balancing, on a
+    virtual clock: what the real pool would serve if the client, Envoy and the emulators' event
+    loops cost nothing. Statistics over arrivals after a 30 % warm-up."""
+    import numpy as np
+
+    from sim.arrivals import constant_profile, synthetic_plan
+    from sim.engine import Engine
+
+    plan = synthetic_plan(constant_profile(rate, duration), w.mix(), seed=w.seed + 1000)
+    engines = [Engine(w.engine_config()) for _ in range(w.replicas)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+
+    def advance(t: float) -> None:
+        for e in engines:
+            for ev in e.advance(t):
+                rid = ev.seq.request_id
+                first.setdefault(rid, ev.time)
+                last[rid] = ev.time
+                count[rid] = ev.index + 1
+
+    for i, p in enumerate(plan):
+        advance(p.t_offset)
+        e = min(engines, key=lambda e: e.num_running + e.num_waiting)
+        e.add_request(str(i), p.prompt_tokens, p.output_tokens, p.t_offset)
+    t = duration
+    while any(e.has_work() for e in engines) and t < duration * 20:
+        t += 1.0
+        advance(t)
+    good_tokens, met, n = 0, 0, 0
+    ttft, tpot = [], []
+    for i, p in enumerate(plan):
+        if p.t_offset < 0.3 * duration:
+            continue
+        n += 1
+        rid = str(i)
+        if rid not in first:
+            continue
+        a = first[rid] - p.t_offset
+        b = (last[rid] - first[rid]) / (count[rid] - 1) if count[rid] > 1 else 0.0
+        ttft.append(a)
+        tpot.append(b)
+        if a <= slo_ttft and b <= slo_tpot:
+            met += 1
+            good_tokens += count[rid]
+    return CapacityPoint(rate, good_tokens / (0.7 * duration), met / max(1, n),
+                         float(np.percentile(ttft, 99)) if ttft else math.inf,
+                         float(np.percentile(tpot, 50)) if tpot else math.inf)
+
+
+def derive_capacity(w: Workload, slo_ttft: float, slo_tpot: float,
+                    duration: float = 60.0) -> tuple[float, float, list[CapacityPoint]]:
+    """(capacity req/s, best goodput tok/s, curve): capacity is the highest rate at which at
+    least 99 % of requests still meet the SLO, searched on the engine model."""
+    cfg = w.engine_config()
+    # First guess from the engine's cost model: prefill plus ~one decode step per output token
+    # at a moderate batch, per replica.
+    per_req = cfg.prefill_per_token_s * w.prompt_mean + w.output_mean * (
+        cfg.decode_base_s / 16 + cfg.decode_per_seq_s)
+    guess = w.replicas / per_req
+    curve: list[CapacityPoint] = []
+    lo, hi = 0.2 * guess, 2.0 * guess
+    for _ in range(9):  # bisection on "meets the SLO for >= 99 % of requests"
+        mid = (lo + hi) / 2
+        pt = simulate_pool(w, mid, duration, slo_ttft, slo_tpot)
+        curve.append(pt)
+        if pt.slo_attainment >= 0.99:
+            lo = mid
+        else:
+            hi = mid
+    capacity = lo
+    for f in (0.8, 0.9, 1.0, 1.1):
+        curve.append(simulate_pool(w, capacity * f, duration, slo_ttft, slo_tpot))
+    curve.sort(key=lambda p: p.rate_rps)
+    best = max(p.goodput_tok_s for p in curve)
+    return capacity, best, curve
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    kind: str  # none | adaptive | static | vegas
+    limit: int | None = None
+    signal: str | None = None
+
+    @property
+    def floodgate(self) -> bool:
+        return self.kind in ("static", "vegas")
+
+
+def parse_config(name: str) -> BenchConfig:
+    if name in ("none", "adaptive"):
+        return BenchConfig(name, name)
+    kind, _, arg = name.partition("-")
+    if kind == "static" and arg.isdigit() and int(arg) > 0:
+        return BenchConfig(name, "static", limit=int(arg))
+    if kind == "vegas" and arg in ("ttft", "tpot", "combined"):
+        return BenchConfig(name, "vegas", signal=arg)
+    if name == "vegas":
+        from extproc.config import LimitConfig
+
+        sig = LimitConfig().signal
+        return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
+    raise argparse.ArgumentTypeError(
+        f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined")
+
+
+def default_configs() -> list[str]:
+    return ["none", "adaptive", "static-64", "static-96", "static-128",
+            "vegas-ttft", "vegas-tpot", "vegas-combined"]
+
+
+def adaptive_concurrency_filter() -> dict[str, Any]:
+    """Envoy's gradient controller, set up to give it a fair chance with LLM requests.
+
+    The stock example (request_count 50, min_concurrency 3, 60 s interval) pins concurrency at
+    3 while it collects 50 samples; a sample is a whole streamed completion (seconds), so that
+    window alone would last about a minute. Fewer samples at a higher pinned concurrency keep
+    the minRTT measurement short; the buffer and percentile are Envoy's documented defaults.
+    """
+    return {
+        "name": "envoy.filters.http.adaptive_concurrency",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency",
+            "gradient_controller_config": {
+                "sample_aggregate_percentile": {"value": 50},
+                "concurrency_limit_params": {
+                    "max_concurrency_limit": 1000,
+                    "concurrency_update_interval": "0.5s",
+                },
+                "min_rtt_calc_params": {
+                    "interval": "60s",
+                    "request_count": 20,
+                    "jitter": {"value": 10},
+                    "min_concurrency": 16,
+                    "buffer": {"value": 25},
+                },
+            },
+            # 429 like Floodgate, so the client counts blocked requests as rejections.
+            "concurrency_limit_exceeded_status": {"code": 429},
+        },
+    }
+
+
+def floodgate_config(cfg: BenchConfig) -> dict[str, Any]:
+    # Trust the load generator's priority header (it runs on loopback).
+    out: dict[str, Any] = {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}}
+    if cfg.kind == "static":
+        assert cfg.limit is not None
+        limit: dict[str, Any] = {"mode": "static", "initial": cfg.limit, "max": max(512, cfg.limit)}
+    else:
+        limit = {"mode": "vegas", "signal": cfg.signal}  # everything else: LimitConfig defaults
+    out["pools"] = [{"name": "default", "limit": limit}]
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, for the CPU headroom check."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return float(sum(vals) - idle), float(sum(vals))
+
+
+def _wait_healthy(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"emulator on {port} never became healthy")
+
+
+@dataclass
+class RunOutput:
+    config: BenchConfig
+    result: Any  # sim.loadgen.LoadResult
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> share of one core
+    machine_busy: float = 0.0  # share of all cores busy during the run (everyone's work)
+
+
+def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s: float,
+               progress: bool, workdir: Path | None = None) -> RunOutput:
+    from floodgate.stack import LocalStack
+    from floodgate.supervisor import Supervisor, free_port
+    from sim.loadgen import run_load_detailed
+
+    kwargs: dict[str, Any] = {"workdir": workdir} if workdir else {}
+    with Supervisor(**kwargs) as sup:
+        stack = LocalStack(sup)
+        upstreams = []
+        for i in range(w.replicas):
+            port = free_port()
+            stack.start_upstream(
+                [sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
+                 "--time-scale", str(w.time_scale), "--max-num-seqs", str(w.max_num_seqs),
+                 "--log-level", "warning"], name=f"sim{i}", port=port)
+            _wait_healthy(port)
+            upstreams.append(("127.0.0.1", port))
+        metrics_url: str | None = None
+        metrics: tuple[str, ...] = ()
+        if cfg.floodgate:
+            stack.start_redis()
+            proc = stack.start_processor(floodgate_config(cfg))
+            envoy = stack.start_envoy(upstreams, processors=[proc])
+            metrics_url, metrics = proc.metrics_url, FLOODGATE_METRICS
+        elif cfg.kind == "adaptive":
+            envoy = stack.start_envoy(upstreams, processors=[], admission=False,
+                                      extra_filters=[adaptive_concurrency_filter()])
+            metrics_url = f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus"
+            metrics = ADAPTIVE_METRICS
+        else:
+            envoy = stack.start_envoy(upstreams, processors=[], admission=False)
+        pids = {c.name: c.proc.pid for c in sup.children}
+        cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
+        self0 = time.process_time()
+        busy0 = _machine_busy()
+        t0 = time.monotonic()
+        result = asyncio.run(run_load_detailed(
+            plan, envoy.url, request_timeout=timeout_s, metrics_url=metrics_url,
+            metrics=metrics or ("none",), progress=progress))
+        wall = max(1e-9, time.monotonic() - t0)
+        busy1 = _machine_busy()
+        cpu = {n: (_cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
+        cpu["client"] = (time.process_time() - self0) / wall
+        machine = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
+        for c in sup.children:
+            if not c.alive():
+                raise RuntimeError(f"{c.name} died during the {cfg.name} run:\n{c.log_tail()}")
+    result.meta["config"] = cfg.name
+    return RunOutput(cfg, result, cpu, machine)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Row:
+    config: str
+    offered: int
+    admitted: int
+    rejected: int
+    errors: int
+    consistent: bool
+    p0_success: float | None
+    p0_burst_success: float | None
+    p0_ttft_p99_unloaded_s: float | None
+    p0_ttft_p99_burst_s: float | None
+    p0_ttft_ratio: float | None
+    goodput_steady_tok_s: float | None
+    goodput_burst_tok_s: float | None
+    goodput_recovery_tok_s: float | None
+    goodput_ratio: float | None
+    p2_reject_p99_ms: float | None
+    p2_rejected: int
+    reject_p99_ms: float | None
+    success_by_class: dict[str, float | None]
+    rejected_by_reason: dict[str, int]
+    errors_by_kind: dict[str, int]
+    limit_mean_burst: float | None
+    cpu: dict[str, float]
+    machine_busy: float
+    send_lag_p99_s: float | None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
+    import numpy as np
+
+    from sim.loadgen import REJECTED
+    from sim.report import percentile, summarize
+
+    recs = out.result.records
+    win = w.windows()
+    whole = summarize(recs, slo)
+    whole.check()
+    phases = {}
+    for name, (a, b) in win.items():
+        s = summarize(recs, slo, window=(a, b))
+        s.check()
+        phases[name] = s
+    rej = [r for r in recs if r.outcome == REJECTED and r.e2e_s is not None]
+    p2_rej = [r.e2e_s for r in rej if r.priority == 2]
+    burst = phases.get("burst")
+    unloaded = phases.get("unloaded")
+    limit_name = FLOODGATE_METRICS[0] if out.config.floodgate else ADAPTIVE_LIMIT
+    limit_mean = None
+    if burst is not None and burst.window is not None:
+        vals = [s.values[limit_name] for s in out.result.samples
+                if limit_name in s.values and burst.window[0] <= s.t < burst.window[1]]
+        limit_mean = float(np.mean(vals)) if vals else None
+    if out.config.kind == "static":
+        limit_mean = float(out.config.limit or 0)
+    p0_unloaded = unloaded.per_priority[0].ttft_p99 if unloaded else None
+    p0_burst = burst.per_priority[0].ttft_p99 if burst else None
+    g_burst = burst.overall.goodput_tok_s if burst else None
+    o = whole.overall
+    return Row(
+        config=out.config.name, offered=o.offered, admitted=o.admitted, rejected=o.rejected,
+        errors=o.errors, consistent=o.offered == o.admitted + o.rejected + o.errors,
+        p0_success=whole.per_priority[0].success_rate,
+        p0_burst_success=burst.per_priority[0].success_rate if burst else None,
+        p0_ttft_p99_unloaded_s=p0_unloaded, p0_ttft_p99_burst_s=p0_burst,
+        p0_ttft_ratio=_ratio(p0_burst, p0_unloaded),
+        goodput_steady_tok_s=phases["steady"].overall.goodput_tok_s if "steady" in phases else None,
+        goodput_burst_tok_s=g_burst,
+        goodput_recovery_tok_s=phases["recovery"].overall.goodput_tok_s if "recovery" in phases else None,
+        goodput_ratio=_ratio(g_burst, best_goodput),
+        p2_reject_p99_ms=(percentile(p2_rej, 99) or 0) * 1000 if p2_rej else None,
+        p2_rejected=len(p2_rej),
+        reject_p99_ms=(percentile([r.e2e_s for r in rej if r.e2e_s is not None], 99) or 0) * 1000 if rej else None,
+        success_by_class={f"P{k}": v.success_rate for k, v in whole.per_priority.items()},
+        rejected_by_reason=o.rejected_by_reason, errors_by_kind=o.errors_by_kind,
+        limit_mean_burst=limit_mean, cpu=out.cpu, machine_busy=out.machine_busy,
+        send_lag_p99_s=out.result.meta.get("send_lag_p99_s"),
+    )
+
+
+def _pct(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None else f"{100 * v:.{digits}f}%"
+
+
+def _num(v: float | None, fmt: str = ".0f") -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{1000 * v:.0f}"
+
+
+def render_table(rows: Sequence[Row]) -> str:
+    head = ("| config | offered | admitted | rejected | errors | P0 success | P0 TTFT p99 unloaded / burst (ms) "
+            "| burst goodput tok/s (vs best) | P2 reject p99 ms | limit in burst |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r.config} | {r.offered} | {r.admitted} | {r.rejected} | {r.errors} "
+            f"| {_pct(r.p0_success, 2)} | {_ms(r.p0_ttft_p99_unloaded_s)} / {_ms(r.p0_ttft_p99_burst_s)} "
+            f"({_num(r.p0_ttft_ratio, '.1f')}x) | {_num(r.goodput_burst_tok_s)} ({_pct(r.goodput_ratio, 0)}) "
+            f"| {_num(r.p2_reject_p99_ms, '.1f')} | {_num(r.limit_mean_burst)} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def best_static(rows: Sequence[Row]) -> Row | None:
+    static = [r for r in rows if r.config.startswith("static-")]
+    return max(static, key=lambda r: r.goodput_burst_tok_s or 0.0, default=None)
+
+
+def verdicts(rows: Sequence[Row]) -> list[str]:
+    """One line per target, per Floodgate config, PASS/FAIL with the number."""
+    out = []
+
+    def mark(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    bs = best_static(rows)
+    for r in rows:
+        if not (r.config.startswith("static-") or r.config.startswith("vegas-")):
+            continue
+        p0 = r.p0_success is not None and r.p0_success >= TARGET_P0_SUCCESS
+        tt = r.p0_ttft_ratio is not None and r.p0_ttft_ratio <= TARGET_P0_TTFT_RATIO
+        gp = r.goodput_ratio is not None and r.goodput_ratio >= TARGET_GOODPUT_RATIO
+        p2 = r.p2_reject_p99_ms is None or r.p2_reject_p99_ms < TARGET_P2_REJECT_MS
+        line = (f"{r.config}: P0 success {mark(p0)} ({_pct(r.p0_success, 2)}), "
+                f"P0 TTFT p99 burst/unloaded {mark(tt)} ({_num(r.p0_ttft_ratio, '.2f')}x), "
+                f"burst goodput {mark(gp)} ({_pct(r.goodput_ratio, 0)} of best steady), "
+                f"P2 reject p99 {mark(p2)} ({_num(r.p2_reject_p99_ms, '.1f')} ms)")
+        if r.config.startswith("vegas-") and bs is not None:
+            g, s = r.goodput_burst_tok_s or 0.0, bs.goodput_burst_tok_s or 0.0
+            line += f", vs best static ({bs.config}) {mark(g >= 0.95 * s)} ({_pct(_ratio(g, s), 0)})"
+        out.append(line)
+    for r in rows:
+        if r.config in ("none", "adaptive"):
+            out.append(f"{r.config}: burst goodput {_pct(r.goodput_ratio, 0)} of best steady, "
+                       f"P0 success {_pct(r.p0_success, 2)}, P0 TTFT p99 burst/unloaded "
+                       f"{_num(r.p0_ttft_ratio, '.1f')}x")
+    return out
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def plot_timeline(runs: Sequence[RunOutput], w: Workload, slo: Any, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from sim.loadgen import OK
+
+    end = sum(p.duration_s for p in w.phases)
+    bin_s = max(1.0, end / 60)
+    edges = np.arange(0.0, end + bin_s, bin_s)
+    fig, axes = plt.subplots(4, 1, figsize=(11, 13), sharex=True)
+    ax_good, ax_p0, ax_rej, ax_lim = axes
+    for out in runs:
+        recs = out.result.records
+        good = np.histogram([r.t_planned for r in recs if slo.met(r)], bins=edges,
+                            weights=[r.tokens for r in recs if slo.met(r)])[0] / bin_s
+        ax_good.plot(edges[:-1], good, label=out.config.name, drawstyle="steps-post")
+        p99 = []
+        for a, b in itertools.pairwise(edges):
+            v = [r.ttft_s for r in recs if r.priority == 0 and r.outcome == OK and r.ttft_s is not None
+                 and a <= r.t_planned < b]
+            p99.append(np.percentile(v, 99) if v else np.nan)
+        ax_p0.plot(edges[:-1], p99, label=out.config.name, drawstyle="steps-post")
+        rej = np.histogram([r.t_planned for r in recs if r.outcome != OK], bins=edges)[0] / bin_s
+        ax_rej.plot(edges[:-1], rej, label=out.config.name, drawstyle="steps-post")
+        name = FLOODGATE_METRICS[0] if out.config.floodgate else ADAPTIVE_LIMIT
+        pts = [(s.t, s.values[name]) for s in out.result.samples if name in s.values]
+        if pts:
+            ax_lim.plot([p[0] for p in pts], [p[1] for p in pts], label=out.config.name)
+    for ax in axes:
+        t = 0.0
+        for p in w.phases:
+            if p.name == "burst":
+                ax.axvspan(t, t + p.duration_s, color="0.9", zorder=0)
+            t += p.duration_s
+        ax.grid(alpha=0.3)
+    ax_good.set_ylabel("goodput (tok/s, SLO met)")
+    ax_p0.set_ylabel("P0 TTFT p99 (s)")
+    ax_p0.set_yscale("log")
+    ax_p0.axhline(slo.ttft_s, color="k", ls=":", lw=1)
+    ax_rej.set_ylabel("rejected + errors (req/s)")
+    ax_lim.set_ylabel("concurrency limit")
+    ax_lim.set_xlabel("arrival time (s); burst shaded")
+    ax_good.legend(ncol=4, fontsize=8)
+    ax_good.set_title("Overload: same pool, same arrivals, by configuration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def write_raw(out_dir: Path, run: RunOutput, slo: Any) -> Path:
+    from sim.report import result_to_json
+
+    path = out_dir / f"{run.config.name}.json.gz"
+    data = result_to_json(run.result, slo)
+    data["meta"]["cpu_share_of_one_core"] = run.cpu
+    data["meta"]["machine_busy_share"] = run.machine_busy
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f, separators=(",", ":"))
+    return path
+
+
+def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: Sequence[str],
+                   rel_out: str, notes: str) -> str:
+    w = report["workload"]
+    cap = report["capacity"]
+    phases = ", ".join(f"{p['name']} {p['duration_s']:.0f} s at {p['load']:.1f}x" for p in w["phases"])
+    cpu_lines = "\n".join(
+        f"| {r.config} | " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(r.cpu.items()) if v >= 0.02)
+        + f" | {100 * r.machine_busy:.0f}% | {_num(r.send_lag_p99_s, '.3f')} |" for r in rows)
+    sweep = ""
+    if report.get("calibration"):
+        c = report["calibration"]
+        sweep = ("Measured on the real pool (no admission, steps of "
+                 + ", ".join(f"{s['load']:.2f}x: {s['goodput_tok_s']:.0f}" for s in c["steps"])
+                 + f" tok/s): best steady goodput **{c['best_goodput_tok_s']:.0f} tok/s**.")
+    return f"""{SECTION_START}
+## Overload
+
+`floodgate bench overload` (bench/overload.py) replays one seeded open-loop plan against the
+same emulated pool in several configurations, each on fresh processes, and prints the table
+below. Raw data (every request record and metric sample, gzipped JSON as written by
+`sim.report.write_json`) and `results.json` are in `{rel_out}/`.
+
+**Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
+{w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST).
+Prompts lognormal mean {w['prompt_mean']} tokens, outputs mean {w['output_mean']} tokens
+(sigma {w['length_sigma']}), two tenants, priority mix {w['priority_shares']} (P0/P1/P2).
+SLO for goodput: TTFT ≤ {report['slo']['ttft_s']} s and TPOT ≤ {report['slo']['tpot_s']} s
+(client-measured: TTFT includes any Floodgate queue wait).
+
+**Capacity.** Derived on the pure engine model (the replicas' own `sim/engine.py`, virtual
+clock): highest rate with ≥ 99 % SLO attainment = **{cap['capacity_rps']:.1f} req/s**, best
+steady goodput {cap['derived_best_goodput_tok_s']:.0f} tok/s. {sweep} Goodput ratios below are
+against **{cap['best_goodput_tok_s']:.0f} tok/s**.
+
+**Plan.** {phases} (seed {w['seed']}; {report['plan_requests']} requests). "Burst" numbers
+are over requests that *arrived* during the burst.
+
+{render_table(rows)}
+Columns: P0 success over the whole run; P0 TTFT p99 of the unloaded phase vs the burst phase;
+goodput = output tokens/s of burst arrivals that met the SLO, vs the best steady goodput;
+P2 reject p99 = time from send to the 429 for rejected P2 requests; limit = mean concurrency
+limit during the burst (static: the configured value). offered = admitted + rejected + errors
+holds for every row (checked).
+
+![timeline]({rel_out}/timeline.png)
+
+### Verdict per target
+
+{chr(10).join('- ' + v for v in verdict_lines)}
+
+{notes}
+
+### CPU during each run
+
+Share of one core per process (the machine has 2 cores; other engineers' jobs may run at the
+same time, so compare ratios within one run), share of all cores busy machine-wide, and the
+load generator's p99 send lag (late sends mean the client, not the pool, was the bottleneck).
+
+| config | processes (share of one core) | machine busy | send lag p99 s |
+|---|---|---:|---:|
+{cpu_lines}
+{SECTION_END}
+"""
+
+
+def update_doc(doc: Path, section: str) -> None:
+    """Replace our section between the markers, or append it; never touch the rest."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if SECTION_START in text and SECTION_END in text:
+        a = text.index(SECTION_START)
+        b = text.index(SECTION_END) + len(SECTION_END)
+        text = text[:a] + section.strip() + text[b:]
+    else:
+        text = text.rstrip() + "\n\n" + section.strip() + "\n"
+    doc.write_text(text)
+
+
+DEFAULT_NOTES = "<!-- notes: filled in by hand after a full run -->"
+
+
+def _existing_notes(doc: Path) -> str:
+    """Hand-written analysis between the verdict and the CPU table survives a rerun."""
+    if not doc.exists():
+        return DEFAULT_NOTES
+    text = doc.read_text()
+    a, b = text.find("<!-- notes:begin -->"), text.find("<!-- notes:end -->")
+    if a < 0 or b < a:
+        return DEFAULT_NOTES
+    return text[a:b + len("<!-- notes:end -->")]
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def calibrate(w: Workload, capacity: float, slo: Any, *, timeout_s: float, step_s: float,
+              progress: bool) -> dict[str, Any]:
+    """Best steady goodput measured on the real pool: constant steps, no admission control.
+    Each step's first quarter is left out (the pool settles)."""
+    from sim.arrivals import step_profile, synthetic_plan
+    from sim.report import summarize
+
+    loads = (0.6, 0.8, 0.9, 1.0, 1.1)
+    profile = step_profile([(step_s, f * capacity) for f in loads])
+    plan = synthetic_plan(profile, w.mix(), seed=w.seed + 7)
+    run = run_config(BenchConfig("calibration", "none"), w, plan, timeout_s=timeout_s, progress=progress)
+    steps: list[dict[str, Any]] = []
+    for i, f in enumerate(loads):
+        a, b = i * step_s + step_s / 4, (i + 1) * step_s
+        s = summarize(run.result.records, slo, window=(a, b))
+        s.check()
+        steps.append({"load": f, "rate_rps": f * capacity, "goodput_tok_s": s.overall.goodput_tok_s or 0.0,
+                      "slo_attainment": s.overall.slo_attainment})
+    return {"steps": steps, "best_goodput_tok_s": max(float(s["goodput_tok_s"]) for s in steps),
+            "cpu": run.cpu, "machine_busy": run.machine_busy}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", nargs="+", type=parse_config, default=None, metavar="CONFIG",
+                   help="none, adaptive, static-N, vegas (the default signal), vegas-ttft|tpot|combined "
+                        f"(default: {' '.join(default_configs())})")
+    p.add_argument("--replicas", type=int, default=2, help="emulated replicas in the pool")
+    p.add_argument("--time-scale", type=float, default=1.0, help="emulator --time-scale")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="emulator --max-num-seqs per replica")
+    p.add_argument("--prompt-mean", type=int, default=512)
+    p.add_argument("--output-mean", type=int, default=64)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every phase duration (0.1 for a smoke run)")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="pool capacity in req/s (default: derived from the engine model)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the measured steady-goodput sweep; use the derived best goodput")
+    p.add_argument("--calibrate-step", type=float, default=12.0, help="seconds per calibration step")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and plots")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="markdown file to update")
+    p.add_argument("--no-doc", action="store_true", help="do not update the markdown file")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.report import SLO
+
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    configs: list[BenchConfig] = args.configs or [parse_config(c) for c in default_configs()]
+    w = Workload(replicas=args.replicas, time_scale=args.time_scale, max_num_seqs=args.max_num_seqs,
+                 prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+    w = replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
+    progress = not args.quiet and sys.stderr.isatty()
+    started = time.monotonic()
+
+    derived_cap, derived_best, curve = derive_capacity(w, slo.ttft_s, slo.tpot_s)
+    capacity = args.capacity or derived_cap
+    if args.capacity:
+        derived_best = max(float(simulate_pool(w, capacity * f, 60, slo.ttft_s, slo.tpot_s).goodput_tok_s)
+                           for f in (0.9, 1.0))
+    print(f"capacity {capacity:.1f} req/s (engine model), best steady goodput {derived_best:.0f} tok/s",
+          flush=True)
+    calibration = None
+    best = derived_best
+    if not args.no_calibrate:
+        calibration = calibrate(w, capacity, slo, timeout_s=args.timeout,
+                                step_s=args.calibrate_step * args.scale, progress=progress)
+        best = calibration["best_goodput_tok_s"]
+        print("calibration: " + ", ".join(f"{s['load']:.2f}x {s['goodput_tok_s']:.0f} tok/s"
+                                          for s in calibration["steps"]), flush=True)
+    plan = build_plan(w, capacity)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: list[RunOutput] = []
+    rows: list[Row] = []
+    for cfg in configs:
+        t = time.monotonic()
+        print(f"[{cfg.name}] {len(plan)} requests over {sum(p.duration_s for p in w.phases):.0f} s ...",
+              flush=True)
+        out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress)
+        runs.append(out)
+        row = evaluate(out, w, slo, best)
+        rows.append(row)
+        write_raw(args.out, out, slo)
+        print(f"[{cfg.name}] done in {time.monotonic() - t:.0f} s: admitted {row.admitted}, "
+              f"rejected {row.rejected}, errors {row.errors}, burst goodput "
+              f"{_num(row.goodput_burst_tok_s)} tok/s", flush=True)
+    table = render_table(rows)
+    lines = verdicts(rows)
+    print()
+    print(table)
+    print("\n".join(lines))
+    report = {
+        "workload": {**asdict(w), "phases": [asdict(p) for p in w.phases]},
+        "slo": asdict(slo),
+        "capacity": {"capacity_rps": capacity, "derived_capacity_rps": derived_cap,
+                     "derived_best_goodput_tok_s": derived_best, "best_goodput_tok_s": best,
+                     "curve": [asdict(c) for c in curve]},
+        "calibration": calibration,
+        "plan_requests": len(plan),
+        "adaptive_concurrency_filter": adaptive_concurrency_filter(),
+        "floodgate_configs": {c.name: floodgate_config(c) for c in configs if c.floodgate},
+        "rows": [asdict(r) for r in rows],
+        "verdicts": lines,
+        "elapsed_s": time.monotonic() - started,
+    }
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    if not args.no_plots and runs:
+        plot_timeline(runs, w, slo, args.out / "timeline.png")
+    if not args.no_doc:
+        try:
+            rel = os.path.relpath(args.out, args.doc.parent)
+        except ValueError:
+            rel = str(args.out)
+        update_doc(args.doc, render_section(report, rows, lines, rel, _existing_notes(args.doc)))
+    print(f"\nwrote {args.out}/results.json" + ("" if args.no_doc else f" and {args.doc}")
+          + f" in {time.monotonic() - started:.0f} s")
+    return 0 if all(r.consistent for r in rows) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
