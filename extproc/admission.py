@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from extproc.config import Config, PoolConfig
 from extproc.metrics import Metrics
 from extproc.permits import PermitTable
-from extproc.policy import Enqueue, Reject, Snapshot, queue_decision, timeout_reject
+from extproc.policy import Enqueue, Reject, Snapshot, queue_decision, retry_after, timeout_reject
 from extproc.state import PoolState, PoolStatus, gateway_channel
 from extproc.vegas import Sample, SampleWindow, VegasLimit
 
@@ -50,6 +50,7 @@ class Permit:
     backend: str  # "redis" | "local"
     queue_s: float
     admitted_at: float
+    endpoint: str = ""  # routed-to endpoint when the pool picks endpoints
     released: bool = False
 
 
@@ -63,6 +64,8 @@ class _PoolRuntime:
     shares: tuple[float, float, float]
     held: set[str] = field(default_factory=set)  # redis tickets this process holds
     local_held: set[str] = field(default_factory=set)
+    local_endpoints: dict[str, str] = field(default_factory=dict)  # local ticket -> endpoint
+    active_endpoints: list[str] = field(default_factory=list)  # last seen, for degraded picking
     limit: int = 1
     inflight_total: int = 0
     live_gateways: int = 1
@@ -86,7 +89,7 @@ class Admitter:
         self.rng = rng
         self.degraded = False
         self._tickets = itertools.count(1)
-        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._waiters: dict[str, asyncio.Future[str]] = {}  # resolves to the routed endpoint
         self._waiter_pool: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
@@ -97,7 +100,7 @@ class Admitter:
             self.pools[p.name] = _PoolRuntime(
                 cfg=p,
                 state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s,
-                                initial_limit=p.limit.initial, shares=shares),
+                                initial_limit=p.limit.initial, shares=shares, picking=p.endpoint_picking),
                 local=PermitTable(limit=p.limit.initial, shares=shares),
                 vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
@@ -202,6 +205,8 @@ class Admitter:
                 result = await self._admit_shared(rt, priority, tenant, started, deadline)
         if result is None:
             result = await self._admit_local(rt, priority, tenant, started, deadline)
+        if isinstance(result, Permit):
+            result = await self._routed(rt, result)
         self._count(rt, priority, result)
         return result
 
@@ -215,10 +220,22 @@ class Admitter:
         else:
             self.metrics.decisions.labels(rt.cfg.name, label, "rejected", result.reason).inc()
 
-    def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float) -> Permit:
+    def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float,
+                endpoint: str = "") -> Permit:
         now = self.clock()
         (rt.held if backend == "redis" else rt.local_held).add(ticket)
-        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now)
+        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now, endpoint)
+
+    def _no_endpoints(self, rt: _PoolRuntime, priority: int) -> Reject:
+        c = rt.cfg.classes[priority]
+        return Reject("no_endpoints", retry_after(None, c, self.cfg.admission, self.rng()), status=503)
+
+    async def _routed(self, rt: _PoolRuntime, permit: Permit) -> Permit | Reject:
+        """With endpoint picking, a permit without an endpoint (none active) is given back."""
+        if rt.cfg.endpoint_picking and not permit.endpoint:
+            await self.release(permit, "no_endpoints")
+            return self._no_endpoints(rt, permit.priority)
+        return permit
 
     async def _admit_shared(self, rt: _PoolRuntime, priority: int, tenant: str,
                             started: float, deadline: float) -> Permit | Reject | None:
@@ -227,22 +244,24 @@ class Admitter:
         st = await self._call("acquire", rt.state.acquire(ticket, self.gateway_id, priority, tenant))
         self._observe(rt, st)
         if st.granted:
-            return self._permit(rt, ticket, priority, "redis", started)
+            return self._permit(rt, ticket, priority, "redis", started, st.endpoint)
+        if rt.cfg.endpoint_picking and st.active_endpoints == 0:
+            return self._no_endpoints(rt, priority)
         decision = queue_decision(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
         if isinstance(decision, Reject):
             return decision
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
         self._waiter_pool[ticket] = rt.cfg.name
         try:
             remaining = max(0.001, deadline - self.clock())
             st = await self._call("enqueue", rt.state.enqueue(ticket, self.gateway_id, priority, tenant, remaining))
             self._observe(rt, st)
-            if st.granted or (fut.done() and fut.exception() is None):
-                return self._permit(rt, ticket, priority, "redis", started)
+            if st.granted:
+                return self._permit(rt, ticket, priority, "redis", started, st.endpoint)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._permit(rt, ticket, priority, "redis", started)
+                endpoint = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
+                return self._permit(rt, ticket, priority, "redis", started, endpoint)
             except TimeoutError:
                 pass
             except RedisDown:
@@ -250,7 +269,8 @@ class Admitter:
             # Timed out: remove ourselves atomically; we may have been granted in the meantime.
             outcome = await self._call("cancel", rt.state.cancel(ticket))
             if outcome == 1:
-                return self._permit(rt, ticket, priority, "redis", started)
+                granted = await self._call("mine", rt.state.granted_among([ticket]))
+                return self._permit(rt, ticket, priority, "redis", started, granted.get(ticket, ""))
             return timeout_reject(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a
@@ -273,7 +293,7 @@ class Admitter:
         ticket = f"L{self.gateway_id}:{next(self._tickets)}"
         now = self.clock()
         if rt.local.try_acquire(ticket, priority, now):
-            return self._permit(rt, ticket, priority, "local", started)
+            return self._local_permit(rt, ticket, priority, started)
         snap = rt.local.snapshot(priority, tenant, rt.grant_rate / max(1, rt.live_gateways))
         decision = queue_decision(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
         if isinstance(decision, Reject):
@@ -281,16 +301,16 @@ class Admitter:
         assert isinstance(decision, Enqueue)
         if deadline <= now:
             return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
         try:
             self._resolve_local(rt, rt.local.enqueue(ticket, priority, tenant, deadline, now))
             try:
                 await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._permit(rt, ticket, priority, "local", started)
+                return self._local_permit(rt, ticket, priority, started)
             except TimeoutError:
                 if rt.local.cancel(ticket) == 1:
-                    return self._permit(rt, ticket, priority, "local", started)
+                    return self._local_permit(rt, ticket, priority, started)
                 return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
         except asyncio.CancelledError:
             if rt.local.cancel(ticket) == 1:
@@ -299,11 +319,23 @@ class Admitter:
         finally:
             self._waiters.pop(ticket, None)
 
+    def _local_permit(self, rt: _PoolRuntime, ticket: str, priority: int, started: float) -> Permit:
+        endpoint = ""
+        if rt.cfg.endpoint_picking and rt.active_endpoints:
+            # Degraded picking: least of this process's own requests, from the last seen registry.
+            load = {ep: 0 for ep in rt.active_endpoints}
+            for ep in rt.local_endpoints.values():
+                if ep in load:
+                    load[ep] += 1
+            endpoint = min(rt.active_endpoints, key=lambda ep: load[ep])
+            rt.local_endpoints[ticket] = endpoint
+        return self._permit(rt, ticket, priority, "local", started, endpoint)
+
     def _resolve_local(self, rt: _PoolRuntime, granted: list[str]) -> None:
         for t in granted:
             fut = self._waiters.get(t)
             if fut is not None and not fut.done():
-                fut.set_result(None)
+                fut.set_result("")
             elif fut is None:
                 # Granted to a waiter that already left: give the permit straight back.
                 self._resolve_local(rt, rt.local.release(t, self.clock())[1])
@@ -319,6 +351,7 @@ class Admitter:
         self.metrics.releases.labels(permit.pool, reason).inc()
         if permit.backend == "local":
             rt.local_held.discard(permit.ticket)
+            rt.local_endpoints.pop(permit.ticket, None)
             self._resolve_local(rt, rt.local.release(permit.ticket, self.clock())[1])
         else:
             # Stop renewing first: if Redis is down now, the lease simply expires.
@@ -373,10 +406,10 @@ class Admitter:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-                        _, _, ticket = data.partition("|")
+                        _, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
                         fut = self._waiters.get(ticket)
                         if fut is not None and not fut.done():
-                            fut.set_result(None)
+                            fut.set_result(endpoint)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -398,10 +431,10 @@ class Admitter:
             for pool, tickets in by_pool.items():
                 with contextlib.suppress(RedisDown):
                     granted = await self._call("mine", self.pools[pool].state.granted_among(tickets))
-                    for t in granted:
+                    for t, endpoint in granted.items():
                         fut = self._waiters.get(t)
                         if fut is not None and not fut.done():
-                            fut.set_result(None)
+                            fut.set_result(endpoint)
 
     async def _renew_loop(self) -> None:
         interval = self.cfg.redis.lease_ttl_s / 3
@@ -427,4 +460,8 @@ class Admitter:
                             self.metrics.lost_leases.labels(rt.cfg.name).inc()
                             log.warning("lease %s expired before renewal (process stalled?)", t)
                         self._observe(rt, await self._call("status", rt.state.status()))
+                        if rt.cfg.endpoint_picking:
+                            members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
+                            rt.active_endpoints = sorted(
+                                m.decode() if isinstance(m, bytes) else str(m) for m in members)
             await asyncio.sleep(min(interval, 1.0))

@@ -72,6 +72,7 @@ class LimitConfig(_Strict):
 class PoolConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
+    endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include).")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 

@@ -9,7 +9,11 @@
 --       6 counts  HASH i0..i2 in-flight, q0..q2 queued, t<class>:<tenant> queued per tenant
 --       7 state   HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, rate, rate_ts
 --       8 gws     ZSET gateway -> liveness expiry (ms)
--- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares, 7 pool name, 8.. op args
+--       9 active  SET  endpoints that may receive new requests (the registry's active ones)
+--      10 epinf   HASH endpoint -> permits held by requests routed to it
+--      11 lep     HASH ticket -> endpoint it was routed to
+-- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares, 7 pool name,
+--       8 endpoint picking (1/0), 9.. op args
 --
 -- Invariants (tests/test_state_invariants.py checks them):
 --  * a ticket is in at most one of queue / leases; a lease is created only by `acquire`
@@ -24,11 +28,13 @@ if redis.replicate_commands then redis.replicate_commands() end
 
 local K_LEASES, K_LMETA, K_QUEUE, K_QMETA, K_QDL, K_COUNTS, K_STATE, K_GWS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_ACTIVE, K_EPINF, K_LEP = KEYS[9], KEYS[10], KEYS[11]
 local op = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local initial = tonumber(ARGV[3])
 local shares = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
 local pool = ARGV[7]
+local picking = ARGV[8] == '1'
 local CLASS_SPAN = 4294967296
 local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
@@ -75,10 +81,36 @@ local function gateway_alive(gw)
   return exp and tonumber(exp) >= now
 end
 
+-- The least-loaded active endpoint (fewest permits routed to it); ties rotate so that an
+-- idle pool still spreads requests. '' when the pool has no active endpoint.
+local function pick()
+  local eps = redis.call('SMEMBERS', K_ACTIVE)
+  local n = #eps
+  if n == 0 then return '' end
+  table.sort(eps)
+  local start = redis.call('HINCRBY', K_STATE, 'rr', 1) % n
+  local best, best_load = '', math.huge
+  for i = 0, n - 1 do
+    local ep = eps[(start + i) % n + 1]
+    local load = num(redis.call('HGET', K_EPINF, ep), 0)
+    if load < best_load then best, best_load = ep, load end
+  end
+  return best
+end
+
 local function lease(ticket, c)
   redis.call('ZADD', K_LEASES, now + ttl, ticket)
   redis.call('HSET', K_LMETA, ticket, c - 1)
   redis.call('HINCRBY', K_COUNTS, 'i' .. (c - 1), 1)
+  if picking then
+    local ep = pick()
+    if ep ~= '' then
+      redis.call('HSET', K_LEP, ticket, ep)
+      redis.call('HINCRBY', K_EPINF, ep, 1)
+    end
+    return ep
+  end
+  return ''
 end
 
 local function unqueue(ticket, meta)
@@ -99,6 +131,11 @@ local function drop_lease(ticket)
   local c = redis.call('HGET', K_LMETA, ticket) or '1'
   redis.call('HDEL', K_LMETA, ticket)
   redis.call('HINCRBY', K_COUNTS, 'i' .. c, -1)
+  local ep = redis.call('HGET', K_LEP, ticket)
+  if ep then
+    redis.call('HDEL', K_LEP, ticket)
+    if redis.call('HINCRBY', K_EPINF, ep, -1) <= 0 then redis.call('HDEL', K_EPINF, ep) end
+  end
   -- Exponentially decayed rate of freed permits (events per second); rate_t0 and rate_n let
   -- current_rate() correct the start-up bias and say "unknown" until it has seen enough.
   local s = redis.call('HMGET', K_STATE, 'rate', 'rate_ts', 'rate_t0', 'rate_n')
@@ -137,8 +174,8 @@ local function grant_loop()
           local deadline, gw = string.match(meta, '^%d|([^|]*)|([^|]*)|')
           unqueue(head, meta)
           if tonumber(deadline) >= now and gateway_alive(gw) then
-            lease(head, c)
-            redis.call('PUBLISH', 'fg:gw:' .. gw, pool .. '|' .. head)
+            local ep = lease(head, c)
+            redis.call('PUBLISH', 'fg:gw:' .. gw, pool .. '|' .. head .. '|' .. ep)
             granted = granted + 1
           end
         end
@@ -167,19 +204,21 @@ local function touch_gateway(gw)
   redis.call('ZADD', K_GWS, now + ttl, gw)
 end
 
--- {granted(0/1), limit, i0, i1, i2, q0, q1, q2, tenant_queued, rate, live_gateways, now}
-local function snapshot(granted, c, tenant)
+-- {granted(0/1), limit, i0, i1, i2, q0, q1, q2, tenant_queued, rate, live_gateways, now,
+--  endpoint the granted ticket was routed to ('' if none), active endpoints}
+local function snapshot(granted, c, tenant, ep)
   local L = math.max(1, math.floor(limit_value()))
   local inflight, queued = counts()
   local tq = 0
   if c then tq = num(redis.call('HGET', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant), 0) end
   return {granted, L, inflight[1], inflight[2], inflight[3], queued[1], queued[2], queued[3], tq,
-          tostring(current_rate()), redis.call('ZCOUNT', K_GWS, now, '+inf'), now}
+          tostring(current_rate()), redis.call('ZCOUNT', K_GWS, now, '+inf'), now, ep or '',
+          redis.call('SCARD', K_ACTIVE)}
 end
 
 if op == 'acquire' then
-  -- ARGV 8 ticket, 9 gateway, 10 class, 11 tenant: lease now if the grant loop would.
-  local ticket, gw, c, tenant = ARGV[8], ARGV[9], tonumber(ARGV[10]) + 1, ARGV[11]
+  -- ARGV 9 ticket, 9 gateway, 10 class, 11 tenant: lease now if the grant loop would.
+  local ticket, gw, c, tenant = ARGV[9], ARGV[10], tonumber(ARGV[11]) + 1, ARGV[12]
   reclaim()
   touch_gateway(gw)
   grant_loop()
@@ -191,13 +230,13 @@ if op == 'acquire' then
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
-  if ok then lease(ticket, c) return snapshot(1, c, tenant) end
+  if ok then return snapshot(1, c, tenant, lease(ticket, c)) end
   return snapshot(0, c, tenant)
 
 elseif op == 'enqueue' then
-  -- ARGV 8 ticket, 9 gateway, 10 class, 11 tenant, 12 timeout (ms)
-  local ticket, gw, c, tenant = ARGV[8], ARGV[9], tonumber(ARGV[10]) + 1, ARGV[11]
-  local deadline = now + tonumber(ARGV[12])
+  -- ARGV 9 ticket, 9 gateway, 10 class, 11 tenant, 12 timeout (ms)
+  local ticket, gw, c, tenant = ARGV[9], ARGV[10], tonumber(ARGV[11]) + 1, ARGV[12]
+  local deadline = now + tonumber(ARGV[13])
   reclaim()
   touch_gateway(gw)
   local seq = redis.call('HINCRBY', K_STATE, 'seq', 1) % CLASS_SPAN
@@ -208,21 +247,21 @@ elseif op == 'enqueue' then
   redis.call('HINCRBY', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant, 1)
   grant_loop()
   local mine = redis.call('ZSCORE', K_LEASES, ticket) and 1 or 0
-  return snapshot(mine, c, tenant)
+  return snapshot(mine, c, tenant, redis.call('HGET', K_LEP, ticket))
 
 elseif op == 'cancel' then
-  -- ARGV 8 ticket. 0 = was queued, now removed; 1 = already granted (caller owns a permit);
+  -- ARGV 9 ticket. 0 = was queued, now removed; 1 = already granted (caller owns a permit);
   -- 2 = neither (its lease was reclaimed, or it was reaped).
-  local ticket = ARGV[8]
+  local ticket = ARGV[9]
   local meta = redis.call('HGET', K_QMETA, ticket)
   if meta then unqueue(ticket, meta) return 0 end
   if redis.call('ZSCORE', K_LEASES, ticket) then return 1 end
   return 2
 
 elseif op == 'release' then
-  -- ARGV 8.. tickets. Returns how many were held (a missing one was reclaimed already).
+  -- ARGV 10.. tickets. Returns how many were held (a missing one was reclaimed already).
   local released = 0
-  for i = 8, #ARGV do
+  for i = 9, #ARGV do
     if drop_lease(ARGV[i]) then released = released + 1 end
   end
   reclaim()
@@ -230,10 +269,10 @@ elseif op == 'release' then
   return released
 
 elseif op == 'renew' then
-  -- ARGV 8 gateway, 9.. tickets. Extends every lease still held; returns the ones lost.
-  touch_gateway(ARGV[8])
+  -- ARGV 9 gateway, 9.. tickets. Extends every lease still held; returns the ones lost.
+  touch_gateway(ARGV[9])
   local lost = {}
-  for i = 9, #ARGV do
+  for i = 10, #ARGV do
     if redis.call('ZADD', K_LEASES, 'XX', 'CH', now + ttl, ARGV[i]) == 0 and
        not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
       table.insert(lost, ARGV[i])
@@ -244,12 +283,15 @@ elseif op == 'renew' then
   return lost
 
 elseif op == 'mine' then
-  -- ARGV 8.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
+  -- ARGV 10.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
   reclaim()
   grant_loop()
   local leased = {}
-  for i = 8, #ARGV do
-    if redis.call('ZSCORE', K_LEASES, ARGV[i]) then table.insert(leased, ARGV[i]) end
+  for i = 9, #ARGV do
+    if redis.call('ZSCORE', K_LEASES, ARGV[i]) then
+      table.insert(leased, ARGV[i])
+      table.insert(leased, redis.call('HGET', K_LEP, ARGV[i]) or '')
+    end
   end
   return leased
 
@@ -264,13 +306,13 @@ elseif op == 'get_limit' then
   return {s[1], s[2] or '0', s[3] or '0', s[4] or '1', s[5] or '0'}
 
 elseif op == 'set_limit' then
-  -- ARGV 8 expected version, 9 limit, 10 rtt_noload, 11 probe_count, 12 probe_jitter.
+  -- ARGV 9 expected version, 9 limit, 10 rtt_noload, 11 probe_count, 12 probe_jitter.
   -- Compare-and-set: the Vegas arithmetic stays in Python (vegas.py), atomic here.
   limit_value()
   local version = num(redis.call('HGET', K_STATE, 'version'), 0)
-  if version ~= tonumber(ARGV[8]) then return {0, tostring(version)} end
-  redis.call('HSET', K_STATE, 'limit', ARGV[9], 'rtt_noload', ARGV[10], 'probe_count', ARGV[11],
-             'probe_jitter', ARGV[12], 'version', version + 1)
+  if version ~= tonumber(ARGV[9]) then return {0, tostring(version)} end
+  redis.call('HSET', K_STATE, 'limit', ARGV[10], 'rtt_noload', ARGV[11], 'probe_count', ARGV[12],
+             'probe_jitter', ARGV[13], 'version', version + 1)
   grant_loop()
   return {1, tostring(version + 1)}
 end

@@ -160,13 +160,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
-            mutation = pb.HeaderMutation(
-                set_headers=[_set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)],
-                # A client must never choose its upstream host, and an untrusted priority
-                # header must not reach the model server.
-                remove_headers=[DESTINATION_HEADER] + (
-                    [self.cfg.admission.priority_header] if decision.source != "header" else []),
-            )
+            set_headers = [_set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)]
+            # A client must never choose its upstream host: the destination header is always
+            # overwritten (endpoint picking) or removed. An untrusted priority header must not
+            # reach the model server either.
+            remove = [self.cfg.admission.priority_header] if decision.source != "header" else []
+            if result.endpoint:
+                set_headers.append(_set(DESTINATION_HEADER, result.endpoint))
+            else:
+                remove.append(DESTINATION_HEADER)
+            mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove)
             reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)))
             if ex.sampled:

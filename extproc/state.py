@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from extproc.vegas import VegasState
 
 _LUA = resources.files("extproc").joinpath("leases.lua").read_text()
-_KEY_NAMES = ("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws")
+_KEY_NAMES = ("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws", "active", "epinf", "lep")
 
 
 def pool_keys(pool: str) -> list[str]:
@@ -40,6 +40,8 @@ class PoolStatus:
     grant_rate: float
     live_gateways: int
     server_ms: int
+    endpoint: str = ""  # where the granted request is routed (endpoint picking), else ""
+    active_endpoints: int = 0
 
     @property
     def inflight_total(self) -> int:
@@ -61,6 +63,8 @@ def _status(raw: list[Any]) -> PoolStatus:
         grant_rate=float(v[9]),
         live_gateways=int(v[10]),
         server_ms=int(v[11]),
+        endpoint=str(v[12]) if len(v) > 12 else "",
+        active_endpoints=int(v[13]) if len(v) > 13 else 0,
     )
 
 
@@ -74,13 +78,13 @@ class PoolState:
     """The shared state of one pool. Every call is one atomic script run."""
 
     def __init__(self, client: aioredis.Redis, pool: str, *, lease_ttl_s: float,
-                 initial_limit: int, shares: tuple[float, float, float]) -> None:
+                 initial_limit: int, shares: tuple[float, float, float], picking: bool = False) -> None:
         self.client = client
         self.pool = pool
         self.keys = pool_keys(pool)
         self._script = client.register_script(_LUA)
         self._common = [str(int(lease_ttl_s * 1000)), str(initial_limit),
-                        *(repr(s) for s in shares), pool]
+                        *(repr(s) for s in shares), pool, "1" if picking else "0"]
 
     async def _run(self, op: str, *args: Any) -> Any:
         return await self._script(keys=self.keys, args=[op, *self._common, *args])
@@ -102,11 +106,12 @@ class PoolState:
         lost = await self._run("renew", gateway, *tickets)
         return [t.decode() if isinstance(t, bytes) else str(t) for t in lost]
 
-    async def granted_among(self, tickets: list[str]) -> list[str]:
+    async def granted_among(self, tickets: list[str]) -> dict[str, str]:
+        """Which of these waiting tickets hold a permit now, and the endpoint each was routed to."""
         if not tickets:
-            return []
-        got = await self._run("mine", *tickets)
-        return [t.decode() if isinstance(t, bytes) else str(t) for t in got]
+            return {}
+        got = [t.decode() if isinstance(t, bytes) else str(t) for t in await self._run("mine", *tickets)]
+        return dict(zip(got[::2], got[1::2], strict=True))
 
     async def status(self) -> PoolStatus:
         return _status(await self._run("status"))

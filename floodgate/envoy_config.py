@@ -62,9 +62,11 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  failure_mode_allow: bool | None = None, admission: bool = True,
                  message_timeout_s: float | None = None,
                  extra_filters: Sequence[dict[str, Any]] = (),
+                 picking: bool = False,
                  source: Path | None = None) -> dict[str, Any]:
     """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
-    (the no-admission baseline of the benchmarks); `extra_filters` go before the router."""
+    (the no-admission baseline of the benchmarks); `extra_filters` go before the router;
+    `picking=True` routes `/v1/` to the ORIGINAL_DST cluster the processor steers."""
     cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
@@ -89,6 +91,14 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                 route.pop("typed_per_filter_config", None)
         cfg["static_resources"]["clusters"] = [
             c for c in cfg["static_resources"]["clusters"] if c["name"] != "floodgate_extproc"]
+    if picking:
+        if not admission:
+            raise ValueError("endpoint picking needs the admission filter (it sets the destination)")
+        cfg["static_resources"]["clusters"].append(load_yaml(ENVOY_DIR / "floodgate-picking-cluster.yaml"))
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            for route in vh["routes"]:
+                if route.get("match", {}).get("prefix") == "/v1/":
+                    route["route"]["cluster"] = "model_picked"
     router_at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.router")
     filters[router_at:router_at] = list(extra_filters)
     return cfg

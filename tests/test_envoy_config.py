@@ -42,6 +42,30 @@ def test_local_bootstrap_variants_validate(tmp_path: Path) -> None:
     validate(render_local(admission=False), tmp_path, "noadm.json")
     validate(render_local(failure_mode_allow=True, processors=[("127.0.0.1", 1), ("127.0.0.1", 2)]),
              tmp_path, "open.json")
+    validate(render_local(picking=True), tmp_path, "picking.json")
+
+
+def test_picking_cluster_include_validates(tmp_path: Path) -> None:
+    filt = load_yaml(ENVOY_DIR / "floodgate-filter.yaml")
+    cfg = minimal_bootstrap([filt], [load_yaml(ENVOY_DIR / "floodgate-cluster.yaml"),
+                                     load_yaml(ENVOY_DIR / "floodgate-picking-cluster.yaml")])
+    validate(cfg, tmp_path)
+
+
+def test_picking_only_behind_the_processor() -> None:
+    """Every route to the ORIGINAL_DST cluster runs the ext_proc filter, which fails closed."""
+    cfg = render_local(picking=True)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext["typed_config"]["failure_mode_allow"] is False
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+    picked = [r for r in routes if r.get("route", {}).get("cluster") == "model_picked"]
+    assert picked
+    for r in picked:
+        per = r.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {})
+        assert not per.get("disabled")
+    with pytest.raises(ValueError):
+        render_local(picking=True, admission=False)
 
 
 def test_filter_and_cluster_includes_validate_in_a_minimal_bootstrap(tmp_path: Path) -> None:
@@ -66,5 +90,6 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
 
 @pytest.mark.parametrize("path", sorted(p.name for p in ENVOY_DIR.glob("*.yaml")))
 def test_every_shipped_file_is_covered(path: str) -> None:
-    assert path in {"floodgate-filter.yaml", "floodgate-cluster.yaml", "local.yaml"}, (
+    assert path in {"floodgate-filter.yaml", "floodgate-cluster.yaml", "floodgate-picking-cluster.yaml",
+                    "local.yaml"}, (
         f"envoy/{path} is shipped but no test validates it")

@@ -113,13 +113,13 @@ async def test_expired_lease_is_reclaimed_and_granted_to_next_waiter(client: aio
     await st.renew("b", [])  # b stays alive; a never renews
     await asyncio.sleep(0.6)
     await st.renew("b", [])  # any script call reclaims expired leases and grants
-    assert await st.granted_among(["b:1"]) == ["b:1"]
+    assert await st.granted_among(["b:1"]) == {"b:1": ""}
     msg = None
     for _ in range(20):
         msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
         if msg:
             break
-    assert msg is not None and msg["data"] == b"ttl|b:1"  # targeted grant, to b only
+    assert msg is not None and msg["data"] == b"ttl|b:1|"  # targeted grant, to b only (no picking)
     assert await st.renew("a", ["a:1"]) == ["a:1"]  # a learns its lease was lost
     await pubsub.aclose()
 

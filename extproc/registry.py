@@ -1,0 +1,78 @@
+"""The replica registry in Redis: which endpoints serve a pool, and in which state.
+
+The controller writes it (it owns replica lifecycles); the processor's Lua script reads the
+`active` set to route each admitted request to the least-loaded active endpoint, and keeps a
+per-endpoint count of permits held (`epinf`), which the controller reads to know when a
+draining endpoint is idle. Part of extproc's public state API (design §7).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+STATES = ("loading", "warm", "active", "draining", "sleeping")
+
+
+def _key(pool: str, name: str) -> str:
+    return f"fg:{{{pool}}}:{name}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    endpoint: str  # "host:port"
+    state: str
+    replica_id: str
+    since_ms: int
+    inflight: int = 0  # permits held by requests Floodgate routed here
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Registry:
+    def __init__(self, client: aioredis.Redis, pool: str) -> None:
+        self.client = client
+        self.pool = pool
+        self.k_endpoints = _key(pool, "endpoints")
+        self.k_active = _key(pool, "active")
+        self.k_epinf = _key(pool, "epinf")
+
+    async def set(self, endpoint: str, state: str, replica_id: str, meta: dict[str, Any] | None = None) -> None:
+        """Record an endpoint's state; only `active` endpoints receive new requests."""
+        if state not in STATES:
+            raise ValueError(f"unknown endpoint state {state!r} (one of {', '.join(STATES)})")
+        doc = json.dumps({"state": state, "replica": replica_id, "since_ms": int(time.time() * 1000),
+                          "meta": meta or {}})
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.k_endpoints, endpoint, doc)
+            if state == "active":
+                pipe.sadd(self.k_active, endpoint)
+            else:
+                pipe.srem(self.k_active, endpoint)
+            await pipe.execute()
+
+    async def remove(self, endpoint: str) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.k_endpoints, endpoint)
+            pipe.srem(self.k_active, endpoint)
+            await pipe.execute()
+
+    async def inflight(self, endpoint: str) -> int:
+        v = await self.client.hget(self.k_epinf, endpoint)
+        return int(v) if v else 0
+
+    async def endpoints(self) -> dict[str, Endpoint]:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.k_endpoints)
+            pipe.hgetall(self.k_epinf)
+            docs, inflight = await pipe.execute()
+        out: dict[str, Endpoint] = {}
+        counts = {k.decode(): int(v) for k, v in inflight.items()}
+        for raw_ep, raw_doc in docs.items():
+            ep = raw_ep.decode()
+            d = json.loads(raw_doc)
+            out[ep] = Endpoint(ep, d["state"], d["replica"], int(d["since_ms"]), counts.get(ep, 0), d.get("meta", {}))
+        return out

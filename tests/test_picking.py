@@ -1,0 +1,116 @@
+"""Endpoint picking: the registry in Redis, the Lua pick, and routing through the real Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+
+from extproc.registry import Registry
+from extproc.state import PoolState, redis_client
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.conftest import ROOT
+from tests.helpers import get_json, post, wait_until
+
+SHARES = (0.5, 0.3, 0.1)
+
+
+async def test_pick_least_loaded_active_and_count_per_endpoint(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    try:
+        reg = Registry(c, "p")
+        st = PoolState(c, "p", lease_ttl_s=30, initial_limit=100, shares=SHARES, picking=True)
+        assert (await st.acquire("g:0", "g", 1, "t")).endpoint == ""  # nothing registered yet
+        await st.release("g:0")
+        await reg.set("10.0.0.1:8000", "active", "r1")
+        await reg.set("10.0.0.2:8000", "active", "r2")
+        await reg.set("10.0.0.3:8000", "draining", "r3")
+        eps = [(await st.acquire(f"g:{i}", "g", 1, "t")).endpoint for i in range(1, 7)]
+        assert sorted(eps) == ["10.0.0.1:8000"] * 3 + ["10.0.0.2:8000"] * 3  # spread, never draining
+        got = await reg.endpoints()
+        assert got["10.0.0.1:8000"].inflight == 3 and got["10.0.0.3:8000"].inflight == 0
+        assert got["10.0.0.3:8000"].state == "draining" and got["10.0.0.1:8000"].replica_id == "r1"
+        # release one on .1: the next pick goes there (least loaded)
+        first = eps.index("10.0.0.1:8000") + 1
+        await st.release(f"g:{first}")
+        assert (await st.acquire("g:9", "g", 1, "t")).endpoint == "10.0.0.1:8000"
+        for i in range(1, 10):
+            await st.release(f"g:{i}")
+        assert all(e.inflight == 0 for e in (await reg.endpoints()).values())
+        # a granted waiter learns its endpoint from the grant
+        await reg.set("10.0.0.2:8000", "draining", "r2")
+        small = PoolState(c, "p", lease_ttl_s=30, initial_limit=1, shares=(0, 0, 0), picking=True)
+        await small.set_limit((await small.get_limit()).version, (await small.get_limit()).state.__class__(limit=1.0))
+        assert (await small.acquire("h:1", "h", 1, "t")).granted
+        assert not (await small.enqueue("h:2", "h", 1, "t", 30)).granted
+        await small.release("h:1")
+        assert await small.granted_among(["h:2"]) == {"h:2": "10.0.0.1:8000"}
+        with pytest.raises(ValueError):
+            await reg.set("x:1", "exploded", "r")
+    finally:
+        await c.aclose()
+
+
+async def test_reclaimed_lease_frees_its_endpoint_count(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    try:
+        reg = Registry(c, "q")
+        await reg.set("10.0.0.1:8000", "active", "r1")
+        st = PoolState(c, "q", lease_ttl_s=0.3, initial_limit=5, shares=SHARES, picking=True)
+        await st.acquire("dead:1", "dead", 1, "t")
+        assert await reg.inflight("10.0.0.1:8000") == 1
+        await asyncio.sleep(0.4)
+        await st.status()  # any call reclaims
+        assert await reg.inflight("10.0.0.1:8000") == 0
+    finally:
+        await c.aclose()
+
+
+def _picking_cfg() -> dict[str, Any]:
+    return {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+            "pools": [{"name": "default", "endpoint_picking": True, "limit": {"mode": "static", "initial": 50}}]}
+
+
+@pytest.mark.integration
+async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: LocalStack) -> None:
+    stack.start_redis()
+    ports = []
+    for i in range(3):
+        port = free_port()
+        stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
+                             name=f"up{i}", port=port)
+        ports.append(port)
+    stack.start_processor(_picking_cfg())
+    envoy = stack.start_envoy([], picking=True)
+    c = redis_client(stack.redis_url, op_timeout_s=5)
+    reg = Registry(c, "default")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            r = await post(s, envoy.url)
+            assert r.status == 503 and r.headers["x-floodgate-reject-reason"] == "no_endpoints"
+            assert r.json()["error"]["code"] == "no_endpoints"
+            await reg.set(f"127.0.0.1:{ports[0]}", "active", "r0")
+            await reg.set(f"127.0.0.1:{ports[1]}", "active", "r1")
+            await reg.set(f"127.0.0.1:{ports[2]}", "draining", "r2")
+            # a client trying to pick its own host is overridden
+            hijack = {"x-gateway-destination-endpoint": f"127.0.0.1:{ports[2]}", "x-test-chunks": "2",
+                      "x-test-delay-ms": "300"}
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hijack) for _ in range(10)))
+            assert [x.status for x in replies] == [200] * 10
+            totals = [(await get_json(s, f"http://127.0.0.1:{p}/stats"))["total"] for p in ports]
+            assert totals[2] == 0  # draining: nothing new, not even the hijacker's
+            assert totals[0] == totals[1] == 5  # concurrent requests spread by load
+            # drain completes: Floodgate's per-endpoint in-flight returns to 0
+            assert await wait_until(lambda: _idle(reg), 5)
+    finally:
+        await c.aclose()
+
+
+async def _idle(reg: Registry) -> bool:
+    return all(e.inflight == 0 for e in (await reg.endpoints()).values())
