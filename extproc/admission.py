@@ -125,8 +125,7 @@ class Admitter:
         """Processor shutdown: wake every waiter (they reject), return every held permit."""
         self._closing = True
         for fut in list(self._waiters.values()):
-            if not fut.done():
-                fut.set_exception(asyncio.CancelledError())
+            fut.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -127,7 +127,8 @@ class RedisConfig(_Strict):
 class ServerConfig(_Strict):
     listen: str = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service.")
     metrics_listen: str = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
-    gateway_id: str | None = Field(default=None, description="Unique id of this process (default: host-pid-random).")
+    gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+                                   description="Unique id of this process (default: host-pid-random).")
 
 
 class Config(_Strict):
