@@ -369,6 +369,8 @@ def measure(configs: Sequence[str], levels: Sequence[int], duration: float, roun
     wrk = wrk_binary()
     if wrk is None:
         raise FileNotFoundError(WRK_INSTALL_HINT)
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
     with (Supervisor(workdir=workdir) if workdir else Supervisor()) as sup:
         stack = LocalStack(sup)
         script = sup.workdir / "post.lua"
