@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +23,14 @@ class Upstream:
         self.max_inflight = 0
         self.total = 0
         self.seen: list[dict[str, str]] = []
+        self.paths: list[str] = []  # every path requested, in order
+
+    @web.middleware
+    async def record_path(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path not in ("/stats", "/stats/reset"):
+            self.paths.append(request.path_qs)
+            del self.paths[:-500]
+        return await handler(request)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.total += 1
@@ -54,7 +63,7 @@ class Upstream:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"inflight": self.inflight, "max_inflight": self.max_inflight,
-                                  "total": self.total, "seen": self.seen[-20:]})
+                                  "total": self.total, "seen": self.seen[-20:], "paths": self.paths})
 
     async def reset(self, request: web.Request) -> web.Response:
         self.max_inflight = self.inflight
@@ -71,13 +80,14 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
     up = Upstream()
-    app = web.Application()
+    app = web.Application(middlewares=[up.record_path])
     app.router.add_post("/v1/completions", up.completions)
     app.router.add_post("/v1/chat/completions", up.completions)
     app.router.add_get("/stats", up.stats)
     app.router.add_post("/stats/reset", up.reset)
     app.router.add_get("/health", up.health)
-    app.router.add_post("/sleep", up.health)
+    for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache", "/metrics"):
+        app.router.add_route("*", admin, up.health)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
