@@ -1,0 +1,321 @@
+"""Kubernetes actuator: one inference Deployment per pool, its pods are the replicas.
+
+Model (design §8):
+
+* replicas = pods matching `selector` in `namespace`; `replica_id` = pod name, endpoint =
+  `podIP:port` once the pod has an IP; `running` = no deletionTimestamp and phase
+  Pending/Running.
+* role = pod label `app-state: active|warm-pool` (a merge patch of the pod's labels). The
+  Deployment's selector must not include that label, or relabelling would orphan the pod —
+  the config refuses such a selector.
+* start = Deployment `spec.replicas` + 1; the new pod shows up in `list()` under its own name,
+  so `start()` returns None.
+* stop(pod) = annotate the pod `controller.kubernetes.io/pod-deletion-cost: "-1000"`, then
+  `spec.replicas` − 1, so the ReplicaSet deletes that pod rather than another one.
+
+Idempotency (the controller may repeat a call after a restart): every change of
+`spec.replicas` is written in the same patch as a bounded ledger annotation on the Deployment
+(`floodgate.io/actuator-ledger`: the last replica ids started and pod names stopped), guarded
+by `metadata.resourceVersion` (optimistic concurrency, 409 → re-read and retry). A repeated
+`start(id)` or `stop(pod)` whose id is already in the ledger changes nothing, and a crash
+between the two steps of `stop` is repaired by the repeat (the annotation is idempotent and the
+decrement has not been recorded). The ledger lives in the cluster, so it survives the
+controller. `set_replicas(n)` is there for a controller that prefers to reconcile by count.
+
+RBAC this needs (deploy/kubernetes/controller-rbac.yaml, checked by a test against the fake
+API server's request log): apps/deployments get, patch; core pods get, list, patch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from controller.actuators.base import ReplicaHandle, Role
+
+log = logging.getLogger(__name__)
+
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+LEDGER_ANNOTATION = "floodgate.io/actuator-ledger"
+ROLES: tuple[str, ...] = get_args(Role)
+# Merge patch (RFC 7386) rather than the client's default strategic merge: plain semantics
+# that every API server and the test fake agree on, and `resourceVersion` in the body acts
+# as a precondition.
+MERGE_PATCH = "application/merge-patch+json"
+# {"starts": [replica ids], "stops": [pod names]}, newest last; module-level because the
+# class's own `list` method would shadow the builtin in annotations inside it.
+Ledger = dict[str, list[str]]
+
+
+class KubernetesActuatorConfig(BaseModel):
+    """Where the pool's replicas live. Embeddable in the controller's config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str = Field(default="default", description="Namespace of the inference Deployment and its pods.")
+    deployment: str = Field(default="vllm", description="Name of the inference Deployment whose pods are the replicas.")
+    selector: str = Field(default="app=vllm", description="Label selector of the Deployment's pods (must not use the role label).")
+    port: int = Field(default=8000, ge=1, le=65535, description="Container port of the vLLM OpenAI API; endpoint = podIP:port.")
+    role_label: str = Field(default="app-state", description="Pod label carrying the role (active | warm-pool).")
+    deletion_cost: int = Field(default=-1000, description="pod-deletion-cost set on a pod before scaling down, so it is the one deleted.")
+    in_cluster: bool = Field(default=True, description="Use the pod's service account; false: read `kubeconfig`.")
+    kubeconfig: str | None = Field(default=None, description="Kubeconfig path when not in cluster (default: $KUBECONFIG or ~/.kube/config).")
+    context: str | None = Field(default=None, description="Kubeconfig context (default: the current one).")
+    request_timeout_s: float = Field(default=10.0, gt=0, description="Timeout of one API call.")
+    ledger_size: int = Field(default=64, ge=8, description="Recent start ids / stopped pods remembered on the Deployment for idempotency.")
+    max_conflict_retries: int = Field(default=8, ge=1, description="Re-reads after a 409 (another writer changed the Deployment).")
+
+    @field_validator("selector")
+    @classmethod
+    def _selector_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("an empty selector would match every pod of the namespace")
+        return v
+
+    @model_validator(mode="after")
+    def _selector_without_role(self) -> KubernetesActuatorConfig:
+        keys = {_selector_key(term) for term in self.selector.split(",") if term.strip()}
+        if self.role_label in keys:
+            raise ValueError(f"selector {self.selector!r} uses the role label {self.role_label!r}: "
+                             "relabelling a pod would take it out of its Deployment")
+        return self
+
+
+def _selector_key(term: str) -> str:
+    term = term.strip().lstrip("!")
+    for op in ("!=", "==", "=", " in ", " notin "):
+        if op in term:
+            return term.split(op, 1)[0].strip()
+    return term
+
+
+class KubernetesActuator:
+    """Actuator over one Deployment. Every call is idempotent (see the module docstring)."""
+
+    name = "kubernetes"
+
+    def __init__(self, config: KubernetesActuatorConfig, api_client: Any | None = None) -> None:
+        self.config = config
+        # Tests (and embedders) pass a ready ApiClient; otherwise it is built on first use,
+        # because loading a kubeconfig is itself async.
+        self._client: Any | None = api_client
+        self._owns_client = api_client is None
+        self._init_lock = asyncio.Lock()
+
+    # -- client plumbing ---------------------------------------------------------------
+    async def _api(self) -> Any:
+        if self._client is None:
+            async with self._init_lock:
+                if self._client is None:
+                    from kubernetes_asyncio import client, config
+
+                    if self.config.in_cluster:
+                        config.load_incluster_config()
+                        self._client = client.ApiClient()
+                    else:
+                        conf = client.Configuration()
+                        await config.load_kube_config(config_file=self.config.kubeconfig,
+                                                      context=self.config.context,
+                                                      client_configuration=conf)
+                        self._client = client.ApiClient(conf)
+        return self._client
+
+    async def _core(self) -> Any:
+        from kubernetes_asyncio import client
+
+        return client.CoreV1Api(await self._api())
+
+    async def _apps(self) -> Any:
+        from kubernetes_asyncio import client
+
+        return client.AppsV1Api(await self._api())
+
+    @property
+    def _timeout(self) -> float:
+        return self.config.request_timeout_s
+
+    # -- Actuator protocol ---------------------------------------------------------------
+    async def list(self) -> list[ReplicaHandle]:
+        core = await self._core()
+        pods = await core.list_namespaced_pod(self.config.namespace, label_selector=self.config.selector,
+                                              _request_timeout=self._timeout)
+        handles = [self._handle(p) for p in pods.items]
+        handles.sort(key=lambda h: h.replica_id)
+        return handles
+
+    async def start(self, replica_id: str) -> ReplicaHandle | None:
+        def change(replicas: int, ledger: Ledger) -> int | None:
+            if replica_id in ledger["starts"]:
+                return None  # a repeat: this start already raised the count
+            ledger["starts"].append(replica_id)
+            return replicas + 1
+
+        await self._update_replicas(change, f"start {replica_id}")
+        return None
+
+    async def stop(self, replica_id: str) -> None:
+        pod = await self._read_pod(replica_id)
+        if pod is None or pod.metadata.deletion_timestamp is not None:
+            return  # unknown or already going: nothing to do, and never a second decrement
+        if not _matches(pod.metadata.labels or {}, self.config.selector):
+            log.warning("stop %s ignored: the pod is not one of %s", replica_id, self.config.selector)
+            return
+        # Step 1: make this pod the cheapest to delete. Idempotent, so a repeat after a crash
+        # between the steps simply does it again.
+        if not await self._patch_pod(replica_id, {"metadata": {"annotations": {
+                DELETION_COST_ANNOTATION: str(self.config.deletion_cost)}}}):
+            return
+
+        # Step 2: one replica fewer, recorded in the ledger in the same write.
+        def change(replicas: int, ledger: Ledger) -> int | None:
+            if replica_id in ledger["stops"]:
+                return None
+            ledger["stops"].append(replica_id)
+            return max(0, replicas - 1)
+
+        await self._update_replicas(change, f"stop {replica_id}")
+
+    async def set_role(self, replica_id: str, role: Role) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        await self._patch_pod(replica_id, {"metadata": {"labels": {self.config.role_label: role}}})
+
+    async def close(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.close()
+            self._client = None
+
+    # -- extras --------------------------------------------------------------------------
+    async def replicas(self) -> int:
+        """The Deployment's desired replica count (`spec.replicas`)."""
+        dep = await self._read_deployment()
+        return int(dep.spec.replicas or 0)
+
+    async def set_replicas(self, n: int) -> None:
+        """Set the count outright: naturally idempotent, for reconciling by target count."""
+        if n < 0:
+            raise ValueError("replicas must be >= 0")
+        await self._update_replicas(lambda _r, _l: n, f"set replicas {n}", record=False)
+
+    # -- internals -----------------------------------------------------------------------
+    def _handle(self, pod: Any) -> ReplicaHandle:
+        meta, status = pod.metadata, pod.status
+        labels: Mapping[str, str] = dict(meta.labels or {})
+        ip = status.pod_ip if status is not None else None
+        phase = status.phase if status is not None else None
+        role_value = labels.get(self.config.role_label)
+        role: Role | None = role_value if role_value in ROLES else None  # type: ignore[assignment]
+        return ReplicaHandle(
+            replica_id=meta.name,
+            endpoint=f"{ip}:{self.config.port}" if ip else None,
+            running=meta.deletion_timestamp is None and phase in ("Pending", "Running"),
+            role=role,
+            labels=labels,
+        )
+
+    async def _read_deployment(self) -> Any:
+        apps = await self._apps()
+        return await apps.read_namespaced_deployment(self.config.deployment, self.config.namespace,
+                                                     _request_timeout=self._timeout)
+
+    async def _read_pod(self, name: str) -> Any | None:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        core = await self._core()
+        try:
+            return await core.read_namespaced_pod(name, self.config.namespace, _request_timeout=self._timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def _patch_pod(self, name: str, body: dict[str, Any]) -> bool:
+        """Merge-patch a pod; False when it no longer exists (unknown ids are ignored)."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        core = await self._core()
+        try:
+            await core.patch_namespaced_pod(name, self.config.namespace, body,
+                                            _content_type=MERGE_PATCH, _request_timeout=self._timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                log.info("pod %s/%s is gone; nothing to patch", self.config.namespace, name)
+                return False
+            raise
+        return True
+
+    async def _update_replicas(self, change: Callable[[int, Ledger], int | None],
+                               what: str, record: bool = True) -> None:
+        """Read-modify-write of spec.replicas (+ ledger) under a resourceVersion precondition."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        apps = await self._apps()
+        for attempt in range(self.config.max_conflict_retries):
+            dep = await self._read_deployment()
+            current = int(dep.spec.replicas if dep.spec.replicas is not None else 1)
+            ledger = _load_ledger((dep.metadata.annotations or {}).get(LEDGER_ANNOTATION))
+            target = change(current, ledger)
+            if target is None or (target == current and not record):
+                log.debug("%s: already applied (replicas %d)", what, current)
+                return
+            metadata: dict[str, Any] = {"resourceVersion": dep.metadata.resource_version}
+            if record:
+                metadata["annotations"] = {LEDGER_ANNOTATION: _dump_ledger(ledger, self.config.ledger_size)}
+            body = {"metadata": metadata, "spec": {"replicas": target}}
+            try:
+                await apps.patch_namespaced_deployment(self.config.deployment, self.config.namespace, body,
+                                                       _content_type=MERGE_PATCH,
+                                                       _request_timeout=self._timeout)
+            except ApiException as exc:
+                if exc.status == 409:
+                    # Someone else (another call, an HPA, kubectl) wrote first: re-read.
+                    await asyncio.sleep(min(0.5, 0.02 * 2 ** attempt))
+                    continue
+                raise
+            log.info("%s: %s/%s replicas %d -> %d", what, self.config.namespace, self.config.deployment,
+                     current, target)
+            return
+        raise RuntimeError(f"{what}: gave up after {self.config.max_conflict_retries} conflicting writes "
+                           f"to deployment {self.config.namespace}/{self.config.deployment}")
+
+
+def _load_ledger(raw: str | None) -> Ledger:
+    ledger: Ledger = {"starts": [], "stops": []}
+    if raw:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            data = json.loads(raw)
+            for key in ledger:
+                ledger[key] = [str(x) for x in data.get(key, [])]
+    return ledger
+
+
+def _dump_ledger(ledger: Ledger, size: int) -> str:
+    return json.dumps({k: v[-size:] for k, v in ledger.items()}, separators=(",", ":"))
+
+
+def _matches(labels: Mapping[str, str], selector: str) -> bool:
+    """Equality-based selector check (`a=b,c!=d,e,!f`), enough to refuse a foreign pod."""
+    for term in (t.strip() for t in selector.split(",")):
+        if not term or " in " in term or " notin " in term:
+            continue  # set-based terms: the API server already filtered list(); trust it
+        if "!=" in term:
+            k, v = (s.strip() for s in term.split("!=", 1))
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = (s.strip() for s in term.replace("==", "=").split("=", 1))
+            if labels.get(k) != v:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
