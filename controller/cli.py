@@ -1,10 +1,9 @@
 """`floodgate controller …`: the scaling controller's command line.
 
-Layout: `register()` adds the `controller` command with its own sub-commands. Today there is
-`simulate` (the trace backtest, pure, no services needed). The live controller
-(`floodgate controller --config FILE`) plugs in here: add `--config` to `parser` and make
-`_main` run it when no sub-command is given; until then a bare `floodgate controller` prints
-help and exits 2.
+Layout: `register()` adds the `controller` command with its own sub-commands. Without a
+sub-command, `floodgate controller --config FILE` runs the live controller (`controller.app`);
+`simulate` is the trace backtest (pure, no services needed). A bare `floodgate controller`
+prints help and exits 2.
 """
 
 from __future__ import annotations
@@ -23,6 +22,11 @@ def register(subparsers: Any) -> None:
         help="scaling controller (and its backtest: `controller simulate`)",
         description="The Floodgate scaling controller. `simulate` backtests the policy on a trace.",
     )
+    parser.add_argument("--config", type=Path, help="controller YAML (see docs/controller.md); runs the live controller")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    parser.add_argument("--stop-replicas-on-exit", action="store_true",
+                        help="process actuator: stop the replicas it started when the controller exits "
+                        "(`floodgate up`); by default they outlive it so a restart adopts them")
     parser.set_defaults(handler=lambda args: _main(parser, args))
     sub = parser.add_subparsers(dest="controller_command", metavar="<subcommand>")
     _add_simulate(sub)
@@ -30,8 +34,56 @@ def register(subparsers: Any) -> None:
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Sub-commands set their own handler; reaching here means none was given.
-    parser.print_help()
-    return 2
+    if args.config is None:
+        parser.print_help()
+        return 2
+    return _run_live(args)
+
+
+def _run_live(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from controller.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"floodgate controller: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The decision log is one JSON object per line on stdout (machine-readable).
+    dl = logging.getLogger("floodgate.controller.decisions")
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(message)s"))
+    dl.addHandler(h)
+    dl.propagate = False
+
+    async def main() -> int:
+        from controller.app import Controller
+
+        try:
+            ctl = Controller(cfg)
+        except (ImportError, ValueError) as exc:
+            print(f"floodgate controller: {exc}", file=sys.stderr)
+            return 2
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await ctl.run(stop)
+        finally:
+            if args.stop_replicas_on_exit:
+                for a in ctl.actuators.values():
+                    stop_all = getattr(a, "stop_all", None)
+                    if stop_all is not None:
+                        await stop_all()
+        return 0
+
+    return asyncio.run(main())
 
 
 def _add_simulate(sub: Any) -> None:

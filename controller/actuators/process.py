@@ -1,0 +1,139 @@
+"""Local processes as replicas: `floodgate sim` (or any command template) on free ports.
+
+The table of started replicas (id -> pid, port) is written to `state_dir/replicas.json`, so a
+restarted controller finds the processes its predecessor started (they run in their own
+process groups and outlive it) instead of starting duplicates. Every call is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.actuators.base import ReplicaHandle, Role
+from floodgate.supervisor import Supervisor, free_port
+
+
+def sim_command(*extra: str) -> list[str]:
+    """The default template: an emulated vLLM replica with sleep mode."""
+    return [sys.executable, "-m", "floodgate", "sim", "--host", "127.0.0.1", "--port", "{port}",
+            "--enable-sleep-mode", *extra]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie answers kill(0) but is dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class ProcessActuator:
+    name = "process"
+
+    def __init__(self, command: Sequence[str], state_dir: Path, *, host: str = "127.0.0.1",
+                 supervisor: Supervisor | None = None, env: Mapping[str, str] | None = None,
+                 stop_grace_s: float = 5.0) -> None:
+        if not any("{port}" in a for a in command):
+            raise ValueError("process actuator command needs a {port} placeholder")
+        self.command = list(command)
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.sup = supervisor or Supervisor(workdir=self.state_dir)
+        self.env = dict(env or {})
+        self.stop_grace_s = stop_grace_s
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}  # the ones this instance started
+        self._table: dict[str, dict[str, Any]] = self._load()
+
+    @property
+    def _path(self) -> Path:
+        return self.state_dir / "replicas.json"
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save(self) -> None:
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._table, indent=1))
+        tmp.replace(self._path)  # atomic: a crash never leaves half a table
+
+    def _alive(self, rid: str) -> bool:
+        p = self._procs.get(rid)
+        if p is not None:
+            return p.poll() is None
+        return _pid_alive(int(self._table[rid]["pid"]))
+
+    def _handle(self, rid: str) -> ReplicaHandle:
+        e = self._table[rid]
+        return ReplicaHandle(rid, e["endpoint"], self._alive(rid), e.get("role"),
+                             {"pid": str(e["pid"]), "log": e.get("log", "")})
+
+    async def list(self) -> list[ReplicaHandle]:
+        return [self._handle(rid) for rid in sorted(self._table)]
+
+    async def start(self, replica_id: str) -> ReplicaHandle | None:
+        if replica_id in self._table and self._alive(replica_id):
+            return self._handle(replica_id)  # idempotent: already running
+        port = free_port(self.host)
+        argv = [a.format(port=port, replica_id=replica_id, host=self.host) for a in self.command]
+        child = await asyncio.to_thread(self.sup.start, f"replica-{replica_id}", argv, self.env or None)
+        self._procs[replica_id] = child.proc
+        self._table[replica_id] = {"pid": child.proc.pid, "port": port, "endpoint": f"{self.host}:{port}",
+                                   "log": str(child.log_path), "started": time.time(), "role": None}
+        self._save()
+        return self._handle(replica_id)
+
+    async def stop(self, replica_id: str) -> None:
+        e = self._table.get(replica_id)
+        if e is None:
+            return
+        pid = int(e["pid"])
+        proc = self._procs.pop(replica_id, None)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        while time.monotonic() < deadline:
+            if (proc.poll() is not None) if proc is not None else not _pid_alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # stragglers in the group, or a hung process
+        if proc is not None:
+            await asyncio.to_thread(proc.wait, 5)
+        self.sup.children = [c for c in self.sup.children if c.proc.pid != pid]
+        del self._table[replica_id]
+        self._save()
+
+    async def set_role(self, replica_id: str, role: Role) -> None:
+        if replica_id in self._table:
+            self._table[replica_id]["role"] = role
+            self._save()
+
+    async def stop_all(self) -> None:
+        """Stop every replica in the table (tests, `floodgate up` shutdown)."""
+        for rid in list(self._table):
+            await self.stop(rid)
+
+    async def close(self) -> None:
+        return None

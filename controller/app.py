@@ -1,0 +1,631 @@
+"""The live controller: the imperative shell around the pure policy and lifecycle.
+
+Each tick, per pool (only while holding the leader lease):
+
+    reconcile  actuator.list() + registry  -> adopt unknown replicas, mark vanished ones failed
+    scrape     vLLM /metrics per serving replica, Floodgate queue (Redis), Envoy admin
+    decide     policy.decide(...)           (pure)  -> desired active replicas + reason
+    plan       lifecycle.plan_pool(...)     (pure)  -> start/promote/sleep/drain/recycle/...
+    execute    actions via the actuator, the vLLM client and the registry
+
+Slow operations (cold start: start, /health, warm-up; promotion: wake, warm-up; sleep; stop)
+run as one background task per replica, so a tick never waits on a model load; a replica with
+a task in flight is skipped by later plans until the task has moved its state on. Every
+transition goes through `lifecycle.apply_event`, so an illegal one is a bug, not a state.
+
+Restart safety: all state that matters is outside the process. Replicas come from the
+actuator's list, their roles from the registry (active / draining / warm / sleeping / loading),
+the forecast history from Redis. A restarted (or newly elected) controller rebuilds its view
+from those and continues half-finished drains instead of starting or stopping anything twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from controller import forecast as fc
+from controller.actuators.base import Actuator, ReplicaHandle
+from controller.config import ControllerConfig, PoolConfig
+from controller.leader import LeaderLease
+from controller.lifecycle import ActionKind, Event, apply_event, plan_pool, warm_pool_target
+from controller.metrics import ControllerMetrics
+from controller.policy import PolicyState, ScalePlan, decide
+from controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
+from controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
+from controller.vllm import VllmClient, VllmSample
+from extproc.registry import Endpoint, Registry
+from extproc.state import redis_client
+
+S = ReplicaState
+log = logging.getLogger("floodgate.controller")
+decision_log = logging.getLogger("floodgate.controller.decisions")
+
+# Registry state written for each lifecycle state (the processor routes to `active` only).
+_REGISTRY_STATE = {
+    S.COLD: "loading", S.LOADING: "loading", S.WARMING: "loading", S.WAKING: "warm",
+    S.ACTIVE: "active", S.DRAINING: "draining",
+}
+
+
+def registry_state(view: ReplicaView) -> str | None:
+    if view.state is S.WARM:
+        return "sleeping" if view.asleep else "warm"
+    return _REGISTRY_STATE.get(view.state)
+
+
+def adopted_view(rid: str, entry: Endpoint | None, now: float) -> ReplicaView:
+    """The lifecycle state of a replica found running, from its registry entry (pure).
+
+    Anything not known to have passed its warm-up (no entry, `loading`) restarts the
+    bring-up; a `waking` promotion that was cut off shows as `warm` and is simply re-promoted.
+    """
+    if entry is None:
+        return ReplicaView(rid, S.LOADING, now)
+    since = entry.since_ms / 1000.0
+    if entry.state == "active":
+        return ReplicaView(rid, S.ACTIVE, since, inflight=entry.inflight)
+    if entry.state == "draining":
+        # Keep the original drain start: max_drain_s counts across restarts.
+        return ReplicaView(rid, S.DRAINING, since, inflight=entry.inflight, running=1)
+    if entry.state in ("warm", "sleeping"):
+        return ReplicaView(rid, S.WARM, since, asleep=entry.state == "sleeping")
+    return ReplicaView(rid, S.LOADING, now)
+
+
+def next_seq_after(ids: list[str], prefix: str) -> int:
+    """First sequence number not used by any id `prefix<N>` (no id is ever reused)."""
+    pat = re.compile(re.escape(prefix) + r"(\d+)$")
+    nums = [int(m.group(1)) for i in ids if (m := pat.match(i))]
+    return max(nums, default=-1) + 1
+
+
+@dataclass
+class Replica:
+    view: ReplicaView
+    endpoint: str | None
+    task: asyncio.Task[None] | None = None
+    can_sleep: bool = True
+    placeholder: bool = False  # started, but the platform names it: waiting for it in list()
+    sample: VllmSample | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+
+class PoolController:
+    """One pool's view and tick. Created fresh on every leadership gain (`rebuild`)."""
+
+    def __init__(self, cfg: PoolConfig, actuator: Actuator, client: aioredis.Redis,
+                 session: aiohttp.ClientSession, metrics: ControllerMetrics, *,
+                 kick: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.pool = cfg.name
+        self.actuator = actuator
+        self.redis = client
+        self.session = session
+        self.metrics = metrics
+        self.registry = Registry(client, cfg.name)
+        self.kick = kick
+        self.clock = clock
+        self.prefix = cfg.id_prefix or f"{cfg.name}-r"
+        self.replicas: dict[str, Replica] = {}
+        self.policy_state = PolicyState()
+        self.next_seq = 0
+        retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
+        self.history = fc.DemandHistory.empty(retention, fc.minute_of(clock()))
+        self.acc = fc.MinuteAccumulator()
+        self.scraper = ReplicaScraper(session, cfg.timeouts.scrape_s, cfg.model,
+                                      on_failure=lambda src: metrics.scrape_failures.labels(source=src).inc())
+        self.events: deque[dict[str, Any]] = deque(maxlen=2000)  # the decision log, for tests/status
+        self.last_plan: ScalePlan | None = None
+        self.last_reason = ""
+        self.envoy: EnvoySample | None = None
+        self._k_history = f"fg:{{{cfg.name}}}:ctl:history"
+        self._k_seq = f"fg:{{{cfg.name}}}:ctl:seq"
+
+    # ---- logging -------------------------------------------------------------------------
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        rec = {"ts": round(self.clock(), 3), "pool": self.pool, "event": kind, **fields}
+        self.events.append(rec)
+        decision_log.info(json.dumps(rec, default=str))
+
+    # ---- start-up: rebuild from the outside world ----------------------------------------
+
+    async def rebuild(self) -> None:
+        now = self.clock()
+        handles = await self.actuator.list()
+        eps = await self.registry.endpoints()
+        by_rid = {e.replica_id: e for e in eps.values()}
+        seen_eps: set[str] = set()
+        for h in handles:
+            if not h.running:
+                continue
+            entry = by_rid.get(h.replica_id) or (eps.get(h.endpoint) if h.endpoint else None)
+            self._adopt(h, entry, now)
+            if h.endpoint:
+                seen_eps.add(h.endpoint)
+        for ep, e in eps.items():
+            if ep not in seen_eps and e.replica_id not in self.replicas:
+                await self.registry.remove(ep)  # a replica that died while no controller ran
+        stored_seq = await self.redis.get(self._k_seq)
+        self.next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix),
+                            int(stored_seq) if stored_seq else 0)
+        raw = await self.redis.get(self._k_history)
+        if raw:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                retention = self.cfg.forecast.retention_days * fc.MINUTES_PER_DAY
+                self.history = fc.DemandHistory.from_dict(json.loads(raw), retention)
+        self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
+                  next_seq=self.next_seq, history_end=self.history.end_minute)
+
+    def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float) -> Replica:
+        view = adopted_view(h.replica_id, entry, now)
+        rep = Replica(view, h.endpoint)
+        self.replicas[h.replica_id] = rep
+        self.emit("adopt", replica=h.replica_id, endpoint=h.endpoint, state=view.state.value,
+                  registry=entry.state if entry else None)
+        if view.state is S.LOADING and h.endpoint:
+            self._spawn(rep, self._bring_up(rep))
+        return rep
+
+    # ---- reconcile with the actuator -----------------------------------------------------
+
+    async def reconcile(self, now: float) -> None:
+        handles = {h.replica_id: h for h in await self.actuator.list()}
+        for rid, h in handles.items():
+            rep = self.replicas.get(rid)
+            if rep is None:
+                if not h.running:
+                    continue
+                # A replica the platform named itself (start returned None): it replaces one
+                # placeholder, so it is not counted twice.
+                ph = next((r for r in self.replicas.values() if r.placeholder), None)
+                if ph is not None:
+                    del self.replicas[ph.view.replica_id]
+                self._adopt(h, None, now)
+            elif rep.endpoint is None and h.endpoint and rep.view.state is S.LOADING:
+                rep.endpoint = h.endpoint
+                rep.placeholder = False
+                if not rep.busy:
+                    self._spawn(rep, self._bring_up(rep))
+        grace = self.cfg.timeouts.adopt_grace_s
+        for rid, rep in list(self.replicas.items()):
+            st = rep.view.state
+            if st in (S.TERMINATED, S.FAILED):
+                continue
+            if rep.placeholder:
+                if now - rep.view.state_since > self.cfg.timeouts.health_s:
+                    del self.replicas[rid]  # never appeared: forget it (the policy re-plans)
+                    self.emit("placeholder_expired", replica=rid)
+                continue
+            cur = handles.get(rid)
+            if cur is not None and cur.running:
+                continue
+            if cur is None and st is S.LOADING and now - rep.view.state_since < grace:
+                continue  # list() may lag behind start()
+            if rep.busy and rep.task is not None:
+                rep.task.cancel()
+            await self._fail(rep, "vanished" if cur is None else "not_running")
+
+    # ---- the tick ------------------------------------------------------------------------
+
+    async def tick(self, envoy: EnvoySample | None = None) -> ScalePlan:
+        now = self.clock()
+        self.envoy = envoy
+        await self.reconcile(now)
+
+        scrape_eps = {rid: r.endpoint for rid, r in self.replicas.items()
+                      if r.endpoint and r.view.state in (S.ACTIVE, S.DRAINING)}
+        samples, fg, eps = await asyncio.gather(
+            self.scraper.scrape(scrape_eps, now),
+            scrape_floodgate(self.redis, self.pool, now, self.cfg.timeouts.scrape_s),
+            self._registry_endpoints(),
+        )
+        if not fg.signal.ok:
+            self.metrics.scrape_failures.labels(source="floodgate").inc()
+        inflight = {e.replica_id: e.inflight for e in eps.values()} if eps is not None else {}
+        for rid, rep in self.replicas.items():
+            s = samples.get(rid)
+            if s is not None:
+                rep.sample = s
+            running = rep.view.running
+            if s is not None:
+                # Unknown is not idle: a failed scrape keeps a drain from completing.
+                running = int(s.metrics.running) if s.metrics.ok else max(1, rep.view.running)
+            inf = inflight.get(rid, rep.view.inflight) if eps is not None else max(1, rep.view.inflight)
+            busy_now = running + inf > 0
+            rep.view = replace(rep.view, running=running, inflight=inf,
+                               last_busy_at=now if busy_now else rep.view.last_busy_at)
+
+        views = tuple(r.view for r in self.replicas.values())
+        signals = PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal)
+        fcast = fc.predict(self.history, now, self.cfg.forecast)
+        floor = fc.floor_replicas(fcast, self.cfg.policy.target_concurrency, self.cfg.forecast.headroom)
+        plan, self.policy_state = decide(self.cfg.policy, signals, views, self.policy_state, now, floor)
+        self.last_plan = plan
+        await self._record_demand(now, plan)
+
+        wcfg = self.cfg.warm_pool
+        target = warm_pool_target(plan.desired, floor, wcfg)
+        pp = plan_pool(plan.desired, views, target, now, wcfg, self.next_seq, self.prefix)
+        if pp.next_seq != self.next_seq:
+            self.next_seq = pp.next_seq
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.redis.set(self._k_seq, self.next_seq)
+
+        # Metrics and the decision log.
+        m = self.metrics
+        m.desired.labels(pool=self.pool).set(plan.desired)
+        m.actual.labels(pool=self.pool).set(plan.active)
+        m.warm_target.labels(pool=self.pool).set(pp.warm_target)
+        m.demand.labels(pool=self.pool).set(plan.demand)
+        m.forecast.labels(pool=self.pool).set(float("nan") if floor is None else floor)
+        m.forecast_demand.labels(pool=self.pool).set(float("nan") if fcast.peak is None else fcast.peak)
+        if plan.direction != "none":
+            m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
+        actions = [a for a in pp.actions if not self._skip(a.replica_id, a.kind)]
+        if plan.direction != "none" or plan.reason != self.last_reason or actions:
+            self.emit("decision", direction=plan.direction, desired=plan.desired, previous=plan.previous,
+                      reason=plan.reason, cause=plan.cause, active=plan.active, incoming=plan.incoming,
+                      demand=round(plan.demand, 2), waiting=round(plan.waiting, 2),
+                      running=round(plan.running, 2), kv_mean=plan.kv_mean, stale=plan.stale,
+                      panic=plan.panic, recommendation=plan.recommendation, stabilized=plan.stabilized,
+                      floor=floor, forecast=fcast.reason, warm_target=pp.warm_target,
+                      queue=fg.queued, limit=fg.limit,
+                      envoy_active=envoy.rq_active if envoy and envoy.ok else None,
+                      actions=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in actions])
+        self.last_reason = plan.reason
+        for a in actions:
+            await self._execute(a.kind, a.replica_id, a.reason, now)
+        m.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
+        return plan
+
+    async def _registry_endpoints(self) -> dict[str, Endpoint] | None:
+        try:
+            return await self.registry.endpoints()
+        except (RedisError, OSError, TimeoutError):
+            self.metrics.scrape_failures.labels(source="registry").inc()
+            return None
+
+    async def _record_demand(self, now: float, plan: ScalePlan) -> None:
+        if plan.stale:
+            return  # a lower bound is not a demand sample: the minute stays NaN, not low
+        self.acc, done = fc.accumulate(self.acc, now, plan.demand)
+        if done is not None:
+            self.history = self.history.record(*done)
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.redis.set(self._k_history, json.dumps(self.history.to_dict()))
+
+    def _skip(self, rid: str, kind: ActionKind) -> bool:
+        if kind is ActionKind.START:
+            return False
+        rep = self.replicas.get(rid)
+        if rep is None or rep.busy:
+            return True  # an operation is in flight: the next tick sees its outcome
+        return kind is ActionKind.SLEEP and (not rep.can_sleep or not rep.endpoint)
+
+    # ---- actions -------------------------------------------------------------------------
+
+    def _spawn(self, rep: Replica, coro: Coroutine[Any, Any, None]) -> None:
+        rep.task = asyncio.create_task(coro, name=f"{self.pool}:{rep.view.replica_id}")
+
+    def _client(self, rep: Replica) -> VllmClient:
+        assert rep.endpoint is not None
+        return VllmClient(self.session, rep.endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
+
+    async def _set_registry(self, rep: Replica) -> None:
+        st = registry_state(rep.view)
+        if rep.endpoint and st is not None:
+            await self.registry.set(rep.endpoint, st, rep.view.replica_id)
+
+    def _event(self, rep: Replica, ev: Event, **kw: Any) -> None:
+        before = rep.view.state
+        rep.view = apply_event(rep.view, ev, self.clock(), **kw)
+        self.emit("transition", replica=rep.view.replica_id, event=ev.value, frm=before.value,
+                  to=rep.view.state.value, asleep=rep.view.asleep)
+
+    async def _execute(self, kind: ActionKind, rid: str, reason: str, now: float) -> None:
+        m = self.metrics
+        m.actions.labels(pool=self.pool, action=kind.value, outcome="issued").inc()
+        if kind is ActionKind.START:
+            if reason == "scale_up":
+                m.warm_misses.labels(pool=self.pool).inc()
+            rep = Replica(apply_event(ReplicaView(rid, S.COLD, now), Event.START, now), None, placeholder=True)
+            self.replicas[rid] = rep
+            self._spawn(rep, self._start(rep))
+            return
+        rep = self.replicas[rid]
+        if kind is ActionKind.PROMOTE:
+            if reason == "scale_up":
+                m.warm_hits.labels(pool=self.pool).inc()
+            self._event(rep, Event.PROMOTE)
+            await self._set_registry(rep)
+            self._spawn(rep, self._promote(rep))
+        elif kind is ActionKind.SLEEP:
+            self._spawn(rep, self._sleep(rep))
+        elif kind is ActionKind.DRAIN:
+            self._event(rep, Event.DRAIN)
+            await self._set_registry(rep)  # from now on the processor routes nothing new here
+        elif kind is ActionKind.RECYCLE:
+            m.drain.labels(pool=self.pool, outcome="recycled").observe(now - rep.view.state_since)
+            self._event(rep, Event.DRAINED, recycle=True, asleep=False)
+            await self._set_registry(rep)
+            with contextlib.suppress(Exception):
+                await self.actuator.set_role(rid, "warm-pool")
+        elif kind is ActionKind.TERMINATE:
+            if rep.view.state is S.DRAINING:
+                m.drain.labels(pool=self.pool, outcome="terminated").observe(now - rep.view.state_since)
+                self._event(rep, Event.DRAINED, recycle=False)
+            else:
+                self._event(rep, Event.TERMINATE)
+            self._spawn(rep, self._stop(rep))
+        elif kind is ActionKind.FORCE_STOP:
+            m.drain.labels(pool=self.pool, outcome="forced").observe(now - rep.view.state_since)
+            self._event(rep, Event.DRAIN_TIMEOUT)
+            self._spawn(rep, self._stop(rep))
+
+    async def _guard(self, rep: Replica, what: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run one replica operation; any failure marks the replica failed (then terminated)."""
+        try:
+            await coro
+            self.metrics.actions.labels(pool=self.pool, action=what, outcome="ok").inc()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.metrics.actions.labels(pool=self.pool, action=what, outcome="error").inc()
+            self.emit("action_failed", replica=rep.view.replica_id, action=what, error=f"{type(exc).__name__}: {exc}")
+            await self._fail(rep, f"{what}: {exc}")
+        finally:
+            self.kick()  # the next tick should see the outcome at once
+
+    async def _fail(self, rep: Replica, why: str) -> None:
+        if rep.view.state not in (S.FAILED, S.TERMINATED):
+            self._event(rep, Event.FAIL)
+            self.emit("failed", replica=rep.view.replica_id, why=why)
+        if rep.endpoint:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.registry.remove(rep.endpoint)
+
+    async def _start(self, rep: Replica) -> None:
+        async def run() -> None:
+            rid = rep.view.replica_id
+            h = await self.actuator.start(rid)
+            if h is None:
+                return  # the platform names it: adopted from list() later
+            if h.replica_id != rid:
+                # The actuator picked its own replica (static pool): carry on under its id.
+                self.replicas.pop(rid, None)
+                if h.replica_id in self.replicas:
+                    return
+                rep.view = replace(rep.view, replica_id=h.replica_id)
+                self.replicas[h.replica_id] = rep
+            rep.placeholder = False
+            rep.endpoint = h.endpoint
+            if rep.endpoint:
+                await self._bring_up_steps(rep)
+
+        await self._guard(rep, "start", run())
+
+    async def _bring_up(self, rep: Replica) -> None:
+        await self._guard(rep, "bring_up", self._bring_up_steps(rep))
+
+    async def _bring_up_steps(self, rep: Replica) -> None:
+        """loading -> (/health) -> warming -> (one-token warm-up) -> warm. Never active here:
+        a cold replica is promoted by the plan like any warm one."""
+        t = self.cfg.timeouts
+        await self._set_registry(rep)
+        client = self._client(rep)
+        deadline = time.monotonic() + t.health_s
+        delay = 0.1
+        while not await client.health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"/health not ready after {t.health_s:g} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+        self._event(rep, Event.LOADED)
+        if await client.is_sleeping():
+            await client.wake(t.wake_s)  # adopted asleep (static endpoint, restart mid-recycle)
+        await client.warmup(t.warmup_s)
+        self._event(rep, Event.WARMUP_OK, asleep=False)
+        await self._set_registry(rep)
+        with contextlib.suppress(Exception):
+            await self.actuator.set_role(rep.view.replica_id, "warm-pool")
+
+    async def _promote(self, rep: Replica) -> None:
+        async def run() -> None:
+            t = self.cfg.timeouts
+            client = self._client(rep)
+            t0 = time.monotonic()
+            if rep.view.asleep or await client.is_sleeping():
+                await client.wake(t.wake_s)
+            await client.warmup(t.warmup_s)
+            self._event(rep, Event.WAKE_OK, asleep=False)
+            await self._set_registry(rep)
+            self.emit("promoted", replica=rep.view.replica_id, seconds=round(time.monotonic() - t0, 3))
+            with contextlib.suppress(Exception):
+                await self.actuator.set_role(rep.view.replica_id, "active")
+
+        await self._guard(rep, "promote", run())
+
+    async def _sleep(self, rep: Replica) -> None:
+        async def run() -> None:
+            ok = await self._client(rep).sleep(1, self.cfg.timeouts.sleep_s)
+            if not ok:
+                rep.can_sleep = False  # no sleep mode: keep it warm and awake
+                return
+            if rep.view.state is S.WARM:
+                rep.view = replace(rep.view, asleep=True)
+                await self._set_registry(rep)
+                self.emit("slept", replica=rep.view.replica_id)
+
+        await self._guard(rep, "sleep", run())
+
+    async def _stop(self, rep: Replica) -> None:
+        rid = rep.view.replica_id
+        try:
+            if rep.endpoint:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await self.registry.remove(rep.endpoint)
+            await self.actuator.stop(rid)
+            self.emit("stopped", replica=rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.emit("action_failed", replica=rid, action="stop", error=f"{type(exc).__name__}: {exc}")
+            return  # keep it as TERMINATED-but-present: the next reconcile retries via list()
+        self.replicas.pop(rid, None)
+        self.kick()
+
+    async def shutdown(self) -> None:
+        """Cancel operations in flight (leadership lost / exit). Replicas are left as they are:
+        the next leader adopts them."""
+        tasks = [r.task for r in self.replicas.values() if r.task is not None and not r.task.done()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+def build_actuator(cfg: PoolConfig, *, supervisor: Any = None) -> Actuator:
+    a = cfg.actuator
+    if a.kind == "process":
+        from controller.actuators.process import ProcessActuator, sim_command
+
+        state_dir = Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{cfg.name}"
+        return ProcessActuator(a.command or sim_command(), state_dir, supervisor=supervisor, env=a.env)
+    if a.kind == "static":
+        from controller.actuators.static import StaticActuator
+
+        assert a.endpoints is not None
+        return StaticActuator(a.endpoints)
+    from controller.actuators.kubernetes import KubernetesActuator, KubernetesActuatorConfig
+
+    return KubernetesActuator(KubernetesActuatorConfig(**a.options))
+
+
+class Controller:
+    """All pools, the leader lease, the metrics endpoint and the tick loop."""
+
+    def __init__(self, cfg: ControllerConfig, actuators: dict[str, Actuator] | None = None, *,
+                 holder: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.actuators = actuators or {p.name: build_actuator(p) for p in cfg.pools}
+        self.metrics = ControllerMetrics()
+        self.redis = redis_client(cfg.redis.url, password=cfg.redis.password, op_timeout_s=cfg.redis.op_timeout_s)
+        self.lease: LeaderLease | None = (
+            LeaderLease(self.redis, cfg.leader.key, holder=holder, ttl_s=cfg.leader.ttl_s)
+            if cfg.leader.enabled else None)
+        self.pools: dict[str, PoolController] = {}
+        self._kick = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+        self.ready = asyncio.Event()  # set after the first tick as leader
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.is_leader if self.lease is not None else True
+
+    async def _become_leader(self) -> None:
+        assert self.session is not None
+        self.pools = {}
+        for p in self.cfg.pools:
+            pc = PoolController(p, self.actuators[p.name], self.redis, self.session, self.metrics,
+                                kick=self.kick, clock=self.clock)
+            await pc.rebuild()
+            self.pools[p.name] = pc
+
+    async def _step_down(self) -> None:
+        for pc in self.pools.values():
+            await pc.shutdown()
+        self.pools = {}
+        self.ready.clear()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        runner = None
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        lease_task = None
+        try:
+            if self.cfg.metrics_listen:
+                runner = await self.metrics.serve(self.cfg.metrics_listen)
+            if self.lease is not None:
+                lease_task = asyncio.create_task(self.lease.run(stop))
+                await self.lease.try_acquire_or_renew()  # know at once whether to act
+            while not stop.is_set():
+                t0 = time.monotonic()
+                await self._tick_once()
+                self._kick.clear()
+                wait = max(0.0, self.cfg.tick_interval_s - (time.monotonic() - t0))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_any(stop), wait)
+        finally:
+            await self._step_down()
+            if lease_task is not None:
+                stop.set()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await lease_task
+            for a in self.actuators.values():
+                with contextlib.suppress(Exception):
+                    await a.close()
+            if runner is not None:
+                await runner.cleanup()
+            await self.session.close()
+            await self.redis.aclose()
+
+    async def _wait_any(self, stop: asyncio.Event) -> None:
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._kick.wait())]
+        if self.lease is not None:
+            self.lease.changed.clear()
+            waits.append(asyncio.create_task(self.lease.changed.wait()))  # leadership changed
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _tick_once(self) -> None:
+        leader = self.is_leader
+        self.metrics.leader.set(1 if leader else 0)
+        if not leader:
+            if self.pools:
+                log.warning("lost the leader lease: standing by")
+                await self._step_down()
+            return
+        try:
+            if not self.pools:
+                await self._become_leader()
+            envoy = None
+            if self.cfg.envoy.admin_url and self.session is not None:
+                clusters = frozenset(self.cfg.envoy.clusters) if self.cfg.envoy.clusters else None
+                envoy = await scrape_envoy(self.session, self.cfg.envoy.admin_url, clusters, self.clock())
+                if not envoy.ok:
+                    self.metrics.scrape_failures.labels(source="envoy").inc()
+            for pc in self.pools.values():
+                await pc.tick(envoy)
+            self.metrics.ticks.inc()
+            self.ready.set()
+        except (RedisError, OSError, TimeoutError) as exc:
+            # Redis down: act on nothing (the registry is the routing truth); retry next tick.
+            self.metrics.scrape_failures.labels(source="redis").inc()
+            log.warning("tick skipped: %s", exc)
+

@@ -1,0 +1,158 @@
+"""Controller configuration: one YAML file, validated by pydantic, with env overrides.
+
+A bad file stops start-up with a message naming the field (`pools.0.policy.min_replicas: ...`).
+Env overrides win over the file: FLOODGATE_REDIS_URL, FLOODGATE_REDIS_PASSWORD,
+FLOODGATE_CONTROLLER_METRICS_LISTEN, FLOODGATE_ENVOY_ADMIN_URL.
+
+    redis: {url: redis://127.0.0.1:6379/0}
+    tick_interval_s: 1.0
+    metrics_listen: 127.0.0.1:9464
+    envoy: {admin_url: http://127.0.0.1:9901}
+    pools:
+      - name: default
+        policy: {min_replicas: 1, max_replicas: 8}
+        warm_pool: {min_size: 1}
+        actuator:
+          kind: process
+          command: [floodgate, sim, --port, "{port}", --enable-sleep-mode]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controller.forecast import ForecastConfig
+from controller.lifecycle import WarmPoolConfig
+from controller.policy import PolicyConfig
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the operator."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RedisConfig(_Strict):
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis holding Floodgate's shared state.")
+    password: str | None = Field(default=None, description="Redis password (or in the URL).")
+    op_timeout_s: float = Field(default=1.0, gt=0, description="Per-call timeout; a dead Redis must not stall a tick.")
+
+
+class EnvoyConfig(_Strict):
+    admin_url: str | None = Field(default=None, description="Envoy admin base URL; unset: no Envoy signals.")
+    clusters: list[str] | None = Field(default=None, description="Upstream clusters to sum; unset: all but floodgate_*.")
+
+
+class LeaderConfig(_Strict):
+    enabled: bool = Field(default=True, description="Act only while holding the Redis leader lease.")
+    key: str = Field(default="fg:controller:leader", description="Redis key of the lease.")
+    ttl_s: float = Field(default=10.0, gt=0, description="Lease lifetime; a standby takes over this long after a crash.")
+
+
+class ActuatorConfig(_Strict):
+    kind: Literal["process", "static", "kubernetes"] = Field(description="Where replicas run.")
+    command: list[str] | None = Field(default=None, description="process: argv template with {port} (and {replica_id}); default `floodgate sim` with sleep mode.")
+    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: a per-pool directory under the system temp dir).")
+    env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
+    endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port), or name -> endpoint.")
+    options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ActuatorConfig:
+        if self.kind == "static" and not self.endpoints:
+            raise ValueError("static actuator needs endpoints")
+        if self.command is not None and not any("{port}" in a for a in self.command):
+            raise ValueError("command needs a {port} placeholder")
+        return self
+
+
+class TimeoutsConfig(_Strict):
+    health_s: float = Field(default=600.0, gt=0, description="Cold start: longest wait for /health (model load).")
+    warmup_s: float = Field(default=60.0, gt=0, description="Longest one-token warm-up request.")
+    wake_s: float = Field(default=120.0, gt=0, description="Longest POST /wake_up.")
+    sleep_s: float = Field(default=600.0, gt=0, description="Longest POST /sleep (mode=wait).")
+    scrape_s: float = Field(default=1.0, gt=0, description="Per-scrape timeout.")
+    adopt_grace_s: float = Field(default=30.0, ge=0, description="A started replica may be missing from the actuator's list this long.")
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1, description="Pool name (as in the processor config).")
+    model: str | None = Field(default=None, description="Model name for warm-up requests; unset: the replica's first /v1/models entry.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    forecast: ForecastConfig = Field(default_factory=ForecastConfig)
+    warm_pool: WarmPoolConfig = Field(default_factory=WarmPoolConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    actuator: ActuatorConfig = Field(default_factory=lambda: ActuatorConfig(kind="process"))
+    id_prefix: str | None = Field(default=None, description="Prefix of new replica ids (default: `<pool>-r`).")
+
+
+class ControllerConfig(_Strict):
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
+    leader: LeaderConfig = Field(default_factory=LeaderConfig)
+    tick_interval_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between ticks.")
+    metrics_listen: str | None = Field(default="127.0.0.1:9464", description="host:port of /metrics; null: none.")
+    pools: list[PoolConfig] = Field(min_length=1, description="The pools this controller scales.")
+
+    @model_validator(mode="after")
+    def _unique(self) -> ControllerConfig:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pool names must be unique")
+        return self
+
+
+ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "FLOODGATE_REDIS_URL": ("redis", "url"),
+    "FLOODGATE_REDIS_PASSWORD": ("redis", "password"),
+    "FLOODGATE_CONTROLLER_METRICS_LISTEN": ("metrics_listen",),
+    "FLOODGATE_ENVOY_ADMIN_URL": ("envoy", "admin_url"),
+}
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "invalid controller config:\n" + "\n".join(lines)
+
+
+def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> ControllerConfig:
+    raw = dict(raw)
+    environ: Mapping[str, str] = os.environ if env is None else env
+    for var, where in ENV_OVERRIDES.items():
+        if environ.get(var):
+            node = raw
+            for key in where[:-1]:
+                node[key] = dict(node.get(key) or {})
+                node = node[key]
+            node[where[-1]] = environ[var]
+    try:
+        return ControllerConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> ControllerConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
+    return parse_config(loaded, env)

@@ -1,0 +1,64 @@
+"""The controller's Prometheus metrics (own registry per controller, so tests can run several)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from controller.signals import ReplicaState
+
+
+class ControllerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.replicas = Gauge("floodgate_replicas", "Replicas per lifecycle state.", ["pool", "state"], registry=r)
+        self.desired = Gauge("floodgate_desired_replicas", "Desired active replicas (policy output).", ["pool"], registry=r)
+        self.actual = Gauge("floodgate_actual_replicas", "Active replicas (serving, in the registry).", ["pool"], registry=r)
+        self.warm_target = Gauge("floodgate_warm_pool_target", "Warm-pool target size.", ["pool"], registry=r)
+        self.scale_events = Counter("floodgate_scale_events_total", "Changes of the desired count.",
+                                    ["pool", "direction", "reason"], registry=r)
+        self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions executed.",
+                               ["pool", "action", "outcome"], registry=r)
+        self.drain = Histogram("floodgate_drain_duration_seconds", "Drain start to idle (or force stop).",
+                               ["pool", "outcome"], registry=r,
+                               buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.warm_hits = Counter("floodgate_warm_pool_hits_total", "Scale-ups served by promoting a warm replica.",
+                                 ["pool"], registry=r)
+        self.warm_misses = Counter("floodgate_warm_pool_misses_total", "Scale-ups that needed a cold start.",
+                                   ["pool"], registry=r)
+        self.forecast = Gauge("floodgate_forecast_replicas", "Forecast floor (replicas); NaN when not engaged.",
+                              ["pool"], registry=r)
+        self.forecast_demand = Gauge("floodgate_forecast_demand", "Forecast peak demand over the lead window.",
+                                     ["pool"], registry=r)
+        self.demand = Gauge("floodgate_demand", "Measured demand (running + waiting + Floodgate queue).", ["pool"], registry=r)
+        self.scrape_failures = Counter("floodgate_scrape_failures_total", "Failed scrapes (marked, never read as zero).",
+                                       ["source"], registry=r)
+        self.leader = Gauge("floodgate_controller_leader", "1 while this controller holds the leader lease.", registry=r)
+        self.ticks = Counter("floodgate_controller_ticks_total", "Ticks run while leader.", registry=r)
+
+    def set_states(self, pool: str, counts: dict[ReplicaState, int]) -> None:
+        for st, n in counts.items():
+            self.replicas.labels(pool=pool, state=st.value).set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def serve(self, listen: str) -> web.AppRunner:
+        host, _, port = listen.rpartition(":")
+
+        async def handler(_req: web.Request) -> web.Response:
+            return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+        return runner

@@ -1,0 +1,115 @@
+"""Scrapers: vLLM per replica, Envoy admin, Floodgate's queue/limit in Redis.
+
+Every result carries `ok` and the time it was taken. A failed scrape is returned marked
+(ok=False), never as zeros: the policy must see "unknown", because an outage that read as an
+idle pool would trigger a scale-down exactly when things are breaking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import RedisError
+
+from controller.signals import QueueSignal
+from controller.vllm import VllmClient, VllmSample
+from extproc.state import read_pool_status
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoySample:
+    """Envoy's view of the upstream cluster(s): summed over `clusters`."""
+
+    scraped_at: float
+    ok: bool = True
+    rq_active: float = 0.0
+    rq_pending: float = 0.0
+    rq_429: float = 0.0  # cumulative counters
+    rq_5xx: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FloodgateSample:
+    """Floodgate's shared admission state for one pool (from Redis)."""
+
+    signal: QueueSignal
+    queued: tuple[int, int, int] = (0, 0, 0)
+    inflight: int = 0
+    limit: int = 0
+    error: str = ""
+
+
+def parse_envoy(text: str, clusters: frozenset[str] | None, now: float) -> EnvoySample:
+    """Parse `/stats/prometheus`; `clusters=None` sums every cluster except Floodgate's own."""
+    active = pending = r429 = r5xx = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            c = s.labels.get("envoy_cluster_name")
+            if c is None or (clusters is not None and c not in clusters):
+                continue
+            if clusters is None and c.startswith("floodgate_"):
+                continue
+            if s.name == "envoy_cluster_upstream_rq_active":
+                active += s.value
+            elif s.name == "envoy_cluster_upstream_rq_pending_active":
+                pending += s.value
+            elif s.name in ("envoy_cluster_upstream_rq", "envoy_cluster_upstream_rq_total") and \
+                    s.labels.get("envoy_response_code") == "429":
+                r429 += s.value
+            elif s.name in ("envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_xx_total") and \
+                    s.labels.get("envoy_response_code_class") == "5":
+                r5xx += s.value
+    return EnvoySample(now, True, active, pending, r429, r5xx)
+
+
+async def scrape_envoy(session: aiohttp.ClientSession, admin_url: str, clusters: frozenset[str] | None,
+                       now: float, timeout_s: float = 1.0) -> EnvoySample:
+    try:
+        async with session.get(admin_url.rstrip("/") + "/stats/prometheus",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status != 200:
+                return EnvoySample(now, ok=False, error=f"HTTP {r.status}")
+            text = await r.text()
+        return parse_envoy(text, clusters, now)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return EnvoySample(now, ok=False, error=f"{type(exc).__name__}: {exc}")
+
+
+async def scrape_floodgate(client: aioredis.Redis, pool: str, now: float, timeout_s: float = 1.0) -> FloodgateSample:
+    try:
+        st = await asyncio.wait_for(read_pool_status(client, pool), timeout_s)
+    except (RedisError, OSError, TimeoutError) as exc:
+        return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"{type(exc).__name__}: {exc}")
+    return FloodgateSample(QueueSignal(float(st.queued_total), now), st.queued, st.inflight_total, st.limit)
+
+
+@dataclass
+class ReplicaScraper:
+    """Scrapes replicas concurrently and keeps each one's previous sample (histogram deltas)."""
+
+    session: aiohttp.ClientSession
+    timeout_s: float = 1.0
+    model: str | None = None
+    on_failure: Callable[[str], None] | None = None  # called with the source name per failure
+    last: dict[str, VllmSample] = field(default_factory=dict)
+
+    async def scrape(self, endpoints: Mapping[str, str], now: float) -> dict[str, VllmSample]:
+        """`endpoints`: replica id -> "host:port". Returns a sample (maybe failed) for each."""
+        async def one(rid: str, ep: str) -> VllmSample:
+            client = VllmClient(self.session, ep, timeout_s=self.timeout_s, model=self.model)
+            return await client.scrape(rid, now, self.last.get(rid))
+
+        ids = list(endpoints)
+        results = await asyncio.gather(*(one(rid, endpoints[rid]) for rid in ids))
+        out = dict(zip(ids, results, strict=True))
+        for s in out.values():
+            if not s.metrics.ok and self.on_failure is not None:
+                self.on_failure("vllm")
+        self.last = out  # replicas that are gone are forgotten
+        return out

@@ -1,0 +1,231 @@
+"""A thin async client for one vLLM (or emulated) replica, and the pure `/metrics` parser.
+
+The parser is pure (text in, values out) so histogram-delta arithmetic is unit-testable; the
+client only does HTTP. Every call has a timeout: a hung replica must not stall the tick loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.signals import ReplicaMetrics
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+
+
+class VllmError(RuntimeError):
+    """A replica call failed (connection, timeout or unexpected status)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative histogram (summed over label sets): upper bound -> count, plus sum/count."""
+
+    buckets: tuple[tuple[float, float], ...] = ()
+    total: float = 0.0
+    count: float = 0.0
+
+    def delta(self, prev: Histogram | None) -> Histogram:
+        """Observations since `prev`. A counter reset (replica restarted) returns `self`."""
+        if prev is None or self.count < prev.count:
+            return self
+        pb = dict(prev.buckets)
+        return Histogram(
+            tuple((le, c - pb.get(le, 0.0)) for le, c in self.buckets),
+            self.total - prev.total,
+            self.count - prev.count,
+        )
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding quantile q (coarse, like `histogram_quantile`
+        without interpolation); None without observations."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        for le, c in self.buckets:
+            if c >= rank:
+                return le
+        return math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSample:
+    """Everything one scrape yields: the policy's inputs plus latency histograms."""
+
+    metrics: ReplicaMetrics
+    ttft: Histogram = field(default_factory=Histogram)  # cumulative
+    itl: Histogram = field(default_factory=Histogram)
+    ttft_delta: Histogram = field(default_factory=Histogram)  # since the previous scrape
+    itl_delta: Histogram = field(default_factory=Histogram)
+    asleep: bool | None = None  # from vllm:engine_sleep_state; None when not exported
+    error: str = ""
+
+
+def _hist_add(acc: dict[str, dict[float, float]], sums: dict[str, float], counts: dict[str, float],
+              name: str, sample_name: str, labels: dict[str, str], value: float) -> None:
+    if sample_name == name + "_bucket":
+        le = float(labels["le"])
+        acc.setdefault(name, {})
+        acc[name][le] = acc[name].get(le, 0.0) + value
+    elif sample_name == name + "_sum":
+        sums[name] = sums.get(name, 0.0) + value
+    elif sample_name == name + "_count":
+        counts[name] = counts.get(name, 0.0) + value
+
+
+def parse_metrics(
+    text: str,
+    replica_id: str,
+    now: float,
+    prev: VllmSample | None = None,
+) -> VllmSample:
+    """Parse a vLLM `/metrics` page. Gauges are summed over label sets (one engine per model).
+
+    Raises ValueError on unparseable text or when none of the vLLM gauges is present (a page
+    without them is not a vLLM replica: treating it as idle would read as zero load).
+    """
+    waiting = running = kv = 0.0
+    seen = False
+    awake: float | None = None
+    buckets: dict[str, dict[float, float]] = {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            n = s.name
+            if n == "vllm:num_requests_waiting":
+                waiting += s.value
+                seen = True
+            elif n == "vllm:num_requests_running":
+                running += s.value
+                seen = True
+            elif n == "vllm:kv_cache_usage_perc":
+                kv = max(kv, s.value)
+            elif n == "vllm:engine_sleep_state" and s.labels.get("sleep_state") == "awake":
+                awake = s.value
+            elif n.startswith(TTFT):
+                _hist_add(buckets, sums, counts, TTFT, n, s.labels, s.value)
+            elif n.startswith(ITL):
+                _hist_add(buckets, sums, counts, ITL, n, s.labels, s.value)
+    if not seen:
+        raise ValueError("no vllm:num_requests_running/waiting on the page")
+
+    def hist(name: str) -> Histogram:
+        return Histogram(tuple(sorted(buckets.get(name, {}).items())), sums.get(name, 0.0), counts.get(name, 0.0))
+
+    ttft, itl = hist(TTFT), hist(ITL)
+    return VllmSample(
+        metrics=ReplicaMetrics(replica_id, now, True, waiting, running, kv),
+        ttft=ttft,
+        itl=itl,
+        ttft_delta=ttft.delta(prev.ttft if prev and prev.metrics.ok else None),
+        itl_delta=itl.delta(prev.itl if prev and prev.metrics.ok else None),
+        asleep=None if awake is None else awake < 0.5,
+    )
+
+
+def failed_sample(replica_id: str, now: float, error: str, prev: VllmSample | None = None) -> VllmSample:
+    """A marked failure: ok=False, and the cumulative histograms of `prev` kept so the next
+    good scrape's delta covers the gap instead of double counting."""
+    return VllmSample(
+        metrics=ReplicaMetrics(replica_id, now, ok=False),
+        ttft=prev.ttft if prev else Histogram(),
+        itl=prev.itl if prev else Histogram(),
+        error=error,
+    )
+
+
+def merge_histograms(hs: Iterable[Histogram]) -> Histogram:
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for h in hs:
+        for le, c in h.buckets:
+            buckets[le] = buckets.get(le, 0.0) + c
+        total += h.total
+        count += h.count
+    return Histogram(tuple(sorted(buckets.items())), total, count)
+
+
+class VllmClient:
+    """HTTP calls to one replica at `endpoint` ("host:port")."""
+
+    def __init__(self, session: aiohttp.ClientSession, endpoint: str, *, timeout_s: float = 2.0,
+                 model: str | None = None) -> None:
+        self.session = session
+        self.endpoint = endpoint
+        self.base = f"http://{endpoint}"
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.model = model
+
+    async def _call(self, method: str, path: str, *, limit: aiohttp.ClientTimeout | None = None,
+                    json: object = None, ok: tuple[int, ...] = (200,)) -> tuple[int, bytes]:
+        try:
+            async with self.session.request(method, self.base + path, json=json,
+                                            timeout=limit or self.timeout) as r:
+                body = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise VllmError(f"{method} {self.endpoint}{path}: {type(exc).__name__}: {exc}") from exc
+        if r.status not in ok:
+            raise VllmError(f"{method} {self.endpoint}{path}: HTTP {r.status} {body[:200]!r}")
+        return r.status, body
+
+    async def health(self) -> bool:
+        try:
+            status, _ = await self._call("GET", "/health", ok=(200, 503))
+        except VllmError:
+            return False
+        return status == 200
+
+    async def metrics_text(self) -> str:
+        _, body = await self._call("GET", "/metrics")
+        return body.decode("utf-8", errors="replace")
+
+    async def scrape(self, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
+        """One `/metrics` scrape; failures come back marked (ok=False), never as zeros."""
+        try:
+            return parse_metrics(await self.metrics_text(), replica_id, now, prev)
+        except (VllmError, ValueError) as exc:
+            return failed_sample(replica_id, now, str(exc), prev)
+
+    async def sleep(self, level: int = 1, timeout_s: float = 120.0) -> bool:
+        """Sleep after in-flight requests finish (mode=wait). False when sleep mode is off (404)."""
+        status, _ = await self._call("POST", f"/sleep?level={level}&mode=wait", ok=(200, 404),
+                                     limit=aiohttp.ClientTimeout(total=timeout_s))
+        return status == 200
+
+    async def wake(self, timeout_s: float = 120.0) -> bool:
+        status, _ = await self._call("POST", "/wake_up", ok=(200, 404),
+                                     limit=aiohttp.ClientTimeout(total=timeout_s))
+        return status == 200
+
+    async def is_sleeping(self) -> bool | None:
+        """True/False, or None when the replica has no sleep mode."""
+        import json as _json
+
+        status, body = await self._call("GET", "/is_sleeping", ok=(200, 404))
+        if status == 404:
+            return None
+        return bool(_json.loads(body).get("is_sleeping"))
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            import json as _json
+
+            _, body = await self._call("GET", "/v1/models")
+            self.model = str(_json.loads(body)["data"][0]["id"])
+        return self.model
+
+    async def warmup(self, timeout_s: float = 60.0) -> None:
+        """One one-token completion: proves the engine serves before traffic is routed here."""
+        body = {"model": await self.model_name(), "prompt": "warm-up", "max_tokens": 1, "stream": False}
+        await self._call("POST", "/v1/completions", json=body, limit=aiohttp.ClientTimeout(total=timeout_s))
