@@ -66,6 +66,8 @@ class _PoolRuntime:
     local_held: set[str] = field(default_factory=set)
     local_endpoints: dict[str, str] = field(default_factory=dict)  # local ticket -> endpoint
     active_endpoints: list[str] = field(default_factory=list)  # last seen, for degraded picking
+    last_status: PoolStatus | None = None
+    pending_release: list[str] = field(default_factory=list)  # batched into one script call
     limit: int = 1
     inflight_total: int = 0
     live_gateways: int = 1
@@ -94,6 +96,7 @@ class Admitter:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.pools: dict[str, _PoolRuntime] = {}
         for p in cfg.pools:
             shares = (p.classes[0].share, p.classes[1].share, p.classes[2].share)
@@ -150,7 +153,8 @@ class Admitter:
     async def _call(self, op: str, coro: Awaitable[T]) -> T:
         timeout = self.cfg.redis.op_timeout_s * 2
         try:
-            return await asyncio.wait_for(coro, timeout)
+            async with asyncio.timeout(timeout):  # no extra task per call, unlike wait_for
+                return await coro
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.redis_errors.labels(op).inc()
             self._enter_degraded(f"{op}: {type(exc).__name__}: {exc}")
@@ -180,13 +184,23 @@ class Admitter:
         log.warning("redis reachable again: shared admission state resumed")
 
     def _observe(self, rt: _PoolRuntime, st: PoolStatus) -> None:
+        if st.partial:
+            return
         rt.limit, rt.inflight_total, rt.grant_rate = st.limit, st.inflight_total, st.grant_rate
         rt.live_gateways = max(1, st.live_gateways)
-        name = rt.cfg.name
-        self.metrics.limit.labels(name).set(st.limit)
-        for c in range(3):
-            self.metrics.queue_depth.labels(name, PRIORITY_LABELS[c]).set(st.queued[c])
-            self.metrics.inflight.labels(name, PRIORITY_LABELS[c]).set(st.inflight[c])
+        rt.last_status = st
+
+    def _publish_gauges(self) -> None:
+        """Gauges from the last seen status, once a second rather than on every request."""
+        for rt in self.pools.values():
+            st, name = rt.last_status, rt.cfg.name
+            self.metrics.local_inflight.labels(name).set(len(rt.held) + len(rt.local_held))
+            if st is None:
+                continue
+            self.metrics.limit.labels(name).set(st.limit)
+            for c in range(3):
+                self.metrics.queue_depth.labels(name, PRIORITY_LABELS[c]).set(st.queued[c])
+                self.metrics.inflight.labels(name, PRIORITY_LABELS[c]).set(st.inflight[c])
 
     @staticmethod
     def _snapshot(st: PoolStatus) -> Snapshot:
@@ -210,14 +224,22 @@ class Admitter:
         return result
 
     def _count(self, rt: _PoolRuntime, priority: int, result: Permit | Reject) -> None:
+        # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
             reason = "queued" if result.queue_s > 0.0005 else "immediate"
-            self.metrics.decisions.labels(rt.cfg.name, label, "admitted", reason).inc()
-            self.metrics.queue_wait.labels(rt.cfg.name, label).observe(result.queue_s)
-            self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held) + len(rt.local_held))
+            key = (rt.cfg.name, label, "admitted", reason)
+            self._child(self.metrics.decisions, key).inc()
+            self._child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
         else:
-            self.metrics.decisions.labels(rt.cfg.name, label, "rejected", result.reason).inc()
+            self._child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
+
+    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float,
                 endpoint: str = "") -> Permit:
@@ -347,17 +369,21 @@ class Admitter:
             return
         permit.released = True
         rt = self.pools[permit.pool]
-        self.metrics.releases.labels(permit.pool, reason).inc()
+        self._child(self.metrics.releases, (permit.pool, reason)).inc()
         if permit.backend == "local":
             rt.local_held.discard(permit.ticket)
             rt.local_endpoints.pop(permit.ticket, None)
             self._resolve_local(rt, rt.local.release(permit.ticket, self.clock())[1])
-        else:
-            # Stop renewing first: if Redis is down now, the lease simply expires.
-            rt.held.discard(permit.ticket)
+            return
+        # Stop renewing first: if Redis is down now, the lease simply expires. Releases that
+        # arrive in the same event-loop turn share one script call.
+        rt.held.discard(permit.ticket)
+        rt.pending_release.append(permit.ticket)
+        if len(rt.pending_release) == 1:
+            await asyncio.sleep(0)
+            tickets, rt.pending_release = rt.pending_release, []
             with contextlib.suppress(RedisDown):
-                await self._call("release", rt.state.release(permit.ticket))
-        self.metrics.local_inflight.labels(permit.pool).set(len(rt.held) + len(rt.local_held))
+                await self._call("release", rt.state.release(*tickets))
 
     # ---------------------------------------------------------------- latency feedback
 
@@ -463,4 +489,5 @@ class Admitter:
                             members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
                             rt.active_endpoints = sorted(
                                 m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            self._publish_gauges()
             await asyncio.sleep(min(interval, 1.0))

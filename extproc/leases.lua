@@ -219,8 +219,9 @@ end
 if op == 'acquire' then
   -- ARGV 9 ticket, 9 gateway, 10 class, 11 tenant: lease now if the grant loop would.
   local ticket, gw, c, tenant = ARGV[9], ARGV[10], tonumber(ARGV[11]) + 1, ARGV[12]
+  -- The hot path: no gateway touch (the renewal loop keeps gateways alive) and a short reply
+  -- {1, endpoint} on a grant; the full snapshot only when the policy has to decide.
   reclaim()
-  touch_gateway(gw)
   grant_loop()
   local L = math.max(1, math.floor(limit_value()))
   local inflight, queued = counts()
@@ -230,7 +231,8 @@ if op == 'acquire' then
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
-  if ok then return snapshot(1, c, tenant, lease(ticket, c)) end
+  if ok then return {1, lease(ticket, c)} end
+  touch_gateway(gw)
   return snapshot(0, c, tenant)
 
 elseif op == 'enqueue' then

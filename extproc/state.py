@@ -42,6 +42,7 @@ class PoolStatus:
     server_ms: int
     endpoint: str = ""  # where the granted request is routed (endpoint picking), else ""
     active_endpoints: int = 0
+    partial: bool = False  # an immediate grant: only `granted` and `endpoint` are filled in
 
     @property
     def inflight_total(self) -> int:
@@ -54,6 +55,8 @@ class PoolStatus:
 
 def _status(raw: list[Any]) -> PoolStatus:
     v = [x.decode() if isinstance(x, bytes) else x for x in raw]
+    if len(v) == 2:  # the short reply of an immediate grant (the hot path)
+        return PoolStatus(True, 0, (0, 0, 0), (0, 0, 0), 0, 0.0, 0, 0, str(v[1]), 0, partial=True)
     return PoolStatus(
         granted=int(v[0]) == 1,
         limit=int(v[1]),

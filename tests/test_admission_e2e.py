@@ -212,6 +212,8 @@ async def test_degraded_mode_when_redis_dies_and_recovers(stack: LocalStack, ups
     envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+        # Each processor learns the live gateway count on its renewal tick (lease_ttl/3 = 1 s).
+        await asyncio.sleep(1.5)
         assert stack.redis_child is not None
         stack.redis_child.stop()
         await asyncio.sleep(0.2)
