@@ -1,0 +1,358 @@
+"""deploy/kubernetes/: offline validation and consistency with the code.
+
+* every manifest against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown
+  fields fail), for the oldest and newest Kubernetes versions we claim;
+* the KEDA ScaledObject (a CRD, not in those schemas) against a small structural schema;
+* the kustomizations list exactly the files that exist (and `kubectl kustomize` builds them,
+  when kubectl is installed);
+* the embedded processor/controller configs load with the real config loaders, and their ports,
+  names and selectors agree with the manifests;
+* the controller's Role grants exactly the API calls the Kubernetes actuator makes, as recorded
+  by the fake API server's request log.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+KDIR = ROOT / "deploy" / "kubernetes"
+KEDA_DIR = KDIR / "keda"
+MIN_K8S, MAX_K8S = "1.30.0", "1.37.0"  # 1.30: preStop `sleep` and gRPC probes
+CRD_KINDS = {"ScaledObject"}
+
+kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (test extra)")
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in KDIR.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def all_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for f in manifest_files():
+        for d in load_docs(f):
+            yield f, d
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    for _, d in all_docs():
+        if d["kind"] == kind and d["metadata"]["name"] == name:
+            return d
+    raise AssertionError(f"no {kind}/{name} in {KDIR}")
+
+
+def container(dep: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    cs = dep["spec"]["template"]["spec"]["containers"]
+    return cs[0] if name is None else next(c for c in cs if c["name"] == name)
+
+
+def ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def config_data() -> dict[str, str]:
+    data: dict[str, str] = find("ConfigMap", "floodgate-config")["data"]
+    return data
+
+
+# -- schemas -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", [MIN_K8S, MAX_K8S])
+def test_manifests_validate_against_kubernetes_schemas(version: str) -> None:
+    checked = 0
+    for f, doc in all_docs():
+        if doc["kind"] in CRD_KINDS:
+            continue
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.utils.ValidationError as exc:
+            pytest.fail(f"{f.relative_to(ROOT)} {doc['kind']}/{doc['metadata']['name']} (k8s {version}): {exc}")
+        checked += 1
+    assert checked >= 12
+
+
+SCALED_OBJECT_SCHEMA: dict[str, Any] = {
+    # The parts of KEDA's v1alpha1 ScaledObject CRD this example uses (keda.sh/v1alpha1).
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                   "name": {"type": "string"}, "envSourceContainerName": {"type": "string"}},
+                },
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "idleReplicaCount": {"type": "integer", "minimum": 0},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "initialCooldownPeriod": {"type": "integer", "minimum": 0},
+                "fallback": {"type": "object"},
+                "advanced": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "restoreToOriginalReplicaCount": {"type": "boolean"},
+                        "scalingModifiers": {"type": "object"},
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object", "additionalProperties": False,
+                            "properties": {"name": {"type": "string"}, "behavior": {"type": "object"}},
+                        },
+                    },
+                },
+                "triggers": {
+                    "type": "array", "minItems": 1,
+                    "items": {
+                        "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"}, "name": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                            "authenticationRef": {"type": "object"},
+                            # KEDA trigger metadata values are strings.
+                            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_keda_scaledobject_structure_and_target() -> None:
+    so = find("ScaledObject", "vllm")
+    jsonschema.validate(so, SCALED_OBJECT_SCHEMA)
+    # The HPA behavior block KEDA passes through is a core autoscaling/v2 type: validate it too.
+    behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
+           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vllm"},
+                    "maxReplicas": so["spec"]["maxReplicaCount"], "behavior": behavior}}
+    kv.validate(hpa, MAX_K8S, strict=True)
+    assert so["spec"]["scaleTargetRef"]["name"] == find("Deployment", "vllm")["metadata"]["name"]
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert "floodgate_desired_replicas" in trigger["metadata"]["query"]
+    assert float(trigger["metadata"]["threshold"]) == 1.0 and trigger["metricType"] == "AverageValue"
+
+
+def test_desired_replicas_metric_is_exported_by_the_controller() -> None:
+    from controller.metrics import ControllerMetrics
+
+    names = {m.name for m in ControllerMetrics().registry.collect()}
+    assert "floodgate_desired_replicas" in names
+
+
+# -- kustomize -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kdir", [KDIR, KEDA_DIR], ids=["base", "keda"])
+def test_kustomization_lists_exactly_the_existing_files(kdir: Path) -> None:
+    k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
+    listed = k["resources"]
+    for r in listed:
+        assert (kdir / r).is_file(), f"{kdir.relative_to(ROOT)}/kustomization.yaml lists missing {r}"
+    on_disk = {p.name for p in kdir.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert set(listed) == on_disk, "every manifest is listed (none forgotten, none twice)"
+    assert len(listed) == len(set(listed))
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (kustomize build is optional)")
+@pytest.mark.parametrize("kdir", [KDIR, KEDA_DIR], ids=["base", "keda"])
+def test_kustomize_build(kdir: Path) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(kdir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    ns = yaml.safe_load((kdir / "kustomization.yaml").read_text())["namespace"]
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == ns
+        if d["kind"] in CRD_KINDS:
+            continue
+        kv.validate(d, MAX_K8S, strict=True)
+    if kdir == KDIR:
+        # includeSelectors: false keeps the actuator's selector as written.
+        dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm")
+        assert dep["spec"]["selector"] == {"matchLabels": {"app": "vllm"}}
+        rb = next(d for d in docs if d["kind"] == "RoleBinding")
+        assert rb["subjects"][0]["namespace"] == ns
+
+
+# -- configs and their consistency with the manifests ---------------------------------------
+
+def test_embedded_processor_config_is_valid(tmp_path: Path) -> None:
+    from extproc.app import SERVICE_NAME
+    from extproc.config import load_config
+
+    path = tmp_path / "processor.yaml"
+    path.write_text(config_data()["processor.yaml"])
+    cfg = load_config(path, env={})
+    dep = find("Deployment", "floodgate-extproc")
+    c = container(dep, "extproc")
+    p = ports(c)
+    assert int(cfg.server.listen.rsplit(":", 1)[1]) == p["grpc"] == 50051
+    assert int(cfg.server.metrics_listen.rsplit(":", 1)[1]) == p["metrics"] == 9464
+    assert cfg.server.listen.startswith("0.0.0.0:"), "must listen beyond loopback in a pod"
+    assert c["args"][-1] == "/etc/floodgate/processor.yaml"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": p["grpc"], "service": SERVICE_NAME}, probe
+    assert any(e["name"] == "FLOODGATE_GATEWAY_ID" for e in c["env"])
+    assert "floodgate-redis" in cfg.redis.url
+    svc = find("Service", "floodgate-extproc")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {x["port"] for x in svc["spec"]["ports"]} == {p["grpc"], p["metrics"]}
+
+
+def test_embedded_controller_config_is_valid(tmp_path: Path) -> None:
+    from controller.actuators.kubernetes import KubernetesActuatorConfig
+    from controller.config import load_config
+
+    path = tmp_path / "controller.yaml"
+    path.write_text(config_data()["controller.yaml"])
+    cfg = load_config(path, env={})
+    ns = yaml.safe_load((KDIR / "kustomization.yaml").read_text())["namespace"]
+    inference = find("Deployment", "vllm")
+    vllm = container(inference, "vllm")
+    for pool in cfg.pools:
+        assert pool.actuator.kind == "kubernetes"
+        kcfg = KubernetesActuatorConfig.model_validate(pool.actuator.options)
+        assert kcfg.namespace == ns and kcfg.in_cluster
+        assert kcfg.deployment == inference["metadata"]["name"]
+        assert ports(vllm)["http"] == kcfg.port
+        template_labels = inference["spec"]["template"]["metadata"]["labels"]
+        match = inference["spec"]["selector"]["matchLabels"]
+        assert kcfg.selector == ",".join(f"{k}={v}" for k, v in match.items())
+        assert all(template_labels[k] == v for k, v in match.items())
+        assert kcfg.role_label not in match, "relabelling must not orphan a pod"
+        assert template_labels[kcfg.role_label] == "warm-pool"
+    ctl = container(find("Deployment", "floodgate-controller"))
+    assert cfg.metrics_listen is not None and int(cfg.metrics_listen.rsplit(":", 1)[1]) == ports(ctl)["metrics"]
+    assert ctl["args"][-1] == "/etc/floodgate/controller.yaml"
+    assert "floodgate-redis" in cfg.redis.url
+
+
+def test_config_map_is_mounted_where_the_args_point() -> None:
+    for name in ("floodgate-extproc", "floodgate-controller"):
+        spec = find("Deployment", name)["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+        vol = next(v for v in spec["volumes"] if v["name"] == "config")
+        assert vol["configMap"]["name"] == "floodgate-config"
+        cfg_file = Path(c["args"][-1])
+        assert str(cfg_file.parent) == mount["mountPath"] and cfg_file.name in config_data()
+
+
+def test_selectors_match_pod_labels() -> None:
+    for _, d in all_docs():
+        kind = d["kind"]
+        if kind == "Deployment":
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            sel = d["spec"]["selector"]["matchLabels"]
+        elif kind == "PodDisruptionBudget":
+            labels = find("Deployment", d["metadata"]["name"])["spec"]["template"]["metadata"]["labels"]
+            sel = d["spec"]["selector"]["matchLabels"]
+        elif kind == "Service":
+            labels = find("Deployment", d["metadata"]["name"])["spec"]["template"]["metadata"]["labels"]
+            sel = d["spec"]["selector"]
+        else:
+            continue
+        assert all(labels.get(k) == v for k, v in sel.items()), f"{kind}/{d['metadata']['name']}"
+
+
+def test_processor_has_a_disruption_budget_below_its_replicas() -> None:
+    pdb = find("PodDisruptionBudget", "floodgate-extproc")
+    dep = find("Deployment", "floodgate-extproc")
+    assert pdb["spec"]["minAvailable"] < dep["spec"]["replicas"], "a PDB at the replica count blocks node drains"
+
+
+def test_inference_deployment_is_ready_for_the_warm_pool() -> None:
+    dep = find("Deployment", "vllm")
+    c = container(dep, "vllm")
+    assert c["image"].startswith("vllm/vllm-openai")
+    assert "--enable-sleep-mode" in c["args"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    assert "replicas" not in dep["spec"], "the controller owns spec.replicas; re-applying must not reset it"
+    assert dep["spec"]["template"]["metadata"]["labels"]["app-state"] == "warm-pool"
+
+
+# -- RBAC: exactly the calls the actuator makes -----------------------------------------------
+
+def role_grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    out: set[tuple[str, str, str]] = set()
+    for rule in role["rules"]:
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                for v in rule["verbs"]:
+                    assert "*" not in (g, r, v), "no wildcards in a least-privilege Role"
+                    out.add((g, r, v))
+    return out
+
+
+async def test_role_grants_exactly_the_actuator_calls() -> None:
+    from kubernetes_asyncio import client
+
+    from controller.actuators.kubernetes import KubernetesActuator, KubernetesActuatorConfig
+    from tests.controller.fake_kube import FakeKube
+
+    options = yaml.safe_load(config_data()["controller.yaml"])["pools"][0]["actuator"]["options"]
+    kcfg = KubernetesActuatorConfig.model_validate(options)
+    fake = FakeKube()
+    await fake.start()
+    api = client.ApiClient(client.Configuration(host=fake.url))
+    try:
+        fake.add_deployment(kcfg.namespace, kcfg.deployment, labels={"app": "vllm"},
+                            template_labels={"app-state": "warm-pool"})
+        act = KubernetesActuator(kcfg, api_client=api)
+        # Every public method, including the idempotent repeats and the not-found paths.
+        await act.start("r1")
+        await act.start("r1")
+        await act.start("r2")
+        await fake.settle()
+        first = (await act.list())[0].replica_id
+        await act.set_role(first, "active")
+        await act.set_role("gone", "warm-pool")
+        await act.stop(first)
+        await act.stop(first)
+        await act.stop("gone")
+        await act.set_replicas(1)
+        await act.replicas()
+        await act.close()
+    finally:
+        await api.close()
+        await fake.close()
+
+    made = {(c.group, c.resource + (f"/{c.subresource}" if c.subresource else ""), c.verb) for c in fake.calls}
+    assert all(c.namespace == kcfg.namespace for c in fake.calls)
+    role = find("Role", "floodgate-controller")
+    assert made == role_grants(role), f"actuator calls {sorted(made)} vs Role {sorted(role_grants(role))}"
+    # resourceNames narrows deployments to the one the actuator scales.
+    dep_rule = next(r for r in role["rules"] if "deployments" in r["resources"])
+    assert dep_rule.get("resourceNames") == [kcfg.deployment]
+    assert {c.name for c in fake.calls if c.resource == "deployments"} == {kcfg.deployment}
+
+    binding = find("RoleBinding", "floodgate-controller")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "floodgate-controller"}
+    sa = find("ServiceAccount", binding["subjects"][0]["name"])
+    ctl = find("Deployment", "floodgate-controller")["spec"]["template"]["spec"]
+    assert ctl["serviceAccountName"] == sa["metadata"]["name"]
+    # Nothing else gets API access.
+    for name in ("floodgate-extproc", "vllm", "floodgate-redis"):
+        assert find("Deployment", name)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
