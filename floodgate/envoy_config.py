@@ -5,6 +5,7 @@ include mechanism of its own), so the includes a user pastes are the very files 
 and the tests run. `render_local` resolves the includes and sets addresses and ports.
 
     python -m floodgate.envoy_config > /tmp/envoy.yaml   # the defaults, ready for envoy -c
+    python -m floodgate.envoy_config --compose > deploy/compose/envoy.yaml   # compose.yaml's
 """
 
 from __future__ import annotations
@@ -109,5 +110,56 @@ def write_config(cfg: dict[str, Any], path: Path) -> Path:
     return path
 
 
+# The docker compose stack (compose.yaml): service names and ports Envoy reaches. The ORIGINAL_DST
+# (picking) cluster needs IP addresses, so the replicas have fixed ones on the compose network;
+# the controller config (deploy/compose/controller.yaml) registers those.
+COMPOSE_BOOTSTRAP = Path(__file__).resolve().parent.parent / "deploy" / "compose" / "envoy.yaml"
+COMPOSE_PROCESSORS: tuple[tuple[str, int], ...] = (("processor-1", 50051), ("processor-2", 50051))
+COMPOSE_UPSTREAMS: tuple[tuple[str, int], ...] = (("vllm-1", 8000), ("vllm-2", 8000), ("vllm-3", 8000))
+COMPOSE_HEADER = (
+    "# GENERATED from envoy/local.yaml and its includes by\n"
+    "#   .venv/bin/python -m floodgate.envoy_config --compose > deploy/compose/envoy.yaml\n"
+    "# Do not edit: change envoy/ and regenerate (tests/deploy/test_compose.py checks they match).\n"
+)
+
+
+def render_compose(*, listen_port: int = 10000, admin_port: int = 9901,
+                   processors: Sequence[tuple[str, int]] = COMPOSE_PROCESSORS,
+                   upstreams: Sequence[tuple[str, int]] = COMPOSE_UPSTREAMS,
+                   picking: bool = True) -> dict[str, Any]:
+    """The local bootstrap for a container network: listener and admin on 0.0.0.0, the
+    processor and model clusters `STRICT_DNS` over compose service names (each name resolves
+    to its container), endpoint picking on by default (the controller moves replicas between
+    active and warm, and only the processor knows which are active)."""
+    cfg = render_local(listen_port=listen_port, admin_port=admin_port, processors=processors,
+                       upstreams=upstreams, picking=picking)
+    cfg["admin"]["address"]["socket_address"]["address"] = "0.0.0.0"
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = "0.0.0.0"
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] in ("floodgate_extproc", "model"):
+            cluster["type"] = "STRICT_DNS"
+            cluster["dns_lookup_family"] = "V4_ONLY"
+    return cfg
+
+
+def dump_yaml(cfg: dict[str, Any], header: str = "") -> str:
+    return header + yaml.safe_dump(cfg, sort_keys=False, width=200)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m floodgate.envoy_config",
+                                     description="Print a complete Envoy bootstrap rendered from envoy/.")
+    parser.add_argument("--compose", action="store_true",
+                        help="the docker compose bootstrap (deploy/compose/envoy.yaml) instead of the local one")
+    args = parser.parse_args(argv)
+    if args.compose:
+        sys.stdout.write(dump_yaml(render_compose(), COMPOSE_HEADER))
+    else:
+        yaml.safe_dump(render_local(), sys.stdout, sort_keys=False)
+    return 0
+
+
 if __name__ == "__main__":
-    yaml.safe_dump(render_local(), sys.stdout, sort_keys=False)
+    sys.exit(main())

