@@ -132,10 +132,13 @@ class ServerConfig(_Strict):
 
 
 class Config(_Strict):
-    server: ServerConfig = ServerConfig()
-    redis: RedisConfig = RedisConfig()
-    admission: AdmissionConfig = AdmissionConfig()
-    pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()], min_length=1)
+    """The processor's configuration."""
+
+    server: ServerConfig = Field(default=ServerConfig(), description="Listen addresses and process identity.")
+    redis: RedisConfig = Field(default=RedisConfig(), description="The shared state every processor uses.")
+    admission: AdmissionConfig = Field(default=AdmissionConfig(), description="Priority, trust and Retry-After rules.")
+    pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()], min_length=1,
+                                    description="Model pools (one Envoy cluster each); the first is the default.")
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
