@@ -91,5 +91,5 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
 @pytest.mark.parametrize("path", sorted(p.name for p in ENVOY_DIR.glob("*.yaml")))
 def test_every_shipped_file_is_covered(path: str) -> None:
     assert path in {"floodgate-filter.yaml", "floodgate-cluster.yaml", "floodgate-picking-cluster.yaml",
-                    "local.yaml"}, (
+                    "local.yaml", "floodgate-sidecar-filter.yaml"}, (
         f"envoy/{path} is shipped but no test validates it")

@@ -1,0 +1,244 @@
+"""Mesh sidecars: deploy/istio/envoyfilter.yaml and envoy/floodgate-sidecar-filter.yaml.
+
+Offline: the Envoy config embedded in the EnvoyFilter's patches, wrapped in a minimal inbound
+bootstrap (listener + HCM + the filter; the patched cluster), passes the real Envoy 1.40's
+`--mode validate`; so does the plain include. Live (real Envoy, real processor, real Redis):
+the sidecar filter admits inference calls through the processor and skips everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import load_config
+from floodgate.envoy_config import ENVOY_DIR, load_yaml, write_config
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port, wait_for_port
+from tests.conftest import ROOT
+from tests.test_envoy_config import validate
+
+ISTIO = ROOT / "deploy" / "istio"
+SIDECAR_FILTER = ENVOY_DIR / "floodgate-sidecar-filter.yaml"
+EXT_PROC = "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+
+
+def envoyfilter() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((ISTIO / "envoyfilter.yaml").read_text())
+    return doc
+
+
+def patches(apply_to: str) -> list[dict[str, Any]]:
+    return [p for p in envoyfilter()["spec"]["configPatches"] if p["applyTo"] == apply_to]
+
+
+def ext_proc_config(filt: dict[str, Any]) -> dict[str, Any]:
+    """The ExternalProcessor inside the (matcher-wrapped) filter."""
+    tc: dict[str, Any] = filt["typed_config"]
+    if tc["@type"].endswith("ExtensionWithMatcher"):
+        tc = tc["extension_config"]["typed_config"]
+    assert tc["@type"].endswith(EXT_PROC)
+    return tc
+
+
+def inbound_bootstrap(http_filter: dict[str, Any], clusters: list[dict[str, Any]], *,
+                      port: int = 15006, admin_port: int | None = None,
+                      app_port: int = 8000) -> dict[str, Any]:
+    """What an inbound sidecar looks like, minimally: one listener whose HCM runs the filter and
+    routes to the local replica (`inbound|8000||`), plus the given clusters."""
+    boot: dict[str, Any] = {"static_resources": {
+        "listeners": [{
+            "name": "virtualInbound",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "inbound_0.0.0.0_8000",
+                "route_config": {"name": "inbound|8000||", "virtual_hosts": [{"name": "inbound|http|8000", "domains": ["*"],
+                                 "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "inbound|8000||", "timeout": "0s"}}]}]},
+                "http_filters": [http_filter, {"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}],
+        "clusters": [*clusters, {"name": "inbound|8000||", "type": "STATIC", "connect_timeout": "1s",
+                                 "load_assignment": {"cluster_name": "inbound|8000||", "endpoints": [{"lb_endpoints": [
+                                     {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                                                  "port_value": app_port}}}}]}]}}]}}
+    if admin_port is not None:
+        boot["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}
+    return boot
+
+
+# Istio's sidecar bootstrap defines the SDS cluster the patched cluster's mTLS reads
+# certificates from; stand in for it so validation sees the same cluster graph.
+ISTIO_SDS_CLUSTER = {
+    "name": "sds-grpc", "type": "STATIC", "connect_timeout": "1s",
+    "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}}}},
+    "load_assignment": {"cluster_name": "sds-grpc", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+        "pipe": {"path": "./var/run/secrets/workload-spiffe-uds/socket"}}}}]}]},
+}
+
+
+# --- the EnvoyFilter ------------------------------------------------------------------------
+
+def test_envoyfilter_shape() -> None:
+    doc = envoyfilter()
+    assert doc["apiVersion"].startswith("networking.istio.io/") and doc["kind"] == "EnvoyFilter"
+    assert doc["spec"]["workloadSelector"]["labels"], "must select the inference workload only"
+    (http,) = patches("HTTP_FILTER")
+    assert http["match"]["context"] == "SIDECAR_INBOUND"
+    assert http["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
+    assert http["patch"]["operation"] == "INSERT_BEFORE"
+    (cluster,) = patches("CLUSTER")
+    assert cluster["patch"]["operation"] == "ADD"
+    assert cluster["patch"]["value"]["name"] == ext_proc_config(http["patch"]["value"])["grpc_service"]["envoy_grpc"]["cluster_name"]
+    # Admission only: nothing in the mesh config steers requests (no ORIGINAL_DST anywhere).
+    text = json.dumps(doc["spec"])
+    assert "ORIGINAL_DST" not in text and "x-gateway-destination-endpoint" not in text
+
+
+def test_envoyfilter_embeds_exactly_the_sidecar_include() -> None:
+    (http,) = patches("HTTP_FILTER")
+    assert http["patch"]["value"] == load_yaml(SIDECAR_FILTER)
+
+
+def test_envoyfilter_validates_in_a_minimal_inbound_bootstrap(tmp_path: Path) -> None:
+    (http,) = patches("HTTP_FILTER")
+    (cluster,) = patches("CLUSTER")
+    boot = inbound_bootstrap(http["patch"]["value"], [cluster["patch"]["value"], ISTIO_SDS_CLUSTER])
+    # SDS needs a node identity; Istio's bootstrap sets one per pod.
+    boot["node"] = {"id": "sidecar~10.0.0.7~vllm-0.floodgate~floodgate.svc.cluster.local", "cluster": "vllm.floodgate"}
+    validate(boot, tmp_path)
+
+
+def test_sidecar_include_validates_with_the_cluster_include(tmp_path: Path) -> None:
+    validate(inbound_bootstrap(load_yaml(SIDECAR_FILTER), [load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")]), tmp_path)
+
+
+def test_sidecar_filter_settings() -> None:
+    ext = ext_proc_config(load_yaml(SIDECAR_FILTER))
+    local = load_yaml(ENVOY_DIR / "floodgate-filter.yaml")["typed_config"]
+    # Same stream lifetime and timeouts as the gateway filter (design §3).
+    for key in ("processing_mode", "allow_mode_override", "message_timeout", "grpc_service"):
+        assert ext[key] == local[key], key
+    assert ext["failure_mode_allow"] is True  # explicit; admission-only, fail-open (docs/mesh.md)
+    assert {"connection.mtls", "connection.uri_san_peer_certificate"} <= set(ext["request_attributes"])
+
+
+def test_cluster_points_at_the_processor_service() -> None:
+    (cluster,) = patches("CLUSTER")
+    c = cluster["patch"]["value"]
+    include = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
+    for key in ("typed_extension_protocol_options", "circuit_breakers", "health_checks"):
+        assert c[key] == include[key], key
+    (ep,) = [e["endpoint"]["address"]["socket_address"] for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"]]
+    m = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local", ep["address"])
+    assert m, ep
+    service, namespace = m.groups()
+    mesh_cfg = load_config(ISTIO / "processor.yaml", env={})
+    assert ep["port_value"] == int(mesh_cfg.server.listen.rsplit(":", 1)[1])
+    # The Kubernetes manifests (deploy/kubernetes/) define that Service: name, port, headless.
+    manifests = ROOT / "deploy" / "kubernetes" / "processor.yaml"
+    if manifests.exists():
+        svcs = [d for d in yaml.safe_load_all(manifests.read_text()) if d and d.get("kind") == "Service"]
+        svc = next(s for s in svcs if s["metadata"]["name"] == service)
+        assert svc["spec"].get("clusterIP") == "None", "STRICT_DNS needs every pod IP (headless Service)"
+        assert ep["port_value"] in {p["port"] for p in svc["spec"]["ports"]}
+        kust = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
+        assert kust.get("namespace") == namespace
+    # mTLS: the peer must be a workload of the processor's namespace.
+    san = c["transport_socket"]["typed_config"]["common_tls_context"]["combined_validation_context"][
+        "default_validation_context"]["match_typed_subject_alt_names"][0]["matcher"]["prefix"]
+    assert san == f"spiffe://cluster.local/ns/{namespace}/sa/"
+
+
+# --- the mesh processor config --------------------------------------------------------------
+
+def test_mesh_processor_config() -> None:
+    cfg = load_config(ISTIO / "processor.yaml", env={})
+    assert cfg.pools and all(not p.endpoint_picking for p in cfg.pools)
+    assert cfg.server.listen.startswith("0.0.0.0:")
+    trust = cfg.admission.trust
+    assert trust.spiffe_priorities, "priority must come from the caller's identity"
+    assert set(trust.spiffe_priorities.values()) == {0, 1, 2}
+    spiffe = re.compile(r"spiffe://[a-z0-9.-]+/ns/[a-z0-9-]+/sa/[a-z0-9-]+")
+    for sid in trust.spiffe_priorities:
+        assert spiffe.fullmatch(sid), sid
+    for sid in trust.spiffe_ids:
+        assert sid.startswith("spiffe://") and (sid.endswith("/") or spiffe.fullmatch(sid)), sid
+    assert not trust.cidrs  # in a mesh, identities decide, not addresses
+
+
+def test_admin_paths_policy_covers_the_gateways_blocked_paths() -> None:
+    pol = yaml.safe_load((ISTIO / "authorizationpolicy.yaml").read_text())
+    assert pol["spec"]["action"] == "DENY"
+    assert pol["spec"]["selector"]["matchLabels"] == envoyfilter()["spec"]["workloadSelector"]["labels"]
+    paths = {p for r in pol["spec"]["rules"] for t in r["to"] for p in t["operation"]["paths"]}
+    for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache"):
+        assert admin in paths
+
+
+# --- live: the sidecar filter in a real Envoy -----------------------------------------------
+
+def _request(url: str, method: str = "GET", body: bytes | None = None) -> int:
+    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _streams(admin_port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats?format=json&filter=ext_proc.streams_started$",
+                                timeout=2) as r:
+        stats = json.load(r)["stats"]
+    return sum(int(s["value"]) for s in stats)
+
+
+def _start_sidecar(stack: LocalStack, filt: dict[str, Any], processor_port: int, app_port: int) -> tuple[int, int]:
+    cluster = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
+    cluster["type"] = "STATIC"
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"] = processor_port
+    port, admin = free_port(), free_port()
+    path = write_config(inbound_bootstrap(filt, [cluster], port=port, admin_port=admin, app_port=app_port),
+                        stack.sup.workdir / f"sidecar{port}.json")
+    child = stack.sup.start_envoy(path, admin, name=f"sidecar{port}")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    return port, admin
+
+
+COMPLETION = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+
+
+@pytest.mark.integration
+def test_sidecar_filter_admits_inference_calls_and_skips_the_rest(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "mesh", "endpoint_picking": False}]})
+    port, admin = _start_sidecar(stack, load_yaml(SIDECAR_FILTER), proc.port, upstream)
+    base = f"http://127.0.0.1:{port}"
+    assert _request(f"{base}/v1/completions", "POST", COMPLETION) == 200
+    assert _streams(admin) == 1
+    for path, method in (("/health", "GET"), ("/metrics", "GET"), ("/sleep?level=1", "POST"), ("/wake_up", "POST")):
+        assert _request(base + path, method, b"" if method == "POST" else None) == 200, path
+    assert _streams(admin) == 1, "admin and health paths must skip admission"
+
+
+@pytest.mark.integration
+def test_sidecar_filter_fails_open_as_shipped_and_closed_when_set(stack: LocalStack, upstream: int) -> None:
+    dead = free_port()  # no processor listens here
+    port, _ = _start_sidecar(stack, load_yaml(SIDECAR_FILTER), dead, upstream)
+    assert _request(f"http://127.0.0.1:{port}/v1/completions", "POST", COMPLETION) == 200
+    closed = load_yaml(SIDECAR_FILTER)
+    ext_proc_config(closed)["failure_mode_allow"] = False
+    port, _ = _start_sidecar(stack, closed, dead, upstream)
+    assert _request(f"http://127.0.0.1:{port}/v1/completions", "POST", COMPLETION) >= 500
+    assert _request(f"http://127.0.0.1:{port}/health") == 200  # skipped: never asks the processor
