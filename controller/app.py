@@ -101,6 +101,7 @@ class Replica:
     task: asyncio.Task[None] | None = None
     can_sleep: bool = True
     placeholder: bool = False  # started, but the platform names it: waiting for it in list()
+    cold_for_demand: bool = False  # cold-started for a scale-up (a pool miss, not a later hit)
     sample: VllmSample | None = None
 
     @property
@@ -338,8 +339,9 @@ class PoolController:
     def _event(self, rep: Replica, ev: Event, **kw: Any) -> None:
         before = rep.view.state
         rep.view = apply_event(rep.view, ev, self.clock(), **kw)
-        self.emit("transition", replica=rep.view.replica_id, event=ev.value, frm=before.value,
-                  to=rep.view.state.value, asleep=rep.view.asleep)
+        self.emit("transition", replica=rep.view.replica_id, on=ev.value, frm=before.value,
+                  to=rep.view.state.value, asleep=rep.view.asleep, inflight=rep.view.inflight,
+                  running=rep.view.running)
 
     async def _execute(self, kind: ActionKind, rid: str, reason: str, now: float) -> None:
         m = self.metrics
@@ -347,14 +349,16 @@ class PoolController:
         if kind is ActionKind.START:
             if reason == "scale_up":
                 m.warm_misses.labels(pool=self.pool).inc()
-            rep = Replica(apply_event(ReplicaView(rid, S.COLD, now), Event.START, now), None, placeholder=True)
+            rep = Replica(apply_event(ReplicaView(rid, S.COLD, now), Event.START, now), None, placeholder=True,
+                          cold_for_demand=reason == "scale_up")
             self.replicas[rid] = rep
             self._spawn(rep, self._start(rep))
             return
         rep = self.replicas[rid]
         if kind is ActionKind.PROMOTE:
-            if reason == "scale_up":
+            if reason == "scale_up" and not rep.cold_for_demand:
                 m.warm_hits.labels(pool=self.pool).inc()
+            rep.cold_for_demand = False
             self._event(rep, Event.PROMOTE)
             await self._set_registry(rep)
             self._spawn(rep, self._promote(rep))

@@ -21,9 +21,15 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger("floodgate.controller.leader")
 
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+# Acquire or renew in one atomic step (idempotent: calling it twice is harmless).
+_ACQUIRE = """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
 end
 return 0
 """
@@ -48,7 +54,7 @@ class LeaderLease:
         self.ttl_s = ttl_s
         self.renew_every_s = renew_every_s or ttl_s / 3
         self._valid_until = 0.0  # monotonic
-        self._renew = client.register_script(_RENEW)
+        self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
         self.changed = asyncio.Event()  # set on every gain/loss
 
@@ -58,17 +64,12 @@ class LeaderLease:
         return time.monotonic() < self._valid_until - min(self.renew_every_s, self.ttl_s / 3)
 
     async def try_acquire_or_renew(self) -> bool:
-        """One round: renew if we hold it, else try to take it. Returns leadership."""
+        """One round: renew if we hold it, else take it if free. Returns leadership."""
         was = self.is_leader
         t0 = time.monotonic()
         ttl_ms = int(self.ttl_s * 1000)
         try:
-            if was or self._valid_until > 0:
-                ok = int(await self._renew(keys=[self.key], args=[self.holder, ttl_ms])) == 1
-            else:
-                ok = False
-            if not ok:
-                ok = bool(await self.client.set(self.key, self.holder, nx=True, px=ttl_ms))
+            ok = int(await self._acquire(keys=[self.key], args=[self.holder, ttl_ms])) == 1
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("leader lease: redis error: %s", exc)
             ok = False

@@ -1,0 +1,174 @@
+"""The live controller with the process actuator and real emulators (`floodgate sim`), real
+Redis, a real processor with endpoint picking and the real Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from floodgate.stack import LocalStack
+from tests.controller.live import (
+    StreamStats,
+    controller_config,
+    count,
+    picking_config,
+    process_actuator,
+    registry_states,
+    running,
+    stream_loop,
+    stream_once,
+    wait_for,
+)
+from tests.helpers import metrics
+
+pytestmark = pytest.mark.integration
+
+
+async def test_cold_start_passes_warmup_before_active(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    seen: list[str] = []
+    async with running(cfg, act) as ctl, aiohttp.ClientSession() as s:
+        async def active_now() -> bool:
+            st = await registry_states(url)
+            for v in st.values():
+                if not seen or seen[-1] != v:
+                    seen.append(v)
+            return count(st, "active") == 1
+
+        await wait_for(active_now, 30, interval=0.02)
+        (h,) = await act.list()
+        m = await metrics(s, f"http://{h.endpoint}/metrics")
+        # Nothing can reach a replica before it is active (picking), so a finished request at
+        # this point is the controller's one-token warm-up.
+        served = sum(v for k, v in m.items() if k.startswith("vllm:request_success_total"))
+        assert served >= 1
+        pc = ctl.pools["default"]
+        kinds = [(e["event"], e.get("to")) for e in pc.events]
+    assert seen[0] == "loading" and seen[-1] == "active" and "warm" in seen
+    assert seen.index("warm") < seen.index("active")
+    # loading -> warming (health) -> warm (warm-up ok) -> waking -> active, in this order
+    tos = [to for ev, to in kinds if ev == "transition"]
+    assert tos[:4] == ["warming", "warm", "waking", "active"]
+
+
+async def test_warm_promotion_then_drain_under_streaming_load(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    stack.start_processor(picking_config())
+    envoy = stack.start_envoy([], picking=True)
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(
+        url,
+        policy={"min_replicas": 1, "max_replicas": 2, "target_concurrency": 4,
+                "stabilization_window_s": 3, "panic_window_s": 2},
+        warm_pool={"min_size": 1, "max_size": 1, "max_total": 2, "warm_min_age_s": 300, "max_drain_s": 60})
+    async with running(cfg, act) as ctl, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        pc = ctl.pools["default"]
+        # 1 active + 1 warm replica asleep (the pool's target)
+        await wait_for(lambda: _states_are(url, active=1, sleeping=1), 40)
+        starts_before = sum(1 for e in pc.events if e["event"] == "transition" and e["frm"] == "cold")
+
+        # Burst: 8 long streams on a replica with 2 slots -> 6 waiting per active replica.
+        burst = StreamStats()
+        t_burst = time.monotonic()
+        burst_tasks = [asyncio.create_task(stream_once(s, envoy.url, 100, burst)) for _ in range(8)]
+        await wait_for(lambda: _states_are(url, active=2), 20, interval=0.02)
+        t_serving = time.monotonic()
+        up = next(e for e in pc.events if e["event"] == "decision" and e["direction"] == "up")
+        promoted = next(e for e in pc.events if e["event"] == "promoted" and e["ts"] >= up["ts"])
+        assert up["reason"] in ("queue_pressure", "demand")
+        print(f"\nburst -> 2 active in {t_serving - t_burst:.2f} s; promotion (wake + warm-up) "
+              f"{promoted['seconds']:.2f} s, decision -> active {_since(pc, up):.2f} s")
+        assert promoted["seconds"] < 5  # about a second (0.3 s wake + warm-up); generous bound
+        # Light streaming load from now on, through the scale-down: when the burst is over one
+        # replica drains while streams run on both, and none may fail.
+        light = StreamStats()
+        stop = asyncio.Event()
+        loops = [asyncio.create_task(stream_loop(s, envoy.url, 40, light, stop)) for _ in range(4)]
+        await asyncio.gather(*burst_tasks)
+        assert burst.failed == [] and burst.ok == 8
+        t_light = time.monotonic()
+        await wait_for(lambda: _has(pc, "drained"), 30)
+        await wait_for(lambda: _states_are(url, active=1, sleeping=1), 30, interval=0.05)
+        t_done = time.monotonic()
+        await asyncio.sleep(1.0)  # keep streaming on the remaining replica a little
+        stop.set()
+        await asyncio.gather(*loops)
+        drains = [e for e in pc.events if e["event"] == "transition" and e["frm"] == "draining"]
+        drain = next(e for e in pc.events if e["event"] == "transition" and e["on"] == "drain")
+        print(f"scale-down: drain + recycle + sleep {t_done - t_light:.1f} s after the load fell; "
+              f"{light.ok} streams ok, {len(light.failed)} failed; the drained replica held {drain['inflight']} Floodgate "
+              f"in-flight / {drain['running']} running streams when its drain began, drain took "
+              f"{float(drains[0]['ts']) - float(drain['ts']):.2f} s")
+        assert light.failed == [] and light.ok > 5
+        assert [d["to"] for d in drains] == ["warm"]  # recycled into the pool, not terminated
+        starts_after = sum(1 for e in pc.events if e["event"] == "transition" and e["frm"] == "cold")
+        assert starts_after == starts_before  # promotion and recycle, no cold start
+        ids = [h.replica_id for h in await act.list() if h.running]
+        assert len(ids) == 2
+        m = ctl.metrics.render().decode()
+        assert 'floodgate_warm_pool_hits_total{pool="default"} 1.0' in m
+        assert 'floodgate_drain_duration_seconds_count{outcome="recycled",pool="default"} 1.0' in m
+
+
+async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    stack.start_processor(picking_config())
+    envoy = stack.start_envoy([], picking=True)
+    state_dir = stack.sup.workdir / "replicas"
+    two = controller_config(url, policy={"min_replicas": 2},
+                            warm_pool={"min_size": 1, "max_total": 2, "max_drain_s": 60})
+    one = controller_config(url, policy={"min_replicas": 1},
+                            warm_pool={"min_size": 1, "max_total": 2, "max_drain_s": 60})
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with running(two, process_actuator(stack, state_dir), holder="a"):
+            await wait_for(lambda: _states_are(url, active=2), 40)
+        ids = sorted(h.replica_id for h in await process_actuator(stack, state_dir).list())
+        pids = {h.replica_id: h.labels["pid"] for h in await process_actuator(stack, state_dir).list()}
+        # Long streams on both replicas, then a controller that wants one replica fewer.
+        stats = StreamStats()
+        streams = [asyncio.create_task(stream_once(s, envoy.url, 150, stats)) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        async with running(one, process_actuator(stack, state_dir), holder="b"):
+            await wait_for(lambda: _states_are(url, active=1, draining=1), 20, interval=0.02)
+        # Controller "b" stopped mid-drain; "c" picks the drain up where it was.
+        mid = await registry_states(url)
+        draining_id = next(r for r, st in mid.items() if st == "draining")
+        act_c = process_actuator(stack, state_dir)
+        async with running(one, act_c, holder="c") as ctl:
+            pc = ctl.pools["default"]
+            await wait_for(lambda: _states_are(url, active=1, sleeping=1), 30)
+            adopted = {e["replica"]: e["state"] for e in pc.events if e["event"] == "adopt"}
+            assert adopted[draining_id] == "draining"
+            assert not any(e["event"] == "transition" and e["frm"] == "cold" for e in pc.events)
+            assert not any(e["event"] == "stopped" for e in pc.events)
+        await asyncio.gather(*streams)
+        after = await act_c.list()
+        assert sorted(h.replica_id for h in after) == ids  # none lost, none duplicated
+        assert {h.replica_id: h.labels["pid"] for h in after} == pids  # the same processes
+        assert all(h.running for h in after)
+        final = await registry_states(url)
+        assert final[draining_id] == "sleeping"
+        assert stats.failed == [] and stats.ok == 4
+
+
+async def _has(pc: Any, on: str) -> bool:
+    return any(e["event"] == "transition" and e["on"] == on for e in pc.events)
+
+
+async def _states_are(url: str, **want: int) -> bool:
+    st = await registry_states(url)
+    have = {k: count(st, k) for k in ("loading", "warm", "active", "draining", "sleeping")}
+    total = sum(want.values())
+    return all(have[k] == v for k, v in want.items()) and len(st) >= total
+
+
+def _since(pc: object, ev: dict[str, object]) -> float:
+    act = [e for e in pc.events if e["event"] == "transition" and e["to"] == "active"  # type: ignore[attr-defined]
+           and float(e["ts"]) >= float(ev["ts"])]  # type: ignore[arg-type]
+    return float(act[0]["ts"]) - float(ev["ts"]) if act else float("nan")  # type: ignore[arg-type]
