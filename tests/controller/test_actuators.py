@@ -1,0 +1,99 @@
+"""Process and static actuators against real emulators; the controller config loader."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from controller.actuators.process import ProcessActuator, _pid_alive
+from controller.actuators.static import NoFreeEndpoint, StaticActuator
+from controller.config import ConfigError, load_config, parse_config
+from controller.vllm import VllmClient
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.controller.live import process_actuator, wait_for
+
+
+@pytest.mark.integration
+async def test_process_actuator_is_idempotent_and_survives_a_restart(stack: LocalStack) -> None:
+    state = stack.sup.workdir / "replicas"
+    act = process_actuator(stack, state)
+    h = await act.start("r0")
+    assert h is not None and h.running and h.endpoint and h.endpoint.startswith("127.0.0.1:")
+    again = await act.start("r0")  # a repeated start is a no-op
+    assert again is not None and again.labels["pid"] == h.labels["pid"]
+    async with aiohttp.ClientSession() as s:
+        assert await wait_for(lambda: VllmClient(s, h.endpoint or "").health(), 20)
+    # A new actuator (controller restart) on the same state dir finds the running process.
+    act2 = process_actuator(stack, state)
+    (h2,) = await act2.list()
+    assert (h2.replica_id, h2.endpoint, h2.running, h2.labels["pid"]) == ("r0", h.endpoint, True, h.labels["pid"])
+    await act2.set_role("r0", "warm-pool")
+    assert (await act2.list())[0].role == "warm-pool"
+    pid = int(h.labels["pid"])
+    await act2.stop("r0")
+    await act2.stop("r0")  # unknown / already stopped: ignored
+    assert await act2.list() == [] and await process_actuator(stack, state).list() == []
+    assert not _pid_alive(pid)  # gone (a zombie until the first actuator's Popen reaps it)
+    # a process that died on its own is listed as not running (the controller fails it)
+    h3 = await act2.start("r1")
+    assert h3 is not None
+    os.killpg(int(h3.labels["pid"]), 9)
+    assert await wait_for(lambda: _not_running(act2, "r1"), 5)
+    await act2.stop("r1")
+    with pytest.raises(ValueError):
+        ProcessActuator(["sleep", "10"], state)
+
+
+async def _not_running(act: ProcessActuator, rid: str) -> bool:
+    return any(h.replica_id == rid and not h.running for h in await act.list())
+
+
+@pytest.mark.integration
+async def test_static_actuator_sleeps_and_wakes(stack: LocalStack) -> None:
+    port = free_port()
+    stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
+                          "--enable-sleep-mode", "--wake-delay-level1", "0.1", "--sleep-delay", "0.05",
+                          "--log-level", "warning"], name="sim", port=port)
+    ep = f"127.0.0.1:{port}"
+    act = StaticActuator({"gpu0": ep})
+    try:
+        async with aiohttp.ClientSession() as s:
+            vc = VllmClient(s, ep)
+            assert await wait_for(vc.health, 10)
+            (h,) = await act.list()
+            assert (h.replica_id, h.endpoint, h.running) == ("gpu0", ep, True)
+            with pytest.raises(NoFreeEndpoint):
+                await act.start("new-1")  # nothing can be created
+            await act.stop("gpu0")
+            assert await vc.is_sleeping() is True
+            assert not (await act.list())[0].running
+            got = await act.start("anything")  # claims the free endpoint under its own id
+            assert got is not None and got.replica_id == "gpu0" and got.running
+            assert await vc.is_sleeping() is False
+    finally:
+        await act.close()
+
+
+def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("pools:\n  - name: a\n    policy: {min_replicas: -1}\n")
+    with pytest.raises(ConfigError, match=r"pools\.0\.policy\.min_replicas"):
+        load_config(p, env={})
+    p.write_text("pools:\n  - name: a\n    actuator: {kind: static}\n")
+    with pytest.raises(ConfigError, match=r"pools\.0\.actuator"):
+        load_config(p, env={})
+    p.write_text("pools: [{name: a}]\ntick_interval: 1\n")
+    with pytest.raises(ConfigError, match="tick_interval"):
+        load_config(p, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    cfg = parse_config({"pools": [{"name": "a"}], "redis": {"url": "redis://file:1/0"}},
+                       env={"FLOODGATE_REDIS_URL": "redis://127.0.0.1:7/0",
+                            "FLOODGATE_CONTROLLER_METRICS_LISTEN": "127.0.0.1:1234"})
+    assert cfg.redis.url == "redis://127.0.0.1:7/0" and cfg.metrics_listen == "127.0.0.1:1234"
+    assert cfg.pools[0].actuator.kind == "process" and cfg.pools[0].policy.min_replicas == 1
