@@ -574,23 +574,24 @@ def plot_timeline(runs: Sequence[RunOutput], w: Workload, slo: Any, path: Path) 
     edges = np.arange(0.0, end + bin_s, bin_s)
     fig, axes = plt.subplots(4, 1, figsize=(11, 13), sharex=True)
     ax_good, ax_p0, ax_rej, ax_lim = axes
-    for out in runs:
+    for i, out in enumerate(runs):
+        color = f"C{i % 10}"  # the same colour for a config in every panel
         recs = out.result.records
         good = np.histogram([r.t_planned for r in recs if slo.met(r)], bins=edges,
                             weights=[r.tokens for r in recs if slo.met(r)])[0] / bin_s
-        ax_good.plot(edges[:-1], good, label=out.config.name, drawstyle="steps-post")
+        ax_good.plot(edges[:-1], good, label=out.config.name, drawstyle="steps-post", color=color)
         p99 = []
         for a, b in itertools.pairwise(edges):
             v = [r.ttft_s for r in recs if r.priority == 0 and r.outcome == OK and r.ttft_s is not None
                  and a <= r.t_planned < b]
             p99.append(np.percentile(v, 99) if v else np.nan)
-        ax_p0.plot(edges[:-1], p99, label=out.config.name, drawstyle="steps-post")
+        ax_p0.plot(edges[:-1], p99, label=out.config.name, drawstyle="steps-post", color=color)
         rej = np.histogram([r.t_planned for r in recs if r.outcome != OK], bins=edges)[0] / bin_s
-        ax_rej.plot(edges[:-1], rej, label=out.config.name, drawstyle="steps-post")
+        ax_rej.plot(edges[:-1], rej, label=out.config.name, drawstyle="steps-post", color=color)
         name = FLOODGATE_METRICS[0] if out.config.floodgate else ADAPTIVE_LIMIT
         pts = [(s.t, s.values[name]) for s in out.result.samples if name in s.values]
         if pts:
-            ax_lim.plot([p[0] for p in pts], [p[1] for p in pts], label=out.config.name)
+            ax_lim.plot([p[0] for p in pts], [p[1] for p in pts], label=out.config.name, color=color)
     for ax in axes:
         t = 0.0
         for p in w.phases:
