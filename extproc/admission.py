@@ -105,7 +105,8 @@ class Admitter:
                 state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s,
                                 initial_limit=p.limit.initial, shares=shares, picking=p.endpoint_picking),
                 local=PermitTable(limit=p.limit.initial, shares=shares),
-                vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier),
+                vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
+                                 p.limit.rtt_tolerance),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
                 shares=shares, limit=p.limit.initial)
             self.metrics.limit.labels(p.name).set(p.limit.initial)
@@ -204,7 +205,7 @@ class Admitter:
 
     @staticmethod
     def _snapshot(st: PoolStatus) -> Snapshot:
-        return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate)
+        return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate)
 
     # ---------------------------------------------------------------- admission
 
@@ -468,26 +469,30 @@ class Admitter:
             if self.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
                 try:
-                    await asyncio.wait_for(self.client.ping(), self.cfg.redis.op_timeout_s * 2)
+                    async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                        await self.client.ping()
                 except (RedisError, OSError, TimeoutError):
                     continue
                 self._leave_degraded()
                 last_renew = 0.0
                 continue
             now = self.clock()
-            if now - last_renew >= interval:
+            renew = now - last_renew >= interval
+            if renew:
                 last_renew = now
-                for rt in self.pools.values():
-                    with contextlib.suppress(RedisDown):
+            for rt in self.pools.values():
+                with contextlib.suppress(RedisDown):
+                    if renew:
                         lost = await self._call("renew", rt.state.renew(self.gateway_id, sorted(rt.held)))
                         for t in lost:
                             rt.held.discard(t)
                             self.metrics.lost_leases.labels(rt.cfg.name).inc()
                             log.warning("lease %s expired before renewal (process stalled?)", t)
-                        self._observe(rt, await self._call("status", rt.state.status()))
-                        if rt.cfg.endpoint_picking:
-                            members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
-                            rt.active_endpoints = sorted(
-                                m.decode() if isinstance(m, bytes) else str(m) for m in members)
+                    # Once a second: fresh gauges, live gateway count, and reclaim when idle.
+                    self._observe(rt, await self._call("status", rt.state.status()))
+                    if renew and rt.cfg.endpoint_picking:
+                        members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
+                        rt.active_endpoints = sorted(
+                            m.decode() if isinstance(m, bytes) else str(m) for m in members)
             self._publish_gauges()
-            await asyncio.sleep(min(interval, 1.0))
+            await asyncio.sleep(1.0)

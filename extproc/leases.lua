@@ -7,7 +7,7 @@
 --       4 qmeta   HASH ticket -> "class|deadline_ms|gateway|tenant"
 --       5 qdl     ZSET ticket -> deadline (ms), to reap abandoned waiters
 --       6 counts  HASH i0..i2 in-flight, q0..q2 queued, t<class>:<tenant> queued per tenant
---       7 state   HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, rate, rate_ts
+--       7 state   HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, event rates
 --       8 gws     ZSET gateway -> liveness expiry (ms)
 --       9 active  SET  endpoints that may receive new requests (the registry's active ones)
 --      10 epinf   HASH endpoint -> permits held by requests routed to it
@@ -45,6 +45,25 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function num(v, d) if v then return tonumber(v) end return d end
+
+-- Exponentially decayed event rates (events per second) in the state hash: `rate` counts freed
+-- permits, `g0..g2` grants per class. `<name>_t0` and `<name>_n` let read_rate() correct the
+-- start-up bias and say "unknown" (0) until it has seen enough.
+local function bump_rate(name)
+  local s = redis.call('HMGET', K_STATE, name, name .. '_ts', name .. '_t0', name .. '_n')
+  local rate, ts = num(s[1], 0), num(s[2], now)
+  rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
+  redis.call('HSET', K_STATE, name, tostring(rate), name .. '_ts', now, name .. '_t0', num(s[3], now),
+             name .. '_n', math.min(num(s[4], 0) + 1, 1000000))
+end
+
+local function read_rate(name)
+  local s = redis.call('HMGET', K_STATE, name, name .. '_ts', name .. '_t0', name .. '_n')
+  local rate, ts, t0, n = num(s[1], 0), num(s[2], now), num(s[3], now), num(s[4], 0)
+  if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
+  local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
+  return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
+end
 
 local function limit_value()
   local l = redis.call('HGET', K_STATE, 'limit')
@@ -102,6 +121,7 @@ local function lease(ticket, c)
   redis.call('ZADD', K_LEASES, now + ttl, ticket)
   redis.call('HSET', K_LMETA, ticket, c - 1)
   redis.call('HINCRBY', K_COUNTS, 'i' .. (c - 1), 1)
+  bump_rate('g' .. (c - 1))
   if picking then
     local ep = pick()
     if ep ~= '' then
@@ -136,22 +156,8 @@ local function drop_lease(ticket)
     redis.call('HDEL', K_LEP, ticket)
     if redis.call('HINCRBY', K_EPINF, ep, -1) <= 0 then redis.call('HDEL', K_EPINF, ep) end
   end
-  -- Exponentially decayed rate of freed permits (events per second); rate_t0 and rate_n let
-  -- current_rate() correct the start-up bias and say "unknown" until it has seen enough.
-  local s = redis.call('HMGET', K_STATE, 'rate', 'rate_ts', 'rate_t0', 'rate_n')
-  local rate, ts = num(s[1], 0), num(s[2], now)
-  rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
-  redis.call('HSET', K_STATE, 'rate', tostring(rate), 'rate_ts', now, 'rate_t0', num(s[3], now),
-             'rate_n', math.min(num(s[4], 0) + 1, 1000000))
+  bump_rate('rate')
   return true
-end
-
-local function current_rate()
-  local s = redis.call('HMGET', K_STATE, 'rate', 'rate_ts', 'rate_t0', 'rate_n')
-  local rate, ts, t0, n = num(s[1], 0), num(s[2], now), num(s[3], now), num(s[4], 0)
-  if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
-  local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
-  return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
 end
 
 -- Hand free permits to waiters: highest eligible class first, FIFO within it. Each waiter is
@@ -205,15 +211,19 @@ local function touch_gateway(gw)
 end
 
 -- {granted(0/1), limit, i0, i1, i2, q0, q1, q2, tenant_queued, rate, live_gateways, now,
---  endpoint the granted ticket was routed to ('' if none), active endpoints}
+--  endpoint the granted ticket was routed to ('' if none), active endpoints, grant rate of
+--  the request's class}
 local function snapshot(granted, c, tenant, ep)
   local L = math.max(1, math.floor(limit_value()))
   local inflight, queued = counts()
-  local tq = 0
-  if c then tq = num(redis.call('HGET', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant), 0) end
+  local tq, class_rate = 0, 0
+  if c then
+    tq = num(redis.call('HGET', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant), 0)
+    class_rate = read_rate('g' .. (c - 1))
+  end
   return {granted, L, inflight[1], inflight[2], inflight[3], queued[1], queued[2], queued[3], tq,
-          tostring(current_rate()), redis.call('ZCOUNT', K_GWS, now, '+inf'), now, ep or '',
-          redis.call('SCARD', K_ACTIVE)}
+          tostring(read_rate('rate')), redis.call('ZCOUNT', K_GWS, now, '+inf'), now, ep or '',
+          redis.call('SCARD', K_ACTIVE), tostring(class_rate)}
 end
 
 if op == 'acquire' then

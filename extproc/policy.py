@@ -49,6 +49,7 @@ class Snapshot:
     queued: tuple[int, int, int]
     tenant_queued: int  # this tenant's waiters in this request's class
     grant_rate: float  # permits freed per second, recent (0 = unknown)
+    class_rate: float = 0.0  # grants per second to this request's class, recent (0 = none/unknown)
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,19 @@ class Enqueue:
 
 
 def predicted_wait(cls: int, snap: Snapshot) -> float | None:
-    """Seconds until a permit frees for this request: waiters ahead of it / recent grant rate."""
+    """Seconds until a permit frees for this request, or None when nothing is known yet.
+
+    From the class's own recent grant rate when it has one: (waiters of the class + 1) /
+    grants per second to the class, which already reflects higher classes taking their
+    turn first. A class that got no grants while permits were freed and higher classes wait is
+    starved (infinite wait). Otherwise all waiters ahead / the rate of freed permits.
+    """
+    if snap.class_rate > 0:
+        return (snap.queued[cls] + 1) / snap.class_rate
     if snap.grant_rate <= 0:
         return None
+    if any(snap.queued[k] for k in CLASSES if k < cls):
+        return math.inf
     ahead = sum(snap.queued[k] for k in CLASSES if k <= cls)
     return (ahead + 1) / snap.grant_rate
 
@@ -74,7 +85,12 @@ def predicted_wait(cls: int, snap: Snapshot) -> float | None:
 def retry_after(wait_s: float | None, cls_cfg: ClassConfig, cfg: AdmissionConfig, rand: float) -> int:
     """Whole seconds for `retry-after`: predicted wait (or the class timeout when unknown),
     jittered by up to `retry_after_jitter` so rejected clients do not return in lockstep."""
-    base = cls_cfg.queue_timeout_s if wait_s is None else wait_s
+    if wait_s is None:
+        base = cls_cfg.queue_timeout_s
+    elif math.isinf(wait_s):  # starved behind higher classes: come back late
+        base = cfg.retry_after_max_s
+    else:
+        base = wait_s
     jittered = base * (1 + cfg.retry_after_jitter * rand)
     return math.ceil(max(cfg.retry_after_min_s, min(cfg.retry_after_max_s, jittered)))
 

@@ -43,6 +43,7 @@ class PoolStatus:
     endpoint: str = ""  # where the granted request is routed (endpoint picking), else ""
     active_endpoints: int = 0
     partial: bool = False  # an immediate grant: only `granted` and `endpoint` are filled in
+    class_rate: float = 0.0  # recent grants per second to the asking request's class
 
     @property
     def inflight_total(self) -> int:
@@ -68,6 +69,7 @@ def _status(raw: list[Any]) -> PoolStatus:
         server_ms=int(v[11]),
         endpoint=str(v[12]) if len(v) > 12 else "",
         active_endpoints=int(v[13]) if len(v) > 13 else 0,
+        class_rate=float(v[14]) if len(v) > 14 else 0.0,
     )
 
 

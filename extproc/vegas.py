@@ -4,7 +4,8 @@
 sample to the next state. It does no I/O and reads no clock, so the same function runs
 against the state held in Redis (read, update, compare-and-set) and in the local fallback.
 
-Per sample (design §6): queue = ceil(L * (1 - rtt_noload / rtt)); lg = max(1, floor(log10 L));
+Per sample (design §6): queue = ceil(L * (1 - tolerance * rtt_noload / rtt)) (tolerance 1 is
+Netflix's formula; see `tolerance`); lg = max(1, floor(log10 L));
 alpha = 3 lg, beta = 6 lg, threshold = lg. Drop: L -= lg. App-limited (inflight * 2 < L): no
 change. queue <= threshold: L += beta; queue < alpha: L += lg; queue > beta: L -= lg. Clamp to
 [min, max], then smooth. rtt_noload is a running minimum, reset to the current rtt every
@@ -44,6 +45,10 @@ class VegasLimit:
     max_limit: int = 512
     smoothing: float = 1.0
     probe_multiplier: int = 30
+    # Latency up to tolerance x rtt_noload counts as no queue. 1.0 is Netflix's Vegas; an LLM
+    # engine's TTFT/TPOT grow with batch size long before anything queues, so Floodgate
+    # defaults to 2.0 (see docs/benchmarks.md, Overload).
+    tolerance: float = 1.0
 
     def initial(self, limit: int) -> VegasState:
         return VegasState(limit=float(max(self.min_limit, min(self.max_limit, limit))))
@@ -71,7 +76,7 @@ class VegasLimit:
         elif sample.inflight * 2 < limit:
             return limit  # app-limited: the latency says nothing about the limit
         else:
-            queue = math.ceil(limit * (1 - rtt_noload / sample.rtt))
+            queue = max(0, math.ceil(limit * (1 - self.tolerance * rtt_noload / sample.rtt)))
             alpha, beta, threshold = 3 * lg, 6 * lg, lg
             if queue <= threshold:
                 target = limit + beta

@@ -67,9 +67,21 @@ def test_borrowing_allowed_when_other_reservations_covered() -> None:
 
 
 def test_predicted_wait_counts_waiters_ahead() -> None:
-    assert predicted_wait(1, snap(queued=(2, 3, 50), rate=2.0)) == pytest.approx(3.0)  # (2+3+1)/2
+    assert predicted_wait(1, snap(queued=(0, 3, 50), rate=2.0)) == pytest.approx(2.0)  # (0+3+1)/2
     assert predicted_wait(0, snap(queued=(2, 3, 50), rate=2.0)) == pytest.approx(1.5)
     assert predicted_wait(2, snap(queued=(0, 0, 0), rate=0.0)) is None
+
+
+def test_predicted_wait_uses_the_class_grant_rate() -> None:
+    s = Snapshot(10, (5, 3, 2), (4, 9, 3), 0, grant_rate=10.0, class_rate=0.5)
+    assert predicted_wait(2, s) == pytest.approx(8.0)  # (3 + 1) / 0.5: P2's own share of grants
+
+
+def test_class_starved_behind_higher_classes_waits_forever() -> None:
+    s = Snapshot(10, (5, 5, 0), (4, 9, 0), 0, grant_rate=10.0, class_rate=0.0)
+    assert predicted_wait(2, s) == float("inf")
+    d = queue_decision(2, s, CLASSES, ADM, rand=0.0)
+    assert isinstance(d, Reject) and d.reason == "early_drop" and d.retry_after_s == 60
 
 
 def test_queue_full() -> None:

@@ -136,3 +136,17 @@ def test_window_records_drops() -> None:
 
 def test_empty_window_gives_nothing() -> None:
     assert SampleWindow().take() is None
+
+
+def test_tolerance_treats_moderate_latency_growth_as_no_queue() -> None:
+    tolerant = VegasLimit(max_limit=1000, tolerance=2.0)
+    # rtt 1.8x noload: Netflix Vegas sees queue = ceil(100 * (1 - 1/1.8)) = 45 > beta -> decrease
+    assert V.update(base(100), Sample(rtt=0.18, inflight=100), 0.5).limit == 98
+    # with tolerance 2 it is no queue at all -> L += beta
+    assert tolerant.update(base(100), Sample(rtt=0.18, inflight=100), 0.5).limit == 112
+
+
+def test_tolerance_still_backs_off_when_latency_explodes() -> None:
+    tolerant = VegasLimit(max_limit=1000, tolerance=2.0)
+    # rtt 4x noload: queue = ceil(100 * (1 - 2/4)) = 50 > beta 12 -> decrease
+    assert tolerant.update(base(100), Sample(rtt=0.4, inflight=100), 0.5).limit == 98
