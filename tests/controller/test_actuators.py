@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -9,13 +10,20 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from controller.actuators.base import ReplicaHandle, Role
 from controller.actuators.process import ProcessActuator, _pid_alive
 from controller.actuators.static import NoFreeEndpoint, StaticActuator
 from controller.config import ConfigError, load_config, parse_config
 from controller.vllm import VllmClient
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
-from tests.controller.live import process_actuator, wait_for
+from tests.controller.live import (
+    controller_config,
+    process_actuator,
+    registry_states,
+    running,
+    wait_for,
+)
 
 
 @pytest.mark.integration
@@ -97,3 +105,49 @@ def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
                             "FLOODGATE_CONTROLLER_METRICS_LISTEN": "127.0.0.1:1234"})
     assert cfg.redis.url == "redis://127.0.0.1:7/0" and cfg.metrics_listen == "127.0.0.1:1234"
     assert cfg.pools[0].actuator.kind == "process" and cfg.pools[0].policy.min_replicas == 1
+
+
+class SelfNaming:
+    """An actuator like Kubernetes: `start()` returns None and the replica shows up in `list()`
+    later under a name the platform chose."""
+
+    name = "self-naming"
+
+    def __init__(self, inner: ProcessActuator) -> None:
+        self.inner = inner
+        self.n = 0
+
+    async def list(self) -> list[ReplicaHandle]:
+        return await self.inner.list()
+
+    async def start(self, replica_id: str) -> None:
+        self.n += 1
+        await self.inner.start(f"pod-{self.n}x")
+        return None
+
+    async def stop(self, replica_id: str) -> None:
+        await self.inner.stop(replica_id)
+
+    async def set_role(self, replica_id: str, role: Role) -> None:
+        await self.inner.set_role(replica_id, role)
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.integration
+async def test_actuator_that_names_replicas_itself_is_adopted_once(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    act = SelfNaming(process_actuator(stack, stack.sup.workdir / "replicas"))
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    async with running(cfg, act) as ctl:  # type: ignore[arg-type]
+        await wait_for(lambda: _active(url), 30)
+        await asyncio.sleep(1.0)  # a few more ticks: no second start for the same need
+        pc = ctl.pools["default"]
+        assert act.n == 1
+        assert list(pc.replicas) == ["pod-1x"]
+        assert [e["replica"] for e in pc.events if e["event"] == "adopt"] == ["pod-1x"]
+
+
+async def _active(url: str) -> bool:
+    return list((await registry_states(url)).values()) == ["active"]
