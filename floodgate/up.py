@@ -203,8 +203,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"floodgate up: {exc}", file=sys.stderr)
             return 2
         config = yaml.safe_load(args.config.read_text()) or {}
-    # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child.
+    # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child; SIGINT too,
+    # explicitly, because a shell starting us in the background hands SIGINT down ignored.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with Supervisor() as sup:
         stack = LocalStack(sup)
         try:
