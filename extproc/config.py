@@ -55,11 +55,11 @@ class LimitConfig(_Strict):
     signal: Literal["ttft", "tpot", "combined"] = Field(
         default="tpot", description="Latency signal fed to Vegas (see docs/admission.md).")
     probe_multiplier: int = Field(default=30, ge=1, description="rtt_noload resets every jitter(0.5..1)*probe_multiplier*L samples.")
-    rtt_tolerance: float = Field(default=2.0, ge=1.0, le=10.0, description="Latency up to this multiple of the no-load latency counts as no queue (1.0 = Netflix Vegas; LLM latency grows with batch size before anything queues).")
+    rtt_tolerance: float = Field(default=3.0, ge=1.0, le=10.0, description="Latency up to this multiple of the no-load latency counts as no queue (1.0 = Netflix Vegas; LLM latency grows with batch size before anything queues).")
     window_min_samples: int = Field(default=10, ge=1, description="Samples a window needs before it updates the limit.")
     window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
     window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
-    sample_rate: float = Field(default=0.25, ge=0, le=1, description="Fraction of admitted requests whose response body is streamed to measure TTFT/TPOT.")
+    sample_rate: float = Field(default=0.5, ge=0, le=1, description="Fraction of admitted requests whose response body is streamed to measure TTFT/TPOT.")
 
     @model_validator(mode="after")
     def _bounds(self) -> LimitConfig:

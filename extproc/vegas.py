@@ -46,8 +46,8 @@ class VegasLimit:
     smoothing: float = 1.0
     probe_multiplier: int = 30
     # Latency up to tolerance x rtt_noload counts as no queue. 1.0 is Netflix's Vegas; an LLM
-    # engine's TTFT/TPOT grow with batch size long before anything queues, so Floodgate
-    # defaults to 2.0 (see docs/benchmarks.md, Overload).
+    # engine's TTFT/TPOT grow with batch size long before anything queues, so Floodgate's
+    # config defaults to 3.0 (see docs/benchmarks.md, Overload).
     tolerance: float = 1.0
 
     def initial(self, limit: int) -> VegasState:
