@@ -51,6 +51,7 @@ class Permit:
     queue_s: float
     admitted_at: float
     endpoint: str = ""  # routed-to endpoint when the pool picks endpoints
+    queued: bool = False  # waited in the queue (vs admitted by the first acquire)
     released: bool = False
 
 
@@ -65,7 +66,7 @@ class _PoolRuntime:
     held: set[str] = field(default_factory=set)  # redis tickets this process holds
     local_held: set[str] = field(default_factory=set)
     local_endpoints: dict[str, str] = field(default_factory=dict)  # local ticket -> endpoint
-    active_endpoints: list[str] = field(default_factory=list)  # last seen, for degraded picking
+    active_endpoints: list[str] = field(default_factory=list)  # last seen (1 s), for unadmitted paths and degraded picking
     last_status: PoolStatus | None = None
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     limit: int = 1
@@ -228,7 +229,7 @@ class Admitter:
         # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
-            reason = "queued" if result.queue_s > 0.0005 else "immediate"
+            reason = "queued" if result.queued else "immediate"
             key = (rt.cfg.name, label, "admitted", reason)
             self._child(self.metrics.decisions, key).inc()
             self._child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
@@ -243,10 +244,10 @@ class Admitter:
         return child
 
     def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float,
-                endpoint: str = "") -> Permit:
+                endpoint: str = "", queued: bool = False) -> Permit:
         now = self.clock()
         (rt.held if backend == "redis" else rt.local_held).add(ticket)
-        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now, endpoint)
+        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now, endpoint, queued)
 
     def _no_endpoints(self, rt: _PoolRuntime, priority: int) -> Reject:
         c = rt.cfg.classes[priority]
@@ -280,10 +281,10 @@ class Admitter:
             st = await self._call("enqueue", rt.state.enqueue(ticket, self.gateway_id, priority, tenant, remaining))
             self._observe(rt, st)
             if st.granted:
-                return self._permit(rt, ticket, priority, "redis", started, st.endpoint)
+                return self._permit(rt, ticket, priority, "redis", started, st.endpoint, queued=True)
             try:
                 endpoint = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._permit(rt, ticket, priority, "redis", started, endpoint)
+                return self._permit(rt, ticket, priority, "redis", started, endpoint, queued=True)
             except TimeoutError:
                 pass
             except RedisDown:
@@ -292,7 +293,7 @@ class Admitter:
             outcome = await self._call("cancel", rt.state.cancel(ticket))
             if outcome == 1:
                 granted = await self._call("mine", rt.state.granted_among([ticket]))
-                return self._permit(rt, ticket, priority, "redis", started, granted.get(ticket, ""))
+                return self._permit(rt, ticket, priority, "redis", started, granted.get(ticket, ""), queued=True)
             return timeout_reject(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a
@@ -329,10 +330,10 @@ class Admitter:
             self._resolve_local(rt, rt.local.enqueue(ticket, priority, tenant, deadline, now))
             try:
                 await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._local_permit(rt, ticket, priority, started)
+                return self._local_permit(rt, ticket, priority, started, queued=True)
             except TimeoutError:
                 if rt.local.cancel(ticket) == 1:
-                    return self._local_permit(rt, ticket, priority, started)
+                    return self._local_permit(rt, ticket, priority, started, queued=True)
                 return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
         except asyncio.CancelledError:
             if rt.local.cancel(ticket) == 1:
@@ -341,7 +342,8 @@ class Admitter:
         finally:
             self._waiters.pop(ticket, None)
 
-    def _local_permit(self, rt: _PoolRuntime, ticket: str, priority: int, started: float) -> Permit:
+    def _local_permit(self, rt: _PoolRuntime, ticket: str, priority: int, started: float,
+                      queued: bool = False) -> Permit:
         endpoint = ""
         if rt.cfg.endpoint_picking and rt.active_endpoints:
             # Degraded picking: least of this process's own requests, from the last seen registry.
@@ -351,7 +353,12 @@ class Admitter:
                     load[ep] += 1
             endpoint = min(rt.active_endpoints, key=lambda ep: load[ep])
             rt.local_endpoints[ticket] = endpoint
-        return self._permit(rt, ticket, priority, "local", started, endpoint)
+        return self._permit(rt, ticket, priority, "local", started, endpoint, queued)
+
+    def any_active_endpoint(self, pool: str) -> str | None:
+        """An active endpoint for a request that is routed without admission (e.g. /v1/models)."""
+        eps = self.pools[pool].active_endpoints
+        return eps[int(self.rng() * len(eps)) % len(eps)] if eps else None
 
     def _resolve_local(self, rt: _PoolRuntime, granted: list[str]) -> None:
         for t in granted:
@@ -490,7 +497,7 @@ class Admitter:
                             log.warning("lease %s expired before renewal (process stalled?)", t)
                     # Once a second: fresh gauges, live gateway count, and reclaim when idle.
                     self._observe(rt, await self._call("status", rt.state.status()))
-                    if renew and rt.cfg.endpoint_picking:
+                    if rt.cfg.endpoint_picking:
                         members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
                         rt.active_endpoints = sorted(
                             m.decode() if isinstance(m, bytes) else str(m) for m in members)

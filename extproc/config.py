@@ -74,6 +74,9 @@ class PoolConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include).")
+    unadmitted_paths: list[str] = Field(
+        default_factory=lambda: ["/v1/models", "/health"],
+        description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 

@@ -111,6 +111,19 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.resolver = PriorityResolver(cfg.admission)
         self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
+        self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
+
+    def _route_only(self, pool: str) -> pb.ProcessingResponse:
+        """No permit: with endpoint picking, send it to any active endpoint; never let the
+        client's own destination header through."""
+        mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+        if self.cfg.pool(pool).endpoint_picking:
+            endpoint = self.admitter.any_active_endpoint(pool)
+            if endpoint is None:
+                return reject_response(Reject("no_endpoints", 1, status=503), self.cfg.admission.default_priority)
+            mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)])
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation)))
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
         authority = (headers.get(":authority") or [""])[0].lower()
@@ -144,6 +157,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return
         headers = header_map(first.request_headers)
         pool = self._pool_for(headers)
+        path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
+        if path in self._unadmitted[pool]:
+            yield self._route_only(pool)
+            async for msg in it:
+                yield _passthrough(msg)
+            return
         caller = self._caller(first, headers)
         decision = self.resolver.resolve(caller)
         m = self.admitter.metrics

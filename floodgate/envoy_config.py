@@ -98,8 +98,11 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
         cfg["static_resources"]["clusters"].append(load_yaml(ENVOY_DIR / "floodgate-picking-cluster.yaml"))
         for vh in hcm["route_config"]["virtual_hosts"]:
             for route in vh["routes"]:
-                if route.get("match", {}).get("prefix") == "/v1/":
+                if "route" in route and route["route"].get("cluster") == "model":
+                    # Every model route goes through the processor, which picks the endpoint
+                    # (cheap reads like /v1/models take no permit: `unadmitted_paths`).
                     route["route"]["cluster"] = "model_picked"
+                    route.pop("typed_per_filter_config", None)
     router_at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.router")
     filters[router_at:router_at] = list(extra_filters)
     return cfg

@@ -14,7 +14,7 @@ from extproc.state import PoolState, redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import get_json, post, wait_until
+from tests.helpers import get_json, metrics, post, wait_until
 
 SHARES = (0.5, 0.3, 0.1)
 
@@ -108,6 +108,17 @@ async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: Loca
             assert totals[0] == totals[1] == 5  # concurrent requests spread by load
             # drain completes: Floodgate's per-endpoint in-flight returns to 0
             assert await wait_until(lambda: _idle(reg), 5)
+            # cheap reads are routed to an active endpoint without taking a permit
+            before = await metrics(s, stack.processors[0].metrics_url)
+            await asyncio.sleep(1.2)  # the processor refreshes its view of active endpoints every second
+            for _ in range(4):
+                async with s.get(envoy.url + "/v1/models", headers=hijack) as resp:
+                    assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "test-model"
+            after = await metrics(s, stack.processors[0].metrics_url)
+            admitted = 'floodgate_decisions_total{outcome="admitted",pool="default",priority="1",reason="immediate"}'
+            assert after[admitted] == before[admitted]
+            paths = [(await get_json(s, f"http://127.0.0.1:{p}/stats"))["paths"] for p in ports]
+            assert sum(x.count("/v1/models") for x in paths) == 4 and "/v1/models" not in paths[2]
     finally:
         await c.aclose()
 

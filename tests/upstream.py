@@ -71,6 +71,9 @@ class Upstream:
         self.seen.clear()
         return web.json_response({})
 
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model"}]})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({})
 
@@ -86,6 +89,7 @@ def main() -> None:
     app.router.add_get("/stats", up.stats)
     app.router.add_post("/stats/reset", up.reset)
     app.router.add_get("/health", up.health)
+    app.router.add_get("/v1/models", up.models)
     for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache", "/metrics"):
         app.router.add_route("*", admin, up.health)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
