@@ -319,3 +319,22 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
 
 def _json(b: bytes) -> Any:
     return json.loads(b)
+
+
+async def test_processor_shutdown_returns_its_permits_at_once(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    cfg = static(4)
+    cfg["redis"] = {"lease_ttl_s": 60}  # so only an explicit release can explain a quick return
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession() as s:
+        held = [asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="30000")))
+                for _ in range(2)]
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 2), 10)
+        p.child.kill(signal.SIGTERM)
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 0), 8)
+        p.child.proc.wait(10)
+        assert p.child.proc.returncode == 0
+        assert "releasing permits" in p.child.log_tail()
+        for t in held:
+            t.cancel()
