@@ -52,6 +52,7 @@ class Permit:
     admitted_at: float
     endpoint: str = ""  # routed-to endpoint when the pool picks endpoints
     queued: bool = False  # waited in the queue (vs admitted by the first acquire)
+    credit: bool = False  # admitted from a local credit (no Redis round trip)
     released: bool = False
 
 
@@ -68,6 +69,9 @@ class _PoolRuntime:
     local_endpoints: dict[str, str] = field(default_factory=dict)  # local ticket -> endpoint
     active_endpoints: list[str] = field(default_factory=list)  # last seen (1 s), for unadmitted paths and degraded picking
     last_status: PoolStatus | None = None
+    credits: list[str] = field(default_factory=list)  # idle credit leases (also in `held`)
+    queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
+    credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     limit: int = 1
     inflight_total: int = 0
@@ -169,6 +173,10 @@ class Admitter:
         self.metrics.degraded.set(1)
         self.metrics.degraded_transitions.inc()
         for rt in self.pools.values():
+            # Idle credits are leases in an unreachable Redis: forget them, they expire there.
+            rt.held.difference_update(rt.credits)
+            rt.credits.clear()
+            rt.queue_clear = False
             share = max(1, rt.limit // max(1, rt.live_gateways))
             self._resolve_local(rt, rt.local.set_limit(share, self.clock()))
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
@@ -188,15 +196,31 @@ class Admitter:
     def _observe(self, rt: _PoolRuntime, st: PoolStatus) -> None:
         if st.partial:
             return
+        rt.queue_clear = st.queued_total == 0
+        if not rt.queue_clear:
+            self._return_credits(rt)
         rt.limit, rt.inflight_total, rt.grant_rate = st.limit, st.inflight_total, st.grant_rate
         rt.live_gateways = max(1, st.live_gateways)
         rt.last_status = st
+
+    def _return_credits(self, rt: _PoolRuntime) -> None:
+        """Something waits: idle credits go back so the grant loop can hand them out."""
+        if not rt.credits:
+            return
+        tickets, rt.credits = rt.credits, []
+        rt.held.difference_update(tickets)
+        if not self.degraded:
+            self.spawn(self._quietly(rt.state.return_credits(*tickets), "return_credits"))
+
+    async def _quietly(self, coro: Awaitable[object], op: str) -> None:
+        with contextlib.suppress(RedisDown):
+            await self._call(op, coro)
 
     def _publish_gauges(self) -> None:
         """Gauges from the last seen status, once a second rather than on every request."""
         for rt in self.pools.values():
             st, name = rt.last_status, rt.cfg.name
-            self.metrics.local_inflight.labels(name).set(len(rt.held) + len(rt.local_held))
+            self.metrics.local_inflight.labels(name).set(len(rt.held) - len(rt.credits) + len(rt.local_held))
             if st is None:
                 continue
             self.metrics.limit.labels(name).set(st.limit)
@@ -215,7 +239,11 @@ class Admitter:
         started = self.clock()
         deadline = started + rt.cfg.classes[priority].queue_timeout_s
         result: Permit | Reject | None = None
-        if not self.degraded:
+        if rt.credits and rt.queue_clear and not self.degraded:
+            # Fast path: a credit is a lease this process already holds; no round trip.
+            result = Permit(pool, rt.credits.pop(), priority, "redis", 0.0, started, credit=True)
+            rt.credit_uses += 1
+        elif not self.degraded:
             with contextlib.suppress(RedisDown):
                 result = await self._admit_shared(rt, priority, tenant, started, deadline)
         if result is None:
@@ -231,12 +259,12 @@ class Admitter:
         if isinstance(result, Permit):
             reason = "queued" if result.queued else "immediate"
             key = (rt.cfg.name, label, "admitted", reason)
-            self._child(self.metrics.decisions, key).inc()
-            self._child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
+            self.child(self.metrics.decisions, key).inc()
+            self.child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
         else:
-            self._child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
+            self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
 
-    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+    def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
@@ -264,9 +292,14 @@ class Admitter:
                             started: float, deadline: float) -> Permit | Reject | None:
         """None means Redis failed part-way: the caller continues on the local limiter."""
         ticket = f"{self.gateway_id}:{next(self._tickets)}"
-        st = await self._call("acquire", rt.state.acquire(ticket, self.gateway_id, priority, tenant))
+        wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
+        st = await self._call("acquire", rt.state.acquire(ticket, self.gateway_id, priority, tenant, wanted))
         self._observe(rt, st)
         if st.granted:
+            if st.credits:
+                rt.held.update(st.credits)
+                rt.credits.extend(st.credits)
+                rt.queue_clear = True
             return self._permit(rt, ticket, priority, "redis", started, st.endpoint)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             return self._no_endpoints(rt, priority)
@@ -373,25 +406,43 @@ class Admitter:
 
     async def release(self, permit: Permit, reason: str = "completed") -> None:
         """Return the permit. Safe to call more than once; only the first call counts."""
+        pending = self._release(permit, reason)
+        if pending is not None:
+            await pending
+
+    def release_soon(self, permit: Permit, reason: str) -> None:
+        """`release` for code that cannot await (a stream's `finally`): the Redis part, if
+        any, runs as a task that the stream's cancellation cannot interrupt."""
+        pending = self._release(permit, reason)
+        if pending is not None:
+            self.spawn(pending)
+
+    def _release(self, permit: Permit, reason: str) -> Coroutine[Any, Any, None] | None:
+        """The bookkeeping of a release, done at once; returns the Redis call still to make."""
         if permit.released:
-            return
+            return None
         permit.released = True
         rt = self.pools[permit.pool]
-        self._child(self.metrics.releases, (permit.pool, reason)).inc()
+        self.child(self.metrics.releases, (permit.pool, reason)).inc()
         if permit.backend == "local":
             rt.local_held.discard(permit.ticket)
             rt.local_endpoints.pop(permit.ticket, None)
             self._resolve_local(rt, rt.local.release(permit.ticket, self.clock())[1])
-            return
+            return None
+        if permit.credit and rt.queue_clear and not self.degraded and len(rt.credits) < rt.cfg.local_credits:
+            rt.credits.append(permit.ticket)  # back to the local pool: the lease stays held
+            return None
         # Stop renewing first: if Redis is down now, the lease simply expires. Releases that
         # arrive in the same event-loop turn share one script call.
         rt.held.discard(permit.ticket)
         rt.pending_release.append(permit.ticket)
-        if len(rt.pending_release) == 1:
-            await asyncio.sleep(0)
-            tickets, rt.pending_release = rt.pending_release, []
-            with contextlib.suppress(RedisDown):
-                await self._call("release", rt.state.release(*tickets))
+        return self._flush_releases(rt) if len(rt.pending_release) == 1 else None
+
+    async def _flush_releases(self, rt: _PoolRuntime) -> None:
+        await asyncio.sleep(0)
+        tickets, rt.pending_release = rt.pending_release, []
+        with contextlib.suppress(RedisDown):
+            await self._call("release", rt.state.release(*tickets))
 
     # ---------------------------------------------------------------- latency feedback
 
@@ -439,7 +490,12 @@ class Admitter:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-                        _, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
+                        pool, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
+                        if ticket == "!return":  # a queue formed somewhere: stop using credits
+                            if pool in self.pools:
+                                self.pools[pool].queue_clear = False
+                                self._return_credits(self.pools[pool])
+                            continue
                         fut = self._waiters.get(ticket)
                         if fut is not None and not fut.done():
                             fut.set_result(endpoint)
@@ -493,10 +549,15 @@ class Admitter:
                         lost = await self._call("renew", rt.state.renew(self.gateway_id, sorted(rt.held)))
                         for t in lost:
                             rt.held.discard(t)
+                            if t in rt.credits:
+                                rt.credits.remove(t)
                             self.metrics.lost_leases.labels(rt.cfg.name).inc()
                             log.warning("lease %s expired before renewal (process stalled?)", t)
                     # Once a second: fresh gauges, live gateway count, and reclaim when idle.
                     self._observe(rt, await self._call("status", rt.state.status()))
+                    if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
+                        self._return_credits(rt)
+                    rt.credit_uses = 0
                     if rt.cfg.endpoint_picking:
                         members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
                         rt.active_endpoints = sorted(

@@ -12,6 +12,7 @@
 --       9 active  SET  endpoints that may receive new requests (the registry's active ones)
 --      10 epinf   HASH endpoint -> permits held by requests routed to it
 --      11 lep     HASH ticket -> endpoint it was routed to
+--      12 creditors SET gateways holding local credits (told to return them when a queue forms)
 -- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares, 7 pool name,
 --       8 endpoint picking (1/0), 9.. op args
 --
@@ -28,7 +29,7 @@ if redis.replicate_commands then redis.replicate_commands() end
 
 local K_LEASES, K_LMETA, K_QUEUE, K_QMETA, K_QDL, K_COUNTS, K_STATE, K_GWS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_ACTIVE, K_EPINF, K_LEP = KEYS[9], KEYS[10], KEYS[11]
+local K_ACTIVE, K_EPINF, K_LEP, K_CREDITORS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local op = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local initial = tonumber(ARGV[3])
@@ -146,7 +147,7 @@ local function unqueue(ticket, meta)
   end
 end
 
-local function drop_lease(ticket)
+local function drop_lease(ticket, count_rate)
   if redis.call('ZREM', K_LEASES, ticket) == 0 then return false end
   local c = redis.call('HGET', K_LMETA, ticket) or '1'
   redis.call('HDEL', K_LMETA, ticket)
@@ -156,7 +157,7 @@ local function drop_lease(ticket)
     redis.call('HDEL', K_LEP, ticket)
     if redis.call('HINCRBY', K_EPINF, ep, -1) <= 0 then redis.call('HDEL', K_EPINF, ep) end
   end
-  bump_rate('rate')
+  if count_rate then bump_rate('rate') end
   return true
 end
 
@@ -196,7 +197,7 @@ end
 
 local function reclaim()
   local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 200)
-  for _, ticket in ipairs(expired) do drop_lease(ticket) end
+  for _, ticket in ipairs(expired) do drop_lease(ticket, true) end
   local abandoned = redis.call('ZRANGEBYSCORE', K_QDL, '-inf', now - WAITER_GRACE_MS, 'LIMIT', 0, 200)
   for _, ticket in ipairs(abandoned) do
     local meta = redis.call('HGET', K_QMETA, ticket)
@@ -204,6 +205,14 @@ local function reclaim()
   end
   redis.call('ZREMRANGEBYSCORE', K_GWS, '-inf', now - 60000)
   return #expired
+end
+
+-- Tell every gateway holding credits to hand its idle ones back (see `acquire`).
+local function recall_credits()
+  for _, creditor in ipairs(redis.call('SMEMBERS', K_CREDITORS)) do
+    redis.call('PUBLISH', 'fg:gw:' .. creditor, pool .. '|!return|')
+  end
+  redis.call('DEL', K_CREDITORS)
 end
 
 local function touch_gateway(gw)
@@ -227,10 +236,16 @@ local function snapshot(granted, c, tenant, ep)
 end
 
 if op == 'acquire' then
-  -- ARGV 9 ticket, 9 gateway, 10 class, 11 tenant: lease now if the grant loop would.
+  -- ARGV 9 ticket, 10 gateway, 11 class, 12 tenant, 13 credits wanted: lease now if the grant
+  -- loop would. The hot path: no gateway touch (the renewal loop keeps gateways alive) and a
+  -- short reply {'g', endpoint, credit tickets...} on a grant; the full snapshot only when the
+  -- policy has to decide.
+  --
+  -- Credits: while nothing waits and the pool is at most half full, a grant may come with up
+  -- to `wanted` extra leases the gateway admits later requests with, without a round trip.
+  -- They are ordinary leases (counted in-flight, renewed, reclaimed), so in-flight never
+  -- exceeds the limit; `enqueue` tells every creditor to return its idle ones.
   local ticket, gw, c, tenant = ARGV[9], ARGV[10], tonumber(ARGV[11]) + 1, ARGV[12]
-  -- The hot path: no gateway touch (the renewal loop keeps gateways alive) and a short reply
-  -- {1, endpoint} on a grant; the full snapshot only when the policy has to decide.
   reclaim()
   grant_loop()
   local L = math.max(1, math.floor(limit_value()))
@@ -241,12 +256,28 @@ if op == 'acquire' then
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
-  if ok then return {1, lease(ticket, c)} end
+  if ok then
+    local reply = {'g', lease(ticket, c)}
+    local wanted = tonumber(ARGV[13] or '0') or 0
+    if wanted > 0 and not picking and queued[1] + queued[2] + queued[3] == 0 then
+      local n = math.min(wanted, math.floor(L / 2) - (inflight[1] + inflight[2] + inflight[3] + 1))
+      for i = 1, n do
+        local credit = ticket .. ':c' .. i
+        redis.call('ZADD', K_LEASES, now + ttl, credit)
+        redis.call('HSET', K_LMETA, credit, 1)
+        redis.call('HINCRBY', K_COUNTS, 'i1', 1)
+        table.insert(reply, credit)
+      end
+      if n > 0 then redis.call('SADD', K_CREDITORS, gw) end
+    end
+    return reply
+  end
+  recall_credits()  -- a request could not be admitted: idle credits elsewhere must come back
   touch_gateway(gw)
   return snapshot(0, c, tenant)
 
 elseif op == 'enqueue' then
-  -- ARGV 9 ticket, 9 gateway, 10 class, 11 tenant, 12 timeout (ms)
+  -- ARGV 9 ticket, 10 gateway, 11 class, 12 tenant, 13 timeout (ms)
   local ticket, gw, c, tenant = ARGV[9], ARGV[10], tonumber(ARGV[11]) + 1, ARGV[12]
   local deadline = now + tonumber(ARGV[13])
   reclaim()
@@ -257,6 +288,7 @@ elseif op == 'enqueue' then
   redis.call('HSET', K_QMETA, ticket, (c - 1) .. '|' .. deadline .. '|' .. gw .. '|' .. tenant)
   redis.call('HINCRBY', K_COUNTS, 'q' .. (c - 1), 1)
   redis.call('HINCRBY', K_COUNTS, 't' .. (c - 1) .. ':' .. tenant, 1)
+  recall_credits()
   grant_loop()
   local mine = redis.call('ZSCORE', K_LEASES, ticket) and 1 or 0
   return snapshot(mine, c, tenant, redis.call('HGET', K_LEP, ticket))
@@ -271,17 +303,23 @@ elseif op == 'cancel' then
   return 2
 
 elseif op == 'release' then
-  -- ARGV 10.. tickets. Returns how many were held (a missing one was reclaimed already).
+  -- ARGV 9.. tickets. Returns how many were held (a missing one was reclaimed already).
   local released = 0
   for i = 9, #ARGV do
-    if drop_lease(ARGV[i]) then released = released + 1 end
+    if drop_lease(ARGV[i], true) then released = released + 1 end
   end
   reclaim()
   grant_loop()
   return released
 
+elseif op == 'return_credits' then
+  -- ARGV 9.. idle credit tickets handed back unused: not completions, so no rate event.
+  for i = 9, #ARGV do drop_lease(ARGV[i], false) end
+  grant_loop()
+  return 0
+
 elseif op == 'renew' then
-  -- ARGV 9 gateway, 9.. tickets. Extends every lease still held; returns the ones lost.
+  -- ARGV 9 gateway, 10.. tickets. Extends every lease still held; returns the ones lost.
   touch_gateway(ARGV[9])
   local lost = {}
   for i = 10, #ARGV do
@@ -295,7 +333,7 @@ elseif op == 'renew' then
   return lost
 
 elseif op == 'mine' then
-  -- ARGV 10.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
+  -- ARGV 9.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
   reclaim()
   grant_loop()
   local leased = {}
@@ -318,7 +356,7 @@ elseif op == 'get_limit' then
   return {s[1], s[2] or '0', s[3] or '0', s[4] or '1', s[5] or '0'}
 
 elseif op == 'set_limit' then
-  -- ARGV 9 expected version, 9 limit, 10 rtt_noload, 11 probe_count, 12 probe_jitter.
+  -- ARGV 9 expected version, 10 limit, 11 rtt_noload, 12 probe_count, 13 probe_jitter.
   -- Compare-and-set: the Vegas arithmetic stays in Python (vegas.py), atomic here.
   limit_value()
   local version = num(redis.call('HGET', K_STATE, 'version'), 0)

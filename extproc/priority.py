@@ -8,6 +8,7 @@ fails the request: it falls back and is reported so the caller can count it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 from functools import cached_property
@@ -58,8 +59,13 @@ def source_ip_of(address: str | None) -> str | None:
         a = a[1:].split("]", 1)[0]
     elif a.count(":") == 1:
         a = a.rsplit(":", 1)[0]
+    return _canonical_ip(a)
+
+
+@functools.lru_cache(maxsize=65536)
+def _canonical_ip(text: str) -> str | None:
     try:
-        return str(ipaddress.ip_address(a))
+        return str(ipaddress.ip_address(text))
     except ValueError:
         return None
 
@@ -83,12 +89,16 @@ class PriorityResolver:
         if caller.mtls and self._spiffe_trusted(caller.peer_uri_sans):
             return True
         if caller.source_ip and self._networks:
-            try:
-                ip = ipaddress.ip_address(caller.source_ip)
-            except ValueError:
-                return False
-            return any(ip in net for net in self._networks)
+            return self._ip_trusted(caller.source_ip)
         return False
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one resolver per process, bounded cache
+    def _ip_trusted(self, source_ip: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(source_ip)
+        except ValueError:
+            return False
+        return any(ip in net for net in self._networks)
 
     def resolve(self, caller: Caller) -> PriorityDecision:
         header: int | None = None

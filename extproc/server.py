@@ -9,6 +9,7 @@ body via `mode_override` to measure TTFT and TPOT for the Vegas limit.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -47,13 +48,25 @@ _STREAM_BODY = processing_mode_pb2.ProcessingMode(
 )
 
 
-def header_map(headers: pb.HttpHeaders) -> dict[str, list[str]]:
-    """Lower-cased name -> every value, in order (Envoy sends raw_value bytes in 1.40)."""
+def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, list[str]]:
+    """Lower-cased name -> every value, in order (Envoy sends raw_value bytes in 1.40).
+    With `wanted`, only those names are decoded (the hot path needs a handful)."""
     out: dict[str, list[str]] = {}
     for h in headers.headers.headers:
+        key = h.key.lower()
+        if wanted is not None and key not in wanted:
+            continue
         value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out.setdefault(h.key.lower(), []).append(value)
+        out.setdefault(key, []).append(value)
     return out
+
+
+def status_of(headers: pb.HttpHeaders) -> int:
+    for h in headers.headers.headers:
+        if h.key == ":status":
+            value = h.raw_value.decode("ascii", "replace") if h.raw_value else h.value
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def _attr(attrs: Any, name: str) -> Any:
@@ -64,9 +77,45 @@ def _attr(attrs: Any, name: str) -> Any:
     return getattr(v, kind) if kind else None
 
 
+@functools.lru_cache(maxsize=4096)
 def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
+    """An overwrite of one header (cached: most values repeat; protobuf copies on use)."""
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _admit_reply(priority: int, queue_ms: str, endpoint: str, strip_header: str,
+                 sampled: bool) -> pb.ProcessingResponse:
+    """The request-headers reply of an admitted request (cached: replies are only serialized,
+    never mutated, and most of them are alike)."""
+    set_headers = [_set(PRIORITY_OUT, str(priority)), _set(QUEUE_MS_OUT, queue_ms)]
+    # A client must never choose its upstream host: the destination header is always
+    # overwritten (endpoint picking) or removed. An untrusted priority header must not reach
+    # the model server either.
+    remove = [strip_header] if strip_header else []
+    if endpoint:
+        set_headers.append(_set(DESTINATION_HEADER, endpoint))
+    else:
+        remove.append(DESTINATION_HEADER)
+    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers,
+                                                                     remove_headers=remove))))
+    if sampled:
+        reply.mode_override.CopyFrom(_STREAM_BODY)
+    return reply
+
+
+@functools.lru_cache(maxsize=4096)
+def _response_headers_reply(priority: int, queue_ms: str) -> pb.ProcessingResponse:
+    """Tell the client its priority and queue wait on the response too."""
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=[_set(PRIORITY_OUT, str(priority)),
+                                                       _set(QUEUE_MS_OUT, queue_ms)]))))
+
+
+_BODY_REPLY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_TRAILERS_REPLY = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
@@ -112,6 +161,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
+        self._wanted = frozenset({":authority", ":path", cfg.admission.priority_header.lower(),
+                                  cfg.admission.tenant_header.lower()})
 
     def _route_only(self, pool: str) -> pb.ProcessingResponse:
         """No permit: with endpoint picking, send it to any active endpoint; never let the
@@ -155,7 +206,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             async for msg in it:
                 yield _passthrough(msg)
             return
-        headers = header_map(first.request_headers)
+        headers = header_map(first.request_headers, self._wanted)
         pool = self._pool_for(headers)
         path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
         if path in self._unadmitted[pool]:
@@ -165,11 +216,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return
         caller = self._caller(first, headers)
         decision = self.resolver.resolve(caller)
-        m = self.admitter.metrics
+        m, child = self.admitter.metrics, self.admitter.child
         if decision.invalid_header:
-            m.invalid_priority.labels(pool).inc()
+            child(m.invalid_priority, (pool,)).inc()
         if decision.untrusted_header:
-            m.untrusted_priority.labels(pool).inc()
+            child(m.untrusted_priority, (pool,)).inc()
         result = await self.admitter.admit(pool, decision.priority, caller.tenant or "")
         if isinstance(result, Reject):
             yield reject_response(result, decision.priority)
@@ -179,37 +230,22 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
-            set_headers = [_set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)]
-            # A client must never choose its upstream host: the destination header is always
-            # overwritten (endpoint picking) or removed. An untrusted priority header must not
-            # reach the model server either.
-            remove = [self.cfg.admission.priority_header] if decision.source != "header" else []
-            if result.endpoint:
-                set_headers.append(_set(DESTINATION_HEADER, result.endpoint))
-            else:
-                remove.append(DESTINATION_HEADER)
-            mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove)
-            reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=mutation)))
-            if ex.sampled:
-                reply.mode_override.CopyFrom(_STREAM_BODY)
-            yield reply
+            strip_priority = decision.source != "header"
+            yield _admit_reply(decision.priority, queue_ms, result.endpoint,
+                               self.cfg.admission.priority_header if strip_priority else "", ex.sampled)
             async for msg in it:
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":
-                    status = (header_map(msg.response_headers).get(":status") or ["0"])[0]
-                    ex.status = int(status) if status.isdigit() else 0
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=[
-                            _set(PRIORITY_OUT, str(decision.priority)), _set(QUEUE_MS_OUT, queue_ms)]))))
+                    ex.status = status_of(msg.response_headers)
+                    yield _response_headers_reply(decision.priority, queue_ms)
                     if msg.response_headers.end_of_stream:
                         ex.finished = True
                 elif kind == "response_body":
                     self._on_body(ex, msg.response_body)
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    yield _BODY_REPLY
                 elif kind == "response_trailers":
                     ex.finished = True
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    yield _TRAILERS_REPLY
                 else:
                     yield _passthrough(msg)
             # Envoy ends the stream when the HTTP request ends, for whatever reason: completion
@@ -222,7 +258,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if ex.status is not None and ex.status >= 500:
                 reason = "upstream_error"
             self._feed_limit(pool, ex)
-            self.admitter.spawn(self.admitter.release(result, reason))
+            self.admitter.release_soon(result, reason)
 
     def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> None:
         now = self.admitter.clock()

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from extproc.vegas import VegasState
 
 _LUA = resources.files("extproc").joinpath("leases.lua").read_text()
-_KEY_NAMES = ("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws", "active", "epinf", "lep")
+_KEY_NAMES = ("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws", "active", "epinf", "lep",
+              "creditors")
 
 
 def pool_keys(pool: str) -> list[str]:
@@ -44,6 +45,7 @@ class PoolStatus:
     active_endpoints: int = 0
     partial: bool = False  # an immediate grant: only `granted` and `endpoint` are filled in
     class_rate: float = 0.0  # recent grants per second to the asking request's class
+    credits: tuple[str, ...] = ()  # extra leases granted for local admission (see leases.lua)
 
     @property
     def inflight_total(self) -> int:
@@ -56,8 +58,9 @@ class PoolStatus:
 
 def _status(raw: list[Any]) -> PoolStatus:
     v = [x.decode() if isinstance(x, bytes) else x for x in raw]
-    if len(v) == 2:  # the short reply of an immediate grant (the hot path)
-        return PoolStatus(True, 0, (0, 0, 0), (0, 0, 0), 0, 0.0, 0, 0, str(v[1]), 0, partial=True)
+    if v[0] == "g":  # the short reply of an immediate grant (the hot path)
+        return PoolStatus(True, 0, (0, 0, 0), (0, 0, 0), 0, 0.0, 0, 0, str(v[1]), 0, partial=True,
+                          credits=tuple(str(c) for c in v[2:]))
     return PoolStatus(
         granted=int(v[0]) == 1,
         limit=int(v[1]),
@@ -94,8 +97,12 @@ class PoolState:
     async def _run(self, op: str, *args: Any) -> Any:
         return await self._script(keys=self.keys, args=[op, *self._common, *args])
 
-    async def acquire(self, ticket: str, gateway: str, cls: int, tenant: str) -> PoolStatus:
-        return _status(await self._run("acquire", ticket, gateway, cls, tenant))
+    async def acquire(self, ticket: str, gateway: str, cls: int, tenant: str, credits: int = 0) -> PoolStatus:
+        return _status(await self._run("acquire", ticket, gateway, cls, tenant, credits))
+
+    async def return_credits(self, *tickets: str) -> None:
+        if tickets:
+            await self._run("return_credits", *tickets)
 
     async def enqueue(self, ticket: str, gateway: str, cls: int, tenant: str, timeout_s: float) -> PoolStatus:
         return _status(await self._run("enqueue", ticket, gateway, cls, tenant, int(timeout_s * 1000)))

@@ -153,17 +153,19 @@ async def test_release_on_every_ending(stack: LocalStack, upstream: int) -> None
         assert released == admitted == 5  # the waiter that left the queue was never admitted
 
 
-async def test_cluster_wide_limit_two_processors_two_envoys(stack: LocalStack, upstream: int) -> None:
+@pytest.mark.parametrize("limit", [3, 12])  # 12: processors also hold local credits
+async def test_cluster_wide_limit_two_processors_two_envoys(stack: LocalStack, upstream: int, limit: int) -> None:
     stack.start_redis()
-    limit = 3
     p1 = stack.start_processor(static(limit, classes=classes(max_queue=1000)))
     p2 = stack.start_processor(static(limit, classes=classes(max_queue=1000)))
     e1 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p1])
     e2 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p2])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         urls = [e1.url, e2.url]
-        replies = await asyncio.gather(*(post(s, urls[i % 2], headers=hdr(i % 3, chunks="3", delay_ms="20"))
-                                         for i in range(60)))
+        replies = []
+        for wave in (8, 60):  # a light wave (credits handed out), then overload
+            replies += await asyncio.gather(*(post(s, urls[i % 2], headers=hdr(i % 3, chunks="3", delay_ms="20"))
+                                              for i in range(wave)))
         stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
     assert all(r.status in (200, 429) for r in replies), [r.status for r in replies]
     assert sum(r.status == 200 for r in replies) >= 30
@@ -233,10 +235,15 @@ async def test_degraded_mode_when_redis_dies_and_recovers(stack: LocalStack, ups
         stack.sup.start_redis(port, name="redis2")
         assert await wait_until(lambda: _metric_is(s, p.metrics_url, "floodgate_degraded", 0), 10)
         hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1000")))
-        assert await wait_until(lambda: _inflight_is(stack.redis_url, 1), 5)
+        # the permit is a lease in Redis again (plus, maybe, the processor's spare credits)
+        assert await wait_until(lambda: _inflight_at_least(stack.redis_url, 1), 5)
         assert (await hold).status == 200
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0
+
+
+async def _inflight_at_least(redis_url: str, n: int) -> bool:
+    return (await pool_status(redis_url)).inflight_total >= n
 
 
 async def _metric_is(s: aiohttp.ClientSession, url: str, name: str, value: float) -> bool:
@@ -338,3 +345,38 @@ async def test_processor_shutdown_returns_its_permits_at_once(stack: LocalStack,
         assert "releasing permits" in p.child.log_tail()
         for t in held:
             t.cancel()
+
+
+async def test_local_credits_skip_redis_and_come_back_when_a_queue_forms(stack: LocalStack, upstream: int) -> None:
+    import redis.asyncio as aioredis
+
+    stack.start_redis()
+    p = stack.start_processor(static(20))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    r = aioredis.Redis.from_url(stack.redis_url)
+
+    async def script_calls() -> int:
+        stats = await r.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert (await post(s, envoy.url, headers=hdr(1))).status == 200  # first acquire brings credits
+            before = await script_calls()
+            for _ in range(20):
+                assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+            # sequential requests run on credits: far fewer than 2 script calls each
+            # (the once-a-second status tick also runs the script)
+            assert await script_calls() - before < 10
+            # fill the pool so a request must queue: every idle credit comes back
+            holds = [asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="1500")))
+                     for _ in range(21)]
+            replies = await asyncio.gather(*holds)
+            assert all(x.status == 200 for x in replies)
+            assert max(int(x.headers["x-floodgate-queue-ms"]) for x in replies) >= 1000  # one waited
+            stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+            assert stats["max_inflight"] <= 20
+        st = await drained(stack.redis_url)  # idle credits go back after a quiet second
+        assert st.inflight_total == 0 and st.queued_total == 0
+    finally:
+        await r.aclose()

@@ -161,3 +161,27 @@ async def test_two_pools_are_independent(client: aioredis.Redis) -> None:
     assert (await a.acquire("g:1", "g", 1, "t")).granted
     assert (await b.acquire("g:2", "g", 1, "t")).granted
     assert all(k.startswith("fg:{pa}:") for k in pool_keys("pa"))
+
+
+async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client: aioredis.Redis) -> None:
+    st = PoolState(client, "cr", lease_ttl_s=30, initial_limit=10, shares=(0, 0, 0))
+    got = await st.acquire("a:1", "a", 1, "t", credits=8)
+    assert got.granted and len(got.credits) == 4  # at most half the limit: 1 + 4 = 5
+    assert (await st.status()).inflight_total == 5  # credits are leases: they count
+    assert (await st.acquire("a:2", "a", 1, "t", credits=8)).credits == ()  # already half full
+    pubsub = client.pubsub()
+    await pubsub.subscribe("fg:gw:a")
+    for i in range(3, 7):  # 6 held so far (a:1, 4 credits, a:2) + 4 = the limit
+        assert (await st.acquire(f"b:{i}", "b", 1, "t")).granted
+    assert not (await st.acquire("b:9", "b", 1, "t")).granted  # full: the creditor is told
+    msg = None
+    for _ in range(20):
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if msg:
+            break
+    assert msg is not None and msg["data"] == b"cr|!return|"
+    await st.enqueue("b:9", "b", 1, "t", 30)
+    await st.return_credits(*got.credits)
+    assert await st.granted_among(["b:9"]) == {"b:9": ""}  # a returned credit went to the waiter
+    assert (await st.status()).grant_rate == 0  # returning credits is not a completion
+    await pubsub.aclose()
