@@ -74,7 +74,7 @@ class PoolConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include).")
-    local_credits: int = Field(default=8, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
+    local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
     unadmitted_paths: list[str] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
         description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
