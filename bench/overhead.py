@@ -7,9 +7,10 @@ One invocation starts, side by side, a fast upstream (a second Envoy answering
 * `noop`       Envoy + `bench.noop_processor` (empty replies): the ceiling a Python grpc.aio
                processor can reach, and the reference for every ratio;
 * `floodgate`  Envoy + the real `floodgate extproc` on a real Redis, static limit 100000 (never
-               queues), `sample_rate` 0: the plain admission path (acquire + release in Redis);
-* `floodgate-sampled`  the same with a Vegas limit and the default `sample_rate` 0.25, so a
-               quarter of the requests also stream their response body to the processor.
+               queues), `sample_rate` 0: the plain admission path (local credits, else acquire +
+               release in Redis);
+* `floodgate-sampled`  the same with a Vegas limit and the default `sample_rate` (0.5), so a
+               half of the requests also stream their response body to the processor.
 
 `wrk` drives each (config, connections) pair for `--duration` seconds. Runs are interleaved
 (every config at one concurrency, then the next concurrency, then the next round) so noise from
@@ -92,8 +93,8 @@ _SAMPLED_POOL: dict[str, Any] = {"name": "bench-sampled", "limit": {
     # Vegas only samples in vegas mode; min keeps the limit far above any concurrency here
     # whatever the (meaningless, sub-millisecond) latency signal does. `ttft` because the
     # direct_response body is one chunk, which gives no TPOT.
-    "mode": "vegas", "initial": 100000, "min": 50000, "max": 100000, "signal": "ttft",
-    "sample_rate": 0.25}}
+    "mode": "vegas", "initial": 100000, "min": 50000, "max": 100000, "signal": "ttft"}}
+# (sample_rate: the shipped default)
 
 
 @dataclass
