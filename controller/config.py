@@ -24,16 +24,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.forecast import ForecastConfig
 from controller.lifecycle import WarmPoolConfig
 from controller.policy import PolicyConfig
+from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
-
-class ConfigError(ValueError):
-    """A config problem, already phrased for the operator."""
+__all__ = ["ConfigError", "ControllerConfig", "load_config", "parse_config"]
 
 
 class _Strict(BaseModel):
@@ -118,14 +116,6 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _format_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "invalid controller config:\n" + "\n".join(lines)
-
-
 def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> ControllerConfig:
     raw = dict(raw)
     environ: Mapping[str, str] = os.environ if env is None else env
@@ -139,20 +129,8 @@ def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> C
     try:
         return ControllerConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_errors(exc, "invalid controller config")) from None
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> ControllerConfig:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-    if loaded is None:
-        loaded = {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
-    return parse_config(loaded, env)
+    return parse_config(read_mapping(path), env)

@@ -13,14 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
+
+__all__ = ["Config", "ConfigError", "load_config"]
+
 PRIORITY_NAMES = ("critical", "standard", "sheddable")
-
-
-class ConfigError(ValueError):
-    """A config problem, already phrased for the operator."""
 
 
 class _Strict(BaseModel):
@@ -161,32 +160,10 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _format_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "invalid config:\n" + "\n".join(lines)
-
-
 def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
                 env: Mapping[str, str] | None = None) -> Config:
     """Read, merge and validate. Raises ConfigError with an operator-facing message."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
-        raw = loaded
+    raw: dict[str, Any] = read_mapping(path) if path is not None else {}
     environ: Mapping[str, str] = os.environ if env is None else env
     merged: dict[tuple[str, ...], Any] = {}
     for var, where in ENV_OVERRIDES.items():
@@ -203,4 +180,4 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_errors(exc)) from None
