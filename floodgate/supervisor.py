@@ -97,7 +97,9 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def start_redis(self, port: int | None = None, name: str = "redis") -> tuple[Child, str]:
+    def start_redis(self, port: int | None = None, name: str = "redis",
+                    password: str | None = None) -> tuple[Child, str]:
+        """A Redis-protocol server on 127.0.0.1; returns it and its URL (without the password)."""
         port = port or free_port()
         data = self.workdir / f"{name}-data"
         data.mkdir(exist_ok=True)
@@ -110,6 +112,7 @@ class Supervisor:
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(data),
+                *(["--requirepass", password] if password else []),
             ],
         )
         wait_for_port("127.0.0.1", port, 10, child.proc)

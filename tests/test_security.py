@@ -6,9 +6,10 @@ import asyncio
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from floodgate.stack import LocalStack
-from tests.helpers import get_json
+from tests.helpers import get_json, metrics
 
 pytestmark = pytest.mark.integration
 
@@ -59,3 +60,33 @@ async def test_untrusted_caller_cannot_raise_priority_or_steer(stack: LocalStack
         seen = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"][-1]
     assert seen["x-test-id"] == "evil"
     assert "x-request-priority" not in seen and "x-gateway-destination-endpoint" not in seen
+
+
+async def test_redis_password_from_config_or_environment(stack: LocalStack, upstream: int) -> None:
+    _, url = stack.sup.start_redis(password="s3cret-pw")
+    stack.redis_url = url
+    stack.start_processor({"redis": {"password": "s3cret-pw"}})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
+        m = await metrics(s, stack.processors[0].metrics_url)
+    assert m["floodgate_degraded"] == 0  # shared state in the password-protected Redis
+    assert sum(v for k, v in m.items() if k.startswith("floodgate_redis_errors_total")) == 0
+    r = aioredis.Redis.from_url(url, password="s3cret-pw")
+    try:
+        assert await r.exists("fg:{default}:state")  # the processor really wrote there
+    finally:
+        await r.aclose()
+
+
+async def test_wrong_redis_password_degrades_instead_of_failing(stack: LocalStack, upstream: int) -> None:
+    _, url = stack.sup.start_redis(password="right")
+    stack.redis_url = url
+    stack.start_processor({"redis": {"password": "wrong"}})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200  # admitted by the local limiter
+        m = await metrics(s, stack.processors[0].metrics_url)
+    assert m["floodgate_degraded"] == 1
