@@ -73,10 +73,17 @@ class _PoolRuntime:
     queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
-    limit: int = 1
-    inflight_total: int = 0
-    live_gateways: int = 1
-    grant_rate: float = 0.0
+
+    def local_share(self) -> tuple[int, float]:
+        """This process's share of the last seen shared limit and grant rate (degraded mode)."""
+        st = self.last_status
+        if st is None:
+            return self.cfg.limit.initial, 0.0
+        gateways = max(1, st.live_gateways)
+        return max(1, st.limit // gateways), st.grant_rate / gateways
+
+    def inflight_seen(self) -> int:
+        return self.last_status.inflight_total if self.last_status else 0
 
 
 def default_gateway_id() -> str:
@@ -113,7 +120,7 @@ class Admitter:
                 vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
                                  p.limit.rtt_tolerance),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
-                shares=shares, limit=p.limit.initial)
+                shares=shares)
             self.metrics.limit.labels(p.name).set(p.limit.initial)
 
     # ---------------------------------------------------------------- lifecycle
@@ -177,7 +184,7 @@ class Admitter:
             rt.held.difference_update(rt.credits)
             rt.credits.clear()
             rt.queue_clear = False
-            share = max(1, rt.limit // max(1, rt.live_gateways))
+            share = rt.local_share()[0]
             self._resolve_local(rt, rt.local.set_limit(share, self.clock()))
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
                     {n: rt.local.limit for n, rt in self.pools.items()})
@@ -199,8 +206,6 @@ class Admitter:
         rt.queue_clear = st.queued_total == 0
         if not rt.queue_clear:
             self._return_credits(rt)
-        rt.limit, rt.inflight_total, rt.grant_rate = st.limit, st.inflight_total, st.grant_rate
-        rt.live_gateways = max(1, st.live_gateways)
         rt.last_status = st
 
     def _return_credits(self, rt: _PoolRuntime) -> None:
@@ -350,7 +355,7 @@ class Admitter:
         now = self.clock()
         if rt.local.try_acquire(ticket, priority, now):
             return self._local_permit(rt, ticket, priority, started)
-        snap = rt.local.snapshot(priority, tenant, rt.grant_rate / max(1, rt.live_gateways))
+        snap = rt.local.snapshot(priority, tenant, rt.local_share()[1])
         decision = queue_decision(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
         if isinstance(decision, Reject):
             return decision
@@ -452,7 +457,7 @@ class Admitter:
         if rt.cfg.limit.mode != "vegas":
             return
         now = self.clock()
-        rt.window.add(now, rtt, rt.inflight_total, dropped)
+        rt.window.add(now, rtt, rt.inflight_seen(), dropped)
         if rt.window.ready(now):
             sample = rt.window.take()
             if sample is not None and not self.degraded:
