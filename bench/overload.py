@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from extproc.config import PoolConfig
+
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,6 +279,10 @@ def adaptive_concurrency_filter() -> dict[str, Any]:
             "concurrency_limit_exceeded_status": {"code": 429},
         },
     }
+
+
+SHIPPED_CLASSES: dict[int, dict[str, Any]] = {
+    c: v.model_dump() for c, v in PoolConfig().classes.items()}
 
 
 def slo_classes(slo_ttft_s: float) -> dict[int, dict[str, Any]]:
@@ -773,6 +779,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=20.0, help="client timeout per request, s")
+    p.add_argument("--p0-reserve", choices=["when_waiting", "always"], default="when_waiting",
+                   help="P0's `reserve` setting (always: its share stays free as headroom)")
+    p.add_argument("--p0-share", type=float, default=None, help="P0's share of the limit")
     p.add_argument("--shipped-classes", action="store_true",
                    help="Floodgate with the processor's default class settings instead of the "
                         "SLO-derived ones (P1 waits 0.75 x SLO TTFT, P2 never queues)")
@@ -873,6 +882,11 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
                                           for s in calibration["steps"]), flush=True)
     plan = build_plan(w, capacity)
     classes = None if args.shipped_classes else slo_classes(slo.ttft_s)
+    if args.p0_reserve != "when_waiting" or args.p0_share is not None:
+        classes = classes or {c: dict(v) for c, v in SHIPPED_CLASSES.items()}
+        classes[0]["reserve"] = args.p0_reserve
+        if args.p0_share is not None:
+            classes[0]["share"] = args.p0_share
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[RunOutput] = []
     rows: list[Row] = []

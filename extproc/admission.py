@@ -112,11 +112,14 @@ class Admitter:
         self.pools: dict[str, _PoolRuntime] = {}
         for p in cfg.pools:
             shares = (p.classes[0].share, p.classes[1].share, p.classes[2].share)
+            always = (p.classes[0].reserve == "always", p.classes[1].reserve == "always",
+                      p.classes[2].reserve == "always")
             self.pools[p.name] = _PoolRuntime(
                 cfg=p,
                 state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s,
-                                initial_limit=p.limit.initial, shares=shares, picking=p.endpoint_picking),
-                local=PermitTable(limit=p.limit.initial, shares=shares),
+                                initial_limit=p.limit.initial, shares=shares, picking=p.endpoint_picking,
+                                always=always),
+                local=PermitTable(limit=p.limit.initial, shares=shares, always=always),
                 vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
                                  p.limit.rtt_tolerance),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),

@@ -33,6 +33,9 @@ class ClassConfig(_Strict):
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
     tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one tenant may hold (tenant_cap).")
+    reserve: Literal["when_waiting", "always"] = Field(
+        default="when_waiting",
+        description="`when_waiting`: other classes may borrow this class's share while it has no waiters (best utilization). `always`: the share stays free for this class (headroom: lower latency for it at the onset of a burst, less throughput for the others).")
 
 
 def _default_classes() -> dict[int, ClassConfig]:

@@ -13,7 +13,8 @@
 --      10 epinf   HASH endpoint -> permits held by requests routed to it
 --      11 lep     HASH ticket -> endpoint it was routed to
 --      12 creditors SET gateways holding local credits (told to return them when a queue forms)
--- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares, 7 pool name,
+-- ARGV: 1 op, 2 lease ttl (ms), 3 initial limit, 4..6 class shares (negative: the
+--       reservation is kept even without waiters), 7 pool name,
 --       8 endpoint picking (1/0), 9.. op args
 --
 -- Invariants (tests/test_state_invariants.py checks them):
@@ -33,7 +34,11 @@ local K_ACTIVE, K_EPINF, K_LEP, K_CREDITORS = KEYS[9], KEYS[10], KEYS[11], KEYS[
 local op = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local initial = tonumber(ARGV[3])
-local shares = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
+local shares, always = {}, {}
+for k = 1, 3 do
+  local s = tonumber(ARGV[3 + k])
+  shares[k], always[k] = math.abs(s), s < 0
+end
 local pool = ARGV[7]
 local picking = ARGV[8] == '1'
 local CLASS_SPAN = 4294967296
@@ -82,7 +87,7 @@ end
 
 -- policy.eligible, mirrored: below the limit any class may take a free permit; a class inside
 -- its reservation always may; otherwise what stays free must still cover the unused
--- reservations of the other classes that have waiters.
+-- reservations of the other classes that have waiters (or keep theirs `always`).
 local function eligible(c, L, inflight, queued)
   local free = L - inflight[1] - inflight[2] - inflight[3]
   if free < 1 then return false end
@@ -91,7 +96,7 @@ local function eligible(c, L, inflight, queued)
   if inflight[c] < res[c] then return true end
   local others = 0
   for k = 1, 3 do
-    if k ~= c and queued[k] > 0 then others = others + math.max(0, res[k] - inflight[k]) end
+    if k ~= c and (queued[k] > 0 or always[k]) then others = others + math.max(0, res[k] - inflight[k]) end
   end
   return free - 1 >= others
 end

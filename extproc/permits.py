@@ -26,6 +26,7 @@ class _Waiter:
 class PermitTable:
     limit: int
     shares: tuple[float, float, float]
+    always: tuple[bool, bool, bool] = (False, False, False)  # reservations kept without waiters
     held: dict[str, int] = field(default_factory=dict)  # ticket -> class
     queues: tuple[deque[_Waiter], deque[_Waiter], deque[_Waiter]] = field(
         default_factory=lambda: (deque(), deque(), deque()))
@@ -51,9 +52,10 @@ class PermitTable:
         """Lease at once if the grant loop would give this class the next permit."""
         self.grant(now)
         inflight, queued = list(self.inflight()), self.queued()
-        if not eligible(cls, self.limit, inflight, queued, self.shares):
+        if not eligible(cls, self.limit, inflight, queued, self.shares, self.always):
             return False
-        if any(queued[k] and eligible(k, self.limit, inflight, queued, self.shares) for k in CLASSES if k <= cls):
+        if any(queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always)
+               for k in CLASSES if k <= cls):
             return False
         self.held[ticket] = cls
         return True
@@ -84,7 +86,7 @@ class PermitTable:
         while sum(self.inflight()) < self.limit:
             inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
-                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares):
+                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always):
                     w = self.queues[k].popleft()
                     if w.deadline >= now:
                         self.held[w.ticket] = k

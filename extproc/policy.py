@@ -23,12 +23,13 @@ def reservations(limit: int, shares: Sequence[float]) -> list[int]:
 
 
 def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int],
-             shares: Sequence[float]) -> bool:
+             shares: Sequence[float], always: Sequence[bool] = (False, False, False)) -> bool:
     """May class `cls` take a free permit now? (Netflix partitions, never above the limit.)
 
     Below the limit any class may use spare capacity; under contention a class inside its own
     reservation always may, and any other class only if what stays free still covers the
-    unused reservations of the other classes that have requests waiting.
+    unused reservations of the other classes that have requests waiting — or, for a class
+    whose reservation is kept `always`, whether or not it has waiters (headroom for P0).
     """
     free = limit - sum(inflight)
     if free < 1:
@@ -36,7 +37,8 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
     res = reservations(limit, shares)
     if inflight[cls] < res[cls]:
         return True
-    others_unused = sum(max(0, res[k] - inflight[k]) for k in CLASSES if k != cls and queued[k] > 0)
+    others_unused = sum(max(0, res[k] - inflight[k]) for k in CLASSES
+                        if k != cls and (queued[k] > 0 or always[k]))
     return free - 1 >= others_unused
 
 

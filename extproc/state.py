@@ -86,13 +86,16 @@ class PoolState:
     """The shared state of one pool. Every call is one atomic script run."""
 
     def __init__(self, client: aioredis.Redis, pool: str, *, lease_ttl_s: float,
-                 initial_limit: int, shares: tuple[float, float, float], picking: bool = False) -> None:
+                 initial_limit: int, shares: tuple[float, float, float], picking: bool = False,
+                 always: tuple[bool, bool, bool] = (False, False, False)) -> None:
         self.client = client
         self.pool = pool
         self.keys = pool_keys(pool)
         self._script = client.register_script(_LUA)
         self._common = [str(int(lease_ttl_s * 1000)), str(initial_limit),
-                        *(repr(s) for s in shares), pool, "1" if picking else "0"]
+                        # a reservation kept `always` travels as a negative share (leases.lua)
+                        *(repr(-s if a else s) for s, a in zip(shares, always, strict=True)),
+                        pool, "1" if picking else "0"]
 
     async def _run(self, op: str, *args: Any) -> Any:
         return await self._script(keys=self.keys, args=[op, *self._common, *args])

@@ -120,3 +120,11 @@ def test_timeout_reject() -> None:
     r = timeout_reject(1, snap(queued=(0, 3, 0), rate=1.0), CLASSES, ADM, 0.0)
     assert r.reason == "queue_timeout" and r.retry_after_s == 4
     assert timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s == 15
+
+
+def test_reservation_kept_always_even_without_waiters() -> None:
+    # P0 keeps its 5 permits free although nothing waits: P1 may not take the 5th free one
+    assert eligible(1, 10, [0, 5, 0], [0, 0, 0], SHARES)  # when_waiting: spare capacity is shared
+    assert not eligible(1, 10, [0, 5, 0], [0, 0, 0], SHARES, (True, False, False))
+    assert eligible(1, 10, [0, 4, 0], [0, 0, 0], SHARES, (True, False, False))  # 6 free, 5 kept
+    assert eligible(0, 10, [0, 9, 0], [0, 0, 0], SHARES, (True, False, False))  # P0 itself may
