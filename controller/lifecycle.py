@@ -115,16 +115,61 @@ class WarmPoolConfig(BaseModel):
     warm_min_age_s: float = Field(
         default=120.0, ge=0, description="A warm replica above target is kept at least this long (anti-churn)."
     )
+    burst_window_s: float = Field(
+        default=300.0, gt=0, description="A burst is a rise of the desired count within this window."
+    )
+    burst_min_ratio: float = Field(
+        default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the window's lowest desired count."
+    )
+    burst_memory_s: float = Field(
+        default=5400.0, ge=0, description="How long the largest recent burst sizes the pool (0: off). Used by the backtest; the live controller does not feed it yet."
+    )
+    burst_memory_fraction: float = Field(
+        default=0.5, ge=0, description="Pool target ≥ floor(this × the largest burst remembered)."
+    )
 
 
-def warm_pool_target(desired_active: int, forecast_replicas: int | None, cfg: WarmPoolConfig) -> int:
+@dataclass(frozen=True, slots=True)
+class BurstMemory:
+    """Recent desired counts and burst sizes, as monotonic queues of (time, value): `lows`
+    holds the candidates for the window's minimum (values increasing), `bursts` the candidates
+    for the largest burst within the memory (values decreasing)."""
+
+    lows: tuple[tuple[float, int], ...] = ()
+    bursts: tuple[tuple[float, int], ...] = ()
+
+    def largest(self) -> int:
+        return self.bursts[0][1] if self.bursts else 0
+
+
+def observe_burst(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPoolConfig) -> BurstMemory:
+    """Record this tick's desired count. A burst is the rise of the desired count above its
+    lowest value within `burst_window_s`, when that rise exceeds `burst_min_ratio` × the low;
+    bursts are remembered for `burst_memory_s`."""
+    lows = [(t, d) for t, d in mem.lows if now - t <= cfg.burst_window_s and d < desired_active]
+    lows.append((now, desired_active))
+    low = lows[0][1]
+    bursts = [(t, b) for t, b in mem.bursts if now - t <= cfg.burst_memory_s]
+    rise = desired_active - low
+    if cfg.burst_memory_s > 0 and rise > 0 and rise > cfg.burst_min_ratio * low:
+        while bursts and bursts[-1][1] <= rise:
+            bursts.pop()
+        bursts.append((now, rise))
+    return BurstMemory(tuple(lows), tuple(bursts))
+
+
+def warm_pool_target(
+    desired_active: int, forecast_replicas: int | None, cfg: WarmPoolConfig, largest_burst: int = 0
+) -> int:
     """Pool size that follows the forecast: a burst reserve proportional to the expected size,
     plus the forecast rise above the current desired count (so pre-scaling wakes instead of
-    cold-starting)."""
+    cold-starting); at least `burst_memory_fraction` of the largest recent burst
+    (`BurstMemory.largest()`), so a burst that repeats is answered by wakes."""
     if not cfg.enabled:
         return 0
     f = forecast_replicas or 0
     target = math.ceil(cfg.burst_fraction * max(desired_active, f) - 1e-9) + max(0, f - desired_active)
+    target = max(target, int(cfg.burst_memory_fraction * largest_burst + 1e-9))
     return min(max(target, cfg.min_size), cfg.max_size)
 
 

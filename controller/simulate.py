@@ -41,9 +41,11 @@ import numpy as np
 from controller import forecast as fc
 from controller.lifecycle import (
     ActionKind,
+    BurstMemory,
     Event,
     WarmPoolConfig,
     apply_event,
+    observe_burst,
     plan_pool,
     warm_pool_target,
 )
@@ -324,6 +326,7 @@ class FloodgateController:
     _minute: int | None = None
     _floor: int | None = None
     _pool_f: int | None = None
+    bursts: BurstMemory = field(default_factory=BurstMemory)
     reasons: dict[str, int] = field(default_factory=dict)
     forecast_engaged_ticks: int = 0
     ticks: int = 0
@@ -352,7 +355,8 @@ class FloodgateController:
         self.ticks += 1
         if self._floor is not None:
             self.forecast_engaged_ticks += 1
-        return plan.desired, warm_pool_target(plan.desired, self._pool_f, self.pool)
+        self.bursts = observe_burst(self.bursts, now, plan.desired, self.pool)
+        return plan.desired, warm_pool_target(plan.desired, self._pool_f, self.pool, self.bursts.largest())
 
 
 @dataclass

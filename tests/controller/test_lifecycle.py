@@ -7,10 +7,12 @@ import pytest
 from controller.lifecycle import (
     Action,
     ActionKind,
+    BurstMemory,
     Event,
     InvalidTransition,
     WarmPoolConfig,
     apply_event,
+    observe_burst,
     plan_pool,
     transition,
     warm_pool_target,
@@ -119,6 +121,53 @@ def test_warm_pool_target_follows_forecast() -> None:
     assert warm_pool_target(0, None, cfg) == 1  # min_size
     assert warm_pool_target(100, None, cfg) == 10  # max_size
     assert warm_pool_target(8, 12, cfg.model_copy(update={"enabled": False})) == 0
+
+
+def test_warm_pool_target_covers_half_the_largest_recent_burst() -> None:
+    cfg = WarmPoolConfig(burst_fraction=0.25, max_size=16, burst_memory_fraction=0.5)
+    assert warm_pool_target(8, None, cfg, largest_burst=12) == 6  # above the 2-replica reserve
+    assert warm_pool_target(8, None, cfg, largest_burst=2) == 2  # reserve wins
+    assert warm_pool_target(8, None, cfg, largest_burst=50) == 16  # max_size
+    assert warm_pool_target(8, None, cfg.model_copy(update={"enabled": False}), largest_burst=12) == 0
+
+
+def _feed(cfg: WarmPoolConfig, series: list[tuple[float, int]]) -> BurstMemory:
+    mem = BurstMemory()
+    for t, d in series:
+        mem = observe_burst(mem, t, d, cfg)
+    return mem
+
+
+def test_burst_memory_records_rises_above_the_window_low() -> None:
+    cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
+    # 10 → 30 within a minute: a burst of 20 (more than the low of 10).
+    mem = _feed(cfg, [(0, 10), (30, 10), (60, 30), (90, 30)])
+    assert mem.largest() == 20
+    # Remembered while the demand falls back, and for burst_memory_s after the rise ...
+    mem = _feed(cfg, [(0, 10), (60, 30), (600, 10), (3600, 10)])
+    assert mem.largest() == 20
+    # ... then forgotten.
+    mem = observe_burst(mem, 3661, 10, cfg)
+    assert mem.largest() == 0
+    # A later, smaller burst does not hide the larger one; a larger one replaces it.
+    mem = _feed(cfg, [(0, 10), (60, 30), (900, 5), (960, 12), (1800, 10), (1860, 40)])
+    assert mem.largest() == 30
+    assert mem.bursts == ((1860, 30),)
+
+
+def test_burst_memory_ignores_slow_or_small_rises() -> None:
+    cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
+    # 10 → 15: below the ratio.
+    assert _feed(cfg, [(0, 10), (60, 15)]).largest() == 0
+    # 10 → 30 spread over 20 minutes: never more than ×2 within the 5-minute window.
+    ramp = [(60.0 * i, 10 + i) for i in range(21)]
+    assert _feed(cfg, ramp).largest() == 0
+    # Off.
+    off = cfg.model_copy(update={"burst_memory_s": 0})
+    assert _feed(off, [(0, 10), (60, 30)]).largest() == 0
+    # The window's low only keeps increasing candidates (bounded state).
+    mem = _feed(cfg, [(float(t), 10) for t in range(0, 200, 2)])
+    assert len(mem.lows) == 1
 
 
 # --- planner ----------------------------------------------------------------------------------
