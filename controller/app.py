@@ -42,7 +42,15 @@ from controller import forecast as fc
 from controller.actuators.base import Actuator, ReplicaHandle
 from controller.config import ControllerConfig, PoolConfig
 from controller.leader import LeaderLease
-from controller.lifecycle import ActionKind, Event, apply_event, plan_pool, warm_pool_target
+from controller.lifecycle import (
+    ActionKind,
+    BurstMemory,
+    Event,
+    apply_event,
+    observe_burst,
+    plan_pool,
+    warm_pool_target,
+)
 from controller.metrics import ControllerMetrics
 from controller.policy import PolicyState, ScalePlan, decide
 from controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
@@ -127,6 +135,7 @@ class PoolController:
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
         self.policy_state = PolicyState()
+        self.bursts = BurstMemory()  # recent bursts size the warm pool (lifecycle.observe_burst)
         self.next_seq = 0
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         self.history = fc.DemandHistory.empty(retention, fc.minute_of(clock()))
@@ -264,7 +273,8 @@ class PoolController:
         await self._record_demand(now, plan)
 
         wcfg = self.cfg.warm_pool
-        target = warm_pool_target(plan.desired, floor, wcfg)
+        self.bursts = observe_burst(self.bursts, now, plan.desired, wcfg)
+        target = warm_pool_target(plan.desired, floor, wcfg, self.bursts.largest())
         pp = plan_pool(plan.desired, views, target, now, wcfg, self.next_seq, self.prefix)
         if pp.next_seq != self.next_seq:
             self.next_seq = pp.next_seq

@@ -122,7 +122,7 @@ class WarmPoolConfig(BaseModel):
         default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the window's lowest desired count."
     )
     burst_memory_s: float = Field(
-        default=5400.0, ge=0, description="How long the largest recent burst sizes the pool (0: off). Used by the backtest; the live controller does not feed it yet."
+        default=5400.0, ge=0, description="How long the largest recent burst sizes the pool (0: off)."
     )
     burst_memory_fraction: float = Field(
         default=0.5, ge=0, description="Pool target ≥ floor(this × the largest burst remembered)."
