@@ -190,6 +190,11 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM takes the same path as Ctrl-C, so one cleanup stops every child."""
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
@@ -205,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         config = yaml.safe_load(args.config.read_text()) or {}
     # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child; SIGINT too,
     # explicitly, because a shell starting us in the background hands SIGINT down ignored.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with Supervisor() as sup:
         stack = LocalStack(sup)
