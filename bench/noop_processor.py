@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +19,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from floodgate.runtime import run_until_signalled
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -67,21 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     args = parser.parse_args(argv)
-    if not args.no_uvloop:
-        # The real processor installs uvloop too; keep the loops equal for a fair ceiling.
-        with contextlib.suppress(ImportError):
-            import uvloop
-            uvloop.install()
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await serve(args.host, args.port, stop)
-
-    asyncio.run(run())
+    # The real processor runs on uvloop too; keep the loops equal for a fair ceiling.
+    run_until_signalled(lambda stop: serve(args.host, args.port, stop), use_uvloop=not args.no_uvloop)
     return 0
 
 

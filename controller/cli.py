@@ -43,7 +43,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _run_live(args: argparse.Namespace) -> int:
     import asyncio
     import logging
-    import signal
 
     from controller.config import ConfigError, load_config
 
@@ -61,7 +60,7 @@ def _run_live(args: argparse.Namespace) -> int:
     dl.addHandler(h)
     dl.propagate = False
 
-    async def main() -> int:
+    async def main(stop: asyncio.Event) -> int:
         from controller.app import Controller
 
         try:
@@ -69,10 +68,6 @@ def _run_live(args: argparse.Namespace) -> int:
         except (ImportError, ValueError) as exc:
             print(f"floodgate controller: {exc}", file=sys.stderr)
             return 2
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
             await ctl.run(stop)
         finally:
@@ -83,7 +78,9 @@ def _run_live(args: argparse.Namespace) -> int:
                         await stop_all()
         return 0
 
-    return asyncio.run(main())
+    from floodgate.runtime import run_until_signalled
+
+    return run_until_signalled(main, use_uvloop=False)
 
 
 def _add_simulate(sub: Any) -> None:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import signal
 import sys
 
 from extproc.config import ConfigError, load_config
@@ -51,20 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(cfg.model_dump_json(indent=2))
         return 0
     from extproc.app import serve
+    from floodgate.runtime import run_until_signalled
 
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        pass
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, stop)
-
-    asyncio.run(main())
+    run_until_signalled(lambda stop: serve(cfg, stop))
     return 0

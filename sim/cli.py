@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import signal
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sim.engine import EngineConfig
@@ -127,30 +123,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def _run_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    try:
-        import uvloop
-    except ImportError:  # optional: plain asyncio works, just slower
-        asyncio.run(main())
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main())
-
-
 def run(args: argparse.Namespace) -> int:
+    from floodgate.runtime import run_until_signalled
     from sim.emulator import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await serve(config, args.host, args.port, stop)
-
-    _run_loop(main)
+    run_until_signalled(lambda stop: serve(config, args.host, args.port, stop))
     return 0
