@@ -13,8 +13,8 @@ import importlib
 
 # Sub-benchmark name -> module, in --help order.
 BENCHMARKS: dict[str, str] = {
-    "overhead": "bench.overhead",
-    "overload": "bench.overload",
+    "overhead": "floodgate.bench.overhead",
+    "overload": "floodgate.bench.overload",
 }
 
 HELP = """\

@@ -5,7 +5,7 @@ kind (headers -> HeadersResponse, body -> BodyResponse, trailers -> TrailersResp
 pays exactly the gRPC round trips of the shipped filter config and nothing else. It serves the
 standard gRPC health service too, because the shipped processor cluster health-checks it.
 
-    python -m bench.noop_processor --port 50051
+    python -m floodgate.bench.noop_processor --port 50051
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def start_targets(stack: LocalStack, configs: Sequence[str]) -> list[Target]:
             targets.append(Target(name, env))
         elif name == "noop":
             port = free_port()
-            child = sup.start_python("noop-processor", ["-m", "bench.noop_processor", "--port", str(port)])
+            child = sup.start_python("noop-processor", ["-m", "floodgate.bench.noop_processor", "--port", str(port)])
             wait_for_port("127.0.0.1", port, 20, child.proc)
             proc = Processor(child, port, 0, Path("/dev/null"))
             env = stack.start_envoy(upstreams, processors=[proc], name="envoy-noop")

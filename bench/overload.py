@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from extproc.config import PoolConfig
+from floodgate.extproc.config import PoolConfig
 
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
 
@@ -93,12 +93,12 @@ class Workload:
     phases: tuple[Phase, ...] = DEFAULT_PHASES
 
     def engine_config(self) -> Any:
-        from sim.engine import EngineConfig
+        from floodgate.sim.engine import EngineConfig
 
         return EngineConfig(max_num_seqs=self.max_num_seqs).scaled(self.time_scale)
 
     def mix(self) -> Any:
-        from sim.arrivals import LengthDist, Mix
+        from floodgate.sim.arrivals import LengthDist, Mix
 
         return Mix(priority_shares=self.priority_shares,
                    tenants=(("tenant-a", 0.5), ("tenant-b", 0.5)),
@@ -114,7 +114,7 @@ class Workload:
 
 
 def build_plan(w: Workload, capacity_rps: float) -> list[Any]:
-    from sim.arrivals import step_profile, synthetic_plan
+    from floodgate.sim.arrivals import step_profile, synthetic_plan
 
     profile = step_profile([(p.duration_s, p.load * capacity_rps) for p in w.phases])
     return list(synthetic_plan(profile, w.mix(), seed=w.seed))
@@ -137,9 +137,8 @@ def simulate_pool(w: Workload, rate: float, duration: float, slo_ttft: float, sl
     virtual clock: what the real pool would serve if the client, Envoy and the emulators' event
     loops cost nothing. Statistics over arrivals after a 30 % warm-up."""
     import numpy as np
-
-    from sim.arrivals import constant_profile, synthetic_plan
-    from sim.engine import Engine
+    from floodgate.sim.arrivals import constant_profile, synthetic_plan
+    from floodgate.sim.engine import Engine
 
     plan = synthetic_plan(constant_profile(rate, duration), w.mix(), seed=w.seed + 1000)
     engines = [Engine(w.engine_config()) for _ in range(w.replicas)]
@@ -236,7 +235,7 @@ def parse_config(name: str) -> BenchConfig:
     if kind == "vegas" and arg in ("ttft", "tpot", "combined"):
         return BenchConfig(name, "vegas", signal=arg)
     if name == "vegas":
-        from extproc.config import LimitConfig
+        from floodgate.extproc.config import LimitConfig
 
         sig = LimitConfig().signal
         return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
@@ -361,9 +360,10 @@ class RunOutput:
 def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s: float,
                progress: bool, classes: dict[int, dict[str, Any]] | None = None,
                workdir: Path | None = None) -> RunOutput:
+    from floodgate.sim.loadgen import run_load_detailed
+
     from floodgate.stack import LocalStack
     from floodgate.supervisor import Supervisor, free_port
-    from sim.loadgen import run_load_detailed
 
     kwargs: dict[str, Any] = {"workdir": workdir} if workdir else {}
     with Supervisor(**kwargs) as sup:
@@ -450,9 +450,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
     import numpy as np
-
-    from sim.loadgen import REJECTED
-    from sim.report import percentile, summarize
+    from floodgate.sim.loadgen import REJECTED
+    from floodgate.sim.report import percentile, summarize
 
     recs = out.result.records
     win = w.windows()
@@ -572,8 +571,7 @@ def plot_timeline(runs: Sequence[RunOutput], w: Workload, slo: Any, path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from sim.loadgen import OK
+    from floodgate.sim.loadgen import OK
 
     end = sum(p.duration_s for p in w.phases)
     bin_s = max(1.0, end / 60)
@@ -621,7 +619,7 @@ def plot_timeline(runs: Sequence[RunOutput], w: Workload, slo: Any, path: Path) 
 
 
 def write_raw(out_dir: Path, run: RunOutput, slo: Any) -> Path:
-    from sim.report import result_to_json
+    from floodgate.sim.report import result_to_json
 
     path = out_dir / f"{run.config.name}.json.gz"
     data = result_to_json(run.result, slo)
@@ -738,8 +736,8 @@ def calibrate(w: Workload, capacity: float, slo: Any, *, timeout_s: float, step_
               progress: bool) -> dict[str, Any]:
     """Best steady goodput measured on the real pool: constant steps, no admission control.
     Each step's first quarter is left out (the pool settles)."""
-    from sim.arrivals import step_profile, synthetic_plan
-    from sim.report import summarize
+    from floodgate.sim.arrivals import step_profile, synthetic_plan
+    from floodgate.sim.report import summarize
 
     loads = (0.6, 0.8, 0.9, 1.0, 1.1)
     profile = step_profile([(step_s, f * capacity) for f in loads])
@@ -797,7 +795,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_raw(out_dir: Path, report: dict[str, Any]) -> list[RunOutput]:
     """The runs of an earlier invocation, from its raw JSON (for --from-raw)."""
-    from sim.loadgen import LoadResult, Record, Sample
+    from floodgate.sim.loadgen import LoadResult, Record, Sample
 
     runs = []
     for row in report["rows"]:
@@ -812,7 +810,7 @@ def _load_raw(out_dir: Path, report: dict[str, Any]) -> list[RunOutput]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.report import SLO
+    from floodgate.sim.report import SLO
 
     slo = SLO(args.slo_ttft, args.slo_tpot)
     started = time.monotonic()

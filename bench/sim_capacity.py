@@ -9,8 +9,8 @@ clients observe with what the engine model says:
   means the event loop is the bottleneck, not the emulated GPU.
 * `sim_cpu` = share of one core the emulator used (from /proc), the headroom left.
 
-Run: .venv/bin/python -m bench.sim_capacity --levels 100 300 500
-     .venv/bin/python -m bench.sim_capacity --levels 500 --time-scale 0.2   # stress the process
+Run: .venv/bin/python -m floodgate.bench.sim_capacity --levels 100 300 500
+     .venv/bin/python -m floodgate.bench.sim_capacity --levels 500 --time-scale 0.2   # stress the process
 """
 
 from __future__ import annotations

@@ -36,13 +36,11 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from controller import forecast as fc
-from controller.actuators.base import Actuator, ReplicaHandle
-from controller.config import ControllerConfig, PoolConfig
-from controller.leader import LeaderLease
-from controller.lifecycle import (
+from floodgate.controller import forecast as fc
+from floodgate.controller.actuators.base import Actuator, ReplicaHandle
+from floodgate.controller.config import ControllerConfig, PoolConfig
+from floodgate.controller.leader import LeaderLease
+from floodgate.controller.lifecycle import (
     ActionKind,
     BurstMemory,
     Event,
@@ -51,13 +49,14 @@ from controller.lifecycle import (
     plan_pool,
     warm_pool_target,
 )
-from controller.metrics import ControllerMetrics
-from controller.policy import PolicyState, ScalePlan, decide
-from controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
-from controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
-from controller.vllm import VllmClient, VllmSample
-from extproc.registry import Endpoint, Registry
-from extproc.state import redis_client
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import PolicyState, ScalePlan, decide
+from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
+from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
+from floodgate.controller.vllm import VllmClient, VllmSample
+from floodgate.extproc.registry import Endpoint, Registry
+from floodgate.extproc.state import redis_client
+from redis.exceptions import RedisError
 
 S = ReplicaState
 log = logging.getLogger("floodgate.controller")
@@ -521,16 +520,19 @@ class PoolController:
 def build_actuator(cfg: PoolConfig, *, supervisor: Any = None) -> Actuator:
     a = cfg.actuator
     if a.kind == "process":
-        from controller.actuators.process import ProcessActuator, sim_command
+        from floodgate.controller.actuators.process import ProcessActuator, sim_command
 
         state_dir = Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{cfg.name}"
         return ProcessActuator(a.command or sim_command(), state_dir, supervisor=supervisor, env=a.env)
     if a.kind == "static":
-        from controller.actuators.static import StaticActuator
+        from floodgate.controller.actuators.static import StaticActuator
 
         assert a.endpoints is not None
         return StaticActuator(a.endpoints)
-    from controller.actuators.kubernetes import KubernetesActuator, KubernetesActuatorConfig
+    from floodgate.controller.actuators.kubernetes import (
+        KubernetesActuator,
+        KubernetesActuatorConfig,
+    )
 
     return KubernetesActuator(KubernetesActuatorConfig(**a.options))
 

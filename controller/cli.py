@@ -44,7 +44,7 @@ def _run_live(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from controller.config import ConfigError, load_config
+    from floodgate.controller.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -61,7 +61,7 @@ def _run_live(args: argparse.Namespace) -> int:
     dl.propagate = False
 
     async def main(stop: asyncio.Event) -> int:
-        from controller.app import Controller
+        from floodgate.controller.app import Controller
 
         try:
             ctl = Controller(cfg)
@@ -84,7 +84,7 @@ def _run_live(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: Any) -> None:
-    from controller.simulate import POLICY_NAMES
+    from floodgate.controller.simulate import POLICY_NAMES
 
     p = sub.add_parser(
         "simulate",
@@ -124,11 +124,10 @@ def _add_simulate(sub: Any) -> None:
 
 def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
     import yaml
+    from floodgate.controller.forecast import ForecastConfig
+    from floodgate.controller.lifecycle import WarmPoolConfig
+    from floodgate.controller.policy import PolicyConfig
     from pydantic import ValidationError
-
-    from controller.forecast import ForecastConfig
-    from controller.lifecycle import WarmPoolConfig
-    from controller.policy import PolicyConfig
 
     raw: dict[str, Any] = {}
     if path is not None:
@@ -154,7 +153,7 @@ def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
 def _simulate(args: argparse.Namespace) -> int:
     import time
 
-    from controller import simulate as sm
+    from floodgate.controller import simulate as sm
 
     try:
         policy, forecast, pool = _load_overrides(args.config)

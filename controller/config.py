@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.lifecycle import WarmPoolConfig
+from floodgate.controller.policy import PolicyConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.forecast import ForecastConfig
-from controller.lifecycle import WarmPoolConfig
-from controller.policy import PolicyConfig
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
 __all__ = ["ConfigError", "ControllerConfig", "load_config", "parse_config"]

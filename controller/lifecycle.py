@@ -25,9 +25,8 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from floodgate.controller.signals import ReplicaState, ReplicaView
 from pydantic import BaseModel, ConfigDict, Field
-
-from controller.signals import ReplicaState, ReplicaView
 
 S = ReplicaState
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from floodgate.controller.signals import ReplicaState
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -11,8 +12,6 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-
-from controller.signals import ReplicaState
 
 
 class ControllerMetrics:

@@ -35,9 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from floodgate.controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
 
 # Reason strings (decision log and the `reason` label of scale-event metrics).
 REASON_QUEUE = "queue_pressure"

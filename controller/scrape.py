@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import redis.asyncio as aioredis
+from floodgate.controller.signals import QueueSignal
+from floodgate.controller.vllm import VllmClient, VllmSample
+from floodgate.extproc.state import read_pool_status
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
-
-from controller.signals import QueueSignal
-from controller.vllm import VllmClient, VllmSample
-from extproc.state import read_pool_status
 
 
 @dataclass(frozen=True, slots=True)

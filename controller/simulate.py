@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-
-from controller import forecast as fc
-from controller.lifecycle import (
+from floodgate.controller import forecast as fc
+from floodgate.controller.lifecycle import (
     ActionKind,
     BurstMemory,
     Event,
@@ -49,8 +48,8 @@ from controller.lifecycle import (
     plan_pool,
     warm_pool_target,
 )
-from controller.policy import PolicyConfig, PolicyState, decide
-from controller.signals import (
+from floodgate.controller.policy import PolicyConfig, PolicyState, decide
+from floodgate.controller.signals import (
     INCOMING_STATES,
     PoolSignals,
     QueueSignal,

@@ -11,9 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
+from floodgate.controller.signals import ReplicaMetrics
 from prometheus_client.parser import text_string_to_metric_families
-
-from controller.signals import ReplicaMetrics
 
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"

@@ -22,14 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from floodgate.extproc.config import Config, PoolConfig
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.policy import (
+    Enqueue,
+    Reject,
+    Snapshot,
+    queue_decision,
+    retry_after,
+    timeout_reject,
+)
+from floodgate.extproc.state import PoolState, PoolStatus, gateway_channel
+from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit
 from redis.exceptions import RedisError
-
-from extproc.config import Config, PoolConfig
-from extproc.metrics import Metrics
-from extproc.permits import PermitTable
-from extproc.policy import Enqueue, Reject, Snapshot, queue_decision, retry_after, timeout_reject
-from extproc.state import PoolState, PoolStatus, gateway_channel
-from extproc.vegas import Sample, SampleWindow, VegasLimit
 
 log = logging.getLogger("floodgate.admission")
 

@@ -8,14 +8,13 @@ import logging
 import grpc
 import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from floodgate.extproc.admission import Admitter
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.server import Processor
+from floodgate.extproc.state import redis_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
-
-from extproc.admission import Admitter
-from extproc.config import Config
-from extproc.metrics import Metrics
-from extproc.server import Processor
-from extproc.state import redis_client
 
 log = logging.getLogger("floodgate.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"

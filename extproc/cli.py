@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from extproc.config import ConfigError, load_config
+from floodgate.extproc.config import ConfigError, load_config
 
 HELP = """\
 Run the Envoy external processor that admits, queues (P0 > P1 > P2) or rejects (429 with
@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.check_config:
         print(cfg.model_dump_json(indent=2))
         return 0
-    from extproc.app import serve
+    from floodgate.extproc.app import serve
+
     from floodgate.runtime import run_until_signalled
 
     run_until_signalled(lambda stop: serve(cfg, stop))

@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from extproc.policy import CLASSES, Snapshot, eligible
+from floodgate.extproc.policy import CLASSES, Snapshot, eligible
 
 
 @dataclass

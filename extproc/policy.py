@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.config import AdmissionConfig, ClassConfig
+from floodgate.extproc.config import AdmissionConfig, ClassConfig
 
 CLASSES = (0, 1, 2)
 

@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass
 from functools import cached_property
 
-from extproc.config import AdmissionConfig
+from floodgate.extproc.config import AdmissionConfig
 
 _NAMES = {"critical": 0, "standard": 1, "sheddable": 2, "p0": 0, "p1": 1, "p2": 2}
 MAX_HEADER_LEN = 64  # longer values are garbage, not a priority

@@ -23,11 +23,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-
-from extproc.admission import PRIORITY_LABELS, Admitter, Permit
-from extproc.config import Config
-from extproc.policy import Reject
-from extproc.priority import Caller, PriorityResolver, source_ip_of
+from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
+from floodgate.extproc.config import Config
+from floodgate.extproc.policy import Reject
+from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
 log = logging.getLogger("floodgate.server")
 

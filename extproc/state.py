@@ -13,10 +13,9 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from floodgate.extproc.vegas import VegasState
 
-from extproc.vegas import VegasState
-
-_LUA = resources.files("extproc").joinpath("leases.lua").read_text()
+_LUA = resources.files("floodgate.extproc").joinpath("leases.lua").read_text()
 _KEY_NAMES = ("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws", "active", "epinf", "lep",
               "creditors")
 

@@ -16,12 +16,12 @@ from floodgate import __version__
 
 # (module, description) per subcommand, in --help order.
 _COMPONENTS: tuple[str, ...] = (
-    "extproc.cli",
-    "controller.cli",
-    "sim.cli",
-    "sim.load_cli",
+    "floodgate.extproc.cli",
+    "floodgate.controller.cli",
+    "floodgate.sim.cli",
+    "floodgate.sim.load_cli",
     "floodgate.up",
-    "bench.cli",
+    "floodgate.bench.cli",
 )
 
 

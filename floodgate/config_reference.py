@@ -91,8 +91,8 @@ def section(title: str, intro: str, root: type[BaseModel]) -> str:
 
 
 def render() -> str:
-    from controller.config import ControllerConfig
-    from extproc.config import ENV_OVERRIDES, Config
+    from floodgate.controller.config import ControllerConfig
+    from floodgate.extproc.config import ENV_OVERRIDES, Config
 
     env = ", ".join(f"`{k}` (`{'.'.join(v)}`)" for k, v in ENV_OVERRIDES.items())
     parts = [

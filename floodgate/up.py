@@ -158,9 +158,9 @@ async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float) -> No
 
 
 async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status: StatusLine) -> int:
-    from sim.arrivals import LengthDist, Mix, burst_profile, synthetic_plan
-    from sim.loadgen import run_load_detailed
-    from sim.report import SLO, summarize, write_report
+    from floodgate.sim.arrivals import LengthDist, Mix, burst_profile, synthetic_plan
+    from floodgate.sim.loadgen import run_load_detailed
+    from floodgate.sim.report import SLO, summarize, write_report
 
     rate = args.demo_rate or 0.7 * PER_REPLICA_RPS * args.replicas
     d = args.demo_duration
@@ -172,7 +172,7 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
     stop = asyncio.Event()
     ticker = asyncio.create_task(_status_loop(status, stop, time.monotonic()))
     try:
-        from sim.emulator import EmulatorConfig
+        from floodgate.sim.emulator import EmulatorConfig
 
         # The replicas come and go behind endpoint picking: name their model instead of asking.
         result = await run_load_detailed(plan, target, model=EmulatorConfig().model, metrics_url=metrics_url,
@@ -198,7 +198,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from extproc.config import ConfigError, load_config
+    from floodgate.extproc.config import ConfigError, load_config
 
     config: dict[str, Any] = DEMO_CONFIG
     if args.config:
@@ -265,7 +265,7 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
                       replica_dir: Path, pool: str = "default") -> dict[str, Any]:
     """The controller config `floodgate up` runs: process actuator with emulated replicas,
     windows shortened so a 45 s demo shows a scale-out and the start of a scale-down."""
-    from controller.actuators.process import sim_command
+    from floodgate.controller.actuators.process import sim_command
 
     sim = sim_command("--cold-start", str(args.sim_cold_start), "--wake-delay-level1", "1.0",
                       "--log-level", "warning")
@@ -290,8 +290,8 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
 
 def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) -> list[str]:
     """Block until the controller has `n` active endpoints in the registry."""
-    from extproc.registry import Registry
-    from extproc.state import redis_client
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
 
     async def active() -> list[str]:
         c = redis_client(redis_url, op_timeout_s=2)

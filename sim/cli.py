@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from sim.engine import EngineConfig
+from floodgate.sim.engine import EngineConfig
 
 _D = EngineConfig()
 
@@ -99,7 +99,7 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from sim.emulator import EmulatorConfig
+    from floodgate.sim.emulator import EmulatorConfig
 
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs,
@@ -124,8 +124,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from floodgate.sim.emulator import serve
+
     from floodgate.runtime import run_until_signalled
-    from sim.emulator import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,10 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
-from sim.engine import (
+from floodgate.sim.engine import (
     Engine,
     EngineConfig,
     EngineNotAwake,
@@ -36,6 +33,8 @@ from sim.engine import (
     SleepState,
     TokenEvent,
 )
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("floodgate.sim")
 

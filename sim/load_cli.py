@@ -9,7 +9,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sim.arrivals import (
+from floodgate.sim.arrivals import (
     DEFAULT_TRACE,
     LengthDist,
     Mix,
@@ -242,8 +242,8 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sim.loadgen import run_load_detailed
-    from sim.report import SLO, render_markdown, summarize, summarize_window, write_report
+    from floodgate.sim.loadgen import run_load_detailed
+    from floodgate.sim.report import SLO, render_markdown, summarize, summarize_window, write_report
 
     plan, windows = build_plan(args)
     if args.dry_run:

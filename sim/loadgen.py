@@ -23,9 +23,8 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import aiohttp
+from floodgate.sim.arrivals import PlannedRequest
 from prometheus_client.parser import text_string_to_metric_families
-
-from sim.arrivals import PlannedRequest
 
 DEFAULT_TARGET = "http://127.0.0.1:10000"
 DEFAULT_METRICS: tuple[str, ...] = ("floodgate_queue_depth", "floodgate_limit", "floodgate_inflight")

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
+from floodgate.sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
 
 PRIORITY_NAMES = {0: "P0 critical", 1: "P1 standard", 2: "P2 sheddable"}
 

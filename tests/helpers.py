@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from floodgate.extproc.state import PoolStatus, read_pool_status, redis_client
 from prometheus_client.parser import text_string_to_metric_families
-
-from extproc.state import PoolStatus, read_pool_status, redis_client
 
 
 @dataclass

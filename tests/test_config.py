@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from extproc.config import ConfigError, load_config
+from floodgate.extproc.config import ConfigError, load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -82,7 +82,7 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
     assert f["allow_mode_override"] is True
     assert "failure_mode_allow" in f  # explicit, documented
     # message_timeout must exceed the longest default queue timeout (P0, 30 s)
-    from extproc.config import load_config
+    from floodgate.extproc.config import load_config
     longest = max(c.queue_timeout_s for c in load_config(None, env={}).pools[0].classes.values())
     assert float(f["message_timeout"].rstrip("s")) > longest
     assert {"source.address", "connection.mtls", "connection.uri_san_peer_certificate"} <= set(f["request_attributes"])

@@ -8,9 +8,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.state import PoolState, redis_client
 
-from extproc.registry import Registry
-from extproc.state import PoolState, redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT

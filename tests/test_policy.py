@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from extproc.config import AdmissionConfig, ClassConfig
-from extproc.policy import (
+from floodgate.extproc.config import AdmissionConfig, ClassConfig
+from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from extproc.config import AdmissionConfig, TrustConfig
-from extproc.priority import Caller, PriorityResolver, parse_priority, source_ip_of
+from floodgate.extproc.config import AdmissionConfig, TrustConfig
+from floodgate.extproc.priority import Caller, PriorityResolver, parse_priority, source_ip_of
 
 CFG = AdmissionConfig(
     default_priority=1,

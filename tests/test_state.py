@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.state import PoolState, pool_keys, redis_client
 
-from extproc.permits import PermitTable
-from extproc.state import PoolState, pool_keys, redis_client
 from floodgate.stack import LocalStack
 
 SHARES = (0.5, 0.3, 0.1)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from extproc.vegas import Sample, SampleWindow, VegasLimit, VegasState, log10_root
+from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit, VegasState, log10_root
 
 V = VegasLimit(min_limit=1, max_limit=1000, smoothing=1.0, probe_multiplier=30)
 

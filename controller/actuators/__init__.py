@@ -1,5 +1,5 @@
 """Actuators: how the controller starts, stops and labels replicas (one small interface)."""
 
-from controller.actuators.base import Actuator, ReplicaHandle, Role
+from floodgate.controller.actuators.base import Actuator, ReplicaHandle, Role
 
 __all__ = ["Actuator", "ReplicaHandle", "Role"]

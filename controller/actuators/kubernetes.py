@@ -35,9 +35,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, get_args
 
+from floodgate.controller.actuators.base import ReplicaHandle, Role
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from controller.actuators.base import ReplicaHandle, Role
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.actuators.base import ReplicaHandle, Role
+from floodgate.controller.actuators.base import ReplicaHandle, Role
+
 from floodgate.supervisor import Supervisor, free_port
 
 

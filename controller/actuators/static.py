@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import aiohttp
-
-from controller.actuators.base import ReplicaHandle, Role
-from controller.vllm import VllmClient, VllmError
+from floodgate.controller.actuators.base import ReplicaHandle, Role
+from floodgate.controller.vllm import VllmClient, VllmError
 
 
 class NoFreeEndpoint(RuntimeError):

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from floodgate.bench import overload
 
-from bench import overload
 from floodgate.binaries import envoy_binary
 from floodgate.envoy_config import render_local, write_config
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from controller.signals import PoolSignals, QueueSignal, ReplicaMetrics, ReplicaState, ReplicaView
+from floodgate.controller.signals import (
+    PoolSignals,
+    QueueSignal,
+    ReplicaMetrics,
+    ReplicaState,
+    ReplicaView,
+)
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 TRACE = DATA_DIR / "AzureLLMInferenceTrace_conv.csv"

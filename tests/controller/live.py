@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from floodgate.controller.actuators.process import ProcessActuator, sim_command
+from floodgate.controller.app import Controller
+from floodgate.controller.config import ControllerConfig, parse_config
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.state import redis_client
 
-from controller.actuators.process import ProcessActuator, sim_command
-from controller.app import Controller
-from controller.config import ControllerConfig, parse_config
-from extproc.registry import Registry
-from extproc.state import redis_client
 from floodgate.stack import LocalStack
 
 # Fast emulator timings: sub-second cold start, sleep and wake; few slots so a handful of

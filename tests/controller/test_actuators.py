@@ -9,12 +9,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from floodgate.controller.actuators.base import ReplicaHandle, Role
+from floodgate.controller.actuators.process import ProcessActuator, _pid_alive
+from floodgate.controller.actuators.static import NoFreeEndpoint, StaticActuator
+from floodgate.controller.config import ConfigError, load_config, parse_config
+from floodgate.controller.vllm import VllmClient
 
-from controller.actuators.base import ReplicaHandle, Role
-from controller.actuators.process import ProcessActuator, _pid_alive
-from controller.actuators.static import NoFreeEndpoint, StaticActuator
-from controller.config import ConfigError, load_config, parse_config
-from controller.vllm import VllmClient
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.controller.live import (

@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from floodgate.controller import forecast as fc
 from pydantic import ValidationError
-
-from controller import forecast as fc
 
 DAY = 1440
 CFG = fc.ForecastConfig()

@@ -11,16 +11,16 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from kubernetes_asyncio import client
-from pydantic import ValidationError
-
-from controller.actuators.base import Actuator
-from controller.actuators.kubernetes import (
+from floodgate.controller.actuators.base import Actuator
+from floodgate.controller.actuators.kubernetes import (
     DELETION_COST_ANNOTATION,
     LEDGER_ANNOTATION,
     KubernetesActuator,
     KubernetesActuatorConfig,
 )
+from kubernetes_asyncio import client
+from pydantic import ValidationError
+
 from tests.controller.fake_kube import FakeKube
 
 pytestmark = pytest.mark.timeout(20)

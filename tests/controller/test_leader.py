@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 
 import pytest
+from floodgate.controller.leader import LeaderLease
+from floodgate.extproc.state import redis_client
 
-from controller.leader import LeaderLease
-from extproc.state import redis_client
 from floodgate.stack import LocalStack
 from tests.controller.live import controller_config, process_actuator, running, wait_for
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from controller.lifecycle import (
+from floodgate.controller.lifecycle import (
     Action,
     ActionKind,
     BurstMemory,
@@ -17,7 +16,7 @@ from controller.lifecycle import (
     transition,
     warm_pool_target,
 )
-from controller.signals import ReplicaState, ReplicaView
+from floodgate.controller.signals import ReplicaState, ReplicaView
 
 S = ReplicaState
 E = Event

@@ -6,9 +6,7 @@ import dataclasses
 import itertools
 
 import pytest
-from pydantic import ValidationError
-
-from controller.policy import (
+from floodgate.controller.policy import (
     REASON_BOUNDS,
     REASON_DEMAND,
     REASON_DOWN,
@@ -25,7 +23,8 @@ from controller.policy import (
     ScalePlan,
     decide,
 )
-from controller.signals import PoolSignals, ReplicaView
+from floodgate.controller.signals import PoolSignals, ReplicaView
+from pydantic import ValidationError
 
 from .conftest import FakeClock, signals, views
 

@@ -7,14 +7,14 @@ import sys
 
 import aiohttp
 import pytest
+from floodgate.controller.app import PoolController, Replica
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import REASON_HOLD_STALE, PolicyState
+from floodgate.controller.scrape import parse_envoy, scrape_envoy, scrape_floodgate
+from floodgate.controller.signals import ReplicaState, ReplicaView
+from floodgate.controller.vllm import Histogram, VllmClient, parse_metrics
+from floodgate.extproc.state import redis_client
 
-from controller.app import PoolController, Replica
-from controller.metrics import ControllerMetrics
-from controller.policy import REASON_HOLD_STALE, PolicyState
-from controller.scrape import parse_envoy, scrape_envoy, scrape_floodgate
-from controller.signals import ReplicaState, ReplicaView
-from controller.vllm import Histogram, VllmClient, parse_metrics
-from extproc.state import redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.controller.live import controller_config
@@ -107,7 +107,7 @@ async def test_dead_replica_is_marked_failed_and_policy_holds(stack: LocalStack)
             name = "fixed"
 
             async def list(self) -> list[object]:
-                from controller.actuators.base import ReplicaHandle
+                from floodgate.controller.actuators.base import ReplicaHandle
                 return [ReplicaHandle("r0", ep, True), ReplicaHandle("r1", dead, True)]
 
             async def start(self, replica_id: str) -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from floodgate.controller import simulate as sm
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.lifecycle import WarmPoolConfig
+from floodgate.controller.policy import PolicyConfig
 
-from controller import simulate as sm
-from controller.forecast import ForecastConfig
-from controller.lifecycle import WarmPoolConfig
-from controller.policy import PolicyConfig
 from floodgate.cli import main
 
 from .conftest import trace_or_skip

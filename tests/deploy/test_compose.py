@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import yaml
+from floodgate.controller.config import load_config as load_controller_config
+from floodgate.extproc.config import load_config
 
-from controller.config import load_config as load_controller_config
-from extproc.config import load_config
 from floodgate.binaries import envoy_binary
 from floodgate.envoy_config import COMPOSE_BOOTSTRAP, COMPOSE_HEADER, dump_yaml, render_compose
 from tests.test_envoy_config import validate

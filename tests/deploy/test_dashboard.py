@@ -6,10 +6,9 @@ import json
 import re
 from pathlib import Path
 
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.extproc.metrics import Metrics
 from prometheus_client import CollectorRegistry
-
-from controller.metrics import ControllerMetrics
-from extproc.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "floodgate.json"

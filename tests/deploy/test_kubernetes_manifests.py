@@ -156,7 +156,7 @@ def test_keda_scaledobject_structure_and_target() -> None:
 
 
 def test_desired_replicas_metric_is_exported_by_the_controller() -> None:
-    from controller.metrics import ControllerMetrics
+    from floodgate.controller.metrics import ControllerMetrics
 
     names = {m.name for m in ControllerMetrics().registry.collect()}
     assert "floodgate_desired_replicas" in names
@@ -199,8 +199,8 @@ def test_kustomize_build(kdir: Path) -> None:
 # -- configs and their consistency with the manifests ---------------------------------------
 
 def test_embedded_processor_config_is_valid(tmp_path: Path) -> None:
-    from extproc.app import SERVICE_NAME
-    from extproc.config import load_config
+    from floodgate.extproc.app import SERVICE_NAME
+    from floodgate.extproc.config import load_config
 
     path = tmp_path / "processor.yaml"
     path.write_text(config_data()["processor.yaml"])
@@ -222,8 +222,8 @@ def test_embedded_processor_config_is_valid(tmp_path: Path) -> None:
 
 
 def test_embedded_controller_config_is_valid(tmp_path: Path) -> None:
-    from controller.actuators.kubernetes import KubernetesActuatorConfig
-    from controller.config import load_config
+    from floodgate.controller.actuators.kubernetes import KubernetesActuatorConfig
+    from floodgate.controller.config import load_config
 
     path = tmp_path / "controller.yaml"
     path.write_text(config_data()["controller.yaml"])
@@ -307,9 +307,12 @@ def role_grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 
 async def test_role_grants_exactly_the_actuator_calls() -> None:
+    from floodgate.controller.actuators.kubernetes import (
+        KubernetesActuator,
+        KubernetesActuatorConfig,
+    )
     from kubernetes_asyncio import client
 
-    from controller.actuators.kubernetes import KubernetesActuator, KubernetesActuatorConfig
     from tests.controller.fake_kube import FakeKube
 
     options = yaml.safe_load(config_data()["controller.yaml"])["pools"][0]["actuator"]["options"]

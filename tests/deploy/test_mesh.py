@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
+from floodgate.extproc.config import load_config
 
-from extproc.config import load_config
 from floodgate.envoy_config import ENVOY_DIR, load_yaml, write_config
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port, wait_for_port

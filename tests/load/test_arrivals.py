@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from sim.arrivals import (
+from floodgate.sim.arrivals import (
     LengthDist,
     Mix,
     PlannedRequest,

@@ -16,18 +16,18 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from floodgate.sim.arrivals import PlannedRequest
+from floodgate.sim.loadgen import ERROR, OK, REJECTED, run_load, run_load_detailed
+from floodgate.sim.report import summarize
 
 from floodgate.cli import main as floodgate_main
 from floodgate.supervisor import Supervisor, free_port, wait_for_port
-from sim.arrivals import PlannedRequest
-from sim.loadgen import ERROR, OK, REJECTED, run_load, run_load_detailed
-from sim.report import summarize
 
 
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[str]:
     # Only the emulator tests depend on it; the rejection and unreachable tests run regardless.
-    pytest.importorskip("sim.emulator", reason="the vLLM emulator (sim.emulator) is not importable")
+    pytest.importorskip("floodgate.sim.emulator", reason="the vLLM emulator (floodgate.sim.emulator) is not importable")
     port = free_port()
     with Supervisor() as sup:
         child = sup.start_python(

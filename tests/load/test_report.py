@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
-from sim.report import (
+from floodgate.sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sample
+from floodgate.sim.report import (
     SLO,
     load_json,
     rate_series,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
-from sim.engine import (
+from floodgate.sim.engine import (
     Engine,
     EngineConfig,
     EngineNotAwake,
