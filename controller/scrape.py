@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import redis.asyncio as aioredis
+from floodgate.controller.demand import GatewayCounters
 from floodgate.controller.signals import QueueSignal
 from floodgate.controller.vllm import VllmClient, VllmSample
 from floodgate.extproc.state import read_pool_status
@@ -31,6 +32,8 @@ class EnvoySample:
     rq_429: float = 0.0  # cumulative counters
     rq_5xx: float = 0.0
     error: str = ""
+    # The gateway listener (HTTP connection manager `gateway_prefix`): the offered-demand source.
+    gateway: GatewayCounters | None = None  # None: not configured, or missing from the page
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +47,33 @@ class FloodgateSample:
     error: str = ""
 
 
-def parse_envoy(text: str, clusters: frozenset[str] | None, now: float) -> EnvoySample:
-    """Parse `/stats/prometheus`; `clusters=None` sums every cluster except Floodgate's own."""
+GW_TOTAL = "envoy_http_downstream_rq_total"
+GW_REJECTED = "envoy_http_ext_proc_immediate_responses_sent"
+
+
+def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
+                gateway_prefix: str | None = "gateway") -> EnvoySample:
+    """Parse `/stats/prometheus`; `clusters=None` sums every cluster except Floodgate's own.
+
+    `gateway_prefix`: stat prefix of the gateway's HTTP connection manager; its
+    `downstream_rq_total` (arrivals) and `ext_proc_immediate_responses_sent` (requests the
+    processor answered itself: 429/503) become `gateway`. A page without the prefix's
+    `downstream_rq_total` gives `gateway=None` (missing is unknown, never 0); a missing ext_proc
+    counter (no ext_proc filter on that listener: nothing is turned away there) reads 0.
+    """
     active = pending = r429 = r5xx = 0.0
+    gw_total: float | None = None
+    gw_rejected = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            if gateway_prefix is not None and \
+                    s.labels.get("envoy_http_conn_manager_prefix") == gateway_prefix and \
+                    "envoy_listener_address" not in s.labels:
+                if s.name == GW_TOTAL:
+                    gw_total = (gw_total or 0.0) + s.value
+                elif s.name in (GW_REJECTED, GW_REJECTED + "_total"):  # the parser may add _total
+                    gw_rejected += s.value
+                continue
             c = s.labels.get("envoy_cluster_name")
             if c is None or (clusters is not None and c not in clusters):
                 continue
@@ -64,18 +89,19 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float) -> Envoy
             elif s.name in ("envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_xx_total") and \
                     s.labels.get("envoy_response_code_class") == "5":
                 r5xx += s.value
-    return EnvoySample(now, True, active, pending, r429, r5xx)
+    gw = None if gw_total is None else GatewayCounters(now, True, gw_total, gw_rejected)
+    return EnvoySample(now, True, active, pending, r429, r5xx, gateway=gw)
 
 
 async def scrape_envoy(session: aiohttp.ClientSession, admin_url: str, clusters: frozenset[str] | None,
-                       now: float, timeout_s: float = 1.0) -> EnvoySample:
+                       now: float, timeout_s: float = 1.0, gateway_prefix: str | None = "gateway") -> EnvoySample:
     try:
         async with session.get(admin_url.rstrip("/") + "/stats/prometheus",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status != 200:
                 return EnvoySample(now, ok=False, error=f"HTTP {r.status}")
             text = await r.text()
-        return parse_envoy(text, clusters, now)
+        return parse_envoy(text, clusters, now, gateway_prefix)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return EnvoySample(now, ok=False, error=f"{type(exc).__name__}: {exc}")
 

@@ -16,6 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
+# The KV gauge was renamed in vLLM 0.10 (`gpu_cache_usage_perc` -> `kv_cache_usage_perc`);
+# either name is accepted, the new one wins when a page exports both.
+KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
 
 
 class VllmError(RuntimeError):
@@ -56,6 +61,22 @@ class Histogram:
                 return le
         return math.inf
 
+    def interpolated(self, q: float) -> float | None:
+        """Quantile q with linear interpolation inside its bucket (`histogram_quantile`);
+        None without observations; the highest finite bound when q falls in `+Inf`."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lo_le, lo_c = 0.0, 0.0
+        for le, c in self.buckets:
+            if c >= rank:
+                if math.isinf(le):
+                    return lo_le
+                span = c - lo_c
+                return lo_le + (le - lo_le) * ((rank - lo_c) / span if span > 0 else 1.0)
+            lo_le, lo_c = le, c
+        return lo_le
+
 
 @dataclass(frozen=True, slots=True)
 class VllmSample:
@@ -90,11 +111,14 @@ def parse_metrics(
 ) -> VllmSample:
     """Parse a vLLM `/metrics` page. Gauges are summed over label sets (one engine per model).
 
-    Raises ValueError on unparseable text or when none of the vLLM gauges is present (a page
-    without them is not a vLLM replica: treating it as idle would read as zero load).
+    Raises ValueError on unparseable text or when any of the gauges the policy reads
+    (`num_requests_running`, `num_requests_waiting`, the KV gauge under either of its names)
+    is missing: a missing metric is a failed scrape, never 0 (an idle-looking replica would
+    invite a scale-down exactly when something is wrong).
     """
-    waiting = running = kv = 0.0
-    seen = False
+    waiting = running = 0.0
+    kv: dict[str, float] = {}
+    seen: set[str] = set()
     awake: float | None = None
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
@@ -102,29 +126,33 @@ def parse_metrics(
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             n = s.name
-            if n == "vllm:num_requests_waiting":
+            if n == WAITING:
                 waiting += s.value
-                seen = True
-            elif n == "vllm:num_requests_running":
+                seen.add(n)
+            elif n == RUNNING:
                 running += s.value
-                seen = True
-            elif n == "vllm:kv_cache_usage_perc":
-                kv = max(kv, s.value)
+                seen.add(n)
+            elif n in KV_NAMES:
+                kv[n] = max(kv.get(n, 0.0), s.value)
             elif n == "vllm:engine_sleep_state" and s.labels.get("sleep_state") == "awake":
                 awake = s.value
             elif n.startswith(TTFT):
                 _hist_add(buckets, sums, counts, TTFT, n, s.labels, s.value)
             elif n.startswith(ITL):
                 _hist_add(buckets, sums, counts, ITL, n, s.labels, s.value)
-    if not seen:
-        raise ValueError("no vllm:num_requests_running/waiting on the page")
+    missing = [n for n in (RUNNING, WAITING) if n not in seen]
+    if not kv:
+        missing.append(" or ".join(KV_NAMES))
+    if missing:
+        raise ValueError("missing from the page: " + ", ".join(missing))
+    kv_usage = next(kv[n] for n in KV_NAMES if n in kv)
 
     def hist(name: str) -> Histogram:
         return Histogram(tuple(sorted(buckets.get(name, {}).items())), sums.get(name, 0.0), counts.get(name, 0.0))
 
     ttft, itl = hist(TTFT), hist(ITL)
     return VllmSample(
-        metrics=ReplicaMetrics(replica_id, now, True, waiting, running, kv),
+        metrics=ReplicaMetrics(replica_id, now, True, waiting, running, kv_usage),
         ttft=ttft,
         itl=itl,
         ttft_delta=ttft.delta(prev.ttft if prev and prev.metrics.ok else None),

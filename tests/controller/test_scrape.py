@@ -55,6 +55,41 @@ def test_parse_metrics_and_histogram_deltas() -> None:
         parse_metrics("# TYPE other gauge\nother 1\n", "r", 1.0)  # not a vLLM page: never zeros
 
 
+def test_both_kv_metric_names_and_missing_metrics_fail_the_scrape() -> None:
+    old = PAGE.replace("kv_cache_usage_perc", "gpu_cache_usage_perc") % (0, 0, 0, 0, 0.0)
+    assert parse_metrics(old, "r", 1.0).metrics.kv_cache_usage == 0.42  # vLLM < 0.10
+    both = (PAGE % (0, 0, 0, 0, 0.0)) + "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.9\n"
+    assert parse_metrics(both, "r", 1.0).metrics.kv_cache_usage == 0.42  # the current name wins
+    page = PAGE % (0, 0, 0, 0, 0.0)
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
+        lines = [ln for ln in page.splitlines() if name not in ln]
+        with pytest.raises(ValueError, match=name.split(":")[1] if "kv" not in name else "kv_cache_usage_perc"):
+            parse_metrics("\n".join(lines) + "\n", "r", 1.0)
+
+
+async def test_missing_kv_gauge_is_a_failed_scrape_not_zero() -> None:
+    from aiohttp import web
+
+    page = "\n".join(ln for ln in (PAGE % (0, 0, 0, 0, 0.0)).splitlines() if "kv_cache" not in ln) + "\n"
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            got = await VllmClient(s, f"127.0.0.1:{port}").scrape("r", 5.0)
+        assert not got.metrics.ok and "kv_cache_usage_perc" in got.error
+    finally:
+        await runner.cleanup()
+
+
 def test_parse_envoy_stats() -> None:
     text = """\
 # TYPE envoy_cluster_upstream_rq_active gauge
@@ -71,6 +106,24 @@ envoy_cluster_upstream_rq_xx{envoy_response_code_class="5",envoy_cluster_name="m
     e = parse_envoy(text, None, 5.0)
     assert (e.ok, e.rq_active, e.rq_pending, e.rq_429, e.rq_5xx) == (True, 7, 2, 4, 1)
     assert parse_envoy(text, frozenset({"floodgate_extproc"}), 5.0).rq_active == 3
+    assert e.gateway is None  # no gateway listener stats on the page: unknown, not 0
+    gw = GATEWAY_STATS + text
+    g = parse_envoy(gw, None, 5.0).gateway
+    assert g is not None and (g.rq_total, g.rejected, g.taken_at) == (8, 7, 5.0)
+    assert parse_envoy(gw, None, 5.0, gateway_prefix="other").gateway is None
+
+
+# Verbatim from Envoy 1.40's /stats/prometheus (8 requests, 7 answered 429 by the processor).
+GATEWAY_STATS = """\
+# TYPE envoy_http_downstream_rq_total counter
+envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="gateway"} 8
+# TYPE envoy_http_downstream_rq_xx counter
+envoy_http_downstream_rq_xx{envoy_response_code_class="4",envoy_http_conn_manager_prefix="gateway"} 7
+# TYPE envoy_http_ext_proc_immediate_responses_sent counter
+envoy_http_ext_proc_immediate_responses_sent{envoy_http_conn_manager_prefix="gateway"} 7
+# TYPE envoy_listener_http_downstream_rq_completed counter
+envoy_listener_http_downstream_rq_completed{envoy_http_conn_manager_prefix="gateway",envoy_listener_address="127.0.0.1_56021"} 8
+"""
 
 
 @pytest.mark.integration
@@ -140,3 +193,36 @@ async def test_dead_replica_is_marked_failed_and_policy_holds(stack: LocalStack)
         assert plan.stale and plan.desired == 2
         assert plan.reason == REASON_HOLD_STALE
         await rc.aclose()
+
+
+@pytest.mark.integration
+async def test_real_envoy_gateway_counters(stack: LocalStack) -> None:
+    """Arrivals and requests the processor turned away, as the controller reads them from a
+    real Envoy: one permit, P2 never queues, 6 concurrent P2 streams -> 1 served, 5 turned away."""
+    import asyncio
+
+    stack.start_redis()
+    port = free_port()
+    stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
+                          "--log-level", "warning"], name="sim", port=port)
+    classes = {c: {"queue_timeout_s": 5, "max_queue": 0 if c == 2 else 100, "share": 0.3} for c in (0, 1, 2)}
+    proc = stack.start_processor({"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+                                  "pools": [{"name": "default", "classes": classes, "local_credits": 0,
+                                             "limit": {"mode": "static", "initial": 1, "min": 1, "max": 1}}]})
+    envoy = stack.start_envoy([("127.0.0.1", port)], processors=[proc])
+    admin = f"http://127.0.0.1:{envoy.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        before = (await scrape_envoy(s, admin, None, 1.0)).gateway
+        assert before is not None
+
+        async def one() -> int:
+            body = {"model": "floodgate-sim-8b", "prompt": "x", "max_tokens": 40}
+            async with s.post(envoy.url + "/v1/completions", json=body, headers={"x-request-priority": "2"}) as r:
+                await r.read()
+                return r.status
+
+        codes = await asyncio.gather(*(one() for _ in range(6)))
+        after = (await scrape_envoy(s, admin, None, 2.0)).gateway
+    assert after is not None
+    assert sorted(codes) == [200] + [429] * 5
+    assert (after.rq_total - before.rq_total, after.rejected - before.rejected) == (6, 5)

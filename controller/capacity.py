@@ -1,0 +1,181 @@
+"""Per-replica capacity, learned from measured latency instead of assumed (pure).
+
+The policy sizes the pool as demand / capacity, where capacity is the concurrency (running +
+waiting at vLLM) one replica carries while meeting the pool's latency SLO. A configured
+constant (`PolicyConfig.target_concurrency`) is only a prior: a model, GPU or prompt mix that
+is slower than assumed makes every sizing short by the same factor. Like NVIDIA Dynamo's SLA
+planner, which corrects its offline profile with the latency it measures, this module corrects
+the prior from the replicas' TTFT/ITL histogram deltas:
+
+    c  = mean concurrency per active replica over the window
+    r  = max(TTFT_q / slo_ttft, mean ITL / slo_itl)          (latency as a share of the SLO)
+    raw estimate = c * aim / r                               (aim: target share of the SLO, < 1)
+
+Near the operating point latency grows about linearly with concurrency (decode step time with
+batch size, queueing once the batch is full); with a fixed latency floor the raw estimate lies
+between the observed c and the true capacity, so repeated windows converge on it from either
+side. Every estimate is bounded by what the window proves, assuming latency does not fall as
+concurrency rises:
+
+* SLO met at c (r <= 1): capacity >= c * aim, and we never extrapolate beyond
+  `max_extrapolation` x c (a light load with flat latency says little about the limit);
+* SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r.
+
+and by `[min_factor, max_factor]` x the prior. A window is used only when it is fresh (no
+stale tick, no failed scrape of an active replica inside it), has at least `min_ttft` and
+`min_itl` observations, and, to move the estimate *up*, carried at least `min_load_fraction`
+of the current estimate. Accepted estimates are smoothed (EWMA) and a single window moves the
+estimate by at most `max_step` (relative). `update` never reads a missing value as zero:
+an empty or stale window leaves the estimate as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from floodgate.controller.vllm import Histogram, merge_histograms
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class CapacityConfig(BaseModel):
+    """Learned per-replica capacity. Off (`enabled: false`) the prior is used as is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Learn capacity from measured TTFT/ITL (false: use target_concurrency).")
+    slo_ttft_s: float = Field(default=2.0, gt=0, description="The pool's TTFT SLO (seconds).")
+    slo_itl_s: float = Field(default=0.1, gt=0, description="The pool's inter-token latency (TPOT) SLO (seconds).")
+    ttft_quantile: float = Field(default=0.9, gt=0, lt=1, description="TTFT quantile compared with the SLO.")
+    aim: float = Field(default=0.8, gt=0, le=1, description="Share of the SLO the estimate sizes for (headroom).")
+    window_s: float = Field(default=20.0, gt=0, description="Seconds of histogram deltas per estimate.")
+    min_ttft: int = Field(default=20, ge=1, description="TTFT observations a window needs.")
+    min_itl: int = Field(default=100, ge=1, description="ITL observations a window needs.")
+    min_load_fraction: float = Field(default=0.5, ge=0, le=1, description="A window moves the estimate up only if its concurrency was at least this share of the estimate.")
+    max_extrapolation: float = Field(default=1.5, ge=1, description="A window meeting the SLO at concurrency c proves at most this x c.")
+    smoothing: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of a new window.")
+    max_step: float = Field(default=0.5, gt=0, description="Largest relative change of the estimate per window.")
+    min_factor: float = Field(default=0.25, gt=0, le=1, description="Lowest estimate as a share of the prior.")
+    max_factor: float = Field(default=4.0, ge=1, description="Highest estimate as a multiple of the prior.")
+
+    @model_validator(mode="after")
+    def _fractions(self) -> CapacityConfig:
+        if self.min_factor > self.max_factor:
+            raise ValueError("min_factor must be ≤ max_factor")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Histogram deltas and concurrency samples accumulated since `started`."""
+
+    started: float
+    ttft: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=Histogram)
+    conc_sum: float = 0.0  # Σ per-tick concurrency per active replica
+    ticks: int = 0
+    tainted: bool = False  # a stale tick fell inside: the window proves nothing
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityState:
+    """The estimate (None: still the prior) and the window being filled."""
+
+    estimate: float | None = None
+    window: Window | None = None
+    updated_at: float | None = None
+    accepted: int = 0  # windows that moved (or confirmed) the estimate
+    rejected: int = 0  # windows closed without an update (empty, stale, too light)
+    last_raw: float | None = None  # the last window's bounded raw estimate (for the log)
+    last_ratio: float | None = None  # its latency as a share of the SLO
+
+
+@dataclass(frozen=True, slots=True)
+class TickLatency:
+    """One tick's inputs: deltas since the previous scrape, summed over fresh active replicas."""
+
+    ttft: Histogram
+    itl: Histogram
+    concurrency: float  # Σ (running + waiting) over the fresh active replicas
+    replicas: int  # fresh active replicas contributing
+    stale: bool  # an active replica's scrape failed or is old: the window is tainted
+
+
+def tick_latency(samples: list[tuple[Histogram, Histogram, float]], active: int) -> TickLatency:
+    """From (ttft_delta, itl_delta, running+waiting) of each fresh active replica."""
+    return TickLatency(
+        merge_histograms(s[0] for s in samples),
+        merge_histograms(s[1] for s in samples),
+        sum(s[2] for s in samples),
+        len(samples),
+        len(samples) < active,
+    )
+
+
+def capacity(state: CapacityState, prior: float, cfg: CapacityConfig) -> float:
+    """The per-replica capacity to size with: the learned estimate, else the prior."""
+    if not cfg.enabled or state.estimate is None:
+        return prior
+    return state.estimate
+
+
+def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig) -> float | None:
+    """Measured latency as a share of the SLO (max over TTFT quantile and mean ITL)."""
+    q = ttft.interpolated(cfg.ttft_quantile)
+    m = itl.mean
+    if q is None or m is None:
+        return None
+    return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
+
+
+def estimate_window(w: Window, current: float, prior: float, cfg: CapacityConfig) -> tuple[float | None, float | None]:
+    """(bounded raw estimate, latency ratio) of a closed window, or (None, ratio) when the
+    window proves nothing."""
+    if w.tainted or w.ticks == 0 or w.ttft.count < cfg.min_ttft or w.itl.count < cfg.min_itl:
+        return None, None
+    r = latency_ratio(w.ttft, w.itl, cfg)
+    c = w.conc_sum / w.ticks
+    if r is None or c <= 0:
+        return None, r
+    if r <= 1.0:
+        if c < cfg.min_load_fraction * current:
+            return None, r  # too light to say anything about the limit
+        raw = min(c * cfg.aim / max(r, 1e-9), c * cfg.max_extrapolation)
+        raw = max(raw, c * cfg.aim)  # the SLO was met at c
+    else:
+        raw = c * cfg.aim / r  # the SLO was missed at c: capacity is below c
+    return min(max(raw, cfg.min_factor * prior), cfg.max_factor * prior), r
+
+
+def update(state: CapacityState, tick: TickLatency | None, now: float, prior: float,
+           cfg: CapacityConfig) -> CapacityState:
+    """Feed one tick (None: nothing measured this tick, e.g. the scrape of every replica
+    failed: taints the window). Closes the window after `window_s` and folds it in."""
+    if not cfg.enabled:
+        return state
+    w = state.window or Window(now)
+    if tick is None or tick.stale:
+        w = replace(w, tainted=True)
+    elif tick.replicas > 0:
+        w = replace(w,
+                    ttft=merge_histograms((w.ttft, tick.ttft)),
+                    itl=merge_histograms((w.itl, tick.itl)),
+                    conc_sum=w.conc_sum + tick.concurrency / tick.replicas,
+                    ticks=w.ticks + 1)
+    if now - w.started < cfg.window_s:
+        return replace(state, window=w)
+    current = capacity(state, prior, cfg)
+    raw, r = estimate_window(w, current, prior, cfg)
+    if raw is None:
+        return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r)
+    blended = current + cfg.smoothing * (raw - current)
+    lo, hi = current * (1 - cfg.max_step), current * (1 + cfg.max_step)
+    new = min(max(blended, lo), hi)
+    new = min(max(new, cfg.min_factor * prior), cfg.max_factor * prior)
+    return CapacityState(estimate=new, window=Window(now), updated_at=now, accepted=state.accepted + 1,
+                         rejected=state.rejected, last_raw=raw, last_ratio=r)
+
+
+def replicas_for(demand: float, per_replica: float) -> int:
+    """Replicas needed for `demand` concurrent requests at `per_replica` each."""
+    return max(0, math.ceil(demand / per_replica - 1e-9))

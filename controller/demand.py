@@ -1,0 +1,239 @@
+"""Offered demand: what clients asked for, including what admission turned away (pure).
+
+vLLM's `running + waiting` plus Floodgate's queue only shows the demand admission let in. A
+request that is early-dropped, rejected for a full queue or a tenant cap, or times out in the
+queue never reaches a replica, so a pool that sheds a 3x burst can read as merely full. This
+module turns two independent counter sources into offered rates, reconciles them and marks
+them stale like every other signal:
+
+* **Floodgate's counters in Redis** (per pool, per class, cumulative): `admitted`, `queued`,
+  and the turned-away outcomes `early_drop`, `queue_full`, `tenant_cap`, `queue_timeout`.
+  Arrivals = admitted + early_drop + queue_full + tenant_cap + queue_timeout + growth of the
+  queue (a queued request is counted once: when it is admitted or when it times out).
+* **Envoy's gateway listener** (the HTTP connection manager's stat prefix, `gateway` in the
+  shipped config): `downstream_rq_total` (every request that arrived) and
+  `ext_proc_immediate_responses_sent` (every request the processor answered itself: 429s and
+  503s). Envoy keeps no per-status downstream counter (only `downstream_rq_xx` per class), so
+  the ext_proc counter is the exact "turned away by admission" count. It also covers what the
+  processors could not record in Redis (a Redis outage degrades them to local limits).
+
+Rates are counter deltas over a sliding window (`window_s`), never across a counter reset
+(a restarted Envoy or a flushed Redis), and only from samples no older than `stale_after_s`.
+Reconciliation, per tick:
+
+* both fresh: per-class rates from Floodgate; if Envoy saw more turned away than Floodgate
+  recorded (for a listener that serves this pool only), the excess is spread over the classes
+  in proportion to Floodgate's own turned-away mix (to `default_class` when it has none);
+* one fresh: that one (Envoy alone is unclassed: everything goes to `default_class`);
+* neither: `stale=True` and no rates: the policy falls back to served demand and, as with any
+  stale signal, never scales down on it.
+
+The policy converts a turned-away rate into concurrency with Little's law: each turned-away
+request would have held a slot for W = running / admitted rate seconds (W measured, bounded by
+`max_service_s`). The classes in `exclude_classes` (e.g. `[2]`: sheddable traffic the pool
+chooses to shed under load) are left out of `lacking` but stay in `offered_rate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CLASSES = (0, 1, 2)
+TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout")
+COUNTERS = ("admitted", "queued", *TURNED_AWAY)
+
+
+class DemandConfig(BaseModel):
+    """Offered-demand settings of one pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Count demand admission turned away (false: served demand only).")
+    window_s: float = Field(default=10.0, gt=0, description="Counter deltas are taken over this many seconds.")
+    stale_after_s: float = Field(default=10.0, gt=0, description="A counter sample older than this is stale.")
+    exclude_classes: tuple[int, ...] = Field(
+        default=(), description="Classes whose turned-away demand does not drive scale-up "
+        "(e.g. [2]: P2 the pool chooses to shed under load). Still recorded as offered.")
+    default_class: int = Field(default=1, ge=0, le=2, description="Class of unclassed (Envoy-only) demand.")
+    use_envoy: bool = Field(default=True, description="Reconcile with Envoy's gateway listener counters "
+                            "(only correct when the listener serves this pool alone).")
+    max_service_s: float = Field(default=600.0, gt=0, description="Upper bound on the measured seconds a request holds a slot.")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassCounters:
+    """Cumulative counters of one class (one pool), as read from Redis."""
+
+    admitted: float = 0.0
+    queued: float = 0.0
+    early_drop: float = 0.0
+    queue_full: float = 0.0
+    tenant_cap: float = 0.0
+    queue_timeout: float = 0.0
+
+    @property
+    def turned_away(self) -> float:
+        return self.early_drop + self.queue_full + self.tenant_cap + self.queue_timeout
+
+
+@dataclass(frozen=True, slots=True)
+class FloodgateCounters:
+    """One read of a pool's counters (per class) and queue depth (per class)."""
+
+    taken_at: float
+    ok: bool = True
+    classes: dict[int, ClassCounters] = field(default_factory=dict)
+    queued_now: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayCounters:
+    """One read of Envoy's gateway listener counters."""
+
+    taken_at: float
+    ok: bool = True
+    rq_total: float = 0.0  # http.<prefix>.downstream_rq_total
+    rejected: float = 0.0  # http.<prefix>.ext_proc_immediate_responses_sent
+
+
+@dataclass(frozen=True, slots=True)
+class DemandWindow:
+    """Recent counter samples of both sources (oldest first), pruned to `window_s`."""
+
+    floodgate: tuple[FloodgateCounters, ...] = ()
+    gateway: tuple[GatewayCounters, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OfferedDemand:
+    """Reconciled rates (requests/s) at one tick."""
+
+    stale: bool
+    source: str  # "floodgate+envoy" | "floodgate" | "envoy" | "none"
+    offered_rate: dict[int, float]  # per class: arrivals
+    admitted_rate: dict[int, float]
+    turned_away_rate: dict[int, float]
+    envoy_excess_rate: float = 0.0  # turned away per Envoy but missing from Floodgate's counters
+
+    @property
+    def offered_total(self) -> float:
+        return sum(self.offered_rate.values())
+
+    @property
+    def admitted_total(self) -> float:
+        return sum(self.admitted_rate.values())
+
+    def lacking_rate(self, exclude: tuple[int, ...] = ()) -> float:
+        """Turned-away requests/s that count as capacity the pool lacks."""
+        return sum(v for c, v in self.turned_away_rate.items() if c not in exclude)
+
+
+STALE = OfferedDemand(True, "none", {}, {}, {})
+
+
+def _prune(samples: tuple, sample: object, now: float, keep_s: float) -> tuple:
+    # Keep one sample at or before the window start so the delta spans the whole window.
+    out = (*samples, sample)
+    while len(out) > 2 and now - out[1].taken_at >= keep_s:
+        out = out[1:]
+    return out
+
+
+def observe(w: DemandWindow, now: float, cfg: DemandConfig, fg: FloodgateCounters | None = None,
+            gw: GatewayCounters | None = None) -> DemandWindow:
+    """Add this tick's reads (failed reads are dropped: a gap, never a zero)."""
+    f, g = w.floodgate, w.gateway
+    if fg is not None and fg.ok:
+        if f and _fg_reset(f[-1], fg):
+            f = ()  # counters went backwards (Redis flushed / failed over): restart the window
+        f = _prune(f, fg, now, cfg.window_s)
+    if gw is not None and gw.ok:
+        if g and (gw.rq_total < g[-1].rq_total or gw.rejected < g[-1].rejected):
+            g = ()  # Envoy restarted
+        g = _prune(g, gw, now, cfg.window_s)
+    return DemandWindow(f, g)
+
+
+def _fg_reset(a: FloodgateCounters, b: FloodgateCounters) -> bool:
+    for c, ca in a.classes.items():
+        cb = b.classes.get(c)
+        if cb is None:
+            return True
+        if any(getattr(cb, n) < getattr(ca, n) for n in COUNTERS):
+            return True
+    return False
+
+
+def _fresh(samples: tuple, now: float, cfg: DemandConfig) -> bool:
+    return len(samples) >= 2 and now - samples[-1].taken_at <= cfg.stale_after_s \
+        and samples[-1].taken_at > samples[0].taken_at
+
+
+def floodgate_rates(a: FloodgateCounters, b: FloodgateCounters) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """(offered, admitted, turned away) per class, requests/s, between two reads."""
+    dt = b.taken_at - a.taken_at
+    off: dict[int, float] = {}
+    adm: dict[int, float] = {}
+    away: dict[int, float] = {}
+    for c in sorted(set(a.classes) | set(b.classes)):
+        ca, cb = a.classes.get(c, ClassCounters()), b.classes.get(c, ClassCounters())
+        d_adm = cb.admitted - ca.admitted
+        d_away = cb.turned_away - ca.turned_away
+        d_q = b.queued_now.get(c, 0.0) - a.queued_now.get(c, 0.0)
+        adm[c] = max(0.0, d_adm) / dt
+        away[c] = max(0.0, d_away) / dt
+        off[c] = max(0.0, d_adm + d_away + d_q) / dt
+    return off, adm, away
+
+
+def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
+    """Reconciled offered demand at `now` (see the module doc)."""
+    fg_ok = _fresh(w.floodgate, now, cfg)
+    gw_ok = cfg.use_envoy and _fresh(w.gateway, now, cfg)
+    if not fg_ok and not gw_ok:
+        return STALE
+    g_off = g_away = 0.0
+    if gw_ok:
+        a, b = w.gateway[0], w.gateway[-1]
+        dt = b.taken_at - a.taken_at
+        g_off = max(0.0, b.rq_total - a.rq_total) / dt
+        g_away = max(0.0, b.rejected - a.rejected) / dt
+    dc = cfg.default_class
+    if not fg_ok:
+        return OfferedDemand(False, "envoy", {dc: g_off}, {dc: max(0.0, g_off - g_away)}, {dc: g_away})
+    off, adm, away = floodgate_rates(w.floodgate[0], w.floodgate[-1])
+    if not gw_ok:
+        return OfferedDemand(False, "floodgate", off, adm, away)
+    excess = max(0.0, g_away - sum(away.values()))
+    if excess > 0:
+        total = sum(away.values())
+        shares = {c: v / total for c, v in away.items()} if total > 0 else {dc: 1.0}
+        for c, s in shares.items():
+            away[c] = away.get(c, 0.0) + excess * s
+            off[c] = off.get(c, 0.0) + excess * s
+    return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess)
+
+
+def service_time(d: OfferedDemand, running: float, cfg: DemandConfig) -> float | None:
+    """Seconds an admitted request holds a slot, by Little's law (running / admitted rate);
+    None without admissions in the window."""
+    adm = d.admitted_total
+    if d.stale or adm <= 0 or running <= 0:
+        return None
+    return min(running / adm, cfg.max_service_s)
+
+
+def lacking_concurrency(d: OfferedDemand, running: float, cfg: DemandConfig,
+                        service_s_hint: float | None = None) -> float:
+    """Turned-away demand as concurrency (Little's law): turned-away rate x the measured time
+    a request holds a slot. Without admissions in the window the last measured service time
+    (`service_s_hint`) is used; without either, 0 (served demand and queue pressure then
+    carry the signal). 0 when stale."""
+    if d.stale or not cfg.enabled:
+        return 0.0
+    service_s = service_time(d, running, cfg) or service_s_hint
+    if service_s is None:
+        return 0.0
+    return d.lacking_rate(cfg.exclude_classes) * service_s

@@ -1,0 +1,154 @@
+"""Learned per-replica capacity: fake clock, a replica latency model with a known capacity,
+and the -37.5 % mismatch (configured capacity 1.6x the real one) closed by learning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from floodgate.controller.capacity import (
+    CapacityConfig,
+    CapacityState,
+    TickLatency,
+    capacity,
+    replicas_for,
+    tick_latency,
+    update,
+)
+from floodgate.controller.vllm import Histogram
+
+# vLLM's bucket bounds (subset) for TTFT and ITL.
+TTFT_LE = (0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, math.inf)
+ITL_LE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, math.inf)
+
+CFG = CapacityConfig(slo_ttft_s=2.0, slo_itl_s=0.1, window_s=10.0, min_ttft=5, min_itl=20)
+
+
+def hist(value: float, n: int, bounds: tuple[float, ...]) -> Histogram:
+    """n observations of `value` as a cumulative histogram."""
+    return Histogram(tuple((le, float(n) if value <= le else 0.0) for le in bounds), value * n, float(n))
+
+
+def itl_of(c: float) -> float:
+    """Decode step time grows with batch size: 20 ms + 10 ms per sequence."""
+    return 0.02 + 0.01 * c
+
+
+def ttft_of(c: float) -> float:
+    """Prefill 0.2 s; beyond 8 slots requests queue."""
+    return 0.2 + 0.5 * max(0.0, c - 8)
+
+
+# With aim 0.8 the SLO share is met up to ITL = 0.08 s, i.e. c* = 6 per replica.
+TRUE_CAPACITY = 6.0
+
+
+def tick(c: float, replicas: int) -> TickLatency:
+    """One 1 s tick of `replicas` replicas each at concurrency c (about c requests start and
+    10·c tokens are generated per replica per second)."""
+    n = max(1, round(c))
+    return tick_latency([(hist(ttft_of(c), n, TTFT_LE), hist(itl_of(c), 10 * n, ITL_LE), c)] * replicas,
+                        replicas)
+
+
+def run_loop(prior: float, demand: float, seconds: int, cfg: CapacityConfig = CFG,
+             t0: float = 1000.0) -> tuple[CapacityState, list[int]]:
+    """Closed loop: size the pool from the current capacity, run it, learn."""
+    st = CapacityState()
+    sizes = []
+    for i in range(seconds):
+        n = max(1, replicas_for(demand, capacity(st, prior, cfg)))
+        sizes.append(n)
+        st = update(st, tick(demand / n, n), t0 + i, prior, cfg)
+    return st, sizes
+
+
+def test_closes_the_37_5_percent_capacity_mismatch() -> None:
+    # Configured capacity 9.6 per replica; the replicas really sustain 6 (-37.5 %).
+    prior = TRUE_CAPACITY / 0.625
+    demand = 120.0
+    n_prior = replicas_for(demand, prior)
+    assert n_prior == 13 and itl_of(demand / n_prior) / 0.1 > 0.9  # sized on the prior: 92 % of the SLO
+    st, sizes = run_loop(prior, demand, 300)
+    est = capacity(st, prior, CFG)
+    assert st.accepted >= 20
+    assert est == pytest.approx(TRUE_CAPACITY, rel=0.05)
+    n = sizes[-1]
+    assert n >= math.ceil(demand / TRUE_CAPACITY) - 1 and n <= math.ceil(demand / TRUE_CAPACITY) + 1
+    assert itl_of(demand / n) <= 0.1 * CFG.aim * 1.05  # meets the SLO with the aimed headroom
+
+
+def test_converges_upward_from_a_pessimistic_prior() -> None:
+    st, _ = run_loop(TRUE_CAPACITY / 2, 120.0, 400)
+    assert capacity(st, TRUE_CAPACITY / 2, CFG) == pytest.approx(TRUE_CAPACITY, rel=0.1)
+
+
+def test_no_estimate_from_empty_stale_or_light_windows() -> None:
+    prior = 9.6
+    st = CapacityState()
+    # Empty: scrapes ok, no requests at all for 30 s.
+    empty = TickLatency(Histogram(), Histogram(), 0.0, 2, False)
+    for i in range(30):
+        st = update(st, empty, 1000.0 + i, prior, CFG)
+    assert st.estimate is None and st.rejected >= 2 and capacity(st, prior, CFG) == prior
+    # Stale: heavy, SLO-missing traffic, but one active replica's scrape failed every tick.
+    bad = tick(12.0, 2)
+    for i in range(30):
+        st = update(st, TickLatency(bad.ttft, bad.itl, bad.concurrency, 2, True), 1100.0 + i, prior, CFG)
+    assert st.estimate is None
+    # A tick without any scrape taints the window like a stale one.
+    st2 = CapacityState()
+    for i in range(11):
+        st2 = update(st2, None if i == 3 else tick(12.0, 2), 1200.0 + i, prior, CFG)
+    assert st2.estimate is None and st2.rejected == 1
+    # Light: 1 request per replica meeting the SLO easily says nothing about the limit.
+    for i in range(30):
+        st = update(st, tick(1.0, 2), 1300.0 + i, prior, CFG)
+    assert st.estimate is None
+
+
+def test_bounded_and_smoothed() -> None:
+    prior = 9.6
+    cfg = CFG.model_copy(update={"smoothing": 1.0})
+    st = CapacityState()
+    # A terrible window (ITL 10x the SLO): one window moves at most max_step, never below
+    # min_factor x prior however long it lasts.
+    awful = TickLatency(hist(5.0, 10, TTFT_LE), hist(1.0, 100, ITL_LE), 20.0, 2, False)
+    st = update(st, awful, 0.0, prior, cfg)
+    st = update(st, awful, 10.0, prior, cfg)
+    assert st.estimate == pytest.approx(prior * (1 - cfg.max_step))
+    for i in range(2, 40):
+        st = update(st, awful, 10.0 * i, prior, cfg)
+    assert st.estimate == pytest.approx(cfg.min_factor * prior)
+    # With the default smoothing one window goes half way to its (bounded) raw estimate.
+    st = update(update(CapacityState(), awful, 0.0, prior, CFG), awful, 10.0, prior, CFG)
+    assert st.estimate == pytest.approx(prior + CFG.smoothing * (CFG.min_factor * prior - prior))
+    # Excellent latency at a high concurrency: up, but at most max_factor x prior.
+    great = TickLatency(hist(0.05, 40, TTFT_LE), hist(0.011, 400, ITL_LE), 2 * 60.0, 2, False)
+    for i in range(40, 100):
+        st = update(st, great, 10.0 * i, prior, cfg)
+    assert st.estimate == pytest.approx(cfg.max_factor * prior)
+
+
+def test_met_slo_never_extrapolates_far() -> None:
+    # Flat latency (TTFT and ITL far below the SLO) at concurrency 4: capacity proven >= 4 x aim,
+    # but claimed at most 1.5 x 4 per window.
+    prior = 4.0
+    flat = TickLatency(hist(0.05, 10, TTFT_LE), hist(0.01, 100, ITL_LE), 8.0, 2, False)
+    st = update(CapacityState(), flat, 0.0, prior, CFG)
+    st = update(st, flat, 10.0, prior, CFG)
+    assert st.last_raw == pytest.approx(4.0 * CFG.max_extrapolation)
+
+
+def test_disabled_uses_the_prior() -> None:
+    off = CapacityConfig(enabled=False)
+    st = update(CapacityState(), tick(20.0, 2), 0.0, 7.0, off)
+    assert st == CapacityState() and capacity(st, 7.0, off) == 7.0
+
+
+def test_interpolated_quantile() -> None:
+    h = Histogram(((0.1, 10.0), (1.0, 20.0), (math.inf, 20.0)), 5.0, 20.0)
+    assert h.interpolated(0.5) == pytest.approx(0.1)
+    assert h.interpolated(0.75) == pytest.approx(0.55)
+    assert Histogram(((1.0, 0.0), (math.inf, 4.0)), 40.0, 4.0).interpolated(0.9) == 1.0
+    assert Histogram().interpolated(0.5) is None

@@ -1,0 +1,109 @@
+"""Offered demand: Floodgate's per-class counters reconciled with Envoy's gateway listener,
+rates over a sliding window, counter resets, staleness, and Little's-law concurrency."""
+
+from __future__ import annotations
+
+import pytest
+from floodgate.controller.demand import (
+    ClassCounters,
+    DemandConfig,
+    DemandWindow,
+    FloodgateCounters,
+    GatewayCounters,
+    lacking_concurrency,
+    observe,
+    offered,
+)
+
+CFG = DemandConfig(window_s=10.0, stale_after_s=5.0)
+
+
+def fg(t: float, per_class: dict[int, tuple[float, float, float, float]], queued: dict[int, float] | None = None,
+       ok: bool = True) -> FloodgateCounters:
+    """per class: (admitted, queued, early_drop, queue_timeout) cumulative."""
+    return FloodgateCounters(t, ok, {c: ClassCounters(admitted=a, queued=q, early_drop=e, queue_timeout=to)
+                                     for c, (a, q, e, to) in per_class.items()}, queued or {})
+
+
+def feed(steps: list[tuple[float, FloodgateCounters | None, GatewayCounters | None]],
+         cfg: DemandConfig = CFG) -> DemandWindow:
+    w = DemandWindow()
+    for t, f, g in steps:
+        w = observe(w, t, cfg, f, g)
+    return w
+
+
+def test_floodgate_counters_give_per_class_offered_and_turned_away() -> None:
+    # 10 s: P0 admitted 20; P1 admitted 50, 30 early-dropped, 10 timed out in the queue;
+    # P1's queue grew by 5 (arrived, not yet decided); P2 60 early-dropped.
+    a = fg(100.0, {0: (0, 0, 0, 0), 1: (0, 0, 0, 0), 2: (0, 0, 0, 0)})
+    b = fg(110.0, {0: (20, 0, 0, 0), 1: (50, 20, 30, 10), 2: (0, 0, 60, 0)}, {1: 5})
+    d = offered(feed([(100.0, a, None), (110.0, b, None)]), 110.0, CFG)
+    assert not d.stale and d.source == "floodgate"
+    assert d.offered_rate == pytest.approx({0: 2.0, 1: 9.5, 2: 6.0})
+    assert d.admitted_rate == pytest.approx({0: 2.0, 1: 5.0, 2: 0.0})
+    assert d.turned_away_rate == pytest.approx({0: 0.0, 1: 4.0, 2: 6.0})
+    assert d.lacking_rate() == pytest.approx(10.0)
+    assert d.lacking_rate((2,)) == pytest.approx(4.0)  # P2 shed by choice: not capacity lacking
+    # Little's law: 35 running at 7 admitted/s -> 5 s per request -> 4/s lacking = 20 slots.
+    assert lacking_concurrency(d, 35.0, CFG.model_copy(update={"exclude_classes": (2,)})) == pytest.approx(20.0)
+    assert lacking_concurrency(d, 35.0, CFG) == pytest.approx(50.0)
+
+
+def test_envoy_excess_is_spread_and_envoy_alone_is_unclassed() -> None:
+    a = fg(100.0, {0: (0, 0, 0, 0), 1: (0, 0, 0, 0)})
+    b = fg(110.0, {0: (10, 0, 10, 0), 1: (10, 0, 30, 0)})
+    ga, gb = GatewayCounters(100.0, True, 1000, 500), GatewayCounters(110.0, True, 1160, 580)
+    # Envoy turned away 8/s, Floodgate recorded 4/s (e.g. a Redis outage): +4/s spread 1:3.
+    d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG)
+    assert d.source == "floodgate+envoy" and d.envoy_excess_rate == pytest.approx(4.0)
+    assert d.turned_away_rate == pytest.approx({0: 2.0, 1: 6.0})
+    assert d.offered_rate == pytest.approx({0: 3.0, 1: 7.0})
+    # Floodgate's counters unreadable (Redis down): Envoy alone, attributed to the default class.
+    w2 = feed([(100.0, None, ga), (110.0, fg(110.0, {}, ok=False), gb)])
+    d = offered(w2, 110.0, CFG)
+    assert d.source == "envoy" and d.turned_away_rate == {1: pytest.approx(8.0)}
+    assert d.offered_rate == {1: pytest.approx(16.0)} and d.admitted_rate == {1: pytest.approx(8.0)}
+    # Envoy disabled for a listener shared by several pools: Floodgate only.
+    d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG.model_copy(update={"use_envoy": False}))
+    assert d.source == "floodgate" and d.turned_away_rate == pytest.approx({0: 1.0, 1: 3.0})
+
+
+def test_stale_and_missing_are_never_zero() -> None:
+    a = fg(100.0, {1: (0, 0, 0, 0)})
+    b = fg(110.0, {1: (10, 0, 90, 0)})
+    w = feed([(100.0, a, None), (110.0, b, None)])
+    assert not offered(w, 115.0, CFG).stale
+    d = offered(w, 115.1, CFG)  # last read older than stale_after_s
+    assert d.stale and d.source == "none" and lacking_concurrency(d, 50.0, CFG) == 0.0
+    # One read is no rate.
+    assert offered(feed([(100.0, a, None)]), 100.0, CFG).stale
+    # Failed reads leave a gap, not zeros: the rate spans the gap.
+    w = feed([(100.0, a, None), (105.0, fg(105.0, {}, ok=False), None), (110.0, b, None)])
+    assert offered(w, 110.0, CFG).turned_away_rate == {1: pytest.approx(9.0)}
+
+
+def test_window_slides_and_resets_restart_it() -> None:
+    steps = []
+    for i in range(31):  # 1 req/s turned away for 15 s, then 5/s
+        t = 100.0 + i
+        away = i if i <= 15 else 15 + 5 * (i - 15)
+        steps.append((t, fg(t, {1: (10 * i, 0, away, 0)}), None))
+    d = offered(feed(steps), 130.0, CFG)
+    assert d.turned_away_rate[1] == pytest.approx(5.0)  # only the last 10 s count
+    # Redis flushed (counters back to 0): no negative rates; the window restarts.
+    w = feed([*steps, (131.0, fg(131.0, {1: (3, 0, 1, 0)}), None)])
+    assert offered(w, 131.0, CFG).stale
+    w = observe(w, 132.0, CFG, fg(132.0, {1: (6, 0, 3, 0)}))
+    assert offered(w, 132.0, CFG).turned_away_rate[1] == pytest.approx(2.0)
+    # Envoy restarted: same.
+    g = feed([(100.0, None, GatewayCounters(100.0, True, 500, 100)), (101.0, None, GatewayCounters(101.0, True, 3, 1))])
+    assert offered(g, 101.0, CFG).stale
+
+
+def test_no_admitted_requests_means_no_service_time() -> None:
+    a = fg(100.0, {1: (0, 0, 0, 0)})
+    b = fg(110.0, {1: (0, 0, 50, 0)})
+    d = offered(feed([(100.0, a, None), (110.0, b, None)]), 110.0, CFG)
+    assert d.lacking_rate() == pytest.approx(5.0) and lacking_concurrency(d, 10.0, CFG) == 0.0
+    assert lacking_concurrency(d, 10.0, CFG, service_s_hint=2.0) == pytest.approx(10.0)
