@@ -14,6 +14,7 @@ import copy
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,28 @@ _IncludeLoader.add_constructor("!include", _include)
 def load_yaml(path: Path) -> Any:
     with path.open() as f:
         return yaml.load(f, Loader=_IncludeLoader)
+
+
+@dataclass(frozen=True)
+class ProcessorTls:
+    """Files for Envoy's side of the mTLS channel to the processors."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    server_name: str = "floodgate-extproc"
+
+    def transport_socket(self) -> dict[str, Any]:
+        sock: dict[str, Any] = copy.deepcopy(load_yaml(ENVOY_DIR / "floodgate-extproc-tls.yaml"))
+        tls = sock["typed_config"]
+        tls["sni"] = self.server_name
+        ctx = tls["common_tls_context"]
+        ctx["tls_certificates"] = [{"certificate_chain": {"filename": self.cert_file},
+                                    "private_key": {"filename": self.key_file}}]
+        ctx["validation_context"]["trusted_ca"] = {"filename": self.ca_file}
+        ctx["validation_context"]["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": self.server_name}}]
+        return sock
 
 
 def _endpoints(addrs: Sequence[tuple[str, int]]) -> list[dict[str, Any]]:
@@ -64,10 +87,12 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  message_timeout_s: float | None = None,
                  extra_filters: Sequence[dict[str, Any]] = (),
                  picking: bool = False,
+                 processor_tls: ProcessorTls | None = None,
                  source: Path | None = None) -> dict[str, Any]:
     """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
     (the no-admission baseline of the benchmarks); `extra_filters` go before the router;
-    `picking=True` routes `/v1/` to the ORIGINAL_DST cluster the processor steers."""
+    `picking=True` routes `/v1/` to the ORIGINAL_DST cluster the processor steers;
+    `processor_tls` talks mTLS to the processors (envoy/floodgate-extproc-tls.yaml)."""
     cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
@@ -75,6 +100,8 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
         if cluster["name"] == "floodgate_extproc":
             cluster["type"] = "STATIC"
             cluster["load_assignment"]["endpoints"] = _endpoints(processors)
+            if processor_tls is not None:
+                cluster["transport_socket"] = processor_tls.transport_socket()
         elif cluster["name"] == "model":
             cluster["load_assignment"]["endpoints"] = _endpoints(upstreams)
     hcm = _hcm(cfg)
@@ -126,18 +153,46 @@ COMPOSE_HEADER = (
 )
 
 
-def render_compose(*, listen_port: int = 10000, admin_port: int = 9901,
+def stats_listener(port: int, admin_port: int, address: str = "0.0.0.0") -> dict[str, Any]:
+    """A listener that exposes only GET /stats* of the admin interface (read-only metrics)."""
+    not_found = {"status": 404, "body": {"inline_string": "not found"}}
+    return {
+        "name": "stats",
+        "address": {"socket_address": {"address": address, "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "stats",
+            "normalize_path": True,
+            "merge_slashes": True,
+            "path_with_escaped_slashes_action": "REJECT_REQUEST",
+            "route_config": {"name": "stats", "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/stats", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+                 "route": {"cluster": "envoy_admin", "timeout": "5s"}},
+                {"match": {"prefix": "/"}, "direct_response": not_found}]}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}],
+    }
+
+
+def render_compose(*, listen_port: int = 10000, admin_port: int = 9901, stats_port: int = 9902,
                    processors: Sequence[tuple[str, int]] = COMPOSE_PROCESSORS,
                    upstreams: Sequence[tuple[str, int]] = COMPOSE_UPSTREAMS,
                    picking: bool = True) -> dict[str, Any]:
-    """The local bootstrap for a container network: listener and admin on 0.0.0.0, the
+    """The local bootstrap for a container network: the gateway listener on 0.0.0.0, the
     processor and model clusters `STRICT_DNS` over compose service names (each name resolves
     to its container), endpoint picking on by default (the controller moves replicas between
-    active and warm, and only the processor knows which are active)."""
+    active and warm, and only the processor knows which are active).
+
+    The admin interface stays on 127.0.0.1 inside the container (anything that reaches it can
+    POST /quitquitquit or /drain_listeners); the controller and Prometheus read Envoy's stats
+    through a separate listener on `stats_port` that forwards only GET /stats* to it."""
     cfg = render_local(listen_port=listen_port, admin_port=admin_port, processors=processors,
                        upstreams=upstreams, picking=picking)
-    cfg["admin"]["address"]["socket_address"]["address"] = "0.0.0.0"
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = "0.0.0.0"
+    cfg["static_resources"]["listeners"].append(stats_listener(stats_port, admin_port))
+    cfg["static_resources"]["clusters"].append({
+        "name": "envoy_admin", "type": "STATIC", "connect_timeout": "0.25s",
+        "load_assignment": {"cluster_name": "envoy_admin", "endpoints": _endpoints([("127.0.0.1", admin_port)])}})
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] in ("floodgate_extproc", "model"):
             cluster["type"] = "STRICT_DNS"

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from floodgate.binaries import envoy_binary
-from floodgate.envoy_config import ENVOY_DIR, load_yaml, render_local, write_config
+from floodgate.envoy_config import ENVOY_DIR, ProcessorTls, load_yaml, render_local, write_config
+from tests.certs import make_pki
 
 
 def validate(cfg: dict[str, Any], tmp_path: Path, name: str = "envoy.json") -> None:
@@ -43,6 +44,31 @@ def test_local_bootstrap_variants_validate(tmp_path: Path) -> None:
     validate(render_local(failure_mode_allow=True, processors=[("127.0.0.1", 1), ("127.0.0.1", 2)]),
              tmp_path, "open.json")
     validate(render_local(picking=True), tmp_path, "picking.json")
+    pki = make_pki(tmp_path / "pki")
+    client = pki.issue("envoy", client=True)
+    tls = ProcessorTls(ca_file=str(pki.ca), cert_file=str(client.cert), key_file=str(client.key))
+    validate(render_local(processor_tls=tls), tmp_path, "tls.json")
+
+
+def test_strip_and_tls_includes_validate_in_a_minimal_bootstrap(tmp_path: Path) -> None:
+    cluster = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
+    pki = make_pki(tmp_path / "pki")
+    client = pki.issue("envoy", client=True)
+    cluster["transport_socket"] = ProcessorTls(str(pki.ca), str(client.cert), str(client.key)).transport_socket()
+    validate(minimal_bootstrap([load_yaml(ENVOY_DIR / "floodgate-strip-filter.yaml"),
+                                load_yaml(ENVOY_DIR / "floodgate-filter.yaml")], [cluster]), tmp_path)
+
+
+def test_edge_listener_trusts_no_forwarded_for_and_strips_internal_headers_first() -> None:
+    for cfg in (render_local(), render_local(picking=True)):
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        assert hcm["use_remote_address"] is True and hcm.get("xff_num_trusted_hops", 0) == 0
+        assert hcm["http_filters"][0]["name"] == "envoy.filters.http.header_mutation"
+        routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+        for r in routes:
+            skips = r.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {}).get("disabled")
+            if "route" in r and (skips or r["match"].get("path") in ("/v1/models", "/health")):
+                assert "x-request-priority" in r.get("request_headers_to_remove", []), r["match"]
 
 
 def test_picking_cluster_include_validates(tmp_path: Path) -> None:
@@ -91,5 +117,6 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
 @pytest.mark.parametrize("path", sorted(p.name for p in ENVOY_DIR.glob("*.yaml")))
 def test_every_shipped_file_is_covered(path: str) -> None:
     assert path in {"floodgate-filter.yaml", "floodgate-cluster.yaml", "floodgate-picking-cluster.yaml",
-                    "local.yaml", "floodgate-sidecar-filter.yaml"}, (
+                    "local.yaml", "floodgate-sidecar-filter.yaml", "floodgate-strip-filter.yaml",
+                    "floodgate-extproc-tls.yaml"}, (
         f"envoy/{path} is shipped but no test validates it")

@@ -1,4 +1,5 @@
-"""Security defaults of the shipped local bootstrap, checked through the real Envoy."""
+"""The trust boundary, probed as an attacker would, through the real Envoy, the real
+processors and a real Redis-protocol server (docs/operations.md, threat model)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,118 @@ async def test_wrong_redis_password_degrades_instead_of_failing(stack: LocalStac
             assert r.status == 200  # admitted by the local limiter
         m = await metrics(s, stack.processors[0].metrics_url)
     assert m["floodgate_degraded"] == 1
+
+
+# --- client addresses cannot be forged --------------------------------------------------------
+
+SPOOFS = [
+    {"x-forwarded-for": "10.1.2.3"},
+    {"x-forwarded-for": "10.1.2.3, 10.4.5.6"},
+    {"x-forwarded-for": "127.0.0.2, 10.1.2.3"},
+    {"x-envoy-external-address": "10.1.2.3"},
+    {"x-forwarded-for": "10.1.2.3", "x-envoy-external-address": "10.1.2.3", "x-real-ip": "10.1.2.3"},
+]
+
+
+async def test_forwarded_for_does_not_make_a_caller_trusted(stack: LocalStack, upstream: int) -> None:
+    """Trusted: 10.0.0.0/8 and 127.0.0.2 only. The client connects from 127.0.0.1 and claims a
+    trusted address every way Envoy could read one; only the TCP peer counts. Control: the
+    same request from 127.0.0.2 (a trusted peer) does get P0, so the check can fail."""
+    stack.start_redis()
+    proc = stack.start_processor({"admission": {"trust": {"cidrs": ["10.0.0.0/8", "127.0.0.2/32"]}}})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession() as s:
+        for i, spoof in enumerate(SPOOFS):
+            headers = {**spoof, "x-request-priority": "0", "x-test-id": f"spoof{i}"}
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}, headers=headers) as r:
+                assert r.status == 200
+                assert r.headers["x-floodgate-priority"] == "1", spoof
+        seen = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]
+        m = await metrics(s, proc.metrics_url)
+    assert len(seen) == len(SPOOFS)
+    for h in seen:
+        assert "x-request-priority" not in h, h  # the untrusted header never reaches the model
+    assert m['floodgate_untrusted_priority_header_total{pool="default"}'] == len(SPOOFS)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as s:
+        async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"},
+                          headers={"x-request-priority": "0"}) as r:
+            assert r.status == 200 and r.headers["x-floodgate-priority"] == "0"
+
+
+# --- internal headers are stripped on every route ---------------------------------------------
+
+FORGED = {"x-gateway-destination-endpoint": "127.0.0.1:1", "x-floodgate-priority": "0",
+          "x-floodgate-queue-ms": "0", "x-floodgate-reject-reason": "none", "x-floodgate-anything": "x",
+          "x-request-priority": "0"}
+
+
+@pytest.mark.parametrize("picking", [False, True], ids=["admission", "picking"])
+async def test_forged_internal_headers_never_reach_the_model(stack: LocalStack, upstream: int,
+                                                              picking: bool) -> None:
+    stack.start_redis()
+    pool: dict[str, object] = {"name": "default", "endpoint_picking": picking}
+    stack.start_processor({"pools": [pool]})
+    if picking:
+        from floodgate.extproc.registry import Registry
+        from floodgate.extproc.state import redis_client
+        client = redis_client(stack.redis_url, op_timeout_s=2)
+        try:
+            await Registry(client, "default").set(f"127.0.0.1:{upstream}", "active", "r0")
+        finally:
+            await client.aclose()
+        await asyncio.sleep(1.2)  # the processor refreshes its active list every second
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=picking)
+    routes = [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health")]
+    async with aiohttp.ClientSession() as s:
+        for method, path in routes:
+            kw = {"json": {"prompt": "x"}} if method == "POST" else {}
+            async with s.request(method, envoy.url + path, headers={**FORGED, "x-test-id": path}, **kw) as r:
+                assert r.status == 200, (path, r.status, await r.text())
+        seen = {h["x-test-id"]: h for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]}
+    assert set(seen) == {p for _, p in routes}
+    for path, h in seen.items():
+        assert "x-request-priority" not in h, (path, h)
+        assert "x-floodgate-anything" not in h and "x-floodgate-reject-reason" not in h, (path, h)
+        assert h.get("x-gateway-destination-endpoint") in (None, f"127.0.0.1:{upstream}"), (path, h)
+        if path == "/v1/completions":  # the processor's own values, not the client's
+            assert h["x-floodgate-priority"] == "1", h
+        else:
+            assert "x-floodgate-priority" not in h and "x-floodgate-queue-ms" not in h, (path, h)
+
+
+# --- a new Envoy stops sending to a dead processor quickly -------------------------------------
+
+async def test_new_envoy_stops_using_a_dead_processor_within_seconds(stack: LocalStack, upstream: int) -> None:
+    """Two processors, a fresh Envoy that has carried no traffic, one processor SIGKILLed:
+    Envoy must mark it unhealthy within a few health-check intervals (no_traffic_interval),
+    not after the 60 s default. Measured as requests, not wall time: after the dead one is
+    out of rotation, every request succeeds."""
+    stack.start_redis()
+    stack.start_processor({})
+    victim = stack.start_processor({})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    victim.child.kill()
+    async with aiohttp.ClientSession() as s:
+        ok_streak = failures = 0
+        for _ in range(400):  # 400 × 25 ms ≈ 10 s budget, far below the 60 s default
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+                await r.read()
+                if r.status == 200:
+                    ok_streak += 1
+                else:
+                    failures, ok_streak = failures + 1, 0
+            if ok_streak >= 40 and envoy.stat("cluster.floodgate_extproc.membership_healthy") == 1:
+                break
+            await asyncio.sleep(0.025)
+    assert envoy.stat("cluster.floodgate_extproc.membership_healthy") == 1
+    assert ok_streak >= 40, f"still failing: {failures} failures, last streak {ok_streak}"
+
+
+# --- Envoy admin is never reachable from the network ------------------------------------------
+
+def test_admin_listens_on_loopback_in_every_shipped_bootstrap() -> None:
+    import yaml
+
+    from floodgate.envoy_config import COMPOSE_BOOTSTRAP, render_local
+    for name, boot in [("local", render_local()), ("compose", yaml.safe_load(COMPOSE_BOOTSTRAP.read_text()))]:
+        assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1", name

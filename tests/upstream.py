@@ -30,14 +30,15 @@ class Upstream:
         if request.path not in ("/stats", "/stats/reset"):
             self.paths.append(request.path_qs)
             del self.paths[:-500]
+            # The x- headers every request arrived with (security tests check what got through).
+            self.seen.append({k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-")})
+            del self.seen[:-200]
         return await handler(request)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.total += 1
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
-        self.seen.append({k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-")})
-        del self.seen[:-200]
         try:
             h = request.headers
             status = int(h.get("x-test-status", "200"))

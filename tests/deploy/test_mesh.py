@@ -39,6 +39,12 @@ def patches(apply_to: str) -> list[dict[str, Any]]:
     return [p for p in envoyfilter()["spec"]["configPatches"] if p["applyTo"] == apply_to]
 
 
+def http_filter_patches() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the header-strip patch, the ext_proc patch), in the order they are applied."""
+    strip, http = patches("HTTP_FILTER")
+    return strip, http
+
+
 def ext_proc_config(filt: dict[str, Any]) -> dict[str, Any]:
     """The ExternalProcessor inside the (matcher-wrapped) filter."""
     tc: dict[str, Any] = filt["typed_config"]
@@ -50,7 +56,7 @@ def ext_proc_config(filt: dict[str, Any]) -> dict[str, Any]:
 
 def inbound_bootstrap(http_filter: dict[str, Any], clusters: list[dict[str, Any]], *,
                       port: int = 15006, admin_port: int | None = None,
-                      app_port: int = 8000) -> dict[str, Any]:
+                      app_port: int = 8000, strip: dict[str, Any] | None = None) -> dict[str, Any]:
     """What an inbound sidecar looks like, minimally: one listener whose HCM runs the filter and
     routes to the local replica (`inbound|8000||`), plus the given clusters."""
     boot: dict[str, Any] = {"static_resources": {
@@ -62,7 +68,7 @@ def inbound_bootstrap(http_filter: dict[str, Any], clusters: list[dict[str, Any]
                 "stat_prefix": "inbound_0.0.0.0_8000",
                 "route_config": {"name": "inbound|8000||", "virtual_hosts": [{"name": "inbound|http|8000", "domains": ["*"],
                                  "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "inbound|8000||", "timeout": "0s"}}]}]},
-                "http_filters": [http_filter, {"name": "envoy.filters.http.router", "typed_config": {
+                "http_filters": [*([strip] if strip else []), http_filter, {"name": "envoy.filters.http.router", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}],
         "clusters": [*clusters, {"name": "inbound|8000||", "type": "STATIC", "connect_timeout": "1s",
                                  "load_assignment": {"cluster_name": "inbound|8000||", "endpoints": [{"lb_endpoints": [
@@ -91,7 +97,14 @@ def test_envoyfilter_shape() -> None:
     doc = envoyfilter()
     assert doc["apiVersion"].startswith("networking.istio.io/") and doc["kind"] == "EnvoyFilter"
     assert doc["spec"]["workloadSelector"]["labels"], "must select the inference workload only"
-    (http,) = patches("HTTP_FILTER")
+    strip, http = http_filter_patches()
+    assert strip["patch"]["value"] == load_yaml(ENVOY_DIR / "floodgate-strip-filter.yaml")
+    assert strip["match"] == http["match"] and strip["patch"]["operation"] == "INSERT_BEFORE"
+    (hcm,) = patches("NETWORK_FILTER")
+    assert hcm["match"]["context"] == "SIDECAR_INBOUND" and hcm["patch"]["operation"] == "MERGE"
+    assert hcm["match"]["listener"]["portNumber"] == http["match"]["listener"]["portNumber"]
+    merged = hcm["patch"]["value"]["typed_config"]
+    assert merged["use_remote_address"] is True and merged["xff_num_trusted_hops"] == 0
     assert http["match"]["context"] == "SIDECAR_INBOUND"
     assert http["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
     assert http["patch"]["operation"] == "INSERT_BEFORE"
@@ -99,19 +112,25 @@ def test_envoyfilter_shape() -> None:
     assert cluster["patch"]["operation"] == "ADD"
     assert cluster["patch"]["value"]["name"] == ext_proc_config(http["patch"]["value"])["grpc_service"]["envoy_grpc"]["cluster_name"]
     # Admission only: nothing in the mesh config steers requests (no ORIGINAL_DST anywhere).
+    # The destination header appears only where it is removed.
     text = json.dumps(doc["spec"])
-    assert "ORIGINAL_DST" not in text and "x-gateway-destination-endpoint" not in text
+    assert "ORIGINAL_DST" not in text
+    assert text.count("x-gateway-destination-endpoint") == 1 and '"remove": "x-gateway-destination-endpoint"' in text
 
 
 def test_envoyfilter_embeds_exactly_the_sidecar_include() -> None:
-    (http,) = patches("HTTP_FILTER")
+    _, http = http_filter_patches()
     assert http["patch"]["value"] == load_yaml(SIDECAR_FILTER)
 
 
 def test_envoyfilter_validates_in_a_minimal_inbound_bootstrap(tmp_path: Path) -> None:
-    (http,) = patches("HTTP_FILTER")
+    strip, http = http_filter_patches()
     (cluster,) = patches("CLUSTER")
-    boot = inbound_bootstrap(http["patch"]["value"], [cluster["patch"]["value"], ISTIO_SDS_CLUSTER])
+    (hcm,) = patches("NETWORK_FILTER")
+    boot = inbound_bootstrap(http["patch"]["value"], [cluster["patch"]["value"], ISTIO_SDS_CLUSTER],
+                             strip=strip["patch"]["value"])
+    merged = {k: v for k, v in hcm["patch"]["value"]["typed_config"].items() if k != "@type"}
+    boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].update(merged)
     # SDS needs a node identity; Istio's bootstrap sets one per pod.
     boot["node"] = {"id": "sidecar~10.0.0.7~vllm-0.floodgate~floodgate.svc.cluster.local", "cluster": "vllm.floodgate"}
     validate(boot, tmp_path)
