@@ -9,7 +9,7 @@ import grpc
 import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
-from floodgate.extproc.config import Config
+from floodgate.extproc.config import Config, TlsConfig
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.server import Processor
 from floodgate.extproc.state import redis_client
@@ -18,6 +18,20 @@ from prometheus_client import start_http_server
 
 log = logging.getLogger("floodgate.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """TLS for the ext_proc port; with a client CA, a client without a certificate it signed
+    cannot complete the handshake, let alone open a stream."""
+    with open(tls.cert_file, "rb") as f:
+        cert = f.read()
+    with open(tls.key_file, "rb") as f:
+        key = f.read()
+    ca = None
+    if tls.client_ca_file:
+        with open(tls.client_ca_file, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def _split(addr: str) -> tuple[str, int]:
@@ -41,21 +55,35 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(Processor(cfg, admitter), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(cfg.server.listen)
+    if cfg.server.tls is None:
+        server.add_insecure_port(cfg.server.listen)
+    else:
+        server.add_secure_port(cfg.server.listen, server_credentials(cfg.server.tls))
+    health_server = None
+    if cfg.server.health_listen:
+        # Health only: nothing on this port can open an ext_proc stream.
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_server.add_insecure_port(cfg.server.health_listen)
+        await health_server.start()
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if cfg.server.metrics_listen:
         host, port = _split(cfg.server.metrics_listen)
         start_http_server(port, addr=host, registry=metrics.registry)
-    log.info("floodgate extproc %s listening on %s (metrics %s, redis %s, pools %s)",
-             admitter.gateway_id, cfg.server.listen, cfg.server.metrics_listen or "off",
+    log.info("floodgate extproc %s listening on %s (%s; metrics %s, redis %s, pools %s)",
+             admitter.gateway_id, cfg.server.listen,
+             "plaintext" if cfg.server.tls is None else "mTLS" if cfg.server.tls.client_ca_file else "TLS",
+             cfg.server.metrics_listen or "off",
              cfg.redis.url.split("@")[-1], [p.name for p in cfg.pools])
     await stop.wait()
     log.info("shutting down: draining streams, releasing permits")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
+    if health_server is not None:
+        await health_server.stop(grace=0)
     await admitter.stop()
     await client.aclose()
     await pubsub_client.aclose()

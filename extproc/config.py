@@ -131,8 +131,27 @@ class RedisConfig(_Strict):
     reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
 
 
+class TlsConfig(_Strict):
+    """TLS on the ext_proc gRPC port; with `client_ca_file`, mutual TLS (Envoy must present a
+    certificate that CA signed, see envoy/floodgate-extproc-tls.yaml)."""
+
+    cert_file: str = Field(description="PEM certificate chain the processor presents.")
+    key_file: str = Field(description="PEM private key of that certificate.")
+    client_ca_file: str | None = Field(default=None, description="PEM CA bundle: clients (Envoy) must present a certificate it signed. Unset: TLS without client authentication.")
+
+    @model_validator(mode="after")
+    def _readable(self) -> TlsConfig:
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        return self
+
+
 class ServerConfig(_Strict):
-    listen: str = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service.")
+    listen: str = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service (loopback by default: only a co-located Envoy reaches it).")
+    tls: TlsConfig | None = Field(default=None, description="TLS / mTLS on the ext_proc port (unset: plaintext, for loopback or a mesh that encrypts).")
+    health_listen: str | None = Field(default=None, description="Extra plaintext gRPC address serving only grpc.health.v1 (for probes that cannot speak TLS, e.g. the kubelet's); unset: health is served on `listen` only.")
     metrics_listen: str = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
     gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                    description="Unique id of this process (default: host-pid-random).")

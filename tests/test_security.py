@@ -4,12 +4,15 @@ processors and a real Redis-protocol server (docs/operations.md, threat model)."
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
 from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
 from tests.helpers import get_json, metrics
 
 pytestmark = pytest.mark.integration
@@ -206,3 +209,100 @@ def test_admin_listens_on_loopback_in_every_shipped_bootstrap() -> None:
     from floodgate.envoy_config import COMPOSE_BOOTSTRAP, render_local
     for name, boot in [("local", render_local()), ("compose", yaml.safe_load(COMPOSE_BOOTSTRAP.read_text()))]:
         assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1", name
+
+
+# --- the Envoy -> processor channel is authenticated -------------------------------------------
+
+def _ext_proc_request(source: str = "10.0.0.1:1234", priority: str = "0") -> Any:
+    """The first message of an ext_proc stream claiming a trusted source and P0."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from google.protobuf import struct_pb2
+
+    hdrs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+            ((":method", "POST"), (":path", "/v1/completions"), (":authority", "x"), ("x-request-priority", priority))]
+    attrs = struct_pb2.Struct()
+    attrs.update({"source.address": source})
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hdrs)),
+                                attributes={"envoy.filters.http.ext_proc": attrs})
+
+
+async def _open_stream(channel: Any) -> Any:
+    """Open one Process stream and return the first reply (raises on a refused channel)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    call = pb_grpc.ExternalProcessorStub(channel).Process(iter([_ext_proc_request()]), timeout=5)
+    async for reply in call:
+        return reply
+    return None
+
+
+async def test_processor_mtls_refuses_streams_without_envoys_certificate(stack: LocalStack, upstream: int,
+                                                                         tmp_path: Path) -> None:
+    """mTLS on the ext_proc port: the real Envoy with its client certificate gets through; a
+    direct stream without a certificate, with a certificate of another CA, or in plaintext
+    is refused before the processor reads a byte of it (no permit taken)."""
+    import grpc
+
+    from floodgate.envoy_config import ProcessorTls
+    from tests.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    server = pki.issue("extproc", dns=("floodgate-extproc",))
+    envoy_cert = pki.issue("envoy", client=True)
+    rogue_pki = make_pki(tmp_path / "rogue", name="rogue-ca")
+    rogue = rogue_pki.issue("attacker", client=True)
+    stack.start_redis()
+    health_port = free_port()
+    proc = stack.start_processor({
+        "admission": {"trust": {"cidrs": ["10.0.0.0/8"]}},
+        "server": {"tls": {"cert_file": str(server.cert), "key_file": str(server.key),
+                           "client_ca_file": str(pki.ca)},
+                   "health_listen": f"127.0.0.1:{health_port}"},
+        "pools": [{"name": "default", "limit": {"mode": "static", "initial": 2, "min": 1, "max": 2}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processor_tls=ProcessorTls(
+        ca_file=str(pki.ca), cert_file=str(envoy_cert.cert), key_file=str(envoy_cert.key)))
+    target = f"127.0.0.1:{proc.port}"
+    override = (("grpc.ssl_target_name_override", "floodgate-extproc"),)
+    attempts = {
+        "plaintext": grpc.aio.insecure_channel(target),
+        "tls, no client certificate": grpc.aio.secure_channel(
+            target, grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes()), options=override),
+        "client certificate of another CA": grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(
+            root_certificates=pki.ca.read_bytes(), private_key=rogue.key.read_bytes(),
+            certificate_chain=rogue.cert.read_bytes()), options=override),
+    }
+    # The kubelet's plaintext probe port answers health and nothing else.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        hc = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="envoy.service.ext_proc.v3.ExternalProcessor"), timeout=5)
+        assert hc.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _open_stream(channel)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    for what, channel in attempts.items():
+        async with channel:
+            for _ in range(4):  # the issue's attack: four streams took every permit
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _open_stream(channel)
+                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), what
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"},
+                              headers={"x-request-priority": "0"}) as r:
+                assert r.status == 200
+                assert r.headers["x-floodgate-priority"] == "1"  # 127.0.0.1 is not trusted
+        m = await metrics(s, proc.metrics_url)
+    assert envoy.stat("cluster.floodgate_extproc.ssl.handshake") >= 1
+    # Only Envoy's three requests were ever admitted.
+    decisions = {k: v for k, v in m.items() if k.startswith("floodgate_decisions_total")}
+    assert sum(v for k, v in decisions.items() if 'outcome="admitted"' in k) == 3, decisions
+    assert sum(decisions.values()) == 3, decisions
+    # Control: with the right certificate a direct stream is accepted (the refusals above are
+    # the certificate's doing, not a broken port).
+    good = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes(), private_key=envoy_cert.key.read_bytes(),
+                                        certificate_chain=envoy_cert.cert.read_bytes())
+    async with grpc.aio.secure_channel(target, good, options=override) as channel:
+        reply = await _open_stream(channel)
+    assert reply.WhichOneof("response") in ("request_headers", "immediate_response")
