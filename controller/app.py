@@ -4,9 +4,11 @@ Each tick, per pool (only while holding the leader lease):
 
     reconcile  actuator.list() + registry  -> adopt unknown replicas, mark vanished ones failed
     scrape     vLLM /metrics per serving replica, Floodgate queue (Redis), Envoy admin
-    decide     policy.decide(...)           (pure)  -> desired active replicas + reason
-    plan       lifecycle.plan_pool(...)     (pure)  -> start/promote/sleep/drain/recycle/...
+    decide     decider.decide(...)          (pure)  -> desired active replicas + replica actions
+               (the same step the backtest runs: policy, forecast, burst memory, warm pool, plan)
     execute    actions via the actuator, the vLLM client and the registry
+    sync       the registry rewritten wherever it differs from the lifecycle view (level-
+               triggered: a failed DRAIN write is retried next tick, not lost)
 
 Slow operations (cold start: start, /health, warm-up; promotion: wake, warm-up; sleep; stop)
 run as one background task per replica, so a tick never waits on a model load; a replica with
@@ -39,18 +41,17 @@ import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
 from floodgate.controller.actuators.base import Actuator, ReplicaHandle
 from floodgate.controller.config import ControllerConfig, PoolConfig
+from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
 from floodgate.controller.leader import LeaderLease
 from floodgate.controller.lifecycle import (
     ActionKind,
-    BurstMemory,
     Event,
+    action_event,
+    apply_action,
     apply_event,
-    observe_burst,
-    plan_pool,
-    warm_pool_target,
 )
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import PolicyState, ScalePlan, decide
+from floodgate.controller.policy import ScalePlan
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmSample
@@ -133,12 +134,10 @@ class PoolController:
         self.clock = clock
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
-        self.policy_state = PolicyState()
-        self.bursts = BurstMemory()  # recent bursts size the warm pool (lifecycle.observe_burst)
-        self.next_seq = 0
+        self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix)
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
-        self.history = fc.DemandHistory.empty(retention, fc.minute_of(clock()))
-        self.acc = fc.MinuteAccumulator()
+        # Policy window, burst memory, demand history, next replica id (controller.decider).
+        self.state = DeciderState(history=fc.DemandHistory.empty(retention, fc.minute_of(clock())))
         self.scraper = ReplicaScraper(session, cfg.timeouts.scrape_s, cfg.model,
                                       on_failure=lambda src: metrics.scrape_failures.labels(source=src).inc())
         self.events: deque[dict[str, Any]] = deque(maxlen=2000)  # the decision log, for tests/status
@@ -174,15 +173,17 @@ class PoolController:
             if ep not in seen_eps and e.replica_id not in self.replicas:
                 await self.registry.remove(ep)  # a replica that died while no controller ran
         stored_seq = await self.redis.get(self._k_seq)
-        self.next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix),
-                            int(stored_seq) if stored_seq else 0)
+        next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix),
+                       int(stored_seq) if stored_seq else 0)
+        self.state = replace(self.state, next_seq=next_seq)
         raw = await self.redis.get(self._k_history)
         if raw:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 retention = self.cfg.forecast.retention_days * fc.MINUTES_PER_DAY
-                self.history = fc.DemandHistory.from_dict(json.loads(raw), retention)
+                self.state = replace(self.state, history=fc.DemandHistory.from_dict(json.loads(raw), retention))
+        assert self.state.history is not None
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
-                  next_seq=self.next_seq, history_end=self.history.end_minute)
+                  next_seq=self.state.next_seq, history_end=self.state.history.end_minute)
 
     def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float) -> Replica:
         view = adopted_view(h.replica_id, entry, now)
@@ -264,48 +265,77 @@ class PoolController:
                                last_busy_at=now if busy_now else rep.view.last_busy_at)
 
         views = tuple(r.view for r in self.replicas.values())
-        signals = PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal)
-        fcast = fc.predict(self.history, now, self.cfg.forecast)
-        floor = fc.floor_replicas(fcast, self.cfg.policy.target_concurrency, self.cfg.forecast.headroom)
-        plan, self.policy_state = decide(self.cfg.policy, signals, views, self.policy_state, now, floor)
+        signals = Signals(PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal), views)
+        seq_before = self.state.next_seq
+        d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
+                                           "envoy_active": envoy.rq_active if envoy and envoy.ok else None})
+        await self._persist(d, seq_before)
+        todo = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
+        for a in todo:
+            await self._execute(a.kind, a.replica_id, a.reason, now)
+        await self._sync_registry(eps, {a.replica_id for a in todo})
+        self.metrics.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
+        return d.plan
+
+    def step(self, signals: Signals, now: float, extra: dict[str, Any] | None = None) -> Decision:
+        """The decider's step for this pool (pure `decider.decide`) plus its metrics and decision
+        log; no I/O. The backtest calls the same `decide` with the same `Signals`."""
+        self.state, d = decide(self.dcfg, self.state, signals, now)
+        plan = d.plan
         self.last_plan = plan
-        await self._record_demand(now, plan)
-
-        wcfg = self.cfg.warm_pool
-        self.bursts = observe_burst(self.bursts, now, plan.desired, wcfg)
-        target = warm_pool_target(plan.desired, floor, wcfg, self.bursts.largest())
-        pp = plan_pool(plan.desired, views, target, now, wcfg, self.next_seq, self.prefix)
-        if pp.next_seq != self.next_seq:
-            self.next_seq = pp.next_seq
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self.redis.set(self._k_seq, self.next_seq)
-
-        # Metrics and the decision log.
         m = self.metrics
         m.desired.labels(pool=self.pool).set(plan.desired)
         m.actual.labels(pool=self.pool).set(plan.active)
-        m.warm_target.labels(pool=self.pool).set(pp.warm_target)
+        m.warm_target.labels(pool=self.pool).set(d.warm_target)
         m.demand.labels(pool=self.pool).set(plan.demand)
-        m.forecast.labels(pool=self.pool).set(float("nan") if floor is None else floor)
-        m.forecast_demand.labels(pool=self.pool).set(float("nan") if fcast.peak is None else fcast.peak)
+        m.forecast.labels(pool=self.pool).set(float("nan") if d.floor is None else d.floor)
+        m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
-        actions = [a for a in pp.actions if not self._skip(a.replica_id, a.kind)]
+        actions = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
         if plan.direction != "none" or plan.reason != self.last_reason or actions:
             self.emit("decision", direction=plan.direction, desired=plan.desired, previous=plan.previous,
                       reason=plan.reason, cause=plan.cause, active=plan.active, incoming=plan.incoming,
                       demand=round(plan.demand, 2), waiting=round(plan.waiting, 2),
                       running=round(plan.running, 2), kv_mean=plan.kv_mean, stale=plan.stale,
                       panic=plan.panic, recommendation=plan.recommendation, stabilized=plan.stabilized,
-                      floor=floor, forecast=fcast.reason, warm_target=pp.warm_target,
-                      queue=fg.queued, limit=fg.limit,
-                      envoy_active=envoy.rq_active if envoy and envoy.ok else None,
+                      floor=d.floor, forecast=d.forecast.reason, warm_target=d.warm_target,
+                      **(extra or {}),
                       actions=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in actions])
         self.last_reason = plan.reason
-        for a in actions:
-            await self._execute(a.kind, a.replica_id, a.reason, now)
-        m.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
-        return plan
+        return d
+
+    async def _persist(self, d: Decision, seq_before: int) -> None:
+        """Write what must survive a restart: the replica id counter and the demand history."""
+        if self.state.next_seq != seq_before:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.redis.set(self._k_seq, self.state.next_seq)
+        if d.recorded is not None and self.state.history is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.redis.set(self._k_history, json.dumps(self.state.history.to_dict()))
+
+    async def _sync_registry(self, eps: dict[str, Endpoint] | None, acted: set[str]) -> None:
+        """Level-triggered registry: rewrite every entry that differs from the lifecycle view
+        (a write lost to a Redis blip, e.g. DRAIN, is retried here every tick until it holds)."""
+        if eps is None:
+            return  # registry unreadable this tick: nothing to compare with
+        for rep in list(self.replicas.values()):
+            if rep.busy or rep.placeholder or not rep.endpoint or rep.view.replica_id in acted:
+                continue  # an operation in flight (or just issued) writes its own outcome
+            want = registry_state(rep.view)
+            have = eps.get(rep.endpoint)
+            try:
+                if want is None:
+                    if have is not None and rep.view.state in (S.FAILED, S.TERMINATED):
+                        await self.registry.remove(rep.endpoint)
+                        self.emit("registry_sync", replica=rep.view.replica_id, frm=have.state, to=None)
+                elif have is None or have.state != want or have.replica_id != rep.view.replica_id:
+                    await self.registry.set(rep.endpoint, want, rep.view.replica_id)
+                    self.emit("registry_sync", replica=rep.view.replica_id,
+                              frm=have.state if have else None, to=want)
+            except (RedisError, OSError, TimeoutError):
+                self.metrics.scrape_failures.labels(source="registry").inc()
+                return
 
     async def _registry_endpoints(self) -> dict[str, Endpoint] | None:
         try:
@@ -313,15 +343,6 @@ class PoolController:
         except (RedisError, OSError, TimeoutError):
             self.metrics.scrape_failures.labels(source="registry").inc()
             return None
-
-    async def _record_demand(self, now: float, plan: ScalePlan) -> None:
-        if plan.stale:
-            return  # a lower bound is not a demand sample: the minute stays NaN, not low
-        self.acc, done = fc.accumulate(self.acc, now, plan.demand)
-        if done is not None:
-            self.history = self.history.record(*done)
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self.redis.set(self._k_history, json.dumps(self.history.to_dict()))
 
     def _skip(self, rid: str, kind: ActionKind) -> bool:
         if kind is ActionKind.START:
@@ -352,13 +373,23 @@ class PoolController:
                   to=rep.view.state.value, asleep=rep.view.asleep, inflight=rep.view.inflight,
                   running=rep.view.running)
 
+    def _act(self, rep: Replica, kind: ActionKind) -> None:
+        """Apply a planned action's lifecycle event (`lifecycle.apply_action`, shared with the
+        backtest) and log the transition."""
+        before = rep.view.state
+        ev = action_event(rep.view, kind)
+        rep.view = apply_action(rep.view, kind, self.clock())
+        self.emit("transition", replica=rep.view.replica_id, on=ev.value if ev else kind.value, frm=before.value,
+                  to=rep.view.state.value, asleep=rep.view.asleep, inflight=rep.view.inflight,
+                  running=rep.view.running)
+
     async def _execute(self, kind: ActionKind, rid: str, reason: str, now: float) -> None:
         m = self.metrics
         m.actions.labels(pool=self.pool, action=kind.value, outcome="issued").inc()
         if kind is ActionKind.START:
             if reason == "scale_up":
                 m.warm_misses.labels(pool=self.pool).inc()
-            rep = Replica(apply_event(ReplicaView(rid, S.COLD, now), Event.START, now), None, placeholder=True,
+            rep = Replica(apply_action(ReplicaView(rid, S.COLD, now), kind, now), None, placeholder=True,
                           cold_for_demand=reason == "scale_up")
             self.replicas[rid] = rep
             self._spawn(rep, self._start(rep))
@@ -368,30 +399,28 @@ class PoolController:
             if reason == "scale_up" and not rep.cold_for_demand:
                 m.warm_hits.labels(pool=self.pool).inc()
             rep.cold_for_demand = False
-            self._event(rep, Event.PROMOTE)
+            self._act(rep, kind)
             await self._set_registry(rep)
             self._spawn(rep, self._promote(rep))
         elif kind is ActionKind.SLEEP:
             self._spawn(rep, self._sleep(rep))
         elif kind is ActionKind.DRAIN:
-            self._event(rep, Event.DRAIN)
+            self._act(rep, kind)
             await self._set_registry(rep)  # from now on the processor routes nothing new here
         elif kind is ActionKind.RECYCLE:
             m.drain.labels(pool=self.pool, outcome="recycled").observe(now - rep.view.state_since)
-            self._event(rep, Event.DRAINED, recycle=True, asleep=False)
+            self._act(rep, kind)
             await self._set_registry(rep)
             with contextlib.suppress(Exception):
                 await self.actuator.set_role(rid, "warm-pool")
         elif kind is ActionKind.TERMINATE:
             if rep.view.state is S.DRAINING:
                 m.drain.labels(pool=self.pool, outcome="terminated").observe(now - rep.view.state_since)
-                self._event(rep, Event.DRAINED, recycle=False)
-            else:
-                self._event(rep, Event.TERMINATE)
+            self._act(rep, kind)
             self._spawn(rep, self._stop(rep))
         elif kind is ActionKind.FORCE_STOP:
             m.drain.labels(pool=self.pool, outcome="forced").observe(now - rep.view.state_since)
-            self._event(rep, Event.DRAIN_TIMEOUT)
+            self._act(rep, kind)
             self._spawn(rep, self._stop(rep))
 
     async def _guard(self, rep: Replica, what: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -484,7 +513,7 @@ class PoolController:
                 rep.can_sleep = False  # no sleep mode: keep it warm and awake
                 return
             if rep.view.state is S.WARM:
-                rep.view = replace(rep.view, asleep=True)
+                rep.view = apply_action(rep.view, ActionKind.SLEEP, self.clock())
                 await self._set_registry(rep)
                 self.emit("slept", replica=rep.view.replica_id)
 

@@ -84,7 +84,7 @@ def _run_live(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: Any) -> None:
-    from floodgate.controller.simulate import POLICY_NAMES
+    from floodgate.controller.backtest.report import POLICY_NAMES
 
     p = sub.add_parser(
         "simulate",
@@ -112,7 +112,9 @@ def _add_simulate(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
     p.add_argument("--queue-timeout", type=float, default=15.0, help="queued requests are rejected (429) after this long")
-    p.add_argument("--warm-weight", type=float, default=0.25, help="cost weight of a sleeping warm-pool replica")
+    p.add_argument("--warm-weight", type=float, default=1.0,
+                   help="cost of a sleeping warm-pool replica-second relative to an active one; 1 unless the "
+                   "sleeping replica's GPU is really given to something else (docs/controller.md, Backtest)")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per replica")
     p.add_argument("--cold-start", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN", "MAX"))
     p.add_argument("--wake", type=float, nargs=2, default=(5.0, 15.0), metavar=("MIN", "MAX"))
@@ -153,14 +155,14 @@ def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
 def _simulate(args: argparse.Namespace) -> int:
     import time
 
-    from floodgate.controller import simulate as sm
+    from floodgate.controller.backtest import engine, report, workload
 
     try:
         policy, forecast, pool = _load_overrides(args.config)
     except (OSError, ValueError) as exc:
         print(f"floodgate controller simulate: {exc}", file=sys.stderr)
         return 2
-    sim = sm.SimConfig(
+    sim = engine.SimConfig(
         slots_per_replica=args.slots,
         cold_start_min_s=args.cold_start[0],
         cold_start_max_s=args.cold_start[1],
@@ -176,22 +178,22 @@ def _simulate(args: argparse.Namespace) -> int:
         if not args.trace.is_file():
             print(f"floodgate controller simulate: no such trace file: {args.trace}", file=sys.stderr)
             return 2
-        trace = sm.load_trace(args.trace)
+        trace = workload.load_trace(args.trace)
     mode = args.mode or ("tile" if trace is not None else "synthetic")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in sm.POLICY_NAMES]
+    unknown = [n for n in names if n not in report.POLICY_NAMES]
     if unknown:
-        print(f"floodgate controller simulate: unknown policies {unknown}; known: {', '.join(sm.POLICY_NAMES)}", file=sys.stderr)
+        print(f"floodgate controller simulate: unknown policies {unknown}; known: {', '.join(report.POLICY_NAMES)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     if mode == "replay":
         if trace is None:
             print("floodgate controller simulate: --mode replay needs --trace", file=sys.stderr)
             return 2
-        w = sm.make_replay_workload(trace, sim, args.rate_scale, args.seed)
+        w = workload.make_replay_workload(trace, sim, args.rate_scale, args.seed)
     else:
-        shape = sm.DayShape(bursts_per_day=args.bursts_per_day)
-        w = sm.make_day_workload(
+        shape = workload.DayShape(bursts_per_day=args.bursts_per_day)
+        w = workload.make_day_workload(
             days=args.days,
             peak_rps=args.peak_rps,
             sim=sim,
@@ -202,21 +204,23 @@ def _simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     print(f"workload: {w.description}", flush=True)
-    results = sm.compare(
+    c = report.compare(
         w, sim, policy, forecast, pool, names, progress=lambda m: print(f"  ran {m}", file=sys.stderr, flush=True)
     )
     print()
-    print(sm.markdown_table(results, sim))
+    print(report.markdown_table(c))
     print()
-    for r in results:
+    for r in c.results:
         if r.notes:
             print(f"{r.name}: {r.notes}")
     print(
         f"SLO: queueing delay ≤ {sim.slo_wait_s:g} s (rejections after {sim.queue_timeout_s:g} s count as misses); "
-        f"cost = replica-seconds, sleeping warm-pool replicas × {sim.warm_cost_weight:g}; "
+        f"cost = replica-seconds of every replica holding a GPU, sleeping warm-pool replicas × "
+        f"{sim.warm_cost_weight:g}; oracle = exact zero-wait, starts charged {sim.start_cost_s:g} s; "
         f"{time.perf_counter() - t0:.0f} s"
     )
     if args.out is not None:
-        sm.write_outputs(args.out, w, sim, results, {"policy": policy.model_dump(), "forecast": forecast.model_dump(), "warm_pool": pool.model_dump()})
+        report.write_outputs(args.out, c, {"policy": policy.model_dump(), "forecast": forecast.model_dump(),
+                                           "warm_pool": pool.model_dump()})
         print(f"wrote {args.out}/simulate.json, timeline.json, replicas.png")
     return 0

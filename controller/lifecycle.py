@@ -126,6 +126,9 @@ class WarmPoolConfig(BaseModel):
     burst_memory_fraction: float = Field(
         default=0.5, ge=0, description="Pool target ≥ floor(this × the largest burst remembered)."
     )
+    forecast_horizon_s: float = Field(
+        default=1800.0, ge=0, description="The pool is sized for the forecast peak over [now, now + this]."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,35 @@ class ActionKind(StrEnum):
     RECYCLE = "recycle"  # finished drain → warm pool
     TERMINATE = "terminate"  # stop a non-serving replica
     FORCE_STOP = "force_stop"  # drain exceeded max_drain_s
+
+
+# The one mapping from a planned action to the lifecycle event it applies (live and backtest).
+# SLEEP changes no state (only the `asleep` flag); TERMINATE of a draining replica is a drain
+# that ended without recycling.
+_ACTION_EVENT: dict[ActionKind, Event] = {
+    ActionKind.START: Event.START,
+    ActionKind.PROMOTE: Event.PROMOTE,
+    ActionKind.DRAIN: Event.DRAIN,
+    ActionKind.RECYCLE: Event.DRAINED,
+    ActionKind.FORCE_STOP: Event.DRAIN_TIMEOUT,
+}
+
+
+def action_event(view: ReplicaView, kind: ActionKind) -> Event | None:
+    """The lifecycle event that carrying out `kind` on `view` applies (None: SLEEP)."""
+    if kind is ActionKind.TERMINATE:
+        return Event.DRAINED if view.state is S.DRAINING else Event.TERMINATE
+    return _ACTION_EVENT.get(kind)
+
+
+def apply_action(view: ReplicaView, kind: ActionKind, now: float) -> ReplicaView:
+    """`view` after the planner's action `kind` was carried out at `now`."""
+    ev = action_event(view, kind)
+    if ev is None:
+        return replace(view, asleep=True)
+    if kind is ActionKind.RECYCLE:
+        return apply_event(view, ev, now, recycle=True, asleep=False)
+    return apply_event(view, ev, now)
 
 
 @dataclass(frozen=True, slots=True)

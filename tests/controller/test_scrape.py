@@ -8,6 +8,7 @@ import sys
 import aiohttp
 import pytest
 from floodgate.controller.app import PoolController, Replica
+from floodgate.controller.decider import DeciderState
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import REASON_HOLD_STALE, PolicyState
 from floodgate.controller.scrape import parse_envoy, scrape_envoy, scrape_floodgate
@@ -179,7 +180,7 @@ async def test_dead_replica_is_marked_failed_and_policy_holds(stack: LocalStack)
         now = pc.clock()
         pc.replicas = {rid: Replica(ReplicaView(rid, ReplicaState.ACTIVE, now - 600), e2)
                        for rid, e2 in (("r0", ep), ("r1", dead))}
-        pc.policy_state = PolicyState(desired=2)
+        pc.state = DeciderState(policy=PolicyState(desired=2), history=pc.state.history)
         plan = await pc.tick()
         assert plan.stale and plan.desired == 2 and plan.reason == REASON_HOLD_STALE
         assert pc.replicas["r1"].sample is not None and not pc.replicas["r1"].sample.metrics.ok

@@ -1,0 +1,136 @@
+"""The decider: one pure step per pool per tick, called by the live controller AND the backtest.
+
+    decide(cfg, state, signals, now) -> (state, decision)
+
+(Knative's `Scale(now)` shape: no I/O, no clock of its own.) It composes, in this order:
+
+    policy.decide        signals + replica views + forecast floor -> desired active replicas
+    forecast recording   this tick's demand into the per-minute history (fresh ticks only)
+    forecast             once per minute: the policy floor (lead window) and the pool forecast
+                         (0 .. warm_pool.forecast_horizon_s)
+    burst memory         lifecycle.observe_burst on the desired count
+    warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst)
+    plan                 lifecycle.plan_pool -> replica actions with ids
+
+Everything the step remembers lives in `DeciderState` (policy window, burst memory, demand
+history, the next replica id), so the live shell only persists what changed (`Decision.recorded`
+→ the history in Redis, `DeciderState.next_seq`) and the backtest runs exactly this code.
+
+`Signals` is the one input record; new measurements (e.g. offered demand, learned per-replica
+capacity) are added as fields here, with defaults, so both callers keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from floodgate.controller import forecast as fc
+from floodgate.controller.lifecycle import (
+    Action,
+    BurstMemory,
+    WarmPoolConfig,
+    observe_burst,
+    plan_pool,
+    warm_pool_target,
+)
+from floodgate.controller.policy import PolicyConfig, PolicyState, ScalePlan
+from floodgate.controller.policy import decide as policy_decide
+from floodgate.controller.signals import PoolSignals, ReplicaView
+
+
+@dataclass(frozen=True, slots=True)
+class DeciderConfig:
+    """The settings of one pool's decider (the live PoolConfig's policy/forecast/warm_pool)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    forecast: fc.ForecastConfig = field(default_factory=fc.ForecastConfig)
+    warm_pool: WarmPoolConfig = field(default_factory=WarmPoolConfig)
+    id_prefix: str = "r"  # new replicas are named f"{id_prefix}{seq}"
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """Everything measured about one pool at one tick, as the decider reads it.
+
+    `pool`: vLLM scrapes of the serving replicas and Floodgate's queue (each with its scrape
+    time, so stale values are never read as zero); `replicas`: the lifecycle view (state,
+    in-flight, running, asleep) of every replica the controller knows.
+    """
+
+    pool: PoolSignals
+    replicas: tuple[ReplicaView, ...]
+
+
+_NO_FORECAST = fc.Forecast(False, "short_history", None, 0, None)
+
+
+@dataclass(frozen=True, slots=True)
+class DeciderState:
+    """What the decider remembers between ticks (per pool)."""
+
+    policy: PolicyState = field(default_factory=PolicyState)
+    bursts: BurstMemory = field(default_factory=BurstMemory)
+    history: fc.DemandHistory | None = None  # None: created empty at the first tick
+    acc: fc.MinuteAccumulator = field(default_factory=fc.MinuteAccumulator)
+    # (minute, history end) the cached forecasts were made for: they change only when the
+    # minute turns or a minute closes into the history.
+    forecast_key: tuple[int, int] | None = None
+    forecast: fc.Forecast = field(default=_NO_FORECAST)  # [lead_min_s, lead_max_s]: policy floor
+    pool_forecast: fc.Forecast = field(default=_NO_FORECAST)  # [0, warm_pool.forecast_horizon_s]: pool target
+    next_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One step's output: the policy's plan, the forecasts it used and the replica actions."""
+
+    plan: ScalePlan
+    forecast: fc.Forecast
+    floor: int | None  # policy floor in replicas (None: forecaster not engaged)
+    pool_floor: int | None  # forecast replicas the warm pool is sized for
+    warm_target: int
+    actions: tuple[Action, ...]
+    recorded: tuple[int, float] | None  # (minute, mean demand) closed into the history this tick
+
+
+def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float) -> tuple[DeciderState, Decision]:
+    """The next state and the decision for one pool at `now` (pure)."""
+    history = state.history
+    if history is None:
+        history = fc.DemandHistory.empty(cfg.forecast.retention_days * fc.MINUTES_PER_DAY, fc.minute_of(now))
+
+    key = (fc.minute_of(now), history.end_minute)
+    fcast, pool_fcast = state.forecast, state.pool_forecast
+    if key != state.forecast_key:
+        fcast = fc.predict(history, now, cfg.forecast)
+        pool_fcast = fc.predict(history, now, cfg.forecast, 0.0, cfg.warm_pool.forecast_horizon_s)
+    tc = cfg.policy.target_concurrency
+    floor = fc.floor_replicas(fcast, tc, cfg.forecast.headroom)
+    pool_floor = fc.floor_replicas(pool_fcast, tc, cfg.forecast.headroom)
+
+    plan, pstate = policy_decide(cfg.policy, signals.pool, signals.replicas, state.policy, now, floor)
+
+    # A stale tick only knows a lower bound of demand: it is not a sample (the minute stays
+    # NaN rather than reading low).
+    acc, recorded = state.acc, None
+    if not plan.stale:
+        acc, recorded = fc.accumulate(acc, now, plan.demand)
+        if recorded is not None:
+            history = history.record(*recorded)
+
+    bursts = observe_burst(state.bursts, now, plan.desired, cfg.warm_pool)
+    target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest())
+    pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix)
+
+    new_state = replace(
+        state,
+        policy=pstate,
+        bursts=bursts,
+        history=history,
+        acc=acc,
+        forecast_key=key,
+        forecast=fcast,
+        pool_forecast=pool_fcast,
+        next_seq=pp.next_seq,
+    )
+    return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded)

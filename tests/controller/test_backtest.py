@@ -1,0 +1,199 @@
+"""Backtest: the yardstick (exact zero-wait oracle, lower bound), the baselines, the numbers
+reported, the CLI. Short synthetic runs only (the full runs are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from floodgate.controller.backtest import baselines, engine, oracle, report, workload
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.lifecycle import WarmPoolConfig
+from floodgate.controller.policy import PolicyConfig
+from floodgate.controller.signals import ReplicaState, ReplicaView
+
+from floodgate.cli import main
+
+from .conftest import trace_or_skip
+
+SIM = engine.SimConfig()
+S = ReplicaState
+
+
+def _window(w: workload.Workload, start_h: float, hours: float) -> workload.Workload:
+    start = w.start + start_h * 3600
+    end = start + hours * 3600
+    keep = (w.arrivals >= start) & (w.arrivals < end)
+    return workload.Workload(w.name, w.arrivals[keep], w.service[keep], w.tokens[keep], start, end,
+                             w.history, w.description)
+
+
+@pytest.fixture(scope="module")
+def comparison() -> report.Comparison:
+    # 4 days so the forecaster (min_days=3) engages on the evaluated one; 40 minutes of it
+    # around the daily 09:00 peak.
+    w = workload.make_day_workload(days=4, peak_rps=3.0, sim=SIM, trace=None, tile=False, eval_hours=9.4, seed=3)
+    return report.compare(_window(w, 8.67, 0.73), SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig())
+
+
+def test_every_policy_reported_with_consistent_numbers(comparison: report.Comparison) -> None:
+    results = comparison.results
+    w = comparison.workload
+    assert [r.name for r in results] == list(report.POLICY_NAMES)
+    n = len(w.arrivals)
+    assert n > 1000
+    for r in results:
+        assert r.requests == n
+        assert 0.0 <= r.slo <= 1.0
+        assert r.slo_ok + r.rejected <= n
+        # Unweighted by default: a sleeping replica costs what an active one does.
+        assert r.cost == pytest.approx(r.unweighted) == pytest.approx(r.replica_s + r.warm_s)
+        assert 0 < r.mean_active <= r.peak_active
+        assert r.replica_s >= r.mean_active * (w.end - w.start) * 0.99
+        assert len(r.timeline["t"]) == len(r.timeline["active"]) > 0
+        # The lower bound is below everything that served every request.
+        if r.rejected == 0:
+            assert r.unweighted >= comparison.lower_bound_s
+    by = comparison.by_name()
+    assert by["oracle"].slo == 1.0 and by["oracle"].max_wait == 0.0
+    assert by["floodgate-reactive"].warm_s == 0
+    assert by["floodgate"].warm_s > 0
+    # Baselines borrow nothing from the warm pool: nothing sleeps, nothing is woken.
+    for name in ("hpa", "kpa", "oracle"):
+        assert by[name].warm_s == 0 and by[name].wakes == 0
+
+
+def test_table_prints_oracle_and_lower_bound_beside_every_policy(comparison: report.Comparison) -> None:
+    table = report.markdown_table(comparison)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(report.POLICY_NAMES) + 1
+    for name in report.POLICY_NAMES:
+        assert any(line.startswith(f"| {name} |") for line in lines)
+    assert "| oracle | 100.00% | 0.00 |" in table
+    assert lines[-1].startswith("| lower bound")
+    assert "sleeping ×" not in table  # unweighted: no second cost column
+    weighted = report.Comparison(comparison.workload, engine.SimConfig(warm_cost_weight=0.25),
+                                 comparison.results, comparison.lower_bound_s)
+    assert "sleeping ×0.25" in report.markdown_table(weighted)
+
+
+def test_peak_concurrency_is_exact_within_each_tick() -> None:
+    rng = np.random.default_rng(4)
+    arr = np.sort(rng.uniform(0, 60, 300))
+    svc = rng.exponential(3.0, 300)
+    edges = np.arange(0.0, 62.0, 2.0)
+    got = oracle.peak_concurrency(arr, svc, edges)
+    for k in range(len(edges) - 1):
+        # Brute force on a fine grid plus every event time inside the tick.
+        pts = np.concatenate([[edges[k]], arr[(arr >= edges[k]) & (arr < edges[k + 1])],
+                              (arr + svc)[((arr + svc) >= edges[k]) & ((arr + svc) < edges[k + 1])]])
+        conc = [int(np.count_nonzero((arr <= p) & (arr + svc > p))) for p in pts]
+        assert got[k] == max(conc)
+
+
+def test_oracle_has_zero_wait_even_on_spiky_short_requests() -> None:
+    # Bursts of simultaneous short requests: a tick-start count would miss them.
+    rng = np.random.default_rng(1)
+    bursts = np.repeat(np.arange(0.0, 1800.0, 37.0), 40) + rng.uniform(0, 0.5, 40 * 49)
+    arr = np.sort(np.concatenate([bursts, rng.uniform(0, 1800, 3000)]))
+    svc = rng.uniform(0.2, 3.0, len(arr))
+    w = workload.Workload("spiky", arr, svc, np.ones(len(arr)), 0.0, 1800.0, None, "")
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["oracle", "hpa"])
+    orc = c.by_name()["oracle"]
+    assert orc.slo == 1.0 and orc.max_wait == 0.0
+    assert orc.unweighted >= c.lower_bound_s
+
+
+def test_oracle_schedule_bridges_short_gaps_only() -> None:
+    arr = np.array([0.5, 0.6, 0.7, 10.0, 500.0])
+    svc = np.array([5.0, 5.0, 5.0, 1.0, 1.0])
+    w = workload.Workload("t", arr, svc, np.ones(5), 0.0, 600.0, None, "")
+    sim = engine.SimConfig(slots_per_replica=2, cold_start_min_s=30.0, cold_start_max_s=40.0, warmup_s=0.0)
+    sched = oracle.zero_wait_schedule(w, sim)
+    assert sched[0] == 2  # three requests in the first tick need two 2-slot replicas
+    assert sched[5] == 1  # 10 s later: one replica, kept through the 5 s gap (start costs 30 s)
+    assert sched[100] == 0  # the 490 s gap is longer than a start: off
+    assert sched[250] == 1
+
+
+def test_replicaset_planner_has_no_warm_pool() -> None:
+    now = 1000.0
+    reps = (
+        ReplicaView("a0", S.ACTIVE, 0.0, inflight=2, running=2),
+        ReplicaView("a1", S.ACTIVE, 0.0),
+        ReplicaView("w0", S.WARM, 990.0),  # finished loading: Ready, serves at once
+        ReplicaView("l0", S.LOADING, 900.0),
+    )
+    p = baselines.plan_replicaset(4, reps, now, 300.0, 0)
+    assert [(a.kind.value, a.replica_id) for a in p.actions] == [("promote", "w0")]
+    p = baselines.plan_replicaset(2, reps, now, 300.0, 0)
+    kinds = [(a.kind.value, a.replica_id) for a in p.actions]
+    # Not-ready first, then the just-loaded one, never a sleep.
+    assert ("terminate", "l0") in kinds and ("terminate", "w0") in kinds
+    assert all(k != "sleep" for k, _ in kinds) and ("promote", "w0") not in kinds
+    p = baselines.plan_replicaset(6, reps, now, 300.0, 7)
+    assert [a.replica_id for a in p.actions if a.kind.value == "start"] == ["r7", "r8"]
+
+
+def test_run_is_deterministic(comparison: report.Comparison) -> None:
+    w = comparison.workload
+    short = workload.Workload("s", w.arrivals[:2000], w.service[:2000], w.tokens[:2000],
+                              w.start, float(w.arrivals[1999]) + 1, w.history, "")
+    a = report.compare(short, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "kpa"])
+    b = report.compare(short, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "kpa"])
+    assert [(r.slo_ok, r.cost, r.cold_starts) for r in a.results] == [(r.slo_ok, r.cost, r.cold_starts) for r in b.results]
+
+
+def test_sliding_max_matches_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 20, 200)
+    for w in (0, 1, 3, 7, 50):
+        fwd = oracle.sliding_max(a, w, True)
+        bwd = oracle.sliding_max(a, w, False)
+        for k in range(len(a)):
+            assert fwd[k] == a[k : k + w + 1].max()
+            assert bwd[k] == a[max(0, k - w) : k + 1].max()
+
+
+def test_cli_simulate_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main([
+        "controller", "simulate", "--mode", "synthetic", "--days", "2", "--eval-hours", "0.2",
+        "--peak-rps", "2", "--policies", "floodgate,hpa,oracle", "--out", str(tmp_path),
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| floodgate |" in out and "| hpa |" in out and "| oracle |" in out and "| lower bound" in out
+    data = json.loads((tmp_path / "simulate.json").read_text())
+    assert [r["name"] for r in data["results"]] == ["floodgate", "hpa", "oracle"]
+    assert (tmp_path / "replicas.png").stat().st_size > 1000
+
+
+def test_cli_bare_controller_prints_help() -> None:
+    assert main(["controller"]) == 2
+
+
+def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  kv_pressure_threshold: 3\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert "kv_pressure_threshold" in capsys.readouterr().err
+    cfg.write_text("polcy: {}\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert main(["controller", "simulate", "--policies", "nope"]) == 2
+
+
+def test_trace_tile_and_replay() -> None:
+    path = trace_or_skip()
+    trace = workload.load_trace(path)
+    t, ctx, gen = trace
+    assert len(t) == 19366 and t[0] == 0.0 and np.all(np.diff(t) >= 0)
+    assert 1000 < ctx.mean() < 1300 and 150 < gen.mean() < 260
+    w = workload.make_day_workload(days=2, peak_rps=4.0, sim=SIM, trace=trace, tile=True, eval_hours=0.25, seed=2)
+    assert w.history is not None and len(w.arrivals) > 500
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "oracle"])
+    assert c.results[1].slo == 1.0
+    rep = workload.make_replay_workload(trace, SIM, rate_scale=1.5)
+    assert 1.45 < len(rep.arrivals) / len(t) < 1.55
+    assert np.all(np.diff(rep.arrivals) >= 0)

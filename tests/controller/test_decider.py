@@ -1,0 +1,95 @@
+"""The decider is the one step the live controller and the backtest both run: fed the same
+signal sequence, the live shell and the backtest take identical actions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+from floodgate.controller.actuators.static import StaticActuator
+from floodgate.controller.app import PoolController
+from floodgate.controller.backtest import engine, report, workload
+from floodgate.controller.config import PoolConfig
+from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.lifecycle import Action, ActionKind, WarmPoolConfig
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import PolicyConfig
+from floodgate.extproc.state import redis_client
+
+from .conftest import FakeClock, signals, views
+
+SIM = engine.SimConfig()
+
+
+@dataclass
+class Recording:
+    """Wraps the backtest's Floodgate controller and keeps what it saw and did."""
+
+    inner: engine.FloodgateController
+    log: list[tuple[Signals, float, tuple[Action, ...]]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def instant_start(self) -> bool:
+        return False
+
+    def step(self, sig: Signals, now: float) -> Sequence[Action]:
+        acts = tuple(self.inner.step(sig, now))
+        self.log.append((sig, now, acts))
+        return acts
+
+
+async def test_live_shell_and_backtest_take_identical_actions() -> None:
+    # A burst around the daily peak with forecast history: scale-up by promotion and cold
+    # start, pool refill, sleep, drain and recycle all happen.
+    w = workload.make_day_workload(days=4, peak_rps=3.0, sim=SIM, trace=None, tile=False, eval_hours=9.3, seed=3)
+    keep = w.arrivals >= w.start + 8.5 * 3600
+    w = workload.Workload(w.name, w.arrivals[keep], w.service[keep], w.tokens[keep], w.start + 8.5 * 3600,
+                          w.end, w.history, w.description)
+    pol, fc_cfg, pool = PolicyConfig(), ForecastConfig(), WarmPoolConfig()
+    rec = Recording(report.floodgate_controller("floodgate", w, pol, fc_cfg, pool))
+    engine.run_policy(w, rec, SIM, engine.initial_replicas(w, pol.target_concurrency, 1, 64))
+    kinds = {a.kind for _, _, acts in rec.log for a in acts}
+    assert {ActionKind.START, ActionKind.PROMOTE, ActionKind.DRAIN, ActionKind.SLEEP} <= kinds
+    assert rec.inner.forecast_reasons.get("ok", 0) > 0  # the forecast floor took part
+
+    cfg = PoolConfig(name="p", id_prefix="r", policy=pol, forecast=fc_cfg, warm_pool=pool)
+    client = redis_client("redis://127.0.0.1:1/0")  # never contacted: step() does no I/O
+    async with aiohttp.ClientSession() as session:
+        pc = PoolController(cfg, StaticActuator(["127.0.0.1:1"]), client, session, ControllerMetrics())
+        pc.state = DeciderState(history=w.history)
+        for sig, now, acts in rec.log:
+            d = pc.step(sig, now)
+            assert d.actions == acts, f"live and backtest diverged at t={now}"
+    await client.aclose()
+    # Same final memory (policy window, bursts, history, ids).
+    a, b = pc.state, rec.inner.state
+    assert (a.policy, a.bursts, a.acc, a.next_seq, a.forecast) == (b.policy, b.bursts, b.acc, b.next_seq, b.forecast)
+    assert a.history is not None and b.history is not None
+    assert np.array_equal(a.history.values, b.history.values, equal_nan=True)
+
+
+def test_decider_records_history_and_skips_stale_ticks(clock: FakeClock) -> None:
+    cfg = DeciderConfig(forecast=ForecastConfig(min_days=1))
+    st = DeciderState()
+    now = clock.now
+    reps = views(now, active=2)
+    recorded = []
+    for i in range(70):
+        now = clock.advance(1.0) if i else now
+        st, d = decide(cfg, st, Signals(signals(now, reps, running=10.0), reps), now)
+        if d.recorded is not None:
+            recorded.append(d.recorded)
+    assert st.history is not None
+    assert len(recorded) == 1 and recorded[0][1] == 10.0
+    assert st.history.get(np.array([recorded[0][0]]))[0] == 10.0
+    # A stale tick is not a demand sample.
+    stale = signals(now + 70, reps, running=0.0, stale_ids=frozenset({"a0"}))
+    st2, d2 = decide(cfg, st, Signals(stale, reps), now + 70)
+    assert d2.plan.stale and d2.recorded is None and st2.acc == st.acc
