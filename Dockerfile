@@ -5,7 +5,8 @@
 #   docker run --rm floodgate:local extproc --help
 #
 # Envoy and Redis are not in this image: compose.yaml runs their official images.
-FROM python:3.11-slim
+# Pinned (a patch release on a Debian release): rebuilding gets the same interpreter.
+FROM python:3.11.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -13,14 +14,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-# Only what the distribution installs (see pyproject's package list; bench/ is left out on
-# purpose: it is a development tool and `floodgate` runs without it).
+# Exactly what the distribution installs (pyproject's package-dir: every folder it maps), with
+# the `k8s` extra because the controller's Kubernetes actuator and EndpointSlice discovery run
+# from this image. tests/deploy/test_image.py repeats these COPY and pip lines in a clean
+# virtualenv and runs every command compose.yaml and deploy/kubernetes run.
 COPY pyproject.toml README.md ./
 COPY floodgate ./floodgate
 COPY extproc ./extproc
 COPY controller ./controller
 COPY sim ./sim
-RUN pip install . && rm -rf /src
+COPY bench ./bench
+COPY envoy ./envoy
+RUN pip install '.[k8s]' && rm -rf /src
 
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin floodgate
 USER 10001

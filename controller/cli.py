@@ -24,6 +24,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", type=Path, help="controller YAML (see docs/controller.md); runs the live controller")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the config (and that its actuator's client is installed), print it, and exit")
     parser.add_argument("--stop-replicas-on-exit", action="store_true",
                         help="process actuator: stop the replicas it started when the controller exits "
                         "(`floodgate up`); by default they outlive it so a restart adopts them")
@@ -51,6 +53,9 @@ def _run_live(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"floodgate controller: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        print(cfg.model_dump_json(indent=2))
+        return 0
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The decision log is one JSON object per line on stdout (machine-readable).

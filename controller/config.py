@@ -29,6 +29,7 @@ from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
 __all__ = ["ConfigError", "ControllerConfig", "load_config", "parse_config"]
@@ -39,20 +40,20 @@ class _Strict(BaseModel):
 
 
 class RedisConfig(_Strict):
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis holding Floodgate's shared state.")
+    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis holding Floodgate's shared state (redis://, rediss:// or unix://).")
     password: str | None = Field(default=None, description="Redis password (or in the URL).")
-    op_timeout_s: float = Field(default=1.0, gt=0, description="Per-call timeout; a dead Redis must not stall a tick.")
+    op_timeout_s: float = Field(default=1.0, gt=0, le=30, description="Per-call timeout; a dead Redis must not stall a tick.")
 
 
 class EnvoyConfig(_Strict):
-    admin_url: str | None = Field(default=None, description="Envoy admin base URL; unset: no Envoy signals.")
+    admin_url: OptionalHttpURL = Field(default=None, description="Envoy admin base URL (http:// or https://); unset: no Envoy signals.")
     clusters: list[str] | None = Field(default=None, description="Upstream clusters to sum; unset: all but floodgate_*.")
 
 
 class LeaderConfig(_Strict):
     enabled: bool = Field(default=True, description="Act only while holding the Redis leader lease.")
-    key: str = Field(default="fg:controller:leader", description="Redis key of the lease.")
-    ttl_s: float = Field(default=10.0, gt=0, description="Lease lifetime; a standby takes over this long after a crash.")
+    key: str = Field(default="fg:controller:leader", min_length=1, description="Redis key of the lease.")
+    ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash.")
 
 
 class ActuatorConfig(_Strict):
@@ -69,7 +70,29 @@ class ActuatorConfig(_Strict):
             raise ValueError("static actuator needs endpoints")
         if self.command is not None and not any("{port}" in a for a in self.command):
             raise ValueError("command needs a {port} placeholder")
+        if self.kind == "kubernetes":
+            from floodgate.controller.actuators.kubernetes import KubernetesActuatorConfig
+
+            _nested(KubernetesActuatorConfig, self.options)
+            _needs_kubernetes_client(self.kind)
         return self
+
+
+def _nested(model: type[BaseModel], options: Mapping[str, Any]) -> None:
+    """Validate `options` as `model`, naming the nested field (`options.port: ...`)."""
+    try:
+        model.model_validate(options)
+    except ValidationError as exc:
+        raise ValueError("; ".join(
+            f"options.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())) from None
+
+
+def _needs_kubernetes_client(kind: str) -> None:
+    # Checked here (at --check-config and start), not at the first leader tick.
+    import importlib.util
+
+    if importlib.util.find_spec("kubernetes_asyncio") is None:
+        raise ValueError(f"kind {kind!r} needs the Kubernetes client: pip install 'floodgate[k8s]'")
 
 
 class TimeoutsConfig(_Strict):
@@ -97,7 +120,7 @@ class ControllerConfig(_Strict):
     envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
     leader: LeaderConfig = Field(default_factory=LeaderConfig)
     tick_interval_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between ticks.")
-    metrics_listen: str | None = Field(default="127.0.0.1:9464", description="host:port of /metrics; null: none.")
+    metrics_listen: OptionalListenAddress = Field(default="127.0.0.1:9464", description="HOST:PORT of /metrics (IPv6 in brackets); null: none.")
     pools: list[PoolConfig] = Field(min_length=1, description="The pools this controller scales.")
 
     @model_validator(mode="after")

@@ -11,15 +11,33 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from floodgate.validators import (
+    ListenAddress,
+    OptionalListenAddress,
+    RedisURL,
+    check_optional_listen,
+)
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
 __all__ = ["Config", "ConfigError", "load_config"]
 
 PRIORITY_NAMES = ("critical", "standard", "sheddable")
+# A priority class: 0 (critical), 1 (standard) or 2 (sheddable).
+Priority = Annotated[int, Field(ge=0, le=2)]
+# An HTTP header name (RFC 9110 token characters; matched case-insensitively).
+HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")]
 
 
 class _Strict(BaseModel):
@@ -65,6 +83,8 @@ class LimitConfig(_Strict):
 
     @model_validator(mode="after")
     def _bounds(self) -> LimitConfig:
+        if self.window_s > self.window_max_s:
+            raise ValueError(f"window_s ({self.window_s}) is above window_max_s ({self.window_max_s})")
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max})")
         if not self.min <= self.initial <= self.max:
@@ -77,7 +97,7 @@ class PoolConfig(_Strict):
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include).")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
-    unadmitted_paths: list[str] = Field(
+    unadmitted_paths: list[Annotated[str, Field(pattern=r"^/")]] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
         description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
     limit: LimitConfig = LimitConfig()
@@ -98,7 +118,7 @@ class TrustConfig(_Strict):
 
     cidrs: list[str] = Field(default_factory=list, description="Source address ranges whose priority header is honoured.")
     spiffe_ids: list[str] = Field(default_factory=list, description="mTLS peer URI SANs whose priority header is honoured (exact, or prefix ending in '/').")
-    spiffe_priorities: dict[str, int] = Field(default_factory=dict, description="mTLS peer URI SAN -> priority, applied when the caller sends no header.")
+    spiffe_priorities: dict[str, Priority] = Field(default_factory=dict, description="mTLS peer URI SAN -> priority, applied when the caller sends no header.")
 
     @field_validator("cidrs")
     @classmethod
@@ -113,17 +133,23 @@ class TrustConfig(_Strict):
 
 class AdmissionConfig(_Strict):
     default_priority: int = Field(default=1, ge=0, le=2, description="Priority when no trusted header or tenant mapping applies.")
-    priority_header: str = Field(default="x-request-priority", description="Header carrying the requested priority.")
-    tenant_header: str = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust).")
-    tenant_priorities: dict[str, int] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted.")
+    priority_header: HeaderName = Field(default="x-request-priority", description="Header carrying the requested priority.")
+    tenant_header: HeaderName = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust).")
+    tenant_priorities: dict[str, Priority] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted.")
     trust: TrustConfig = TrustConfig()
     retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")
     retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
     retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is multiplied by 1 + uniform(0, jitter) to spread retries.")
 
+    @model_validator(mode="after")
+    def _retry_after_bounds(self) -> AdmissionConfig:
+        if self.retry_after_min_s > self.retry_after_max_s:
+            raise ValueError(f"retry_after_min_s ({self.retry_after_min_s}) is above retry_after_max_s ({self.retry_after_max_s})")
+        return self
+
 
 class RedisConfig(_Strict):
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL (rediss:// for TLS; password in the URL or below).")
+    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis URL: redis://, rediss:// (TLS) or unix:// (password in the URL or below).")
     password: str | None = Field(default=None, description="Password, if not in the URL.")
     op_timeout_s: float = Field(default=0.25, gt=0, le=5, description="A Redis call slower than this counts as an outage.")
     lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this.")
@@ -149,10 +175,10 @@ class TlsConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    listen: str = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service (loopback by default: only a co-located Envoy reaches it).")
+    listen: ListenAddress = Field(default="127.0.0.1:50051", description="gRPC listen address of the ext_proc service, HOST:PORT with IPv6 in brackets (loopback by default: only a co-located Envoy reaches it).")
     tls: TlsConfig | None = Field(default=None, description="TLS / mTLS on the ext_proc port (unset: plaintext, for loopback or a mesh that encrypts).")
-    health_listen: str | None = Field(default=None, description="Extra plaintext gRPC address serving only grpc.health.v1 (for probes that cannot speak TLS, e.g. the kubelet's); unset: health is served on `listen` only.")
-    metrics_listen: str = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
+    health_listen: OptionalListenAddress = Field(default=None, description="Extra plaintext gRPC address serving only grpc.health.v1 (for probes that cannot speak TLS, e.g. the kubelet's); unset: health is served on `listen` only.")
+    metrics_listen: Annotated[str, AfterValidator(check_optional_listen)] = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
     gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                    description="Unique id of this process (default: host-pid-random).")
 
@@ -165,6 +191,14 @@ class Config(_Strict):
     admission: AdmissionConfig = Field(default=AdmissionConfig(), description="Priority, trust and Retry-After rules.")
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()], min_length=1,
                                     description="Model pools (one Envoy cluster each); the first is the default.")
+
+    @field_validator("pools")
+    @classmethod
+    def _unique_pools(cls, v: list[PoolConfig]) -> list[PoolConfig]:
+        names = [p.name for p in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique, got {names}")
+        return v
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:

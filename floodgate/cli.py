@@ -2,7 +2,8 @@
 
 Each component owns its subcommand in its own package (`extproc/cli.py`, `sim/cli.py`, ...)
 and exposes `register(subparsers)`; the registered handler receives the parsed namespace and
-returns an exit code. Imports are lazy so `floodgate --help` stays fast.
+returns an exit code. Only the module of the command being run is imported: `floodgate --help`
+and `floodgate extproc` never pay for (or depend on) what `floodgate bench` imports.
 """
 
 from __future__ import annotations
@@ -14,18 +15,29 @@ from collections.abc import Sequence
 
 from floodgate import __version__
 
-# (module, description) per subcommand, in --help order.
-_COMPONENTS: tuple[str, ...] = (
-    "floodgate.extproc.cli",
-    "floodgate.controller.cli",
-    "floodgate.sim.cli",
-    "floodgate.sim.load_cli",
-    "floodgate.up",
-    "floodgate.bench.cli",
-)
+# command -> (module with register(), one-line help), in --help order. The help strings repeat
+# the modules' own so the top-level help needs no import.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "extproc": ("floodgate.extproc.cli", "run the ext_proc admission processor"),
+    "controller": ("floodgate.controller.cli", "scaling controller (and its backtest: `controller simulate`)"),
+    "sim": ("floodgate.sim.cli", "run an emulated vLLM server (OpenAI API, vLLM metrics, sleep mode)"),
+    "load": ("floodgate.sim.load_cli", "open-loop streaming load generator (synthetic shapes or trace replay)"),
+    "up": ("floodgate.up", "run the whole local stack (and a demo load)"),
+    "status": ("floodgate.status", "show the shared state: pools, limits, queues, leases, replicas"),
+    "bench": ("floodgate.bench.cli", "run a benchmark (overhead, overload)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line (the first non-option word), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command` fully registered and the other commands as names only."""
     parser = argparse.ArgumentParser(
         prog="floodgate",
         description=(
@@ -35,20 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"floodgate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for module_name in _COMPONENTS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            # A component not built yet (or an optional extra missing) must not break the rest.
-            if exc.name and module_name.startswith(exc.name.split(".")[0]):
-                continue
-            raise
-        module.register(sub)
+    for name, (module_name, help_text) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module_name).register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:

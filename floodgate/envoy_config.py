@@ -20,7 +20,10 @@ from typing import Any
 
 import yaml
 
-ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
+# Installed from a wheel, envoy/ is package data at floodgate/envoy/ (pyproject's package-dir);
+# in the repository (and an editable install) it is the top-level envoy/ folder.
+_HERE = Path(__file__).resolve().parent
+ENVOY_DIR = _HERE / "envoy" if (_HERE / "envoy" / "local.yaml").is_file() else _HERE.parent / "envoy"
 
 
 class _IncludeLoader(yaml.SafeLoader):

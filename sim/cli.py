@@ -95,6 +95,8 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--time-scale", type=_positive, default=1.0,
                      help="multiply every emulated duration (step times, cold start, sleep and "
                           "wake delays); 0.1 runs the model ten times faster")
+    p.add_argument("--check-config", action="store_true",
+                   help="validate the arguments, print the emulator's configuration and exit")
     p.set_defaults(handler=run)
 
 
@@ -131,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    if args.check_config:
+        import dataclasses
+        import json
+
+        import floodgate.sim.emulator  # noqa: F401  (the server's imports, without serving)
+
+        print(json.dumps({"host": args.host, "port": args.port, **dataclasses.asdict(config)}, indent=2, default=str))
+        return 0
 
     run_until_signalled(lambda stop: serve(config, args.host, args.port, stop))
     return 0

@@ -8,6 +8,7 @@ finished, so every time bin and every window keeps offered = admitted + rejected
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -373,6 +374,12 @@ def plot_latency(records: Sequence[Record], path: Path, slo: SLO | None = None) 
 # --------------------------------------------------------------------------- everything
 
 
+def _have_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_report(
     out_dir: Path,
     result: LoadResult,
@@ -397,6 +404,10 @@ def write_report(
         md += "\n" + render_markdown(ws, {}, title=f"Window: {name}", level=2)
     (out_dir / "summary.md").write_text(md)
     paths["summary"] = out_dir / "summary.md"
+    if plots and not _have_matplotlib():
+        print("report: matplotlib not installed (`pip install 'floodgate[plots]'`): no plots",
+              file=sys.stderr)
+        plots = False
     if plots:
         paths["rates"] = plot_rates(result.records, out_dir / "rates.png")
         paths["latency"] = plot_latency(result.records, out_dir / "latency.png", slo)

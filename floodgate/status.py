@@ -1,0 +1,191 @@
+"""`floodgate status`: the shared state in Redis, for a person or (`--json`) a script.
+
+Per pool: the limit, in-flight and queued requests by class, the leases each gateway (processor)
+holds, the gateways that stopped refreshing their liveness (degraded: cannot reach Redis, or
+gone), and the replica registry by state. Reads only through the state API (`extproc/state.py`,
+`extproc/registry.py`), never by spelling keys itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+HELP = """\
+Show what every processor and the controller share in Redis: per pool the limit, in-flight and
+queued requests per priority class, leases per gateway, degraded gateways and the replica
+registry by state. `--json` prints the same as one JSON document.
+
+  floodgate status --redis-url redis://127.0.0.1:6379/0
+  floodgate status --config processor.yaml --json
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("status", help="show the shared state: pools, limits, queues, leases, replicas",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--redis-url", metavar="URL",
+                   help="Redis of the Floodgate deployment (default: $FLOODGATE_REDIS_URL, the --config's, "
+                        "or redis://127.0.0.1:6379/0)")
+    p.add_argument("--config", "-c", metavar="FILE", help="take Redis URL and password from this processor config")
+    p.add_argument("--pool", action="append", default=[], metavar="NAME",
+                   help="only this pool (repeatable; default: every pool found in Redis)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(handler=run)
+
+
+@dataclass
+class GatewayStatus:
+    gateway: str
+    live: bool
+    silent_s: float  # how long since its liveness expired (0 while live)
+    leases: int
+
+
+@dataclass
+class EndpointStatus:
+    endpoint: str
+    state: str
+    replica: str
+    inflight: int
+    since_s: float
+
+
+@dataclass
+class PoolReport:
+    pool: str
+    limit: int
+    inflight: dict[str, int]
+    queued: dict[str, int]
+    gateways: list[GatewayStatus] = field(default_factory=list)
+    registry: dict[str, list[EndpointStatus]] = field(default_factory=dict)
+
+    @property
+    def degraded(self) -> list[str]:
+        return [g.gateway for g in self.gateways if not g.live]
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+async def pools_in(client: Any) -> list[str]:
+    """Pools with shared state: every `fg:{pool}:` hash tag that has a key we know."""
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import pool_keys
+
+    found: set[str] = set()
+    # A pool's limit state (processors) and its registry (controller), with the pool as `*`.
+    for pattern in (pool_keys("*")[6], Registry(client, "*").k_endpoints):
+        async for k in client.scan_iter(match=pattern, count=500):
+            key = _text(k)
+            found.add(key[key.index("{") + 1: key.rindex("}")])
+    return sorted(found)
+
+
+async def read_pool(client: Any, pool: str) -> PoolReport:
+    from floodgate.extproc.registry import STATES, Registry
+    from floodgate.extproc.state import pool_keys, read_pool_status
+
+    st = await read_pool_status(client, pool)
+    keys = dict(zip(("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws"), pool_keys(pool),
+                    strict=False))
+    now_s, now_us = await client.time()
+    now_ms = int(now_s) * 1000 + int(now_us) // 1000
+    leases: dict[str, int] = {}
+    for ticket in await client.zrange(keys["leases"], 0, -1):
+        gw = _text(ticket).rpartition(":")[0] or "?"  # tickets are `<gateway>:<n>`
+        leases[gw] = leases.get(gw, 0) + 1
+    gateways: dict[str, GatewayStatus] = {}
+    for gw_raw, expiry in await client.zrange(keys["gws"], 0, -1, withscores=True):
+        gw = _text(gw_raw)
+        gateways[gw] = GatewayStatus(gw, expiry > now_ms, max(0.0, (now_ms - expiry) / 1000), leases.get(gw, 0))
+    for gw, n in leases.items():
+        # Unexpired leases and no liveness record yet (it is written on the first renewal).
+        gateways.setdefault(gw, GatewayStatus(gw, True, 0.0, n))
+    registry: dict[str, list[EndpointStatus]] = {s: [] for s in STATES}
+    for ep in (await Registry(client, pool).endpoints()).values():
+        registry.setdefault(ep.state, []).append(
+            EndpointStatus(ep.endpoint, ep.state, ep.replica_id, ep.inflight, max(0.0, (now_ms - ep.since_ms) / 1000)))
+    for eps in registry.values():
+        eps.sort(key=lambda e: e.endpoint)
+    return PoolReport(pool, st.limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
+                      {f"P{c}": n for c, n in enumerate(st.queued)},
+                      sorted(gateways.values(), key=lambda g: g.gateway), registry)
+
+
+async def collect(redis_url: str, password: str | None = None, pools: list[str] | None = None,
+                  op_timeout_s: float = 2.0) -> list[PoolReport]:
+    from floodgate.extproc.state import redis_client
+
+    client = redis_client(redis_url, password=password, op_timeout_s=op_timeout_s)
+    try:
+        names = pools or await pools_in(client)
+        return [await read_pool(client, p) for p in names]
+    finally:
+        await client.aclose()
+
+
+def render(reports: list[PoolReport]) -> str:
+    if not reports:
+        return "no pools in Redis yet (no processor has admitted a request, no controller registered a replica)"
+    lines: list[str] = []
+    for r in reports:
+        inflight = sum(r.inflight.values())
+        lines.append(f"pool {r.pool}: limit {r.limit}, in-flight {inflight} "
+                     f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}), "
+                     f"queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
+        live = [g for g in r.gateways if g.live]
+        lines.append(f"  gateways: {len(live)} live"
+                     + (f"; leases {', '.join(f'{g.gateway} {g.leases}' for g in r.gateways if g.leases)}"
+                        if any(g.leases for g in r.gateways) else ""))
+        for g in r.gateways:
+            if not g.live:
+                lines.append(f"  DEGRADED or gone: {g.gateway} (silent {g.silent_s:.1f} s, {g.leases} leases "
+                             "until they expire)")
+        counts = ", ".join(f"{s} {len(eps)}" for s, eps in r.registry.items())
+        lines.append(f"  registry: {counts}")
+        for state, eps in r.registry.items():
+            for e in eps:
+                lines.append(f"    {state:<9} {e.endpoint:<22} {e.replica:<24} in-flight {e.inflight:>3}  "
+                             f"for {e.since_s:.0f} s")
+    return "\n".join(lines)
+
+
+def as_json(reports: list[PoolReport]) -> str:
+    return json.dumps({"pools": [{**asdict(r), "degraded_gateways": r.degraded} for r in reports]}, indent=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    url, password = args.redis_url, os.environ.get("FLOODGATE_REDIS_PASSWORD") or None
+    if args.config:
+        from floodgate.extproc.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            print(f"floodgate status: {exc}", file=sys.stderr)
+            return 2
+        url, password = url or cfg.redis.url, cfg.redis.password
+    url = url or os.environ.get("FLOODGATE_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    from floodgate.validators import check_redis_url
+
+    try:
+        check_redis_url(url)
+    except ValueError as exc:
+        print(f"floodgate status: --redis-url: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reports = asyncio.run(collect(url, password, args.pool))
+    except (RedisError, OSError, TimeoutError) as exc:
+        print(f"floodgate status: cannot read {url.split('@')[-1]}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(as_json(reports) if args.json else render(reports))
+    return 0

@@ -1,0 +1,80 @@
+"""`floodgate status` against a real Redis holding leases, waiters and a registry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.state import PoolState, redis_client
+
+from floodgate.status import collect, render
+from floodgate.supervisor import Supervisor
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with Supervisor(workdir=tmp_path) as sup:
+        _, url = sup.start_redis()
+        yield url
+
+
+async def _fill(url: str) -> None:
+    c = redis_client(url, op_timeout_s=2)
+    try:
+        st = PoolState(c, "chat", lease_ttl_s=15, initial_limit=3, shares=(0.5, 0.3, 0.1))
+        assert (await st.acquire("gw-a:1", "gw-a", 0, "t")).granted
+        assert (await st.acquire("gw-a:2", "gw-a", 1, "t")).granted
+        assert (await st.acquire("gw-b:1", "gw-b", 1, "t")).granted
+        assert not (await st.enqueue("gw-b:2", "gw-b", 2, "t", 30)).granted  # the limit (3) is full
+        # A gateway whose liveness ran out (a processor that lost Redis, or died).
+        short = PoolState(c, "chat", lease_ttl_s=0.4, initial_limit=3, shares=(0.5, 0.3, 0.1))
+        await short.renew("gw-gone", [])
+        reg = Registry(c, "chat")
+        await reg.set("127.0.0.1:8001", "active", "chat-r1")
+        await reg.set("127.0.0.1:8002", "warm", "chat-r2")
+        await reg.set("127.0.0.1:8003", "draining", "chat-r3")
+        await asyncio.sleep(0.6)
+    finally:
+        await c.aclose()
+
+
+async def test_status_reports_limit_classes_leases_degraded_gateways_and_registry(redis_url: str) -> None:
+    await _fill(redis_url)
+    [r] = await collect(redis_url)
+    assert r.pool == "chat" and r.limit == 3
+    assert r.inflight == {"P0": 1, "P1": 2, "P2": 0}
+    assert r.queued == {"P0": 0, "P1": 0, "P2": 1}
+    by_gw = {g.gateway: g for g in r.gateways}
+    assert by_gw["gw-a"].leases == 2 and by_gw["gw-a"].live
+    assert by_gw["gw-b"].leases == 1 and by_gw["gw-b"].live
+    assert r.degraded == ["gw-gone"] and by_gw["gw-gone"].silent_s > 0
+    assert {s: [e.endpoint for e in eps] for s, eps in r.registry.items() if eps} == {
+        "active": ["127.0.0.1:8001"], "warm": ["127.0.0.1:8002"], "draining": ["127.0.0.1:8003"]}
+    text = render([r])
+    assert "pool chat: limit 3, in-flight 3 (P0 1 / P1 2 / P2 0), queued 1" in text
+    assert "DEGRADED or gone: gw-gone" in text
+    assert "registry: loading 0, warm 1, active 1, draining 1, sleeping 0" in text
+
+
+def test_status_cli_json_and_errors(redis_url: str) -> None:
+    asyncio.run(_fill(redis_url))
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, "--json"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    [pool] = doc["pools"]
+    assert pool["pool"] == "chat" and pool["degraded_gateways"] == ["gw-gone"]
+    assert [e["replica"] for e in pool["registry"]["active"]] == ["chat-r1"]
+    # A bad URL names the flag; an unreachable Redis says so and exits 1 (no traceback, no hang).
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", "http://x:1"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--redis-url" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", "redis://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "cannot read" in r.stderr and "Traceback" not in r.stderr
