@@ -107,12 +107,21 @@ def _add_simulate(sub: Any) -> None:
         choices=("tile", "synthetic", "replay"),
         default=None,
         help="tile: the trace tiled into diurnal+burst days; synthetic: Poisson diurnal+burst days; "
-        "replay: the trace as recorded (default: tile with --trace, else synthetic)",
+        "replay: the trace as recorded, its last --eval-hours evaluated and its earlier days the forecast history "
+        "(default: tile with --trace, else synthetic)",
     )
     p.add_argument("--days", type=int, default=8, help="days generated; the last is evaluated, the others are forecast history")
     p.add_argument("--eval-hours", type=float, default=24.0, help="hours of the last day that are simulated")
     p.add_argument("--peak-rps", type=float, default=10.0, help="request rate at the diurnal peak, before events and bursts")
     p.add_argument("--bursts-per-day", type=float, default=6.0, help="mean number of random (unforecastable) bursts per day")
+    p.add_argument("--spikes-per-hour", type=float, default=0.0, help="short (10-60 s) unforecastable spikes ×2-4 per hour")
+    p.add_argument("--weekend-factor", type=float, default=1.0, help="rate on Saturdays and Sundays relative to a weekday (day 1 is a Monday)")
+    p.add_argument("--trend", type=float, default=0.0, help="compound rate growth per day (0.01 = +1%%/day)")
+    p.add_argument("--holidays", default="", help="comma-separated day numbers (1-based) at 0.4× the rate")
+    p.add_argument("--tokens", choices=("conv", "short", "long"), default="conv",
+                   help="synthetic mode: token lengths (conv: like the Azure conversation trace; short: chat; long: long generations)")
+    p.add_argument("--warmup-hours", type=float, default=2.0,
+                   help="hours simulated before the evaluated window, unscored, so it starts from the state the day before left")
     p.add_argument("--rate-scale", type=float, default=1.0, help="replay mode: multiply the trace's rate")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
@@ -195,9 +204,15 @@ def _simulate(args: argparse.Namespace) -> int:
         if trace is None:
             print("floodgate controller simulate: --mode replay needs --trace", file=sys.stderr)
             return 2
-        w = workload.make_replay_workload(trace, sim, args.rate_scale, args.seed)
+        w = workload.make_replay_workload(trace, sim, args.rate_scale, args.seed, args.eval_hours, args.warmup_hours)
     else:
-        shape = workload.DayShape(bursts_per_day=args.bursts_per_day)
+        try:
+            holidays = tuple(int(x) - 1 for x in args.holidays.split(",") if x.strip())
+        except ValueError:
+            print(f"floodgate controller simulate: --holidays: not a list of day numbers: {args.holidays!r}", file=sys.stderr)
+            return 2
+        shape = workload.DayShape(bursts_per_day=args.bursts_per_day, spikes_per_hour=args.spikes_per_hour,
+                                  weekend_factor=args.weekend_factor, trend_per_day=args.trend, holidays=holidays)
         w = workload.make_day_workload(
             days=args.days,
             peak_rps=args.peak_rps,
@@ -207,6 +222,8 @@ def _simulate(args: argparse.Namespace) -> int:
             shape=shape,
             eval_hours=args.eval_hours,
             seed=args.seed,
+            warmup_hours=args.warmup_hours,
+            tokens=args.tokens,
         )
     print(f"workload: {w.description}", flush=True)
     c = report.compare(

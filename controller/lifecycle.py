@@ -14,9 +14,12 @@ active before it has served a token. `active` cannot be terminated directly: it 
 
 `plan_pool` turns the policy's desired active count into actions with replica ids:
 promote warm replicas first, cold-start only the remainder (counting replicas already loading),
-refill the warm pool in the background, drain the most idle active replica (one at a time by
-default), recycle a finished drain into the pool when it is below target (else terminate),
-and force-stop a drain that outlives `max_drain_s`.
+refill the warm pool in the background (replicas being drained count toward it: they join it
+when their drain ends, so a scale-down never cold-starts a pool replica while loaded ones are
+on their way out), drain the most idle active replica (one at a time by default), recycle a
+finished drain into the pool when it is below target (else terminate), and force-stop a drain
+that outlives `max_drain_s` (default 300 s, not the design's 60 s: see docs/controller.md,
+"Drain").
 """
 
 from __future__ import annotations
@@ -303,13 +306,18 @@ def plan_pool(
         seq += 1
         room -= 1
 
+    new_drains = 0
     if deficit < 0:
         n = min(-deficit, cfg.max_concurrent_drains - draining_busy)
         idle_first = sorted(active, key=lambda r: (r.inflight + r.running, r.last_busy_at, r.replica_id))
         for r in idle_first[: max(0, n)]:
             acts.append(Action(ActionKind.DRAIN, r.replica_id, "scale_down"))
+            new_drains += 1
 
-    refill = max(0, warm_target - pool)
+    # Replicas being drained are loaded: they refill the pool when they finish (recycle), so
+    # they count toward it here; no cold start while loaded replicas are on their way.
+    pending = (draining_busy + new_drains) if cfg.enabled else 0
+    refill = max(0, warm_target - pool - pending)
     for _ in range(min(refill, max(0, room))):
         acts.append(Action(ActionKind.START, f"{id_prefix}{seq}", "pool_refill"))
         seq += 1

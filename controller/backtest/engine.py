@@ -122,6 +122,7 @@ class Result:
     wakes: int
     drains: int
     forced_stops: int
+    killed: int  # requests cut off by a forced stop (a drain that outlived max_drain_s)
     mean_active: float
     peak_active: int
     timeline: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -183,7 +184,7 @@ def run_policy(
         new_replica(rid, ReplicaView(rid, S.ACTIVE, t), t)
         activate(rid, t)
 
-    cold_starts = promotions = wakes = drains = forced = 0
+    cold_starts = promotions = wakes = drains = forced = killed = 0
     replica_s = warm_s = 0.0
     charged = 0.0
     nxt = 0
@@ -264,6 +265,7 @@ def run_policy(
                 epoch[rid] += 1  # its heap slots are void: no new requests
             elif kind is ActionKind.FORCE_STOP:
                 forced += 1
+                killed += sum(1 for f in slots[rid] if f > t)  # streams cut off mid-response
             elif kind is ActionKind.TERMINATE:
                 due.pop(rid, None)
             views[rid] = apply_action(v, kind, t)
@@ -350,6 +352,7 @@ def run_policy(
         wakes=wakes,
         drains=drains,
         forced_stops=forced,
+        killed=killed,
         mean_active=active_sum / max(1, ticks),
         peak_active=peak_active,
         timeline=tl,

@@ -49,8 +49,8 @@ async def test_live_shell_and_backtest_take_identical_actions() -> None:
     # A burst around the daily peak with forecast history: scale-up by promotion and cold
     # start, pool refill, sleep, drain and recycle all happen.
     w = workload.make_day_workload(days=4, peak_rps=3.0, sim=SIM, trace=None, tile=False, eval_hours=9.3, seed=3)
-    keep = w.arrivals >= w.start + 8.5 * 3600
-    w = workload.Workload(w.name, w.arrivals[keep], w.service[keep], w.tokens[keep], w.start + 8.5 * 3600,
+    keep = w.arrivals >= w.scored_from + 8.5 * 3600
+    w = workload.Workload(w.name, w.arrivals[keep], w.service[keep], w.tokens[keep], w.scored_from + 8.5 * 3600,
                           w.end, w.history, w.description)
     pol, fc_cfg, pool = PolicyConfig(), ForecastConfig(), WarmPoolConfig()
     rec = Recording(report.floodgate_controller("floodgate", w, pol, fc_cfg, pool))

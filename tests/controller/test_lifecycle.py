@@ -292,3 +292,21 @@ def test_terminated_replicas_are_ignored_and_plan_is_deterministic() -> None:
     b = plan_pool(2, tuple(reversed(reps)), 0, NOW, CFG)
     assert a == b
     assert kinds(a.actions)[0] == ("promote", "w0")
+
+
+def test_scale_down_refills_the_pool_with_drained_replicas_not_cold_starts() -> None:
+    # 4 active → 1 with an empty pool whose target is 1: the drain is the refill.
+    reps = tuple(rv(f"a{i}", S.ACTIVE, inflight=1, running=1) for i in range(4))
+    p = plan_pool(1, reps, 1, NOW, CFG)
+    assert kinds(p.actions) == [("drain", "a0")]
+    # While it drains, still no cold start for the pool.
+    draining = (rv("a0", S.DRAINING, NOW - 5, inflight=1, running=1), *reps[1:])
+    assert kinds(plan_pool(1, draining, 1, NOW, CFG).actions) == []
+    # Finished: it becomes the pool; the next drains are terminated (pool full), still no start.
+    done = (rv("a0", S.DRAINING, NOW - 5), *reps[1:])
+    assert kinds(plan_pool(1, done, 1, NOW, CFG).actions) == [("recycle", "a0"), ("drain", "a1")]
+    pooled = (rv("a0", S.WARM, NOW), rv("a1", S.DRAINING, NOW - 5), *reps[2:])
+    assert kinds(plan_pool(1, pooled, 1, NOW, CFG).actions) == [("terminate", "a1"), ("drain", "a2"), ("sleep", "a0")]
+    # A forced stop is not on its way to the pool: that one is refilled.
+    stuck = (rv("a0", S.DRAINING, NOW - 301, inflight=1, running=1), *reps[1:2])
+    assert kinds(plan_pool(1, stuck, 1, NOW, CFG).actions) == [("force_stop", "a0"), ("start", "r0")]

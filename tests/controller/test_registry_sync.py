@@ -1,0 +1,70 @@
+"""Level-triggered registry: every tick rewrites what differs from the lifecycle view, so a
+registry write lost to a Redis blip (a DRAIN that the processors never saw) is retried."""
+
+from __future__ import annotations
+
+import aiohttp
+from floodgate.controller.actuators.base import ReplicaHandle
+from floodgate.controller.app import PoolController, Replica
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.signals import ReplicaState, ReplicaView
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.controller.live import controller_config
+
+
+class Fixed:
+    """Two running replicas; the test fails if the controller starts or stops anything."""
+
+    name = "fixed"
+
+    def __init__(self, eps: dict[str, str]) -> None:
+        self.eps = eps
+
+    async def list(self) -> list[ReplicaHandle]:
+        return [ReplicaHandle(rid, ep, True) for rid, ep in self.eps.items()]
+
+    async def start(self, replica_id: str) -> None:
+        raise AssertionError("no start expected")
+
+    async def stop(self, replica_id: str) -> None:
+        raise AssertionError("no stop expected")
+
+    async def set_role(self, replica_id: str, role: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_lost_drain_write_is_rewritten_next_tick(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    reg = Registry(rc, "default")
+    # Nothing listens on these ports: scrapes fail, so the tick is stale and the drain cannot
+    # finish (unknown is not idle) — the replicas stay as set up here.
+    eps = {"r0": f"127.0.0.1:{free_port()}", "r1": f"127.0.0.1:{free_port()}"}
+    await reg.set(eps["r0"], "active", "r0")
+    await reg.set(eps["r1"], "active", "r1")  # the DRAIN write below never reached Redis
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        now = pc.clock()
+        pc.replicas = {
+            "r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, now - 600), eps["r0"]),
+            "r1": Replica(ReplicaView("r1", ReplicaState.DRAINING, now - 1, inflight=1, running=1), eps["r1"]),
+        }
+        assert (await reg.endpoints())[eps["r1"]].state == "active"
+        await pc.tick()
+        after = await reg.endpoints()
+        assert after[eps["r1"]].state == "draining" and after[eps["r0"]].state == "active"
+        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}  # no new requests to r1
+        synced = [e for e in pc.events if e["event"] == "registry_sync"]
+        assert [(e["replica"], e["frm"], e["to"]) for e in synced] == [("r1", "active", "draining")]
+        # Level, not edge: a second tick with everything in place writes nothing.
+        await pc.tick()
+        assert len([e for e in pc.events if e["event"] == "registry_sync"]) == 1
+    await rc.aclose()
