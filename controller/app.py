@@ -55,6 +55,7 @@ from floodgate.controller.policy import ScalePlan
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmSample
+from floodgate.extproc import schema
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
 from redis.exceptions import RedisError
@@ -144,8 +145,8 @@ class PoolController:
         self.last_plan: ScalePlan | None = None
         self.last_reason = ""
         self.envoy: EnvoySample | None = None
-        self._k_history = f"fg:{{{cfg.name}}}:ctl:history"
-        self._k_seq = f"fg:{{{cfg.name}}}:ctl:seq"
+        self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
+        self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
 
     # ---- logging -------------------------------------------------------------------------
 

@@ -1,41 +1,52 @@
-"""The admitter: one per processor process. It owns the bookkeeping around the pure policy.
+"""The admitter: one per processor process. It owns the permits and the mode switch.
 
 `admit()` returns a `Permit` (now or after queueing) or a `Reject`; `release()` returns the
-permit exactly once. Shared mode talks to Redis (`state.py`); when Redis fails, the process
-switches within one call to a local `PermitTable` sized to its share of the last seen limit,
-and a background probe switches back when Redis answers again.
+permit exactly once. Permits come from one of two backends (`backends.py`): the shared state
+in Redis, or — while Redis is unreachable — a local table sized to this process's share of
+the limit that also counts the shared permits still held (so the pool stays within its
+limit). Every `lease_ttl_s/3` the admitter `sync`s each pool: it re-asserts every permit and
+waiter it has, which renews its leases, proves it alive, and makes Redis drop whatever this
+process no longer holds. Returning from degraded mode is such a sync (reconcile) first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import random
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from floodgate.extproc.config import Config, PoolConfig
+from floodgate.extproc.backends import (
+    Backend,
+    LocalBackend,
+    Permit,
+    RedisDown,
+    Request,
+    SharedBackend,
+    Switched,
+    Waiter,
+)
+from floodgate.extproc.config import ClassConfig, Config, PoolConfig
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.policy import (
-    Enqueue,
-    Reject,
-    Snapshot,
-    queue_decision,
-    retry_after,
-    timeout_reject,
-)
-from floodgate.extproc.state import PoolState, PoolStatus, gateway_channel
+from floodgate.extproc.picking import Picker
+from floodgate.extproc.policy import Reject, retry_after
+from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
+from floodgate.extproc.state import PoolState
 from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit
 from redis.exceptions import RedisError
+
+__all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
 
 log = logging.getLogger("floodgate.admission")
 
@@ -44,49 +55,44 @@ T = TypeVar("T")
 PRIORITY_LABELS = ("0", "1", "2")
 
 
-class RedisDown(Exception):
-    """Raised inside the admitter when a Redis call fails; never escapes admit()/release()."""
+def tenant_cap(c: ClassConfig) -> int:
+    """Most waiters one tenant may have in a class (policy.queue_decision applies the same)."""
+    return max(1, int(c.tenant_queue_share * c.max_queue))
+
+
+def pool_settings(p: PoolConfig) -> PoolSettings:
+    """The settings of a pool that every grant must use, as stored in Redis."""
+    cls = [p.classes[c] for c in (0, 1, 2)]
+    return PoolSettings(
+        initial_limit=p.limit.initial,
+        shares=(cls[0].share, cls[1].share, cls[2].share),
+        always=(cls[0].reserve == "always", cls[1].reserve == "always", cls[2].reserve == "always"),
+        picking=p.endpoint_picking,
+        max_queue=(cls[0].max_queue, cls[1].max_queue, cls[2].max_queue),
+        tenant_cap=(tenant_cap(cls[0]), tenant_cap(cls[1]), tenant_cap(cls[2])),
+        epoch=p.settings_epoch)
 
 
 @dataclass
-class Permit:
-    pool: str
-    ticket: str
-    priority: int
-    backend: str  # "redis" | "local"
-    queue_s: float
-    admitted_at: float
-    endpoint: str = ""  # routed-to endpoint when the pool picks endpoints
-    queued: bool = False  # waited in the queue (vs admitted by the first acquire)
-    credit: bool = False  # admitted from a local credit (no Redis round trip)
-    released: bool = False
-
-
-@dataclass
-class _PoolRuntime:
+class PoolRuntime:
     cfg: PoolConfig
+    settings: PoolSettings
     state: PoolState
     local: PermitTable
     vegas: VegasLimit
     window: SampleWindow
-    shares: tuple[float, float, float]
-    held: set[str] = field(default_factory=set)  # redis tickets this process holds
-    local_held: set[str] = field(default_factory=set)
-    local_endpoints: dict[str, str] = field(default_factory=dict)  # local ticket -> endpoint
-    active_endpoints: list[str] = field(default_factory=list)  # last seen (1 s), for unadmitted paths and degraded picking
+    picker: Picker
+    held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
+    credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
+    waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the shared queue
+    local_waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the local table
+    pending: dict[str, int] = field(default_factory=dict)  # ticket -> seq of acquire/enqueue in flight
     last_status: PoolStatus | None = None
-    credits: list[str] = field(default_factory=list)  # idle credit leases (also in `held`)
+    last_sync: PoolStatus | None = None  # has the rank among live gateways
     queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
-
-    def local_share(self) -> tuple[int, float]:
-        """This process's share of the last seen shared limit and grant rate (degraded mode)."""
-        st = self.last_status
-        if st is None:
-            return self.cfg.limit.initial, 0.0
-        gateways = max(1, st.live_gateways)
-        return max(1, st.limit // gateways), st.grant_rate / gateways
+    demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -99,7 +105,8 @@ def default_gateway_id() -> str:
 class Admitter:
     def __init__(self, cfg: Config, client: aioredis.Redis, *, metrics: Metrics | None = None,
                  pubsub_client: aioredis.Redis | None = None, gateway_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random,
+                 accept_endpoint: Callable[[str], bool] | None = None) -> None:
         self.cfg = cfg
         self.client = client
         self.pubsub_client = pubsub_client or client
@@ -107,60 +114,70 @@ class Admitter:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.rng = rng
-        self.degraded = False
-        self._tickets = itertools.count(1)
-        self._waiters: dict[str, asyncio.Future[str]] = {}  # resolves to the routed endpoint
-        self._waiter_pool: dict[str, str] = {}
+        self.shared = SharedBackend(self)
+        self.local = LocalBackend(self)
+        self.backend: Backend = self.shared
+        self._next_seq = 1
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.pools: dict[str, _PoolRuntime] = {}
+        self.pools: dict[str, PoolRuntime] = {}
         for p in cfg.pools:
-            shares = (p.classes[0].share, p.classes[1].share, p.classes[2].share)
-            always = (p.classes[0].reserve == "always", p.classes[1].reserve == "always",
-                      p.classes[2].reserve == "always")
-            self.pools[p.name] = _PoolRuntime(
-                cfg=p,
-                state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s,
-                                initial_limit=p.limit.initial, shares=shares, picking=p.endpoint_picking,
-                                always=always),
-                local=PermitTable(limit=p.limit.initial, shares=shares, always=always),
+            settings = pool_settings(p)
+            rt = PoolRuntime(
+                cfg=p, settings=settings,
+                state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings),
+                local=PermitTable(limit=p.limit.initial, shares=settings.shares),
                 vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
                                  p.limit.rtt_tolerance),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
-                shares=shares)
+                picker=Picker(p.endpoint_picking, accept_endpoint))
+            self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
+
+    @property
+    def degraded(self) -> bool:
+        return self.backend is self.local
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        for rt in self.pools.values():
-            if rt.cfg.limit.mode == "static":
-                await self._force_static_limit(rt)
-            with contextlib.suppress(RedisDown):
-                self._observe(rt, await self._call("status", rt.state.status()))
+        """Store or check each pool's settings, assert this gateway, then serve. A Redis that
+        cannot be reached starts the process degraded (see `_local_limit`)."""
+        try:
+            for rt in self.pools.values():
+                await self._configure(rt)
+                if rt.cfg.limit.mode == "static":
+                    await self._force_static_limit(rt)
+                await self._sync(rt)
+        except RedisDown:
+            pass  # call() switched to the local backend
         self._tasks = [
             asyncio.create_task(self._pubsub_loop(), name="fg-pubsub"),
-            asyncio.create_task(self._renew_loop(), name="fg-renew"),
+            asyncio.create_task(self._sync_loop(), name="fg-sync"),
             asyncio.create_task(self._poll_loop(), name="fg-poll"),
         ]
 
     async def stop(self) -> None:
         """Processor shutdown: wake every waiter (they reject), return every held permit."""
         self._closing = True
-        for fut in list(self._waiters.values()):
-            fut.cancel()
+        for rt in self.pools.values():
+            for w in [*rt.waiting.values(), *rt.local_waiting.values()]:
+                w.future.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for rt in self.pools.values():
-            if rt.held:
-                with contextlib.suppress(RedisDown):
-                    await self._call("release", rt.state.release(*rt.held))
+        if not self.degraded:
+            for rt in self.pools.values():
+                tickets = [*rt.held, *rt.credits]
+                if tickets:
+                    with contextlib.suppress(RedisDown):
+                        await self.call("release", partial(rt.state.release, *tickets))
                 rt.held.clear()
+                rt.credits.clear()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
 
@@ -170,251 +187,209 @@ class Admitter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def new_ticket(self) -> tuple[int, str]:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq, f"{self.gateway_id}/{seq}"
+
     # ---------------------------------------------------------------- redis plumbing
 
-    async def _call(self, op: str, coro: Awaitable[T]) -> T:
-        timeout = self.cfg.redis.op_timeout_s * 2
+    async def call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """One Redis call with a deadline. The client retries a broken connection once on a
+        fresh one (state.redis_client); a failure after that is an outage: degrade."""
         try:
-            async with asyncio.timeout(timeout):  # no extra task per call, unlike wait_for
-                return await coro
+            async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                return await fn()
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.redis_errors.labels(op).inc()
             self._enter_degraded(f"{op}: {type(exc).__name__}: {exc}")
             raise RedisDown(op) from exc
 
+    async def _configure(self, rt: PoolRuntime) -> None:
+        stored = await self.call("configure", rt.state.configure)
+        diff = rt.settings.differences(stored)
+        self.metrics.settings_mismatch.labels(rt.cfg.name).set(1 if diff else 0)
+        if diff:
+            log.error("pool %s: this processor's settings differ from the ones stored in Redis "
+                      "(epoch %d), which every grant uses: %s. Make the configs agree, or raise "
+                      "pools[].settings_epoch to replace the stored settings.",
+                      rt.cfg.name, stored.epoch, "; ".join(diff))
+
+    def _local_limit(self, rt: PoolRuntime) -> int:
+        """This process's share of the limit while Redis is unreachable: the last seen limit
+        split over the live gateways by rank (the shares add up to the limit exactly), or,
+        for a process that never reached Redis, `limit.initial / redis.expected_gateways`."""
+        st = rt.last_sync
+        if st is None:
+            return rt.cfg.limit.initial // self.cfg.redis.expected_gateways
+        n = max(1, st.live_gateways)
+        limit = (rt.last_status or st).limit
+        return limit // n + (1 if 0 <= st.gateway_rank < limit % n else 0)
+
+    def local_rate(self, rt: PoolRuntime) -> float:
+        st = rt.last_status
+        return st.grant_rate / max(1, st.live_gateways) if st else 0.0
+
     def _enter_degraded(self, why: str) -> None:
-        if self.degraded:
+        if self.degraded or self._closing:
             return
-        self.degraded = True
+        self.backend = self.local
         self.metrics.degraded.set(1)
         self.metrics.degraded_transitions.inc()
         for rt in self.pools.values():
-            # Idle credits are leases in an unreachable Redis: forget them, they expire there.
-            rt.held.difference_update(rt.credits)
+            # Idle credits are leases nobody uses: forget them, they expire in Redis. The
+            # permits live requests still hold count against the local share.
             rt.credits.clear()
             rt.queue_clear = False
-            share = rt.local_share()[0]
-            self._resolve_local(rt, rt.local.set_limit(share, self.clock()))
+            rt.local = self.local.table(rt, self._local_limit(rt))
+            for p in rt.held.values():
+                rt.local.adopt(p.ticket, p.priority, p.endpoint)
+            self.metrics.limit.labels(rt.cfg.name).set(rt.local.limit)
+            # Waiters on the shared queue cannot be granted any more: they queue locally.
+            for w in rt.waiting.values():
+                if not w.future.done():
+                    w.future.set_exception(Switched())
+                    w.future.exception()  # retrieved: the waiter may have gone already
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
-                    {n: rt.local.limit for n, rt in self.pools.items()})
-        # Waiters on the shared queue cannot be granted any more: move them to the local one.
-        for ticket, fut in list(self._waiters.items()):
-            if not fut.done() and not ticket.startswith("L"):
-                fut.set_exception(RedisDown("degraded"))
+                    {n: (rt.local.limit, len(rt.held)) for n, rt in self.pools.items()})
 
-    def _leave_degraded(self) -> None:
-        if not self.degraded:
-            return
-        self.degraded = False
+    async def _reconcile(self) -> bool:
+        """Leave degraded mode: re-assert every permit (shared and local) and drop the rest in
+        Redis, then queue the local waiters there. False if Redis is still unreachable."""
+        try:
+            for rt in self.pools.values():
+                if rt.state.stored is None:
+                    await self._configure(rt)
+                await self._sync(rt, reconcile=True)
+        except RedisDown:
+            return False
+        self.backend = self.shared
         self.metrics.degraded.set(0)
-        log.warning("redis reachable again: shared admission state resumed")
+        for rt in self.pools.values():
+            for w in rt.local_waiting.values():
+                if not w.future.done():
+                    w.future.set_exception(Switched())
+                    w.future.exception()
+        log.warning("redis reachable again: shared admission state resumed (reconciled %s)",
+                    {n: len(rt.held) for n, rt in self.pools.items()})
+        # Permits admitted locally while the reconcile call was in flight: assert them now.
+        self.spawn(self._sync_all())
+        return True
 
-    def _observe(self, rt: _PoolRuntime, st: PoolStatus) -> None:
+    async def _sync_all(self) -> None:
+        for rt in self.pools.values():
+            with contextlib.suppress(RedisDown):
+                await self._sync(rt)
+
+    async def _sync(self, rt: PoolRuntime, reconcile: bool = False) -> None:
+        now = self.clock()
+        held = {t: (p.priority, p.seq, p.endpoint) for t, p in rt.held.items()}
+        for t in rt.credits:
+            held[t] = (1, _seq_of(t), "")
+        waiting = {t: (w.cls, w.seq, max(0.001, w.deadline - now), w.tenant)
+                   for t, w in rt.waiting.items() if w.enqueued and not w.future.done()}
+        watermark = min(rt.pending.values(), default=self._next_seq)
+        res = await self.call("sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
+        rt.last_sync = res.status
+        self.observe(rt, res.status)
+        m = self.metrics.reconciled
+        for kind, n in (("reasserted", res.reasserted), ("requeued", res.requeued), ("dropped", res.dropped)):
+            if n:
+                m.labels(rt.cfg.name, kind).inc(n)
+        if res.reasserted:
+            self.metrics.lost_leases.labels(rt.cfg.name).inc(res.reasserted)
+        if res.reasserted and not reconcile:
+            log.warning("pool %s: Redis had lost %d permits live requests hold (restart, or this "
+                        "process stalled past the lease TTL): leased again", rt.cfg.name, res.reasserted)
+        # Released or cancelled while the sync was in flight: the sync may have put them back.
+        gone = [t for t in held if t not in rt.held and t not in rt.credits]
+        if gone:
+            await self.call("release", lambda: rt.state.release(*gone))
+        for t in waiting:
+            if t not in rt.waiting and t not in rt.held and \
+                    await self.call("cancel", partial(rt.state.cancel, t)) == 1:
+                await self.call("release", partial(rt.state.release, t))
+
+    def observe(self, rt: PoolRuntime, st: PoolStatus) -> None:
         if st.partial:
             return
         rt.queue_clear = st.queued_total == 0
         if not rt.queue_clear:
             self._return_credits(rt)
         rt.last_status = st
+        # The gauges move together with what was enforced, from one consistent read.
+        name = rt.cfg.name
+        self.child(self.metrics.limit, (name,)).set(st.limit)
+        for c in range(3):
+            self.child(self.metrics.queue_depth, (name, PRIORITY_LABELS[c])).set(st.queued[c])
+            self.child(self.metrics.inflight, (name, PRIORITY_LABELS[c])).set(st.inflight[c])
 
-    def _return_credits(self, rt: _PoolRuntime) -> None:
+    def _return_credits(self, rt: PoolRuntime) -> None:
         """Something waits: idle credits go back so the grant loop can hand them out."""
-        if not rt.credits:
+        if not rt.credits or self.degraded:
             return
         tickets, rt.credits = rt.credits, []
-        rt.held.difference_update(tickets)
-        if not self.degraded:
-            self.spawn(self._quietly(rt.state.return_credits(*tickets), "return_credits"))
+        self.spawn(self._quietly("return_credits", lambda: rt.state.return_credits(*tickets)))
 
-    async def _quietly(self, coro: Awaitable[object], op: str) -> None:
+    async def _quietly(self, op: str, fn: Callable[[], Awaitable[object]]) -> None:
         with contextlib.suppress(RedisDown):
-            await self._call(op, coro)
-
-    def _publish_gauges(self) -> None:
-        """Gauges from the last seen status, once a second rather than on every request."""
-        for rt in self.pools.values():
-            st, name = rt.last_status, rt.cfg.name
-            self.metrics.local_inflight.labels(name).set(len(rt.held) - len(rt.credits) + len(rt.local_held))
-            if st is None:
-                continue
-            self.metrics.limit.labels(name).set(st.limit)
-            for c in range(3):
-                self.metrics.queue_depth.labels(name, PRIORITY_LABELS[c]).set(st.queued[c])
-                self.metrics.inflight.labels(name, PRIORITY_LABELS[c]).set(st.inflight[c])
-
-    @staticmethod
-    def _snapshot(st: PoolStatus) -> Snapshot:
-        return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate)
+            await self.call(op, fn)
 
     # ---------------------------------------------------------------- admission
 
     async def admit(self, pool: str, priority: int, tenant: str) -> Permit | Reject:
         rt = self.pools[pool]
         started = self.clock()
-        deadline = started + rt.cfg.classes[priority].queue_timeout_s
+        req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
         result: Permit | Reject | None = None
-        if rt.credits and rt.queue_clear and not self.degraded:
-            # Fast path: a credit is a lease this process already holds; no round trip.
-            result = Permit(pool, rt.credits.pop(), priority, "redis", 0.0, started, credit=True)
-            rt.credit_uses += 1
-        elif not self.degraded:
-            with contextlib.suppress(RedisDown):
-                result = await self._admit_shared(rt, priority, tenant, started, deadline)
+        for _ in range(8):  # a request follows the mode switches while it waits
+            result = await self.backend.admit(rt, req)
+            if result is not None:
+                break
         if result is None:
-            result = await self._admit_local(rt, priority, tenant, started, deadline)
-        if isinstance(result, Permit):
-            result = await self._routed(rt, result)
-        self._count(rt, priority, result)
+            result = Reject("queue_timeout", retry_after(None, rt.cfg.classes[priority], self.cfg.admission, self.rng()))
+        if isinstance(result, Permit) and not rt.picker.accept(result.endpoint):
+            await self.release(result, "no_endpoints")
+            result = self.no_endpoints(rt, priority)
+        self._count_result(rt, priority, result)
         return result
 
-    def _count(self, rt: _PoolRuntime, priority: int, result: Permit | Reject) -> None:
+    def permit(self, rt: PoolRuntime, ticket: str, req: Request, endpoint: str, *,
+               queued: bool = False, credit: bool = False) -> Permit:
+        now = self.clock()
+        p = Permit(rt.cfg.name, ticket, req.priority, now - req.started, now, endpoint, queued, credit,
+                   _seq_of(ticket))
+        rt.held[ticket] = p
+        return p
+
+    def no_endpoints(self, rt: PoolRuntime, priority: int) -> Reject:
+        c = rt.cfg.classes[priority]
+        return Reject("no_endpoints", retry_after(None, c, self.cfg.admission, self.rng()), status=503)
+
+    def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
+        rt.demand[(cls, outcome)] += 1
+
+    def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject) -> None:
         # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
             reason = "queued" if result.queued else "immediate"
-            key = (rt.cfg.name, label, "admitted", reason)
-            self.child(self.metrics.decisions, key).inc()
+            self.child(self.metrics.decisions, (rt.cfg.name, label, "admitted", reason)).inc()
             self.child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
+            rt.demand[(priority, "admitted")] += 1
         else:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
+            rt.demand[(priority, result.reason)] += 1
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
-        key = (id(metric), labels)
-        child = self._children.get(key)
+        key_ = (id(metric), labels)
+        child = self._children.get(key_)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            child = self._children[key_] = metric.labels(*labels)
         return child
-
-    def _permit(self, rt: _PoolRuntime, ticket: str, priority: int, backend: str, started: float,
-                endpoint: str = "", queued: bool = False) -> Permit:
-        now = self.clock()
-        (rt.held if backend == "redis" else rt.local_held).add(ticket)
-        return Permit(rt.cfg.name, ticket, priority, backend, now - started, now, endpoint, queued)
-
-    def _no_endpoints(self, rt: _PoolRuntime, priority: int) -> Reject:
-        c = rt.cfg.classes[priority]
-        return Reject("no_endpoints", retry_after(None, c, self.cfg.admission, self.rng()), status=503)
-
-    async def _routed(self, rt: _PoolRuntime, permit: Permit) -> Permit | Reject:
-        """With endpoint picking, a permit without an endpoint (none active) is given back."""
-        if rt.cfg.endpoint_picking and not permit.endpoint:
-            await self.release(permit, "no_endpoints")
-            return self._no_endpoints(rt, permit.priority)
-        return permit
-
-    async def _admit_shared(self, rt: _PoolRuntime, priority: int, tenant: str,
-                            started: float, deadline: float) -> Permit | Reject | None:
-        """None means Redis failed part-way: the caller continues on the local limiter."""
-        ticket = f"{self.gateway_id}:{next(self._tickets)}"
-        wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
-        st = await self._call("acquire", rt.state.acquire(ticket, self.gateway_id, priority, tenant, wanted))
-        self._observe(rt, st)
-        if st.granted:
-            if st.credits:
-                rt.held.update(st.credits)
-                rt.credits.extend(st.credits)
-                rt.queue_clear = True
-            return self._permit(rt, ticket, priority, "redis", started, st.endpoint)
-        if rt.cfg.endpoint_picking and st.active_endpoints == 0:
-            return self._no_endpoints(rt, priority)
-        decision = queue_decision(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
-        if isinstance(decision, Reject):
-            return decision
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = fut
-        self._waiter_pool[ticket] = rt.cfg.name
-        try:
-            remaining = max(0.001, deadline - self.clock())
-            st = await self._call("enqueue", rt.state.enqueue(ticket, self.gateway_id, priority, tenant, remaining))
-            self._observe(rt, st)
-            if st.granted:
-                return self._permit(rt, ticket, priority, "redis", started, st.endpoint, queued=True)
-            try:
-                endpoint = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._permit(rt, ticket, priority, "redis", started, endpoint, queued=True)
-            except TimeoutError:
-                pass
-            except RedisDown:
-                return None
-            # Timed out: remove ourselves atomically; we may have been granted in the meantime.
-            outcome = await self._call("cancel", rt.state.cancel(ticket))
-            if outcome == 1:
-                granted = await self._call("mine", rt.state.granted_among([ticket]))
-                return self._permit(rt, ticket, priority, "redis", started, granted.get(ticket, ""), queued=True)
-            return timeout_reject(priority, self._snapshot(st), rt.cfg.classes, self.cfg.admission, self.rng())
-        except asyncio.CancelledError:
-            # Client went away while queued (or shutdown): leave the queue, or hand back a
-            # permit granted in the race, in a task the cancellation cannot interrupt.
-            self.spawn(self._abandon(rt, ticket))
-            raise
-        finally:
-            self._waiters.pop(ticket, None)
-            self._waiter_pool.pop(ticket, None)
-
-    async def _abandon(self, rt: _PoolRuntime, ticket: str) -> None:
-        with contextlib.suppress(RedisDown):
-            outcome = await self._call("cancel", rt.state.cancel(ticket))
-            if outcome == 1:
-                await self._call("release", rt.state.release(ticket))
-                self.metrics.releases.labels(rt.cfg.name, "abandoned_grant").inc()
-
-    async def _admit_local(self, rt: _PoolRuntime, priority: int, tenant: str,
-                           started: float, deadline: float) -> Permit | Reject:
-        ticket = f"L{self.gateway_id}:{next(self._tickets)}"
-        now = self.clock()
-        if rt.local.try_acquire(ticket, priority, now):
-            return self._local_permit(rt, ticket, priority, started)
-        snap = rt.local.snapshot(priority, tenant, rt.local_share()[1])
-        decision = queue_decision(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
-        if isinstance(decision, Reject):
-            return decision
-        assert isinstance(decision, Enqueue)
-        if deadline <= now:
-            return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = fut
-        try:
-            self._resolve_local(rt, rt.local.enqueue(ticket, priority, tenant, deadline, now))
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - self.clock()))
-                return self._local_permit(rt, ticket, priority, started, queued=True)
-            except TimeoutError:
-                if rt.local.cancel(ticket) == 1:
-                    return self._local_permit(rt, ticket, priority, started, queued=True)
-                return timeout_reject(priority, snap, rt.cfg.classes, self.cfg.admission, self.rng())
-        except asyncio.CancelledError:
-            if rt.local.cancel(ticket) == 1:
-                self._resolve_local(rt, rt.local.release(ticket, self.clock())[1])
-            raise
-        finally:
-            self._waiters.pop(ticket, None)
-
-    def _local_permit(self, rt: _PoolRuntime, ticket: str, priority: int, started: float,
-                      queued: bool = False) -> Permit:
-        endpoint = ""
-        if rt.cfg.endpoint_picking and rt.active_endpoints:
-            # Degraded picking: least of this process's own requests, from the last seen registry.
-            load = {ep: 0 for ep in rt.active_endpoints}
-            for ep in rt.local_endpoints.values():
-                if ep in load:
-                    load[ep] += 1
-            endpoint = min(rt.active_endpoints, key=lambda ep: load[ep])
-            rt.local_endpoints[ticket] = endpoint
-        return self._permit(rt, ticket, priority, "local", started, endpoint, queued)
 
     def any_active_endpoint(self, pool: str) -> str | None:
         """An active endpoint for a request that is routed without admission (e.g. /v1/models)."""
-        eps = self.pools[pool].active_endpoints
-        return eps[int(self.rng() * len(eps)) % len(eps)] if eps else None
-
-    def _resolve_local(self, rt: _PoolRuntime, granted: list[str]) -> None:
-        for t in granted:
-            fut = self._waiters.get(t)
-            if fut is not None and not fut.done():
-                fut.set_result("")
-            elif fut is None:
-                # Granted to a waiter that already left: give the permit straight back.
-                self._resolve_local(rt, rt.local.release(t, self.clock())[1])
+        return self.pools[pool].picker.any_active(self.rng())
 
     # ---------------------------------------------------------------- release
 
@@ -438,25 +413,8 @@ class Admitter:
         permit.released = True
         rt = self.pools[permit.pool]
         self.child(self.metrics.releases, (permit.pool, reason)).inc()
-        if permit.backend == "local":
-            rt.local_held.discard(permit.ticket)
-            rt.local_endpoints.pop(permit.ticket, None)
-            self._resolve_local(rt, rt.local.release(permit.ticket, self.clock())[1])
-            return None
-        if permit.credit and rt.queue_clear and not self.degraded and len(rt.credits) < rt.cfg.local_credits:
-            rt.credits.append(permit.ticket)  # back to the local pool: the lease stays held
-            return None
-        # Stop renewing first: if Redis is down now, the lease simply expires. Releases that
-        # arrive in the same event-loop turn share one script call.
-        rt.held.discard(permit.ticket)
-        rt.pending_release.append(permit.ticket)
-        return self._flush_releases(rt) if len(rt.pending_release) == 1 else None
-
-    async def _flush_releases(self, rt: _PoolRuntime) -> None:
-        await asyncio.sleep(0)
-        tickets, rt.pending_release = rt.pending_release, []
-        with contextlib.suppress(RedisDown):
-            await self._call("release", rt.state.release(*tickets))
+        rt.held.pop(permit.ticket, None)  # stop asserting it first: if Redis is down now, it expires
+        return self.backend.release(rt, permit)
 
     # ---------------------------------------------------------------- latency feedback
 
@@ -472,25 +430,24 @@ class Admitter:
             if sample is not None and not self.degraded:
                 self.spawn(self._apply_sample(rt, sample))
 
-    async def _apply_sample(self, rt: _PoolRuntime, sample: Sample) -> None:
+    async def _apply_sample(self, rt: PoolRuntime, sample: Sample) -> None:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
-                rec = await self._call("get_limit", rt.state.get_limit())
+                rec = await self.call("get_limit", rt.state.get_limit)
                 new = rt.vegas.update(rec.state, sample, self.rng())
                 if new == rec.state:
                     return
-                if await self._call("set_limit", rt.state.set_limit(rec.version, new)):
+                if await self.call("set_limit", partial(rt.state.set_limit, rec.version, new)):
                     self.metrics.limit_updates.labels(rt.cfg.name).inc()
                     self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
                     return
 
-    async def _force_static_limit(self, rt: _PoolRuntime) -> None:
-        with contextlib.suppress(RedisDown):
-            for _ in range(5):
-                rec = await self._call("get_limit", rt.state.get_limit())
-                st = rt.vegas.initial(rt.cfg.limit.initial)
-                if await self._call("set_limit", rt.state.set_limit(rec.version, st)):
-                    return
+    async def _force_static_limit(self, rt: PoolRuntime) -> None:
+        for _ in range(5):
+            rec = await self.call("get_limit", rt.state.get_limit)
+            st = rt.vegas.initial(rt.cfg.limit.initial)
+            if await self.call("set_limit", partial(rt.state.set_limit, rec.version, st)):
+                return
 
     # ---------------------------------------------------------------- background loops
 
@@ -505,14 +462,16 @@ class Admitter:
                     if msg and msg.get("type") == "message":
                         data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
                         pool, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
-                        if ticket == "!return":  # a queue formed somewhere: stop using credits
-                            if pool in self.pools:
-                                self.pools[pool].queue_clear = False
-                                self._return_credits(self.pools[pool])
+                        rt = self.pools.get(pool)
+                        if rt is None:
                             continue
-                        fut = self._waiters.get(ticket)
-                        if fut is not None and not fut.done():
-                            fut.set_result(endpoint)
+                        if ticket == "!return":  # a queue formed somewhere: stop using credits
+                            rt.queue_clear = False
+                            self._return_credits(rt)
+                            continue
+                        w = rt.waiting.get(ticket)
+                        if w is not None and not w.future.done():
+                            w.future.set_result(endpoint)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -528,53 +487,58 @@ class Admitter:
             await asyncio.sleep(self.cfg.redis.poll_interval_s)
             if self.degraded:
                 continue
-            by_pool: dict[str, list[str]] = {}
-            for ticket, pool in list(self._waiter_pool.items()):
-                by_pool.setdefault(pool, []).append(ticket)
-            for pool, tickets in by_pool.items():
+            for rt in self.pools.values():
+                tickets = [t for t, w in rt.waiting.items() if w.enqueued and not w.future.done()]
+                if not tickets:
+                    continue
                 with contextlib.suppress(RedisDown):
-                    granted = await self._call("mine", self.pools[pool].state.granted_among(tickets))
+                    granted = await self.call("mine", partial(rt.state.granted_among, tickets))
                     for t, endpoint in granted.items():
-                        fut = self._waiters.get(t)
-                        if fut is not None and not fut.done():
-                            fut.set_result(endpoint)
+                        w = rt.waiting.get(t)
+                        if w is not None and not w.future.done():
+                            w.future.set_result(endpoint)
 
-    async def _renew_loop(self) -> None:
+    async def _sync_loop(self) -> None:
+        """Every lease_ttl/3: sync each pool (renew, prove alive, reconcile). Every second: a
+        status read for the gauges, the registry's active endpoints, demand counters."""
         interval = self.cfg.redis.lease_ttl_s / 3
-        last_renew = 0.0
+        last_sync = self.clock()
+        last_tick = 0.0
         while not self._closing:
             if self.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
-                try:
-                    async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
-                        await self.client.ping()
-                except (RedisError, OSError, TimeoutError):
-                    continue
-                self._leave_degraded()
-                last_renew = 0.0
+                if await self._reconcile():
+                    last_sync = self.clock()
                 continue
             now = self.clock()
-            renew = now - last_renew >= interval
-            if renew:
-                last_renew = now
-            for rt in self.pools.values():
-                with contextlib.suppress(RedisDown):
-                    if renew:
-                        lost = await self._call("renew", rt.state.renew(self.gateway_id, sorted(rt.held)))
-                        for t in lost:
-                            rt.held.discard(t)
-                            if t in rt.credits:
-                                rt.credits.remove(t)
-                            self.metrics.lost_leases.labels(rt.cfg.name).inc()
-                            log.warning("lease %s expired before renewal (process stalled?)", t)
-                    # Once a second: fresh gauges, live gateway count, and reclaim when idle.
-                    self._observe(rt, await self._call("status", rt.state.status()))
-                    if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
-                        self._return_credits(rt)
-                    rt.credit_uses = 0
-                    if rt.cfg.endpoint_picking:
-                        members = await self._call("registry", self.client.smembers(rt.state.keys[8]))
-                        rt.active_endpoints = sorted(
-                            m.decode() if isinstance(m, bytes) else str(m) for m in members)
-            self._publish_gauges()
-            await asyncio.sleep(1.0)
+            if now - last_sync >= interval:
+                last_sync = now
+                await self._sync_all()
+            if now - last_tick >= 1.0:
+                last_tick = now
+                for rt in self.pools.values():
+                    with contextlib.suppress(RedisDown):
+                        await self._tick(rt)
+            await asyncio.sleep(min(1.0, interval))
+
+    async def _tick(self, rt: PoolRuntime) -> None:
+        self.observe(rt, await self.call("status", lambda: rt.state.status(self.gateway_id)))
+        if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
+            self._return_credits(rt)
+        rt.credit_uses = 0
+        self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
+        if rt.picker.enabled:
+            members = await self.call("registry", lambda: self.client.smembers(key(rt.cfg.name, ACTIVE)))
+            rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        if rt.demand:
+            counts, rt.demand = dict(rt.demand), Counter()
+            try:
+                await self.call("demand", lambda: rt.state.add_demand(counts))
+            except RedisDown:
+                rt.demand.update(counts)
+
+
+def _seq_of(ticket: str) -> int:
+    """The number in a ticket `<gateway>/<seq>` or a credit `<gateway>/<seq>:c<i>`."""
+    tail = ticket.rsplit("/", 1)[-1].split(":", 1)[0]
+    return int(tail) if tail.isdigit() else 0

@@ -100,6 +100,7 @@ class PoolConfig(_Strict):
     unadmitted_paths: list[Annotated[str, Field(pattern=r"^/")]] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
         description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
+    settings_epoch: int = Field(default=0, ge=0, description="Version of this pool's admission settings (shares, reservations, queue caps, picking, initial limit). The first processor stores them in Redis and every grant uses the stored ones; a processor with different settings and the same epoch logs an error and sets floodgate_settings_mismatch. Raise it to roll out changed settings.")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 
@@ -155,6 +156,7 @@ class RedisConfig(_Strict):
     lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this.")
     poll_interval_s: float = Field(default=0.25, gt=0, description="Waiters poll Redis this often in case a grant message is lost.")
     reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
+    expected_gateways: int = Field(default=2, ge=1, description="Processors expected per pool: one that has never reached Redis admits limit.initial / this while degraded (afterwards it uses the last seen limit split over the live processors).")
 
 
 class TlsConfig(_Strict):

@@ -49,7 +49,16 @@ class Metrics:
             "floodgate_degraded_transitions", "Entries into degraded mode.", registry=r)
         self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
         self.lost_leases = Counter(
-            "floodgate_lost_leases", "Leases found expired on renewal (process paused longer than the TTL).",
+            "floodgate_lost_leases", "Leases Redis had lost while a live request held them (process paused "
+            "past the TTL, Redis restarted); the next sync leased them again.", ["pool"], registry=r)
+        self.reconciled = Counter(
+            "floodgate_reconciled",
+            "Corrections a sync made in Redis: reasserted (permits live requests hold that Redis had "
+            "lost), requeued (waiters it had lost), dropped (entries this process no longer holds).",
+            ["pool", "kind"], registry=r)
+        self.settings_mismatch = Gauge(
+            "floodgate_settings_mismatch",
+            "1 when this processor's pool settings differ from the ones stored in Redis (which every grant uses).",
             ["pool"], registry=r)
         self.limit_updates = Counter(
             "floodgate_limit_updates", "Vegas window samples applied to the shared limit.", ["pool"], registry=r)

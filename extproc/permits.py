@@ -1,25 +1,38 @@
-"""An in-memory permit table with the same semantics as `leases.lua` (pure, `now` passed in).
+"""An in-memory permit table with the semantics of `leases.lua` (pure, `now` passed in).
 
-Used as the local limiter while Redis is unreachable, and as the reference model the Lua
-script is checked against in tests. One gateway, so no leases to expire and no pub/sub:
-`grant()` returns the tickets that just received a permit and the caller wakes them.
+Two uses: the local limiter while Redis is unreachable (one gateway, leases that never
+expire), and the reference model the Lua script is checked against on random histories
+(tests/test_state.py): several gateways, lease expiry, waiter deadlines, dead gateways,
+reclaim, tenant counts and caps, credits and `sync`. Time is in whatever unit the caller
+uses (the differential test uses the script's milliseconds). Grant-rate bookkeeping and
+endpoint picking are not modelled.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
+import math
 from dataclasses import dataclass, field
 
 from floodgate.extproc.policy import CLASSES, Snapshot, eligible
 
 
 @dataclass
-class _Waiter:
+class Lease:
+    cls: int
+    gateway: str
+    seq: int
+    expiry: float
+    endpoint: str = ""
+
+
+@dataclass
+class Waiter:
     ticket: str
     cls: int
-    tenant: str
     deadline: float
+    gateway: str
+    seq: int
+    tenant: str
 
 
 @dataclass
@@ -27,71 +40,192 @@ class PermitTable:
     limit: int
     shares: tuple[float, float, float]
     always: tuple[bool, bool, bool] = (False, False, False)  # reservations kept without waiters
-    held: dict[str, int] = field(default_factory=dict)  # ticket -> class
-    queues: tuple[deque[_Waiter], deque[_Waiter], deque[_Waiter]] = field(
-        default_factory=lambda: (deque(), deque(), deque()))
-    _seq: itertools.count = field(default_factory=itertools.count)
+    max_queue: tuple[int, int, int] = (10**9, 10**9, 10**9)
+    tenant_cap: tuple[int, int, int] = (10**9, 10**9, 10**9)
+    ttl: float = math.inf  # lease and gateway-liveness lifetime
+    waiter_grace: float = 0.0  # a waiter past its deadline is reaped this much later
+    leases: dict[str, Lease] = field(default_factory=dict)
+    queues: tuple[list[Waiter], list[Waiter], list[Waiter]] = field(default_factory=lambda: ([], [], []))
+    gateways: dict[str, float] = field(default_factory=dict)  # gateway -> liveness expiry
+    creditors: set[str] = field(default_factory=set)
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def held(self) -> dict[str, int]:
+        return {t: lease.cls for t, lease in self.leases.items()}
 
     def inflight(self) -> tuple[int, int, int]:
         counts = [0, 0, 0]
-        for c in self.held.values():
-            counts[c] += 1
+        for lease in self.leases.values():
+            counts[lease.cls] += 1
         return counts[0], counts[1], counts[2]
 
     def queued(self) -> list[int]:
         return [len(q) for q in self.queues]
 
+    def tenant_queued(self, cls: int, tenant: str) -> int:
+        return sum(1 for w in self.queues[cls] if w.tenant == tenant)
+
+    def waiting(self) -> set[str]:
+        return {w.ticket for q in self.queues for w in q}
+
     def snapshot(self, cls: int, tenant: str, grant_rate: float) -> Snapshot:
-        return Snapshot(
-            limit=self.limit, inflight=self.inflight(),
-            queued=(len(self.queues[0]), len(self.queues[1]), len(self.queues[2])),
-            tenant_queued=sum(1 for w in self.queues[cls] if w.tenant == tenant),
-            grant_rate=grant_rate)
+        q = self.queued()
+        return Snapshot(limit=self.limit, inflight=self.inflight(), queued=(q[0], q[1], q[2]),
+                        tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate)
 
-    def try_acquire(self, ticket: str, cls: int, now: float) -> bool:
-        """Lease at once if the grant loop would give this class the next permit."""
-        self.grant(now)
-        inflight, queued = list(self.inflight()), self.queued()
-        if not eligible(cls, self.limit, inflight, queued, self.shares, self.always):
-            return False
-        if any(queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always)
-               for k in CLASSES if k <= cls):
-            return False
-        self.held[ticket] = cls
-        return True
+    def _alive(self, gateway: str, now: float) -> bool:
+        exp = self.gateways.get(gateway)
+        return exp is not None and exp >= now
 
-    def enqueue(self, ticket: str, cls: int, tenant: str, deadline: float, now: float) -> list[str]:
-        self.queues[cls].append(_Waiter(ticket, cls, tenant, deadline))
-        return self.grant(now)
-
-    def cancel(self, ticket: str) -> int:
-        """0: removed from the queue; 1: already granted; 2: unknown."""
+    def _find(self, ticket: str) -> Waiter | None:
         for q in self.queues:
             for w in q:
                 if w.ticket == ticket:
-                    q.remove(w)
-                    return 0
-        return 1 if ticket in self.held else 2
+                    return w
+        return None
 
-    def release(self, ticket: str, now: float) -> tuple[bool, list[str]]:
-        held = self.held.pop(ticket, None) is not None
-        return held, self.grant(now)
+    # ------------------------------------------------------------------ mechanism
 
-    def set_limit(self, limit: int, now: float) -> list[str]:
-        self.limit = max(1, limit)
-        return self.grant(now)
+    def _unqueue(self, w: Waiter) -> None:
+        self.queues[w.cls].remove(w)
+
+    def reclaim(self, now: float) -> None:
+        for t in [t for t, lease in self.leases.items() if lease.expiry <= now]:
+            del self.leases[t]
+        for q in self.queues:
+            q[:] = [w for w in q if w.deadline > now - self.waiter_grace]
+        dead = {g for g, exp in self.gateways.items() if exp < now}
+        if dead:
+            for q in self.queues:
+                q[:] = [w for w in q if w.gateway not in dead]
+            for g in dead:
+                del self.gateways[g]
+            self.creditors -= dead
 
     def grant(self, now: float) -> list[str]:
+        """Hand free permits to waiters; returns the tickets that just received one."""
         granted: list[str] = []
         while sum(self.inflight()) < self.limit:
             inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
                 if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always):
-                    w = self.queues[k].popleft()
-                    if w.deadline >= now:
-                        self.held[w.ticket] = k
+                    w = self.queues[k].pop(0)
+                    if w.deadline >= now and self._alive(w.gateway, now):
+                        self.leases[w.ticket] = Lease(k, w.gateway, w.seq, now + self.ttl)
                         granted.append(w.ticket)
                     break
             else:
                 break
         return granted
+
+    # ------------------------------------------------------------------ operations (as leases.lua)
+
+    def acquire(self, ticket: str, cls: int, now: float, *, gateway: str = "local", seq: int = 0,
+                credits: int = 0) -> tuple[bool, list[str], list[str]]:
+        """Lease at once if the grant loop would give this class the next permit.
+        Returns (granted, credit tickets, tickets the grant loop granted to waiters first)."""
+        if ticket in self.leases:
+            return True, [], []
+        self.reclaim(now)
+        woken = self.grant(now)
+        inflight, queued = list(self.inflight()), self.queued()
+        ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always) and not any(
+            queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always)
+            for k in CLASSES if k <= cls)
+        if not ok:
+            self.creditors.clear()
+            return False, [], woken
+        self.leases[ticket] = Lease(cls, gateway, seq, now + self.ttl)
+        extra: list[str] = []
+        if credits > 0 and sum(queued) == 0:
+            n = min(credits, self.limit // 2 - (sum(inflight) + 1))
+            for i in range(1, n + 1):
+                extra.append(f"{ticket}:c{i}")
+                self.leases[extra[-1]] = Lease(1, gateway, seq, now + self.ttl)
+            if n > 0:
+                self.creditors.add(gateway)
+        return True, extra, woken
+
+    def try_acquire(self, ticket: str, cls: int, now: float) -> bool:
+        return self.acquire(ticket, cls, now)[0]
+
+    def enqueue(self, ticket: str, cls: int, tenant: str, deadline: float, now: float, *,
+                gateway: str = "local", seq: int = 0) -> tuple[str, list[str]]:
+        """Wait for a permit. Returns (outcome, granted tickets): outcome is `granted` (this
+        ticket holds a permit now), `queued`, or the cap that refused it (`queue_full`,
+        `tenant_cap`)."""
+        self.reclaim(now)
+        if ticket in self.leases:
+            return "granted", []
+        if self._find(ticket) is None:
+            if len(self.queues[cls]) >= self.max_queue[cls]:
+                return "queue_full", []
+            if self.tenant_queued(cls, tenant) >= self.tenant_cap[cls]:
+                return "tenant_cap", []
+            self.gateways.setdefault(gateway, now + self.ttl)
+            self.queues[cls].append(Waiter(ticket, cls, deadline, gateway, seq, tenant))
+        self.creditors.clear()
+        granted = self.grant(now)
+        return ("granted" if ticket in self.leases else "queued"), granted
+
+    def cancel(self, ticket: str) -> int:
+        """0: removed from the queue; 1: already granted; 2: unknown."""
+        w = self._find(ticket)
+        if w is not None:
+            self._unqueue(w)
+            return 0
+        return 1 if ticket in self.leases else 2
+
+    def release(self, ticket: str, now: float) -> tuple[bool, list[str]]:
+        n, granted = self.release_many([ticket], now)
+        return n == 1, granted
+
+    def release_many(self, tickets: list[str], now: float) -> tuple[int, list[str]]:
+        n = sum(1 for t in tickets if self.leases.pop(t, None) is not None)
+        self.reclaim(now)
+        return n, self.grant(now)
+
+    def return_credits(self, tickets: list[str], now: float) -> list[str]:
+        for t in tickets:
+            self.leases.pop(t, None)
+        return self.grant(now)
+
+    def mine(self, tickets: list[str], now: float) -> tuple[list[str], list[str]]:
+        self.reclaim(now)
+        granted = self.grant(now)
+        return [t for t in tickets if t in self.leases], granted
+
+    def sync(self, gateway: str, watermark: int, held: dict[str, tuple[int, int]],
+             waiting: dict[str, tuple[int, int, float, str]], now: float) -> list[str]:
+        """A gateway re-asserts what it has: held ticket -> (class, seq); waiting ticket ->
+        (class, seq, remaining, tenant). Its other leases and waiters older than `watermark`
+        are dropped. Returns the tickets the grant loop granted."""
+        self.gateways[gateway] = now + self.ttl
+        for t, (cls, seq) in held.items():
+            if t in self.leases:
+                self.leases[t].expiry = now + self.ttl
+            else:
+                w = self._find(t)
+                if w is not None:
+                    self._unqueue(w)
+                self.leases[t] = Lease(cls, gateway, seq, now + self.ttl)
+        for t, (cls, seq, remaining, tenant) in waiting.items():
+            if t not in self.leases and self._find(t) is None:
+                self.queues[cls].append(Waiter(t, cls, now + remaining, gateway, seq, tenant))
+        for t, lease in list(self.leases.items()):
+            if lease.gateway == gateway and lease.seq < watermark and t not in held and t not in waiting:
+                del self.leases[t]
+        for q in self.queues:
+            q[:] = [w for w in q if not (w.gateway == gateway and w.seq < watermark and w.ticket not in waiting)]
+        self.reclaim(now)
+        return self.grant(now)
+
+    def set_limit(self, limit: int, now: float) -> list[str]:
+        self.limit = max(1, limit)
+        return self.grant(now)
+
+    def adopt(self, ticket: str, cls: int, endpoint: str = "") -> None:
+        """Count a permit granted elsewhere (degraded mode: the shared permits still held)."""
+        self.leases[ticket] = Lease(cls, "local", 0, math.inf, endpoint)

@@ -3,7 +3,8 @@
 The controller writes it (it owns replica lifecycles); the processor's Lua script reads the
 `active` set to route each admitted request to the least-loaded active endpoint, and keeps a
 per-endpoint count of permits held (`epinf`), which the controller reads to know when a
-draining endpoint is idle. Part of extproc's public state API (design §7).
+draining endpoint is idle. Part of extproc's public state API; key names in `schema.py`,
+the processor-side picking in `picking.py`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from floodgate.extproc.schema import ACTIVE, ENDPOINTS, EPINF, key
 
 STATES = ("loading", "warm", "active", "draining", "sleeping")
-
-
-def _key(pool: str, name: str) -> str:
-    return f"fg:{{{pool}}}:{name}"
 
 
 @dataclass(frozen=True)
@@ -36,9 +34,9 @@ class Registry:
     def __init__(self, client: aioredis.Redis, pool: str) -> None:
         self.client = client
         self.pool = pool
-        self.k_endpoints = _key(pool, "endpoints")
-        self.k_active = _key(pool, "active")
-        self.k_epinf = _key(pool, "epinf")
+        self.k_endpoints = key(pool, ENDPOINTS)
+        self.k_active = key(pool, ACTIVE)
+        self.k_epinf = key(pool, EPINF)
 
     async def set(self, endpoint: str, state: str, replica_id: str, meta: dict[str, Any] | None = None) -> None:
         """Record an endpoint's state; only `active` endpoints receive new requests."""

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 from floodgate.extproc.registry import Registry
+from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.stack import LocalStack
@@ -24,13 +25,13 @@ async def test_pick_least_loaded_active_and_count_per_endpoint(stack: LocalStack
     c = redis_client(url, op_timeout_s=5)
     try:
         reg = Registry(c, "p")
-        st = PoolState(c, "p", lease_ttl_s=30, initial_limit=100, shares=SHARES, picking=True)
-        assert (await st.acquire("g:0", "g", 1, "t")).endpoint == ""  # nothing registered yet
+        st = PoolState(c, "p", lease_ttl_s=30, settings=PoolSettings(100, SHARES, picking=True))
+        assert (await st.acquire("g:0", "g", 1, 1, "t")).endpoint == ""  # nothing registered yet
         await st.release("g:0")
         await reg.set("10.0.0.1:8000", "active", "r1")
         await reg.set("10.0.0.2:8000", "active", "r2")
         await reg.set("10.0.0.3:8000", "draining", "r3")
-        eps = [(await st.acquire(f"g:{i}", "g", 1, "t")).endpoint for i in range(1, 7)]
+        eps = [(await st.acquire(f"g:{i}", "g", 1, 1, "t")).endpoint for i in range(1, 7)]
         assert sorted(eps) == ["10.0.0.1:8000"] * 3 + ["10.0.0.2:8000"] * 3  # spread, never draining
         got = await reg.endpoints()
         assert got["10.0.0.1:8000"].inflight == 3 and got["10.0.0.3:8000"].inflight == 0
@@ -38,16 +39,16 @@ async def test_pick_least_loaded_active_and_count_per_endpoint(stack: LocalStack
         # release one on .1: the next pick goes there (least loaded)
         first = eps.index("10.0.0.1:8000") + 1
         await st.release(f"g:{first}")
-        assert (await st.acquire("g:9", "g", 1, "t")).endpoint == "10.0.0.1:8000"
+        assert (await st.acquire("g:9", "g", 1, 1, "t")).endpoint == "10.0.0.1:8000"
         for i in range(1, 10):
             await st.release(f"g:{i}")
         assert all(e.inflight == 0 for e in (await reg.endpoints()).values())
         # a granted waiter learns its endpoint from the grant
         await reg.set("10.0.0.2:8000", "draining", "r2")
-        small = PoolState(c, "p", lease_ttl_s=30, initial_limit=1, shares=(0, 0, 0), picking=True)
+        small = PoolState(c, "p", lease_ttl_s=30, settings=PoolSettings(1, (0, 0, 0), picking=True))
         await small.set_limit((await small.get_limit()).version, (await small.get_limit()).state.__class__(limit=1.0))
-        assert (await small.acquire("h:1", "h", 1, "t")).granted
-        assert not (await small.enqueue("h:2", "h", 1, "t", 30)).granted
+        assert (await small.acquire("h:1", "h", 1, 1, "t")).granted
+        assert not (await small.enqueue("h:2", "h", 2, 1, "t", 30)).granted
         await small.release("h:1")
         assert await small.granted_among(["h:2"]) == {"h:2": "10.0.0.1:8000"}
         with pytest.raises(ValueError):
@@ -62,11 +63,11 @@ async def test_reclaimed_lease_frees_its_endpoint_count(stack: LocalStack) -> No
     try:
         reg = Registry(c, "q")
         await reg.set("10.0.0.1:8000", "active", "r1")
-        st = PoolState(c, "q", lease_ttl_s=0.3, initial_limit=5, shares=SHARES, picking=True)
-        await st.acquire("dead:1", "dead", 1, "t")
+        st = PoolState(c, "q", lease_ttl_s=0.3, settings=PoolSettings(5, SHARES, picking=True))
+        await st.acquire("dead:1", "dead", 1, 1, "t")
         assert await reg.inflight("10.0.0.1:8000") == 1
         await asyncio.sleep(0.4)
-        await st.status()  # any call reclaims
+        await st.sync("g", 1, {}, {})  # any write reclaims
         assert await reg.inflight("10.0.0.1:8000") == 0
     finally:
         await c.aclose()

@@ -1,9 +1,11 @@
 """The Redis Lua state against its pure reference model, on a real Redis-protocol server.
 
-Random operation sequences run against both `leases.lua` (through `PoolState`) and
-`PermitTable`; after every step the set of permit holders must be identical and the
-invariants must hold: no ticket both queued and leased, counters equal to the sets they
-count, in-flight never above the limit.
+Random histories run against both `leases.lua` (through `PoolState`, with the script's clock
+driven by the test) and `PermitTable`: several gateways, acquires with credits, enqueues with
+deadlines and tenant caps, releases, cancels, limit changes, time passing (lease expiry,
+deadlines, dead gateways), syncs that re-assert or abandon entries, and Redis losing its state.
+After every step the holders, the queue and the live gateways must be identical and the
+invariants must hold.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.state import PoolState, pool_keys, redis_client
+from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, key, script_keys
+from floodgate.extproc.state import PoolState, read_demand, read_pool_status, redis_client
+from floodgate.extproc.vegas import VegasState
 
 from floodgate.stack import LocalStack
 
 SHARES = (0.5, 0.3, 0.1)
+K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
 
 
 @pytest.fixture
@@ -30,159 +35,335 @@ async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
     await c.aclose()
 
 
+async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
+               shares: tuple[float, float, float] = SHARES, picking: bool = False,
+               always: tuple[bool, bool, bool] = (False, False, False),
+               max_queue: tuple[int, int, int] = (100, 100, 100),
+               tenant_cap: tuple[int, int, int] = (100, 100, 100)) -> PoolState:
+    st = PoolState(c, pool, lease_ttl_s=ttl, settings=PoolSettings(limit, shares, always, picking, max_queue, tenant_cap))
+    await st.configure()
+    return st
+
+
 async def leased(c: aioredis.Redis, pool: str) -> set[str]:
-    return {t.decode() for t in await c.zrange(pool_keys(pool)[0], 0, -1)}
+    return {t.decode() for t in await c.zrange(script_keys(pool)[K["leases"]], 0, -1)}
 
 
-async def check_invariants(c: aioredis.Redis, pool: str, st: PoolState, before: int = 0) -> None:
-    keys = pool_keys(pool)
+async def queue_order(c: aioredis.Redis, pool: str) -> list[str]:
+    return [t.decode() for t in await c.zrange(script_keys(pool)[K["queue"]], 0, -1)]
+
+
+async def check_invariants(c: aioredis.Redis, pool: str) -> None:
+    keys = script_keys(pool)
     leases = await leased(c, pool)
-    queue = {t.decode() for t in await c.zrange(keys[2], 0, -1)}
+    queue = set(await queue_order(c, pool))
     assert not leases & queue
-    counts = {k.decode(): int(v) for k, v in (await c.hgetall(keys[5])).items()}
-    lmeta = {k.decode(): int(v) for k, v in (await c.hgetall(keys[1])).items()}
+    counts = {k.decode(): int(v) for k, v in (await c.hgetall(keys[K["counts"]])).items()}
+    lmeta = {k.decode(): int(v.decode().split("|")[0]) for k, v in (await c.hgetall(keys[K["lmeta"]])).items()}
     assert set(lmeta) == leases
     for cls in range(3):
         assert counts.get(f"i{cls}", 0) == sum(1 for v in lmeta.values() if v == cls)
-    qmeta = {k.decode(): v.decode() for k, v in (await c.hgetall(keys[3])).items()}
+    qmeta = {k.decode(): v.decode() for k, v in (await c.hgetall(keys[K["qmeta"]])).items()}
     assert set(qmeta) == queue
     for cls in range(3):
         assert counts.get(f"q{cls}", 0) == sum(1 for v in qmeta.values() if v.startswith(f"{cls}|"))
-    # A lowered limit lets held permits finish; it only stops new grants, so an operation
-    # never takes in-flight above the limit (or above what it already was).
-    status = await st.status()
-    assert status.inflight_total <= max(status.limit, before)
+    tenants: dict[str, int] = {}
+    for v in qmeta.values():
+        parts = v.split("|", 4)
+        tenants[f"t{parts[0]}:{parts[4]}"] = tenants.get(f"t{parts[0]}:{parts[4]}", 0) + 1
+    assert {k: v for k, v in counts.items() if k.startswith("t")} == tenants
 
 
-@pytest.mark.parametrize("seed", range(10))
+GATEWAYS = ("ga", "gb", "gc")
+
+
+@pytest.mark.parametrize("seed", range(12))
 async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) -> None:
     rng = random.Random(seed)
     pool = f"diff{seed}"
     limit = rng.choice([1, 2, 3, 5, 10])
     always = (rng.random() < 0.5, False, rng.random() < 0.3)  # some seeds keep reservations always
-    st = PoolState(client, pool, lease_ttl_s=600, initial_limit=limit, shares=SHARES, always=always)
-    model = PermitTable(limit=limit, shares=SHARES, always=always)
+    maxq = (rng.choice([1, 3, 100]), rng.choice([2, 100]), rng.choice([1, 4]))
+    tcap = (rng.choice([1, 2, 100]), 100, rng.choice([1, 100]))
+    ttl_ms = 3000
+    clock = key(pool, "testclock")
+    now = 1_000_000
+    await client.set(clock, now)
+    st = await make(client, pool, ttl=ttl_ms / 1000, limit=limit, always=always, max_queue=maxq, tenant_cap=tcap)
+    model = PermitTable(limit=limit, shares=SHARES, always=always, max_queue=maxq, tenant_cap=tcap,
+                        ttl=ttl_ms, waiter_grace=1000)
+    seqs = dict.fromkeys(GATEWAYS, 0)
+    dead: set[str] = set()
     version = 0
-    queued: list[str] = []
-    n = 0
-    for _step in range(150):
-        before = len(model.held)
-        op = rng.choices(["arrive", "release", "cancel", "limit"], [5, 3, 1, 1])[0]
-        if op == "arrive":
-            n += 1
-            ticket, cls, tenant = f"g:{n}", rng.randrange(3), rng.choice("ab")
-            snap = await st.acquire(ticket, "g", cls, tenant)
-            got = model.try_acquire(ticket, cls, now=0.0)
-            assert snap.granted == got, (op, ticket, cls)
+
+    async def sync(gw: str, abandon: bool) -> None:
+        held = {t: (ls.cls, ls.seq) for t, ls in model.leases.items() if ls.gateway == gw}
+        waiting = {w.ticket: (w.cls, w.seq, max(1.0, w.deadline - now), w.tenant)
+                   for q in model.queues for w in q if w.gateway == gw}
+        if abandon and (held or waiting):  # the gateway forgot one (an abandoned call)
+            victim = rng.choice(sorted([*held, *waiting]))
+            held.pop(victim, None)
+            waiting.pop(victim, None)
+        watermark = seqs[gw] + 1 - rng.choice([0, 0, 1])  # sometimes a call is still in flight
+        # the script rounds the remaining time to whole ms
+        waiting = {t: (c, s, float(max(1, int(rem))), ten) for t, (c, s, rem, ten) in waiting.items()}
+        await st.sync(gw, watermark, {t: (c, s, "") for t, (c, s) in held.items()},
+                      {t: (c, s, rem / 1000, ten) for t, (c, s, rem, ten) in waiting.items()})
+        model.sync(gw, watermark, held, waiting, now)
+
+    for gw in GATEWAYS:
+        await sync(gw, False)
+    for step in range(160):
+        before = sum(model.inflight())
+        ops = ["arrive", "release", "cancel", "limit", "time", "sync", "mine", "credits", "die", "flush"]
+        op = rng.choices(ops, [6, 3, 1, 1, 2, 2, 1, 1, 0.2, 0.15])[0]
+        live = [g for g in GATEWAYS if g not in dead]
+        if op == "arrive" and live:
+            gw = rng.choice(live)
+            seqs[gw] += 1
+            seq = seqs[gw]
+            ticket, cls, tenant = f"{gw}/{seq}", rng.randrange(3), rng.choice("ab")
+            wanted = rng.choice([0, 0, 3])
+            snap = await st.acquire(ticket, gw, seq, cls, tenant, wanted)
+            got, credits, _ = model.acquire(ticket, cls, now, gateway=gw, seq=seq, credits=wanted)
+            assert snap.granted == got, (step, op, ticket, cls)
+            assert list(snap.credits) == credits
             if not got:
-                snap = await st.enqueue(ticket, "g", cls, tenant, 600)
-                model.enqueue(ticket, cls, tenant, deadline=1e9, now=0.0)
-                queued.append(ticket)
-        elif op == "release" and model.held:
-            ticket = rng.choice(sorted(model.held))
-            assert await st.release(ticket) == 1
-            model.release(ticket, now=0.0)
-        elif op == "cancel" and queued:
-            ticket = queued.pop(rng.randrange(len(queued)))
-            assert await st.cancel(ticket) == model.cancel(ticket)
+                timeout = rng.choice([500, 2000, 8000])
+                snap = await st.enqueue(ticket, gw, seq, cls, tenant, timeout / 1000)
+                outcome, _ = model.enqueue(ticket, cls, tenant, now + timeout, now, gateway=gw, seq=seq)
+                expected = "granted" if snap.granted else (snap.rejected or "queued")
+                assert expected == outcome, (step, ticket)
+        elif op == "release" and model.leases:
+            tickets = rng.sample(sorted(model.leases), min(len(model.leases), rng.choice([1, 1, 2])))
+            n, _ = model.release_many(tickets, now)
+            assert await st.release(*tickets) == n
+        elif op == "cancel":
+            waiting = sorted(model.waiting()) + sorted(model.leases)[:1]
+            if waiting:
+                ticket = rng.choice(waiting)
+                assert await st.cancel(ticket) == model.cancel(ticket)
         elif op == "limit":
             limit = rng.choice([1, 2, 4, 8])
             rec = await st.get_limit()
             assert rec.version == version
-            assert await st.set_limit(version, rec.state.__class__(limit=float(limit)))
+            assert await st.set_limit(version, VegasState(limit=float(limit)))
             version += 1
-            model.set_limit(limit, now=0.0)
-        assert await leased(client, pool) == set(model.held)
-        await check_invariants(client, pool, st, before)
+            model.set_limit(limit, now)
+        elif op == "time":
+            now += rng.choice([100, 900, 1500, 3500])
+            await client.set(clock, now)
+        elif op == "sync" and live:
+            await sync(rng.choice(live), rng.random() < 0.3)
+        elif op == "mine":
+            tickets = sorted(model.waiting())[:3] + sorted(model.leases)[:1]
+            if tickets:
+                got_mine, _ = model.mine(tickets, now)
+                assert set(await st.granted_among(tickets)) == set(got_mine)
+        elif op == "credits":
+            credits = [t for t in model.leases if ":c" in t][:2]
+            if credits:
+                model.return_credits(credits, now)
+                await st.return_credits(*credits)
+        elif op == "die" and len(live) > 1:
+            dead.add(rng.choice(live))  # it never syncs again: its waiters must never be granted
+        elif op == "flush":
+            # Redis restarted empty: every live gateway re-asserts what it has.
+            holders = {g: ({t: (ls.cls, ls.seq) for t, ls in model.leases.items() if ls.gateway == g},
+                           {w.ticket: (w.cls, w.seq, max(1.0, float(int(w.deadline - now))), w.tenant)
+                            for q in model.queues for w in q if w.gateway == g}) for g in live}
+            await client.delete(*[k for k in script_keys(pool) if not k.endswith(":testclock")])
+            model.leases.clear()
+            for q in model.queues:
+                q.clear()
+            model.gateways.clear()
+            model.creditors.clear()
+            model.limit = limit = st.settings.initial_limit if st.settings else limit
+            version = 0
+            for g, (held, waiting) in holders.items():
+                await st.sync(g, seqs[g] + 1, {t: (c, s, "") for t, (c, s) in held.items()},
+                              {t: (c, s, rem / 1000, ten) for t, (c, s, rem, ten) in waiting.items()})
+                model.sync(g, seqs[g] + 1, held, waiting, now)
+        assert await leased(client, pool) == set(model.leases), (step, op)
+        assert await queue_order(client, pool) == [w.ticket for q in model.queues for w in q], (step, op)
+        await check_invariants(client, pool)
+        if op not in ("sync", "flush", "limit"):
+            st_now = await st.status()
+            assert st_now.inflight_total <= max(st_now.limit, before)
+
+
+async def test_dead_gateways_waiters_are_never_granted_and_purged(client: aioredis.Redis) -> None:
+    st = await make(client, "dead", ttl=0.3, limit=1, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    await st.sync("dead", 1, {}, {})
+    assert (await st.acquire("dead/1", "dead", 1, 1, "t")).granted
+    await st.enqueue("dead/2", "dead", 2, 0, "t", 30)  # a P0 waiter of the gateway that dies
+    await st.enqueue("a/1", "a", 1, 1, "t", 30)
+    await asyncio.sleep(0.2)
+    await st.sync("a", 2, {}, {"a/1": (1, 1, 30.0, "t")})
+    await asyncio.sleep(0.2)  # `dead` never synced again: its lease and liveness expire
+    await st.sync("a", 2, {}, {"a/1": (1, 1, 30.0, "t")})
+    assert await leased(client, "dead") == {"a/1"}  # the survivor, not the dead P0 waiter
+    assert (await st.status()).queued_total == 0  # the dead gateway's waiter is purged
+    await check_invariants(client, "dead")
+
+
+async def test_status_never_writes(client: aioredis.Redis) -> None:
+    # No settings stored, nothing at all: a read must not create anything.
+    assert (await read_pool_status(client, "empty")).limit == 1
+    assert await client.keys("fg:{empty}:*") == []
+    st = await make(client, "ro", ttl=0.2, limit=1, shares=(0, 0, 0), picking=True)
+    await client.sadd(key("ro", "active"), "10.0.0.1:80")
+    await st.sync("a", 1, {}, {})
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    await st.enqueue("b/1", "b", 1, 2, "t", 30)
+    await asyncio.sleep(0.3)  # a/1 has expired: a write would reclaim it and grant b/1
+    dump = {k: await client.dump(k) for k in await client.keys("fg:{ro}:*")}
+    for _ in range(3):
+        s = await read_pool_status(client, "ro")
+        assert s.inflight_total == 1 and s.queued_total == 1
+    assert {k: await client.dump(k) for k in await client.keys("fg:{ro}:*")} == dump
+
+
+async def test_settings_are_stored_once_and_used_by_every_grant(client: aioredis.Redis) -> None:
+    first = await make(client, "cfg", limit=4, shares=(0.5, 0.0, 0.0), always=(True, False, False))
+    other = PoolState(client, "cfg", lease_ttl_s=30, settings=PoolSettings(4, (0.0, 0.0, 0.0)))
+    stored = await other.configure()
+    assert stored == first.settings
+    assert other.settings is not None and other.settings.differences(stored)  # reported by the admitter
+    # `other` grants with the stored reservation: 2 of 4 kept for P0, even via its calls.
+    assert (await other.acquire("o/1", "o", 1, 2, "t")).granted
+    assert (await other.acquire("o/2", "o", 2, 2, "t")).granted
+    assert not (await other.acquire("o/3", "o", 3, 2, "t")).granted
+    newer = PoolState(client, "cfg", lease_ttl_s=30, settings=PoolSettings(4, (0.0, 0.0, 0.0), epoch=1))
+    assert (await newer.configure()).epoch == 1  # a higher epoch replaces them
+    assert (await other.acquire("o/4", "o", 4, 2, "t")).granted
+
+
+async def test_caps_are_checked_atomically_in_enqueue(client: aioredis.Redis) -> None:
+    st = await make(client, "caps", limit=1, shares=(0, 0, 0), max_queue=(100, 3, 100), tenant_cap=(100, 2, 100))
+    assert (await st.acquire("a/1", "a", 1, 1, "x")).granted
+    # Two gateways both saw an empty queue on `acquire`; the caps hold anyway.
+    results = await asyncio.gather(*(st.enqueue(f"{g}/{i}", g, i, 1, "t", 30) for g in "bc" for i in range(2, 5)))
+    reasons = sorted(r.rejected or "queued" for r in results)
+    assert reasons == ["queued", "queued", "tenant_cap", "tenant_cap", "tenant_cap", "tenant_cap"]
+    assert (await st.enqueue("d/1", "d", 1, 1, "u", 30)).rejected == ""
+    assert (await st.enqueue("d/2", "d", 2, 1, "v", 30)).rejected == "queue_full"
+
+
+async def test_sync_reasserts_after_redis_lost_everything(client: aioredis.Redis) -> None:
+    st = await make(client, "rs", limit=3, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    for i in (1, 2, 3):
+        assert (await st.acquire(f"a/{i}", "a", i, 1, "t")).granted
+    assert (await st.acquire("ghost/1", "a", 9, 1, "t")).granted is False  # full
+    await client.flushall()
+    res = await st.sync("a", 5, {"a/1": (1, 1, ""), "a/3": (0, 3, "")}, {"a/4": (2, 4, 10.0, "t")})
+    assert res.reasserted == 2 and res.requeued == 1
+    assert await leased(client, "rs") == {"a/1", "a/3", "a/4"}  # the waiter got the free permit
+    # an abandoned acquire that runs late is dropped by the next sync
+    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted is False
+    await st.release("a/4")
+    assert (await st.acquire("a/5", "a", 5, 1, "t")).granted
+    res = await st.sync("a", 6, {"a/1": (1, 1, ""), "a/3": (0, 3, "")}, {})
+    assert res.dropped == 1 and await leased(client, "rs") == {"a/1", "a/3"}
+    await check_invariants(client, "rs")
 
 
 async def test_stale_version_is_refused(client: aioredis.Redis) -> None:
-    st = PoolState(client, "cas", lease_ttl_s=60, initial_limit=4, shares=SHARES)
+    st = await make(client, "cas", ttl=60, limit=4)
     rec = await st.get_limit()
-    assert await st.set_limit(rec.version, rec.state.__class__(limit=8.0))
-    assert not await st.set_limit(rec.version, rec.state.__class__(limit=2.0))
+    assert await st.set_limit(rec.version, VegasState(limit=8.0))
+    assert not await st.set_limit(rec.version, VegasState(limit=2.0))
     assert (await st.get_limit()).state.limit == 8.0
 
 
 async def test_expired_lease_is_reclaimed_and_granted_to_next_waiter(client: aioredis.Redis) -> None:
-    st = PoolState(client, "ttl", lease_ttl_s=0.5, initial_limit=1, shares=(0, 0, 0))
-    assert (await st.acquire("a:1", "a", 1, "t")).granted
-    assert not (await st.acquire("b:1", "b", 1, "t")).granted
+    st = await make(client, "ttl", ttl=0.5, limit=1, shares=(0, 0, 0))
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    assert not (await st.acquire("b/1", "b", 1, 1, "t")).granted
     pubsub = client.pubsub()
     await pubsub.subscribe("fg:gw:b")
-    assert not (await st.enqueue("b:1", "b", 1, "t", 30)).granted
-    await st.renew("b", [])  # b stays alive; a never renews
+    assert not (await st.enqueue("b/1", "b", 1, 1, "t", 30)).granted
+    await st.sync("b", 2, {}, {"b/1": (1, 1, 30.0, "t")})  # b stays alive; a never renews
     await asyncio.sleep(0.6)
-    await st.renew("b", [])  # any script call reclaims expired leases and grants
-    assert await st.granted_among(["b:1"]) == {"b:1": ""}
+    await st.sync("b", 2, {}, {"b/1": (1, 1, 30.0, "t")})  # reclaims expired leases and grants
+    assert await st.granted_among(["b/1"]) == {"b/1": ""}
     msg = None
     for _ in range(20):
         msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
         if msg:
             break
-    assert msg is not None and msg["data"] == b"ttl|b:1|"  # targeted grant, to b only (no picking)
-    assert await st.renew("a", ["a:1"]) == ["a:1"]  # a learns its lease was lost
+    assert msg is not None and msg["data"] == b"ttl|b/1|"  # targeted grant, to b only (no picking)
     await pubsub.aclose()
 
 
 async def test_cancel_after_grant_reports_ownership(client: aioredis.Redis) -> None:
-    st = PoolState(client, "race", lease_ttl_s=30, initial_limit=1, shares=(0, 0, 0))
-    assert (await st.acquire("a:1", "a", 1, "t")).granted
-    await st.enqueue("a:2", "a", 1, "t", 30)
-    assert await st.release("a:1") == 1  # grants a:2
-    assert await st.cancel("a:2") == 1  # the waiter timed out at the same moment: it owns a permit
-    assert await st.release("a:2") == 1
-    assert await st.release("a:2") == 0  # exactly once
+    st = await make(client, "race", limit=1, shares=(0, 0, 0))
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    await st.enqueue("a/2", "a", 2, 1, "t", 30)
+    assert await st.release("a/1") == 1  # grants a/2
+    assert await st.cancel("a/2") == 1  # the waiter timed out at the same moment: it owns a permit
+    assert await st.release("a/2") == 1
+    assert await st.release("a/2") == 0  # exactly once
     assert await st.cancel("nope") == 2
 
 
-async def test_waiters_of_dead_gateways_and_expired_deadlines_are_skipped(client: aioredis.Redis) -> None:
-    st = PoolState(client, "skip", lease_ttl_s=0.3, initial_limit=1, shares=(0, 0, 0))
-    assert (await st.acquire("a:1", "a", 1, "t")).granted
-    await st.enqueue("dead:1", "dead", 0, "t", 30)  # gateway `dead` never renews
-    await st.enqueue("a:2", "a", 1, "t", 0.05)  # its deadline passes
-    await st.enqueue("a:3", "a", 2, "t", 30)
-    await asyncio.sleep(0.4)
-    await st.renew("a", ["a:1"])
-    await st.release("a:1")
-    assert await leased(client, "skip") == {"a:3"}
-    await check_invariants(client, "skip", st)
+async def test_retried_calls_are_idempotent(client: aioredis.Redis) -> None:
+    st = await make(client, "idem", limit=2, shares=(0, 0, 0))
+    a = await st.acquire("a/1", "a", 1, 1, "t")
+    assert a.granted and (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted
+    await st.enqueue("a/3", "a", 3, 1, "t", 30)
+    await st.enqueue("a/3", "a", 3, 1, "t", 30)
+    s = await st.status()
+    assert s.inflight_total == 2 and s.queued_total == 1
+    await check_invariants(client, "idem")
 
 
-async def test_noscript_reload(client: aioredis.Redis) -> None:
-    st = PoolState(client, "ns", lease_ttl_s=30, initial_limit=2, shares=SHARES)
-    assert (await st.acquire("a:1", "a", 1, "t")).granted
+async def test_missing_settings_are_configured_on_demand_and_noscript_reloads(client: aioredis.Redis) -> None:
+    st = await make(client, "ns", limit=2)
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
     await client.script_flush()
-    assert (await st.acquire("a:2", "a", 1, "t")).granted  # NOSCRIPT -> reload -> run
+    await client.flushall()
+    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted  # NOSCRIPT -> reload; settings -> configure
 
 
 async def test_two_pools_are_independent(client: aioredis.Redis) -> None:
-    a = PoolState(client, "pa", lease_ttl_s=30, initial_limit=1, shares=SHARES)
-    b = PoolState(client, "pb", lease_ttl_s=30, initial_limit=1, shares=SHARES)
-    assert (await a.acquire("g:1", "g", 1, "t")).granted
-    assert (await b.acquire("g:2", "g", 1, "t")).granted
-    assert all(k.startswith("fg:{pa}:") for k in pool_keys("pa"))
+    a = await make(client, "pa", limit=1)
+    b = await make(client, "pb", limit=1)
+    assert (await a.acquire("g/1", "g", 1, 1, "t")).granted
+    assert (await b.acquire("g/2", "g", 2, 1, "t")).granted
+    assert all(k.startswith("fg:{pa}:") for k in script_keys("pa"))
+
+
+async def test_demand_counters(client: aioredis.Redis) -> None:
+    st = await make(client, "dm")
+    await st.add_demand({(0, "admitted"): 3, (2, "early_drop"): 2})
+    await st.add_demand({(0, "admitted"): 1})
+    d = await read_demand(client, "dm")
+    assert d[0]["admitted"] == 4 and d[2]["early_drop"] == 2 and d[1]["queued"] == 0
 
 
 async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client: aioredis.Redis) -> None:
-    st = PoolState(client, "cr", lease_ttl_s=30, initial_limit=10, shares=(0, 0, 0))
-    got = await st.acquire("a:1", "a", 1, "t", credits=8)
+    st = await make(client, "cr", limit=10, shares=(0, 0, 0))
+    got = await st.acquire("a/1", "a", 1, 1, "t", credits=8)
     assert got.granted and len(got.credits) == 4  # at most half the limit: 1 + 4 = 5
     assert (await st.status()).inflight_total == 5  # credits are leases: they count
-    assert (await st.acquire("a:2", "a", 1, "t", credits=8)).credits == ()  # already half full
+    assert (await st.acquire("a/2", "a", 2, 1, "t", credits=8)).credits == ()  # already half full
     pubsub = client.pubsub()
     await pubsub.subscribe("fg:gw:a")
-    for i in range(3, 7):  # 6 held so far (a:1, 4 credits, a:2) + 4 = the limit
-        assert (await st.acquire(f"b:{i}", "b", 1, "t")).granted
-    assert not (await st.acquire("b:9", "b", 1, "t")).granted  # full: the creditor is told
+    for i in range(3, 7):  # 6 held so far (a/1, 4 credits, a/2) + 4 = the limit
+        assert (await st.acquire(f"b/{i}", "b", i, 1, "t")).granted
+    assert not (await st.acquire("b/9", "b", 9, 1, "t")).granted  # full: the creditor is told
     msg = None
     for _ in range(20):
         msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
         if msg:
             break
     assert msg is not None and msg["data"] == b"cr|!return|"
-    await st.enqueue("b:9", "b", 1, "t", 30)
+    await st.enqueue("b/9", "b", 9, 1, "t", 30)
     await st.return_credits(*got.credits)
-    assert await st.granted_among(["b:9"]) == {"b:9": ""}  # a returned credit went to the waiter
+    assert await st.granted_among(["b/9"]) == {"b/9": ""}  # a returned credit went to the waiter
     assert (await st.status()).grant_rate == 0  # returning credits is not a completion
     await pubsub.aclose()

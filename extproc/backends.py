@@ -1,0 +1,248 @@
+"""The two places a permit can come from, behind one interface.
+
+`SharedBackend` admits through the pool's shared state in Redis (`state.py`, `leases.lua`);
+`LocalBackend` admits from this process's own `PermitTable` while Redis is unreachable. Both
+implement `admit(rt, req) -> Permit | Reject | None` (None: the admitter switched modes while
+the request waited — continue on the other backend with the time left) and
+`release(rt, permit)` (returns the Redis call still to make, if any). The admitter
+(`admission.py`) owns the switch between them and the permits they hand out; a permit does
+not remember where it came from (on a switch, the new backend adopts every held permit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.policy import Reject, Snapshot, queue_decision, retry_after, timeout_reject
+from floodgate.extproc.schema import PoolStatus
+
+if TYPE_CHECKING:
+    from floodgate.extproc.admission import Admitter, PoolRuntime
+
+
+class RedisDown(Exception):
+    """A Redis call failed; never escapes the admitter."""
+
+
+class Switched(Exception):
+    """The admission mode changed while a request waited: it continues on the other backend."""
+
+
+@dataclass
+class Permit:
+    pool: str
+    ticket: str
+    priority: int
+    queue_s: float
+    admitted_at: float
+    endpoint: str = ""  # routed-to endpoint when the pool picks endpoints
+    queued: bool = False  # waited in the queue (vs admitted by the first acquire)
+    credit: bool = False  # admitted from a local credit (no Redis round trip)
+    seq: int = 0  # the ticket's number (`sync` watermark)
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    pool: str
+    priority: int
+    tenant: str
+    started: float
+    deadline: float
+
+
+@dataclass
+class Waiter:
+    """A request of this process waiting for a permit."""
+
+    cls: int
+    seq: int
+    deadline: float
+    tenant: str
+    future: asyncio.Future[str]  # resolves to the routed endpoint
+    enqueued: bool = False  # its enqueue ran: `sync` asserts it
+
+
+class Backend(Protocol):
+    async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None: ...
+
+    def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None: ...
+
+
+def _snapshot(st: PoolStatus) -> Snapshot:
+    return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate)
+
+
+class SharedBackend:
+    def __init__(self, admitter: Admitter) -> None:
+        self.a = admitter
+
+    async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
+        a, cls = self.a, req.priority
+        if rt.credits and rt.queue_clear:
+            # Fast path: a credit is a lease this process already holds; no round trip.
+            ticket = rt.credits.pop()
+            rt.credit_uses += 1
+            return a.permit(rt, ticket, req, "", credit=True)
+        seq, ticket = a.new_ticket()
+        wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
+        rt.pending[ticket] = seq
+        try:
+            st = await a.call("acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant, wanted))
+        except RedisDown:
+            return None
+        finally:
+            rt.pending.pop(ticket, None)
+        a.observe(rt, st)
+        if st.granted:
+            if st.credits:
+                rt.credits.extend(st.credits)
+                rt.queue_clear = True
+            return a.permit(rt, ticket, req, st.endpoint)
+        if rt.cfg.endpoint_picking and st.active_endpoints == 0:
+            return a.no_endpoints(rt, cls)
+        decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng())
+        if isinstance(decision, Reject):
+            return decision
+        w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
+        rt.waiting[ticket] = w
+        rt.pending[ticket] = seq
+        try:
+            try:
+                remaining = max(0.001, req.deadline - a.clock())
+                st = await a.call("enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant, remaining))
+            except RedisDown:
+                return None
+            finally:
+                rt.pending.pop(ticket, None)
+            a.observe(rt, st)
+            if st.rejected:
+                c = rt.cfg.classes[cls]
+                return Reject(st.rejected, retry_after(None, c, a.cfg.admission, a.rng()))
+            a.count(rt, cls, "queued")
+            if st.granted:
+                return a.permit(rt, ticket, req, st.endpoint, queued=True)
+            w.enqueued = True
+            try:
+                endpoint = await asyncio.wait_for(asyncio.shield(w.future), max(0.0, req.deadline - a.clock()))
+                return a.permit(rt, ticket, req, endpoint, queued=True)
+            except TimeoutError:
+                pass
+            except Switched:
+                return None
+            # Timed out: remove ourselves atomically; we may have been granted in the meantime.
+            try:
+                if await a.call("cancel", lambda: rt.state.cancel(ticket)) == 1:
+                    granted = await a.call("mine", lambda: rt.state.granted_among([ticket]))
+                    return a.permit(rt, ticket, req, granted.get(ticket, ""), queued=True)
+            except RedisDown:
+                pass  # the queue entry goes with the next sync
+            return timeout_reject(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng())
+        except asyncio.CancelledError:
+            # Client went away while queued (or shutdown): leave the queue, or hand back a
+            # permit granted in the race, in a task the cancellation cannot interrupt.
+            a.count(rt, cls, "abandoned")
+            a.spawn(self._abandon(rt, ticket))
+            raise
+        finally:
+            rt.waiting.pop(ticket, None)
+
+    async def _abandon(self, rt: PoolRuntime, ticket: str) -> None:
+        a = self.a
+        try:
+            if await a.call("cancel", lambda: rt.state.cancel(ticket)) == 1:
+                await a.call("release", lambda: rt.state.release(ticket))
+                a.metrics.releases.labels(rt.cfg.name, "abandoned_grant").inc()
+        except RedisDown:
+            pass  # the next sync drops what this gateway no longer asserts
+
+    def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None:
+        if permit.credit and rt.queue_clear and len(rt.credits) < rt.cfg.local_credits:
+            rt.credits.append(permit.ticket)  # back to the local pool: the lease stays held
+            return None
+        # Releases that arrive in the same event-loop turn share one script call.
+        rt.pending_release.append(permit.ticket)
+        return self._flush(rt) if len(rt.pending_release) == 1 else None
+
+    async def _flush(self, rt: PoolRuntime) -> None:
+        await asyncio.sleep(0)
+        tickets, rt.pending_release = rt.pending_release, []
+        try:
+            await self.a.call("release", lambda: rt.state.release(*tickets))
+        except RedisDown:
+            pass  # not renewed any more: the leases expire, or the next sync drops them
+
+
+class LocalBackend:
+    """Admission from this process's share of the limit while Redis is unreachable."""
+
+    def __init__(self, admitter: Admitter) -> None:
+        self.a = admitter
+
+    @staticmethod
+    def table(rt: PoolRuntime, limit: int) -> PermitTable:
+        s = rt.settings
+        return PermitTable(limit=limit, shares=s.shares, always=s.always, max_queue=s.max_queue,
+                           tenant_cap=s.tenant_cap, ttl=math.inf)
+
+    async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
+        a, cls = self.a, req.priority
+        seq, ticket = a.new_ticket()
+        now = a.clock()
+        if rt.local.try_acquire(ticket, cls, now):
+            return self._permit(rt, ticket, req)
+        snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt))
+        decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+        if isinstance(decision, Reject):
+            return decision
+        if req.deadline <= now:
+            return timeout_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+        w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
+        rt.local_waiting[ticket] = w
+        table = rt.local
+        try:
+            outcome, granted = table.enqueue(ticket, cls, req.tenant, req.deadline, now)
+            self.wake(rt, granted)
+            if outcome in ("queue_full", "tenant_cap"):
+                return Reject(outcome, retry_after(None, rt.cfg.classes[cls], a.cfg.admission, a.rng()))
+            a.count(rt, cls, "queued")
+            if outcome == "granted":
+                return self._permit(rt, ticket, req, queued=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(w.future), max(0.0, req.deadline - a.clock()))
+                return self._permit(rt, ticket, req, queued=True)
+            except TimeoutError:
+                if table.cancel(ticket) == 1:
+                    return self._permit(rt, ticket, req, queued=True)
+                return timeout_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+            except Switched:
+                return None  # shared state is back: this table is gone, queue there
+        except asyncio.CancelledError:
+            a.count(rt, cls, "abandoned")
+            if table.cancel(ticket) == 1:
+                self.wake(rt, table.release(ticket, a.clock())[1])
+            raise
+        finally:
+            rt.local_waiting.pop(ticket, None)
+
+    def _permit(self, rt: PoolRuntime, ticket: str, req: Request, queued: bool = False) -> Permit:
+        endpoint = rt.picker.pick_local(p.endpoint for p in rt.held.values())
+        return self.a.permit(rt, ticket, req, endpoint, queued=queued)
+
+    def wake(self, rt: PoolRuntime, granted: list[str]) -> None:
+        for t in granted:
+            w = rt.local_waiting.get(t)
+            if w is not None and not w.future.done():
+                w.future.set_result("")
+            else:
+                # Granted to a waiter that already left: give the permit straight back.
+                self.wake(rt, rt.local.release(t, self.a.clock())[1])
+
+    def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None:
+        self.wake(rt, rt.local.release(permit.ticket, self.a.clock())[1])
+        return None

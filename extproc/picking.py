@@ -1,0 +1,43 @@
+"""Endpoint picking on the processor side.
+
+With `endpoint_picking`, the shared grant (leases.lua `pick`) routes each admitted request to
+the least-loaded active endpoint atomically with the grant. This module holds the rest: the
+processor's cached view of the active endpoints (refreshed from the registry every second),
+the pick while Redis is unreachable (least of this process's own requests), the endpoint for
+requests admitted without a permit, and `accept`, the hook through which an endpoint may be
+refused (e.g. an address allowlist) — a refused or missing endpoint makes the permit go back
+and the request get 503 `no_endpoints`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+
+class Picker:
+    def __init__(self, enabled: bool, accept: Callable[[str], bool] | None = None) -> None:
+        self.enabled = enabled
+        self.active: list[str] = []  # last seen active endpoints, sorted
+        self._accept = accept
+
+    def update(self, active: Iterable[str]) -> None:
+        self.active = sorted(active)
+
+    def accept(self, endpoint: str) -> bool:
+        """May an admitted request be sent to `endpoint`? ('' = none picked.)"""
+        if not self.enabled:
+            return True
+        return bool(endpoint) and (self._accept is None or self._accept(endpoint))
+
+    def pick_local(self, routed: Iterable[str]) -> str:
+        """Degraded pick: the active endpoint with the fewest of this process's requests
+        (`routed`: the endpoints of the permits it holds). '' if picking is off or none is known."""
+        if not self.enabled or not self.active:
+            return ""
+        load = Counter(ep for ep in routed if ep in self.active)
+        return min(self.active, key=lambda ep: load[ep])
+
+    def any_active(self, rand: float) -> str | None:
+        """An active endpoint for a request routed without admission (e.g. /v1/models)."""
+        return self.active[int(rand * len(self.active)) % len(self.active)] if self.active else None

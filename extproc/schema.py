@@ -1,0 +1,178 @@
+"""The Redis key schema of Floodgate's shared state: every key name, channel and field, once.
+
+Both the processor (`extproc`) and the controller import this module; nothing else spells a
+key. Every key of a pool carries the pool as its hash tag (`fg:{pool}:…`), so a pool is one
+Redis Cluster slot and one Lua script (`leases.lua`) sees all of it.
+
+The script's replies are lists of alternating field names and values, parsed here by name
+(`parse_fields`), never by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CLASSES = (0, 1, 2)
+
+# The keys `leases.lua` receives, in KEYS order. The script binds them by these names.
+SCRIPT_KEYS = (
+    "leases",     # ZSET ticket -> lease expiry (ms)
+    "lmeta",      # HASH ticket -> "class|gateway"
+    "queue",      # ZSET ticket -> class * 2^32 + seq (strict priority, FIFO within a class)
+    "qmeta",      # HASH ticket -> "class|deadline_ms|gateway|tenant"
+    "qdl",        # ZSET ticket -> deadline (ms), to reap abandoned waiters
+    "counts",     # HASH i0..i2 in-flight, q0..q2 queued, t<class>:<tenant> queued per tenant
+    "state",      # HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, event rates
+    "gws",        # ZSET gateway -> liveness expiry (ms); refreshed only by `sync`
+    "active",     # SET  endpoints that may receive new requests (the registry's active ones)
+    "epinf",      # HASH endpoint -> permits held by requests routed to it
+    "lep",        # HASH ticket -> endpoint it was routed to
+    "creditors",  # SET  gateways holding local credits (told to return them when a queue forms)
+    "settings",   # HASH the pool's admission settings, written once (see PoolSettings)
+    "testclock",  # STRING ms; when present the script uses it instead of TIME (tests only)
+)
+
+ACTIVE = "active"
+EPINF = "epinf"
+
+# Keys outside the script.
+ENDPOINTS = "endpoints"  # HASH endpoint -> JSON {state, replica, since_ms, meta} (the registry)
+DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOMES)
+CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
+CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
+
+# Per-class demand counters (cumulative, one hash per pool), written by every processor:
+#   admitted       permits handed out (at once, from a credit, or after waiting)
+#   queued         requests that entered the queue (each ends admitted, queue_timeout or abandoned)
+#   early_drop, queue_full, tenant_cap, queue_timeout, no_endpoints   turned away (429/503)
+#   abandoned      the client left while queued
+# Offered demand = admitted + queued-then-not-admitted + turned away; with these counters:
+#   offered = admitted + early_drop + queue_full + tenant_cap + queue_timeout + no_endpoints + abandoned
+DEMAND_OUTCOMES = ("admitted", "queued", "early_drop", "queue_full", "tenant_cap", "queue_timeout",
+                   "no_endpoints", "abandoned")
+
+
+def key(pool: str, name: str) -> str:
+    return f"fg:{{{pool}}}:{name}"
+
+
+def script_keys(pool: str) -> list[str]:
+    return [key(pool, name) for name in SCRIPT_KEYS]
+
+
+def gateway_channel(gateway_id: str) -> str:
+    """Pub/sub channel of one processor: grants (`pool|ticket|endpoint`) and credit recalls."""
+    return f"fg:gw:{gateway_id}"
+
+
+def controller_leader_key(suffix: str = "") -> str:
+    return "fg:controller:leader" + (f":{suffix}" if suffix else "")
+
+
+def demand_field(cls: int, outcome: str) -> str:
+    return f"{cls}:{outcome}"
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Admission settings every grant of a pool uses, whoever triggers it: stored once in
+    Redis by the first processor (`configure`), versioned by `epoch`. A processor whose
+    config differs is told (and reports it loudly); a higher epoch replaces the stored ones."""
+
+    initial_limit: int
+    shares: tuple[float, float, float]
+    always: tuple[bool, bool, bool] = (False, False, False)
+    picking: bool = False
+    max_queue: tuple[int, int, int] = (1000, 1000, 500)
+    tenant_cap: tuple[int, int, int] = (500, 500, 250)
+    epoch: int = 0
+
+    def fields(self) -> dict[str, str]:
+        out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
+               "epoch": str(self.epoch)}
+        for c in CLASSES:
+            out[f"share{c}"] = repr(float(self.shares[c]))
+            out[f"always{c}"] = "1" if self.always[c] else "0"
+            out[f"maxq{c}"] = str(self.max_queue[c])
+            out[f"tcap{c}"] = str(self.tenant_cap[c])
+        return out
+
+    @classmethod
+    def from_fields(cls, f: Mapping[str, str]) -> PoolSettings:
+        return cls(
+            initial_limit=int(f["initial"]),
+            shares=(float(f["share0"]), float(f["share1"]), float(f["share2"])),
+            always=(f["always0"] == "1", f["always1"] == "1", f["always2"] == "1"),
+            picking=f["picking"] == "1",
+            max_queue=(int(f["maxq0"]), int(f["maxq1"]), int(f["maxq2"])),
+            tenant_cap=(int(f["tcap0"]), int(f["tcap1"]), int(f["tcap2"])),
+            epoch=int(f.get("epoch", "0")))
+
+    def differences(self, other: PoolSettings) -> list[str]:
+        mine, theirs = self.fields(), other.fields()
+        return [f"{k}: {mine[k]} here, {theirs[k]} stored" for k in mine if k != "epoch" and mine[k] != theirs[k]]
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def parse_fields(raw: Iterable[Any]) -> dict[str, str]:
+    """A script reply of alternating names and values -> {name: value}."""
+    items = [_text(x) for x in raw]
+    return dict(zip(items[::2], items[1::2], strict=True))
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """One consistent read of a pool's shared state."""
+
+    granted: bool
+    limit: int
+    inflight: tuple[int, int, int]
+    queued: tuple[int, int, int]
+    tenant_queued: int = 0
+    grant_rate: float = 0.0  # permits freed per second, recent (0 = unknown)
+    live_gateways: int = 0
+    server_ms: int = 0
+    endpoint: str = ""  # where the granted request is routed (endpoint picking), else ""
+    active_endpoints: int = 0
+    partial: bool = False  # an immediate grant: only `granted`, `endpoint`, `credits` are filled in
+    class_rate: float = 0.0  # recent grants per second to the asking request's class
+    credits: tuple[str, ...] = ()  # extra leases granted for local admission (see leases.lua)
+    rejected: str = ""  # enqueue refused atomically: queue_full | tenant_cap
+    gateway_rank: int = -1  # this gateway's place among the live ones (degraded share), -1 unknown
+    settings_epoch: int = -1
+
+    @property
+    def inflight_total(self) -> int:
+        return sum(self.inflight)
+
+    @property
+    def queued_total(self) -> int:
+        return sum(self.queued)
+
+    @classmethod
+    def from_reply(cls, raw: Iterable[Any]) -> PoolStatus:
+        f = parse_fields(raw)
+        if f.get("granted") == "g":  # the short reply of an immediate grant (the hot path)
+            return cls(True, 0, (0, 0, 0), (0, 0, 0), endpoint=f.get("endpoint", ""), partial=True,
+                       credits=tuple(c for c in f.get("credits", "").split(",") if c))
+        return cls(
+            granted=f["granted"] == "1",
+            limit=int(f["limit"]),
+            inflight=(int(f["i0"]), int(f["i1"]), int(f["i2"])),
+            queued=(int(f["q0"]), int(f["q1"]), int(f["q2"])),
+            tenant_queued=int(f.get("tenant_queued", 0)),
+            grant_rate=float(f.get("rate", 0)),
+            live_gateways=int(f.get("gateways", 0)),
+            server_ms=int(f.get("now", 0)),
+            endpoint=f.get("endpoint", ""),
+            active_endpoints=int(f.get("active", 0)),
+            class_rate=float(f.get("class_rate", 0)),
+            rejected=f.get("rejected", ""),
+            gateway_rank=int(f.get("rank", -1)),
+            settings_epoch=int(f.get("epoch", -1)),
+        )
