@@ -71,6 +71,12 @@ def controller_leader_key(suffix: str = "") -> str:
     return "fg:controller:leader" + (f":{suffix}" if suffix else "")
 
 
+def lease_gateway(lmeta: str) -> str:
+    """The gateway of a lease, from its `lmeta` value "class|gateway|seq"."""
+    parts = lmeta.split("|")
+    return parts[1] if len(parts) == 3 else ""
+
+
 def demand_field(cls: int, outcome: str) -> str:
     return f"{cls}:{outcome}"
 

@@ -76,12 +76,11 @@ def _text(x: Any) -> str:
 
 async def pools_in(client: Any) -> list[str]:
     """Pools with shared state: every `fg:{pool}:` hash tag that has a key we know."""
-    from floodgate.extproc.registry import Registry
-    from floodgate.extproc.state import pool_keys
+    from floodgate.extproc import schema
 
     found: set[str] = set()
-    # A pool's limit state (processors) and its registry (controller), with the pool as `*`.
-    for pattern in (pool_keys("*")[6], Registry(client, "*").k_endpoints):
+    # A pool's settings and limit (processors) and its registry (controller), with the pool as `*`.
+    for pattern in (schema.key("*", "settings"), schema.key("*", "state"), schema.key("*", schema.ENDPOINTS)):
         async for k in client.scan_iter(match=pattern, count=500):
             key = _text(k)
             found.add(key[key.index("{") + 1: key.rindex("}")])
@@ -89,20 +88,19 @@ async def pools_in(client: Any) -> list[str]:
 
 
 async def read_pool(client: Any, pool: str) -> PoolReport:
+    from floodgate.extproc import schema
     from floodgate.extproc.registry import STATES, Registry
-    from floodgate.extproc.state import pool_keys, read_pool_status
+    from floodgate.extproc.state import read_pool_status
 
     st = await read_pool_status(client, pool)
-    keys = dict(zip(("leases", "lmeta", "queue", "qmeta", "qdl", "counts", "state", "gws"), pool_keys(pool),
-                    strict=False))
     now_s, now_us = await client.time()
     now_ms = int(now_s) * 1000 + int(now_us) // 1000
     leases: dict[str, int] = {}
-    for ticket in await client.zrange(keys["leases"], 0, -1):
-        gw = _text(ticket).rpartition(":")[0] or "?"  # tickets are `<gateway>:<n>`
+    for meta in (await client.hgetall(schema.key(pool, "lmeta"))).values():
+        gw = schema.lease_gateway(_text(meta)) or "?"
         leases[gw] = leases.get(gw, 0) + 1
     gateways: dict[str, GatewayStatus] = {}
-    for gw_raw, expiry in await client.zrange(keys["gws"], 0, -1, withscores=True):
+    for gw_raw, expiry in await client.zrange(schema.key(pool, "gws"), 0, -1, withscores=True):
         gw = _text(gw_raw)
         gateways[gw] = GatewayStatus(gw, expiry > now_ms, max(0.0, (now_ms - expiry) / 1000), leases.get(gw, 0))
     for gw, n in leases.items():

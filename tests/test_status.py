@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from floodgate.extproc.registry import Registry
+from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.status import collect, render
@@ -27,14 +28,15 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 async def _fill(url: str) -> None:
     c = redis_client(url, op_timeout_s=2)
     try:
-        st = PoolState(c, "chat", lease_ttl_s=15, initial_limit=3, shares=(0.5, 0.3, 0.1))
-        assert (await st.acquire("gw-a:1", "gw-a", 0, "t")).granted
-        assert (await st.acquire("gw-a:2", "gw-a", 1, "t")).granted
-        assert (await st.acquire("gw-b:1", "gw-b", 1, "t")).granted
-        assert not (await st.enqueue("gw-b:2", "gw-b", 2, "t", 30)).granted  # the limit (3) is full
+        st = PoolState(c, "chat", lease_ttl_s=15, settings=PoolSettings(3, (0.5, 0.3, 0.1)))
+        assert (await st.acquire("gw-a/1", "gw-a", 1, 0, "t")).granted
+        assert (await st.acquire("gw-a/2", "gw-a", 2, 1, "t")).granted
+        assert (await st.acquire("gw-b/1", "gw-b", 1, 1, "t")).granted
+        assert not (await st.enqueue("gw-b/2", "gw-b", 2, 2, "t", 30)).granted  # the limit (3) is full
+        await st.sync("gw-a", 3, {"gw-a/1": (0, 1, ""), "gw-a/2": (1, 2, "")}, {})
         # A gateway whose liveness ran out (a processor that lost Redis, or died).
-        short = PoolState(c, "chat", lease_ttl_s=0.4, initial_limit=3, shares=(0.5, 0.3, 0.1))
-        await short.renew("gw-gone", [])
+        short = PoolState(c, "chat", lease_ttl_s=0.4)
+        await short.sync("gw-gone", 1, {}, {})
         reg = Registry(c, "chat")
         await reg.set("127.0.0.1:8001", "active", "chat-r1")
         await reg.set("127.0.0.1:8002", "warm", "chat-r2")
