@@ -170,7 +170,7 @@ def test_default_stack_and_gpu_profile_swap_the_replicas() -> None:
 
 def test_one_floodgate_image_with_the_cli_as_entry_point() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11\.\d+-slim\b", dockerfile, re.M)
+    assert re.search(r"^FROM python:3\.11\.\d+-slim\b", dockerfile, re.M)  # pinned (tests/deploy/test_images.py)
     assert 'ENTRYPOINT ["floodgate"]' in dockerfile
     ours = [s for s in services().values() if s.get("build")]
     assert {s["image"] for s in ours} == {"floodgate:local"}
@@ -296,12 +296,11 @@ def test_processor_config_validates_as_the_containers_load_it() -> None:
         assert cfg.server.listen.startswith("0.0.0.0:")
         assert cfg.server.metrics_listen.startswith("0.0.0.0:")
         assert cfg.server.gateway_id == name
-        # The processors use the password-protected compose Redis.
-        host = re.match(r"rediss?://([^:/@]+)", cfg.redis.url)
+        # The processors use the password-protected compose Redis, as their own ACL user.
+        host = re.match(r"rediss?://floodgate-processor@([^:/@]+)", cfg.redis.url)
         assert host and host.group(1) == "redis"
-        assert "@" not in cfg.redis.url, "no password in the config file"
-        redis_cmd = services()["redis"]["command"]
-        assert cfg.redis.password == _flag(redis_cmd, "--requirepass")
+        assert ":" not in cfg.redis.url.split("@")[0].split("//")[1], "no password in the config file"
+        assert cfg.redis.password == services()["redis"]["environment"]["REDIS_PROCESSOR_PASSWORD"]
         assert services()["redis"]["image"].startswith("redis:")
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
 
@@ -312,8 +311,8 @@ def test_controller_config_validates_as_the_container_loads_it() -> None:
     path = host_path(svc, _flag(svc["command"], "--config") or "")
     assert path == DEPLOY / "controller.yaml"
     cfg = load_controller_config(path, env=svc.get("environment") or {})
-    assert cfg.redis.password == _flag(services()["redis"]["command"], "--requirepass")
-    assert cfg.redis.url.startswith("redis://redis:")
+    assert cfg.redis.password == services()["redis"]["environment"]["REDIS_CONTROLLER_PASSWORD"]
+    assert cfg.redis.url.startswith("redis://floodgate-controller@redis:")
     assert cfg.metrics_listen and cfg.metrics_listen.startswith("0.0.0.0:")
     admin = re.match(r"http://([^:/]+):(\d+)", cfg.envoy.admin_url or "")
     assert admin and admin.group(1) == "envoy"
@@ -352,3 +351,98 @@ def test_grafana_provisions_the_datasource_and_the_dashboards_folder() -> None:
     dash = yaml.safe_load((prov / "dashboards" / "floodgate.yaml").read_text())["providers"][0]
     target = dash["options"]["path"]
     assert host_path(graf, target) == ROOT / "deploy" / "grafana" / "dashboards"
+
+
+# --- trust boundaries: Redis ACL users, networks, pinned images ------------------------------
+
+def _redis_script() -> str:
+    redis = services()["redis"]
+    assert redis["entrypoint"] == ["/bin/sh", "-ec"]
+    script: str = redis["command"][0]
+    return script.replace("$$", "$")  # `compose config` prints the file's escapes
+
+
+def test_redis_acl_is_the_least_privilege_one_the_suite_tests() -> None:
+    from floodgate.redis_acl import shell_template
+
+    lines = re.findall(r'^\s*"(user .*)" \\$', _redis_script(), re.M)
+    assert lines == shell_template()
+
+
+def test_each_component_logs_in_as_its_own_redis_user() -> None:
+    from floodgate.controller.config import load_config as load_controller_config
+
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER
+
+    redis_env = services()["redis"]["environment"]
+    users = {PROCESSOR_USER: redis_env["REDIS_PROCESSOR_PASSWORD"], CONTROLLER_USER: redis_env["REDIS_CONTROLLER_PASSWORD"]}
+    assert len(set(users.values()) | {redis_env["REDIS_PASSWORD"]}) == 3, "one password per user"
+    for name, svc in services().items():
+        cmd = [str(c) for c in svc.get("command") or []]
+        env = svc.get("environment") or {}
+        if cmd[:1] == ["extproc"]:
+            url = load_config(ROOT / host_path(svc, _flag(cmd, "--config") or ""), env=env).redis.url
+        elif cmd[:1] == ["controller"]:
+            url = load_controller_config(host_path(svc, _flag(cmd, "--config") or ""), env=env).redis.url
+        else:
+            continue
+        user = re.match(r"rediss?://([^:@/]+)@", url)
+        assert user, f"{name}: {url} names no ACL user"
+        assert env["FLOODGATE_REDIS_PASSWORD"] == users[user.group(1)], name
+        assert (cmd[0] == "extproc") == (user.group(1) == PROCESSOR_USER), name
+
+
+@pytest.mark.integration
+def test_redis_start_script_runs_and_enforces_the_acl(tmp_path: Path) -> None:
+    """The compose Redis entrypoint, run for real (valkey standing in for redis-server)."""
+    import redis as redis_sync
+    from redis.exceptions import NoPermissionError
+
+    from floodgate.binaries import redis_server_binary
+    from floodgate.supervisor import free_port, wait_for_port
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(redis_server_binary())
+    env = {**services()["redis"]["environment"], "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    port = free_port()
+    proc = subprocess.Popen(["/bin/sh", "-ec", _redis_script(), "redis", "--port", str(port), "--bind", "127.0.0.1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 10, proc)
+        assert oct((tmp_path / "users.acl").stat().st_mode & 0o777) == "0o600"
+        proc_user = redis_sync.Redis(port=port, username="floodgate-processor", password=env["REDIS_PROCESSOR_PASSWORD"])
+        ctl_user = redis_sync.Redis(port=port, username="floodgate-controller", password=env["REDIS_CONTROLLER_PASSWORD"])
+        admin = redis_sync.Redis(port=port, password=env["REDIS_PASSWORD"])
+        assert ctl_user.sadd("fg:{default}:active", "172.28.0.21:8000") == 1
+        assert proc_user.hincrby("fg:{default}:epinf", "172.28.0.21:8000", 1) == 1
+        with pytest.raises(NoPermissionError):
+            proc_user.sadd("fg:{default}:active", "203.0.113.7:22")
+        assert admin.ping()
+        with pytest.raises(redis_sync.AuthenticationError):
+            redis_sync.Redis(port=port).ping()  # no anonymous access
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _networks(svc: dict[str, Any]) -> set[str]:
+    return set(svc.get("networks") or {})
+
+
+def test_networks_keep_the_models_away_from_redis_and_the_processors() -> None:
+    for profile in (None, "gpu"):
+        svcs = services(profile)
+        assert _networks(svcs["redis"]) == {"control"}
+        for name, svc in svcs.items():
+            if name.startswith("processor-"):
+                assert _networks(svc) == {"control"}, name
+            if name.startswith("vllm-"):
+                assert "control" not in _networks(svc), name
+        # ...while everything that must talk still shares a network.
+        for a, b in (("envoy", "processor-1"), ("controller", "redis"), ("processor-1", "redis"),
+                     ("envoy", "vllm-1"), ("controller", "vllm-1"), ("controller", "envoy"),
+                     ("prometheus", "processor-1"), ("prometheus", "envoy"), ("prometheus", "vllm-1")):
+            target = b if b in svcs else dns_names(profile)[b]
+            assert _networks(svcs[a]) & _networks(svcs[target]), (profile, a, b)
+    assert model()["networks"]["control"].get("internal") is True

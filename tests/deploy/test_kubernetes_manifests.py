@@ -28,6 +28,8 @@ KDIR = ROOT / "deploy" / "kubernetes"
 KEDA_DIR = KDIR / "keda"
 MIN_K8S, MAX_K8S = "1.30.0", "1.37.0"  # 1.30: preStop `sleep` and gRPC probes
 CRD_KINDS = {"ScaledObject"}
+CONTROL_NS, MODELS_NS = "floodgate", "floodgate-models"
+NAMESPACES = {CONTROL_NS, MODELS_NS}
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (test extra)")
 
@@ -181,10 +183,9 @@ def test_kustomize_build(kdir: Path) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(kdir)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    ns = yaml.safe_load((kdir / "kustomization.yaml").read_text())["namespace"]
     for d in docs:
         if d["kind"] != "Namespace":
-            assert d["metadata"]["namespace"] == ns
+            assert d["metadata"]["namespace"] in NAMESPACES, d["metadata"]
         if d["kind"] in CRD_KINDS:
             continue
         kv.validate(d, MAX_K8S, strict=True)
@@ -193,7 +194,7 @@ def test_kustomize_build(kdir: Path) -> None:
         dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm")
         assert dep["spec"]["selector"] == {"matchLabels": {"app": "vllm"}}
         rb = next(d for d in docs if d["kind"] == "RoleBinding")
-        assert rb["subjects"][0]["namespace"] == ns
+        assert rb["subjects"][0]["namespace"] == CONTROL_NS and rb["metadata"]["namespace"] == MODELS_NS
 
 
 # -- configs and their consistency with the manifests ---------------------------------------
@@ -228,8 +229,9 @@ def test_embedded_controller_config_is_valid(tmp_path: Path) -> None:
     path = tmp_path / "controller.yaml"
     path.write_text(config_data()["controller.yaml"])
     cfg = load_config(path, env={})
-    ns = yaml.safe_load((KDIR / "kustomization.yaml").read_text())["namespace"]
     inference = find("Deployment", "vllm")
+    ns = inference["metadata"]["namespace"]
+    assert ns == MODELS_NS
     vllm = container(inference, "vllm")
     for pool in cfg.pools:
         assert pool.actuator.kind == "kubernetes"
@@ -359,3 +361,85 @@ async def test_role_grants_exactly_the_actuator_calls() -> None:
     # Nothing else gets API access.
     for name in ("floodgate-extproc", "vllm", "floodgate-redis"):
         assert find("Deployment", name)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+# -- trust boundaries ------------------------------------------------------------------------
+
+def test_every_resource_names_its_namespace_and_models_live_apart() -> None:
+    for f, d in all_docs():
+        if d["kind"] in ("Namespace", "ScaledObject"):
+            continue
+        assert d["metadata"].get("namespace") in NAMESPACES, f"{f.name}: {d['kind']}/{d['metadata']['name']}"
+    assert find("Deployment", "vllm")["metadata"]["namespace"] == MODELS_NS
+    for name in ("floodgate-extproc", "floodgate-controller", "floodgate-redis"):
+        assert find("Deployment", name)["metadata"]["namespace"] == CONTROL_NS
+    # The controller's pod patch right exists only where the models are.
+    for _, d in all_docs():
+        if d["kind"] in ("Role", "RoleBinding"):
+            assert d["metadata"]["namespace"] == MODELS_NS, d["metadata"]["name"]
+        assert d["kind"] not in ("ClusterRole", "ClusterRoleBinding")
+
+
+def test_redis_has_acl_users_with_passwords_from_the_secret() -> None:
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER, shell_template
+
+    redis = container(find("Deployment", "floodgate-redis"))
+    script = redis["args"][0]
+    assert redis["command"] == ["/bin/sh", "-ec"]
+    import re
+    assert re.findall(r'^\s*"(user .*)" \\$', script, re.M) == shell_template()
+    # Byte-for-byte the script compose.yaml runs (after compose's $$ escapes).
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["redis"]
+    assert compose["command"][0].replace("$$", "$").strip() == script.strip()
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert env == {"REDIS_PASSWORD": {"name": "floodgate-redis", "key": "admin-password"},
+                   "REDIS_PROCESSOR_PASSWORD": {"name": "floodgate-redis", "key": "processor-password"},
+                   "REDIS_CONTROLLER_PASSWORD": {"name": "floodgate-redis", "key": "controller-password"}}
+    data = config_data()
+    for dep, cfg_key, user, key in (("floodgate-extproc", "processor.yaml", PROCESSOR_USER, "processor-password"),
+                                    ("floodgate-controller", "controller.yaml", CONTROLLER_USER, "controller-password")):
+        url = yaml.safe_load(data[cfg_key])["redis"]["url"]
+        assert url.startswith(f"redis://{user}@floodgate-redis:"), url
+        c = container(find("Deployment", dep))
+        pw = next(e for e in c["env"] if e["name"] == "FLOODGATE_REDIS_PASSWORD")
+        assert pw["valueFrom"]["secretKeyRef"] == {"name": "floodgate-redis", "key": key}, dep
+    # The Secret is created by the operator (no password ships in the repo); the docs say how.
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    for key in ("admin-password", "processor-password", "controller-password"):
+        assert f"--from-literal={key}=" in docs, key
+    assert not [d for _, d in all_docs() if d["kind"] == "Secret"]
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    sel = policy["spec"]["podSelector"].get("matchLabels", {})
+    return all(labels.get(k) == v for k, v in sel.items())
+
+
+def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> None:
+    policies = [d for _, d in all_docs() if d["kind"] == "NetworkPolicy"]
+    for ns in NAMESPACES:
+        assert any(p["metadata"]["namespace"] == ns and p["spec"]["podSelector"] == {}
+                   and p["spec"]["policyTypes"] == ["Ingress"] and not p["spec"].get("ingress") for p in policies), ns
+
+    def peers(dep_name: str, port: str) -> list[dict[str, Any]]:
+        dep = find("Deployment", dep_name)
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert port in ports(container(dep)), (dep_name, port)
+        out = []
+        for p in policies:
+            if p["metadata"]["namespace"] == dep["metadata"]["namespace"] and _selects(p, labels):
+                for rule in p["spec"].get("ingress", []):
+                    if any(x["port"] == port for x in rule["ports"]):
+                        out += rule["from"]
+        return out
+
+    gateway = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"floodgate.io/gateway": "true"}}}
+    assert peers("floodgate-extproc", "grpc") == [gateway]  # nothing else opens ext_proc streams
+    redis_peers = peers("floodgate-redis", "redis")
+    assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in redis_peers) == [
+        "floodgate-controller", "floodgate-extproc"]
+    assert all("namespaceSelector" not in p for p in redis_peers)  # same namespace only
+    model_peers = peers("vllm", "http")
+    assert gateway in model_peers
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": CONTROL_NS}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "floodgate-controller"}}} in model_peers

@@ -169,8 +169,7 @@ def test_cluster_points_at_the_processor_service() -> None:
         svc = next(s for s in svcs if s["metadata"]["name"] == service)
         assert svc["spec"].get("clusterIP") == "None", "STRICT_DNS needs every pod IP (headless Service)"
         assert ep["port_value"] in {p["port"] for p in svc["spec"]["ports"]}
-        kust = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
-        assert kust.get("namespace") == namespace
+        assert svc["metadata"]["namespace"] == namespace
     # mTLS: the peer must be a workload of the processor's namespace.
     san = c["transport_socket"]["typed_config"]["common_tls_context"]["combined_validation_context"][
         "default_validation_context"]["match_typed_subject_alt_names"][0]["matcher"]["prefix"]
