@@ -37,6 +37,7 @@ from floodgate.extproc.backends import (
     Waiter,
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
+from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
@@ -132,7 +133,7 @@ class Admitter:
                 vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
                                  p.limit.rtt_tolerance),
                 window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
-                picker=Picker(p.endpoint_picking, accept_endpoint))
+                picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)))
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from floodgate.extproc.endpoint_guard import parse_rule
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -97,12 +98,22 @@ class PoolConfig(_Strict):
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include).")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
+    allowed_endpoints: list[str] = Field(
+        default_factory=list,
+        description="With endpoint picking: the only endpoints this processor routes to, whatever the Redis registry says: CIDRs, optionally with a port or range (`10.0.0.0/8:8000`, `[fd00::/8]:8000-8099`). Anything else gets 503 no_endpoints. Empty: any ip:port the registry lists.")
     unadmitted_paths: list[Annotated[str, Field(pattern=r"^/")]] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
         description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
     settings_epoch: int = Field(default=0, ge=0, description="Version of this pool's admission settings (shares, reservations, queue caps, picking, initial limit). The first processor stores them in Redis and every grant uses the stored ones; a processor with different settings and the same epoch logs an error and sets floodgate_settings_mismatch. Raise it to roll out changed settings.")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
+
+    @field_validator("allowed_endpoints")
+    @classmethod
+    def _allowed_endpoints(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            parse_rule(entry)
+        return v
 
     @field_validator("classes")
     @classmethod

@@ -22,7 +22,7 @@ class Picker:
         self._accept = accept
 
     def update(self, active: Iterable[str]) -> None:
-        self.active = sorted(active)
+        self.active = sorted(ep for ep in active if self._accept is None or self._accept(ep))
 
     def accept(self, endpoint: str) -> bool:
         """May an admitted request be sent to `endpoint`? ('' = none picked.)"""

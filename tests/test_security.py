@@ -4,6 +4,7 @@ processors and a real Redis-protocol server (docs/operations.md, threat model)."
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
+from tests.conftest import ROOT
 from tests.helpers import get_json, metrics
 
 pytestmark = pytest.mark.integration
@@ -382,6 +384,15 @@ async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack
             with pytest.raises((NoPermissionError, ResponseError)):
                 await attempt
         assert await controller.smembers("fg:{default}:active") == {f"127.0.0.1:{upstream}".encode()}
+        # Every key the schema lets processors write is writable, every registry key is not
+        # (keeps floodgate/redis_acl.py's first-letter patterns honest as keys are added).
+        from floodgate.extproc import schema
+        writable = [k for k in (*schema.SCRIPT_KEYS, schema.DEMAND) if k != schema.ACTIVE]
+        for name in writable:
+            await processor.delete(schema.key("scratch", name))
+        for name in (schema.ACTIVE, schema.ENDPOINTS, schema.CTL_HISTORY, schema.CTL_SEQ):
+            with pytest.raises(NoPermissionError):
+                await processor.delete(schema.key("scratch", name))
         # The controller's own calls work under its user: leader lease, pool status, history.
         from floodgate.controller.leader import LeaderLease
         from floodgate.extproc.state import read_pool_status
@@ -449,3 +460,49 @@ async def test_processor_speaks_rediss_with_acl_user(stack: LocalStack, upstream
     assert m_good["floodgate_degraded"] == 0
     assert sum(v for k, v in m_good.items() if k.startswith("floodgate_redis_errors_total")) == 0
     assert m_bad["floodgate_degraded"] == 1
+
+
+# --- endpoint picking routes only inside the allowlist -----------------------------------------
+
+async def test_registry_entries_outside_the_allowlist_get_no_traffic(stack: LocalStack, upstream: int) -> None:
+    """Someone with write access to Redis puts their own server into the active set. The
+    processor's allowlist (pools[].allowed_endpoints) keeps every request, prompts included,
+    away from it. A shared grant that picks the rogue endpoint is refused (503 no_endpoints,
+    the permit goes back): a poisoned registry costs availability, never confidentiality.
+    Unadmitted reads pick only allowed endpoints."""
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
+
+    rogue = free_port()
+    stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(rogue)],
+                         name="rogue", port=rogue)
+    stack.start_redis()
+    client = redis_client(stack.redis_url, op_timeout_s=2)
+    reg = Registry(client, "default")
+    try:
+        await reg.set(f"127.0.0.1:{upstream}", "active", "good")
+        await reg.set(f"127.0.0.1:{rogue}", "active", "rogue")  # the attacker's write
+        stack.start_processor({"pools": [{"name": "default", "endpoint_picking": True,
+                                          "allowed_endpoints": [f"127.0.0.0/8:{upstream}"]}]})
+        envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
+        await asyncio.sleep(1.2)
+        statuses = []
+        async with aiohttp.ClientSession() as s:
+            for _ in range(10):
+                async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+                    statuses.append(r.status)
+                    if r.status == 503:
+                        assert r.headers["x-floodgate-reject-reason"] == "no_endpoints"
+                async with s.get(envoy.url + "/v1/models") as r:
+                    assert r.status == 200
+            await reg.remove(f"127.0.0.1:{upstream}")
+            await asyncio.sleep(1.2)
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503 and r.headers["x-floodgate-reject-reason"] == "no_endpoints"
+            good = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["paths"]
+            bad = (await get_json(s, f"http://127.0.0.1:{rogue}/stats"))["paths"]
+        assert bad == [], bad  # not one request reached the rogue server
+        assert set(statuses) <= {200, 503} and statuses.count(200) >= 1, statuses
+        assert len(good) == 10 + statuses.count(200)
+    finally:
+        await client.aclose()

@@ -446,3 +446,20 @@ def test_networks_keep_the_models_away_from_redis_and_the_processors() -> None:
             target = b if b in svcs else dns_names(profile)[b]
             assert _networks(svcs[a]) & _networks(svcs[target]), (profile, a, b)
     assert model()["networks"]["control"].get("internal") is True
+
+
+def test_processor_allowlist_admits_exactly_the_replicas_the_controller_registers() -> None:
+    from floodgate.controller.config import load_config as load_controller_config
+    from floodgate.extproc.endpoint_guard import endpoint_allowed, parse_rule
+
+    proc = services()["processor-1"]
+    pcfg = load_config(host_path(proc, _flag(proc["command"], "--config") or ""), env=proc.get("environment") or {})
+    (pool,) = pcfg.pools
+    rules = [parse_rule(r) for r in pool.allowed_endpoints]
+    assert rules, "endpoint picking without an allowlist"
+    ctl = services()["controller"]
+    ccfg = load_controller_config(host_path(ctl, _flag(ctl["command"], "--config") or ""), env=ctl.get("environment") or {})
+    for cpool in ccfg.pools:
+        for ep in (cpool.actuator.endpoints or {}).values():
+            assert endpoint_allowed(ep, rules), ep
+    assert not endpoint_allowed("172.28.0.2:6379", rules)  # e.g. another container's Redis port
