@@ -40,7 +40,7 @@ class _Strict(BaseModel):
 
 
 class RedisConfig(_Strict):
-    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis holding Floodgate's shared state (redis://, rediss:// or unix://).")
+    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis holding Floodgate's shared state: redis://, rediss:// (TLS), unix://, redis+sentinel://h1:26379,h2:26379/service or redis+cluster://h1:6379,h2:6379 (see docs/operations.md); password in the URL or below.")
     password: str | None = Field(default=None, description="Redis password (or in the URL).")
     op_timeout_s: float = Field(default=1.0, gt=0, le=30, description="Per-call timeout; a dead Redis must not stall a tick.")
 

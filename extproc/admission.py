@@ -42,6 +42,7 @@ from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
 from floodgate.extproc.policy import Reject, retry_after
+from floodgate.extproc.redis_client import AnyRedis, Subscription, subscribe
 from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
 from floodgate.extproc.state import PoolState
 from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit
@@ -105,7 +106,7 @@ def default_gateway_id() -> str:
 
 class Admitter:
     def __init__(self, cfg: Config, client: aioredis.Redis, *, metrics: Metrics | None = None,
-                 pubsub_client: aioredis.Redis | None = None, gateway_id: str | None = None,
+                 pubsub_client: AnyRedis | None = None, gateway_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random,
                  accept_endpoint: Callable[[str], bool] | None = None) -> None:
         self.cfg = cfg
@@ -453,15 +454,17 @@ class Admitter:
     # ---------------------------------------------------------------- background loops
 
     async def _pubsub_loop(self) -> None:
-        channel = gateway_channel(self.gateway_id)
+        # One channel per pool, in the pool's slot: sharded pub/sub on a Cluster (redis_client).
+        channels = [gateway_channel(self.gateway_id, name) for name in self.pools]
         while not self._closing:
-            pubsub = self.pubsub_client.pubsub(ignore_subscribe_messages=True)
+            pubsub: Subscription | None = None
             try:
-                await pubsub.subscribe(channel)
+                pubsub = await subscribe(self.pubsub_client, channels,
+                                         connect_timeout_s=self.cfg.redis.op_timeout_s)
                 while not self._closing:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg and msg.get("type") == "message":
-                        data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                    msg = await pubsub.get_message(1.0)
+                    if msg is not None:
+                        data = msg[1].decode()
                         pool, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
                         rt = self.pools.get(pool)
                         if rt is None:
@@ -475,12 +478,13 @@ class Admitter:
                             w.future.set_result(endpoint)
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("pubsub connection lost: %s", exc)
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
 
     async def _poll_loop(self) -> None:
         """Fallback for lost grant messages; also drives reclaim when traffic is idle."""

@@ -6,11 +6,11 @@ import asyncio
 import logging
 
 import grpc
-import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.config import Config, TlsConfig
 from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.redis_client import make_client, parse_redis_url
 from floodgate.extproc.server import Processor
 from floodgate.extproc.state import redis_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,8 +43,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     metrics = Metrics()
     client = redis_client(cfg.redis.url, password=cfg.redis.password, op_timeout_s=cfg.redis.op_timeout_s)
     # Pub/sub blocks on reads by design, so it gets its own connection without a read timeout.
-    pubsub_client = aioredis.Redis.from_url(cfg.redis.url, password=cfg.redis.password,
-                                            socket_connect_timeout=cfg.redis.op_timeout_s)
+    pubsub_client = make_client(cfg.redis.url, password=cfg.redis.password,
+                                op_timeout_s=cfg.redis.op_timeout_s, blocking=True)
     admitter = Admitter(cfg, client, metrics=metrics, pubsub_client=pubsub_client)
     await admitter.start()
 
@@ -76,7 +76,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
              admitter.gateway_id, cfg.server.listen,
              "plaintext" if cfg.server.tls is None else "mTLS" if cfg.server.tls.client_ca_file else "TLS",
              cfg.server.metrics_listen or "off",
-             cfg.redis.url.split("@")[-1], [p.name for p in cfg.pools])
+             parse_redis_url(cfg.redis.url).display, [p.name for p in cfg.pools])
     await stop.wait()
     log.info("shutting down: draining streams, releasing permits")
     for name in ("", SERVICE_NAME):

@@ -161,7 +161,7 @@ class AdmissionConfig(_Strict):
 
 
 class RedisConfig(_Strict):
-    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis URL: redis://, rediss:// (TLS) or unix:// (password in the URL or below).")
+    url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis URL: redis://, rediss:// (TLS), unix://, redis+sentinel://h1:26379,h2:26379/service or redis+cluster://h1:6379,h2:6379 (see docs/operations.md); password in the URL or below.")
     password: str | None = Field(default=None, description="Password, if not in the URL.")
     op_timeout_s: float = Field(default=0.25, gt=0, le=5, description="A Redis call slower than this counts as an outage.")
     lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this.")

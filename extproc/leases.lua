@@ -46,6 +46,15 @@ end
 
 local function num(v, d) if v then return tonumber(v) end return d end
 
+-- A message to one gateway on its channel for this pool (schema.gateway_channel), which shares
+-- the pool's hash tag: SPUBLISH keeps it on this shard of a Cluster; a server without sharded
+-- pub/sub (Redis 6) gets PUBLISH, and the gateway's SUBSCRIBE fallback matches it.
+local function notify(gw, msg)
+  local pool = redis.call('HGET', K.settings, 'pool')
+  local ch = 'fg:{' .. pool .. '}:gw:' .. gw
+  if not pcall(redis.call, 'SPUBLISH', ch, msg) then redis.call('PUBLISH', ch, msg) end
+end
+
 local S  -- settings, loaded by load_settings()
 local function load_settings()
   local raw = redis.call('HGETALL', K.settings)
@@ -226,7 +235,7 @@ local function grant_loop()
             unqueue(head, meta)
             if deadline >= now and gateway_alive(gw) then
               local ep = lease(head, c, gw, seq)
-              redis.call('PUBLISH', 'fg:gw:' .. gw, redis.call('HGET', K.settings, 'pool') .. '|' .. head .. '|' .. ep)
+              notify(gw, redis.call('HGET', K.settings, 'pool') .. '|' .. head .. '|' .. ep)
               granted = granted + 1
             end
           end
@@ -269,7 +278,7 @@ end
 local function recall_credits()
   local pool = redis.call('HGET', K.settings, 'pool')
   for _, creditor in ipairs(redis.call('SMEMBERS', K.creditors)) do
-    redis.call('PUBLISH', 'fg:gw:' .. creditor, pool .. '|!return|')
+    notify(creditor, pool .. '|!return|')
   end
   redis.call('DEL', K.creditors)
 end

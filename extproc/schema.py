@@ -62,9 +62,11 @@ def script_keys(pool: str) -> list[str]:
     return [key(pool, name) for name in SCRIPT_KEYS]
 
 
-def gateway_channel(gateway_id: str) -> str:
-    """Pub/sub channel of one processor: grants (`pool|ticket|endpoint`) and credit recalls."""
-    return f"fg:gw:{gateway_id}"
+def gateway_channel(gateway_id: str, pool: str) -> str:
+    """Pub/sub channel of one processor for one pool: grants (`pool|ticket|endpoint`) and credit
+    recalls. It carries the pool's hash tag, so on a Cluster it is in the pool's slot and the
+    script's SPUBLISH reaches only that shard (leases.lua `notify`)."""
+    return f"{key(pool, 'gw')}:{gateway_id}"
 
 
 def controller_leader_key(suffix: str = "") -> str:

@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from floodgate.extproc.redis_client import make_client
 from floodgate.extproc.schema import (
     CLASSES,
     DEMAND,
@@ -27,9 +28,6 @@ from floodgate.extproc.schema import (
     script_keys,
 )
 from floodgate.extproc.vegas import VegasState
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 __all__ = ["LimitRecord", "PoolSettings", "PoolState", "PoolStatus", "SyncResult", "gateway_channel",
@@ -171,10 +169,9 @@ async def read_demand(client: aioredis.Redis, pool: str) -> dict[int, dict[str, 
 
 
 def redis_client(url: str, *, password: str | None = None, op_timeout_s: float = 0.25) -> aioredis.Redis:
-    """A client whose calls fail fast: a dead Redis must degrade admission, not hang it. A call
-    that fails on a broken connection (a stale pooled one after a Redis restart) is retried once
-    on a fresh connection before it counts as an outage; every script op is idempotent."""
-    return aioredis.Redis.from_url(
-        url, password=password, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
-        health_check_interval=0, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        decode_responses=False)
+    """A client whose calls fail fast: a dead Redis must degrade admission, not hang it. Any
+    URL redis_client.make_client takes: one server, a Sentinel primary, or a Cluster (whose
+    client routes each script by its pool's slot)."""
+    # RedisCluster is no Redis subclass but speaks the subset the callers use (scripts on one
+    # pool's keys, single-key commands, same-slot pipelines).
+    return make_client(url, password=password, op_timeout_s=op_timeout_s)  # type: ignore[return-value]

@@ -73,7 +73,17 @@ def _check_url(v: str, schemes: tuple[str, ...]) -> str:
 
 
 def check_redis_url(v: str) -> str:
-    _check_url(v, ("redis", "rediss", "unix"))
+    if "+" in v.partition("://")[0]:  # redis+sentinel://, redis+cluster:// (several hosts)
+        from floodgate.extproc.redis_client import (  # lazy: redis is heavy
+            RedisURLError,
+            parse_redis_url,
+        )
+        try:
+            parse_redis_url(v)
+        except RedisURLError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+    _check_url(v, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
     if v.startswith("unix") and not urlsplit(v).path:
         raise ValueError(f"{v!r}: a unix:// URL needs a socket path")
     return v

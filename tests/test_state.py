@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, key, script_keys
+from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, gateway_channel, key, script_keys
 from floodgate.extproc.state import PoolState, read_demand, read_pool_status, redis_client
 from floodgate.extproc.vegas import VegasState
 
@@ -283,7 +283,7 @@ async def test_expired_lease_is_reclaimed_and_granted_to_next_waiter(client: aio
     assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
     assert not (await st.acquire("b/1", "b", 1, 1, "t")).granted
     pubsub = client.pubsub()
-    await pubsub.subscribe("fg:gw:b")
+    await pubsub.ssubscribe(gateway_channel("b", "ttl"))
     assert not (await st.enqueue("b/1", "b", 1, 1, "t", 30)).granted
     await st.sync("b", 2, {}, {"b/1": (1, 1, 30.0, "t")})  # b stays alive; a never renews
     await asyncio.sleep(0.6)
@@ -352,7 +352,7 @@ async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client:
     assert (await st.status()).inflight_total == 5  # credits are leases: they count
     assert (await st.acquire("a/2", "a", 2, 1, "t", credits=8)).credits == ()  # already half full
     pubsub = client.pubsub()
-    await pubsub.subscribe("fg:gw:a")
+    await pubsub.ssubscribe(gateway_channel("a", "cr"))
     for i in range(3, 7):  # 6 held so far (a/1, 4 credits, a/2) + 4 = the limit
         assert (await st.acquire(f"b/{i}", "b", i, 1, "t")).granted
     assert not (await st.acquire("b/9", "b", 9, 1, "t")).granted  # full: the creditor is told

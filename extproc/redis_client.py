@@ -1,0 +1,373 @@
+"""One Redis URL → the right async client: a single server, a Sentinel-managed primary, or a Cluster.
+
+URL forms (`docs/configuration.md`):
+
+    redis://[[user]:password@]host:port[/db]            one server (rediss:// for TLS, unix:// too)
+    redis+sentinel://[[user]:password@]h1:p1,h2:p2,.../service[/db][?sentinel_password=...]
+    redis+cluster://[[user]:password@]h1:p1,h2:p2,...   seed nodes of a Redis/Valkey Cluster
+    (rediss+sentinel:// and rediss+cluster:// use TLS for every connection)
+
+The password in the URL is the data nodes'; a Sentinel with its own password takes
+`sentinel_password`. Every client fails fast (one `op_timeout_s` per socket operation): a dead
+or failing-over Redis must degrade admission, not hang it. A Sentinel client asks the sentinels
+for the primary on every new connection and drops connections to a demoted one, so after a
+failover the next call reaches the new primary. A Cluster client routes each script by the
+slot of its keys (a pool's keys share one hash tag) and refreshes its slot map on MOVED or a
+dead node.
+
+`subscribe()` is the pub/sub half: sharded SSUBSCRIBE (SUBSCRIBE on a Redis 6), and on a Cluster
+each channel is subscribed on the primary that owns its slot, so a grant published there
+(SPUBLISH from the pool's script) is not broadcast to every node. A gateway's channel is per
+pool and carries the pool's hash tag (schema.gateway_channel) so it lives in the pool's slot.
+A cluster subscription notices a moved slot within about 5 s (it re-reads the slot map) and a
+dead node within seconds; the caller then subscribes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+AnyRedis = aioredis.Redis | RedisCluster
+Kind = Literal["single", "sentinel", "cluster"]
+
+_SINGLE = ("redis", "rediss", "unix")
+_SENTINEL = ("redis+sentinel", "rediss+sentinel")
+_CLUSTER = ("redis+cluster", "rediss+cluster")
+
+
+class RedisURLError(ValueError):
+    """A malformed Redis URL; the message says what is wrong (the caller names the field)."""
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a Redis URL points at, parsed and checked, with the password never in `display`."""
+
+    kind: Kind
+    url: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    tls: bool = False
+    display: str = field(default="", compare=False)
+
+
+def _host_port(item: str, default_port: int) -> tuple[str, int]:
+    item = item.strip()
+    if not item:
+        raise RedisURLError("empty host in the host list")
+    if item.startswith("["):  # [ipv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_s = rest.lstrip(":")
+    elif item.count(":") == 1:
+        host, _, port_s = item.partition(":")
+    else:
+        host, port_s = item, ""
+    try:
+        port = int(port_s) if port_s else default_port
+    except ValueError:
+        raise RedisURLError(f"bad port in {item!r}") from None
+    if not host or not 0 < port < 65536:
+        raise RedisURLError(f"bad host:port {item!r}")
+    return host, port
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Check a Redis URL and say what it points at. Raises RedisURLError naming the problem."""
+    if not isinstance(url, str) or "://" not in url:
+        raise RedisURLError(f"not a URL: {url!r} (expected redis://, rediss://, redis+sentinel:// or redis+cluster://)")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in _SINGLE:
+        try:  # redis-py's own parser is the reference for single-server URLs
+            aioredis.connection.parse_url(url)
+        except (ValueError, TypeError) as exc:
+            raise RedisURLError(str(exc)) from None
+        return RedisTarget("single", url, tls=scheme == "rediss", display=_redact(url))
+    if scheme not in _SENTINEL + _CLUSTER:
+        raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "
+                            "rediss+sentinel, redis+cluster or rediss+cluster)")
+    parts = urlsplit(url)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, sep, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if sep else None
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"sentinel_password"}
+    if unknown:
+        raise RedisURLError(f"unknown URL parameter(s) {sorted(unknown)}")
+    tls = scheme.startswith("rediss")
+    path = [p for p in parts.path.split("/") if p]
+    if scheme in _SENTINEL:
+        hosts = tuple(_host_port(h, 26379) for h in hostlist.split(","))
+        if not path:
+            raise RedisURLError("a sentinel URL needs the service name: redis+sentinel://host:26379,.../mymaster")
+        if len(path) > 2:
+            raise RedisURLError(f"unexpected path {parts.path!r} (expected /service[/db])")
+        try:
+            db = int(path[1]) if len(path) == 2 else 0
+        except ValueError:
+            raise RedisURLError(f"bad database number {path[1]!r}") from None
+        return RedisTarget("sentinel", url, hosts, path[0], db, username, password,
+                           unquote(query["sentinel_password"]) if "sentinel_password" in query else None,
+                           tls, _redact(url))
+    hosts = tuple(_host_port(h, 6379) for h in hostlist.split(","))
+    if path and path != ["0"]:
+        raise RedisURLError("a cluster has only database 0; drop the path")
+    if "sentinel_password" in query:
+        raise RedisURLError("sentinel_password is only for redis+sentinel:// URLs")
+    return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, _redact(url))
+
+
+def _redact(url: str) -> str:
+    """The URL without its passwords (for logs)."""
+    scheme, _, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if at:
+        user = userinfo.partition(":")[0]
+        rest = f"{user}:***@{hosts}"
+    return re.sub(r"(sentinel_password=)[^&]*", r"\1***", f"{scheme}://{rest}")
+
+
+class _SentinelManaged(aioredis.Redis):
+    """The primary's client, which also closes its sentinel connections."""
+
+    fg_sentinel: Sentinel | None = None  # (`sentinel` is a command method)
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.fg_sentinel is not None:
+            for s in self.fg_sentinel.sentinels:
+                with contextlib.suppress(Exception):
+                    await s.aclose()
+
+
+def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 0.25,
+                blocking: bool = False) -> AnyRedis:
+    """An async client for `url`. `blocking=True` is for pub/sub: no read timeout (reads wait
+    for messages by design), only the connect timeout."""
+    target = parse_redis_url(url)
+    read_timeout = None if blocking else op_timeout_s
+    common: dict[str, Any] = {
+        "socket_timeout": read_timeout, "socket_connect_timeout": op_timeout_s,
+        "health_check_interval": 0, "decode_responses": False,
+    }
+    # A call that fails on a broken connection (a stale pooled one after a restart or a
+    # failover) is retried once on a fresh one before it counts as an outage; every script op
+    # is idempotent. On a Sentinel the fresh connection asks the sentinels for the primary.
+    once = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    if target.kind == "single":
+        return aioredis.Redis.from_url(url, password=password, retry=once, **common)
+    pw = target.password if target.password is not None else password
+    if target.kind == "sentinel":
+        sentinel_kwargs: dict[str, Any] = {"socket_timeout": op_timeout_s, "socket_connect_timeout": op_timeout_s}
+        if target.sentinel_password is not None:
+            sentinel_kwargs["password"] = target.sentinel_password
+        if target.tls:
+            sentinel_kwargs["ssl"] = True
+        s = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs)
+        client = s.master_for(target.service, redis_class=_SentinelManaged, db=target.db,
+                              username=target.username, password=pw, ssl=target.tls,
+                              retry=once, **common)
+        client.fg_sentinel = s
+        return client
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
+        username=target.username, password=pw, ssl=target.tls,
+        # A shard that is down must not stop the client from serving the others.
+        require_full_coverage=False,
+        # A couple of quick retries ride over MOVED/failover; the caller's timeout bounds them.
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
+
+
+def is_cluster(client: AnyRedis) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+# ------------------------------------------------------------------------------------ pub/sub
+
+
+class Subscription:
+    """Messages from a set of channels, one `get_message()` at a time.
+
+    Any connection error surfaces from `get_message()`; the caller closes this subscription,
+    waits and subscribes again (which, on a Cluster, also re-resolves the slot owners).
+    """
+
+    async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
+def _message(msg: dict[str, Any] | None) -> tuple[str, bytes] | None:
+    if not msg or msg.get("type") not in ("message", "smessage"):
+        return None
+    ch = msg["channel"]
+    data = msg["data"]
+    return (ch.decode() if isinstance(ch, bytes) else str(ch),
+            data if isinstance(data, bytes) else str(data).encode())
+
+
+class _PlainSubscription(Subscription):
+    def __init__(self, pubsub: Any) -> None:
+        self._ps = pubsub
+
+    async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
+        # An ignored (un)subscribe confirmation also returns None: keep reading until the timeout.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            got = _message(await self._ps.get_message(ignore_subscribe_messages=True,
+                                                       timeout=max(0.0, deadline - loop.time())))
+            if got is not None or loop.time() >= deadline:
+                return got
+
+    async def aclose(self) -> None:
+        await self._ps.aclose()
+
+
+class _ShardedSubscription(Subscription):
+    """SSUBSCRIBE each channel on the primary owning its slot: one connection per such node,
+    each read by its own task into one queue. A slot that moved (failover) shows as an error
+    (the dead node) or as a changed owner in the client's slot map, checked every `recheck_s`."""
+
+    def __init__(self, cluster: RedisCluster, channels: Sequence[str], *, connect_timeout_s: float,
+                 recheck_s: float = 5.0) -> None:
+        self._cluster = cluster
+        self._channels = list(channels)
+        self._connect_timeout = connect_timeout_s
+        self._recheck_s = recheck_s
+        self._queue: asyncio.Queue[tuple[str, bytes] | BaseException] = asyncio.Queue()
+        self._clients: list[aioredis.Redis] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._owners: dict[str, str] = {}
+        self._next_check = 0.0
+
+    def _owner_map(self) -> dict[str, ClusterNode]:
+        out: dict[str, ClusterNode] = {}
+        for ch in self._channels:
+            node = self._cluster.get_node_from_key(ch)
+            if node is None:
+                raise RedisError(f"no cluster node serves the slot of {ch}")
+            out[ch] = node
+        return out
+
+    async def start(self) -> None:
+        owners = self._owner_map()
+        self._owners = {ch: n.name for ch, n in owners.items()}
+        by_node: dict[str, tuple[ClusterNode, list[str]]] = {}
+        for ch, node in owners.items():
+            by_node.setdefault(node.name, (node, []))[1].append(ch)
+        for node, chans in by_node.values():
+            c = aioredis.Redis(host=node.host, port=int(node.port), socket_connect_timeout=self._connect_timeout,
+                               **self._auth())
+            self._clients.append(c)
+            ps = c.pubsub()
+            await asyncio.wait_for(ps.ssubscribe(*chans), self._connect_timeout * 4)
+            self._tasks.append(asyncio.create_task(self._read(ps), name=f"fg-ssub-{node.name}"))
+        self._next_check = asyncio.get_running_loop().time() + self._recheck_s
+
+    def _auth(self) -> dict[str, Any]:
+        kw = self._cluster.connection_kwargs
+        return {k: kw[k] for k in ("username", "password", "ssl") if k in kw and kw[k] is not None}
+
+    async def _read(self, ps: Any) -> None:
+        try:
+            while True:
+                got = _message(await ps.get_message(ignore_subscribe_messages=True, timeout=1.0))
+                if got is not None:
+                    self._queue.put_nowait(got)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await ps.aclose()
+
+    async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_check:
+            self._next_check = loop.time() + self._recheck_s
+            await asyncio.wait_for(self._cluster.nodes_manager.initialize(), self._connect_timeout * 4)
+            if {ch: n.name for ch, n in self._owner_map().items()} != self._owners:
+                raise RedisError("a subscribed slot moved to another node")
+        try:
+            got = await asyncio.wait_for(self._queue.get(), wait_s)
+        except TimeoutError:
+            return None
+        if isinstance(got, BaseException):
+            raise RedisError(f"sharded subscription lost: {got}") from got
+        return got
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                await c.aclose()
+
+
+async def subscribe(client: AnyRedis, channels: Sequence[str], *, connect_timeout_s: float = 0.25,
+                    sharded: bool | None = None) -> Subscription:
+    """Subscribe to `channels` with SSUBSCRIBE (it receives SPUBLISH, which `leases.lua` uses
+    wherever the server has it: Redis/Valkey >= 7), on a Cluster at each channel's slot owner.
+    `sharded=None` falls back to SUBSCRIBE on an older single server. `client` should be a
+    `blocking=True` client."""
+    if isinstance(client, RedisCluster):
+        # A fresh slot map: after a failover the subscription must go to the new owners.
+        await asyncio.wait_for(client.nodes_manager.initialize(), connect_timeout_s * 4)
+        sub = _ShardedSubscription(client, channels, connect_timeout_s=connect_timeout_s)
+        try:
+            await sub.start()
+        except BaseException:
+            await sub.aclose()
+            raise
+        return sub
+    ps = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        if sharded is False:
+            await ps.subscribe(*channels)
+        else:
+            try:
+                await ps.ssubscribe(*channels)
+            except ResponseError:  # Redis 6: no sharded pub/sub (and leases.lua uses PUBLISH)
+                if sharded:
+                    raise
+                await ps.aclose()
+                ps = client.pubsub(ignore_subscribe_messages=True)
+                await ps.subscribe(*channels)
+    except BaseException:
+        await ps.aclose()
+        raise
+    return _PlainSubscription(ps)
+
+
+async def publish(client: AnyRedis, channel: str, message: str | bytes, *, sharded: bool = True) -> int:
+    """SPUBLISH (routed to the channel's slot owner on a Cluster), or PUBLISH."""
+    if sharded:
+        return int(await client.execute_command("SPUBLISH", channel, message))
+    return int(await client.publish(channel, message))

@@ -1,0 +1,190 @@
+"""The Redis clients against real replicated and sharded topologies, with real failovers.
+
+Sentinel: a client built from a redis+sentinel:// URL reaches the new primary after the old one
+is SIGKILLed. Cluster: pools spread over shards and each pool's script runs on its own shard;
+sharded pub/sub reaches the subscriber on the slot owner only; a primary failover and a dead
+shard leave the other pools serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+import redis
+from floodgate.extproc.redis_client import AnyRedis, make_client, publish, subscribe
+from floodgate.extproc.state import PoolState, pool_keys
+from redis.exceptions import MovedError, RedisError
+
+from floodgate.redis_topology import ClusterTopology, SentinelTopology
+from tests.redis_topologies import cluster, sentinel  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.integration
+T = TypeVar("T")
+SHARES = (0.5, 0.3, 0.1)
+
+
+def pool_state(client: AnyRedis, pool: str, limit: int = 4) -> PoolState:
+    return PoolState(client, pool, lease_ttl_s=30, initial_limit=limit, shares=SHARES)  # type: ignore[arg-type]
+
+
+async def eventually(call: Callable[[], Awaitable[T]], attempts: int = 300, pause: float = 0.1) -> tuple[T, int]:
+    """Retry `call` until it succeeds; returns its result and how many attempts failed."""
+    for failed in range(attempts):
+        try:
+            async with asyncio.timeout(2):
+                return await call(), failed
+        except (RedisError, OSError, TimeoutError):
+            await asyncio.sleep(pause)
+    raise AssertionError("never recovered")
+
+
+# ------------------------------------------------------------------------------------ sentinel
+
+
+async def test_sentinel_client_reaches_the_new_primary(sentinel: SentinelTopology) -> None:  # noqa: F811
+    client = make_client(sentinel.url, op_timeout_s=0.5)
+    try:
+        st = pool_state(client, "s")
+        assert (await st.acquire("gw:1", "gw", 1, "t")).granted
+        old = sentinel.primary()
+        # Replication is asynchronous: only a write the replica acknowledged survives for sure.
+        assert old.client().execute_command("WAIT", 1, 2000) == 1
+        sentinel.kill_primary()
+        (status, failed) = await eventually(st.status)
+        new_port = sentinel.wait_failover(old.port)
+        assert new_port != old.port and failed > 0  # the outage was seen, then served again
+        assert status.inflight_total == 1  # the acknowledged lease survived on the promoted replica
+        assert (await st.acquire("gw:2", "gw", 1, "t")).granted
+        assert redis.Redis(port=new_port).zscore(pool_keys("s")[0], "gw:2") is not None
+    finally:
+        await client.aclose()
+
+
+async def test_sentinel_subscription_resumes_on_the_new_primary(sentinel: SentinelTopology) -> None:  # noqa: F811
+    client = make_client(sentinel.url, op_timeout_s=0.5)
+    sub_client = make_client(sentinel.url, op_timeout_s=0.5, blocking=True)
+    try:
+        sub = await subscribe(sub_client, ["fg:{s}:gw:a"])
+        await publish(client, "fg:{s}:gw:a", "before")
+        assert await sub.get_message(2) == ("fg:{s}:gw:a", b"before")
+        old = sentinel.kill_primary()
+        with pytest.raises((RedisError, OSError)):
+            for _ in range(50):
+                await sub.get_message(0.1)
+        await sub.aclose()
+        sentinel.wait_failover(old.port)
+        sub, _ = await eventually(lambda: subscribe(sub_client, ["fg:{s}:gw:a"]))
+        await eventually(lambda: publish(client, "fg:{s}:gw:a", "after"))
+        assert await sub.get_message(2) == ("fg:{s}:gw:a", b"after")
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
+# ------------------------------------------------------------------------------------- cluster
+
+
+async def test_cluster_pools_spread_over_shards(cluster: ClusterTopology) -> None:  # noqa: F811
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    try:
+        pools = [cluster.key_on_shard(i) for i in range(3)]
+        for shard, pool in enumerate(pools):
+            st = pool_state(client, pool, limit=1)
+            assert (await st.acquire(f"{pool}:1", "gw", 1, "t")).granted
+            assert not (await st.acquire(f"{pool}:2", "gw", 1, "t")).granted
+            assert (await st.enqueue(f"{pool}:2", "gw", 1, "t", 30)).queued_total == 1
+            assert await st.release(f"{pool}:1") == 1  # grants the waiter inside the same script
+            assert await st.granted_among([f"{pool}:2"]) == {f"{pool}:2": ""}
+            # Every key of the pool lives on its shard's primary and nowhere else.
+            owner = cluster.shards[shard].primary
+            assert owner.client().exists(*pool_keys(pool)) >= 3
+            for other in cluster.shards:
+                if other.primary is not owner:
+                    with pytest.raises(MovedError):  # the slot is served elsewhere
+                        other.primary.client().exists(pool_keys(pool)[0])
+    finally:
+        await client.aclose()
+
+
+async def test_sharded_pubsub_reaches_only_the_slot_owner(cluster: ClusterTopology) -> None:  # noqa: F811
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
+    pools = [cluster.key_on_shard(i) for i in range(3)]
+    channels = [f"fg:{{{p}}}:gw:a" for p in pools]
+    try:
+        sub = await subscribe(sub_client, channels)
+        for i, ch in enumerate(channels):
+            owner = cluster.shards[i].primary.client()
+            assert owner.execute_command("PUBSUB", "SHARDNUMSUB", ch)[1] == 1
+            for j, other in enumerate(cluster.shards):  # not subscribed anywhere else
+                if j != i:
+                    assert other.primary.client().execute_command("PUBSUB", "SHARDNUMSUB", ch)[1] == 0
+            assert await publish(client, ch, f"m{i}") == 1
+        got = {await sub.get_message(2) for _ in channels}
+        assert got == {(ch, f"m{i}".encode()) for i, ch in enumerate(channels)}
+        # A grant published from inside a pool's script (SPUBLISH on that pool's slot) arrives too.
+        script = client.register_script("return redis.call('SPUBLISH', ARGV[1], ARGV[2])")
+        assert await script(keys=pool_keys(pools[1])[:1], args=[channels[1], "from-lua"]) == 1
+        assert await sub.get_message(2) == (channels[1], b"from-lua")
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
+async def test_cluster_primary_failover_under_use(cluster: ClusterTopology) -> None:  # noqa: F811
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
+    pools = [cluster.key_on_shard(i) for i in range(3)]
+    channels = [f"fg:{{{p}}}:gw:a" for p in pools]
+    try:
+        states = [pool_state(client, p) for p in pools]
+        for i, st in enumerate(states):
+            assert (await st.acquire(f"{pools[i]}:1", "gw", 1, "t")).granted
+        sub = await subscribe(sub_client, channels)
+        victim = cluster.shards[0].primary
+        assert victim.client().execute_command("WAIT", 1, 2000) == 1
+        cluster.kill(victim)
+        # The other shards keep serving while shard 0 fails over.
+        for st in states[1:]:
+            assert (await asyncio.wait_for(st.status(), 5)).inflight_total == 1
+        status, _ = await eventually(states[0].status)
+        assert status.inflight_total == 1  # the acknowledged lease is on the promoted replica
+        new_owner = cluster.wait_owner_changes(pool_keys(pools[0])[0], victim.port)
+        assert new_owner is cluster.shards[0].replicas[0]
+        # The subscription notices (dead node or moved slot); a new one follows the slot map.
+        with pytest.raises(RedisError):
+            for _ in range(100):
+                await sub.get_message(0.1)
+        await sub.aclose()
+        sub, _ = await eventually(lambda: subscribe(sub_client, channels))
+        assert await publish(client, channels[0], "after") == 1
+        assert await sub.get_message(2) == (channels[0], b"after")
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
+async def test_a_dead_shard_leaves_the_other_pools_serving(cluster: ClusterTopology) -> None:  # noqa: F811
+    client = make_client(cluster.url, op_timeout_s=0.3)
+    pools = [cluster.key_on_shard(i) for i in range(3)]
+    try:
+        states = [pool_state(client, p, limit=10) for p in pools]
+        for st in states:
+            await st.status()
+        dead = cluster.shards[2]
+        for node in (dead.primary, *dead.replicas):  # no replica left to promote: slots down
+            cluster.kill(node)
+        for round_ in range(5):
+            with pytest.raises((RedisError, OSError, TimeoutError)):
+                async with asyncio.timeout(3):  # fails fast, never hangs
+                    await states[2].acquire(f"x:{round_}", "gw", 1, "t")
+            for i, st in enumerate(states[:2]):
+                assert (await asyncio.wait_for(st.acquire(f"{pools[i]}:{round_}", "gw", 1, "t"), 3)).granted
+    finally:
+        await client.aclose()
