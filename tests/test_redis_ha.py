@@ -14,8 +14,12 @@ from typing import TypeVar
 
 import pytest
 import redis
+from floodgate.extproc.admission import Admitter
+from floodgate.extproc.backends import Permit
+from floodgate.extproc.config import Config
 from floodgate.extproc.redis_client import AnyRedis, make_client, publish, subscribe
-from floodgate.extproc.state import PoolState, pool_keys
+from floodgate.extproc.schema import PoolSettings, gateway_channel, script_keys
+from floodgate.extproc.state import PoolState, redis_client
 from redis.exceptions import MovedError, RedisError
 
 from floodgate.redis_topology import ClusterTopology, SentinelTopology
@@ -27,7 +31,7 @@ SHARES = (0.5, 0.3, 0.1)
 
 
 def pool_state(client: AnyRedis, pool: str, limit: int = 4) -> PoolState:
-    return PoolState(client, pool, lease_ttl_s=30, initial_limit=limit, shares=SHARES)  # type: ignore[arg-type]
+    return PoolState(client, pool, lease_ttl_s=30, settings=PoolSettings(limit, SHARES))  # type: ignore[arg-type]
 
 
 async def eventually(call: Callable[[], Awaitable[T]], attempts: int = 300, pause: float = 0.1) -> tuple[T, int]:
@@ -48,7 +52,7 @@ async def test_sentinel_client_reaches_the_new_primary(sentinel: SentinelTopolog
     client = make_client(sentinel.url, op_timeout_s=0.5)
     try:
         st = pool_state(client, "s")
-        assert (await st.acquire("gw:1", "gw", 1, "t")).granted
+        assert (await st.acquire("gw/1", "gw", 1, 1, "t")).granted
         old = sentinel.primary()
         # Replication is asynchronous: only a write the replica acknowledged survives for sure.
         assert old.client().execute_command("WAIT", 1, 2000) == 1
@@ -57,8 +61,8 @@ async def test_sentinel_client_reaches_the_new_primary(sentinel: SentinelTopolog
         new_port = sentinel.wait_failover(old.port)
         assert new_port != old.port and failed > 0  # the outage was seen, then served again
         assert status.inflight_total == 1  # the acknowledged lease survived on the promoted replica
-        assert (await st.acquire("gw:2", "gw", 1, "t")).granted
-        assert redis.Redis(port=new_port).zscore(pool_keys("s")[0], "gw:2") is not None
+        assert (await st.acquire("gw/2", "gw", 2, 1, "t")).granted
+        assert redis.Redis(port=new_port).zscore(script_keys("s")[0], "gw/2") is not None
     finally:
         await client.aclose()
 
@@ -90,24 +94,31 @@ async def test_sentinel_subscription_resumes_on_the_new_primary(sentinel: Sentin
 
 async def test_cluster_pools_spread_over_shards(cluster: ClusterTopology) -> None:  # noqa: F811
     client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
     try:
         pools = [cluster.key_on_shard(i) for i in range(3)]
         for shard, pool in enumerate(pools):
             st = pool_state(client, pool, limit=1)
-            assert (await st.acquire(f"{pool}:1", "gw", 1, "t")).granted
-            assert not (await st.acquire(f"{pool}:2", "gw", 1, "t")).granted
-            assert (await st.enqueue(f"{pool}:2", "gw", 1, "t", 30)).queued_total == 1
-            assert await st.release(f"{pool}:1") == 1  # grants the waiter inside the same script
-            assert await st.granted_among([f"{pool}:2"]) == {f"{pool}:2": ""}
+            sub = await subscribe(sub_client, [gateway_channel("b", pool)])
+            await st.sync("b", 1, {}, {})  # gateway b is alive (grants go to live gateways only)
+            assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+            assert not (await st.acquire("b/2", "b", 2, 1, "t")).granted
+            assert (await st.enqueue("b/2", "b", 2, 1, "t", 30)).queued_total == 1
+            assert await st.release("a/1") == 1  # grants the waiter inside the same script...
+            assert await st.granted_among(["b/2"]) == {"b/2": ""}
+            # ...which SPUBLISHes the grant on b's channel in the pool's slot, on this shard only.
+            assert await sub.get_message(2) == (gateway_channel("b", pool), f"{pool}|b/2|".encode())
+            await sub.aclose()
             # Every key of the pool lives on its shard's primary and nowhere else.
             owner = cluster.shards[shard].primary
-            assert owner.client().exists(*pool_keys(pool)) >= 3
+            assert owner.client().exists(*script_keys(pool)) >= 3
             for other in cluster.shards:
                 if other.primary is not owner:
                     with pytest.raises(MovedError):  # the slot is served elsewhere
-                        other.primary.client().exists(pool_keys(pool)[0])
+                        other.primary.client().exists(script_keys(pool)[0])
     finally:
         await client.aclose()
+        await sub_client.aclose()
 
 
 async def test_sharded_pubsub_reaches_only_the_slot_owner(cluster: ClusterTopology) -> None:  # noqa: F811
@@ -128,7 +139,7 @@ async def test_sharded_pubsub_reaches_only_the_slot_owner(cluster: ClusterTopolo
         assert got == {(ch, f"m{i}".encode()) for i, ch in enumerate(channels)}
         # A grant published from inside a pool's script (SPUBLISH on that pool's slot) arrives too.
         script = client.register_script("return redis.call('SPUBLISH', ARGV[1], ARGV[2])")
-        assert await script(keys=pool_keys(pools[1])[:1], args=[channels[1], "from-lua"]) == 1
+        assert await script(keys=script_keys(pools[1])[:1], args=[channels[1], "from-lua"]) == 1
         assert await sub.get_message(2) == (channels[1], b"from-lua")
         await sub.aclose()
     finally:
@@ -144,7 +155,7 @@ async def test_cluster_primary_failover_under_use(cluster: ClusterTopology) -> N
     try:
         states = [pool_state(client, p) for p in pools]
         for i, st in enumerate(states):
-            assert (await st.acquire(f"{pools[i]}:1", "gw", 1, "t")).granted
+            assert (await st.acquire(f"gw/{i}", "gw", i, 1, "t")).granted
         sub = await subscribe(sub_client, channels)
         victim = cluster.shards[0].primary
         assert victim.client().execute_command("WAIT", 1, 2000) == 1
@@ -154,7 +165,7 @@ async def test_cluster_primary_failover_under_use(cluster: ClusterTopology) -> N
             assert (await asyncio.wait_for(st.status(), 5)).inflight_total == 1
         status, _ = await eventually(states[0].status)
         assert status.inflight_total == 1  # the acknowledged lease is on the promoted replica
-        new_owner = cluster.wait_owner_changes(pool_keys(pools[0])[0], victim.port)
+        new_owner = cluster.wait_owner_changes(script_keys(pools[0])[0], victim.port)
         assert new_owner is cluster.shards[0].replicas[0]
         # The subscription notices (dead node or moved slot); a new one follows the slot map.
         with pytest.raises(RedisError):
@@ -183,8 +194,64 @@ async def test_a_dead_shard_leaves_the_other_pools_serving(cluster: ClusterTopol
         for round_ in range(5):
             with pytest.raises((RedisError, OSError, TimeoutError)):
                 async with asyncio.timeout(3):  # fails fast, never hangs
-                    await states[2].acquire(f"x:{round_}", "gw", 1, "t")
+                    await states[2].acquire(f"gw/{100 + round_}", "gw", 100 + round_, 1, "t")
             for i, st in enumerate(states[:2]):
-                assert (await asyncio.wait_for(st.acquire(f"{pools[i]}:{round_}", "gw", 1, "t"), 3)).granted
+                assert (await asyncio.wait_for(st.acquire(f"gw/{10 * i + round_}", "gw", 10 * i + round_, 1, "t"), 3)).granted
     finally:
         await client.aclose()
+
+
+# ----------------------------------------------------------------- processors across failover
+
+
+async def test_processor_reasserts_its_permits_and_waiters_on_the_promoted_primary(
+        sentinel: SentinelTopology) -> None:  # noqa: F811
+    """Replication is asynchronous, so the promoted replica may miss the last leases and queue
+    entries. Worst case (simulated by flushing it after promotion): it has nothing. The
+    processor's sync re-asserts exactly what it holds and who waits, within one renewal period."""
+    cfg = Config.model_validate({
+        "redis": {"url": sentinel.url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
+        "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
+                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
+                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
+                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
+    client = redis_client(sentinel.url, op_timeout_s=0.25)
+    sub_client = make_client(sentinel.url, op_timeout_s=0.25, blocking=True)
+    admitter = Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
+    await admitter.start()
+    try:
+        permits = [await admitter.admit("s", 1, "t") for _ in range(3)]
+        assert all(isinstance(p, Permit) for p in permits)
+        waiter = asyncio.create_task(admitter.admit("s", 1, "t"))
+        keys = script_keys("s")
+
+        def queued(port: int) -> list[bytes]:
+            return list(redis.Redis(port=port).zrange(keys[2], 0, -1))
+        await asyncio.sleep(0.5)
+        old = sentinel.primary()
+        assert len(queued(old.port)) == 1 and not waiter.done()
+        sentinel.kill_primary()
+        new_port = sentinel.wait_failover(old.port)
+        redis.Redis(port=new_port).flushall()  # everything the replica might have missed
+        held = {p.ticket for p in permits if isinstance(p, Permit)}
+
+        async def converged() -> bool:
+            r = redis.Redis(port=new_port)
+            return {t.decode() for t in r.zrange(keys[0], 0, -1)} == held and len(queued(new_port)) == 1
+        deadline = asyncio.get_running_loop().time() + 2 * cfg.redis.lease_ttl_s
+        while not await converged():
+            assert asyncio.get_running_loop().time() < deadline, "did not converge in two renewal periods"
+            await asyncio.sleep(0.1)
+        assert not waiter.done()  # still queued, in order, on the new primary
+        # Exactly once: a release there grants the waiter, which then holds the only free permit.
+        first = permits[0]
+        assert isinstance(first, Permit)
+        await admitter.release(first)
+        granted = await asyncio.wait_for(waiter, 5)
+        assert isinstance(granted, Permit)
+        status = await PoolState(client, "s", lease_ttl_s=3).status()
+        assert status.inflight_total == 3 and status.queued_total == 0
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await sub_client.aclose()
