@@ -5,7 +5,8 @@ Two users besides the operator's `default`:
 * `floodgate-processor` may read every pool key and write the admission keys (leases, queues,
   counts, limit state, per-endpoint load `epinf`, ...), but NOT the replica registry that
   decides where traffic goes: `fg:{pool}:active`, `fg:{pool}:endpoints` (read-only) and the
-  controller's `fg:{pool}:ctl:*` keys. It publishes and subscribes on `fg:gw:*` only.
+  controller's `fg:{pool}:ctl:*` keys. It publishes and subscribes on its per-pool channels
+  `fg:{pool}:gw:<gateway>` only.
 * `floodgate-controller` owns the registry, its history and the leader lease: all `fg:*` keys.
 
 Neither may run dangerous or admin commands (FLUSHALL, KEYS, CONFIG, ...).
@@ -33,7 +34,7 @@ _COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting +@pubsu
 
 PROCESSOR_RULES = (
     f"resetkeys resetchannels {_COMMANDS} "
-    "%R~fg:{*}:* ~fg:{*}:[^aec]* ~fg:{*}:e[^n]* ~fg:{*}:c[^t]* &fg:gw:* "
+    "%R~fg:{*}:* ~fg:{*}:[^aec]* ~fg:{*}:e[^n]* ~fg:{*}:c[^t]* &fg:{*}:gw:* "
     "(+evalsha +eval +script|load ~fg:{*}:*)"
 )
 CONTROLLER_RULES = f"resetkeys resetchannels {_COMMANDS} ~fg:* &fg:*"
