@@ -559,6 +559,10 @@ def build_actuator(cfg: PoolConfig, *, supervisor: Any = None) -> Actuator:
 
         assert a.endpoints is not None
         return StaticActuator(a.endpoints)
+    if a.kind == "endpointslices":  # metrics-only (KEDA/HPA): controller/discovery.py
+        from floodgate.controller.discovery import EndpointSliceActuator, EndpointSliceConfig
+
+        return EndpointSliceActuator(EndpointSliceConfig(**a.options))
     from floodgate.controller.actuators.kubernetes import (
         KubernetesActuator,
         KubernetesActuatorConfig,

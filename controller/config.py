@@ -57,12 +57,14 @@ class LeaderConfig(_Strict):
 
 
 class ActuatorConfig(_Strict):
-    kind: Literal["process", "static", "kubernetes"] = Field(description="Where replicas run.")
+    kind: Literal["process", "static", "kubernetes", "endpointslices"] = Field(
+        description="Where replicas run. `endpointslices`: metrics-only (KEDA/HPA owns the replica count); "
+        "pods are discovered from the model Service's EndpointSlices, never created or deleted.")
     command: list[str] | None = Field(default=None, description="process: argv template with {port} (and {replica_id}); default `floodgate sim` with sleep mode.")
     state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: a per-pool directory under the system temp dir).")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
     endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port), or name -> endpoint.")
-    options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator.")
+    options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator; endpointslices: namespace, service, port_name, in_cluster, ... (controller/discovery.py).")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> ActuatorConfig:
@@ -74,6 +76,11 @@ class ActuatorConfig(_Strict):
             from floodgate.controller.actuators.kubernetes import KubernetesActuatorConfig
 
             _nested(KubernetesActuatorConfig, self.options)
+            _needs_kubernetes_client(self.kind)
+        if self.kind == "endpointslices":
+            from floodgate.controller.discovery import EndpointSliceConfig
+
+            _nested(EndpointSliceConfig, self.options)
             _needs_kubernetes_client(self.kind)
         return self
 

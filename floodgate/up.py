@@ -30,9 +30,12 @@ from floodgate.supervisor import Supervisor, free_port
 HELP = """\
 Bring up Floodgate locally: Redis (embedded Valkey), M Floodgate processors, Envoy on
 127.0.0.1:PORT, and the scaling controller, which runs N emulated vLLM replicas (scaling out
-to --max-replicas under load, with a warm pool of sleeping replicas). Unless --no-demo, run a demo load (steady, then a 3x
-burst, then recovery) with a live status line, and write the report (summary.md, plots) to
---out. With --no-demo the stack stays up until Ctrl-C; point any OpenAI client at
+to --max-replicas under load, with a warm pool of sleeping replicas). Unless --no-demo, run a demo
+load with a live status line: steady (the --replicas active replicas carry it), then a burst of
+about 4x that needs --max-replicas (the controller promotes the warm pool at once and cold-starts
+the rest), then recovery, long enough to watch the scale-down drain replicas and recycle them
+into the warm pool (the demo's scale-down window is shortened to 10 s; production default 300 s).
+The report (summary.md with the scaling timeline, plots) goes to --out. With --no-demo the stack stays up until Ctrl-C; point any OpenAI client at
 http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
 """
 
@@ -40,30 +43,46 @@ http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="run the whole local stack (and a demo load)", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (a free one if busy)")
-    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (a free one if busy)")
+    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (busy: an error, unless --any-port)")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (busy: an error, unless --any-port)")
+    p.add_argument("--any-port", action="store_true", help="take free ports when --port or --admin-port is busy")
     p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas at rest (the controller's min_replicas)")
-    p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 2 x --replicas)")
-    p.add_argument("--warm-pool", type=int, default=1, help="warm-pool size (sleeping replicas ready to promote)")
+    p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 3 x --replicas)")
+    p.add_argument("--warm-pool", type=int, default=2, help="warm-pool size (sleeping replicas ready to promote)")
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--demo-rate", type=float, default=0.0,
                    help="steady demo rate in req/s (default: 70%% of the pool's estimated capacity)")
-    p.add_argument("--demo-duration", type=float, default=45.0, help="demo length in seconds")
+    p.add_argument("--demo-duration", type=float, default=90.0,
+                   help="demo length in seconds: steady for the first quarter, burst in the second, recovery after")
     p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes")
     p.add_argument("--sim-cold-start", type=float, default=1.0, help="emulator cold-start delay (s)")
     p.set_defaults(handler=run)
 
 
-def _port_or_free(port: int) -> int:
+class PortBusy(RuntimeError):
+    pass
+
+
+def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
-            return port
+            return True
         except OSError:
-            return free_port()
+            return False
+
+
+def choose_port(port: int, flag: str, any_port: bool) -> int:
+    """`port`, or with `any_port` a free one when it is busy; busy without it is an error (a
+    gateway silently moved to another port is a gateway nobody finds)."""
+    if _port_is_free(port):
+        return port
+    if any_port:
+        return free_port()
+    raise PortBusy(f"{flag} {port} is in use on 127.0.0.1: pass another {flag}, or --any-port to take a free one")
 
 
 DEMO_CONFIG: dict[str, Any] = {
@@ -72,6 +91,11 @@ DEMO_CONFIG: dict[str, Any] = {
                "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
 }
 PER_REPLICA_RPS = 9.0  # emulator defaults, demo request sizes (docs/emulator.md)
+# Requests (running + waiting) one emulated replica carries at about 70% of PER_REPLICA_RPS with
+# the demo's request sizes (measured: ~20 in flight over 2 replicas at 12.6 req/s). The
+# controller's target per replica in the demo (with headroom), so the steady load stays on --replicas.
+DEMO_TARGET_CONCURRENCY = 16.0
+BURST_MULTIPLIER = 3.0 / 0.7  # the burst offers ~3x the pool's capacity at rest
 
 
 class StatusLine:
@@ -127,6 +151,9 @@ class StatusLine:
                     totals[key] = totals.get(key, 0.0) + s.value
                 elif s.name == "floodgate_desired_replicas":
                     totals["desired"] = totals.get("desired", 0.0) + s.value
+                elif s.name == "floodgate_replica_actions_total" and s.labels.get("outcome") == "issued":
+                    key = f"a_{s.labels['action']}"
+                    totals[key] = totals.get(key, 0.0) + s.value
 
     async def line(self, session: aiohttp.ClientSession) -> str:
         now = time.monotonic()
@@ -141,9 +168,12 @@ class StatusLine:
         reps = ""
         if self.controller_url:
             loading = sum(int(cur.get(f"r_{k}", 0)) for k in ("cold", "loading", "warming", "waking"))
+            acts = " ".join(f"{label} {int(cur.get(f'a_{action}', 0))}" for action, label in
+                            (("promote", "promoted"), ("start", "started"), ("drain", "drained"),
+                             ("recycle", "recycled")))
             reps = (f"replicas active {int(cur.get('r_active', 0))}/{int(cur.get('desired', 0))} "
                     f"warm {int(cur.get('r_warm', 0))} loading {loading} "
-                    f"draining {int(cur.get('r_draining', 0))} | ")
+                    f"draining {int(cur.get('r_draining', 0))} ({acts}) | ")
         return (f"{reps}queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
                 f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
 
@@ -157,19 +187,23 @@ async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float) -> No
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status: StatusLine) -> int:
+async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status: StatusLine,
+                controller_log: Path | None = None) -> int:
     from floodgate.sim.arrivals import LengthDist, Mix, burst_profile, synthetic_plan
     from floodgate.sim.loadgen import run_load_detailed
     from floodgate.sim.report import SLO, summarize, write_report
 
     rate = args.demo_rate or 0.7 * PER_REPLICA_RPS * args.replicas
     d = args.demo_duration
-    profile = burst_profile(rate, d, burst_start=d / 3, burst_duration=d / 3, multiplier=3.0 / 0.7)
+    b0, b1 = d / 4, d / 2
+    profile = burst_profile(rate, d, burst_start=b0, burst_duration=b1 - b0, multiplier=BURST_MULTIPLIER)
     mix = Mix(prompt=LengthDist(mean=256, sigma=0.6, max=2048), output=LengthDist(mean=64, sigma=0.6, max=512))
     plan = synthetic_plan(profile, mix, seed=1)
     print(f"demo: {len(plan)} requests over {d:.0f} s, {rate:.1f} req/s steady, "
-          f"{3 / 0.7 * rate:.1f} req/s burst in [{d / 3:.0f}, {2 * d / 3:.0f}) s", file=sys.stderr)
+          f"{BURST_MULTIPLIER * rate:.1f} req/s burst in [{b0:.0f}, {b1:.0f}) s, then recovery "
+          "(scale-down window shortened to 10 s)", file=sys.stderr)
     stop = asyncio.Event()
+    t_start = time.time()
     ticker = asyncio.create_task(_status_loop(status, stop, time.monotonic()))
     try:
         from floodgate.sim.emulator import EmulatorConfig
@@ -181,7 +215,11 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
         stop.set()
         await ticker
     slo = SLO()
-    paths = write_report(args.out, result, slo, windows={"burst": (d / 3, 2 * d / 3)})
+    paths = write_report(args.out, result, slo, windows={"burst": (b0, b1)})
+    if controller_log is not None:
+        timeline = scaling_timeline(controller_log, t_start)
+        with paths["summary"].open("a") as f:
+            f.write("\n" + render_timeline(timeline, b0, b1))
     print(paths["summary"].read_text() if "summary" in paths else "", flush=True)
     s = summarize(result.records, slo)
     print(f"report: {args.out}/ ({', '.join(p.name for p in paths.values())}); "
@@ -201,6 +239,12 @@ def run(args: argparse.Namespace) -> int:
     from floodgate.extproc.config import ConfigError, load_config
 
     config: dict[str, Any] = DEMO_CONFIG
+    try:
+        port = choose_port(args.port, "--port", args.any_port)
+        admin = choose_port(args.admin_port, "--admin-port", args.any_port)
+    except PortBusy as exc:
+        print(f"floodgate up: {exc}", file=sys.stderr)
+        return 2
     if args.config:
         try:
             load_config(args.config)
@@ -229,8 +273,6 @@ def run(args: argparse.Namespace) -> int:
             picking = any(p.get("endpoint_picking") for p in pools)
             for _ in range(args.processors):
                 stack.start_processor(config)
-            port = _port_or_free(args.port)
-            admin = _port_or_free(args.admin_port)
             envoy = stack.start_envoy([], port=port, admin_port=admin, name="envoy", picking=picking)
             ctl_metrics = free_port()
             replica_dir = sup.workdir / "replicas"
@@ -252,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             if args.no_demo:
                 asyncio.run(_wait_forever(status))
                 return 0
-            return asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status))
+            return asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status, ctl.log_path))
         except KeyboardInterrupt:
             print("\nfloodgate up: stopping", file=sys.stderr)
             return 130
@@ -264,11 +306,17 @@ def run(args: argparse.Namespace) -> int:
 def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int, metrics_port: int,
                       replica_dir: Path, pool: str = "default") -> dict[str, Any]:
     """The controller config `floodgate up` runs: process actuator with emulated replicas,
-    windows shortened so a 45 s demo shows a scale-out and the start of a scale-down."""
+    windows shortened so a 90 s demo shows the whole cycle: promotions from the warm pool and
+    cold starts during the burst, then drains, recycles into the pool and terminations.
+
+    `max_total` = max active replicas: while every replica serves the burst, the pool is not
+    refilled by cold starts, so the drains after it recycle into the pool (the product's point:
+    a replica that served the burst waits asleep for the next one)."""
     from floodgate.controller.actuators.process import sim_command
 
     sim = sim_command("--cold-start", str(args.sim_cold_start), "--wake-delay-level1", "1.0",
                       "--log-level", "warning")
+    max_active = args.max_replicas or 3 * args.replicas
     return {
         "redis": {"url": redis_url},
         "tick_interval_s": 1.0,
@@ -277,10 +325,12 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
         "leader": {"key": f"fg:controller:leader:up:{metrics_port}", "ttl_s": 10},
         "pools": [{
             "name": pool,
-            "policy": {"min_replicas": args.replicas, "max_replicas": args.max_replicas or 2 * args.replicas,
-                       "stabilization_window_s": 20, "scale_down_interval_s": 10, "panic_window_s": 10},
-            "warm_pool": {"min_size": args.warm_pool, "max_size": max(args.warm_pool, 1),
-                          "burst_fraction": 0, "warm_min_age_s": 60, "max_drain_s": 60},
+            "policy": {"min_replicas": args.replicas, "max_replicas": max_active,
+                       "target_concurrency": DEMO_TARGET_CONCURRENCY,
+                       "stabilization_window_s": 10, "scale_down_interval_s": 4, "panic_window_s": 5},
+            "warm_pool": {"min_size": args.warm_pool, "max_size": args.warm_pool,
+                          "burst_fraction": 0, "warm_min_age_s": 5, "max_drain_s": 30,
+                          "max_total": max(max_active, args.replicas + args.warm_pool)},
             "forecast": {"enabled": False},
             "timeouts": {"health_s": 120, "warmup_s": 30},
             "actuator": {"kind": "process", "command": sim, "state_dir": str(replica_dir)},
@@ -339,3 +389,44 @@ def _wait_healthy(url: str, timeout: float) -> None:
 
 async def _wait_forever(status: StatusLine) -> None:
     await _status_loop(status, asyncio.Event(), time.monotonic())
+
+
+# Lifecycle transitions worth showing, by (from, to) state: what the controller did to a replica.
+_SHOWN = {("warm", "waking"): "promoted from the warm pool", ("cold", "loading"): "cold start",
+          ("warming", "warm"): "cold start ready (warm)", ("active", "draining"): "drain", ("draining", "warm"): "recycled into the warm pool",
+          ("draining", "terminated"): "terminated after drain", ("warm", "terminated"): "terminated (pool above target)"}
+
+
+def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, str]]:
+    """(seconds since the demo started, replica, what happened) from the decision log."""
+    import json
+
+    out: list[tuple[float, str, str]] = []
+    try:
+        lines = controller_log.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        what = _SHOWN.get((rec.get("frm"), rec.get("to"))) if rec.get("event") == "transition" else None
+        if what and rec.get("ts", 0) >= t0:
+            out.append((float(rec["ts"]) - t0, str(rec.get("replica")), what))
+    return out
+
+
+def render_timeline(timeline: list[tuple[float, str, str]], burst_start: float, burst_end: float) -> str:
+    counts: dict[str, int] = {}
+    for _, _, what in timeline:
+        counts[what] = counts.get(what, 0) + 1
+    lines = ["## Scaling (controller decision log)", "",
+             f"Burst in [{burst_start:.0f}, {burst_end:.0f}) s. "
+             + (", ".join(f"{what}: {n}" for what, n in counts.items()) or "no replica changed state") + ".", ""]
+    if timeline:
+        lines += ["| t (s) | replica | what |", "| ---: | --- | --- |"]
+        lines += [f"| {t:.1f} | {rid} | {what} |" for t, rid, what in timeline]
+    return "\n".join(lines) + "\n"

@@ -6,6 +6,10 @@ It serves just what the actuator uses, with the API server's real paths and JSON
 * apps/v1 deployments: get, patch (merge patch; `metadata.resourceVersion` in the body is a
   precondition → 409 like the real server); deployments/scale: get, patch.
 * v1 pods: list (with `labelSelector`), get, patch.
+* discovery.k8s.io/v1 endpointslices: list and watch (with `labelSelector`, `resourceVersion`,
+  `timeoutSeconds`), one slice per Service added with `add_service`, kept in step with its pods
+  the way the EndpointSlice controller does (address = podIP, targetRef = the pod, conditions
+  ready/serving/terminating); every change is a watch event streamed as JSON lines.
 
 and a small ReplicaSet-like reconcile loop: pods are created (Pending, no IP) when `spec.replicas`
 rises, become Running with a fake IP after `start_delay`, and on a scale-down the pods to
@@ -15,8 +19,9 @@ then newest first); deleted pods carry a deletionTimestamp for `terminate_delay`
 vanish. Every request is logged as (verb, group, resource, subresource) so a test can compare
 the calls made with the RBAC Role shipped in deploy/kubernetes/.
 
-What it does not model: authentication/RBAC enforcement, watches, strategic-merge list
-semantics, admission, scheduling, readiness, rolling updates with several ReplicaSets.
+What it does not model: authentication/RBAC enforcement, watches of anything but
+EndpointSlices, strategic-merge list semantics, admission, scheduling, readiness probes (a
+Running pod is ready), rolling updates with several ReplicaSets.
 """
 
 from __future__ import annotations
@@ -62,6 +67,16 @@ class FakeKube:
     _runner: web.AppRunner | None = None
     _loop_task: asyncio.Task[None] | None = None
     url: str = ""
+    # Tests that run real servers for pods: the IP a new pod gets, and a hook called when a pod
+    # turns Running (e.g. start an emulator on that IP) or is deleted.
+    ip_allocator: Any = None  # Callable[[], str] | None
+    on_running: Any = None  # Callable[[dict], None] | None
+    on_deleted: Any = None  # Callable[[dict], None] | None
+    services: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    slices: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    slice_events: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # (rv, type, slice)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _closing: bool = False
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> str:
@@ -77,6 +92,8 @@ class FakeKube:
         return self.url
 
     async def close(self) -> None:
+        self._closing = True  # open watches end within a second (the runner waits for them)
+        self._changed.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,6 +124,12 @@ class FakeKube:
         """A pod owned by nobody (e.g. another app in the namespace)."""
         self.pods[(namespace, name)] = self._pod(namespace, name, labels, owner=None)
         self.pods[(namespace, name)]["status"] = {"phase": phase, "podIP": self._fake_ip()}
+
+    def add_service(self, namespace: str, name: str, selector: dict[str, str], port: int,
+                    port_name: str = "http") -> None:
+        """A Service; its EndpointSlice follows the pods its selector matches."""
+        self.services[(namespace, name)] = {"selector": dict(selector), "port": port, "port_name": port_name}
+        self._sync_slices()
 
     def pods_of(self, namespace: str, deployment: str, include_terminating: bool = False) -> list[dict[str, Any]]:
         out = [p for (ns, _), p in self.pods.items() if ns == namespace
@@ -148,10 +171,14 @@ class FakeKube:
             if "deletionTimestamp" in pod["metadata"]:
                 del self.pods[key]
                 self._timers.pop(key)
+                if self.on_deleted is not None:
+                    self.on_deleted(pod)
             elif pod["status"].get("phase") == "Pending":
                 pod["status"] = {"phase": "Running", "podIP": self._fake_ip()}
                 pod["metadata"]["resourceVersion"] = self._next_rv()
                 self._timers.pop(key)
+                if self.on_running is not None:
+                    self.on_running(pod)
         for (ns, name), dep in self.deployments.items():
             live = self.pods_of(ns, name)
             want = int(dep["spec"]["replicas"])
@@ -173,9 +200,61 @@ class FakeKube:
                     p["metadata"]["resourceVersion"] = self._next_rv()
                     self._timers[(ns, p["metadata"]["name"])] = now + self.terminate_delay
             dep["status"] = {"replicas": len(self.pods_of(ns, name))}
+        self._sync_slices()
+
+    # -- the EndpointSlice controller stand-in -------------------------------------------
+    def _sync_slices(self) -> None:
+        for (ns, svc), spec in self.services.items():
+            endpoints = []
+            for (pns, _), pod in sorted(self.pods.items()):
+                ip = pod["status"].get("podIP")
+                if pns != ns or not ip or not _selects(",".join(f"{k}={v}" for k, v in spec["selector"].items()),
+                                                       pod["metadata"].get("labels", {})):
+                    continue
+                terminating = "deletionTimestamp" in pod["metadata"]
+                running = pod["status"].get("phase") == "Running"
+                endpoints.append({
+                    "addresses": [ip],
+                    "conditions": {"ready": running and not terminating, "serving": running,
+                                   "terminating": terminating},
+                    "targetRef": {"kind": "Pod", "name": pod["metadata"]["name"], "namespace": ns},
+                })
+            key = (ns, f"{svc}-abcde")
+            old = self.slices.get(key)
+            if old is not None and old["endpoints"] == endpoints:
+                continue
+            rv = self._next_rv()
+            obj = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": key[1], "namespace": ns, "resourceVersion": rv,
+                                "labels": {"kubernetes.io/service-name": svc,
+                                           "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+                   "addressType": "IPv4", "endpoints": endpoints,
+                   "ports": [{"name": spec["port_name"], "port": spec["port"], "protocol": "TCP"}]}
+            self.slices[key] = obj
+            self.slice_events.append((int(rv), "ADDED" if old is None else "MODIFIED", copy.deepcopy(obj)))
+            self._changed.set()
+
+    async def _slice_watch(self, request: web.Request, ns: str, sel: str) -> web.StreamResponse:
+        since = int(request.query.get("resourceVersion") or 0)
+        timeout = float(request.query.get("timeoutSeconds") or 300)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        sent = since
+        while loop.time() < deadline and not self._closing:
+            for rv, typ, obj in list(self.slice_events):
+                if rv > sent and obj["metadata"]["namespace"] == ns and _selects(sel, obj["metadata"]["labels"]):
+                    await resp.write((json.dumps({"type": typ, "object": obj}) + "\n").encode())
+                sent = max(sent, rv)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, min(1.0, deadline - loop.time())))
+        await resp.write_eof()
+        return resp
 
     # -- HTTP ----------------------------------------------------------------------------
-    async def _dispatch(self, request: web.Request) -> web.Response:
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         m = re.fullmatch(r"/(?:api/(?P<cv>v1)|apis/(?P<g>[^/]+)/(?P<gv>[^/]+))/namespaces/(?P<ns>[^/]+)/"
                          r"(?P<res>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?", request.path)
         if m is None:
@@ -183,10 +262,18 @@ class FakeKube:
             return _status(404, "NotFound", f"no route {request.path}")
         group = m["g"] or ""
         res, name, sub, ns = m["res"], m["name"] or "", m["sub"] or "", m["ns"]
-        verb = {"GET": "get" if name else ("watch" if request.query.get("watch") in ("1", "true") else "list"),
+        verb = {"GET": "get" if name else ("watch" if request.query.get("watch", "").lower() in ("1", "true") else "list"),
                 "PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}.get(request.method, "?")
         self.calls.append(Call(verb, group, res, sub, ns, name))
         body = await request.json() if request.can_read_body else None
+        if (group, res) == ("discovery.k8s.io", "endpointslices") and not name:
+            sel = request.query.get("labelSelector", "")
+            if verb == "watch":
+                return await self._slice_watch(request, ns, sel)
+            items = [copy.deepcopy(o) for (sns, _), o in sorted(self.slices.items())
+                     if sns == ns and _selects(sel, o["metadata"]["labels"])]
+            return web.json_response({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                                      "metadata": {"resourceVersion": str(self._peek_rv())}, "items": items})
         if (group, res) == ("apps", "deployments") and name:
             return self._deployment(verb, ns, name, sub, body, request.content_type)
         if (group, res) == ("", "pods"):
@@ -271,6 +358,8 @@ class FakeKube:
         return rv
 
     def _fake_ip(self) -> str:
+        if self.ip_allocator is not None:
+            return str(self.ip_allocator())
         n = next(self._ip)
         return f"10.244.{n // 250}.{n % 250 + 1}"
 

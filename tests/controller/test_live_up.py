@@ -65,7 +65,7 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
     port, admin = free_port(), free_port()
     err = (tmp_path / "up.err").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--processors", "1",
+        [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "1", "--processors", "1",
          "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3"],
         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     pids: set[int] = set()
@@ -106,3 +106,36 @@ def _pool_filled(path: Path) -> bool:
     lines = [ln for ln in path.read_text().splitlines() if "replicas active" in ln]
     return bool(lines) and "warm 1" in lines[-1]
 
+
+
+def test_up_refuses_a_busy_port_unless_asked(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(port),
+                            "--admin-port", str(free_port())], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2
+        assert f"--port {port} is in use" in r.stderr and "--any-port" in r.stderr
+        r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
+                            "--admin-port", str(port)], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and f"--admin-port {port} is in use" in r.stderr
+
+
+def test_choose_port_takes_a_free_one_only_when_asked() -> None:
+    import socket
+
+    from floodgate.up import PortBusy, choose_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortBusy):
+            choose_port(port, "--port", any_port=False)
+        other = choose_port(port, "--port", any_port=True)
+        assert other != port and other > 0
+    free = free_port()
+    assert choose_port(free, "--port", any_port=False) == free
