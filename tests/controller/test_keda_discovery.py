@@ -22,6 +22,7 @@ import pytest
 from floodgate.controller.app import Controller
 from floodgate.controller.config import ControllerConfig, parse_config
 from floodgate.controller.discovery import EndpointSliceActuator, EndpointSliceConfig, endpoints_of
+from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState, redis_client
 from kubernetes_asyncio import client
 
@@ -119,9 +120,11 @@ async def test_controller_registers_and_routes_to_pods_keda_starts(stack: LocalS
             # Endpoint picking routes to the pods KEDA started (every active one gets a request).
             c = redis_client(url, op_timeout_s=2)
             try:
-                st = PoolState(c, "default", lease_ttl_s=15, initial_limit=8, shares=(0.5, 0.3, 0.1), picking=True)
-                routed = {(await st.acquire(f"gw:{i}", "gw", 1, "t")).endpoint for i in range(4)}
-                await st.release(*(f"gw:{i}" for i in range(4)))
+                st = PoolState(c, "default", lease_ttl_s=15,
+                               settings=PoolSettings(8, (0.5, 0.3, 0.1), picking=True))
+                await st.configure()
+                routed = {(await st.acquire(f"gw/{i}", "gw", i + 1, 1, "t")).endpoint for i in range(4)}
+                await st.release(*(f"gw/{i}" for i in range(4)))
             finally:
                 await c.aclose()
             slice_eps = endpoints_of({"s": _slice(kube, api)}, None)
