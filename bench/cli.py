@@ -15,6 +15,7 @@ import importlib
 BENCHMARKS: dict[str, str] = {
     "overhead": "floodgate.bench.overhead",
     "overload": "floodgate.bench.overload",
+    "elastic": "floodgate.bench.elastic",
 }
 
 HELP = """\

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from floodgate.controller.capacity import CapacityConfig
+from floodgate.controller.demand import DemandConfig
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
@@ -48,6 +50,7 @@ class RedisConfig(_Strict):
 class EnvoyConfig(_Strict):
     admin_url: OptionalHttpURL = Field(default=None, description="Envoy admin base URL (http:// or https://); unset: no Envoy signals.")
     clusters: list[str] | None = Field(default=None, description="Upstream clusters to sum; unset: all but floodgate_*.")
+    gateway_stat_prefix: str | None = Field(default="gateway", description="stat_prefix of the gateway's HTTP connection manager: its downstream_rq_total and ext_proc immediate responses are the offered-demand cross-check; null: not read.")
 
 
 class LeaderConfig(_Strict):
@@ -117,6 +120,8 @@ class PoolConfig(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     forecast: ForecastConfig = Field(default_factory=ForecastConfig)
     warm_pool: WarmPoolConfig = Field(default_factory=WarmPoolConfig)
+    demand: DemandConfig = Field(default_factory=DemandConfig)
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     actuator: ActuatorConfig = Field(default_factory=lambda: ActuatorConfig(kind="process"))
     id_prefix: str | None = Field(default=None, description="Prefix of new replica ids (default: `<pool>-r`).")

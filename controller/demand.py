@@ -6,10 +6,11 @@ queue never reaches a replica, so a pool that sheds a 3x burst can read as merel
 module turns two independent counter sources into offered rates, reconciles them and marks
 them stale like every other signal:
 
-* **Floodgate's counters in Redis** (per pool, per class, cumulative): `admitted`, `queued`,
-  and the turned-away outcomes `early_drop`, `queue_full`, `tenant_cap`, `queue_timeout`.
-  Arrivals = admitted + early_drop + queue_full + tenant_cap + queue_timeout + growth of the
-  queue (a queued request is counted once: when it is admitted or when it times out).
+* **Floodgate's counters in Redis** (per pool, per class, cumulative; `extproc.state.read_demand`):
+  `admitted`, `queued`, and the turned-away outcomes `early_drop`, `queue_full`, `tenant_cap`,
+  `queue_timeout`, `no_endpoints` (503) and `abandoned` (the client left while queued).
+  Arrivals = admitted + turned away + growth of the queue (a queued request is counted once:
+  when it is admitted or when it leaves the queue without a permit).
 * **Envoy's gateway listener** (the HTTP connection manager's stat prefix, `gateway` in the
   shipped config): `downstream_rq_total` (every request that arrived) and
   `ext_proc_immediate_responses_sent` (every request the processor answered itself: 429s and
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 CLASSES = (0, 1, 2)
-TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout")
+TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "abandoned")
 COUNTERS = ("admitted", "queued", *TURNED_AWAY)
 
 
@@ -51,7 +52,7 @@ class DemandConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=True, description="Count demand admission turned away (false: served demand only).")
-    window_s: float = Field(default=10.0, gt=0, description="Counter deltas are taken over this many seconds.")
+    window_s: float = Field(default=5.0, gt=0, description="Counter deltas are taken over this many seconds.")
     stale_after_s: float = Field(default=10.0, gt=0, description="A counter sample older than this is stale.")
     exclude_classes: tuple[int, ...] = Field(
         default=(), description="Classes whose turned-away demand does not drive scale-up "
@@ -72,10 +73,17 @@ class ClassCounters:
     queue_full: float = 0.0
     tenant_cap: float = 0.0
     queue_timeout: float = 0.0
+    no_endpoints: float = 0.0  # 503: the pool had no active endpoint
+    abandoned: float = 0.0  # the client gave up while queued
 
     @property
     def turned_away(self) -> float:
-        return self.early_drop + self.queue_full + self.tenant_cap + self.queue_timeout
+        return sum(getattr(self, n) for n in TURNED_AWAY)
+
+    @staticmethod
+    def from_mapping(m: dict[str, int] | dict[str, float]) -> ClassCounters:
+        """From `extproc.state.read_demand`'s per-class {outcome: count} (unknown keys ignored)."""
+        return ClassCounters(**{n: float(m.get(n, 0)) for n in COUNTERS})
 
 
 @dataclass(frozen=True, slots=True)

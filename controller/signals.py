@@ -69,6 +69,14 @@ class PoolSignals:
     pool: str
     replicas: tuple[ReplicaMetrics, ...]
     queue: QueueSignal | None  # None: Floodgate queue not wired (e.g. admission disabled)
+    # Demand admission turned away, as concurrency the pool lacks (`controller.demand`:
+    # turned-away rate x measured service time, excluded classes left out). 0 when unknown:
+    # a stale offered-demand read adds nothing, so only served demand is counted.
+    lacking: float = 0.0
+    lacking_stale: bool = False  # offered demand was wired but its counters are stale
+    # Learned per-replica capacity (`controller.capacity`); None: the configured
+    # `target_concurrency` sizes the pool.
+    capacity: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

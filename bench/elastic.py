@@ -1,0 +1,773 @@
+"""Elastic: the whole loop — admission and scaling together — against either one alone.
+
+One invocation replays one seeded open-loop plan (a diurnal ramp, then a 3x burst, then
+recovery) against three configurations, each on fresh processes on this machine:
+
+* `admission`  admission only: Envoy + Floodgate (Vegas) in front of a FIXED pool;
+* `scaling`    scaling only: the controller with the process actuator and a warm pool, but no
+               admission (a processor that admits everything and only picks endpoints) and an
+               HPA-like rule: replicas proportional to running + waiting, ±10 % tolerance,
+               scale-down stabilization, no burst triggers, no offered demand, no learning;
+* `floodgate`  both: Vegas admission + the controller on its shipped policy (queue and KV
+               triggers, offered demand incl. what admission turned away, learned capacity).
+
+Replicas are `floodgate sim` processes with a real cold start and vLLM sleep mode; the
+controller's operational times (cold start, wake, stabilization and panic windows, drain and
+anti-churn times) are multiplied by `--ops-scale` (0.1: a 150 s cold start takes 15 s), the
+request timings are not scaled.
+
+    floodgate bench elastic                        # full run, ~8 min
+    floodgate bench elastic --scale 0.3 --configs floodgate --no-doc   # a quick look
+
+Writes `--out` (default docs/benchmarks/elastic/): results.json, one `<config>.json.gz` per
+config (request records and replica samples) and timeline.png; and, unless --no-doc, the
+"Elastic" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import math
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "elastic: admission only vs scaling only vs Floodgate (both) through a diurnal ramp and a 3x burst"
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "elastic"
+DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+SECTION_START = "<!-- elastic:begin -->"
+SECTION_END = "<!-- elastic:end -->"
+CONFIGS = ("admission", "scaling", "floodgate")
+
+# Goals from issue 14.
+TARGET_P0_SUCCESS = 0.999
+TARGET_SLO = 0.99
+REJECT_RATE_DONE = 0.01
+BIN_S = 2.0
+MODEL = "floodgate-sim-8b"  # the emulator's default model name
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    load: float  # multiple of ONE replica's capacity at the start of the phase
+    load_end: float | None = None  # ramps linearly (cosine) to this by the end
+
+
+DEFAULT_PHASES = (
+    Phase("warmup", 15, 1.0),
+    Phase("ramp", 45, 1.0, 2.0),  # the diurnal ramp: the fixed pool ends at its capacity
+    Phase("burst", 40, 6.0),  # 3x the ramp's top
+    Phase("recovery", 30, 1.5),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    replicas: int = 2  # the fixed pool; the scaling configs start here (min_replicas)
+    max_replicas: int = 10
+    max_num_seqs: int = 256
+    prompt_mean: int = 512
+    output_mean: int = 64
+    length_sigma: float = 0.5
+    priority_shares: tuple[float, float, float] = (0.2, 0.5, 0.3)
+    seed: int = 1
+    ops_scale: float = 0.1
+    cold_start_s: float = 150.0  # before ops_scale
+    wake_s: float = 10.0  # vLLM sleep level 1 wake, before ops_scale
+    phases: tuple[Phase, ...] = DEFAULT_PHASES
+
+    @property
+    def cold_start(self) -> float:
+        return self.cold_start_s * self.ops_scale
+
+    @property
+    def wake(self) -> float:
+        return self.wake_s * self.ops_scale
+
+    def windows(self) -> dict[str, tuple[float, float]]:
+        out, t = {}, 0.0
+        for p in self.phases:
+            out[p.name] = (t, t + p.duration_s)
+            t += p.duration_s
+        return out
+
+    @property
+    def duration(self) -> float:
+        return sum(p.duration_s for p in self.phases)
+
+    def overload_workload(self) -> Any:
+        from floodgate.bench.overload import Workload as OW
+
+        return OW(replicas=1, max_num_seqs=self.max_num_seqs, prompt_mean=self.prompt_mean,
+                  output_mean=self.output_mean, length_sigma=self.length_sigma,
+                  priority_shares=self.priority_shares, seed=self.seed)
+
+
+def segments(w: Workload, per_replica_rps: float, step_s: float = 2.5) -> list[tuple[float, float]]:
+    """(duration, rate) segments of the plan; ramps are cosine-shaped steps of `step_s`."""
+    out: list[tuple[float, float]] = []
+    for p in w.phases:
+        if p.load_end is None:
+            out.append((p.duration_s, p.load * per_replica_rps))
+            continue
+        n = max(1, round(p.duration_s / step_s))
+        for i in range(n):
+            x = (i + 0.5) / n
+            f = p.load + (p.load_end - p.load) * (1 - math.cos(math.pi * x)) / 2
+            out.append((p.duration_s / n, f * per_replica_rps))
+    return out
+
+
+def build_plan(w: Workload, per_replica_rps: float) -> list[Any]:
+    from floodgate.sim.arrivals import step_profile, synthetic_plan
+
+    return list(synthetic_plan(step_profile(segments(w, per_replica_rps)), w.overload_workload().mix(),
+                               seed=w.seed))
+
+
+def offered_rate(w: Workload, per_replica_rps: float, t: float) -> float:
+    start = 0.0
+    for d, r in segments(w, per_replica_rps):
+        if start <= t < start + d:
+            return r
+        start += d
+    return 0.0
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def sim_args(w: Workload) -> list[str]:
+    return ["--cold-start", f"{w.cold_start:g}", "--wake-delay-level1", f"{w.wake:g}",
+            "--sleep-delay", f"{0.5 * w.ops_scale:g}", "--max-num-seqs", str(w.max_num_seqs),
+            "--log-level", "warning"]
+
+
+def processor_config(name: str, w: Workload, slo_ttft_s: float) -> dict[str, Any]:
+    from floodgate.bench.overload import slo_classes
+
+    pool: dict[str, Any] = {"name": "default"}
+    if name == "scaling":
+        # No admission: every request is let through at once; the processor only picks endpoints.
+        pool["limit"] = {"mode": "static", "initial": 100000, "min": 1, "max": 100000}
+    else:
+        pool["classes"] = slo_classes(slo_ttft_s)
+    if name != "admission":
+        pool["endpoint_picking"] = True
+    return {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}, "pools": [pool]}
+
+
+def ops_scaled(w: Workload) -> dict[str, Any]:
+    """The shipped controller defaults with every operational duration x ops_scale."""
+    from floodgate.controller.lifecycle import WarmPoolConfig
+    from floodgate.controller.policy import PolicyConfig
+
+    p, wp, s = PolicyConfig(), WarmPoolConfig(), w.ops_scale
+    return {
+        "policy": {"stabilization_window_s": p.stabilization_window_s * s,
+                   "scale_down_interval_s": p.scale_down_interval_s * s,
+                   "panic_window_s": p.panic_window_s * s},
+        "warm_pool": {"warm_min_age_s": wp.warm_min_age_s * s, "burst_window_s": wp.burst_window_s * s,
+                      "burst_memory_s": wp.burst_memory_s * s, "max_drain_s": wp.max_drain_s * s},
+    }
+
+
+def controller_config(name: str, w: Workload, redis_url: str, envoy_admin: str, metrics_port: int,
+                      state_dir: Path) -> dict[str, Any]:
+    from floodgate.controller.actuators.process import sim_command
+
+    scaled = ops_scaled(w)
+    policy: dict[str, Any] = {**scaled["policy"], "min_replicas": w.replicas, "max_replicas": w.max_replicas}
+    pool: dict[str, Any] = {
+        "name": "default",
+        "policy": policy,
+        "warm_pool": scaled["warm_pool"],
+        "timeouts": {"health_s": 10 * w.cold_start + 30, "wake_s": 30, "warmup_s": 30},
+        "actuator": {"kind": "process", "command": sim_command(*sim_args(w)), "state_dir": str(state_dir)},
+    }
+    if name == "scaling":
+        # HPA-like: proportional on running + waiting, no burst triggers.
+        policy.update({"queue_pressure_per_replica": 1e9, "kv_pressure_threshold": 1.0,
+                       "panic_threshold": 1e9})
+        pool.update(_optional_off())
+    return {
+        "redis": {"url": redis_url},
+        "envoy": {"admin_url": envoy_admin},
+        "tick_interval_s": 0.5,
+        "metrics_listen": f"127.0.0.1:{metrics_port}",
+        "leader": {"enabled": False},
+        "pools": [pool],
+    }
+
+
+def _optional_off() -> dict[str, Any]:
+    """Offered demand and learned capacity off, where this controller has them."""
+    from floodgate.controller.config import PoolConfig
+
+    fields = PoolConfig.model_fields
+    return {k: {"enabled": False} for k in ("demand", "capacity") if k in fields}
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class ReplicaSample:
+    t: float
+    states: dict[str, float]
+    desired: float | None = None
+
+
+@dataclass
+class RunOutput:
+    name: str
+    result: Any  # sim.loadgen.LoadResult
+    replicas: list[ReplicaSample] = field(default_factory=list)
+    controller_log: list[dict[str, Any]] = field(default_factory=list)
+    startup_s: float = 0.0
+
+
+def _get(url: str, timeout: float = 1.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def read_replica_states(metrics_url: str) -> tuple[dict[str, float], float | None]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    states: dict[str, float] = {}
+    desired = None
+    for fam in text_string_to_metric_families(_get(metrics_url)):
+        for s in fam.samples:
+            if s.name == "floodgate_replicas":
+                states[s.labels["state"]] = states.get(s.labels["state"], 0.0) + s.value
+            elif s.name == "floodgate_desired_replicas":
+                desired = s.value
+    return states, desired
+
+
+async def sample_replicas(metrics_url: str, t0: float, stop: asyncio.Event, out: list[ReplicaSample],
+                          interval: float = 0.5) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        try:
+            states, desired = await asyncio.to_thread(read_replica_states, metrics_url)
+            out.append(ReplicaSample(loop.time() - t0, states, desired))
+        except OSError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except TimeoutError:
+            pass
+
+
+def wait_pool_ready(metrics_url: str, active: int, timeout: float) -> float:
+    """Wait until the controller reports `active` active replicas and its warm pool filled."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            states, _ = read_replica_states(metrics_url)
+            pooled = states.get("warm", 0.0)
+            starting = sum(states.get(k, 0.0) for k in ("cold", "loading", "warming", "waking"))
+            if states.get("active", 0.0) >= active and pooled >= 1 and starting == 0:
+                return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"pool not ready after {timeout:.0f} s")
+
+
+def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout_s: float,
+               progress: bool) -> RunOutput:
+    from floodgate.sim.loadgen import run_load_detailed
+
+    from floodgate.stack import LocalStack
+    from floodgate.supervisor import Supervisor, free_port
+
+    with Supervisor() as sup:
+        stack = LocalStack(sup)
+        redis_url = stack.start_redis()
+        proc = stack.start_processor(processor_config(name, w, slo.ttft_s))
+        ctl_metrics = None
+        t_start = time.monotonic()
+        if name == "admission":
+            upstreams = []
+            for i in range(w.replicas):
+                port = free_port()
+                stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port),
+                                      *sim_args(replace(w, cold_start_s=0))], name=f"sim{i}", port=port)
+                upstreams.append(("127.0.0.1", port))
+            _wait_all_healthy([p for _, p in upstreams])
+            envoy = stack.start_envoy(upstreams, processors=[proc])
+        else:
+            envoy = stack.start_envoy([("127.0.0.1", 1)], processors=[proc], picking=True)
+            mport = free_port()
+            cfg = controller_config(name, w, redis_url, f"http://127.0.0.1:{envoy.admin_port}", mport,
+                                    sup.workdir / "replicas")
+            path = sup.workdir / "controller.yaml"
+            import yaml
+
+            path.write_text(yaml.safe_dump(cfg))
+            sup.start_python("controller", ["-m", "floodgate", "controller", "--config", str(path),
+                                            "--log-level", "warning", "--stop-replicas-on-exit"])
+            ctl_metrics = f"http://127.0.0.1:{mport}/metrics"
+            wait_pool_ready(ctl_metrics, w.replicas, timeout=3 * w.cold_start + 60)
+        startup = time.monotonic() - t_start
+        samples: list[ReplicaSample] = []
+
+        async def go() -> Any:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time() + 0.05  # run_load_detailed's own t0 is within a few ms of this
+            task = asyncio.create_task(sample_replicas(ctl_metrics, t0, stop, samples)) if ctl_metrics else None
+            try:
+                return await run_load_detailed(plan, envoy.url, model=MODEL, request_timeout=timeout_s,
+                                               progress=progress)
+            finally:
+                stop.set()
+                if task is not None:
+                    await task
+
+        result = asyncio.run(go())
+        log: list[dict[str, Any]] = []
+        for c in sup.children:
+            if c.name == "controller":
+                c.stop()
+                log = _decisions(c.log_path)
+            elif not c.alive():
+                raise RuntimeError(f"{c.name} died during the {name} run:\n{c.log_tail()}")
+        _kill_leftovers(sup.workdir / "replicas")
+    result.meta["config"] = name
+    return RunOutput(name, result, samples, log, startup)
+
+
+def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:
+    from floodgate.bench.overload import _wait_healthy
+
+    for p in ports:
+        _wait_healthy(p, timeout)
+
+
+def _decisions(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    d = json.loads(line)
+                except ValueError:
+                    continue
+                if d.get("event") in ("decision", "promoted"):
+                    out.append(d)
+    except OSError:
+        pass
+    return out
+
+
+def _kill_leftovers(state_dir: Path) -> None:
+    """Replicas the controller started run in their own process groups: make sure none
+    outlives the run (the controller stops them on exit; this is the safety net)."""
+    import signal
+
+    try:
+        table = json.loads((state_dir / "replicas.json").read_text())
+    except (OSError, ValueError):
+        return
+    for e in table.values():
+        try:
+            os.killpg(int(e["pid"]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError, KeyError):
+            pass
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Row:
+    config: str
+    offered: int
+    admitted: int
+    rejected: int
+    errors: int
+    consistent: bool
+    p0_success: float | None
+    success_by_class: dict[str, float | None]
+    slo_by_class: dict[str, float | None]
+    slo_overall: float | None
+    slo_outside_cold_start: float | None
+    goodput_by_class: dict[str, float | None]
+    goodput_burst_tok_s: float | None
+    reject_stop_s: float | None  # burst start -> rejection rate < 1 % for good
+    slo_recover_s: float | None  # burst start -> SLO attainment >= 99 % for good
+    active_replica_s: float
+    pooled_replica_s: float
+    starting_replica_s: float
+    peak_active: float
+    rejected_by_reason: dict[str, int]
+    errors_by_kind: dict[str, int]
+    send_lag_p99_s: float | None
+
+
+def _bins(records: Sequence[Any], slo: Any, t_end: float) -> list[dict[str, float]]:
+    from floodgate.sim.loadgen import OK, REJECTED
+
+    n = int(math.ceil(t_end / BIN_S))
+    bins = [{"t": i * BIN_S, "offered": 0.0, "admitted": 0.0, "rejected": 0.0, "met": 0.0} for i in range(n)]
+    for r in records:
+        i = min(n - 1, int(r.t_planned // BIN_S))
+        b = bins[i]
+        b["offered"] += 1
+        if r.outcome == OK:
+            b["admitted"] += 1
+        elif r.outcome == REJECTED:
+            b["rejected"] += 1
+        if slo.met(r):
+            b["met"] += 1
+    return bins
+
+
+def settle_time(bins: Sequence[dict[str, float]], start: float, end: float, bad: Any) -> float | None:
+    """Seconds from `start` until `bad(bin)` is false for every bin up to `end` (0: never bad);
+    None when the last bin before `end` is still bad."""
+    inside = [b for b in bins if start <= b["t"] < end]
+    last_bad = None
+    for b in inside:
+        if b["offered"] > 0 and bad(b):
+            last_bad = b
+    if last_bad is None:
+        return 0.0
+    if last_bad is inside[-1]:
+        return None
+    return last_bad["t"] + BIN_S - start
+
+
+def replica_seconds(samples: Sequence[ReplicaSample], t_end: float) -> tuple[float, float, float, float]:
+    """(active, pooled, starting, peak active) replica-seconds over [0, t_end] from samples
+    (each sample holds until the next)."""
+    act = pooled = starting = peak = 0.0
+    for i, s in enumerate(samples):
+        if s.t > t_end:
+            break
+        nxt = samples[i + 1].t if i + 1 < len(samples) else t_end
+        dt = max(0.0, min(nxt, t_end) - max(s.t, 0.0))
+        a = s.states.get("active", 0.0) + s.states.get("draining", 0.0) + s.states.get("waking", 0.0)
+        act += a * dt
+        pooled += s.states.get("warm", 0.0) * dt
+        starting += sum(s.states.get(k, 0.0) for k in ("cold", "loading", "warming")) * dt
+        peak = max(peak, s.states.get("active", 0.0))
+    return act, pooled, starting, peak
+
+
+def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
+    from floodgate.sim.report import summarize
+
+    recs = out.result.records
+    t_end = w.duration
+    whole = summarize(recs, slo, window=(0.0, t_end))
+    whole.check()
+    burst_a, burst_b = w.windows()["burst"]
+    outside = [r for r in recs if not (burst_a <= r.t_planned < burst_a + w.cold_start)]
+    out_s = summarize(outside, slo, window=(0.0, t_end))
+    burst = summarize(recs, slo, window=(burst_a, burst_b))
+    bins = _bins(recs, slo, t_end)
+    reject_stop = settle_time(bins, burst_a, t_end,
+                              lambda b: b["rejected"] / b["offered"] >= REJECT_RATE_DONE)
+    slo_recover = settle_time(bins, burst_a, t_end, lambda b: b["met"] / b["offered"] < TARGET_SLO)
+    if out.name == "admission":
+        act, pooled, starting, peak = w.replicas * t_end, 0.0, 0.0, float(w.replicas)
+    else:
+        act, pooled, starting, peak = replica_seconds(out.replicas, t_end)
+    o = whole.overall
+    names = {k: f"P{k}" for k in whole.per_priority}
+    return Row(
+        config=out.name, offered=o.offered, admitted=o.admitted, rejected=o.rejected, errors=o.errors,
+        consistent=o.offered == o.admitted + o.rejected + o.errors,
+        p0_success=whole.per_priority[0].success_rate,
+        success_by_class={names[k]: v.success_rate for k, v in whole.per_priority.items()},
+        slo_by_class={names[k]: v.slo_attainment for k, v in whole.per_priority.items()},
+        slo_overall=o.slo_attainment, slo_outside_cold_start=out_s.overall.slo_attainment,
+        goodput_by_class={names[k]: v.goodput_tok_s for k, v in whole.per_priority.items()},
+        goodput_burst_tok_s=burst.overall.goodput_tok_s,
+        reject_stop_s=reject_stop, slo_recover_s=slo_recover,
+        active_replica_s=act, pooled_replica_s=pooled, starting_replica_s=starting, peak_active=peak,
+        rejected_by_reason=o.rejected_by_reason, errors_by_kind=o.errors_by_kind,
+        send_lag_p99_s=out.result.meta.get("send_lag_p99_s"),
+    )
+
+
+def _pct(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None else f"{100 * v:.{digits}f}%"
+
+
+def _num(v: float | None, fmt: str = ".0f") -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _secs(v: float | None) -> str:
+    return "never" if v is None else f"{v:.0f} s"
+
+
+def render_table(rows: Sequence[Row]) -> str:
+    head = ("| config | offered | ok / 429 / err | P0 success | SLO P0 / P1 / P2 | SLO all (outside 1st cold start) "
+            "| goodput P0 / P1 / P2 tok/s | burst goodput tok/s | 429 < 1 % after | SLO ≥ 99 % after "
+            "| replica-s active / pooled / starting | peak active |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = []
+    for r in rows:
+        s, g = r.slo_by_class, r.goodput_by_class
+        lines.append(
+            f"| {r.config} | {r.offered} | {r.admitted} / {r.rejected} / {r.errors} | {_pct(r.p0_success, 2)} "
+            f"| {_pct(s.get('P0'))} / {_pct(s.get('P1'))} / {_pct(s.get('P2'))} "
+            f"| {_pct(r.slo_overall)} ({_pct(r.slo_outside_cold_start)}) "
+            f"| {_num(g.get('P0'))} / {_num(g.get('P1'))} / {_num(g.get('P2'))} | {_num(r.goodput_burst_tok_s)} "
+            f"| {_secs(r.reject_stop_s)} | {_secs(r.slo_recover_s)} "
+            f"| {r.active_replica_s:.0f} / {r.pooled_replica_s:.0f} / {r.starting_replica_s:.0f} | {r.peak_active:.0f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def verdicts(rows: Sequence[Row], w: Workload) -> list[str]:
+    by = {r.config: r for r in rows}
+    fg = by.get("floodgate")
+    if fg is None:
+        return []
+
+    def mark(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    out = [f"P0 success ≥ 99.9 %: {mark((fg.p0_success or 0) >= TARGET_P0_SUCCESS)} ({_pct(fg.p0_success, 2)})",
+           f"SLO attainment ≥ 99 % outside the first cold start: "
+           f"{mark((fg.slo_outside_cold_start or 0) >= TARGET_SLO)} ({_pct(fg.slo_outside_cold_start, 2)})",
+           f"rejections below 1 % within one cold start ({w.cold_start:.0f} s) of the burst: "
+           f"{mark(fg.reject_stop_s is not None and fg.reject_stop_s <= w.cold_start + BIN_S)} "
+           f"({_secs(fg.reject_stop_s)}; one warm promotion is {w.wake:.0f} s)"]
+    sc = by.get("scaling")
+    if sc is not None:
+        cost_fg = fg.active_replica_s + fg.pooled_replica_s + fg.starting_replica_s
+        cost_sc = sc.active_replica_s + sc.pooled_replica_s + sc.starting_replica_s
+        out.append(f"cost no higher than scaling only: {mark(cost_fg <= cost_sc * 1.0001)} "
+                   f"({cost_fg:.0f} vs {cost_sc:.0f} replica-s, {cost_fg / max(cost_sc, 1e-9):.2f}x)")
+    return out
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot_timeline(runs: Sequence[RunOutput], w: Workload, per_replica_rps: float, slo: Any, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.0 * len(runs)), sharex=True, squeeze=False)
+    for ax, out in zip(axes[:, 0], runs, strict=True):
+        bins = _bins(out.result.records, slo, w.duration)
+        t = [b["t"] + BIN_S / 2 for b in bins]
+        ax.plot(t, [b["offered"] / BIN_S for b in bins], color="0.5", label="offered req/s")
+        ax.plot(t, [b["admitted"] / BIN_S for b in bins], color="tab:blue", label="served req/s")
+        ax.plot(t, [b["met"] / BIN_S for b in bins], color="tab:green", lw=0.8, label="met SLO req/s")
+        if out.name == "admission":
+            ax.axhline(w.replicas * per_replica_rps, color="tab:red", ls="--", label="capacity (active × per-replica)")
+        else:
+            st = [s.t for s in out.replicas]
+            ax.step(st, [s.states.get("active", 0.0) * per_replica_rps for s in out.replicas], where="post",
+                    color="tab:red", ls="--", label="capacity (active × per-replica)")
+            ax.step(st, [s.states.get("warm", 0.0) * per_replica_rps for s in out.replicas], where="post",
+                    color="tab:orange", lw=0.8, label="warm pool × per-replica")
+        for name, (a, b) in w.windows().items():
+            if name == "burst":
+                ax.axvspan(a, b, color="0.9", zorder=0)
+        ax.set_title(out.name)
+        ax.set_ylabel("req/s")
+        ax.legend(loc="upper left", fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("seconds (burst shaded)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- doc
+
+
+def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: Sequence[str], rel_out: str,
+                   notes: str) -> str:
+    w = report["workload"]
+    phases = ", ".join(
+        f"{p['name']} {p['duration_s']:.0f} s at {p['load']:g}"
+        + (f"→{p['load_end']:g}" if p.get("load_end") is not None else "") + "×" for p in w["phases"])
+    return f"""{SECTION_START}
+## Elastic
+
+`floodgate bench elastic` (bench/elastic.py) runs the whole loop on this machine — Envoy, the
+processor, Redis, the controller with the process actuator, and `floodgate sim` replicas with a
+real (scaled) cold start and a warm pool — and replays one seeded open-loop plan against three
+configurations, each on fresh processes. Raw data in `{rel_out}/`.
+Reproduce: `{report['command']}` ({report['elapsed_s'] / 60:.0f} min here).
+
+**Configurations.** *admission*: Floodgate (Vegas, shipped limiter defaults) in front of a
+fixed pool of {w['replicas']}. *scaling*: the controller and warm pool, no admission (the
+processor admits everything and only picks endpoints), HPA-like rule (replicas ∝ running +
+waiting, ±10 %, stabilized scale-down, no queue/KV triggers, no offered demand, no learned
+capacity). *floodgate*: both, on the controller's shipped policy. Controller durations
+(stabilization, panic, scale-down interval, warm-pool ages, drains) and the replicas' cold start
+({w['cold_start_s']:.0f} s) and wake ({w['wake_s']:.0f} s) are × {w['ops_scale']} (so
+{w['cold_start_s'] * w['ops_scale']:.0f} s and {w['wake_s'] * w['ops_scale']:.0f} s); request
+timings are not scaled. Pools start at {w['replicas']} active + the warm pool; max
+{w['max_replicas']}. Classes as in the overload benchmark: `{json.dumps(report['classes'])}`.
+
+**Plan.** Loads are multiples of one replica's capacity, **{report['per_replica_rps']:.2f} req/s**
+(highest rate with ≥ 99 % SLO attainment on the engine model, `--max-num-seqs {w['max_num_seqs']}`,
+prompts mean {w['prompt_mean']}, outputs mean {w['output_mean']} tokens): {phases}
+(seed {w['seed']}, {report['plan_requests']} requests, priorities {w['priority_shares']}).
+SLO: TTFT ≤ {report['slo']['ttft_s']} s and TPOT ≤ {report['slo']['tpot_s']} s, client-measured.
+
+{render_table(rows)}
+Columns: SLO = share of *offered* requests that succeeded within the SLO (a 429 is a miss);
+"outside 1st cold start" leaves out arrivals in the first {w['cold_start_s'] * w['ops_scale']:.0f} s
+of the burst; goodput = output tokens/s of requests that met the SLO; "429 < 1 % after" /
+"SLO ≥ 99 % after" = seconds from the burst's start until every later {BIN_S:.0f} s bin stays
+below 1 % rejected / at or above 99 % SLO (never: the last bin is still bad); replica-seconds
+over the plan: active (incl. waking and draining), pooled (warm or asleep), starting (cold
+starts). offered = ok + 429 + errors holds for every row (checked).
+
+![timeline]({rel_out}/timeline.png)
+
+### Verdict (floodgate)
+
+{chr(10).join('- ' + v for v in verdict_lines)}
+
+{notes}
+{SECTION_END}
+"""
+
+
+DEFAULT_NOTES = "<!-- elastic-notes:begin -->\n<!-- elastic-notes:end -->"
+
+
+def _existing_notes(doc: Path) -> str:
+    if not doc.exists():
+        return DEFAULT_NOTES
+    text = doc.read_text()
+    a, b = text.find("<!-- elastic-notes:begin -->"), text.find("<!-- elastic-notes:end -->")
+    if a < 0 or b < a:
+        return DEFAULT_NOTES
+    return text[a:b + len("<!-- elastic-notes:end -->")]
+
+
+def update_doc(doc: Path, section: str) -> None:
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if SECTION_START in text and SECTION_END in text:
+        a = text.index(SECTION_START)
+        b = text.index(SECTION_END) + len(SECTION_END)
+        text = text[:a] + section.strip() + text[b:]
+    else:
+        text = text.rstrip() + "\n\n" + section.strip() + "\n"
+    doc.write_text(text)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--replicas", type=int, default=2, help="fixed pool size / min replicas")
+    p.add_argument("--max-replicas", type=int, default=10)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="emulator --max-num-seqs per replica")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration")
+    p.add_argument("--ops-scale", type=float, default=0.1,
+                   help="multiply cold start, wake and the controller's windows (0.1: 10x faster)")
+    p.add_argument("--cold-start", type=float, default=150.0, help="replica cold start before --ops-scale, s")
+    p.add_argument("--per-replica-rps", type=float, default=None,
+                   help="one replica's capacity (default: derived from the engine model)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+    p.add_argument("--no-doc", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    w = Workload(replicas=args.replicas, max_replicas=args.max_replicas, max_num_seqs=args.max_num_seqs,
+                 seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start)
+    return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
+
+
+def write_raw(out_dir: Path, out: RunOutput) -> None:
+    with gzip.open(out_dir / f"{out.name}.json.gz", "wt") as f:
+        json.dump({"meta": out.result.meta, "records": [r.to_dict() for r in out.result.records],
+                   "replicas": [asdict(s) for s in out.replicas], "controller": out.controller_log}, f)
+
+
+def run(args: argparse.Namespace) -> int:
+    from floodgate.bench.overload import derive_capacity, slo_classes
+    from floodgate.sim.report import SLO
+
+    started = time.monotonic()
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    w = _workload(args)
+    per_replica = args.per_replica_rps
+    if per_replica is None:
+        per_replica, _, _ = derive_capacity(w.overload_workload(), slo.ttft_s, slo.tpot_s)
+    print(f"one replica: {per_replica:.2f} req/s (engine model); cold start {w.cold_start:g} s, "
+          f"wake {w.wake:g} s", flush=True)
+    plan = build_plan(w, per_replica)
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = not args.quiet and sys.stderr.isatty()
+    runs: list[RunOutput] = []
+    rows: list[Row] = []
+    for name in args.configs:
+        t = time.monotonic()
+        print(f"[{name}] {len(plan)} requests over {w.duration:.0f} s ...", flush=True)
+        out = run_config(name, w, plan, slo, timeout_s=args.timeout, progress=progress)
+        runs.append(out)
+        row = evaluate(out, w, slo)
+        rows.append(row)
+        write_raw(args.out, out)
+        print(f"[{name}] done in {time.monotonic() - t:.0f} s (start-up {out.startup_s:.0f} s): "
+              f"ok {row.admitted}, 429 {row.rejected}, errors {row.errors}, P0 {_pct(row.p0_success, 2)}, "
+              f"SLO {_pct(row.slo_overall)}", flush=True)
+    table = render_table(rows)
+    lines = verdicts(rows, w)
+    print()
+    print(table)
+    print("\n".join(lines))
+    argv = " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("floodgate") else ""
+    report: dict[str, Any] = {
+        "command": "floodgate " + argv if argv.startswith("bench") else "floodgate bench elastic",
+        "workload": {**asdict(w), "phases": [asdict(p) for p in w.phases]},
+        "slo": asdict(slo),
+        "per_replica_rps": per_replica,
+        "plan_requests": len(plan),
+        "classes": slo_classes(slo.ttft_s),
+        "controller_overrides": ops_scaled(w),
+        "rows": [asdict(r) for r in rows],
+        "verdicts": lines,
+        "elapsed_s": time.monotonic() - started,
+    }
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    if not args.no_plots and runs:
+        plot_timeline(runs, w, per_replica, slo, args.out / "timeline.png")
+    if not args.no_doc:
+        rel = os.path.relpath(args.out, args.doc.parent)
+        update_doc(args.doc, render_section(report, rows, lines, rel, _existing_notes(args.doc)))
+    print(f"\nwrote {args.out}/results.json in {time.monotonic() - started:.0f} s")
+    return 0 if all(r.consistent for r in rows) else 1
