@@ -427,7 +427,7 @@ class Row:
 def _bins(records: Sequence[Any], slo: Any, t_end: float) -> list[dict[str, float]]:
     from floodgate.sim.loadgen import OK, REJECTED
 
-    n = int(math.ceil(t_end / BIN_S))
+    n = math.ceil(t_end / BIN_S)
     bins = [{"t": i * BIN_S, "offered": 0.0, "admitted": 0.0, "rejected": 0.0, "met": 0.0} for i in range(n)]
     for r in records:
         i = min(n - 1, int(r.t_planned // BIN_S))

@@ -40,6 +40,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
 from floodgate.controller.actuators.base import Actuator, ReplicaHandle
+from floodgate.controller.capacity import tick_latency
 from floodgate.controller.config import ControllerConfig, PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
 from floodgate.controller.leader import LeaderLease
@@ -135,7 +136,7 @@ class PoolController:
         self.clock = clock
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
-        self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix)
+        self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
         self.state = DeciderState(history=fc.DemandHistory.empty(retention, fc.minute_of(clock())))
@@ -266,7 +267,16 @@ class PoolController:
                                last_busy_at=now if busy_now else rep.view.last_busy_at)
 
         views = tuple(r.view for r in self.replicas.values())
-        signals = Signals(PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal), views)
+        # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway
+        # listener (when this controller's Envoy serves this pool), the replicas' latency deltas.
+        gateway = envoy.gateway if envoy is not None and envoy.ok and self.cfg.demand.use_envoy else None
+        active_ids = [rid for rid, r in self.replicas.items() if r.view.state is S.ACTIVE]
+        fresh = [samples[rid] for rid in active_ids if rid in samples and samples[rid].metrics.ok]
+        latency = tick_latency([(s.ttft_delta, s.itl_delta, s.metrics.running + s.metrics.waiting) for s in fresh],
+                               len(active_ids), saturated=fg.signal.ok and fg.signal.depth > 0)
+        pool_signals = PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal,
+                                   counters=fg.counters, gateway=gateway, latency=latency if active_ids else None)
+        signals = Signals(pool_signals, views)
         seq_before = self.state.next_seq
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
                                            "envoy_active": envoy.rq_active if envoy and envoy.ok else None})
@@ -301,6 +311,11 @@ class PoolController:
                       running=round(plan.running, 2), kv_mean=plan.kv_mean, stale=plan.stale,
                       panic=plan.panic, recommendation=plan.recommendation, stabilized=plan.stabilized,
                       floor=d.floor, forecast=d.forecast.reason, warm_target=d.warm_target,
+                      lacking=round(plan.lacking, 2), per_replica=round(d.per_replica, 2),
+                      offered=None if d.offered is None else {
+                          "source": d.offered.source, "stale": d.offered.stale,
+                          "rate": round(d.offered.offered_total, 2),
+                          "turned_away": round(d.offered.lacking_rate(), 2)},
                       **(extra or {}),
                       actions=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in actions])
         self.last_reason = plan.reason
@@ -667,7 +682,8 @@ class Controller:
             envoy = None
             if self.cfg.envoy.admin_url and self.session is not None:
                 clusters = frozenset(self.cfg.envoy.clusters) if self.cfg.envoy.clusters else None
-                envoy = await scrape_envoy(self.session, self.cfg.envoy.admin_url, clusters, self.clock())
+                envoy = await scrape_envoy(self.session, self.cfg.envoy.admin_url, clusters, self.clock(),
+                                           gateway_prefix=self.cfg.envoy.gateway_stat_prefix)
                 if not envoy.ok:
                     self.metrics.scrape_failures.labels(source="envoy").inc()
             for pc in self.pools.values():

@@ -21,6 +21,11 @@ concurrency rises:
   `max_extrapolation` x c (a light load with flat latency says little about the limit);
 * SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r.
 
+* admission held requests back (a queue at the gateway, or requests turned away) on most
+  ticks of a window: the replicas ran at what admission judged they sustain (a concurrency
+  limit, or `max_num_seqs` behind it), so the estimate is at most c. This is what reveals a
+  hard cap that latency does not show (flat latency up to a fixed batch size);
+
 and by `[min_factor, max_factor]` x the prior. A window is used only when it is fresh (no
 stale tick, no failed scrape of an active replica inside it), has at least `min_ttft` and
 `min_itl` observations, and, to move the estimate *up*, carried at least `min_load_fraction`
@@ -74,6 +79,7 @@ class Window:
     itl: Histogram = field(default_factory=Histogram)
     conc_sum: float = 0.0  # Σ per-tick concurrency per active replica
     ticks: int = 0
+    saturated_ticks: int = 0  # ticks on which admission held requests back (queue or turned away)
     tainted: bool = False  # a stale tick fell inside: the window proves nothing
 
 
@@ -99,9 +105,13 @@ class TickLatency:
     concurrency: float  # Σ (running + waiting) over the fresh active replicas
     replicas: int  # fresh active replicas contributing
     stale: bool  # an active replica's scrape failed or is old: the window is tainted
+    # Admission held requests back this tick (Floodgate queue > 0 or requests turned away):
+    # the replicas ran at what admission judged they sustain.
+    saturated: bool = False
 
 
-def tick_latency(samples: list[tuple[Histogram, Histogram, float]], active: int) -> TickLatency:
+def tick_latency(samples: list[tuple[Histogram, Histogram, float]], active: int,
+                 saturated: bool = False) -> TickLatency:
     """From (ttft_delta, itl_delta, running+waiting) of each fresh active replica."""
     return TickLatency(
         merge_histograms(s[0] for s in samples),
@@ -109,6 +119,7 @@ def tick_latency(samples: list[tuple[Histogram, Histogram, float]], active: int)
         sum(s[2] for s in samples),
         len(samples),
         len(samples) < active,
+        saturated,
     )
 
 
@@ -138,10 +149,16 @@ def estimate_window(w: Window, current: float, prior: float, cfg: CapacityConfig
     if r is None or c <= 0:
         return None, r
     if r <= 1.0:
-        if c < cfg.min_load_fraction * current:
+        saturated = 2 * w.saturated_ticks >= w.ticks
+        if c < cfg.min_load_fraction * current and not saturated:
             return None, r  # too light to say anything about the limit
         raw = min(c * cfg.aim / max(r, 1e-9), c * cfg.max_extrapolation)
         raw = max(raw, c * cfg.aim)  # the SLO was met at c
+        if saturated:
+            # Requests were waiting at the gateway while the replicas ran at c: admission (a
+            # concurrency limit, or max_num_seqs behind it) found no more room, and flat
+            # latency below a hard cap says nothing about what lies beyond it.
+            raw = min(raw, c)
     else:
         raw = c * cfg.aim / r  # the SLO was missed at c: capacity is below c
     return min(max(raw, cfg.min_factor * prior), cfg.max_factor * prior), r
@@ -161,7 +178,8 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
                     ttft=merge_histograms((w.ttft, tick.ttft)),
                     itl=merge_histograms((w.itl, tick.itl)),
                     conc_sum=w.conc_sum + tick.concurrency / tick.replicas,
-                    ticks=w.ticks + 1)
+                    ticks=w.ticks + 1,
+                    saturated_ticks=w.saturated_ticks + (1 if tick.saturated else 0))
     if now - w.started < cfg.window_s:
         return replace(state, window=w)
     current = capacity(state, prior, cfg)

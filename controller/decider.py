@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from floodgate.controller import capacity as cap
+from floodgate.controller import demand as dm
 from floodgate.controller import forecast as fc
 from floodgate.controller.lifecycle import (
     Action,
@@ -46,6 +48,8 @@ class DeciderConfig:
     forecast: fc.ForecastConfig = field(default_factory=fc.ForecastConfig)
     warm_pool: WarmPoolConfig = field(default_factory=WarmPoolConfig)
     id_prefix: str = "r"  # new replicas are named f"{id_prefix}{seq}"
+    demand: dm.DemandConfig = field(default_factory=dm.DemandConfig)
+    capacity: cap.CapacityConfig = field(default_factory=cap.CapacityConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,9 @@ class DeciderState:
     forecast: fc.Forecast = field(default=_NO_FORECAST)  # [lead_min_s, lead_max_s]: policy floor
     pool_forecast: fc.Forecast = field(default=_NO_FORECAST)  # [0, warm_pool.forecast_horizon_s]: pool target
     next_seq: int = 0
+    demand: dm.DemandWindow = field(default_factory=dm.DemandWindow)  # recent counter reads
+    service_s: float | None = None  # last measured seconds per admitted request (Little's law)
+    capacity: cap.CapacityState = field(default_factory=cap.CapacityState)  # learned per-replica capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,8 @@ class Decision:
     warm_target: int
     actions: tuple[Action, ...]
     recorded: tuple[int, float] | None  # (minute, mean demand) closed into the history this tick
+    offered: dm.OfferedDemand | None = None  # reconciled offered demand (None: not wired)
+    per_replica: float = 0.0  # the capacity the pool was sized with (learned or the prior)
 
 
 def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float) -> tuple[DeciderState, Decision]:
@@ -104,14 +113,16 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     if key != state.forecast_key:
         fcast = fc.predict(history, now, cfg.forecast)
         pool_fcast = fc.predict(history, now, cfg.forecast, 0.0, cfg.warm_pool.forecast_horizon_s)
-    tc = cfg.policy.target_concurrency
+    pool, dwin, service_s, cstate, off = _measured(cfg, state, signals.pool, now)
+    tc = pool.capacity or cfg.policy.target_concurrency
     floor = fc.floor_replicas(fcast, tc, cfg.forecast.headroom)
     pool_floor = fc.floor_replicas(pool_fcast, tc, cfg.forecast.headroom)
 
-    plan, pstate = policy_decide(cfg.policy, signals.pool, signals.replicas, state.policy, now, floor)
+    plan, pstate = policy_decide(cfg.policy, pool, signals.replicas, state.policy, now, floor)
 
     # A stale tick only knows a lower bound of demand: it is not a sample (the minute stays
-    # NaN rather than reading low).
+    # NaN rather than reading low). `plan.demand` includes the turned-away demand: the history
+    # holds offered demand, so a day of shedding does not lower tomorrow's forecast.
     acc, recorded = state.acc, None
     if not plan.stale:
         acc, recorded = fc.accumulate(acc, now, plan.demand)
@@ -132,5 +143,30 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         forecast=fcast,
         pool_forecast=pool_fcast,
         next_seq=pp.next_seq,
+        demand=dwin,
+        service_s=service_s,
+        capacity=cstate,
     )
-    return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded)
+    return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
+
+
+def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: float
+              ) -> tuple[PoolSignals, dm.DemandWindow, float | None, cap.CapacityState, dm.OfferedDemand | None]:
+    """Offered demand (`controller.demand`) and learned capacity (`controller.capacity`) from
+    this tick's raw inputs, folded into the signals the policy reads (`lacking`, `capacity`)."""
+    dwin, service_s, off = state.demand, state.service_s, None
+    lacking, lacking_stale = pool.lacking, pool.lacking_stale
+    wired = pool.counters is not None or pool.gateway is not None
+    if cfg.demand.enabled and wired:
+        dwin = dm.observe(dwin, now, cfg.demand, pool.counters, pool.gateway)
+        off = dm.offered(dwin, now, cfg.demand)
+        running = sum(m.running for m in pool.replicas if m.ok)
+        service_s = dm.service_time(off, running, cfg.demand) or service_s
+        lacking = dm.lacking_concurrency(off, running, cfg.demand, service_s)
+        lacking_stale = off.stale
+    prior = cfg.policy.target_concurrency
+    cstate = state.capacity
+    if pool.latency is not None:
+        cstate = cap.update(cstate, pool.latency, now, prior, cfg.capacity)
+    per = cap.capacity(cstate, prior, cfg.capacity) if cstate.estimate is not None else pool.capacity
+    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, capacity=per), dwin, service_s, cstate, off

@@ -155,6 +155,8 @@ class ScalePlan:
     kv_mean: float | None
     stale: bool
     panic: bool
+    lacking: float = 0.0  # turned-away demand counted in `demand` (concurrency)
+    per_replica: float = 0.0  # capacity per replica the recommendation used
 
     @property
     def direction(self) -> str:
@@ -225,7 +227,7 @@ def decide(
             fresh_active.add(m.replica_id)
             kv_sum += m.kv_cache_usage
             kv_n += 1
-    stale = len(fresh_active) < active
+    stale = len(fresh_active) < active or signals.lacking_stale
     q = signals.queue
     if q is not None:
         if _fresh(q.scraped_at, q.ok, now, cfg):
@@ -233,15 +235,19 @@ def decide(
         else:
             stale = True
     kv_mean = kv_sum / kv_n if kv_n else None
-    demand = running + waiting
+    # Offered demand: what runs and waits, plus what admission turned away (as concurrency,
+    # `controller.demand`); sized with the learned per-replica capacity when there is one.
+    lacking = signals.lacking
+    demand = running + waiting + lacking
+    tc = signals.capacity or cfg.target_concurrency
 
     # Proportional recommendation with a tolerance band around the current size.
     base = max(capacity, 1)
-    ratio = demand / (max(current, 1) * cfg.target_concurrency)
-    if current > 0 and abs(ratio - 1.0) <= cfg.tolerance:
+    ratio = demand / (max(current, 1) * tc)
+    if current > 0 and abs(ratio - 1.0) <= cfg.tolerance and not (lacking > 0 and ratio > 1.0):
         rec = current
     else:
-        rec = math.ceil(demand / cfg.target_concurrency - 1e-9)
+        rec = math.ceil(demand / tc - 1e-9)
     cause = REASON_DEMAND
 
     # Burst triggers, sized on *active* replicas and compared with the current size, which
@@ -259,7 +265,7 @@ def decide(
         panic = True
         if up > rec:
             rec, cause = up, REASON_KV
-    if demand >= cfg.panic_threshold * base * cfg.target_concurrency:
+    if demand >= cfg.panic_threshold * base * tc:
         panic = True
 
     if forecast_floor is not None and forecast_floor > rec:
@@ -314,6 +320,8 @@ def decide(
         kv_mean=kv_mean,
         stale=stale,
         panic=in_panic,
+        lacking=lacking,
+        per_replica=tc,
     )
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down

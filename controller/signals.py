@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # runtime imports would be circular (capacity -> vllm -> signals)
+    from floodgate.controller.capacity import TickLatency
+    from floodgate.controller.demand import FloodgateCounters, GatewayCounters
 
 
 class ReplicaState(StrEnum):
@@ -69,6 +74,11 @@ class PoolSignals:
     pool: str
     replicas: tuple[ReplicaMetrics, ...]
     queue: QueueSignal | None  # None: Floodgate queue not wired (e.g. admission disabled)
+    # Raw inputs of offered demand and learned capacity (None: not measured / not wired); the
+    # decider turns them into `lacking` and `capacity` below before the policy reads them.
+    counters: FloodgateCounters | None = None  # Floodgate's per-class demand counters
+    gateway: GatewayCounters | None = None  # Envoy's gateway listener counters
+    latency: TickLatency | None = None  # TTFT/ITL deltas of the fresh active replicas
     # Demand admission turned away, as concurrency the pool lacks (`controller.demand`:
     # turned-away rate x measured service time, excluded classes left out). 0 when unknown:
     # a stale offered-demand read adds nothing, so only served demand is counted.

@@ -1,0 +1,120 @@
+"""The decider with offered demand and learned capacity: turned-away demand drives scale-up
+where served demand reads as a pool that is merely full; P2 shedding can be excluded; stale
+counters hold scale-down; the forecaster records offered demand; sizing uses learned capacity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from floodgate.controller.capacity import CapacityConfig, TickLatency
+from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
+from floodgate.controller.demand import ClassCounters, DemandConfig, FloodgateCounters
+from floodgate.controller.forecast import DemandHistory, ForecastConfig
+from floodgate.controller.lifecycle import WarmPoolConfig
+from floodgate.controller.policy import PolicyConfig
+from floodgate.controller.vllm import Histogram
+
+from tests.controller.conftest import FakeClock, signals, views
+
+POLICY = PolicyConfig(min_replicas=1, max_replicas=20, target_concurrency=7.0)
+
+
+def cfg(**demand: object) -> DeciderConfig:
+    return DeciderConfig(POLICY, ForecastConfig(enabled=False), WarmPoolConfig(enabled=False),
+                         demand=DemandConfig(**demand))  # type: ignore[arg-type]
+
+
+def counters(t: float, admitted: float, away: dict[int, float]) -> FloodgateCounters:
+    return FloodgateCounters(t, True, {c: ClassCounters(admitted=admitted if c == 1 else 0.0,
+                                                       early_drop=away.get(c, 0.0)) for c in (0, 1, 2)})
+
+
+def run(c: DeciderConfig, clock: FakeClock, seconds: int, away_rate: dict[int, float],
+        counters_ok: bool = True, state: DeciderState | None = None) -> tuple[DeciderState, object]:
+    """2 active replicas running 14 (full at 7 each), no queue (admission sheds instead of
+    queueing), 7 admitted/s (2 s per request), `away_rate` turned away per second."""
+    st = state or DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=2)
+    d = None
+    for _ in range(seconds):
+        t = clock.advance(1.0)
+        k = t - 1_000_000.0
+        fc = counters(t, 7.0 * k, {c: r * k for c, r in away_rate.items()}) if counters_ok \
+            else FloodgateCounters(t, ok=False)
+        ps = replace(signals(t, reps, running=14.0), counters=fc)
+        st, d = decide(c, st, Signals(ps, reps), t)
+    return st, d
+
+
+def test_turned_away_demand_drives_scale_up(clock: FakeClock) -> None:
+    # Served demand alone: 14 on 2 replicas at target 7 -> exactly full, steady.
+    _, d = run(cfg(enabled=False), clock, 10, {1: 7.0})
+    assert d.plan.desired == 2 and d.plan.lacking == 0  # type: ignore[attr-defined]
+    # Offered: 7/s turned away x 2 s per request = 14 more concurrent -> 4 replicas.
+    _, d = run(cfg(), FakeClock(), 10, {1: 7.0})
+    assert d.plan.lacking == pytest.approx(14.0) and d.plan.demand == pytest.approx(28.0)  # type: ignore[attr-defined]
+    assert d.plan.desired == 4 and d.offered.source == "floodgate"  # type: ignore[attr-defined]
+
+
+def test_p2_shed_excluded_by_configuration(clock: FakeClock) -> None:
+    _, d = run(cfg(), clock, 10, {2: 7.0})
+    assert d.plan.desired == 4  # type: ignore[attr-defined]  # default: every class counts
+    _, d = run(cfg(exclude_classes=(2,)), FakeClock(), 10, {2: 7.0})
+    assert d.plan.desired == 2 and d.plan.lacking == 0  # type: ignore[attr-defined]
+    assert d.offered.turned_away_rate[2] == pytest.approx(7.0)  # type: ignore[attr-defined]  # still measured
+    _, d = run(cfg(exclude_classes=(2,)), FakeClock(), 10, {0: 3.5, 2: 7.0})
+    assert d.plan.desired == 3  # type: ignore[attr-defined]  # P0 shed is capacity lacking
+
+
+def test_stale_counters_hold_scale_down(clock: FakeClock) -> None:
+    c = DeciderConfig(POLICY.model_copy(update={"stabilization_window_s": 0, "scale_down_interval_s": 0,
+                                                "panic_window_s": 0}),
+                      ForecastConfig(enabled=False), WarmPoolConfig(enabled=False),
+                      demand=DemandConfig(stale_after_s=0.5))
+    st, d = run(c, clock, 5, {1: 14.0})
+    assert d.plan.desired == 6  # type: ignore[attr-defined]
+    # Counters unreadable from now on, served demand tiny: without them a scale-down would be
+    # due; with them stale the tick is stale and the policy holds.
+    reps = views(clock.now, active=6)
+    for _ in range(15):
+        t = clock.advance(1.0)
+        ps = replace(signals(t, reps, running=2.0), counters=FloodgateCounters(t, ok=False))
+        st, d = decide(c, st, Signals(ps, reps), t)
+    assert d.plan.stale and d.plan.desired == 6 and d.plan.reason == "hold_stale"  # type: ignore[attr-defined]
+
+
+def test_forecaster_records_offered_demand(clock: FakeClock) -> None:
+    c = replace(cfg(), forecast=ForecastConfig())
+    clock.now = 60.0 * 100_000  # minute boundary
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=2)
+    recorded = []
+    for _ in range(130):
+        t = clock.advance(1.0)
+        k = t - 6_000_000.0
+        ps = replace(signals(t, reps, running=14.0), counters=counters(t, 7.0 * k, {1: 7.0 * k}))
+        st, d = decide(c, st, Signals(ps, reps), t)
+        if d.recorded is not None:
+            recorded.append(d.recorded[1])
+    # Served demand is 14; offered is 28 (after the first seconds of the minute fill the window).
+    assert recorded and recorded[-1] == pytest.approx(28.0, rel=0.02)
+
+
+def test_sizing_uses_learned_capacity(clock: FakeClock) -> None:
+    """Replicas saturated at 5 in flight (admission holds a queue), latency well inside the SLO:
+    the prior of 7 is corrected to ~5, so 35 of demand needs 7 replicas, not 5."""
+    c = replace(cfg(enabled=False), capacity=CapacityConfig(window_s=10.0, min_ttft=5, min_itl=20))
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=5)
+    ttft = Histogram(((0.5, 10.0), (float("inf"), 10.0)), 2.0, 10.0)
+    itl = Histogram(((0.05, 100.0), (float("inf"), 100.0)), 3.0, 100.0)
+    d = None
+    for _ in range(200):
+        t = clock.advance(1.0)
+        lat = TickLatency(ttft, itl, 25.0, 5, False, saturated=True)
+        ps = replace(signals(t, reps, running=25.0, queue=10.0), latency=lat)
+        st, d = decide(c, st, Signals(ps, reps), t)
+    assert d is not None
+    assert d.per_replica == pytest.approx(5.0, rel=0.05) and st.capacity.accepted > 5
+    assert d.plan.desired == 7  # ceil((25 + 10) / 5)
