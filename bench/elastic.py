@@ -324,7 +324,7 @@ def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout
 
             path.write_text(yaml.safe_dump(cfg))
             sup.start_python("controller", ["-m", "floodgate", "controller", "--config", str(path),
-                                            "--log-level", "warning", "--stop-replicas-on-exit"])
+                                            "--log-level", "info", "--stop-replicas-on-exit"])
             ctl_metrics = f"http://127.0.0.1:{mport}/metrics"
             wait_pool_ready(ctl_metrics, w.replicas, timeout=3 * w.cold_start + 60)
         startup = time.monotonic() - t_start
@@ -345,6 +345,7 @@ def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout
 
         result = asyncio.run(go())
         log: list[dict[str, Any]] = []
+        pids = _replica_pids(sup.workdir / "replicas")
         for c in sup.children:
             if c.name == "controller":
                 c.stop()
@@ -353,7 +354,15 @@ def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout
                 raise RuntimeError(f"{c.name} died during the {name} run:\n{c.log_tail()}")
         _kill_leftovers(sup.workdir / "replicas")
     result.meta["config"] = name
+    result.meta["replica_pids"] = pids  # running at the end; stopped with the controller
     return RunOutput(name, result, samples, log, startup)
+
+
+def _replica_pids(state_dir: Path) -> list[int]:
+    try:
+        return [int(e["pid"]) for e in json.loads((state_dir / "replicas.json").read_text()).values()]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:

@@ -18,15 +18,19 @@ side. Every estimate is bounded by what the window proves, assuming latency does
 concurrency rises:
 
 * SLO met at c (r <= 1): capacity >= c * aim, and we never extrapolate beyond
-  `max_extrapolation` x c (a light load with flat latency says little about the limit);
+  `max_extrapolation` x c (a light load with flat latency says little about the limit); such a
+  window lowers the estimate only when its latency is above the aimed share of the SLO;
 * SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r.
 
 * admission held requests back (a queue at the gateway, or requests turned away) on most
   ticks of a window: the replicas ran at what admission judged they sustain (a concurrency
-  limit, or `max_num_seqs` behind it), so the estimate is at most c. This is what reveals a
-  hard cap that latency does not show (flat latency up to a fixed batch size);
+  limit, or `max_num_seqs` behind it), so the estimate is at most `saturated_share` x the
+  concurrency of those ticks. This is what reveals a hard cap that latency does not show
+  (flat latency up to a fixed batch size);
 
-and by `[min_factor, max_factor]` x the prior. A window is used only when it is fresh (no
+and by `[min_factor, max_factor]` x the prior. By default `max_factor` is 1: learning corrects
+a prior that is too optimistic (the costly direction: SLO misses) and never sizes above it, as
+flat latency below a hard cap would otherwise invite climbing until the cap is hit. A window is used only when it is fresh (no
 stale tick, no failed scrape of an active replica inside it), has at least `min_ttft` and
 `min_itl` observations, and, to move the estimate *up*, carried at least `min_load_fraction`
 of the current estimate. Accepted estimates are smoothed (EWMA) and a single window moves the
@@ -61,7 +65,10 @@ class CapacityConfig(BaseModel):
     smoothing: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of a new window.")
     max_step: float = Field(default=0.5, gt=0, description="Largest relative change of the estimate per window.")
     min_factor: float = Field(default=0.25, gt=0, le=1, description="Lowest estimate as a share of the prior.")
-    max_factor: float = Field(default=4.0, ge=1, description="Highest estimate as a multiple of the prior.")
+    max_factor: float = Field(default=1.0, ge=1, description="Highest estimate as a multiple of the prior (1: "
+                              "learning only corrects a prior that is too high; raise it to also learn upwards).")
+    saturated_share: float = Field(default=0.875, gt=0, le=1, description="A window in which admission held requests "
+                                   "back sizes for this share of the concurrency the replicas ran at (7 of 8).")
 
     @model_validator(mode="after")
     def _fractions(self) -> CapacityConfig:
@@ -80,6 +87,7 @@ class Window:
     conc_sum: float = 0.0  # Σ per-tick concurrency per active replica
     ticks: int = 0
     saturated_ticks: int = 0  # ticks on which admission held requests back (queue or turned away)
+    sat_conc_sum: float = 0.0  # Σ concurrency per replica over those ticks
     tainted: bool = False  # a stale tick fell inside: the window proves nothing
 
 
@@ -154,11 +162,16 @@ def estimate_window(w: Window, current: float, prior: float, cfg: CapacityConfig
             return None, r  # too light to say anything about the limit
         raw = min(c * cfg.aim / max(r, 1e-9), c * cfg.max_extrapolation)
         raw = max(raw, c * cfg.aim)  # the SLO was met at c
+        if raw < current and r <= cfg.aim and not saturated:
+            # Latency within the aimed share proves a lower bound only: it never lowers the
+            # estimate (a pool sized generously runs light, and reading that as its limit
+            # would spiral down). Between the aim and the SLO, it lowers towards the aim.
+            return None, r
         if saturated:
-            # Requests were waiting at the gateway while the replicas ran at c: admission (a
-            # concurrency limit, or max_num_seqs behind it) found no more room, and flat
+            # Requests were waiting at the gateway while the replicas ran at c_sat: admission
+            # (a concurrency limit, or max_num_seqs behind it) found no more room, and flat
             # latency below a hard cap says nothing about what lies beyond it.
-            raw = min(raw, c)
+            raw = min(raw, cfg.saturated_share * w.sat_conc_sum / w.saturated_ticks)
     else:
         raw = c * cfg.aim / r  # the SLO was missed at c: capacity is below c
     return min(max(raw, cfg.min_factor * prior), cfg.max_factor * prior), r
@@ -179,7 +192,8 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
                     itl=merge_histograms((w.itl, tick.itl)),
                     conc_sum=w.conc_sum + tick.concurrency / tick.replicas,
                     ticks=w.ticks + 1,
-                    saturated_ticks=w.saturated_ticks + (1 if tick.saturated else 0))
+                    saturated_ticks=w.saturated_ticks + (1 if tick.saturated else 0),
+                    sat_conc_sum=w.sat_conc_sum + (tick.concurrency / tick.replicas if tick.saturated else 0.0))
     if now - w.started < cfg.window_s:
         return replace(state, window=w)
     current = capacity(state, prior, cfg)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
-from floodgate.controller.demand import CLASSES, ClassCounters, FloodgateCounters, GatewayCounters
+from floodgate.controller.demand import ClassCounters, FloodgateCounters, GatewayCounters
 from floodgate.controller.signals import QueueSignal
 from floodgate.controller.vllm import VllmClient, VllmSample
-from floodgate.extproc.state import read_pool_status
+from floodgate.extproc.state import read_demand, read_pool_status
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
@@ -49,20 +48,11 @@ class FloodgateSample:
     counters: FloodgateCounters | None = None  # per-class demand counters (offered demand)
 
 
-# Per-class demand counters the processors keep per pool: HASH "<class>:<outcome>" -> count.
-def demand_key(pool: str) -> str:
-    return f"fg:{{{pool}}}:demand"
-
-
-def parse_demand(raw: Mapping[Any, Any], now: float, queued: tuple[int, ...]) -> FloodgateCounters:
-    per: dict[int, dict[str, int]] = {c: {} for c in CLASSES}
-    for k, v in raw.items():
-        ks = k.decode() if isinstance(k, bytes) else str(k)
-        cls, _, outcome = ks.partition(":")
-        if cls.isdigit() and int(cls) in per:
-            per[int(cls)][outcome] = int(v)
-    return FloodgateCounters(now, True, {c: ClassCounters.from_mapping(m) for c, m in per.items()},
-                             {c: float(queued[c]) for c in CLASSES if c < len(queued)})
+def demand_counters(per_class: Mapping[int, Mapping[str, int]], now: float,
+                    queued: tuple[int, ...]) -> FloodgateCounters:
+    """`extproc.state.read_demand`'s {class: {outcome: count}} plus the queue depth per class."""
+    return FloodgateCounters(now, True, {c: ClassCounters.from_mapping(dict(m)) for c, m in per_class.items()},
+                             {c: float(q) for c, q in enumerate(queued)})
 
 
 GW_TOTAL = "envoy_http_downstream_rq_total"
@@ -129,12 +119,12 @@ async def scrape_floodgate(client: aioredis.Redis, pool: str, now: float, timeou
     is marked (ok=False) for both: counters are never read as zeros."""
     try:
         st, raw = await asyncio.wait_for(
-            asyncio.gather(read_pool_status(client, pool), client.hgetall(demand_key(pool))), timeout_s)
+            asyncio.gather(read_pool_status(client, pool), read_demand(client, pool)), timeout_s)
     except (RedisError, OSError, TimeoutError) as exc:
         return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"{type(exc).__name__}: {exc}",
                                counters=FloodgateCounters(now, ok=False))
     return FloodgateSample(QueueSignal(float(st.queued_total), now), st.queued, st.inflight_total, st.limit,
-                           counters=parse_demand(raw, now, st.queued))
+                           counters=demand_counters(raw, now, st.queued))
 
 
 @dataclass

@@ -98,6 +98,7 @@ class HPAController:
     tolerance: float = 0.1
     down_stabilization_s: float = 300.0
     instant_start: bool = False
+    admission: bool = False  # no Floodgate admission in front
     desired: int | None = None
     last_sync: float = -math.inf
     recs: list[tuple[float, int]] = field(default_factory=list)
@@ -145,6 +146,7 @@ class KPAController:
     panic_threshold: float = 2.0
     max_scale_down_rate: float = 2.0
     instant_start: bool = False
+    admission: bool = False  # no Floodgate admission in front
     samples: list[tuple[float, float]] = field(default_factory=list)
     desired: int | None = None
     panic_since: float | None = None

@@ -9,6 +9,14 @@ Model (docs/controller.md, "Backtest"):
   slot of an *active* replica. SLO: queueing delay (arrival → first slot) ≤ `slo_wait_s`;
   a request queued `queue_timeout_s` is rejected (429) and misses, as does one still queued
   at the end.
+* Admission (`SimConfig.admission` and a controller with `admission`, i.e. Floodgate; the
+  oracle and the HPA/KPA baselines run without it): like the processor's early drop, a request is turned away on
+  arrival when its predicted wait (queue ahead / recent start rate) exceeds
+  `queue_timeout_s`; it misses its SLO. What admission turns away is counted the way the
+  processors count it in Redis (admitted / early_drop / queue_timeout per pool) and handed to
+  the controller with the signals, so the controller sees offered demand, not only the queue
+  admission keeps short. The replicas' latency (TTFT = prefill, ITL = `tpot_s`, since the
+  queue is held at the gateway) and concurrency go with it, for the learned capacity.
 * Lifecycle per `controller.lifecycle`, every planned action applied with
   `lifecycle.apply_action` (the mapping the live controller uses): a cold start takes
   U(cold_start_min_s, cold_start_max_s) plus a warm-up; promoting a sleeping warm replica
@@ -27,15 +35,18 @@ Model (docs/controller.md, "Backtest"):
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 from floodgate.controller.backtest.workload import Workload
+from floodgate.controller.capacity import TickLatency
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
+from floodgate.controller.demand import ClassCounters, FloodgateCounters
 from floodgate.controller.lifecycle import Action, ActionKind, Event, apply_action, apply_event
 from floodgate.controller.signals import (
     INCOMING_STATES,
@@ -45,6 +56,7 @@ from floodgate.controller.signals import (
     ReplicaState,
     ReplicaView,
 )
+from floodgate.controller.vllm import Histogram
 
 S = ReplicaState
 
@@ -66,6 +78,7 @@ class SimConfig:
     queue_timeout_s: float = 15.0  # Floodgate rejects (429) a request queued this long
     warm_cost_weight: float = 1.0  # cost of a sleeping warm-pool replica-second (see module doc)
     kv_fill_at_full: float = 0.85  # mean KV usage of a replica with every slot busy
+    admission: bool = True  # early drop on arrival + demand counters and latency to the controller
     seed: int = 1
 
     @property
@@ -78,6 +91,7 @@ class SimConfig:
 class SimController(Protocol):
     name: str
     instant_start: bool  # started replicas serve at once (the oracle), charged start_cost_s
+    admission: bool  # Floodgate's admission in front (early drop, demand counters to the controller)
 
     def step(self, signals: Signals, now: float) -> Sequence[Action]:
         """Replica actions at `now` (ids of new replicas chosen by the controller)."""
@@ -92,6 +106,7 @@ class FloodgateController:
     cfg: DeciderConfig
     state: DeciderState
     instant_start: bool = False
+    admission: bool = True
     reasons: dict[str, int] = field(default_factory=dict)
     forecast_reasons: dict[str, int] = field(default_factory=dict)  # ok / high_error / short_history / disabled
     ticks: int = 0
@@ -109,7 +124,7 @@ class Result:
     name: str
     requests: int
     slo_ok: int
-    rejected: int  # queue timeouts (429) plus requests still queued at the end
+    rejected: int  # early drops and queue timeouts (429) plus requests still queued at the end
     p50_wait: float
     p99_wait: float
     max_wait: float
@@ -185,6 +200,18 @@ def run_policy(
         activate(rid, t)
 
     cold_starts = promotions = wakes = drains = forced = killed = 0
+    # Admission model: early drops, and the per-pool demand counters the processors keep.
+    dropped = np.zeros(n, dtype=bool)
+    drops: list[int] = []  # dropped indices, increasing
+    decided = 0  # arrivals before this index had their admission decision
+    n_started = n_timeout = 0
+    grant_rate = 0.0  # recent starts per second (exponentially smoothed per tick)
+    tick_ttft: list[float] = []  # replica-side TTFT of the requests started last tick
+    last_turned = 0  # drops + timeouts as of the previous tick
+    admit = sim.admission and ctl.admission
+
+    def drops_in(a: int, b: int) -> int:
+        return bisect.bisect_left(drops, b) - bisect.bisect_left(drops, a)
     replica_s = warm_s = 0.0
     charged = 0.0
     nxt = 0
@@ -230,9 +257,22 @@ def run_policy(
         arrived = int(np.searchsorted(arr, t, "right"))
         cut = int(np.searchsorted(arr, t - timeout, "left"))
         if cut > nxt:  # queue timeouts: 429, they leave the queue
+            n_timeout += (cut - nxt) - drops_in(nxt, cut)
             nxt = cut
-        queue = arrived - nxt
-        signals = Signals(PoolSignals("sim", tuple(metrics), QueueSignal(float(queue), t)), tuple(vs))
+        queue = arrived - nxt - drops_in(nxt, arrived)
+        pool = PoolSignals("sim", tuple(metrics), QueueSignal(float(queue), t))
+        if admit:
+            turned = len(drops) + n_timeout
+            n_active = sum(1 for v in vs if v.state is S.ACTIVE)
+            running = sum(m.running for m in metrics if views[m.replica_id].state is S.ACTIVE)
+            pool = replace(pool, counters=FloodgateCounters(
+                t, True, {1: ClassCounters(admitted=float(n_started), early_drop=float(len(drops)),
+                                           queue_timeout=float(n_timeout))}, {1: float(queue)}),
+                latency=_latency(tick_ttft, sim, running, n_active, queue > 0 or turned > last_turned)
+                if n_active else None)
+            last_turned = turned
+            tick_ttft = []
+        signals = Signals(pool, tuple(vs))
         for a in ctl.step(signals, t):
             rid = a.replica_id
             kind = a.kind
@@ -277,6 +317,20 @@ def run_policy(
         # 3. Requests that can start before the next tick (FIFO, earliest free slot).
         tend = t + dt
         last = int(np.searchsorted(arr, tend, "left"))
+        if admit and decided < last:
+            # Early drop: predicted wait = queue ahead / recent start rate > queue timeout
+            # (only for a request that would queue: free slots take it at once).
+            free = sum(C - int(v.running) for v in views.values() if v.state is S.ACTIVE)
+            accepted = 0
+            for i in range(decided, last):
+                ahead = queue + accepted - free - grant_rate * max(0.0, arr[i] - t)
+                if ahead > 0 and ahead > grant_rate * timeout:
+                    dropped[i] = True
+                    drops.append(i)
+                else:
+                    accepted += 1
+            decided = last
+        started_before = n_started
         while nxt < last and heap:
             f, rid, c, ep = heap[0]
             if ep != epoch.get(rid, -1):
@@ -284,8 +338,12 @@ def run_policy(
                 continue
             if f >= tend:
                 break
+            if dropped[nxt]:
+                nxt += 1
+                continue
             a_ = arr[nxt]
             if f - a_ > timeout:
+                n_timeout += 1
                 nxt += 1
                 continue
             st_ = a_ if a_ > f else f
@@ -294,7 +352,11 @@ def run_policy(
             slots[rid][c] = e
             slot_tok[rid][c] = toks[nxt]
             start_at[nxt] = st_
+            n_started += 1
+            if admit:
+                tick_ttft.append(sim.prefill_s_per_token * float(toks[nxt]))
             nxt += 1
+        grant_rate = 0.5 * grant_rate + 0.5 * (n_started - started_before) / dt
 
         # 4. Accounting for [t, t + dt).
         if scoring:
@@ -357,6 +419,21 @@ def run_policy(
         peak_active=peak_active,
         timeline=tl,
     )
+
+
+_TTFT_LE = (0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, math.inf)
+_ITL_LE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, math.inf)
+
+
+def _latency(ttft: list[float], sim: SimConfig, running: float, active: int, saturated: bool) -> TickLatency:
+    """What the replicas' /metrics would show for one tick: TTFT histogram of the requests
+    started (prefill only: the queue is held at the gateway), ITL at `tpot_s` (~10 tokens per
+    started request), concurrency = running on the active replicas."""
+    v = np.asarray(ttft, dtype=float)
+    th = Histogram(tuple((le, float(np.count_nonzero(v <= le))) for le in _TTFT_LE), float(v.sum()), float(len(v)))
+    k = 10.0 * len(v)
+    ih = Histogram(tuple((le, k if sim.tpot_s <= le else 0.0) for le in _ITL_LE), k * sim.tpot_s, k)
+    return TickLatency(th, ih, running, active, False, saturated)
 
 
 def initial_replicas(w: Workload, target_concurrency: float, min_replicas: int, max_replicas: int) -> int:

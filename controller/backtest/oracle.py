@@ -88,6 +88,7 @@ class OracleController:
     t0: float
     tick_s: float
     instant_start: bool = True
+    admission: bool = False  # no Floodgate admission in front
     seq: int = 0
 
     def step(self, signals: Signals, now: float) -> Sequence[Action]:

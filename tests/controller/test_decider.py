@@ -39,6 +39,10 @@ class Recording:
     def instant_start(self) -> bool:
         return False
 
+    @property
+    def admission(self) -> bool:
+        return self.inner.admission
+
     def step(self, sig: Signals, now: float) -> Sequence[Action]:
         acts = tuple(self.inner.step(sig, now))
         self.log.append((sig, now, acts))
@@ -71,6 +75,9 @@ async def test_live_shell_and_backtest_take_identical_actions() -> None:
     # Same final memory (policy window, bursts, history, ids).
     a, b = pc.state, rec.inner.state
     assert (a.policy, a.bursts, a.acc, a.next_seq, a.forecast) == (b.policy, b.bursts, b.acc, b.next_seq, b.forecast)
+    # ... including what offered demand and learned capacity remember.
+    assert (a.demand, a.service_s, a.capacity) == (b.demand, b.service_s, b.capacity)
+    assert any(sig.pool.counters is not None and sig.pool.latency is not None for sig, _, _ in rec.log)
     assert a.history is not None and b.history is not None
     assert np.array_equal(a.history.values, b.history.values, equal_nan=True)
 

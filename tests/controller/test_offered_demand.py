@@ -103,7 +103,7 @@ def test_forecaster_records_offered_demand(clock: FakeClock) -> None:
 
 def test_sizing_uses_learned_capacity(clock: FakeClock) -> None:
     """Replicas saturated at 5 in flight (admission holds a queue), latency well inside the SLO:
-    the prior of 7 is corrected to ~5, so 35 of demand needs 7 replicas, not 5."""
+    the prior of 7 is corrected to 7/8 of 5, so 35 of demand needs 8 replicas, not 5."""
     c = replace(cfg(enabled=False), capacity=CapacityConfig(window_s=10.0, min_ttft=5, min_itl=20))
     st = DeciderState(history=DemandHistory.empty(8 * 1440))
     reps = views(clock.now, active=5)
@@ -116,5 +116,5 @@ def test_sizing_uses_learned_capacity(clock: FakeClock) -> None:
         ps = replace(signals(t, reps, running=25.0, queue=10.0), latency=lat)
         st, d = decide(c, st, Signals(ps, reps), t)
     assert d is not None
-    assert d.per_replica == pytest.approx(5.0, rel=0.05) and st.capacity.accepted > 5
-    assert d.plan.desired == 7  # ceil((25 + 10) / 5)
+    assert d.per_replica == pytest.approx(0.875 * 5.0, rel=0.02) and st.capacity.accepted > 5
+    assert d.plan.desired == 8 and d.plan.per_replica == d.per_replica  # ceil((25 + 10) / 4.375)

@@ -1,0 +1,66 @@
+"""`floodgate bench elastic` at tiny scale: the whole loop runs (Envoy, processor, Redis, the
+controller with the process actuator, emulated replicas), the report adds up, the plot and the
+doc section are written, and no replica outlives the run."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+from floodgate.bench import elastic
+
+pytestmark = pytest.mark.integration
+
+
+def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    elastic.add_arguments(parser)
+    return parser.parse_args(["--out", str(tmp_path / "out"), "--doc", str(tmp_path / "benchmarks.md"),
+                              "--quiet", *extra])
+
+
+@pytest.mark.timeout(240)
+def test_elastic_smoke(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Overload\n\nsomeone else's section\n")
+    args = _args(tmp_path, "--configs", "admission", "floodgate", "--scale", "0.15", "--cold-start", "20",
+                 "--per-replica-rps", "8", "--max-replicas", "4", "--timeout", "15")
+    assert elastic.run(args) == 0
+
+    out = tmp_path / "out"
+    report = json.loads((out / "results.json").read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert set(rows) == {"admission", "floodgate"}
+    for r in rows.values():
+        assert r["consistent"] and r["offered"] == report["plan_requests"]
+        assert r["offered"] == r["admitted"] + r["rejected"] + r["errors"]
+        assert r["errors"] == 0
+        assert r["active_replica_s"] > 0
+    # The fixed pool costs exactly its size; the controller's pool was sampled while it ran.
+    assert rows["admission"]["active_replica_s"] == pytest.approx(2 * sum(
+        p["duration_s"] for p in report["workload"]["phases"]))
+    with gzip.open(out / "floodgate.json.gz", "rt") as f:
+        raw = json.load(f)
+    assert raw["replicas"] and all(s["states"].get("active", 0) >= 2 for s in raw["replicas"])
+    assert any(e.get("event") == "decision" for e in raw["controller"])
+    assert (out / "timeline.png").stat().st_size > 10_000
+    text = doc.read_text()
+    assert "someone else's section" in text and elastic.SECTION_START in text and "## Elastic" in text
+    # Replicas the controller started are gone with it (it stops them on exit).
+    pids = raw["meta"]["replica_pids"]
+    assert len(pids) >= 3  # 2 active + the warm pool
+    for pid in pids:
+        assert not _alive(pid), pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
