@@ -32,6 +32,7 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=lambda args: _main(parser, args))
     sub = parser.add_subparsers(dest="controller_command", metavar="<subcommand>")
     _add_simulate(sub)
+    _add_suite(sub)
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -245,4 +246,58 @@ def _simulate(args: argparse.Namespace) -> int:
         report.write_outputs(args.out, c, {"policy": policy.model_dump(), "forecast": forecast.model_dump(),
                                            "warm_pool": pool.model_dump()})
         print(f"wrote {args.out}/simulate.json, timeline.json, replicas.png")
+    return 0
+
+
+def _add_suite(sub: Any) -> None:
+    from floodgate.controller.backtest.suite import SCENARIOS
+
+    p = sub.add_parser(
+        "suite",
+        help="backtest every policy on several kinds of traffic and seeds, with the Pareto curve",
+        description=(
+            "Run the backtest scenarios (controller/backtest/suite.py) for each seed: every policy beside the "
+            "exact zero-wait oracle and the lower bound (unweighted cost), the goal verdict, and floodgate at "
+            "fixed warm-pool sizes (Pareto curve of SLO against cost). Writes suite.md, suite.json, pareto.png."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure conversation trace CSV (scenarios azure-*)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    p.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
+    p.add_argument("--eval-hours", type=float, default=24.0, help="hours of the evaluated day")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--no-pareto", action="store_true", help="skip the warm-pool sweep")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.set_defaults(handler=_suite)
+
+
+def _suite(args: argparse.Namespace) -> int:
+    import time
+
+    from floodgate.controller.backtest import suite
+    from floodgate.controller.backtest.engine import SimConfig
+
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in suite.SCENARIOS]
+    if unknown:
+        print(f"floodgate controller suite: unknown scenarios {unknown}; known: {', '.join(suite.SCENARIOS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        print(f"floodgate controller suite: --seeds: not a list of integers: {args.seeds!r}", file=sys.stderr)
+        return 2
+    trace = args.trace if args.trace is not None and args.trace.is_file() else None
+    if trace is None:
+        print(f"floodgate controller suite: no trace at {args.trace}: skipping the azure-* scenarios", file=sys.stderr)
+    t0 = time.perf_counter()
+    res = suite.run_suite(names, seeds, trace, SimConfig(), args.eval_hours, args.jobs,
+                          None if args.no_pareto else seeds[0],
+                          progress=lambda m: print(f"  done {m} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                                                   flush=True))
+    suite.write(res, args.out)
+    print((args.out / "suite.md").read_text())
+    print(f"wrote {args.out}/suite.md, suite.json, pareto.png ({time.perf_counter() - t0:.0f} s)")
     return 0

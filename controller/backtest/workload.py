@@ -267,7 +267,8 @@ def make_replay_workload(
     """The trace as recorded; `rate_scale` > 1 superposes jittered copies (rate × k, same
     shape). A trace longer than `eval_hours` is split: its last `eval_hours` are evaluated,
     everything before is the forecaster's history (the trace's own earlier days), the
-    `warmup_hours` just before are simulated unscored."""
+    `warmup_hours` just before are simulated unscored. A trace with nothing before its
+    evaluated window gets its own tail looped in front as the warm-up."""
     rng = np.random.default_rng(seed)
     t, c, g = trace
     copies = [np.arange(len(t))] * int(rate_scale)
@@ -280,13 +281,26 @@ def make_replay_workload(
     order = np.argsort(tt, kind="stable")
     tt, idx = tt[order], idx[order]
     svc = c[idx] * sim.prefill_s_per_token + g[idx] * sim.tpot_s
+    tok = c[idx] + g[idx]
     end = float(tt[-1]) + 1.0
     eval_start = max(float(tt[0]), end - eval_hours * 3600.0)
     span_h = (end - float(tt[0])) / 3600.0
-    w = _split("replay", tt, svc, c[idx] + g[idx], eval_start, end, warmup_hours * 3600.0, "")
+    looped = ""
+    if eval_start <= float(tt[0]) and warmup_hours > 0:
+        # Nothing recorded before the evaluated window: the state before it is unknown, and
+        # starting from an empty pool would score only the cold start. Prepend the trace's own
+        # tail (at most `warmup_hours` of it), looped, as the unscored warm-up.
+        span = end - float(tt[0])
+        tail = tt >= end - min(warmup_hours * 3600.0, span)
+        shift = end - float(tt[0])
+        tt = np.concatenate([tt[tail] - shift, tt])
+        svc = np.concatenate([svc[tail], svc])
+        tok = np.concatenate([tok[tail], tok])
+        looped = f", warm-up: its last {min(warmup_hours * 3600.0, span) / 3600:.1f} h looped before it"
+    w = _split("replay", tt, svc, tok, eval_start, end, warmup_hours * 3600.0, "")
     n_eval = int(np.count_nonzero(w.arrivals >= eval_start))
     hist = (f"history {w.history.days_with_data()} day(s) from the trace itself" if w.history is not None
-            else "no history")
+            else "no history") + looped
     desc = (f"trace replayed as recorded (rate ×{rate_scale:g}, {span_h:.1f} h; last "
             f"{(end - eval_start) / 3600:.1f} h evaluated, {n_eval} requests; {hist})")
     return Workload(w.name, w.arrivals, w.service, w.tokens, w.start, w.end, w.history, desc, w.eval_start)

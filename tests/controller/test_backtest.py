@@ -195,8 +195,12 @@ def test_trace_tile_and_replay() -> None:
     c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "oracle"])
     assert c.results[1].slo == 1.0
     rep = workload.make_replay_workload(trace, SIM, rate_scale=1.5)
-    assert 1.45 < len(rep.arrivals) / len(t) < 1.55
+    scored = rep.arrivals >= rep.scored_from
+    assert 1.45 < scored.sum() / len(t) < 1.55
     assert np.all(np.diff(rep.arrivals) >= 0)
+    # Nothing before the trace: its own last hour is looped in front, unscored.
+    assert rep.start == pytest.approx(-(rep.end - rep.scored_from), abs=2) and (~scored).sum() == scored.sum()
+    assert rep.history is None and "looped" in rep.description
 
 
 def test_evaluated_day_starts_from_the_warm_up_state() -> None:
