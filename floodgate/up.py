@@ -327,6 +327,9 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
             "name": pool,
             "policy": {"min_replicas": args.replicas, "max_replicas": max_active,
                        "target_concurrency": DEMO_TARGET_CONCURRENCY,
+                       # A short stall of this (shared) machine queues a few requests at the
+                       # replicas; only the burst should double the pool.
+                       "queue_pressure_per_replica": 6,
                        "stabilization_window_s": 10, "scale_down_interval_s": 4, "panic_window_s": 5},
             "warm_pool": {"min_size": args.warm_pool, "max_size": args.warm_pool,
                           "burst_fraction": 0, "warm_min_age_s": 5, "max_drain_s": 30,

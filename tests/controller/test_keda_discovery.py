@@ -194,3 +194,43 @@ def test_endpoints_of_skips_terminating_duplicates_and_picks_the_named_port() ->
         "vllm-a": ("10.0.0.1:8000", False), "vllm-b": ("10.0.0.2:8000", True), "10.0.0.3": ("10.0.0.3:8000", False)}
     assert endpoints_of({"s": s}, "grpc") == {}
     assert endpoints_of({"s": s}, None)["vllm-a"].endpoint == "10.0.0.1:9000"
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_keda_role_grants_exactly_the_calls_the_discovery_makes() -> None:
+    """The calls the test above sees (list and watch of endpointslices) are the Role's rules."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/keda/controller-rbac.yaml").read_text()))
+    role = next(d for d in docs if d["kind"] == "Role")
+    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    assert grants == {("discovery.k8s.io", "endpointslices", "list"), ("discovery.k8s.io", "endpointslices", "watch")}
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "floodgate-controller", "namespace": "floodgate"}]
+    svc = yaml.safe_load((ROOT / "deploy/kubernetes/keda/service.yaml").read_text())
+    assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["namespace"] == role["metadata"]["namespace"]
+
+
+def test_documented_keda_controller_config_is_valid_and_matches_the_manifests() -> None:
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs/kubernetes.md").read_text()
+    section = text[text.index("## KEDA mode"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None
+    doc = yaml.safe_load(__import__("textwrap").dedent(block.group(1)))
+    cfg = parse_config({"redis": {"url": "redis://floodgate-redis:6379/0"}, **doc}, env={})
+    opts = EndpointSliceConfig.model_validate(cfg.pools[0].actuator.options)
+    svc = yaml.safe_load((ROOT / "deploy/kubernetes/keda/service.yaml").read_text())
+    assert (opts.namespace, opts.service) == (svc["metadata"]["namespace"], svc["metadata"]["name"])
+    assert opts.port_name in {p["name"] for p in svc["spec"]["ports"]}
+    so = yaml.safe_load((ROOT / "deploy/kubernetes/keda/scaledobject.yaml").read_text())
+    query = so["spec"]["triggers"][0]["metadata"]["query"]
+    assert "floodgate_desired_replicas" in query and "floodgate_warm_pool_target" in query
+    assert so["spec"]["maxReplicaCount"] >= cfg.pools[0].policy.max_replicas + cfg.pools[0].warm_pool.max_size

@@ -139,3 +139,62 @@ def test_choose_port_takes_a_free_one_only_when_asked() -> None:
         assert other != port and other > 0
     free = free_port()
     assert choose_port(free, "--port", any_port=False) == free
+
+
+def test_demo_controller_config_shows_promote_drain_and_recycle() -> None:
+    """The controller config `floodgate up` runs, driven through the live controller's pure
+    decider with the demo's load shape (in-flight per the measured ~10 per replica at the steady
+    rate, ~110 in the burst): the steady load stays on --replicas, the burst promotes from the
+    warm pool and cold-starts up to --max-replicas, and the recovery drains and recycles into the
+    pool. Replica transitions are applied at once (wake, warm-up) as if instantaneous."""
+    import argparse
+    from dataclasses import replace as dc_replace
+
+    from floodgate.controller.config import parse_config
+    from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
+    from floodgate.controller.lifecycle import ActionKind, Event, apply_action, apply_event
+    from floodgate.controller.signals import ReplicaState as S
+    from floodgate.controller.signals import ReplicaView
+
+    from floodgate.up import controller_config
+    from tests.controller.conftest import signals
+
+    args = argparse.Namespace(replicas=2, max_replicas=0, warm_pool=2, sim_cold_start=1.0)
+    raw = controller_config(args, "redis://127.0.0.1:6379/0", 9901, 9464, Path("/tmp/x"))
+    pool = parse_config(raw, env={}).pools[0]
+    cfg = DeciderConfig(pool.policy, pool.forecast, pool.warm_pool, "r")
+    t = 1_000_000.0
+    reps: dict[str, ReplicaView] = {f"r{i}": ReplicaView(f"r{i}", S.ACTIVE if i < 2 else S.WARM, t - 100,
+                                                         asleep=i >= 2) for i in range(4)}
+    state = DeciderState(next_seq=4)
+    seen: dict[str, list[float]] = {}
+    max_active = 0
+    for step in range(90):  # one tick a second, the demo's 90 s
+        t += 1.0
+        phase_inflight = 110.0 if 22 <= step < 45 else 20.0
+        active = [r for r in reps.values() if r.state is S.ACTIVE]
+        max_active = max(max_active, len(active))
+        sig = Signals(signals(t, tuple(reps.values()), running=phase_inflight), tuple(reps.values()))
+        state, d = decide(cfg, state, sig, t)
+        for a in d.actions:
+            seen.setdefault(a.kind.value, []).append(step)
+            if a.kind is ActionKind.START:
+                v = apply_action(ReplicaView(a.replica_id, S.COLD, t), a.kind, t)
+                v = apply_event(apply_event(v, Event.LOADED, t), Event.WARMUP_OK, t, asleep=False)
+                reps[a.replica_id] = v
+                continue
+            v = apply_action(reps[a.replica_id], a.kind, t)
+            if v.state is S.WAKING:
+                v = apply_event(v, Event.WAKE_OK, t)
+            if v.state is S.TERMINATED:
+                reps.pop(a.replica_id)
+                continue
+            reps[a.replica_id] = dc_replace(v, inflight=0, running=0)
+        if step == 21:
+            assert [r.state for r in reps.values()].count(S.ACTIVE) == 2, "steady load must stay on --replicas"
+    assert max_active == 6
+    assert all(22 <= s < 45 for s in seen["promote"]), seen["promote"]  # promotions in the burst only
+    assert seen["drain"] and min(seen["drain"]) >= 45 and max(seen["drain"]) < 90
+    assert seen.get("recycle"), "a drained replica goes back into the warm pool"
+    final = [r.state for r in reps.values()]
+    assert final.count(S.ACTIVE) == 2 and final.count(S.WARM) == 2
