@@ -260,3 +260,45 @@ def test_sidecar_filter_fails_open_as_shipped_and_closed_when_set(stack: LocalSt
     port, _ = _start_sidecar(stack, closed, dead, upstream)
     assert _request(f"http://127.0.0.1:{port}/v1/completions", "POST", COMPLETION) >= 500
     assert _request(f"http://127.0.0.1:{port}/health") == 200  # skipped: never asks the processor
+
+
+@pytest.mark.integration
+def test_sidecar_patches_ignore_forwarded_for_and_strip_internal_headers(stack: LocalStack, upstream: int) -> None:
+    """The EnvoyFilter's inbound patches in a real Envoy: the HCM merge (use_remote_address,
+    no trusted hops), the strip filter and the ext_proc filter. A caller from 127.0.0.1 that
+    claims a trusted 10.x address in x-forwarded-for stays untrusted; forged internal headers
+    never reach the replica, on admitted and skipped paths."""
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "mesh", "endpoint_picking": False}],
+                                  "admission": {"trust": {"cidrs": ["10.0.0.0/8"]}}})
+    strip, http = http_filter_patches()
+    (hcm,) = patches("NETWORK_FILTER")
+    cluster = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
+    cluster["type"] = "STATIC"
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"] = proc.port
+    port, admin = free_port(), free_port()
+    boot = inbound_bootstrap(http["patch"]["value"], [cluster], port=port, admin_port=admin, app_port=upstream,
+                             strip=strip["patch"]["value"])
+    merged = {k: v for k, v in hcm["patch"]["value"]["typed_config"].items() if k != "@type"}
+    boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].update(merged)
+    path = write_config(boot, stack.sup.workdir / "sidecar-trust.json")
+    child = stack.sup.start_envoy(path, admin, name="sidecar-trust")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    forged = {"x-forwarded-for": "10.1.2.3", "x-envoy-external-address": "10.1.2.3", "x-request-priority": "0",
+              "x-gateway-destination-endpoint": "127.0.0.1:1", "x-floodgate-priority": "0", "x-floodgate-x": "1"}
+    for url, method, body in ((f"http://127.0.0.1:{port}/v1/completions", "POST", COMPLETION),
+                              (f"http://127.0.0.1:{port}/health", "GET", None)):
+        req = urllib.request.Request(url, data=body, method=method,
+                                     headers={"content-type": "application/json", **forged, "x-test-id": method})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            r.read()
+            assert r.status == 200
+            if method == "POST":
+                assert r.headers["x-floodgate-priority"] == "1"  # not trusted by the spoofed address
+    with urllib.request.urlopen(f"http://127.0.0.1:{upstream}/stats", timeout=5) as r:
+        seen = {h.get("x-test-id"): h for h in json.load(r)["seen"]}
+    assert "x-request-priority" not in seen["POST"]  # untrusted: removed by the processor
+    for h in seen.values():
+        assert "x-gateway-destination-endpoint" not in h and "x-floodgate-x" not in h, h
+    assert seen["POST"]["x-floodgate-priority"] == "1" and "x-floodgate-priority" not in seen["GET"]
