@@ -39,7 +39,23 @@ def _split(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def security_warnings(cfg: Config) -> list[str]:
+    """What a config leaves open that docs/operations.md's threat model says to close."""
+    out = []
+    host = _split(cfg.server.listen)[0]
+    if cfg.server.tls is None and host not in ("127.0.0.1", "::1", "localhost"):
+        out.append(f"server.listen {cfg.server.listen} is beyond loopback without server.tls: whoever reaches "
+                   "it can open ext_proc streams claiming any caller (restrict it with a NetworkPolicy or mesh mTLS)")
+    for p in cfg.pools:
+        if p.endpoint_picking and not p.allowed_endpoints:
+            out.append(f"pool {p.name}: endpoint picking without allowed_endpoints routes wherever the Redis "
+                       "registry says")
+    return out
+
+
 async def serve(cfg: Config, stop: asyncio.Event) -> None:
+    for warning in security_warnings(cfg):
+        log.warning("%s", warning)
     metrics = Metrics()
     client = redis_client(cfg.redis.url, password=cfg.redis.password, op_timeout_s=cfg.redis.op_timeout_s)
     # Pub/sub blocks on reads by design, so it gets its own connection without a read timeout.

@@ -66,3 +66,16 @@ def test_picker_refuses_and_never_lists_endpoints_outside_the_allowlist() -> Non
     assert not picker.accept("203.0.113.7:22")  # what the shared grant (Redis) may hand back
     assert picker.pick_local([]) == "10.0.0.5:8000"
     assert picker.any_active(0.9) == "10.0.0.5:8000"
+
+
+def test_startup_names_what_the_config_leaves_open() -> None:
+    from floodgate.extproc.app import security_warnings
+
+    assert security_warnings(load_config(None, env={})) == []  # loopback, no picking
+    open_cfg = load_config(None, overrides={("server", "listen"): "0.0.0.0:50051",
+                                            ("pools",): [{"name": "p", "endpoint_picking": True}]}, env={})
+    warnings = security_warnings(open_cfg)
+    assert len(warnings) == 2 and "server.tls" in warnings[0] and "allowed_endpoints" in warnings[1]
+    closed = load_config(None, overrides={("pools",): [{"name": "p", "endpoint_picking": True,
+                                                        "allowed_endpoints": ["10.0.0.0/8:8000"]}]}, env={})
+    assert security_warnings(closed) == []
