@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "floodgate.bench.overhead",
     "overload": "floodgate.bench.overload",
     "elastic": "floodgate.bench.elastic",
+    "scale": "floodgate.bench.scale",
 }
 
 HELP = """\

@@ -49,6 +49,10 @@ _SENTINEL = ("redis+sentinel", "rediss+sentinel")
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 
 
+POOL_SIZE = 256  # connections per client (single server), shared by every concurrent call
+POOL_SIZE_NONBLOCKING = 2048  # per node (Sentinel primary, Cluster node): a call beyond it fails
+
+
 class RedisURLError(ValueError):
     """A malformed Redis URL; the message says what is wrong (the caller names the field)."""
 
@@ -175,7 +179,12 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
     # is idempotent. On a Sentinel the fresh connection asks the sentinels for the primary.
     once = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
     if target.kind == "single":
-        return aioredis.Redis.from_url(url, password=password, retry=once, **common)
+        # redis-py's default pool fails a call at once ("Too many connections") beyond 100
+        # concurrent calls, which under a burst would degrade a healthy processor. This pool
+        # waits (bounded by the op timeout) for one of POOL_SIZE connections instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, password=password, max_connections=POOL_SIZE, timeout=op_timeout_s, retry=once, **common)
+        return aioredis.Redis(connection_pool=pool)
     pw = target.password if target.password is not None else password
     if target.kind == "sentinel":
         sentinel_kwargs: dict[str, Any] = {"socket_timeout": op_timeout_s, "socket_connect_timeout": op_timeout_s}
@@ -184,16 +193,17 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
         if target.tls:
             sentinel_kwargs["ssl"] = True
         s = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs)
+        # (The Sentinel and Cluster pools do not wait for a free connection: allow many.)
         client = s.master_for(target.service, redis_class=_SentinelManaged, db=target.db,
                               username=target.username, password=pw, ssl=target.tls,
-                              retry=once, **common)
+                              retry=once, max_connections=POOL_SIZE_NONBLOCKING, **common)
         client.fg_sentinel = s
         return client
     return RedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
         username=target.username, password=pw, ssl=target.tls,
         # A shard that is down must not stop the client from serving the others.
-        require_full_coverage=False,
+        require_full_coverage=False, max_connections=POOL_SIZE_NONBLOCKING,
         # A couple of quick retries ride over MOVED/failover; the caller's timeout bounds them.
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.config import load_config
-from floodgate.extproc.redis_client import RedisURLError, make_client, parse_redis_url
+from floodgate.extproc.redis_client import POOL_SIZE, RedisURLError, make_client, parse_redis_url
 from redis.asyncio.cluster import RedisCluster
 
+from floodgate.stack import LocalStack
 from floodgate.yamlconfig import ConfigError
 
 
@@ -69,3 +73,19 @@ async def test_client_kind_follows_the_url() -> None:
     finally:
         for c in (single, sentinel, cluster):
             await c.aclose()
+
+
+@pytest.mark.integration
+async def test_a_burst_of_concurrent_calls_waits_for_a_connection(stack: LocalStack) -> None:
+    """Beyond redis-py's default 100 connections a call failed at once, which degraded a
+    healthy processor under a burst; now calls wait for one of the pool's connections."""
+    url = stack.start_redis()
+    client = make_client(url, op_timeout_s=2)
+    try:
+        n = POOL_SIZE + 100
+        got = await asyncio.gather(*(client.incr("burst") for _ in range(n)))
+        assert sorted(got) == list(range(1, n + 1))
+        pool: Any = client.connection_pool
+        assert len(pool._available_connections) + len(pool._in_use_connections) <= POOL_SIZE
+    finally:
+        await client.aclose()

@@ -1,0 +1,391 @@
+"""How many admission decisions one Redis shard carries, and with how many processors.
+
+Starts one Redis-protocol server and N processor processes (N = 1, 4, 8, 16 by default), and
+drives their admission path over gRPC with load processes that speak ext_proc directly (no
+Envoy): each simulated request opens a `Process` stream, sends request headers, waits for the
+decision (admit or 429), then ends the stream (the processor releases the permit). Three pools
+on every processor, chosen by :authority:
+
+  contended     static limit L far below the offered concurrency: a queue is always formed,
+                so every request runs the script's full per-request path (acquire fails,
+                enqueue, wait for the grant, release grants the next waiter): the worst case.
+  uncontended   limit far above the concurrency, shipped defaults (local credits: most
+                decisions need no Redis call at all).
+  no-credits    uncontended with `local_credits: 0`: one acquire + one release per request.
+
+For each: decisions/s, Redis CPU per decision (utime+stime of the server from /proc over the
+measured window / decisions), script calls per decision (INFO commandstats), p50/p99 decision
+latency (request headers sent -> decision received; under contention that includes the queue
+wait, so the overhead column subtracts the queue time the processor reports), and the
+decisions/s one shard would sustain at 80 % CPU (0.8 s of CPU per second / CPU per decision).
+This box has 2 cores shared by processors, load and Redis, so Redis is never the bottleneck
+here: the per-decision CPU is the measured quantity, the shard figure is derived from it.
+
+  floodgate bench scale                       # N = 1,4,8,16; 4 s per point
+  floodgate bench scale --processors 1,4 --duration 2   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "admission decisions/s and Redis CPU per decision for 1-16 processors on one Redis shard"
+MODES = ("contended", "uncontended", "no-credits")
+TARGET_PER_SHARD = 20_000  # decisions/s per shard under contention (issue 13)
+
+
+@dataclass
+class Point:
+    mode: str
+    processors: int
+    concurrency: int
+    decisions: int
+    admitted: int
+    rejected: int
+    errors: int
+    seconds: float
+    redis_cpu_s: float
+    script_calls: int
+    commands: int  # Redis commands run inside those scripts (and any outside)
+    p50_ms: float
+    p99_ms: float
+    p99_overhead_ms: float
+    degraded: int = 0  # processors' switches to local limits during the window (invalidates it)
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        return self.redis_cpu_s * 1e6 / self.decisions if self.decisions else float("nan")
+
+    @property
+    def shard_rate(self) -> float:
+        """Decisions/s one shard sustains at 80 % of one core, from the measured CPU per decision."""
+        return 0.8e6 / self.cpu_us if self.decisions and self.cpu_us > 0 else float("inf")
+
+    @property
+    def calls_per_decision(self) -> float:
+        return self.script_calls / self.decisions if self.decisions else float("nan")
+
+    @property
+    def commands_per_decision(self) -> float:
+        return self.commands / self.decisions if self.decisions else float("nan")
+
+
+def processor_config(limit: int) -> dict[str, Any]:
+    classes = {c: {"queue_timeout_s": 30, "max_queue": 100000, "share": s}
+               for c, s in ((0, 0.5), (1, 0.3), (2, 0.1))}
+    return {
+        # The measured quantity is Redis's CPU per decision, so processors must stay on the
+        # shared state: on a loaded box an event-loop stall past the shipped 0.25 s timeout
+        # would switch them to local limits (counted in the `deg` column; must stay 0).
+        "redis": {"lease_ttl_s": 15, "op_timeout_s": 2.0},
+        "pools": [
+            {"name": "contended", "match_authority": "contended", "classes": classes,
+             "limit": {"mode": "static", "initial": limit}},
+            {"name": "uncontended", "match_authority": "uncontended", "classes": classes,
+             "limit": {"mode": "static", "initial": 100000, "max": 100000}},
+            {"name": "no-credits", "match_authority": "no-credits", "classes": classes, "local_credits": 0,
+             "limit": {"mode": "static", "initial": 100000, "max": 100000}},
+        ],
+    }
+
+
+# ------------------------------------------------------------------------------ load worker
+
+
+async def _drive(ports: Sequence[int], authority: str, concurrency: int, start_at: float, warm: float,
+                 duration: float) -> dict[str, Any]:
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+        ((":method", "POST"), (":path", "/v1/completions"), (":authority", authority),
+         ("x-request-priority", "1"))]))
+    first = pb.ProcessingRequest(request_headers=headers)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+    stubs = [pb_grpc.ExternalProcessorStub(ch) for ch in channels]
+    lat: list[float] = []
+    overhead: list[float] = []
+    counts = {"admitted": 0, "rejected": 0, "errors": 0}
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    t0 = time.monotonic()
+    lo, hi = t0 + warm, t0 + warm + duration
+
+    async def worker(stub: Any) -> None:
+        while True:
+            now = time.monotonic()
+            if now >= hi:
+                return
+            call = stub.Process()
+            try:
+                await call.write(first)
+                reply = await call.read()
+                took = time.monotonic() - now
+                await call.done_writing()
+                while await call.read() is not grpc.aio.EOF:  # until the processor ends the stream
+                    pass
+            except grpc.aio.AioRpcError:
+                if lo <= now < hi:
+                    counts["errors"] += 1
+                await asyncio.sleep(0.01)
+                continue
+            if not lo <= now < hi:
+                continue
+            if reply is grpc.aio.EOF or reply.WhichOneof("response") == "immediate_response":
+                counts["rejected"] += 1
+            else:
+                counts["admitted"] += 1
+                queue_ms = 0.0
+                for h in reply.request_headers.response.header_mutation.set_headers:
+                    if h.header.key == "x-floodgate-queue-ms":
+                        queue_ms = float((h.header.raw_value or h.header.value.encode()).decode())
+                overhead.append(max(0.0, took * 1000 - queue_ms))
+            lat.append(took * 1000)
+
+    await asyncio.gather(*(worker(stubs[i % len(stubs)]) for i in range(concurrency)))
+    for ch in channels:
+        await ch.close()
+    return {**counts, "latencies_ms": lat, "overhead_ms": overhead}
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ports", required=True)
+    p.add_argument("--authority", required=True)
+    p.add_argument("--concurrency", type=int, required=True)
+    p.add_argument("--start-at", type=float, required=True)
+    p.add_argument("--warm", type=float, required=True)
+    p.add_argument("--duration", type=float, required=True)
+    a = p.parse_args(argv)
+    res = asyncio.run(_drive([int(x) for x in a.ports.split(",")], a.authority, a.concurrency,
+                             a.start_at, a.warm, a.duration))
+    json.dump(res, sys.stdout)
+    return 0
+
+
+# ------------------------------------------------------------------------------ orchestration
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+_SCRIPT_CMDS = ("cmdstat_evalsha", "cmdstat_eval")
+_NOT_DATA = ("cmdstat_info", "cmdstat_config", "cmdstat_hello", "cmdstat_client", "cmdstat_script",
+             "cmdstat_ssubscribe", "cmdstat_subscribe", "cmdstat_ping")
+
+
+def _script_calls(redis_port: int) -> tuple[int, int]:
+    """(script runs, data commands) so far: the commands scripts run count inside the second."""
+    import redis
+    stats = redis.Redis(port=redis_port).info("commandstats")
+    scripts = sum(int(v.get("calls", 0)) for k, v in stats.items() if k in _SCRIPT_CMDS)
+    data = sum(int(v.get("calls", 0)) for k, v in stats.items()
+               if k not in _SCRIPT_CMDS and not k.startswith(_NOT_DATA))
+    return scripts, data
+
+
+def prologue_cost(redis_pid: int, redis_port: int, n: int = 3000) -> tuple[float, float]:
+    """CPU µs of one `get_limit` run (the script's fixed per-call work: building its ~40 local
+    functions and tables, TIME, the settings read) and of a `return 1` script, pipelined so
+    that network cost is amortised; from /proc."""
+    import redis
+    from floodgate.bench.overhead import cpu_seconds
+    from floodgate.extproc.schema import script_keys
+    from floodgate.extproc.state import _LUA
+
+    r = redis.Redis(port=redis_port)
+    keys = script_keys("contended")
+    out = []
+    for sha, args in ((r.script_load(_LUA), ["get_limit", "15000"]), (r.script_load("return 1"), [])):
+        c0 = cpu_seconds(redis_pid)
+        pipe = r.pipeline(transaction=False)
+        for _ in range(n):
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        pipe.execute()
+        out.append((cpu_seconds(redis_pid) - c0) * 1e6 / n)
+    return out[0], out[1]
+
+
+def degraded_transitions(metrics_urls: Sequence[str]) -> int:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from floodgate.stack import http_get
+
+    total = 0.0
+    for url in metrics_urls:
+        for fam in text_string_to_metric_families(http_get(url).decode()):
+            for smp in fam.samples:
+                if smp.name == "floodgate_degraded_transitions_total":
+                    total += smp.value
+    return int(total)
+
+
+def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: int, concurrency: int,
+                  loaders: int, warm: float, duration: float, workdir: Path,
+                  metrics_urls: Sequence[str] = ()) -> Point:
+    from floodgate.bench.overhead import cpu_seconds
+
+    deg0 = degraded_transitions(metrics_urls)
+    start_at = time.time() + 1.5  # the loaders import grpc first
+    per = [concurrency // loaders + (1 if i < concurrency % loaders else 0) for i in range(loaders)]
+    procs = []
+    for i, c in enumerate(per):
+        mine = [p for j, p in enumerate(ports) if j % loaders == i] or list(ports)
+        out = (workdir / f"load-{mode}-{len(ports)}-{i}.json").open("w")
+        procs.append((subprocess.Popen(
+            [sys.executable, "-m", "floodgate.bench.scale", "--worker", "--ports", ",".join(map(str, mine)),
+             "--authority", mode, "--concurrency", str(c), "--start-at", str(start_at),
+             "--warm", str(warm), "--duration", str(duration)], stdout=out), out))
+    time.sleep(max(0.0, start_at + warm - time.time()))
+    cpu0, (calls0, cmds0), t0 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
+    time.sleep(duration)
+    cpu1, (calls1, cmds1), t1 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
+    lat: list[float] = []
+    ovh: list[float] = []
+    tot = {"admitted": 0, "rejected": 0, "errors": 0}
+    for proc, out in procs:
+        proc.wait(120)
+        out.close()
+        res = json.loads(Path(out.name).read_text())
+        lat += res["latencies_ms"]
+        ovh += res["overhead_ms"]
+        for k in tot:
+            tot[k] += res[k]
+    decisions = tot["admitted"] + tot["rejected"]
+    return Point(mode, len(ports), concurrency, decisions, tot["admitted"], tot["rejected"], tot["errors"],
+                 t1 - t0, cpu1 - cpu0, calls1 - calls0, cmds1 - cmds0, _pct(lat, 0.5), _pct(lat, 0.99),
+                 _pct(ovh, 0.99), degraded_transitions(metrics_urls) - deg0)
+
+
+PROLOGUE: list[float] = []  # µs of CPU: leases.lua's fixed per-call work, a trivial script
+
+
+def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: float,
+            per_processor: int, loaders: int, limit_per_processor: int) -> list[Point]:
+    from floodgate.stack import LocalStack
+    from floodgate.supervisor import Supervisor
+
+    points: list[Point] = []
+    for n in counts:
+        with Supervisor() as sup:
+            stack = LocalStack(sup)
+            stack.start_redis()
+            assert stack.redis_child is not None
+            redis_pid = stack.redis_child.proc.pid
+            redis_port = int(stack.redis_url.rsplit(":", 1)[1].split("/")[0])
+            cfg = processor_config(limit_per_processor * n)
+            procs = [stack.start_processor(cfg, name=f"p{i}") for i in range(n)]
+            ports = [p.port for p in procs]
+            if not PROLOGUE:
+                PROLOGUE.extend(prologue_cost(redis_pid, redis_port))
+            for mode in modes:
+                pt = measure_point(mode, ports, redis_pid, redis_port, per_processor * n,
+                                   min(loaders, n), warm, duration, sup.workdir, [p.metrics_url for p in procs])
+                points.append(pt)
+                print(f"  N={n:<3} {mode:<12} {pt.rate:8.0f} decisions/s  {pt.cpu_us:7.1f} µs Redis CPU each  "
+                      f"{pt.calls_per_decision:4.2f} scripts each  p99 {pt.p99_ms:6.1f} ms"
+                      + (f"  ({pt.degraded} switches to local limits: not counted)" if pt.degraded else ""),
+                      flush=True)
+    return points
+
+
+def table(points: Sequence[Point]) -> str:
+    head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} "
+            f"{'scripts/dec':>11} {'cmds/dec':>8} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
+    lines = [head, "-" * len(head)]
+    base: dict[str, float] = {}
+    for p in points:
+        base.setdefault(p.mode, p.rate)
+        ratio = p.rate / base[p.mode] if base[p.mode] else float("nan")
+        shard = f"{p.shard_rate:11.0f}" if p.shard_rate != float("inf") else f"{'∞':>11}"
+        lines.append(f"{p.mode:<12} {p.processors:>3} {p.concurrency:>5} {p.rate:>11.0f} {ratio:>6.2f}x "
+                     f"{p.cpu_us:>12.1f} {p.calls_per_decision:>11.2f} {p.commands_per_decision:>8.1f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
+                     f"{p.p99_overhead_ms:>10.2f} {shard} {p.rejected:>5} {p.errors:>4} {p.degraded:>4}")
+    return "\n".join(lines)
+
+
+def shard_figure(points: Sequence[Point], mode: str = "contended") -> float:
+    """The per-shard figure for `mode`: CPU per decision pooled over every N (total CPU / total
+    decisions), so the noisy small windows do not dominate."""
+    pts = [p for p in points if p.mode == mode and p.decisions and not p.degraded]
+    if not pts:
+        return float("nan")
+    cpu = sum(p.redis_cpu_s for p in pts)
+    dec = sum(p.decisions for p in pts)
+    return 0.8 * dec / cpu if cpu > 0 else float("inf")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--processors", default="1,4,8,16", help="processor counts to measure (default 1,4,8,16)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per point (default 4)")
+    p.add_argument("--warm", type=float, default=1.5, help="unmeasured seconds before each window")
+    p.add_argument("--per-processor", type=int, default=24,
+                   help="concurrent streams per processor (default 24)")
+    p.add_argument("--limit-per-processor", type=int, default=8,
+                   help="contended pool limit per processor: far below --per-processor so a queue "
+                        "always forms (default 8)")
+    p.add_argument("--loaders", type=int, default=2, help="load processes (default 2)")
+    p.add_argument("--json", metavar="FILE", help="also write the points as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = [int(x) for x in str(args.processors).split(",") if x]
+    modes = [m for m in str(args.modes).split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not counts or any(c < 1 for c in counts):
+        print(f"floodgate bench scale: bad --modes {bad} or --processors {args.processors}", file=sys.stderr)
+        return 2
+    print(f"floodgate bench scale: N={counts}, modes={modes}, {args.duration:g} s per point "
+          f"({os.cpu_count()} CPUs shared by Redis, processors and load)", flush=True)
+    points = run_all(counts, modes, args.duration, args.warm, args.per_processor, args.loaders,
+                     args.limit_per_processor)
+    print()
+    print(table(points))
+    print()
+    for mode in modes:
+        fig = shard_figure(points, mode)
+        rates = [p.rate for p in points if p.mode == mode]
+        print(f"{mode:<12} one shard at 80% CPU: {fig:,.0f} decisions/s "
+              f"(pooled over N={counts}; max measured here {max(rates, default=0):,.0f}/s)")
+    contended = shard_figure(points, "contended") if "contended" in modes else float("nan")
+    if PROLOGUE:
+        print(f"script profile: a leases.lua call costs {PROLOGUE[0]:.1f} µs of Redis CPU before doing "
+              f"anything (get_limit, pipelined; a `return 1` script: {PROLOGUE[1]:.1f} µs)")
+    if "contended" in modes:
+        ok = contended >= TARGET_PER_SHARD
+        print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "
+              f"{'MET' if ok else 'NOT MET'} ({contended:,.0f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"points": [{**asdict(p), "rate": p.rate, "cpu_us": p.cpu_us, "shard_rate": p.shard_rate}
+                        for p in points], "prologue_us": PROLOGUE,
+             "shard": {m: shard_figure(points, m) for m in modes}}, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2:]))
+    print("run as `floodgate bench scale`", file=sys.stderr)
+    sys.exit(2)
