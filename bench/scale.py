@@ -14,10 +14,12 @@ on every processor, chosen by :authority:
   no-credits    uncontended with `local_credits: 0`: one acquire + one release per request.
 
 For each: decisions/s, Redis CPU per decision (utime+stime of the server from /proc over the
-measured window / decisions), script calls per decision (INFO commandstats), p50/p99 decision
+measured window / decisions; `marginal` subtracts the CPU of an equal idle window with the same
+processors running, which does not grow with traffic), script calls per decision (INFO commandstats), p50/p99 decision
 latency (request headers sent -> decision received; under contention that includes the queue
 wait, so the overhead column subtracts the queue time the processor reports), and the
-decisions/s one shard would sustain at 80 % CPU (0.8 s of CPU per second / CPU per decision).
+decisions/s one shard would sustain at 80 % CPU ((0.8 s - idle CPU) per second / marginal CPU
+per decision).
 This box has 2 cores shared by processors, load and Redis, so Redis is never the bottleneck
 here: the per-decision CPU is the measured quantity, the shard figure is derived from it.
 
@@ -61,6 +63,13 @@ class Point:
     p99_ms: float
     p99_overhead_ms: float
     degraded: int = 0  # processors' switches to local limits during the window (invalidates it)
+    idle_cpu_s: float = 0.0  # Redis CPU over an equal window with the same processors and no load
+
+    @property
+    def marginal_cpu_us(self) -> float:
+        """CPU per decision above the idle baseline (Redis's own timers, the processors' 1 s
+        status reads and renewals), which does not grow with traffic."""
+        return max(0.0, self.redis_cpu_s - self.idle_cpu_s) * 1e6 / self.decisions if self.decisions else float("nan")
 
     @property
     def rate(self) -> float:
@@ -72,8 +81,11 @@ class Point:
 
     @property
     def shard_rate(self) -> float:
-        """Decisions/s one shard sustains at 80 % of one core, from the measured CPU per decision."""
-        return 0.8e6 / self.cpu_us if self.decisions and self.cpu_us > 0 else float("inf")
+        """Decisions/s one shard sustains at 80 % of one core: what is left of 0.8 s of CPU per
+        second after the idle baseline, over the marginal CPU per decision."""
+        if not self.decisions or self.marginal_cpu_us <= 0:
+            return float("inf")
+        return (0.8 - self.idle_cpu_s / self.seconds) * 1e6 / self.marginal_cpu_us
 
     @property
     def calls_per_decision(self) -> float:
@@ -282,6 +294,8 @@ PROLOGUE: list[float] = []  # µs of CPU: leases.lua's fixed per-call work, a tr
 
 def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: float,
             per_processor: int, loaders: int, limit_per_processor: int) -> list[Point]:
+    from floodgate.bench.overhead import cpu_seconds
+
     from floodgate.stack import LocalStack
     from floodgate.supervisor import Supervisor
 
@@ -298,9 +312,14 @@ def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: 
             ports = [p.port for p in procs]
             if not PROLOGUE:
                 PROLOGUE.extend(prologue_cost(redis_pid, redis_port))
+            time.sleep(warm)
+            c0 = cpu_seconds(redis_pid)
+            time.sleep(duration)
+            idle = cpu_seconds(redis_pid) - c0
             for mode in modes:
                 pt = measure_point(mode, ports, redis_pid, redis_port, per_processor * n,
                                    min(loaders, n), warm, duration, sup.workdir, [p.metrics_url for p in procs])
+                pt.idle_cpu_s = idle * pt.seconds / duration
                 points.append(pt)
                 print(f"  N={n:<3} {mode:<12} {pt.rate:8.0f} decisions/s  {pt.cpu_us:7.1f} µs Redis CPU each  "
                       f"{pt.calls_per_decision:4.2f} scripts each  p99 {pt.p99_ms:6.1f} ms"
@@ -310,7 +329,7 @@ def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: 
 
 
 def table(points: Sequence[Point]) -> str:
-    head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} "
+    head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} {'marginal':>8} "
             f"{'scripts/dec':>11} {'cmds/dec':>8} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
     lines = [head, "-" * len(head)]
     base: dict[str, float] = {}
@@ -319,20 +338,21 @@ def table(points: Sequence[Point]) -> str:
         ratio = p.rate / base[p.mode] if base[p.mode] else float("nan")
         shard = f"{p.shard_rate:11.0f}" if p.shard_rate != float("inf") else f"{'∞':>11}"
         lines.append(f"{p.mode:<12} {p.processors:>3} {p.concurrency:>5} {p.rate:>11.0f} {ratio:>6.2f}x "
-                     f"{p.cpu_us:>12.1f} {p.calls_per_decision:>11.2f} {p.commands_per_decision:>8.1f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
+                     f"{p.cpu_us:>12.1f} {p.marginal_cpu_us:>8.1f} {p.calls_per_decision:>11.2f} {p.commands_per_decision:>8.1f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                      f"{p.p99_overhead_ms:>10.2f} {shard} {p.rejected:>5} {p.errors:>4} {p.degraded:>4}")
     return "\n".join(lines)
 
 
 def shard_figure(points: Sequence[Point], mode: str = "contended") -> float:
-    """The per-shard figure for `mode`: CPU per decision pooled over every N (total CPU / total
-    decisions), so the noisy small windows do not dominate."""
+    """The per-shard figure for `mode`: marginal CPU per decision pooled over every N (total CPU
+    above idle / total decisions, so the noisy small windows do not dominate), against what the
+    largest idle baseline leaves of 80 % of a core."""
     pts = [p for p in points if p.mode == mode and p.decisions and not p.degraded]
     if not pts:
         return float("nan")
-    cpu = sum(p.redis_cpu_s for p in pts)
-    dec = sum(p.decisions for p in pts)
-    return 0.8 * dec / cpu if cpu > 0 else float("inf")
+    marginal = sum(max(0.0, p.redis_cpu_s - p.idle_cpu_s) for p in pts) / sum(p.decisions for p in pts)
+    idle = max(p.idle_cpu_s / p.seconds for p in pts)  # the largest N's baseline: conservative
+    return (0.8 - idle) / marginal if marginal > 0 else float("inf")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -378,7 +398,8 @@ def run(args: argparse.Namespace) -> int:
               f"{'MET' if ok else 'NOT MET'} ({contended:,.0f})")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"points": [{**asdict(p), "rate": p.rate, "cpu_us": p.cpu_us, "shard_rate": p.shard_rate}
+            {"points": [{**asdict(p), "rate": p.rate, "cpu_us": p.cpu_us, "marginal_cpu_us": p.marginal_cpu_us,
+                         "shard_rate": p.shard_rate}
                         for p in points], "prologue_us": PROLOGUE,
              "shard": {m: shard_figure(points, m) for m in modes}}, indent=1, default=float))
     return 0

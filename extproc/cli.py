@@ -24,7 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC listen address (default 127.0.0.1:50051)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="Prometheus /metrics address (default 127.0.0.1:9464; '' disables)")
-    p.add_argument("--redis-url", metavar="URL", help="redis:// or rediss:// URL of the shared state")
+    p.add_argument("--redis-url", metavar="URL",
+                   help="shared state: redis://, rediss://, redis+sentinel://h1:26379,h2/service or "
+                        "redis+cluster://h1:6379,h2:6379 (docs/operations.md)")
     p.add_argument("--gateway-id", metavar="ID", help="unique id of this process (default host-pid-random)")
     p.add_argument("--check-config", action="store_true", help="validate the config, print it, and exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

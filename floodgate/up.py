@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 3 x --replicas)")
     p.add_argument("--warm-pool", type=int, default=2, help="warm-pool size (sleeping replicas ready to promote)")
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes")
-    p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
+                   "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--demo-rate", type=float, default=0.0,

@@ -255,3 +255,35 @@ async def test_processor_reasserts_its_permits_and_waiters_on_the_promoted_prima
         await admitter.stop()
         await client.aclose()
         await sub_client.aclose()
+
+
+async def test_controller_and_status_state_api_on_a_cluster(cluster: ClusterTopology) -> None:  # noqa: F811
+    """What the controller, `floodgate up` and `floodgate status` do with Redis works on a
+    Cluster: registry transactions (same-slot keys), the leader lease script, demand counters,
+    and finding every pool across the shards."""
+    from floodgate.controller.leader import LeaderLease
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import read_demand
+
+    from floodgate.status import collect
+
+    client = redis_client(cluster.url, op_timeout_s=1)
+    pools = [cluster.key_on_shard(i) for i in range(3)]
+    try:
+        for i, pool in enumerate(pools):
+            reg = Registry(client, pool)
+            await reg.set(f"10.0.0.{i}:8000", "active", f"r{i}")
+            await reg.set(f"10.0.0.{i}:8001", "warm", f"r{i}b")
+            eps = await reg.endpoints()
+            assert {ep: e.state for ep, e in eps.items()} == {f"10.0.0.{i}:8000": "active", f"10.0.0.{i}:8001": "warm"}
+            st = pool_state(client, pool)
+            assert (await st.acquire("g/1", "g", 1, 1, "t")).granted
+            await st.add_demand({(1, "admitted"): 3})
+            assert (await read_demand(client, pool))[1]["admitted"] == 3
+        lease = LeaderLease(client, holder="me", ttl_s=5)
+        assert await lease.try_acquire_or_renew()
+        assert not await LeaderLease(client, holder="other", ttl_s=5).try_acquire_or_renew()
+        reports = await collect(cluster.url, op_timeout_s=2)
+        assert {r.pool for r in reports} >= set(pools)
+    finally:
+        await client.aclose()
