@@ -314,7 +314,7 @@ async def _load(session: aiohttp.ClientSession, urls: list[str], n: int, delay_m
         for i in range(n))))
 
 
-async def test_processors_through_envoy_on_a_cluster(stack: LocalStack, upstream: int,  # noqa: F811
+async def test_processors_through_envoy_on_a_cluster(stack: LocalStack, upstream: int,
                                                      cluster: ClusterTopology) -> None:  # noqa: F811
     """Two real processors (each behind its own Envoy) on a Cluster: the limit holds across
     them, and queued requests are granted by SPUBLISH within the poll interval's absence."""
@@ -332,7 +332,7 @@ async def test_processors_through_envoy_on_a_cluster(stack: LocalStack, upstream
     assert owner.client().exists("fg:{default}:settings") == 1
 
 
-async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalStack, upstream: int,  # noqa: F811
+async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalStack, upstream: int,
                                                                    sentinel: SentinelTopology) -> None:  # noqa: F811
     """SIGKILL the primary while requests are queued and streaming: every request is answered
     (no hang), in-flight stays within the limit plus what the processors' local shares allow
