@@ -25,6 +25,10 @@ here: the per-decision CPU is the measured quantity, the shard figure is derived
 
   floodgate bench scale                       # N = 1,4,8,16; 4 s per point
   floodgate bench scale --processors 1,4 --duration 2   # quick look
+
+Then, unless --sharded 0, the same contended load on P pools (one loader each) on a Cluster of
+one shard and of P shards (one pool each): each shard's CPU per decision and CPU share, which
+shows shards adding capacity across pools.
 """
 
 from __future__ import annotations
@@ -328,6 +332,81 @@ def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: 
     return points
 
 
+@dataclass
+class ShardedRun:
+    shards: int
+    pools: int
+    processors: int
+    decisions: dict[str, int]  # per pool, in the window
+    pool_shard: dict[str, int]  # pool -> shard index
+    shard_cpu_s: list[float]
+    seconds: float
+    script_calls: int = 0
+
+    @property
+    def rate(self) -> float:
+        return sum(self.decisions.values()) / self.seconds
+
+    def shard_us(self, i: int) -> float:
+        """Redis CPU per decision of the pools this shard holds (nan when it holds none)."""
+        d = sum(n for p, n in self.decisions.items() if self.pool_shard[p] == i)
+        return self.shard_cpu_s[i] * 1e6 / d if d else float("nan")
+
+
+def run_sharded(shard_counts: Sequence[int], pools: int, n: int, duration: float, warm: float,
+                per_processor: int, limit_per_processor: int) -> list[ShardedRun]:
+    """The same contended pools on a Cluster of 1 shard, then of `pools` shards (one pool each):
+    each shard's CPU per decision and the total, to show shards add capacity across pools."""
+    from floodgate.bench.overhead import cpu_seconds
+
+    from floodgate.redis_topology import start_cluster
+    from floodgate.stack import LocalStack
+    from floodgate.supervisor import Supervisor
+
+    runs: list[ShardedRun] = []
+    for shards in shard_counts:
+        with Supervisor() as sup:
+            topo = start_cluster(sup, primaries=shards, replicas=0, name=f"scale{shards}")
+            names = [topo.key_on_shard(i % shards, prefix=f"pool{i}-") for i in range(pools)]
+            # Same contention per pool as the single-pool runs: limit = concurrency / 3.
+            base = processor_config(max(1, limit_per_processor * n // pools))["pools"][0]
+            cfg = {"redis": {"lease_ttl_s": 15, "op_timeout_s": 2.0},
+                   "pools": [{**base, "name": nm, "match_authority": nm} for nm in names]}
+            stack = LocalStack(sup)
+            stack.redis_url = topo.url
+            procs = [stack.start_processor(cfg, name=f"p{i}") for i in range(n)]
+            ports = ",".join(str(p.port) for p in procs)
+            start_at = time.time() + 1.5
+            loaders = []
+            for nm in names:
+                out = (sup.workdir / f"load-{nm}.json").open("w")
+                loaders.append((nm, subprocess.Popen(
+                    [sys.executable, "-m", "floodgate.bench.scale", "--worker", "--ports", ports,
+                     "--authority", nm, "--concurrency", str(per_processor * n // pools), "--start-at",
+                     str(start_at), "--warm", str(warm), "--duration", str(duration)], stdout=out), out))
+            pids = [s.primary.child.proc.pid for s in topo.shards]
+            time.sleep(max(0.0, start_at + warm - time.time()))
+            ports_r = [s.primary.port for s in topo.shards]
+            c0, k0, t0 = [cpu_seconds(p) for p in pids], [_script_calls(p)[0] for p in ports_r], time.monotonic()
+            time.sleep(duration)
+            c1, k1, t1 = [cpu_seconds(p) for p in pids], [_script_calls(p)[0] for p in ports_r], time.monotonic()
+            decisions = {}
+            for nm, proc, out in loaders:
+                proc.wait(120)
+                out.close()
+                res = json.loads(Path(out.name).read_text())
+                decisions[nm] = res["admitted"] + res["rejected"]
+            run = ShardedRun(shards, pools, n, decisions, {nm: topo.shard_of(f"fg:{{{nm}}}:state") for nm in names},
+                             [b - a for a, b in zip(c0, c1, strict=True)], t1 - t0,
+                             sum(b - a for a, b in zip(k0, k1, strict=True)))
+            runs.append(run)
+            print(f"  {shards} shard(s), {pools} contended pools, N={n}: {run.rate:,.0f} decisions/s, "
+                  f"{run.script_calls / max(1, sum(decisions.values())):.2f} scripts each; "
+                  + ", ".join(f"shard {i}: {run.shard_us(i):.0f} µs/decision, {c / run.seconds:.0%} CPU"
+                              for i, c in enumerate(run.shard_cpu_s)), flush=True)
+    return runs
+
+
 def table(points: Sequence[Point]) -> str:
     head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} {'marginal':>8} "
             f"{'scripts/dec':>11} {'cmds/dec':>8} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
@@ -367,6 +446,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "always forms (default 8)")
     p.add_argument("--loaders", type=int, default=2, help="load processes (default 2)")
     p.add_argument("--json", metavar="FILE", help="also write the points as JSON")
+    p.add_argument("--sharded", type=int, default=3, metavar="P",
+                   help="also run P contended pools on a Cluster of 1 shard and of P shards (0: skip; default 3)")
+    p.add_argument("--sharded-processors", type=int, default=4, help="processors for --sharded (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -396,12 +478,24 @@ def run(args: argparse.Namespace) -> int:
         ok = contended >= TARGET_PER_SHARD
         print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "
               f"{'MET' if ok else 'NOT MET'} ({contended:,.0f})")
+    sharded: list[ShardedRun] = []
+    if args.sharded > 0:
+        print()
+        print(f"pools over shards: {args.sharded} contended pools on {args.sharded_processors} processors, "
+              f"on a Cluster of 1 and of {args.sharded} shards", flush=True)
+        sharded = run_sharded(sorted({1, args.sharded}), args.sharded, args.sharded_processors, args.duration,
+                              args.warm, args.per_processor, args.limit_per_processor)
+        for r in sharded:
+            us = [r.shard_us(i) for i in range(r.shards)]
+            print(f"{r.shards} shard(s): busiest shard {max(r.shard_cpu_s) / r.seconds:.0%} CPU, "
+                  f"Redis CPU per decision per shard {', '.join(f'{u:.0f}' for u in us)} µs")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"points": [{**asdict(p), "rate": p.rate, "cpu_us": p.cpu_us, "marginal_cpu_us": p.marginal_cpu_us,
                          "shard_rate": p.shard_rate}
                         for p in points], "prologue_us": PROLOGUE,
-             "shard": {m: shard_figure(points, m) for m in modes}}, indent=1, default=float))
+             "shard": {m: shard_figure(points, m) for m in modes},
+             "sharded": [{**asdict(r), "rate": r.rate} for r in sharded]}, indent=1, default=float))
     return 0
 
 

@@ -293,7 +293,8 @@ class _ShardedSubscription(Subscription):
                                **self._auth())
             self._clients.append(c)
             ps = c.pubsub()
-            await asyncio.wait_for(ps.ssubscribe(*chans), self._connect_timeout * 4)
+            for ch in chans:  # one SSUBSCRIBE per channel: several at once must share a slot
+                await asyncio.wait_for(ps.ssubscribe(ch), self._connect_timeout * 4)
             self._tasks.append(asyncio.create_task(self._read(ps), name=f"fg-ssub-{node.name}"))
         self._next_check = asyncio.get_running_loop().time() + self._recheck_s
 
@@ -363,7 +364,8 @@ async def subscribe(client: AnyRedis, channels: Sequence[str], *, connect_timeou
             await ps.subscribe(*channels)
         else:
             try:
-                await ps.ssubscribe(*channels)
+                for ch in channels:  # one at a time: a multi-channel SSUBSCRIBE must share a slot
+                    await ps.ssubscribe(ch)
             except ResponseError:  # Redis 6: no sharded pub/sub (and leases.lua uses PUBLISH)
                 if sharded:
                     raise

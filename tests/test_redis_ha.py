@@ -150,6 +150,25 @@ async def test_sharded_pubsub_reaches_only_the_slot_owner(cluster: ClusterTopolo
         await sub_client.aclose()
 
 
+async def test_one_subscription_for_pools_in_different_slots_of_one_shard(cluster: ClusterTopology) -> None:  # noqa: F811
+    """A processor subscribes to one channel per pool; pools in different slots of the same
+    shard share its connection (a multi-channel SSUBSCRIBE across slots is refused)."""
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
+    pools = [cluster.key_on_shard(0, prefix=f"same{i}-") for i in range(3)]
+    channels = [gateway_channel("a", p) for p in pools]
+    assert len({cluster.slot_of(ch) for ch in channels}) == 3
+    try:
+        sub = await subscribe(sub_client, channels)
+        for i, ch in enumerate(channels):
+            assert await publish(client, ch, f"m{i}") == 1
+        assert {await sub.get_message(2) for _ in channels} == {(ch, f"m{i}".encode()) for i, ch in enumerate(channels)}
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
 async def test_cluster_primary_failover_under_use(cluster: ClusterTopology) -> None:  # noqa: F811
     client = make_client(cluster.url, op_timeout_s=0.5)
     sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)

@@ -22,7 +22,7 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     parser = argparse.ArgumentParser()
     scale.add_arguments(parser)
     out = tmp_path / "scale.json"
-    args = parser.parse_args(["--processors", "2", "--duration", "1.5", "--warm", "1", "--per-processor", "12",
+    args = parser.parse_args(["--processors", "2", "--duration", "1.5", "--warm", "1", "--per-processor", "12", "--sharded", "0",
                               "--limit-per-processor", "3", "--loaders", "1", "--json", str(out)])
     assert scale.run(args) == 0
     text = capsys.readouterr().out
