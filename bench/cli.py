@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "overload": "floodgate.bench.overload",
     "elastic": "floodgate.bench.elastic",
     "scale": "floodgate.bench.scale",
+    "vegas-knee": "floodgate.bench.vegas_knee",
 }
 
 HELP = """\

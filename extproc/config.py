@@ -46,22 +46,35 @@ class _Strict(BaseModel):
 
 
 class ClassConfig(_Strict):
-    """Per-priority-class admission settings."""
+    """Per-priority-class admission settings, derived from the class's SLO unless overridden."""
 
-    queue_timeout_s: float = Field(gt=0, le=600, description="Longest a request of this class waits in the queue before 429.")
+    slo_ttft_s: float = Field(default=2.0, gt=0, le=600, description="Time-to-first-token target of this class, queue wait included (the queue timeout and early drop derive from it).")
+    slo_tpot_s: float = Field(default=0.1, gt=0, le=60, description="Time-per-output-token target of this class (the Vegas limit aims below the strictest class's, see `limit.slo_target`).")
+    queue_wait_slo_share: float = Field(default=0.75, gt=0, le=100, description="Longest queue wait as a multiple of `slo_ttft_s` when `queue_timeout_s` is not set (< 1 leaves the rest of the TTFT target for prefill; > 1 for a class that should rather wait than fail).")
+    queue_timeout_s: float = Field(default=0.0, ge=0, le=600, description="Longest a request of this class waits in the queue before 429 (0 = `queue_wait_slo_share` x `slo_ttft_s`).")
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
-    tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one tenant may hold (tenant_cap).")
+    tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one named tenant may hold (tenant_cap).")
     reserve: Literal["when_waiting", "always"] = Field(
         default="when_waiting",
         description="`when_waiting`: other classes may borrow this class's share while it has no waiters (best utilization). `always`: the share stays free for this class (headroom: lower latency for it at the onset of a burst, less throughput for the others).")
 
+    @model_validator(mode="after")
+    def _derive_timeout(self) -> ClassConfig:
+        if self.queue_timeout_s == 0:
+            derived = min(600.0, self.queue_wait_slo_share * self.slo_ttft_s)
+            object.__setattr__(self, "queue_timeout_s", round(derived, 6))
+        return self
+
 
 def _default_classes() -> dict[int, ClassConfig]:
+    # Interactive SLO for every class (TTFT 2 s, TPOT 100 ms); what differs is how long each
+    # may wait for it: critical waits well past its TTFT target rather than fail (10 x = 20 s),
+    # standard waits ~3/4 of it (the rest is prefill), sheddable half of it.
     return {
-        0: ClassConfig(queue_timeout_s=20, max_queue=1000, share=0.5),
-        1: ClassConfig(queue_timeout_s=10, max_queue=1000, share=0.3),
-        2: ClassConfig(queue_timeout_s=5, max_queue=500, share=0.1),
+        0: ClassConfig(queue_wait_slo_share=10, max_queue=1000, share=0.5),
+        1: ClassConfig(queue_wait_slo_share=0.75, max_queue=1000, share=0.3),
+        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.1),
     }
 
 
@@ -75,8 +88,12 @@ class LimitConfig(_Strict):
     smoothing: float = Field(default=1.0, gt=0, le=1, description="Weight of a new limit versus the old (1 = no smoothing).")
     signal: Literal["ttft", "tpot", "combined"] = Field(
         default="tpot", description="Latency signal fed to Vegas (see docs/admission.md).")
-    probe_multiplier: int = Field(default=30, ge=1, description="rtt_noload resets every jitter(0.5..1)*probe_multiplier*L samples.")
+    probe_multiplier: int = Field(default=30, ge=1, description="rtt_noload is re-estimated every jitter[0.5,1)*probe_multiplier*L windows.")
     rtt_tolerance: float = Field(default=3.0, ge=1.0, le=10.0, description="Latency up to this multiple of the no-load latency counts as no queue (1.0 = Netflix Vegas; LLM latency grows with batch size before anything queues).")
+    flavor: Literal["floodgate", "netflix"] = Field(
+        default="floodgate",
+        description="`floodgate`: the no-load baseline is re-estimated only from windows at low in-flight (it cannot drift up under sustained load), 5xx lower the limit by their share of the window, and latency up to `slo_target` counts as no queue. `netflix`: VegasLimit.java as written (a probe resets the baseline to the current latency, any 5xx in a window is a drop, no SLO target).")
+    slo_target: float = Field(default=0.75, ge=0, le=1, description="Latency up to this fraction of the pool's SLO for the signal counts as no queue (strictest class; tpot: slo_tpot_s, combined: 32 x slo_tpot_s, ttft: slo_ttft_s x (1 - queue_wait_slo_share, at least 1/4)); 0 = no SLO target.")
     window_min_samples: int = Field(default=10, ge=1, description="Samples a window needs before it updates the limit.")
     window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
     window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
@@ -124,6 +141,22 @@ class PoolConfig(_Strict):
             raise ValueError("class shares add up to more than 1")
         return v
 
+    def latency_target(self) -> float:
+        """Seconds of `limit.signal` that count as no queue for Vegas, from the strictest class
+        SLO (0 = none). The engine-side part of each SLO: TPOT as is; `combined` is the time
+        to the 32nd token; `ttft` is measured after admission, so the queue's part of the TTFT
+        target is taken out."""
+        if self.limit.slo_target <= 0:
+            return 0.0
+        cs = self.classes.values()
+        if self.limit.signal == "tpot":
+            base = min(c.slo_tpot_s for c in cs)
+        elif self.limit.signal == "combined":
+            base = min(32 * c.slo_tpot_s for c in cs)
+        else:
+            base = min(c.slo_ttft_s * max(0.25, 1 - c.queue_wait_slo_share) for c in cs)
+        return self.limit.slo_target * base
+
 
 class TrustConfig(_Strict):
     """Who may set `x-request-priority` themselves."""
@@ -151,7 +184,8 @@ class AdmissionConfig(_Strict):
     trust: TrustConfig = TrustConfig()
     retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")
     retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
-    retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is multiplied by 1 + uniform(0, jitter) to spread retries.")
+    retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is spread uniformly over a band this wide (relative), also at the min/max clamps.")
+    anonymous_tenant_cap: bool = Field(default=False, description="Apply `tenant_queue_share` to requests without a tenant header as if they were one tenant (default: they are not capped).")
 
     @model_validator(mode="after")
     def _retry_after_bounds(self) -> AdmissionConfig:

@@ -1,42 +1,54 @@
-"""The Vegas concurrency limit, with Netflix concurrency-limits semantics (pure).
+"""The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus three fixes.
 
-`VegasLimit.update(state, sample, rand)` maps the shared state and one aggregated window
-sample to the next state. It does no I/O and reads no clock, so the same function runs
-against the state held in Redis (read, update, compare-and-set) and in the local fallback.
+Per sample (design §6): queue = ceil(L * (1 - ref / rtt)) with ref = rtt_noload in Netflix's
+formula; lg = log10 of the truncated integer limit (at least 1); alpha = 3 lg, beta = 6 lg,
+threshold = lg. Drop: L -= lg. App-limited (inflight * 2 < L): no change. queue <= threshold:
+L += beta; queue < alpha: L += lg; queue > beta: L -= lg. Clamp, then smooth. rtt_noload is a
+running minimum, re-estimated every jitter[0.5, 1) * probe_multiplier * L samples.
 
-Per sample (design §6): queue = ceil(L * (1 - tolerance * rtt_noload / rtt)) (tolerance 1 is
-Netflix's formula; see `tolerance`); lg = max(1, floor(log10 L));
-alpha = 3 lg, beta = 6 lg, threshold = lg. Drop: L -= lg. App-limited (inflight * 2 < L): no
-change. queue <= threshold: L += beta; queue < alpha: L += lg; queue > beta: L -= lg. Clamp to
-[min, max], then smooth. rtt_noload is a running minimum, reset to the current rtt every
-jitter(0.5..1) * probe_multiplier * L samples so it can follow a slower model.
+`flavor="netflix"` is VegasLimit.java as written (tests/test_vegas.py checks it against a
+transcription). The default `floodgate` flavor differs where Netflix's choices hurt an LLM
+pool under sustained load:
+
+* Baseline. Netflix's probe sets rtt_noload to the current rtt, even when the pool is
+  saturated; with a tolerance that accepts latency up to k x rtt_noload, every probe under
+  load raises the accepted latency k-fold and the limit ratchets to its maximum. Here the
+  probe re-estimates rtt_noload from the lowest rtt of the windows since the last probe that
+  ran at low in-flight (at most twice the in-flight of the current baseline, or 4); under
+  sustained saturation there are none and the baseline stays.
+* Drops. Netflix counts any drop in a window as a drop of the window; here a window whose
+  requests failed with share s moves the limit s of the way to the drop decrease and 1 - s of
+  the way to the latency decision, so a few percent of upstream 5xx barely move it.
+* Reference. ref = `target`, the latency the pool's SLO allows for the signal (config
+  `limit.slo_target`), when the no-load latency is below it; tolerance x rtt_noload
+  otherwise. An LLM engine's TPOT grows with batch size long before anything queues, and
+  the SLO, not the latency at whatever load the baseline happened to be measured, says how
+  much growth is fine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
+from floodgate.extproc.limit import LimitState, Sample, SampleWindow
 
-@dataclass(frozen=True)
-class VegasState:
-    limit: float
-    rtt_noload: float = 0.0  # 0 = not measured yet
-    probe_count: int = 0
-    probe_jitter: float = 1.0  # in [0.5, 1)
+__all__ = ["Sample", "SampleWindow", "VegasLimit", "VegasState", "log10_root"]
 
-
-@dataclass(frozen=True)
-class Sample:
-    """One window's aggregate: mean rtt (seconds), peak in-flight seen, any drop in it."""
-
-    rtt: float
-    inflight: int
-    dropped: bool = False
+VegasState = LimitState
+LOW_INFLIGHT_FLOOR = 4
 
 
 def log10_root(limit: float) -> int:
-    return max(1, int(math.log10(max(1.0, limit))))
+    """Netflix Log10RootFunction on the truncated integer limit (max(1, floor(log10 L)))."""
+    n = int(limit)
+    return max(1, int(math.log10(n))) if n >= 1 else 1
+
+
+def _netflix_log10_root(n: int) -> int:
+    # Log10RootFunction.java: a lookup of max(1, (int) log10(i)) below 1000, sqrt above.
+    return max(1, int(math.log10(n))) if 0 < n < 1000 else (1 if n <= 0 else int(math.sqrt(n)))
 
 
 @dataclass(frozen=True)
@@ -45,94 +57,96 @@ class VegasLimit:
     max_limit: int = 512
     smoothing: float = 1.0
     probe_multiplier: int = 30
-    # Latency up to tolerance x rtt_noload counts as no queue. 1.0 is Netflix's Vegas; an LLM
-    # engine's TTFT/TPOT grow with batch size long before anything queues, so Floodgate's
-    # config defaults to 3.0 (see docs/benchmarks.md, Overload).
+    # Latency up to tolerance x rtt_noload counts as no queue. 1.0 is Netflix's Vegas.
     tolerance: float = 1.0
+    flavor: Literal["floodgate", "netflix"] = "floodgate"
+    target: float = 0.0  # SLO latency of the signal that counts as no queue (0 = none)
+
+    @property
+    def adaptive(self) -> bool:
+        return True
 
     def initial(self, limit: int) -> VegasState:
         return VegasState(limit=float(max(self.min_limit, min(self.max_limit, limit))))
 
+    def _lg(self, limit: float) -> int:
+        return _netflix_log10_root(int(limit)) if self.flavor == "netflix" else log10_root(limit)
+
     def update(self, state: VegasState, sample: Sample, rand: float) -> VegasState:
         """`rand` in [0, 1) picks the next probe jitter (passed in to keep this pure)."""
         if sample.rtt <= 0:
-            # A window of drops only (every sampled request failed): no latency to learn from.
+            # A window of drops only (every measured request failed): no latency to learn from.
             if sample.dropped:
-                return replace(state, limit=self._next_limit(state.limit, state.rtt_noload, sample))
+                return replace(state, limit=self._next_limit(state, sample))
             return state
+        if state.probe_jitter >= 1.0:
+            # A state that never drew its probe jitter (a fresh pool): draw it now, uniform in
+            # [0.5, 1) as Netflix does at construction.
+            state = replace(state, probe_jitter=0.5 + rand * 0.5)
         probe_count = state.probe_count + 1
-        if probe_count >= self.probe_multiplier * state.limit * state.probe_jitter:
-            # Periodic probe: forget the minimum so a permanently slower model is re-learnt.
-            return replace(state, rtt_noload=sample.rtt, probe_count=0, probe_jitter=0.5 + rand * 0.5)
+        if state.probe_jitter * self.probe_multiplier * state.limit <= probe_count:
+            return self._probe(state, sample, rand)
         if state.rtt_noload == 0 or sample.rtt < state.rtt_noload:
-            return replace(state, rtt_noload=sample.rtt, probe_count=probe_count)
-        new_limit = self._next_limit(state.limit, state.rtt_noload, sample)
-        return replace(state, limit=new_limit, probe_count=probe_count)
+            return replace(state, rtt_noload=sample.rtt, probe_count=probe_count,
+                           noload_inflight=sample.inflight)
+        state = replace(state, probe_count=probe_count)
+        if self.flavor == "floodgate" and self._low(state, sample.inflight) and (
+                state.epoch_rtt == 0 or sample.rtt < state.epoch_rtt):
+            state = replace(state, epoch_rtt=sample.rtt, epoch_inflight=sample.inflight)
+        return replace(state, limit=self._next_limit(state, sample))
 
-    def _next_limit(self, limit: float, rtt_noload: float, sample: Sample) -> float:
-        lg = log10_root(limit)
-        if sample.dropped:
-            target = limit - lg
-        elif sample.inflight * 2 < limit:
-            return limit  # app-limited: the latency says nothing about the limit
+    def _low(self, state: VegasState, inflight: int) -> bool:
+        return inflight <= max(LOW_INFLIGHT_FLOOR, 2 * state.noload_inflight)
+
+    def _probe(self, state: VegasState, sample: Sample, rand: float) -> VegasState:
+        jitter = 0.5 + rand * 0.5
+        if self.flavor == "netflix":
+            # Forget the minimum: a permanently slower model is re-learnt (and, under load,
+            # the loaded latency becomes the baseline).
+            return replace(state, rtt_noload=sample.rtt, probe_count=0, probe_jitter=jitter,
+                           noload_inflight=sample.inflight)
+        rtt, inflight = state.epoch_rtt, state.epoch_inflight
+        if self._low(state, sample.inflight) and (rtt == 0 or sample.rtt < rtt):
+            rtt, inflight = sample.rtt, sample.inflight
+        if rtt == 0:  # no window at low in-flight since the last probe: keep the baseline
+            rtt, inflight = state.rtt_noload, state.noload_inflight
+        return replace(state, rtt_noload=rtt, noload_inflight=inflight, probe_count=0,
+                       probe_jitter=jitter, epoch_rtt=0.0, epoch_inflight=0)
+
+    def _next_limit(self, state: VegasState, sample: Sample) -> float:
+        limit = state.limit
+        lg = self._lg(limit)
+        decreased = limit - lg
+        if self.flavor == "netflix" or sample.rtt <= 0:
+            share = 1.0 if sample.dropped else 0.0
         else:
-            queue = max(0, math.ceil(limit * (1 - self.tolerance * rtt_noload / sample.rtt)))
-            alpha, beta, threshold = 3 * lg, 6 * lg, lg
-            if queue <= threshold:
-                target = limit + beta
-            elif queue < alpha:
-                target = limit + lg
-            elif queue > beta:
-                target = limit - lg
-            else:
-                return limit
-        target = max(float(self.min_limit), min(float(self.max_limit), target))
+            share = sample.drops
+        if share >= 1.0:
+            target = decreased
+        else:
+            target = self._latency_target(state, sample, lg)
+            target = (1 - share) * target + share * decreased
+        if target == limit:
+            return limit  # no change: Netflix returns before smoothing (no float drift)
+        lo = 1.0 if self.flavor == "netflix" else float(self.min_limit)
+        target = max(lo, min(float(self.max_limit), target))
         return (1 - self.smoothing) * limit + self.smoothing * target
 
-
-@dataclass
-class SampleWindow:
-    """Aggregates per-request measurements into one Vegas sample (Netflix WindowedLimit).
-
-    A window closes when it has `min_samples` and is at least `min_duration` old, or when it
-    is `max_duration` old with at least one sample (so a quiet pool still learns).
-    """
-
-    min_samples: int = 10
-    min_duration: float = 1.0
-    max_duration: float = 10.0
-    started: float | None = None
-    count: int = 0
-    rtt_sum: float = 0.0
-    max_inflight: int = 0
-    dropped: bool = False
-    drops: int = 0
-
-    def add(self, now: float, rtt: float | None, inflight: int, dropped: bool = False) -> None:
-        if self.started is None:
-            self.started = now
-        if dropped:
-            self.dropped = True
-            self.drops += 1
-        elif rtt is not None and rtt > 0:
-            self.count += 1
-            self.rtt_sum += rtt
-        self.max_inflight = max(self.max_inflight, inflight)
-
-    def ready(self, now: float) -> bool:
-        if self.started is None:
-            return False
-        age = now - self.started
-        has_any = self.count > 0 or self.dropped
-        return (self.count + self.drops >= self.min_samples and age >= self.min_duration) or (
-            has_any and age >= self.max_duration)
-
-    def take(self) -> Sample | None:
-        """Close the window and return its sample (None if it holds nothing usable)."""
-        sample: Sample | None = None
-        if self.count or self.dropped:
-            rtt = self.rtt_sum / self.count if self.count else 0.0
-            sample = Sample(rtt=rtt, inflight=self.max_inflight, dropped=self.dropped)
-        self.started, self.count, self.rtt_sum, self.max_inflight = None, 0, 0.0, 0
-        self.dropped, self.drops = False, 0
-        return sample
+    def _latency_target(self, state: VegasState, sample: Sample, lg: int) -> float:
+        limit = state.limit
+        if sample.inflight * 2 < limit:
+            return limit  # app-limited: the latency says nothing about the limit
+        ref = self.tolerance * state.rtt_noload
+        if self.flavor == "floodgate" and self.target >= state.rtt_noload:
+            # The SLO says how much latency growth is fine; the tolerance is only the fallback
+            # for a pool whose no-load latency already misses it.
+            ref = self.target
+        queue = max(0, math.ceil(limit * (1 - ref / sample.rtt)))
+        alpha, beta, threshold = 3 * lg, 6 * lg, lg
+        if queue <= threshold:
+            return limit + beta
+        if queue < alpha:
+            return limit + lg
+        if queue > beta:
+            return limit - lg
+        return limit

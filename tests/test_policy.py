@@ -8,12 +8,14 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
+    certain_reject,
     eligible,
     predicted_wait,
     queue_decision,
     reservations,
     retry_after,
     timeout_reject,
+    wait_estimate,
 )
 
 SHARES = (0.5, 0.3, 0.1)
@@ -65,60 +67,118 @@ def test_borrowing_allowed_when_other_reservations_covered() -> None:
     assert not eligible(1, 10, [0, 4, 0], [1, 0, 0], (0.6, 0.3, 0.1))
 
 
-def test_predicted_wait_counts_waiters_ahead() -> None:
-    assert predicted_wait(1, snap(queued=(0, 3, 50), rate=2.0)) == pytest.approx(2.0)  # (0+3+1)/2
-    assert predicted_wait(0, snap(queued=(2, 3, 50), rate=2.0)) == pytest.approx(1.5)
-    assert predicted_wait(2, snap(queued=(0, 0, 0), rate=0.0)) is None
+def full(queued: tuple[int, int, int], rate: float = 2.0, n: int = 200, **kw: object) -> Snapshot:
+    """A full pool (limit 10, in flight 5/3/2) with these waiters."""
+    return Snapshot(10, (5, 3, 2), queued, 0, grant_rate=rate, release_n=n, **kw)  # type: ignore[arg-type]
 
 
-def test_predicted_wait_uses_the_class_grant_rate() -> None:
-    s = Snapshot(10, (5, 3, 2), (4, 9, 3), 0, grant_rate=10.0, class_rate=0.5)
-    assert predicted_wait(2, s) == pytest.approx(8.0)  # (3 + 1) / 0.5: P2's own share of grants
+def test_predicted_wait_counts_waiters_ahead_at_the_pool_rate() -> None:
+    assert predicted_wait(1, full((0, 3, 50))) == pytest.approx(2.0)  # (0 + 3 + 1) / 2
+    assert predicted_wait(0, full((2, 3, 50))) == pytest.approx(1.5)
+    assert predicted_wait(2, full((0, 0, 0), rate=0.0)) is None
 
 
-def test_class_starved_behind_higher_classes_waits_forever() -> None:
-    s = Snapshot(10, (5, 5, 0), (4, 9, 0), 0, grant_rate=10.0, class_rate=0.0)
-    assert predicted_wait(2, s) == float("inf")
+def test_a_sparse_class_is_not_judged_by_its_own_grant_history() -> None:
+    # P0 got no grant for a long time (class rate 0), the pool frees 2 permits/s: one release
+    s = full((0, 40, 40), class_rates=(0.0, 1.5, 0.5))
+    assert predicted_wait(0, s) == pytest.approx(0.5)
+    assert isinstance(queue_decision(0, s, CLASSES, ADM, 0.0), Enqueue)
+
+
+def test_release_rate_follows_a_pool_that_just_filled_up() -> None:
+    # 5 permits/s measured while 4 were held on average; 10 held now: ~12.5/s
+    s = Snapshot(10, (5, 3, 2), (0, 0, 0), 0, grant_rate=5.0, release_n=100, inflight_avg=4.0)
+    assert s.release_rate() == pytest.approx(12.5)
+    assert Snapshot(10, (1, 0, 0), (0, 0, 0), 0, grant_rate=5.0, inflight_avg=4.0).release_rate() == 5.0
+
+
+def test_class_starved_behind_long_lived_higher_waiters_is_dropped() -> None:
+    # Limit 4: P2's share rounds to no reservation; 30 P0 waiters that live 20 s are served first
+    shares = (0.5, 0.3, 0.1)
+    s = Snapshot(4, (2, 2, 0), (30, 0, 0), 0, grant_rate=2.0, release_n=200,
+                 head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
+    est = wait_estimate(2, s, shares, horizon=5.0)
+    assert est.earliest == pytest.approx(15.5)  # 31 releases at 2/s
     d = queue_decision(2, s, CLASSES, ADM, rand=0.0)
-    assert isinstance(d, Reject) and d.reason == "early_drop" and d.retry_after_s == 60
+    assert isinstance(d, Reject) and d.reason == "early_drop"
+    # if those waiters may expire within the horizon, nothing is certain: it waits
+    s2 = Snapshot(4, (2, 2, 0), (30, 0, 0), 0, grant_rate=2.0, release_n=200,
+                  head_left=(3.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
+    assert isinstance(queue_decision(2, s2, CLASSES, ADM, rand=0.0), Enqueue)
+
+
+def test_own_class_backlog_that_will_expire_does_not_push_a_newcomer_out() -> None:
+    # 40 P1 waiters, but the last of them times out in 0.2 s: after that this one is next
+    shares = (0.5, 0.3, 0.1)
+    s = full((0, 40, 0), head_left=(0.0, 0.01, 0.0), tail_left=(0.0, 0.2, 0.0))
+    est = wait_estimate(1, s, shares, horizon=15.0)
+    assert est.earliest == pytest.approx(0.5)  # tail gone at 0.2 s, next release at 0.5 s
+    # Even a fresh backlog of its own class never proves it late: they all time out no later
+    # than the newest of them, before this one, and the grant loop skips them (it waits).
+    fresh = full((0, 40, 0), head_left=(0.0, 14.9, 0.0), tail_left=(0.0, 14.99, 0.0))
+    assert wait_estimate(1, fresh, shares, horizon=15.0).earliest == pytest.approx(14.9)
+    assert isinstance(queue_decision(1, fresh, CLASSES, ADM, 0.0), Enqueue)
 
 
 def test_queue_full() -> None:
-    d = queue_decision(2, snap(queued=(0, 0, 10), rate=10), CLASSES, ADM, rand=0.0)
+    d = queue_decision(2, full((0, 0, 10)), CLASSES, ADM, rand=0.0)
     assert isinstance(d, Reject) and d.reason == "queue_full" and d.status == 429
 
 
-def test_tenant_cap() -> None:
-    d = queue_decision(2, snap(queued=(0, 0, 5), tenant=5), CLASSES, ADM, rand=0.0)
+def test_tenant_cap_applies_to_named_tenants_only() -> None:
+    s = Snapshot(10, (5, 3, 2), (0, 0, 5), 5, 0.0)
+    d = queue_decision(2, s, CLASSES, ADM, rand=0.0)
     assert isinstance(d, Reject) and d.reason == "tenant_cap"
-    assert isinstance(queue_decision(2, snap(queued=(0, 0, 5), tenant=4), CLASSES, ADM, 0.0), Enqueue)
+    assert isinstance(queue_decision(2, Snapshot(10, (5, 3, 2), (0, 0, 5), 4, 0.0), CLASSES, ADM, 0.0), Enqueue)
+    # requests without a tenant are not one tenant ...
+    assert isinstance(queue_decision(2, s, CLASSES, ADM, 0.0, named_tenant=False), Enqueue)
+    # ... unless configured so
+    anon = AdmissionConfig(anonymous_tenant_cap=True)
+    d = queue_decision(2, s, CLASSES, anon, 0.0, named_tenant=False)
+    assert isinstance(d, Reject) and d.reason == "tenant_cap"
 
 
-def test_early_drop_when_predicted_wait_exceeds_timeout() -> None:
-    d = queue_decision(2, snap(queued=(0, 0, 9), rate=1.0), CLASSES, ADM, rand=0.0)  # wait 10 s > 5 s
-    assert isinstance(d, Reject) and d.reason == "early_drop" and d.retry_after_s == 10
-    # the same queue is fine for P0, which waits behind nobody
-    assert isinstance(queue_decision(0, snap(queued=(0, 0, 9), rate=1.0), CLASSES, ADM, 0.0), Enqueue)
+def test_unknown_or_thin_rate_never_early_drops() -> None:
+    fresh = {"head_left": (0.0, 14.9, 0.0), "tail_left": (0.0, 15.0, 0.0)}
+    assert isinstance(queue_decision(1, full((0, 99, 0), rate=0.0, **fresh), CLASSES, ADM, 0.0), Enqueue)
+    d = queue_decision(1, full((0, 99, 0), n=10, **fresh), CLASSES, ADM, 0.0)
+    assert isinstance(d, Enqueue) and d.predicted_wait_s == pytest.approx(50.0)
 
 
-def test_unknown_rate_never_early_drops() -> None:
-    d = queue_decision(1, snap(queued=(0, 99, 0), rate=0.0), CLASSES, ADM, 0.0)
-    assert isinstance(d, Enqueue) and d.predicted_wait_s is None
-
-
-def test_retry_after_clamped_and_jittered() -> None:
+def test_retry_after_is_jittered_everywhere_including_the_clamps() -> None:
     c = CLASSES[2]
-    assert retry_after(0.1, c, ADM, rand=0.0) == 1
-    assert retry_after(1000, c, ADM, rand=0.9) == 60
-    assert retry_after(10, c, ADM, rand=0.0) == 10
-    assert retry_after(10, c, ADM, rand=0.99) == 12  # ceil(10 * 1.198)
-    assert retry_after(None, c, ADM, rand=0.0) == 5  # unknown: the class timeout
+    at_max = {retry_after(1000, c, ADM, rand=r / 100) for r in range(100)}
+    assert min(at_max) >= 50 and max(at_max) >= 59 and len(at_max) > 5  # not all exactly 60
+    at_min = {retry_after(0.01, c, ADM, rand=r / 100) for r in range(100)}
+    assert at_min == {1, 2}
+    mid = [retry_after(10, c, ADM, rand=r / 100) for r in range(100)]
+    assert min(mid) >= 10 and max(mid) <= 12 and len(set(mid)) == 3
+    assert {retry_after(float("inf"), c, ADM, rand=r / 100) for r in range(100)} == at_max
+    assert 5 <= retry_after(None, c, ADM, rand=0.0) <= 6  # unknown: the class timeout
 
 
-def test_timeout_reject() -> None:
-    r = timeout_reject(1, snap(queued=(0, 3, 0), rate=1.0), CLASSES, ADM, 0.0)
-    assert r.reason == "queue_timeout" and r.retry_after_s == 4
-    assert timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s == 15
+def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
+    r = timeout_reject(1, full((0, 3, 0), rate=1.0), CLASSES, ADM, 0.0)
+    assert r.reason == "queue_timeout" and 4 <= r.retry_after_s <= 5
+    assert 15 <= timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s <= 18
+
+
+def test_certain_reject_needs_twice_the_margin() -> None:
+    # rate 4/s over 40 releases: upper bound 5.9/s
+    s = Snapshot(4, (2, 2, 0), (60, 0, 0), 0, grant_rate=4.0, release_n=200,
+                 head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
+    r = certain_reject(2, s, CLASSES, ADM, 0.0)  # 61 releases: >= 10.3 s > 2 x 5 s
+    assert r is not None and r.reason == "early_drop"
+    s2 = Snapshot(4, (2, 2, 0), (40, 0, 0), 0, grant_rate=4.0, release_n=200,
+                  head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
+    assert isinstance(queue_decision(2, s2, CLASSES, ADM, 0.0), Reject)  # >= 6.9 s > 5 s
+    assert certain_reject(2, s2, CLASSES, ADM, 0.0) is None  # but not > 10 s
+
+
+def test_queue_timeout_derives_from_the_slo() -> None:
+    c = ClassConfig(slo_ttft_s=4, queue_wait_slo_share=0.5, max_queue=1, share=0.1)
+    assert c.queue_timeout_s == 2
+    assert ClassConfig(slo_ttft_s=4, queue_timeout_s=7, max_queue=1, share=0.1).queue_timeout_s == 7
 
 
 def test_reservation_kept_always_even_without_waiters() -> None:

@@ -1,17 +1,24 @@
-"""Every branch of the Vegas update (design §6) and of the sample window, with a fake clock."""
+"""Every branch of the Vegas update (design §6) and of the sample window, with a fake clock;
+the `netflix` flavor against a transcription of Netflix's VegasLimit.java on identical
+sequences; the `floodgate` flavor's fixes (baseline, drop share, truncated log10, jitter)."""
 
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
+from floodgate.extproc.config import LimitConfig, PoolConfig
+from floodgate.extproc.limit import FixedLimit, WindowedLimit, limit_for
 from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit, VegasState, log10_root
 
 V = VegasLimit(min_limit=1, max_limit=1000, smoothing=1.0, probe_multiplier=30)
+N = VegasLimit(min_limit=1, max_limit=1000, probe_multiplier=30, flavor="netflix")
 
 
 def base(limit: float = 100, noload: float = 0.1) -> VegasState:
-    return VegasState(limit=limit, rtt_noload=noload, probe_count=0, probe_jitter=1.0)
+    return VegasState(limit=limit, rtt_noload=noload, probe_count=0, probe_jitter=0.9, noload_inflight=1)
 
 
 @pytest.mark.parametrize(("limit", "lg"), [(1, 1), (9, 1), (10, 1), (99, 1), (100, 2), (999, 2), (1000, 3)])
@@ -81,12 +88,58 @@ def test_smoothing_blends_old_and_new() -> None:
     assert s.limit == pytest.approx(106)
 
 
-def test_probe_resets_noload_with_jitter() -> None:
-    # probe after probe_multiplier * L * jitter samples: 30 * 10 * 1.0 = 300
-    s = VegasState(limit=10, rtt_noload=0.1, probe_count=299, probe_jitter=1.0)
-    out = V.update(s, Sample(rtt=0.3, inflight=10), rand=0.25)
+def test_netflix_probe_resets_noload_to_the_current_rtt() -> None:
+    # probe after probe_multiplier * L * jitter samples: 30 * 10 * 0.9 = 270
+    s = VegasState(limit=10, rtt_noload=0.1, probe_count=269, probe_jitter=0.9)
+    out = N.update(s, Sample(rtt=0.3, inflight=10), rand=0.25)
     assert out.rtt_noload == 0.3 and out.probe_count == 0 and out.probe_jitter == 0.625
     assert out.limit == 10
+
+
+def test_floodgate_probe_keeps_the_baseline_under_sustained_load() -> None:
+    s = VegasState(limit=10, rtt_noload=0.1, probe_count=269, probe_jitter=0.9, noload_inflight=2)
+    out = V.update(s, Sample(rtt=0.3, inflight=10), rand=0.25)  # saturated: not a low window
+    assert out.rtt_noload == 0.1 and out.probe_count == 0 and out.probe_jitter == 0.625
+
+
+def test_floodgate_probe_takes_the_lowest_rtt_seen_at_low_inflight() -> None:
+    # the model got slower: windows at low in-flight (<= 2 x 2) show 0.15 at best
+    st = VegasState(limit=10, rtt_noload=0.1, probe_count=0, probe_jitter=0.9, noload_inflight=2)
+    for rtt, inflight in [(0.2, 3), (0.15, 4), (0.5, 10), (0.17, 2)]:
+        st = V.update(st, Sample(rtt=rtt, inflight=inflight), 0.5)
+    assert st.epoch_rtt == 0.15 and st.rtt_noload == 0.1
+    st = V.update(replace(st, probe_count=269), Sample(rtt=0.4, inflight=10), 0.5)
+    assert st.rtt_noload == 0.15 and st.noload_inflight == 4 and st.epoch_rtt == 0.0
+
+
+def test_a_fresh_state_draws_its_probe_jitter() -> None:
+    st = V.update(VegasState(limit=10), Sample(rtt=0.2, inflight=10), rand=0.5)
+    assert st.probe_jitter == 0.75
+
+
+def test_drops_weigh_by_their_share_of_the_window() -> None:
+    # no queue: L would go 100 -> 112; a drop takes it to 98; 5 % drops: 0.95 * 112 + 0.05 * 98
+    s = V.update(base(100), Sample(rtt=0.1, inflight=100, dropped=True, drop_share=0.05), 0.5)
+    assert s.limit == pytest.approx(111.3)
+    # Netflix: any drop in the window is a drop
+    assert N.update(base(100), Sample(rtt=0.1, inflight=100, dropped=True, drop_share=0.05), 0.5).limit == 98
+
+
+def test_log10_of_the_truncated_limit() -> None:
+    # log10(99.99999999999999) rounds to 2.0 in floating point; Netflix takes log10(99) = 1
+    assert log10_root(99.99999999999999) == 1
+    assert log10_root(999.9999999999999) == 2
+
+
+def test_slo_target_counts_latency_below_it_as_no_queue() -> None:
+    slo = VegasLimit(max_limit=1000, tolerance=1.0, target=0.3)
+    # rtt 2.5 x noload but under the target: no queue, L += beta
+    assert slo.update(base(100), Sample(rtt=0.25, inflight=100), 0.5).limit == 112
+    # above the target: queue = ceil(100 * (1 - 0.3 / 0.5)) = 40 > beta -> decrease
+    assert slo.update(base(100), Sample(rtt=0.5, inflight=100), 0.5).limit == 98
+    # a target below the no-load latency is unreachable: the tolerance applies instead
+    low = VegasLimit(max_limit=1000, tolerance=3.0, target=0.05)
+    assert low.update(base(100), Sample(rtt=0.25, inflight=100), 0.5).limit == 112
 
 
 def test_probe_counts_samples() -> None:
@@ -111,7 +164,7 @@ def test_window_needs_samples_and_time() -> None:
     assert not w.ready(0.5)  # enough samples, too young
     assert w.ready(1.0)
     sample = w.take()
-    assert sample == Sample(rtt=pytest.approx(0.1), inflight=5, dropped=False)
+    assert sample == Sample(rtt=pytest.approx(0.1), inflight=5, dropped=False, drop_share=0.0)
     assert not w.ready(100.0)  # a fresh window
 
 
@@ -130,7 +183,36 @@ def test_window_records_drops() -> None:
     w.add(0.0, None, inflight=2, dropped=True)
     assert w.ready(0.0)
     s = w.take()
-    assert s is not None and s.dropped and s.rtt == 0.0
+    assert s is not None and s.dropped and s.rtt == 0.0 and s.drop_share == 1.0
+
+
+def test_window_drop_share_counts_unmeasured_successes() -> None:
+    # 20 successes (half of them measured, as with sample_rate 0.5) and one 5xx: share 1/21
+    w = SampleWindow(min_samples=5, min_duration=0.0)
+    for i in range(20):
+        w.add(0.0, 0.1 if i % 2 else None, inflight=5)
+    w.add(0.0, None, inflight=5, dropped=True)
+    s = w.take()
+    assert s is not None and s.drop_share == pytest.approx(1 / 21) and s.rtt == pytest.approx(0.1)
+
+
+def test_windowed_limit_records_outcomes_and_fixed_limit_ignores_them() -> None:
+    wl = WindowedLimit(VegasLimit(), SampleWindow(min_samples=2, min_duration=0.0))
+    assert wl.record(0.0, "success", 0.1, 4) is None
+    sample = wl.record(0.1, "dropped", None, 4)
+    assert sample is not None and sample.drop_share == 0.5
+    assert wl.record(0.2, "ignored", None, 4) is None
+    fixed = WindowedLimit(FixedLimit(96), SampleWindow(min_samples=1, min_duration=0.0))
+    assert not fixed.adaptive and fixed.record(0.0, "success", 0.1, 4) is None
+    assert fixed.update(VegasState(limit=50), Sample(0.1, 4), 0.5).limit == 96
+
+
+def test_limit_for_reads_the_mode_once() -> None:
+    assert isinstance(limit_for(PoolConfig(limit=LimitConfig(mode="static", initial=64))).delegate, FixedLimit)
+    v = limit_for(PoolConfig()).delegate
+    assert isinstance(v, VegasLimit) and v.flavor == "floodgate" and v.target == pytest.approx(0.075)
+    n = limit_for(PoolConfig(limit=LimitConfig(flavor="netflix", rtt_tolerance=1.0))).delegate
+    assert isinstance(n, VegasLimit) and n.target == 0.0
 
 
 def test_empty_window_gives_nothing() -> None:
@@ -139,6 +221,7 @@ def test_empty_window_gives_nothing() -> None:
 
 def test_tolerance_treats_moderate_latency_growth_as_no_queue() -> None:
     tolerant = VegasLimit(max_limit=1000, tolerance=2.0)
+    V = N  # Netflix's formula, no tolerance
     # rtt 1.8x noload: Netflix Vegas sees queue = ceil(100 * (1 - 1/1.8)) = 45 > beta -> decrease
     assert V.update(base(100), Sample(rtt=0.18, inflight=100), 0.5).limit == 98
     # with tolerance 2 it is no queue at all -> L += beta
@@ -149,3 +232,81 @@ def test_tolerance_still_backs_off_when_latency_explodes() -> None:
     tolerant = VegasLimit(max_limit=1000, tolerance=2.0)
     # rtt 4x noload: queue = ceil(100 * (1 - 2/4)) = 50 > beta 12 -> decrease
     assert tolerant.update(base(100), Sample(rtt=0.4, inflight=100), 0.5).limit == 98
+
+
+class JavaVegasLimit:
+    """VegasLimit.java (Netflix concurrency-limits, default builder), transcribed line by line:
+    rtt in nanoseconds (long), estimatedLimit a double, Log10RootFunction with its lookup
+    below 1000 and sqrt above, probe jitter from a supplied random stream."""
+
+    def __init__(self, initial: int, max_limit: int, smoothing: float, probe_multiplier: int,
+                 rand: random.Random) -> None:
+        self.estimated = float(initial)
+        self.rtt_noload = 0
+        self.max_limit = max_limit
+        self.smoothing = smoothing
+        self.probe_multiplier = probe_multiplier
+        self.probe_count = 0
+        self.rand = rand
+        self.probe_jitter = 0.5 + rand.random() * 0.5
+
+    @staticmethod
+    def log10(t: int) -> int:
+        if t < 1000:
+            return max(1, int(math.log10(t))) if t > 0 else 1
+        return int(math.sqrt(t))
+
+    def update(self, rtt: int, inflight: int, did_drop: bool) -> int:
+        self.probe_count += 1
+        if self.probe_jitter * self.probe_multiplier * self.estimated <= self.probe_count:
+            self.probe_jitter = 0.5 + self.rand.random() * 0.5
+            self.probe_count = 0
+            self.rtt_noload = rtt
+            return int(self.estimated)
+        if self.rtt_noload == 0 or rtt < self.rtt_noload:
+            self.rtt_noload = rtt
+            return int(self.estimated)
+        queue = math.ceil(self.estimated * (1 - self.rtt_noload / rtt))
+        if did_drop:
+            new = self.estimated - self.log10(int(self.estimated))
+        elif inflight * 2 < self.estimated:
+            return int(self.estimated)
+        else:
+            lim = int(self.estimated)
+            alpha, beta, threshold = 3 * self.log10(lim), 6 * self.log10(lim), self.log10(lim)
+            if queue <= threshold:
+                new = self.estimated + beta
+            elif queue < alpha:
+                new = self.estimated + self.log10(int(self.estimated))
+            elif queue > beta:
+                new = self.estimated - self.log10(int(self.estimated))
+            else:
+                return int(self.estimated)
+        new = max(1.0, min(float(self.max_limit), new))
+        self.estimated = (1 - self.smoothing) * self.estimated + self.smoothing * new
+        return int(self.estimated)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_netflix_flavor_equals_the_java_transcription(seed: int) -> None:
+    rng = random.Random(seed)
+    smoothing = rng.choice([1.0, 0.5, 0.2])
+    initial = rng.choice([20, 100, 990])
+    # Identical random streams for the probe jitter on both sides.
+    java = JavaVegasLimit(initial, 1000, smoothing, 30, random.Random(seed + 1))
+    py = VegasLimit(min_limit=1, max_limit=1000, smoothing=smoothing, probe_multiplier=30, tolerance=1.0,
+                    flavor="netflix")
+    jitters = random.Random(seed + 1)
+    state = VegasState(limit=float(initial), probe_jitter=0.5 + jitters.random() * 0.5)
+    base_ns = rng.randint(5_000_000, 50_000_000)
+    for step in range(20_000):
+        load = 1 + abs(math.sin(step / 500)) * rng.uniform(0, 3)
+        rtt = int(base_ns * load * rng.uniform(0.9, 1.1))
+        inflight = int(java.estimated * rng.uniform(0.3, 1.1))
+        drop = rng.random() < 0.02
+        before = state.probe_count
+        expected = java.update(rtt, inflight, drop)
+        state = py.update(state, Sample(rtt=float(rtt), inflight=inflight, dropped=drop),
+                          jitters.random() if before + 1 >= state.probe_jitter * 30 * state.limit else 0.0)
+        assert int(state.limit) == expected and state.limit == java.estimated, step
+        assert state.rtt_noload == java.rtt_noload and state.probe_count == java.probe_count

@@ -1,0 +1,158 @@
+"""Early drop never turns away what the grant loop would have served (fake-clock replays).
+
+Each history runs through the policy and the reference grant loop (tests/policy_replay.py).
+Every early drop is checked two ways: (1) the grant loop's exact state at that moment, the
+request enqueued, permits freed at the current release rate: granted before its deadline?
+(2) the whole history replayed with that request enqueued instead, everything else equal
+(real service times, later arrivals): granted before its deadline? A drop is wrong if either
+says yes. Target: none, over histories that do drop early.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.policy import Enqueue, Snapshot, queue_decision, wait_estimate
+
+from tests.policy_replay import Arrival, replay, wrong_drops_at_current_rate, wrongly_dropped
+
+SHIPPED = PoolConfig().classes
+
+
+def poisson(rng: random.Random, rate: float, start: float, end: float, cls: int,
+            service: float, tenant: str = "t") -> list[Arrival]:
+    out, t = [], start
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= end:
+            break
+        out.append(Arrival(t, cls, rng.expovariate(1 / service), tenant))
+    return out
+
+
+def random_history(seed: int) -> tuple[int, list[Arrival]]:
+    rng = random.Random(seed)
+    limit = rng.randint(2, 24)
+    service = rng.uniform(0.3, 3.0)
+    capacity = limit / service
+    load = rng.uniform(0.6, 3.0)
+    mix = [rng.random() for _ in range(3)]
+    if rng.random() < 0.5:
+        mix[rng.randrange(3)] *= 0.05  # one sparse class
+    total = sum(mix)
+    arrivals: list[Arrival] = []
+    duration = 90.0
+    # Phases: the load changes midway, so rates are sometimes stale.
+    cut = rng.uniform(20, 70)
+    factor = rng.choice([0.3, 1.0, 2.0])
+    for cls in range(3):
+        rate = capacity * load * mix[cls] / total
+        arrivals += poisson(rng, rate, 0, cut, cls, service, tenant=rng.choice("ab"))
+        arrivals += poisson(rng, rate * factor, cut, duration, cls, service, tenant=rng.choice("ab"))
+    arrivals.sort(key=lambda a: a.t)
+    return limit, arrivals
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_early_drop_of_a_request_that_would_be_granted_in_time(seed: int) -> None:
+    limit, history = random_history(seed)
+    base = replay(limit, SHIPPED, history)
+    wrong = wrong_drops_at_current_rate(base, SHIPPED, history)
+    assert wrong == [], f"{len(wrong)} of {len(base.early_drops())} early drops: granted in time at the current rate"
+    wrong = wrongly_dropped(limit, SHIPPED, history, base, sample=6)
+    assert wrong == [], f"{len(wrong)} of {len(base.early_drops())} early drops: granted in time in the replay"
+
+
+def test_the_replays_do_drop_early() -> None:
+    """Guard against a vacuous property: overloaded histories must produce early drops."""
+    drops = 0
+    for seed in range(40):
+        limit, history = random_history(seed)
+        drops += len(replay(limit, SHIPPED, history).early_drops())
+    assert drops > 150
+
+
+def saturated_background(rng: random.Random, limit: int, service: float, end: float) -> list[Arrival]:
+    """P1 and P2 at 2x capacity: the pool stays full with a standing queue."""
+    cap = limit / service
+    return (poisson(rng, 1.2 * cap, 0, end, 1, service) + poisson(rng, 0.8 * cap, 0, end, 2, service))
+
+
+def test_sparse_p0_into_a_saturated_pool_is_never_dropped_early() -> None:
+    rng = random.Random(5)
+    limit, service, end = 10, 1.0, 600.0
+    history = saturated_background(rng, limit, service, end) + poisson(rng, 0.2, 10, end, 0, service)
+    history.sort(key=lambda a: a.t)
+    out = replay(limit, SHIPPED, history)
+    p0 = [i for i, a in enumerate(history) if a.cls == 0]
+    assert len(p0) > 80
+    assert [i for i in p0 if out.decisions[i] not in ("immediate", "queued")] == []
+    assert all(i in out.granted_at for i in p0)
+    # ... and P0 waits about one release: its reservation holds the others back.
+    waits = sorted(out.granted_at[i] - history[i].t for i in p0)
+    assert waits[len(waits) // 2] < 2 * service / limit * 3
+    # the background is shed (most of it is never granted), so this is not an idle pool
+    assert sum(1 for i, a in enumerate(history) if a.cls > 0 and i not in out.granted_at) > 1000
+
+
+def test_twenty_p0_after_forty_seconds_of_silence_are_all_admitted() -> None:
+    rng = random.Random(6)
+    limit, service = 10, 1.0
+    background = saturated_background(rng, limit, service, 120.0)
+    burst = [Arrival(60.0 + k * 0.01, 0, rng.expovariate(1 / service)) for k in range(20)]
+    early_p0 = [Arrival(15.0, 0, 0.5)]  # P0 seen once, 45 s before the burst
+    history = sorted(background + burst + early_p0, key=lambda a: a.t)
+    out = replay(limit, SHIPPED, history)
+    idx = [i for i, a in enumerate(history) if a.cls == 0 and a.t >= 60.0]
+    assert len(idx) == 20
+    assert all(out.decisions[i] in ("immediate", "queued") for i in idx)
+    # capacity frees at ~10 permits/s: all twenty are granted within their 20 s timeout
+    assert all(i in out.granted_at and out.granted_at[i] <= out.deadline.get(i, history[i].t) for i in idx)
+
+
+def test_p2_inside_its_reservation_gets_the_next_release() -> None:
+    """Limit 10, in flight (6, 4, 0), queued (3, 3, 0): the grant loop gives a new P2 the next
+    freed permit (its reservation of 1 holds P0 and P1 back), so it must not be dropped."""
+    shares = [SHIPPED[k].share for k in range(3)]
+    snap = Snapshot(10, (6, 4, 0), (3, 3, 0), 0, grant_rate=2.0, release_n=200,
+                    class_rates=(1.2, 0.8, 0.0))
+    est = wait_estimate(2, snap, shares)
+    assert est.releases == 1 and est.seconds == pytest.approx(0.5)
+    assert isinstance(queue_decision(2, snap, SHIPPED, AdmissionConfig(), rand=0.3), Enqueue)
+    # and the grant loop agrees: one release later the P2 holds the permit
+    t = PermitTable(limit=10, shares=(0.5, 0.3, 0.1))
+    for k, n in enumerate((6, 4, 0)):
+        for j in range(n):
+            t.held[f"h{k}{j}"] = k
+    for k, n in enumerate((3, 3, 0)):
+        for j in range(n):
+            t.enqueue(f"w{k}{j}", k, "t", 100.0, 0.0)
+    t.enqueue("p2", 2, "t", 100.0, 0.0)
+    assert t.release("h00", 0.1)[1] == ["p2"]
+
+
+def test_degraded_local_table_same_rule() -> None:
+    """Degraded mode runs the same policy on the local permit table with this process's share
+    of the last seen rate: the replay with a small local limit keeps the property."""
+    wrong_total = drops = 0
+    for seed in range(6):
+        limit, history = random_history(100 + seed)
+        local = max(1, limit // 3)  # one of three gateways' share
+        base = replay(local, SHIPPED, history, warm_rate=(local / 1.5, 30.0))
+        drops += len(base.early_drops())
+        wrong_total += len(wrongly_dropped(local, SHIPPED, history, base, sample=8, warm_rate=(local / 1.5, 30.0)))
+    assert drops > 0
+    assert wrong_total == 0
+
+
+def test_few_releases_never_drop() -> None:
+    shares = [SHIPPED[k].share for k in range(3)]
+    snap = Snapshot(10, (5, 3, 2), (0, 500, 0), 0, grant_rate=0.5, release_n=4)
+    assert not wait_estimate(1, snap, shares).certainly_over(1.5)
+    d = queue_decision(1, Snapshot(10, (5, 3, 2), (0, 999, 0), 0, grant_rate=0.5, release_n=4),
+                       {k: ClassConfig(**{**SHIPPED[k].model_dump(), "max_queue": 5000}) for k in range(3)},
+                       AdmissionConfig(), 0.1)
+    assert isinstance(d, Enqueue)
