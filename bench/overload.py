@@ -15,7 +15,7 @@ is derived first from the pure engine model (`sim/engine.py`, the same code the 
 and, by default, the pool's best steady goodput is then measured on the real pool with a short
 step sweep without admission control.
 
-    floodgate bench overload                                  # full run, ~10 min
+    floodgate bench overload                                  # the headline, shipped defaults, ~10 min
     floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
 
 Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,
@@ -70,6 +70,9 @@ class Phase:
     name: str
     duration_s: float
     load: float  # multiple of the pool's capacity
+    # Sparse P0: the load is P1/P2 only and P0 arrives on its own at this rate (req/s), so
+    # the pool is saturated by lower classes while P0 is rare (early drop must not reject it).
+    p0_rate: float | None = None
 
 
 DEFAULT_PHASES = (
@@ -77,6 +80,7 @@ DEFAULT_PHASES = (
     Phase("steady", 14, 0.7),
     Phase("burst", 20, 3.0),
     Phase("recovery", 10, 0.7),
+    Phase("sparse-p0", 30, 1.5, p0_rate=0.3),
 )
 
 
@@ -114,10 +118,23 @@ class Workload:
 
 
 def build_plan(w: Workload, capacity_rps: float) -> list[Any]:
-    from floodgate.sim.arrivals import step_profile, synthetic_plan
+    from floodgate.sim.arrivals import Mix, constant_profile, step_profile, synthetic_plan
 
     profile = step_profile([(p.duration_s, p.load * capacity_rps) for p in w.phases])
-    return list(synthetic_plan(profile, w.mix(), seed=w.seed))
+    plan = list(synthetic_plan(profile, w.mix(), seed=w.seed))
+    for p in w.phases:
+        if p.p0_rate is None:
+            continue
+        a, b = w.windows()[p.name]
+        # In a sparse-P0 phase the offered load is P1/P2 (P0 arrivals become P1) ...
+        plan = [replace(r, priority=1) if a <= r.t_offset < b and r.priority == 0 else r for r in plan]
+        # ... and P0 arrives on its own, rarely.
+        mix = w.mix()
+        p0_mix = Mix(priority_shares=(1.0, 0.0, 0.0), tenants=mix.tenants, prompt=mix.prompt, output=mix.output)
+        p0 = synthetic_plan(constant_profile(p.p0_rate, b - a), p0_mix, seed=w.seed + 17)
+        plan += [replace(r, t_offset=r.t_offset + a) for r in p0]
+    plan.sort(key=lambda r: r.t_offset)
+    return plan
 
 
 # --------------------------------------------------------------------------- capacity (offline)
@@ -220,6 +237,7 @@ class BenchConfig:
     kind: str  # none | adaptive | static | vegas
     limit: int | None = None
     signal: str | None = None
+    tuned: bool = False  # `@tuned`: the hand-tuned class settings (slo_classes), else the shipped ones
 
     @property
     def floodgate(self) -> bool:
@@ -227,6 +245,11 @@ class BenchConfig:
 
 
 def parse_config(name: str) -> BenchConfig:
+    base, at, suffix = name.partition("@")
+    if at:
+        if suffix != "tuned":
+            raise argparse.ArgumentTypeError(f"unknown config suffix {suffix!r} in {name!r}: only @tuned")
+        return replace(parse_config(base), name=name, tuned=True)
     if name in ("none", "adaptive"):
         return BenchConfig(name, name)
     kind, _, arg = name.partition("-")
@@ -240,12 +263,14 @@ def parse_config(name: str) -> BenchConfig:
         sig = LimitConfig().signal
         return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
     raise argparse.ArgumentTypeError(
-        f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined")
+        f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined, "
+        "each Floodgate one optionally with @tuned")
 
 
 def default_configs() -> list[str]:
-    return ["none", "adaptive", "static-64", "static-96", "static-128",
-            "vegas-ttft", "vegas-tpot", "vegas-combined"]
+    """The headline: shipped defaults against Envoy alone, adaptive_concurrency and the best
+    static limit found earlier; the hand-tuned class settings as a second Vegas row."""
+    return ["none", "adaptive", "static-96", "vegas-combined", "vegas-combined@tuned"]
 
 
 def adaptive_concurrency_filter() -> dict[str, Any]:
@@ -285,14 +310,10 @@ SHIPPED_CLASSES: dict[int, dict[str, Any]] = {
 
 
 def slo_classes(slo_ttft_s: float) -> dict[int, dict[str, Any]]:
-    """Class settings an operator with a TTFT SLO would write (same for static and Vegas).
-
-    A request served after waiting longer than the SLO is wasted work (it misses the SLO
-    anyway and delays the next one), so P1 waits at most ~3/4 of the TTFT SLO, leaving the
-    rest for prefill; sheddable P2 never queues (max_queue 0: rejected at once when no permit
-    is free, the early drop of design §5). P0 keeps the shipped defaults: it should wait
-    rather than fail. The shipped defaults (P1 15 s, P2 5 s) are available with
-    --shipped-classes.
+    """Hand-tuned class settings (the `@tuned` rows): P1 waits at most ~3/4 of the TTFT SLO,
+    sheddable P2 never queues (max_queue 0: rejected at once when no permit is free), P0
+    waits up to 30 s. The shipped defaults derive similar timeouts from the class SLOs
+    (config.ClassConfig) but let P2 queue for half its TTFT target.
     """
     return {
         0: {"queue_timeout_s": 30, "max_queue": 1000, "share": 0.5},
@@ -434,6 +455,10 @@ class Row:
     goodput_ratio: float | None
     p2_reject_p99_ms: float | None
     p2_rejected: int
+    sparse_p0_offered: int
+    sparse_p0_admitted: int
+    sparse_p0_early_drops: int  # P0 turned away by early drop while it was rare (target 0)
+    sparse_p0_ttft_p99_s: float | None
     reject_p99_ms: float | None
     success_by_class: dict[str, float | None]
     rejected_by_reason: dict[str, int]
@@ -450,7 +475,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
     import numpy as np
-    from floodgate.sim.loadgen import REJECTED
+    from floodgate.sim.loadgen import OK, REJECTED
     from floodgate.sim.report import percentile, summarize
 
     recs = out.result.records
@@ -478,6 +503,9 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
     p0_burst = burst.per_priority[0].ttft_p99 if burst else None
     g_burst = burst.overall.goodput_tok_s if burst else None
     o = whole.overall
+    sparse = [r for r in recs if r.priority == 0 and any(
+        p.p0_rate is not None and win[p.name][0] <= r.t_planned < win[p.name][1] for p in w.phases)]
+    sparse_ttft = [r.ttft_s for r in sparse if r.outcome == OK and r.ttft_s is not None]
     return Row(
         config=out.config.name, offered=o.offered, admitted=o.admitted, rejected=o.rejected,
         errors=o.errors, consistent=o.offered == o.admitted + o.rejected + o.errors,
@@ -492,6 +520,9 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
         goodput_ratio=_ratio(g_burst, best_goodput),
         p2_reject_p99_ms=(percentile(p2_rej, 99) or 0) * 1000 if p2_rej else None,
         p2_rejected=len(p2_rej),
+        sparse_p0_offered=len(sparse), sparse_p0_admitted=sum(1 for r in sparse if r.outcome == OK),
+        sparse_p0_early_drops=sum(1 for r in sparse if r.outcome == REJECTED and r.reject_reason == "early_drop"),
+        sparse_p0_ttft_p99_s=percentile(sparse_ttft, 99) if sparse_ttft else None,
         reject_p99_ms=(percentile([r.e2e_s for r in rej if r.e2e_s is not None], 99) or 0) * 1000 if rej else None,
         success_by_class={f"P{k}": v.success_rate for k, v in whole.per_priority.items()},
         rejected_by_reason=o.rejected_by_reason, errors_by_kind=o.errors_by_kind,
@@ -514,15 +545,17 @@ def _ms(v: float | None) -> str:
 
 def render_table(rows: Sequence[Row]) -> str:
     head = ("| config | offered | admitted | rejected | errors | P0 success | P0 TTFT p99 unloaded / burst (ms) "
-            "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p99 ms | limit in burst |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p99 ms | limit in burst "
+            "| sparse P0: admitted / early drops / TTFT p99 ms |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(
             f"| {r.config} | {r.offered} | {r.admitted} | {r.rejected} | {r.errors} "
             f"| {_pct(r.p0_success, 2)} | {_ms(r.p0_ttft_p99_unloaded_s)} / {_ms(r.p0_ttft_p99_burst_s)} "
             f"({_num(r.p0_ttft_ratio, '.1f')}x) | {_num(r.p0_queue_p99_burst_ms)} | {_num(r.goodput_burst_tok_s)} ({_pct(r.goodput_ratio, 0)}) "
-            f"| {_num(r.p2_reject_p99_ms, '.1f')} | {_num(r.limit_mean_burst)} |")
+            f"| {_num(r.p2_reject_p99_ms, '.1f')} | {_num(r.limit_mean_burst)} "
+            f"| {r.sparse_p0_admitted}/{r.sparse_p0_offered} / {r.sparse_p0_early_drops} / {_ms(r.sparse_p0_ttft_p99_s)} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -549,7 +582,9 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
         line = (f"{r.config}: P0 success {mark(p0)} ({_pct(r.p0_success, 2)}), "
                 f"P0 TTFT p99 burst/unloaded {mark(tt)} ({_num(r.p0_ttft_ratio, '.2f')}x), "
                 f"burst goodput {mark(gp)} ({_pct(r.goodput_ratio, 0)} of best steady), "
-                f"P2 reject p99 {mark(p2)} ({_num(r.p2_reject_p99_ms, '.1f')} ms)")
+                f"P2 reject p99 {mark(p2)} ({_num(r.p2_reject_p99_ms, '.1f')} ms), "
+                f"sparse P0 early drops {mark(r.sparse_p0_early_drops == 0)} "
+                f"({r.sparse_p0_early_drops} of {r.sparse_p0_offered})")
         if r.config.startswith("vegas-") and bs is not None:
             g, s = r.goodput_burst_tok_s or 0.0, bs.goodput_burst_tok_s or 0.0
             line += f", vs best static ({bs.config}) {mark(g >= 0.95 * s)} ({_pct(_ratio(g, s), 0)})"
@@ -668,7 +703,9 @@ steady open-loop load at any fixed rate: it keeps the pool at its best batch thr
 lulls and clumps of Poisson arrivals, so ratios above 100 % are possible.
 
 **Floodgate** (static and Vegas alike): one processor, one Redis, priority header trusted
-from loopback, class settings `{json.dumps(report['classes'])}` (null = the shipped defaults);
+from loopback. Rows without `@tuned` run the **shipped class defaults** (each class's queue
+timeout derived from its SLO: `{json.dumps(report['classes'].get('shipped') if isinstance(report['classes'], dict) else None)}`);
+`@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
 Vegas runs set only `signal`, every other `LimitConfig` field at its default.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
 
@@ -679,8 +716,9 @@ are over requests that *arrived* during the burst.
 Columns: P0 success over the whole run; P0 TTFT p99 of the unloaded phase vs the burst phase;
 goodput = output tokens/s of burst arrivals that met the SLO, vs the best steady goodput;
 P2 reject p99 = time from send to the 429 for rejected P2 requests; limit = mean concurrency
-limit during the burst (static: the configured value). offered = admitted + rejected + errors
-holds for every row (checked).
+limit during the burst (static: the configured value); sparse P0 = the last phase, where P1/P2
+saturate the pool and P0 arrives rarely: P0 admitted of offered, P0 turned away by early drop
+(target 0), their TTFT p99. offered = admitted + rejected + errors holds for every row (checked).
 
 ![timeline]({rel_out}/timeline.png)
 
@@ -781,8 +819,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="P0's `reserve` setting (always: its share stays free as headroom)")
     p.add_argument("--p0-share", type=float, default=None, help="P0's share of the limit")
     p.add_argument("--shipped-classes", action="store_true",
-                   help="Floodgate with the processor's default class settings instead of the "
-                        "SLO-derived ones (P1 waits 0.75 x SLO TTFT, P2 never queues)")
+                   help="(the default) Floodgate configs without @tuned run the processor's shipped "
+                        "class settings")
+    p.add_argument("--tuned-classes", action="store_true",
+                   help="every Floodgate config with the hand-tuned class settings (as @tuned: P1 waits "
+                        "0.75 x SLO TTFT, P2 never queues, P0 30 s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and plots")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="markdown file to update")
     p.add_argument("--no-doc", action="store_true", help="do not update the markdown file")
@@ -879,12 +920,16 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         print("calibration: " + ", ".join(f"{s['load']:.2f}x {s['goodput_tok_s']:.0f} tok/s"
                                           for s in calibration["steps"]), flush=True)
     plan = build_plan(w, capacity)
-    classes = None if args.shipped_classes else slo_classes(slo.ttft_s)
-    if args.p0_reserve != "when_waiting" or args.p0_share is not None:
-        classes = classes or {c: dict(v) for c, v in SHIPPED_CLASSES.items()}
-        classes[0]["reserve"] = args.p0_reserve
-        if args.p0_share is not None:
-            classes[0]["share"] = args.p0_share
+
+    def classes_for(cfg: BenchConfig) -> dict[int, dict[str, Any]] | None:
+        """None = the processor's shipped class defaults (the headline)."""
+        classes = slo_classes(slo.ttft_s) if (cfg.tuned or args.tuned_classes) else None
+        if args.p0_reserve != "when_waiting" or args.p0_share is not None:
+            classes = classes or {c: dict(v) for c, v in SHIPPED_CLASSES.items()}
+            classes[0]["reserve"] = args.p0_reserve
+            if args.p0_share is not None:
+                classes[0]["share"] = args.p0_share
+        return classes
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[RunOutput] = []
     rows: list[Row] = []
@@ -892,7 +937,7 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         t = time.monotonic()
         print(f"[{cfg.name}] {len(plan)} requests over {sum(p.duration_s for p in w.phases):.0f} s ...",
               flush=True)
-        out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes)
+        out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes_for(cfg))
         runs.append(out)
         row = evaluate(out, w, slo, best)
         rows.append(row)
@@ -908,9 +953,9 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
                      "curve": [asdict(c) for c in curve]},
         "calibration": calibration,
         "plan_requests": len(plan),
-        "classes": classes,
+        "classes": {"shipped": SHIPPED_CLASSES, "tuned": slo_classes(slo.ttft_s)},
         "adaptive_concurrency_filter": adaptive_concurrency_filter(),
-        "floodgate_configs": {c.name: floodgate_config(c, classes) for c in configs if c.floodgate},
+        "floodgate_configs": {c.name: floodgate_config(c, classes_for(c)) for c in configs if c.floodgate},
     }
     return report, runs, rows
 

@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from floodgate.extproc.config import LimitConfig, PoolConfig
-from floodgate.extproc.limit import LimitState, WindowedLimit, limit_for
+from floodgate.extproc.limit import Latency, LimitState, WindowedLimit, limit_for
 from floodgate.sim.engine import Engine, EngineConfig
 
 SUMMARY = "vegas-knee: the Vegas limit under hours of saturation vs the pool's goodput-maximising concurrency"
-
-COMBINED_TOKENS = 32
 
 
 @dataclass
@@ -151,13 +149,9 @@ def saturate(setup: Setup, pool: PoolConfig, hours: float, error_rate: float = 0
             else:
                 outcome = "success"
                 rtt = None
-                if rng.random() < setup.sample_rate:
-                    ttft = f.first - f.admitted
+                if rng.random() < setup.sample_rate:  # as the processor: Latency.signal
                     tpot = (f.last - f.first) / (f.tokens - 1) if f.tokens > 1 else None
-                    if signal == "ttft":
-                        rtt = ttft
-                    elif tpot is not None:
-                        rtt = tpot if signal == "tpot" else ttft + (COMBINED_TOKENS - 1) * tpot
+                    rtt = Latency(f.first - f.admitted, tpot).signal(signal)
             sample = lim.record(f.last, outcome, rtt, r.inflight() + 1)  # type: ignore[arg-type]
             if sample is not None:
                 state = lim.update(state, sample, rng.random())

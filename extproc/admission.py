@@ -38,6 +38,7 @@ from floodgate.extproc.backends import (
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
 from floodgate.extproc.endpoint_guard import make_guard
+from floodgate.extproc.limit import Latency, Outcome, Sample, WindowedLimit, limit_for
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
@@ -45,7 +46,6 @@ from floodgate.extproc.policy import Reject, retry_after
 from floodgate.extproc.redis_client import AnyRedis, Subscription, subscribe
 from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
 from floodgate.extproc.state import PoolState
-from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit
 from redis.exceptions import RedisError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
@@ -81,8 +81,7 @@ class PoolRuntime:
     settings: PoolSettings
     state: PoolState
     local: PermitTable
-    vegas: VegasLimit
-    window: SampleWindow
+    limit: WindowedLimit  # FixedLimit or VegasLimit behind the sample window (limit.limit_for)
     picker: Picker
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
     credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
@@ -90,6 +89,7 @@ class PoolRuntime:
     local_waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the local table
     pending: dict[str, int] = field(default_factory=dict)  # ticket -> seq of acquire/enqueue in flight
     last_status: PoolStatus | None = None
+    last_status_at: float = -1e9  # clock() when last_status was seen
     last_sync: PoolStatus | None = None  # has the rank among live gateways
     queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
@@ -131,9 +131,7 @@ class Admitter:
                 cfg=p, settings=settings,
                 state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings),
                 local=PermitTable(limit=p.limit.initial, shares=settings.shares),
-                vegas=VegasLimit(p.limit.min, p.limit.max, p.limit.smoothing, p.limit.probe_multiplier,
-                                 p.limit.rtt_tolerance),
-                window=SampleWindow(p.limit.window_min_samples, p.limit.window_s, p.limit.window_max_s),
+                limit=limit_for(p),
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)))
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
@@ -150,7 +148,7 @@ class Admitter:
         try:
             for rt in self.pools.values():
                 await self._configure(rt)
-                if rt.cfg.limit.mode == "static":
+                if not rt.limit.adaptive:
                     await self._force_static_limit(rt)
                 await self._sync(rt)
         except RedisDown:
@@ -318,6 +316,7 @@ class Admitter:
         if not rt.queue_clear:
             self._return_credits(rt)
         rt.last_status = st
+        rt.last_status_at = self.clock()
         # The gauges move together with what was enforced, from one consistent read.
         name = rt.cfg.name
         self.child(self.metrics.limit, (name,)).set(st.limit)
@@ -341,6 +340,8 @@ class Admitter:
     async def admit(self, pool: str, priority: int, tenant: str) -> Permit | Reject:
         rt = self.pools[pool]
         started = self.clock()
+        if not tenant and self.cfg.admission.anonymous_tenant_cap:
+            tenant = "(anonymous)"  # tenant-less requests share one tenant cap only when configured
         req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
         result: Permit | Reject | None = None
         for _ in range(8):  # a request follows the mode switches while it waits
@@ -420,23 +421,27 @@ class Admitter:
 
     # ---------------------------------------------------------------- latency feedback
 
-    def observe_latency(self, pool: str, rtt: float | None, dropped: bool = False) -> None:
-        """Feed one request's measured latency (or a drop) to the pool's Vegas window."""
-        rt = self.pools[pool]
-        if rt.cfg.limit.mode != "vegas":
+    def finish(self, permit: Permit, outcome: Outcome, latency: Latency | None = None) -> None:
+        """The request behind `permit` is over: feed its outcome (and, if it was measured, its
+        latency) to the pool's limit, once. The limit's configuration picks the signal."""
+        if permit.finished:
             return
-        now = self.clock()
-        rt.window.add(now, rtt, rt.inflight_seen(), dropped)
-        if rt.window.ready(now):
-            sample = rt.window.take()
-            if sample is not None and not self.degraded:
-                self.spawn(self._apply_sample(rt, sample))
+        permit.finished = True
+        rt = self.pools[permit.pool]
+        rtt = latency.signal(rt.cfg.limit.signal) if latency is not None else None
+        sample = rt.limit.record(self.clock(), outcome, rtt, rt.inflight_seen())
+        if sample is not None and not self.degraded:
+            self.spawn(self._apply_sample(rt, sample))
+
+    def measures(self, pool: str) -> bool:
+        """Does the pool's limit use latency at all (a fixed one does not)?"""
+        return self.pools[pool].limit.adaptive
 
     async def _apply_sample(self, rt: PoolRuntime, sample: Sample) -> None:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
                 rec = await self.call("get_limit", rt.state.get_limit)
-                new = rt.vegas.update(rec.state, sample, self.rng())
+                new = rt.limit.update(rec.state, sample, self.rng())
                 if new == rec.state:
                     return
                 if await self.call("set_limit", partial(rt.state.set_limit, rec.version, new)):
@@ -447,7 +452,7 @@ class Admitter:
     async def _force_static_limit(self, rt: PoolRuntime) -> None:
         for _ in range(5):
             rec = await self.call("get_limit", rt.state.get_limit)
-            st = rt.vegas.initial(rt.cfg.limit.initial)
+            st = rt.limit.initial(rt.cfg.limit.initial)
             if await self.call("set_limit", partial(rt.state.set_limit, rec.version, st)):
                 return
 

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.policy import Reject, Snapshot, queue_decision, retry_after, timeout_reject
+from floodgate.extproc.policy import (
+    Reject,
+    Snapshot,
+    certain_reject,
+    queue_decision,
+    retry_after,
+    timeout_reject,
+)
 from floodgate.extproc.schema import PoolStatus
 
 if TYPE_CHECKING:
@@ -45,6 +52,7 @@ class Permit:
     credit: bool = False  # admitted from a local credit (no Redis round trip)
     seq: int = 0  # the ticket's number (`sync` watermark)
     released: bool = False
+    finished: bool = False  # its outcome went to the limit (Admitter.finish)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,12 @@ class Backend(Protocol):
 
 
 def _snapshot(st: PoolStatus) -> Snapshot:
-    return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate)
+    return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
+                    release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
+                    tail_left=st.tail_left)
+
+
+SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
 
 
 class SharedBackend:
@@ -89,6 +102,13 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
+        last = rt.last_status
+        if last is not None and a.clock() - rt.last_status_at <= SNAPSHOT_FRESH_S:
+            # The last snapshot may already prove this request cannot be granted in time
+            # (twice over): reject without a round trip.
+            certain = certain_reject(cls, _snapshot(last), rt.cfg.classes, a.cfg.admission, a.rng())
+            if certain is not None:
+                return certain
         seq, ticket = a.new_ticket()
         wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
         rt.pending[ticket] = seq
@@ -106,7 +126,8 @@ class SharedBackend:
             return a.permit(rt, ticket, req, st.endpoint)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             return a.no_endpoints(rt, cls)
-        decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng())
+        decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng(),
+                                  named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             return decision
         w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
@@ -142,7 +163,8 @@ class SharedBackend:
                     return a.permit(rt, ticket, req, granted.get(ticket, ""), queued=True)
             except RedisDown:
                 pass  # the queue entry goes with the next sync
-            return timeout_reject(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng())
+            # Retry-After from the freshest state seen (the status loop's), not from enqueue time.
+            return timeout_reject(cls, _snapshot(rt.last_status or st), rt.cfg.classes, a.cfg.admission, a.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a
             # permit granted in the race, in a task the cancellation cannot interrupt.
@@ -196,8 +218,11 @@ class LocalBackend:
         now = a.clock()
         if rt.local.try_acquire(ticket, cls, now):
             return self._permit(rt, ticket, req)
-        snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt))
-        decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+        last = rt.last_status
+        snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt), now=now,
+                                 release_n=last.release_n if last else 0,
+                                 inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0)
+        decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             return decision
         if req.deadline <= now:
@@ -219,7 +244,8 @@ class LocalBackend:
             except TimeoutError:
                 if table.cancel(ticket) == 1:
                     return self._permit(rt, ticket, req, queued=True)
-                return timeout_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+                fresh = table.snapshot(cls, req.tenant, a.local_rate(rt), now=a.clock())
+                return timeout_reject(cls, fresh, rt.cfg.classes, a.cfg.admission, a.rng())
             except Switched:
                 return None  # shared state is back: this table is gone, queue there
         except asyncio.CancelledError:

@@ -196,7 +196,23 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant)
   redis.call('HINCRBY', K.counts, 't' .. c .. ':' .. tenant, 1)
 end
 
+-- Time-weighted mean in-flight (decay RATE_TAU_MS) sampled at each release, `lvl` in the state
+-- hash: with the release rate it gives the mean hold time (Little), so the policy can tell
+-- that a pool which just filled up frees permits faster than its decayed rate says.
+local function bump_level()
+  local inflight = counts()
+  local total = inflight[1] + inflight[2] + inflight[3]
+  local s = redis.call('HMGET', K.state, 'lvl', 'lvl_ts')
+  local v = total
+  if s[2] then
+    local w = math.exp(-math.max(0, now - tonumber(s[2])) / RATE_TAU_MS)
+    v = num(s[1], total) * w + (1 - w) * total
+  end
+  redis.call('HSET', K.state, 'lvl', tostring(v), 'lvl_ts', now)
+end
+
 local function drop_lease(ticket, count_rate)
+  if count_rate and redis.call('ZSCORE', K.leases, ticket) then bump_level() end
   if redis.call('ZREM', K.leases, ticket) == 0 then return false end
   local c = parse_lmeta(redis.call('HGET', K.lmeta, ticket))
   redis.call('HDEL', K.lmeta, ticket)
@@ -291,6 +307,21 @@ local function gateway_rank(gw)
   return -1, #live
 end
 
+-- Seconds (ms) until the deadline of class c's oldest (`rev` false) or newest waiter; 0 if none.
+local function edge_left(c, rev)
+  local lo = (c - 1) * CLASS_SPAN
+  local t
+  if rev then
+    t = redis.call('ZREVRANGEBYSCORE', K.queue, '(' .. (lo + CLASS_SPAN), lo, 'LIMIT', 0, 1)[1]
+  else
+    t = redis.call('ZRANGEBYSCORE', K.queue, lo, '(' .. (lo + CLASS_SPAN), 'LIMIT', 0, 1)[1]
+  end
+  local meta = t and redis.call('HGET', K.qmeta, t)
+  if not meta then return 0 end
+  local _, deadline = parse_qmeta(meta)
+  return math.max(0, deadline - now)
+end
+
 local function snapshot(out, c, tenant, gw)
   local L = int_limit(false)
   local inflight, queued = counts()
@@ -307,6 +338,15 @@ local function snapshot(out, c, tenant, gw)
                       'gateways', live, 'rank', rank, 'now', now, 'active', redis.call('SCARD', K.active),
                       'epoch', S and S.epoch or -1}) do
     table.insert(out, v)
+  end
+  -- For early drop (policy.wait_estimate): how much the rate rests on, the in-flight level it
+  -- was measured at, and the head/tail deadlines of each class queue.
+  local st = redis.call('HMGET', K.state, 'rate_n', 'lvl')
+  for _, v in ipairs({'rate_n', st[1] or '0', 'lvl', st[2] or '0'}) do table.insert(out, v) end
+  for k = 1, 3 do
+    local h, t = 0, 0
+    if queued[k] > 0 then h, t = edge_left(k, false), edge_left(k, true) end
+    for _, v in ipairs({'hl' .. (k - 1), h, 'tl' .. (k - 1), t}) do table.insert(out, v) end
   end
   return out
 end
@@ -331,9 +371,9 @@ elseif op == 'status' then
 
 elseif op == 'get_limit' then
   load_settings()
-  local s = redis.call('HMGET', K.state, 'limit', 'rtt_noload', 'probe_count', 'probe_jitter', 'version')
+  local s = redis.call('HMGET', K.state, 'limit', 'rtt_noload', 'probe_count', 'probe_jitter', 'version', 'vegas_x')
   return {'limit', s[1] or tostring(limit_value(false)), 'rtt_noload', s[2] or '0', 'probe_count', s[3] or '0',
-          'probe_jitter', s[4] or '1', 'version', s[5] or '0'}
+          'probe_jitter', s[4] or '1', 'version', s[5] or '0', 'extra', s[6] or ''}
 end
 
 if not load_settings() then return redis.error_reply('FGNOSETTINGS pool settings missing') end
@@ -394,7 +434,7 @@ elseif op == 'enqueue' then
     local _, queued = counts()
     local tq = num(redis.call('HGET', K.counts, 't' .. (c - 1) .. ':' .. tenant), 0)
     local why = nil
-    if queued[c] >= S.maxq[c] then why = 'queue_full' elseif tq >= S.tcap[c] then why = 'tenant_cap' end
+    if queued[c] >= S.maxq[c] then why = 'queue_full' elseif tenant ~= '' and tq >= S.tcap[c] then why = 'tenant_cap' end
     if why then return snapshot({'granted', '0', 'rejected', why}, c, tenant, nil) end
     -- A gateway that has not synced yet (first call after a Redis restart) is registered; a
     -- registered one is not refreshed here: only `sync` proves a gateway alive.
@@ -498,13 +538,14 @@ elseif op == 'mine' then
   return leased
 
 elseif op == 'set_limit' then
-  -- ARGV 3 expected version, 4 limit, 5 rtt_noload, 6 probe_count, 7 probe_jitter.
+  -- ARGV 3 expected version, 4 limit, 5 rtt_noload, 6 probe_count, 7 probe_jitter, 8 the rest
+  -- of the limiter state (opaque here: vegas.py's baseline bookkeeping).
   -- Compare-and-set: the Vegas arithmetic stays in Python (vegas.py), atomic here.
   limit_value(true)
   local version = num(redis.call('HGET', K.state, 'version'), 0)
   if version ~= tonumber(ARGV[3]) then return {'ok', '0', 'version', tostring(version)} end
   redis.call('HSET', K.state, 'limit', ARGV[4], 'rtt_noload', ARGV[5], 'probe_count', ARGV[6],
-             'probe_jitter', ARGV[7], 'version', version + 1)
+             'probe_jitter', ARGV[7], 'vegas_x', ARGV[8] or '', 'version', version + 1)
   grant_loop()
   return {'ok', '1', 'version', tostring(version + 1)}
 end

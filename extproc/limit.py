@@ -18,6 +18,25 @@ from floodgate.extproc.config import PoolConfig
 Outcome = Literal["success", "dropped", "ignored"]
 
 
+COMBINED_TOKENS = 32  # the `combined` signal: time to the 32nd token (TTFT + 31 x TPOT)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """What was measured of one request: time to first token after admission, and mean time
+    per output token (None with fewer than two tokens)."""
+
+    ttft: float
+    tpot: float | None
+
+    def signal(self, name: str) -> float | None:
+        if name == "ttft":
+            return self.ttft
+        if self.tpot is None:
+            return None
+        return self.tpot if name == "tpot" else self.ttft + (COMBINED_TOKENS - 1) * self.tpot
+
+
 @dataclass(frozen=True)
 class LimitState:
     """The limiter state shared by every processor of a pool (stored in Redis)."""

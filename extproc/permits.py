@@ -70,10 +70,18 @@ class PermitTable:
     def waiting(self) -> set[str]:
         return {w.ticket for q in self.queues for w in q}
 
-    def snapshot(self, cls: int, tenant: str, grant_rate: float) -> Snapshot:
+    def snapshot(self, cls: int, tenant: str, grant_rate: float, *, now: float | None = None,
+                 release_n: int = 0, inflight_avg: float = 0.0) -> Snapshot:
+        """The policy's view of this table; with `now`, the head/tail deadlines of each queue."""
         q = self.queued()
+        head = tail = None
+        if now is not None:
+            head = tuple(max(0.0, w[0].deadline - now) if w else 0.0 for w in self.queues)
+            tail = tuple(max(0.0, w[-1].deadline - now) if w else 0.0 for w in self.queues)
         return Snapshot(limit=self.limit, inflight=self.inflight(), queued=(q[0], q[1], q[2]),
-                        tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate)
+                        tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
+                        release_n=release_n, inflight_avg=inflight_avg,
+                        head_left=head, tail_left=tail)  # type: ignore[arg-type]
 
     def _alive(self, gateway: str, now: float) -> bool:
         exp = self.gateways.get(gateway)
@@ -162,7 +170,7 @@ class PermitTable:
         if self._find(ticket) is None:
             if len(self.queues[cls]) >= self.max_queue[cls]:
                 return "queue_full", []
-            if self.tenant_queued(cls, tenant) >= self.tenant_cap[cls]:
+            if tenant and self.tenant_queued(cls, tenant) >= self.tenant_cap[cls]:
                 return "tenant_cap", []
             self.gateways.setdefault(gateway, now + self.ttl)
             self.queues[cls].append(Waiter(ticket, cls, deadline, gateway, seq, tenant))

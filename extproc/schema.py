@@ -133,6 +133,13 @@ def parse_fields(raw: Iterable[Any]) -> dict[str, str]:
     return dict(zip(items[::2], items[1::2], strict=True))
 
 
+def _per_class(f: dict[str, str], prefix: str) -> tuple[float, float, float] | None:
+    """Milliseconds per class in the reply (`hl0`..`hl2`) -> seconds, None when absent."""
+    if f"{prefix}0" not in f:
+        return None
+    return (float(f[f"{prefix}0"]) / 1000, float(f[f"{prefix}1"]) / 1000, float(f[f"{prefix}2"]) / 1000)
+
+
 @dataclass(frozen=True)
 class PoolStatus:
     """One consistent read of a pool's shared state."""
@@ -153,6 +160,10 @@ class PoolStatus:
     rejected: str = ""  # enqueue refused atomically: queue_full | tenant_cap
     gateway_rank: int = -1  # this gateway's place among the live ones (degraded share), -1 unknown
     settings_epoch: int = -1
+    release_n: int = 0  # freed permits counted so far (how much `grant_rate` rests on)
+    inflight_avg: float = 0.0  # mean in-flight at recent releases (0 = unknown)
+    head_left: tuple[float, float, float] | None = None  # s to each class's oldest waiter's deadline
+    tail_left: tuple[float, float, float] | None = None  # s to each class's newest waiter's deadline
 
     @property
     def inflight_total(self) -> int:
@@ -183,4 +194,8 @@ class PoolStatus:
             rejected=f.get("rejected", ""),
             gateway_rank=int(f.get("rank", -1)),
             settings_epoch=int(f.get("epoch", -1)),
+            release_n=int(float(f.get("rate_n", 0))),
+            inflight_avg=float(f.get("lvl", 0)),
+            head_left=_per_class(f, "hl"),
+            tail_left=_per_class(f, "tl"),
         )

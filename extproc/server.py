@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import Config
+from floodgate.extproc.limit import Latency
 from floodgate.extproc.policy import Reject
 from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
@@ -36,7 +37,6 @@ PRIORITY_OUT = "x-floodgate-priority"
 QUEUE_MS_OUT = "x-floodgate-queue-ms"
 REASON_OUT = "x-floodgate-reject-reason"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-COMBINED_TOKENS = 32  # `combined` signal = time to the 32nd token (TTFT + 31 * TPOT)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _STREAM_BODY = processing_mode_pb2.ProcessingMode(
@@ -225,7 +225,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             yield reject_response(result, decision.priority)
             return
         limit_cfg = self.cfg.pool(pool).limit
-        ex = _Exchange(result, sampled=limit_cfg.mode == "vegas" and self.admitter.rng() < limit_cfg.sample_rate)
+        ex = _Exchange(result, sampled=self.admitter.measures(pool) and self.admitter.rng() < limit_cfg.sample_rate)
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
@@ -256,7 +256,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         finally:
             if ex.status is not None and ex.status >= 500:
                 reason = "upstream_error"
-            self._feed_limit(pool, ex)
+            self._finish(pool, ex, reason)
             self.admitter.release_soon(result, reason)
 
     def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> None:
@@ -275,11 +275,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if body.end_of_stream:
             ex.finished = True
 
-    def _feed_limit(self, pool: str, ex: _Exchange) -> None:
+    def _finish(self, pool: str, ex: _Exchange, reason: str) -> None:
+        """Every admitted request finishes its permit once: a 5xx is a drop, a completed one a
+        success (with its latency when its body was streamed), a cancelled one says nothing.
+        Which latency signal the limit uses is the limit's business (`limit.signal`)."""
         if ex.status is not None and ex.status >= 500:
-            self.admitter.observe_latency(pool, None, dropped=True)
+            self.admitter.finish(ex.permit, "dropped")
+            return
+        if reason != "stream_end" or ex.status is None:
+            self.admitter.finish(ex.permit, "ignored")
             return
         if not ex.sampled or ex.first_body_at is None or not ex.finished:
+            self.admitter.finish(ex.permit, "success")
             return
         ttft = ex.first_body_at - ex.permit.admitted_at
         tokens = ex.tokens if ex.tokens else max(1, ex.chunks - 1)  # minus [DONE]
@@ -289,16 +296,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         m.ttft.labels(pool, label).observe(ttft)
         if tpot is not None:
             m.tpot.labels(pool, label).observe(tpot)
-        signal = self.cfg.pool(pool).limit.signal
-        rtt: float | None
-        if signal == "ttft":
-            rtt = ttft
-        elif signal == "tpot":
-            rtt = tpot
-        else:
-            rtt = ttft + (COMBINED_TOKENS - 1) * tpot if tpot is not None else None
-        if rtt is not None:
-            self.admitter.observe_latency(pool, rtt)
+        self.admitter.finish(ex.permit, "success", Latency(ttft, tpot))
 
 
 def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:

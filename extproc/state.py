@@ -9,7 +9,7 @@ restarted Redis) is configured from this processor's settings and the call retri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -132,13 +132,17 @@ class PoolState:
 
     async def get_limit(self) -> LimitRecord:
         f = parse_fields(await self._script(keys=self.keys, args=["get_limit", self._ttl]))
+        x = [v for v in f.get("extra", "").split(",") if v]
         st = VegasState(limit=float(f["limit"]), rtt_noload=float(f["rtt_noload"]),
                         probe_count=int(f["probe_count"]), probe_jitter=float(f["probe_jitter"]))
+        if len(x) == 3:  # the baseline bookkeeping (vegas.py), stored opaquely by the script
+            st = replace(st, noload_inflight=int(x[0]), epoch_rtt=float(x[1]), epoch_inflight=int(x[2]))
         return LimitRecord(st, int(f["version"]))
 
     async def set_limit(self, expected_version: int, st: VegasState) -> bool:
         f = parse_fields(await self._run("set_limit", expected_version, repr(st.limit), repr(st.rtt_noload),
-                                         st.probe_count, repr(st.probe_jitter)))
+                                         st.probe_count, repr(st.probe_jitter),
+                                         f"{st.noload_inflight},{st.epoch_rtt!r},{st.epoch_inflight}"))
         return f["ok"] == "1"
 
     async def add_demand(self, counts: dict[tuple[int, str], int]) -> None:

@@ -122,7 +122,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             out.deadline[i] = deadline
             seq += 1
             heapq.heappush(events, (deadline, 1, seq, i))
-            granted(table.enqueue(str(i), a.cls, a.tenant, deadline, now), now)
+            granted(table.enqueue(str(i), a.cls, a.tenant, deadline, now)[1], now)
     return out
 
 
@@ -150,7 +150,7 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
     t = copy.deepcopy(table)
     rate = snap.release_rate()
     deadline = now + timeout_s
-    if not t.enqueue("me", cls, "oracle", deadline, now) == []:
+    if t.enqueue("me", cls, "oracle", deadline, now)[0] == "granted":
         return True
     if rate <= 0:
         return False
@@ -166,7 +166,7 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
             break
         if kind == 1:
             seq += 1
-            got = t.enqueue(f"o{seq}", k, "oracle", math.inf, at)
+            got = t.enqueue(f"o{seq}", k, "oracle", math.inf, at)[1]
         else:
             if not t.held:
                 continue

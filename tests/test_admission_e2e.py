@@ -42,7 +42,7 @@ async def upstream_inflight(session: aiohttp.ClientSession, port: int) -> int:
 
 async def test_priority_order_and_fifo(stack: LocalStack, upstream: int) -> None:
     stack.start_redis()
-    stack.start_processor(static(1))
+    stack.start_processor(static(1, classes=classes()))  # waits longer than the 1.5 s hold
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     async with aiohttp.ClientSession() as s:
         hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, id="hold", chunks="1", delay_ms="1500")))

@@ -19,7 +19,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_are_valid() -> None:
     cfg = load_config(None, env={})
     assert cfg.pools[0].name == "default"
-    assert cfg.pools[0].classes[2].queue_timeout_s == 5
+    assert cfg.pools[0].classes[2].queue_timeout_s == 1.0  # derived: 0.5 x its 2 s TTFT SLO
     assert cfg.redis.url.startswith("redis://")
 
 

@@ -126,11 +126,11 @@ def test_p2_inside_its_reservation_gets_the_next_release() -> None:
     t = PermitTable(limit=10, shares=(0.5, 0.3, 0.1))
     for k, n in enumerate((6, 4, 0)):
         for j in range(n):
-            t.held[f"h{k}{j}"] = k
+            t.adopt(f"h{k}{j}", k)
     for k, n in enumerate((3, 3, 0)):
         for j in range(n):
             t.enqueue(f"w{k}{j}", k, "t", 100.0, 0.0)
-    t.enqueue("p2", 2, "t", 100.0, 0.0)
+    assert t.enqueue("p2", 2, "t", 100.0, 0.0)[0] == "queued"
     assert t.release("h00", 0.1)[1] == ["p2"]
 
 
