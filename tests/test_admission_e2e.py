@@ -316,6 +316,12 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for _ in range(6):  # saturating waves: inflight*2 >= L, flat latency => the limit grows
             await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="5", delay_ms="20")) for _ in range(8)))
+
+        async def measured() -> bool:  # a stream's end reaches the processor after the client's
+            m = await metrics(s, p.metrics_url)
+            return m.get('floodgate_tpot_seconds_count{pool="default",priority="1"}', 0) >= 40
+
+        await wait_until(measured, 5)
         m = await metrics(s, p.metrics_url)
     assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 40
     assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 40
