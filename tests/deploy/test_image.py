@@ -344,3 +344,16 @@ def _probe(argv: list[str], image: Image, child: Any, tries: int = 30) -> bool:
         assert child.alive(), child.log_tail()
         time.sleep(0.5)
     return False
+
+
+def test_top_level_help_imports_no_component() -> None:
+    """`floodgate --help` (and a failing optional import in one component) never drags in the
+    others: the CLI imports only the module of the command being run."""
+    code = ("import sys; from floodgate.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('floodgate.') and m.count('.') >= 1"
+            " and m.split('.')[1] in ('extproc', 'controller', 'sim', 'bench', 'up', 'status')) + "
+            "[m for m in ('numpy', 'aiohttp', 'grpc') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
