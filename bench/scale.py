@@ -467,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     for mode in modes:
         fig = shard_figure(points, mode)
-        rates = [p.rate for p in points if p.mode == mode]
+        rates = [p.rate for p in points if p.mode == mode and not p.degraded]
         print(f"{mode:<12} one shard at 80% CPU: {fig:,.0f} decisions/s "
               f"(pooled over N={counts}; max measured here {max(rates, default=0):,.0f}/s)")
     contended = shard_figure(points, "contended") if "contended" in modes else float("nan")
