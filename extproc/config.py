@@ -228,6 +228,7 @@ class ServerConfig(_Strict):
     metrics_listen: Annotated[str, AfterValidator(check_optional_listen)] = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
     gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                    description="Unique id of this process (default: host-pid-random).")
+    max_headers: int = Field(default=100, ge=10, le=10000, description="Envoy's header-count limit (`max_headers_count`, 100 unless your HTTP connection manager sets it). Near it, the informational headers Floodgate adds (x-floodgate-priority, x-floodgate-queue-ms) are left out rather than pushing a request over the limit (Envoy would answer 500).")
 
 
 class Config(_Strict):

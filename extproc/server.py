@@ -83,26 +83,43 @@ def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
+# Envoy refuses a header mutation that leaves more headers than its limit (500 to the client),
+# and a request can reach the processor already at the limit (Envoy adds x-forwarded-proto,
+# x-request-id, ... after the codec's check). So the informational headers are added only when
+# they fit, nothing is removed that is not there, and a request that is at the limit gets no
+# mutation at all unless one is required (then a clear 431, never a 500).
+INFO_HEADERS = 2  # x-floodgate-priority, x-floodgate-queue-ms
+
+
 @functools.lru_cache(maxsize=4096)
-def _admit_reply(priority: int, queue_ms: str, endpoint: str, strip_header: str,
-                 sampled: bool) -> pb.ProcessingResponse:
+def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str, ...],
+                 sampled: bool, info: bool = True) -> pb.ProcessingResponse:
     """The request-headers reply of an admitted request (cached: replies are only serialized,
-    never mutated, and most of them are alike)."""
-    set_headers = [_set(PRIORITY_OUT, str(priority)), _set(QUEUE_MS_OUT, queue_ms)]
-    # A client must never choose its upstream host: the destination header is always
-    # overwritten (endpoint picking) or removed. An untrusted priority header must not reach
-    # the model server either.
-    remove = [strip_header] if strip_header else []
+    never mutated, and most of them are alike). `remove`: headers present that must go."""
+    set_headers = [_set(PRIORITY_OUT, str(priority)), _set(QUEUE_MS_OUT, queue_ms)] if info else []
     if endpoint:
         set_headers.append(_set(DESTINATION_HEADER, endpoint))
-    else:
-        remove.append(DESTINATION_HEADER)
-    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers,
-                                                                     remove_headers=remove))))
+    common = pb.CommonResponse()
+    if set_headers or remove:
+        common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers, remove_headers=list(remove)))
+    reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
     if sampled:
         reply.mode_override.CopyFrom(_STREAM_BODY)
     return reply
+
+
+def admit_mutation(count: int, limit: int, endpoint: str, remove: tuple[str, ...],
+                   dest_present: bool) -> tuple[bool, bool]:
+    """(fits, info): whether the required mutation fits Envoy's header limit, and whether the
+    informational headers fit too. A client's destination header is always overwritten or
+    removed and an untrusted priority header always removed (`remove`), so a client can never
+    choose its upstream host."""
+    required = (1 if endpoint and not dest_present else 0) - len(remove)
+    if not endpoint and not remove:
+        fits = True  # no mutation needed at all
+    else:
+        fits = count + required <= limit
+    return fits, count + required + INFO_HEADERS <= limit
 
 
 @functools.lru_cache(maxsize=4096)
@@ -113,6 +130,7 @@ def _response_headers_reply(priority: int, queue_ms: str) -> pb.ProcessingRespon
                                                        _set(QUEUE_MS_OUT, queue_ms)]))))
 
 
+_RESPONSE_HEADERS_PASS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _BODY_REPLY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _TRAILERS_REPLY = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
@@ -121,6 +139,8 @@ def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
     """429 (or 503 for no endpoints) with Retry-After and an OpenAI-style JSON error body."""
     if reject.status == 503:
         message, etype = "No model endpoints are available for this pool.", "service_unavailable"
+    elif reject.status == 431:
+        message, etype = "The request has too many headers for Floodgate to route it.", "invalid_request_error"
     else:
         message = (f"The model pool is at capacity for priority {priority} ({reject.reason}); "
                    f"retry after {reject.retry_after_s} s.")
@@ -160,7 +180,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
-        self._wanted = frozenset({":authority", ":path", cfg.admission.priority_header.lower(),
+        self._wanted = frozenset({":authority", ":path", DESTINATION_HEADER, cfg.admission.priority_header.lower(),
                                   cfg.admission.tenant_header.lower()})
 
     def _route_only(self, pool: str) -> pb.ProcessingResponse:
@@ -230,13 +250,24 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         try:
             queue_ms = str(int(result.queue_s * 1000))
             strip_priority = decision.source != "header"
-            yield _admit_reply(decision.priority, queue_ms, result.endpoint,
-                               self.cfg.admission.priority_header if strip_priority else "", ex.sampled)
+            prio_header = self.cfg.admission.priority_header.lower()
+            remove = ((prio_header,) if strip_priority and prio_header in headers else ()) + \
+                ((DESTINATION_HEADER,) if DESTINATION_HEADER in headers and not result.endpoint else ())
+            fits, info = admit_mutation(len(first.request_headers.headers.headers), self.cfg.server.max_headers,
+                                        result.endpoint, remove, DESTINATION_HEADER in headers)
+            if not fits:
+                reason = "header_limit"
+                yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
+                return
+            yield _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info)
             async for msg in it:
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":
                     ex.status = status_of(msg.response_headers)
-                    yield _response_headers_reply(decision.priority, queue_ms)
+                    if len(msg.response_headers.headers.headers) + INFO_HEADERS <= self.cfg.server.max_headers:
+                        yield _response_headers_reply(decision.priority, queue_ms)
+                    else:
+                        yield _RESPONSE_HEADERS_PASS
                     if msg.response_headers.end_of_stream:
                         ex.finished = True
                 elif kind == "response_body":

@@ -386,3 +386,21 @@ async def test_local_credits_skip_redis_and_come_back_when_a_queue_forms(stack: 
         assert st.inflight_total == 0 and st.queued_total == 0
     finally:
         await r.aclose()
+
+
+async def test_many_headers_never_fail_through_floodgate(stack: LocalStack, upstream: int) -> None:
+    """Floodgate adds headers; near Envoy's header-count limit that must not turn a request that
+    Envoy alone would serve into a 500 (the added headers are dropped instead)."""
+    stack.start_redis()
+    stack.start_processor(static(4))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    plain = stack.start_envoy([("127.0.0.1", upstream)], admission=False)
+    async with aiohttp.ClientSession() as s:
+        for n in range(84, 101):
+            h = {f"x-pad-{i}": "v" for i in range(n)}
+            alone = await post(s, plain.url, headers=h)
+            through = await post(s, envoy.url, headers={**h})
+            assert through.status != 500, (n, alone.status, through.status, through.body[:200])
+            if alone.status == 200:
+                assert through.status == 200, (n, through.status, through.body[:200])
+    assert (await drained(stack.redis_url)).inflight_total == 0
