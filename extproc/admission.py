@@ -95,6 +95,7 @@ class PoolRuntime:
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
+    held_seen: int = 0  # permits + credits this process held when last_status was read
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -215,15 +216,21 @@ class Admitter:
                       rt.cfg.name, stored.epoch, "; ".join(diff))
 
     def _local_limit(self, rt: PoolRuntime) -> int:
-        """This process's share of the limit while Redis is unreachable: the last seen limit
-        split over the live gateways by rank (the shares add up to the limit exactly), or,
-        for a process that never reached Redis, `limit.initial / redis.expected_gateways`."""
-        st = rt.last_sync
-        if st is None:
+        """This process's budget while Redis is unreachable (the permits it still holds count
+        against it). A process that never reached Redis: `limit.initial / expected_gateways`.
+        Otherwise its share of the last seen limit, split over the live gateways by rank (the
+        shares add up to L), but no more than what it holds plus its share of what was free:
+        processors hold unequal numbers of permits when Redis goes, and one holding fewer than
+        its share cannot know another holds more. Summed over processors this stays <= L."""
+        st, sync = rt.last_status, rt.last_sync
+        if st is None or sync is None:
             return rt.cfg.limit.initial // self.cfg.redis.expected_gateways
-        n = max(1, st.live_gateways)
-        limit = (rt.last_status or st).limit
-        return limit // n + (1 if 0 <= st.gateway_rank < limit % n else 0)
+        n, limit = max(1, sync.live_gateways), st.limit
+        share = limit // n + (1 if 0 <= sync.gateway_rank < limit % n else 0)
+        # From one consistent read: what this process held then, and what was free then (the
+        # permits held now were granted within that picture, and count against the budget).
+        free = max(0, limit - st.inflight_total)
+        return min(share, rt.held_seen + free * share // max(1, limit))
 
     def local_rate(self, rt: PoolRuntime) -> float:
         st = rt.last_status
@@ -252,9 +259,10 @@ class Admitter:
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
                     {n: (rt.local.limit, len(rt.held)) for n, rt in self.pools.items()})
 
-    async def _reconcile(self) -> bool:
-        """Leave degraded mode: re-assert every permit (shared and local) and drop the rest in
-        Redis, then queue the local waiters there. False if Redis is still unreachable."""
+    async def _reconcile(self, switch: bool) -> bool:
+        """Re-assert every permit this process holds (shared and local) in Redis and drop the
+        rest there; with `switch`, leave degraded mode and queue the local waiters in Redis.
+        False if Redis is still unreachable."""
         try:
             for rt in self.pools.values():
                 if rt.state.stored is None:
@@ -262,6 +270,8 @@ class Admitter:
                 await self._sync(rt, reconcile=True)
         except RedisDown:
             return False
+        if not switch:
+            return True
         self.backend = self.shared
         self.metrics.degraded.set(0)
         for rt in self.pools.values():
@@ -285,8 +295,10 @@ class Admitter:
         held = {t: (p.priority, p.seq, p.endpoint) for t, p in rt.held.items()}
         for t in rt.credits:
             held[t] = (1, _seq_of(t), "")
+        # A waiter whose grant arrived but whose request has not taken the permit yet still
+        # asserts its ticket (Redis keeps the lease); one switched to the local queue does not.
         waiting = {t: (w.cls, w.seq, max(0.001, w.deadline - now), w.tenant)
-                   for t, w in rt.waiting.items() if w.enqueued and not w.future.done()}
+                   for t, w in rt.waiting.items() if w.enqueued and not _failed(w.future)}
         watermark = min(rt.pending.values(), default=self._next_seq)
         res = await self.call("sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
         rt.last_sync = res.status
@@ -317,6 +329,7 @@ class Admitter:
             self._return_credits(rt)
         rt.last_status = st
         rt.last_status_at = self.clock()
+        rt.held_seen = len(rt.held) + len(rt.credits)
         # The gauges move together with what was enforced, from one consistent read.
         name = rt.cfg.name
         self.child(self.metrics.limit, (name,)).set(st.limit)
@@ -510,15 +523,29 @@ class Admitter:
 
     async def _sync_loop(self) -> None:
         """Every lease_ttl/3: sync each pool (renew, prove alive, reconcile). Every second: a
-        status read for the gauges, the registry's active endpoints, demand counters."""
+        status read for the gauges, the registry's active endpoints, demand counters.
+
+        While degraded: every `reconnect_interval_s`, re-assert everything in Redis; shared
+        admission resumes on the second success in a row, so every other processor that lost
+        Redis too (they retry at the same interval) has re-asserted its permits by then
+        (otherwise this one would grant permits another still holds locally)."""
         interval = self.cfg.redis.lease_ttl_s / 3
         last_sync = self.clock()
         last_tick = 0.0
+        back_since: float | None = None
         while not self._closing:
             if self.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
-                if await self._reconcile():
-                    last_sync = self.clock()
+                now = self.clock()
+                if back_since is not None:
+                    if await self._reconcile(switch=True):
+                        last_sync = self.clock()
+                        back_since = None
+                        continue
+                if not await self._reconcile(switch=False):
+                    back_since = None
+                elif back_since is None:
+                    back_since = now
                 continue
             now = self.clock()
             if now - last_sync >= interval:
@@ -546,6 +573,10 @@ class Admitter:
                 await self.call("demand", lambda: rt.state.add_demand(counts))
             except RedisDown:
                 rt.demand.update(counts)
+
+
+def _failed(fut: asyncio.Future[str]) -> bool:
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
 def _seq_of(ticket: str) -> int:

@@ -125,7 +125,7 @@ end
 
 local function gateway_alive(gw)
   local exp = redis.call('ZSCORE', K.gws, gw)
-  return exp and tonumber(exp) >= now
+  return exp and tonumber(exp) > now  -- dead from the same ms its leases expire
 end
 
 -- The least-loaded active endpoint (fewest permits routed to it); ties rotate so that an
@@ -276,7 +276,7 @@ local function reclaim()
     local meta = redis.call('HGET', K.qmeta, ticket)
     if meta then unqueue(ticket, meta) else redis.call('ZREM', K.qdl, ticket) end
   end
-  local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', '(' .. now, 'LIMIT', 0, 20)
+  local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', now, 'LIMIT', 0, 20)
   if #dead > 0 then
     local is_dead = {}
     for _, gw in ipairs(dead) do is_dead[gw] = true end
@@ -301,7 +301,7 @@ end
 
 -- This gateway's position among the live ones, and how many there are (degraded shares).
 local function gateway_rank(gw)
-  local live = redis.call('ZRANGEBYSCORE', K.gws, now, '+inf')
+  local live = redis.call('ZRANGEBYSCORE', K.gws, '(' .. now, '+inf')
   table.sort(live)
   for i, g in ipairs(live) do if g == gw then return i - 1, #live end end
   return -1, #live
@@ -330,7 +330,7 @@ local function snapshot(out, c, tenant, gw)
     tq = num(redis.call('HGET', K.counts, 't' .. (c - 1) .. ':' .. tenant), 0)
     class_rate = read_rate('g' .. (c - 1))
   end
-  local rank, live = -1, redis.call('ZCOUNT', K.gws, now, '+inf')
+  local rank, live = -1, redis.call('ZCOUNT', K.gws, '(' .. now, '+inf')
   if gw then rank, live = gateway_rank(gw) end
   for _, v in ipairs({'limit', L, 'i0', inflight[1], 'i1', inflight[2], 'i2', inflight[3],
                       'q0', queued[1], 'q1', queued[2], 'q2', queued[3], 'tenant_queued', tq,

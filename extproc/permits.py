@@ -85,7 +85,7 @@ class PermitTable:
 
     def _alive(self, gateway: str, now: float) -> bool:
         exp = self.gateways.get(gateway)
-        return exp is not None and exp >= now
+        return exp is not None and exp > now
 
     def _find(self, ticket: str) -> Waiter | None:
         for q in self.queues:
@@ -104,7 +104,7 @@ class PermitTable:
             del self.leases[t]
         for q in self.queues:
             q[:] = [w for w in q if w.deadline > now - self.waiter_grace]
-        dead = {g for g, exp in self.gateways.items() if exp < now}
+        dead = {g for g, exp in self.gateways.items() if exp <= now}
         if dead:
             for q in self.queues:
                 q[:] = [w for w in q if w.gateway not in dead]

@@ -2,7 +2,7 @@
 
 Envoy opens one `Process` stream per HTTP request. The shipped filter config sends request
 headers, response headers and response trailers (bodies NONE), which keeps the stream open
-until the HTTP request ends (design §3): so the end of this stream, for whatever reason, is
+until the HTTP request ends (verified on Envoy 1.40, docs/admission.md): so the end of this stream, for whatever reason, is
 where the permit is released. A sampled fraction of admitted requests asks for the response
 body via `mode_override` to measure TTFT and TPOT for the Vegas limit.
 """

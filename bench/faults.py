@@ -1,0 +1,648 @@
+"""Faults: the shared admission state under crashes, Redis outages, partitions and bad clients.
+
+Each fault runs on a fresh stack of real processes — a Redis-protocol server, two `floodgate
+extproc` processors (each behind its own Envoy, each reaching Redis through its own small TCP
+proxy that can cut, delay or black-hole its connections) and an upstream that records its own
+concurrency — under sustained overload (open-loop arrivals at `--load` times the pool's
+capacity, so waiters are queued at both processors when the fault hits). Every fault is an
+object with `inject` and `recover` (see `Fault`); add one by appending to `FAULTS`.
+
+Per fault it prints: the highest upstream concurrency vs the limit L (and the bound for a
+partition), 5xx answered by Floodgate's path (upstream-injected errors excluded; the streams a
+killed processor was carrying are counted apart), requests that waited past their class
+timeout + 1 s (or never got an answer), leases in Redis held by no request one TTL after
+recovery (phantoms) and waiters of nobody, and how long after the fault (a crash) or the
+recovery (Redis back) the pool was serving at its limit again. `none` is the no-fault baseline.
+
+    floodgate bench faults                                    # every fault, shipped lease TTL (15 s)
+    floodgate bench faults --faults sigkill redis-sigstop --ttl 3 --no-doc
+
+Unless --no-doc, the table and the command go into the "Faults" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "faults: SIGKILL, Redis stop/restart, partition, client disconnects, upstream errors under load"
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+SECTION_START = "<!-- faults:begin -->"
+SECTION_END = "<!-- faults:end -->"
+
+PRIORITY_MIX = (0.2, 0.5, 0.3)
+HOLD_MS = 300  # each admitted request streams for this long (3 chunks)
+
+
+# --------------------------------------------------------------------------- records (pure)
+
+
+@dataclass
+class Rec:
+    """One client request."""
+
+    sent: float
+    envoy: int
+    priority: int
+    timeout_s: float  # its class's queue timeout
+    status: int = 0  # 0: no response (error / disconnected)
+    first_byte: float | None = None
+    done: float | None = None
+    reason: str = ""  # x-floodgate-reject-reason
+    floodgate_headers: bool = False  # the reply passed through Floodgate (any x-floodgate-*)
+    injected: bool = False  # the upstream was asked to fail this one
+    disconnected: bool = False  # the client gave up on purpose
+    error: str = ""
+
+
+@dataclass
+class Result:
+    fault: str
+    limit: int
+    bound: int  # the concurrency this fault may reach (L, or L + the cut-off share)
+    max_concurrency: int
+    requests: int
+    ok: int
+    rejected: int
+    fivexx: int
+    fivexx_killed: int  # on the streams of a killed processor (Envoy answers, failure_mode_allow: false)
+    hung: int
+    phantom_leases: int
+    phantom_waiters: int
+    serving_again_s: float | None  # None: never reached L again
+    target_s: float  # serving again within this (one TTL of a crash, one renewal of Redis returning)
+    notes: str = ""
+
+    def passed(self) -> bool:
+        return (self.max_concurrency <= self.bound and self.fivexx == 0 and self.hung == 0
+                and self.phantom_leases == 0 and self.phantom_waiters == 0
+                and (self.target_s < 0 or (self.serving_again_s is not None
+                                           and self.serving_again_s <= self.target_s)))
+
+
+def count_hung(recs: list[Rec], end: float) -> int:
+    """Requests answered later than their class timeout + 1 s, or never answered (not counting
+    clients that left on purpose, upstream-injected failures or a killed processor's streams)."""
+    n = 0
+    for r in recs:
+        if r.disconnected or r.injected:
+            continue
+        answered = r.first_byte if r.first_byte is not None else (r.done if r.status else None)
+        if answered is None:
+            if r.error and "killed" not in r.error and end - r.sent > r.timeout_s + 1:
+                n += 1
+            continue
+        if answered - r.sent > r.timeout_s + 1.0:
+            n += 1
+    return n
+
+
+def bucket_means(series: list[tuple[float, int]], start: float, end: float, width: float = 0.1) -> list[float]:
+    """Time-weighted mean concurrency per `width`-second bucket of [start, end)."""
+    n = max(0, math.ceil((end - start) / width))
+    sums = [0.0] * n
+    level, t_prev = 0, start
+    for t, v in [*series, (end, 0)]:
+        t = min(max(t, start), end)
+        if t > t_prev:
+            for i in range(max(0, int((t_prev - start) / width)), min(n - 1, int((t - start) / width)) + 1):
+                lo, hi = max(t_prev, start + i * width), min(t, start + (i + 1) * width)
+                if hi > lo:
+                    sums[i] += level * (hi - lo)
+            t_prev = t
+        level = v
+    return [x / width for x in sums]
+
+
+def serving_again(series: list[tuple[float, int]], since: float, limit: int, start: float, end: float,
+                  width: float = 0.1) -> float | None:
+    """Seconds after `since` until the pool was serving at its limit again: the end of the
+    stretch of 100 ms buckets whose mean concurrency stayed below L - 1 (under overload it is at
+    L otherwise) that began before `since` + 1 s and ends after `since`. 0 if it never dipped;
+    None if it never came back."""
+    means = bucket_means(series, start, end, width)
+    worst = 0.0
+    low_since: float | None = None
+    for i, m in enumerate(means):
+        t = start + i * width
+        if m < limit - 1:
+            if low_since is None:
+                low_since = t
+        elif low_since is not None:
+            # the exact moment it came back: the first sample at L - 1 in the last low bucket
+            back = next((ts for ts, v in series if ts >= t - width and v >= limit - 1), t)
+            # only the dip the fault caused (from before `since` or right after it), not a
+            # later lull of the open-loop arrivals
+            if back > since and low_since <= since + 1.0:
+                worst = max(worst, back - since)
+            low_since = None
+    if low_since is not None:
+        return None
+    return worst
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+class RedisProxy:
+    """A TCP proxy in front of Redis for one processor: `pass`, `cut` (close every connection
+    and refuse new ones), `blackhole` (accept, forward nothing) or `delay` (add latency)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.mode = "pass"
+        self.delay_s = 0.0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()  # cleared while black-holed
+
+    async def start(self) -> None:
+        self._flowing.set()
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.cut_all()
+        if self._server:
+            self._server.close()
+
+    def cut_all(self) -> None:
+        for w in list(self._conns):
+            w.transport.abort()
+        self._conns.clear()
+
+    def set(self, mode: str, delay_s: float = 0.0) -> None:
+        self.mode, self.delay_s = mode, delay_s
+        if mode == "blackhole":
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+        if mode == "cut":
+            self.cut_all()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "cut":
+            writer.transport.abort()
+            return
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._conns.update((writer, uw))
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    await self._flowing.wait()
+                    if self.mode == "delay" and self.delay_s:
+                        await asyncio.sleep(self.delay_s)
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pump(reader, uw), pump(ur, writer))
+        self._conns.discard(writer)
+        self._conns.discard(uw)
+
+
+class Upstream:
+    """An in-process model server that records its own concurrency over time. A request may
+    ask (`x-fault`) for a 500 or a connection reset; those are marked so they are not blamed
+    on Floodgate."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.max_inflight = 0
+        self.series: list[tuple[float, int]] = []
+        self.port = 0
+        self._runner: Any = None
+
+    def _level(self, d: int) -> None:
+        self.inflight += d
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        self.series.append((time.monotonic(), self.inflight))
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self._level(+1)
+        counted = True
+        try:
+            fault = request.headers.get("x-fault", "")
+            if fault == "500":
+                await asyncio.sleep(HOLD_MS / 3000)
+                return web.json_response({"error": {"message": "injected", "type": "server_error"}},
+                                         status=500, headers={"x-injected": "1"})
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await asyncio.sleep(HOLD_MS / 3000)
+                if fault == "reset" and i == 1:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                await resp.write(f'data: {{"choices": [{{"text": " t{i}"}}]}}\n\n'.encode())
+            await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
+            # Done before the last bytes leave: Envoy cannot see the end (and release the
+            # permit) before the count drops.
+            self._level(-1)
+            counted = False
+            await resp.write_eof()
+            return resp
+        finally:
+            if counted:
+                self._level(-1)
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        # A request whose connection Envoy drops (client gone) stops at once, as vLLM aborts it.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+
+@dataclass
+class Options:
+    limit: int = 8
+    ttl_s: float = 15.0
+    reconnect_s: float = 0.5  # redis.reconnect_interval_s (shipped 0.5)
+    load: float = 1.5  # offered load / capacity
+    before_s: float = 4.0  # load before the fault
+    after_s: float | None = None  # load after recovery (default: one TTL)
+    seed: int = 1
+    workdir: Path | None = None
+
+    @property
+    def capacity_rps(self) -> float:
+        return self.limit / (HOLD_MS / 1000)
+
+
+class Harness:
+    """Redis, two processors (each via its own proxy, each behind its own Envoy), one upstream."""
+
+    def __init__(self, opts: Options, sup: Any) -> None:
+        from floodgate.stack import LocalStack
+
+        self.opts = opts
+        self.sup = sup
+        self.stack = LocalStack(sup)
+        self.upstream = Upstream()
+        self.proxies: list[RedisProxy] = []
+        self.live_envoys = [0, 1]
+        self.redis_port = 0
+        self.killed: set[int] = set()
+        self.disconnect_fraction = 0.0
+        self.upstream_fault_fraction = 0.0
+
+    def processor_config(self) -> dict[str, Any]:
+        # Shipped defaults, except a static limit (so "<= L" is a fixed line) and the TTL.
+        return {"pools": [{"name": "default", "limit": {"mode": "static", "initial": self.opts.limit}}],
+                "admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+                "redis": {"lease_ttl_s": self.opts.ttl_s, "reconnect_interval_s": self.opts.reconnect_s}}
+
+    async def start(self) -> None:
+        url = self.stack.start_redis()
+        self.redis_port = int(url.rsplit(":", 1)[1].split("/")[0])
+        await self.upstream.start()
+        for i in range(2):
+            proxy = RedisProxy(self.redis_port)
+            await proxy.start()
+            self.proxies.append(proxy)
+            self.stack.redis_url = f"redis://127.0.0.1:{proxy.port}/0"
+            p = await asyncio.to_thread(self.stack.start_processor, self.processor_config(), name=f"extproc{i}")
+            await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
+        self.stack.redis_url = url
+
+    async def stop(self) -> None:
+        for p in self.proxies:
+            await p.stop()
+        await self.upstream.stop()
+
+    async def pool_state(self) -> tuple[int, int]:
+        """(unexpired leases, waiters) in Redis now."""
+        from floodgate.extproc.schema import key
+        from floodgate.extproc.state import redis_client
+
+        c = redis_client(self.stack.redis_url, op_timeout_s=2)
+        try:
+            now_s, now_us = await c.time()
+            now_ms = int(now_s) * 1000 + int(now_us) // 1000
+            leases = await c.zcount(key("default", "leases"), f"({now_ms}", "+inf")
+            waiters = await c.zcard(key("default", "queue"))
+            return int(leases), int(waiters)
+        finally:
+            await c.aclose()
+
+    def redis_signal(self, sig: int) -> None:
+        assert self.stack.redis_child is not None
+        self.stack.redis_child.kill(sig)
+
+    def restart_redis_empty(self) -> None:
+        self.stack.redis_child, _ = self.sup.start_redis(self.redis_port, name=f"redis-{time.monotonic():.0f}")
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@dataclass
+class Fault:
+    """One fault: `inject` at the end of the warm-up, `recover` `hold_s` later. `measure_from`
+    says whether "serving again" counts from the injection (a crash) or the recovery."""
+
+    name: str
+    description: str
+    inject: Callable[[Harness], Awaitable[None]]
+    recover: Callable[[Harness], Awaitable[None]]
+    hold_s: Callable[[Options], float] = lambda o: 0.0
+    measure_from: str = "recover"  # "inject" | "recover" | "" (no outage: not measured)
+    target: Callable[[Options], float] = lambda o: o.ttl_s / 3  # one renewal period
+    bound: Callable[[Options], int] = lambda o: o.limit
+
+
+async def _nothing(h: Harness) -> None:
+    return None
+
+
+async def _sigkill(h: Harness) -> None:
+    h.live_envoys = [1]  # clients stop sending to the dead processor's Envoy (as a load balancer would)
+    h.killed.add(0)
+    h.stack.processors[0].child.kill(signal.SIGKILL)
+
+
+async def _sigstop_redis(h: Harness) -> None:
+    h.redis_signal(signal.SIGSTOP)
+
+
+async def _sigcont_redis(h: Harness) -> None:
+    h.redis_signal(signal.SIGCONT)
+
+
+async def _kill_redis(h: Harness) -> None:
+    h.redis_signal(signal.SIGKILL)
+
+
+async def _restart_redis(h: Harness) -> None:
+    await asyncio.to_thread(h.restart_redis_empty)
+
+
+async def _partition(h: Harness) -> None:
+    h.proxies[1].set("cut")
+
+
+async def _heal(h: Harness) -> None:
+    h.proxies[1].set("pass")
+
+
+async def _blackhole(h: Harness) -> None:
+    for p in h.proxies:
+        p.set("blackhole")
+
+
+async def _unblackhole(h: Harness) -> None:
+    for p in h.proxies:
+        p.set("pass")
+
+
+async def _disconnects(h: Harness) -> None:
+    h.disconnect_fraction = 0.10
+
+
+async def _no_disconnects(h: Harness) -> None:
+    h.disconnect_fraction = 0.0
+
+
+async def _upstream_errors(h: Harness) -> None:
+    h.upstream_fault_fraction = 0.10
+
+
+async def _no_upstream_errors(h: Harness) -> None:
+    h.upstream_fault_fraction = 0.0
+
+
+FAULTS: list[Fault] = [
+    Fault("none", "no fault (baseline)", _nothing, _nothing, measure_from=""),
+    # One TTL, plus what a command the processor had already sent may still take to run (an
+    # acquire that lands after the kill leases for a full TTL from then): 2 x op_timeout_s.
+    Fault("sigkill", "SIGKILL a processor holding permits and waiters", _sigkill, _nothing,
+          measure_from="inject", target=lambda o: o.ttl_s + 0.5),
+    Fault("redis-sigstop", "SIGSTOP Redis for 5 s", _sigstop_redis, _sigcont_redis, hold_s=lambda o: 5.0),
+    Fault("redis-restart", "kill Redis, restart it empty 2 s later", _kill_redis, _restart_redis,
+          hold_s=lambda o: 2.0),
+    Fault("redis-blackhole", "black-hole every Redis connection for 5 s", _blackhole, _unblackhole,
+          hold_s=lambda o: 5.0),
+    Fault("partition", "cut one processor's Redis connections for 1.5 TTL (the other keeps them)",
+          _partition, _heal, hold_s=lambda o: 1.5 * o.ttl_s,
+          # The cut-off processor keeps admitting its share while its leases expire in Redis
+          # (it cannot tell a partition from an outage), so the pool may run one share over.
+          bound=lambda o: o.limit + o.limit // 2),
+    Fault("client-disconnects", "10% of clients disconnect (queued or streaming)", _disconnects,
+          _no_disconnects, hold_s=lambda o: 2 * o.before_s, measure_from=""),
+    Fault("upstream-errors", "10% upstream answers: half 500s, half connection resets", _upstream_errors,
+          _no_upstream_errors, hold_s=lambda o: 2 * o.before_s, measure_from=""),
+]
+FAULT_NAMES = [f.name for f in FAULTS]
+
+
+# --------------------------------------------------------------------------- load
+
+
+CLASS_TIMEOUTS = (20.0, 10.0, 5.0)  # the shipped queue timeouts
+
+
+async def _one(session: Any, h: Harness, rec: Rec, rng: random.Random) -> None:
+    import aiohttp
+
+    headers = {"x-request-priority": str(rec.priority), "x-tenant-id": rng.choice(["a", "b", "c"])}
+    if h.upstream_fault_fraction and rng.random() < h.upstream_fault_fraction:
+        headers["x-fault"] = rng.choice(["500", "reset"])
+        rec.injected = True
+    url = h.stack.envoys[rec.envoy].url + "/v1/completions"
+    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 3}
+    try:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=rec.timeout_s + 15)) as r:
+            rec.first_byte = time.monotonic()
+            rec.status = r.status
+            rec.reason = r.headers.get("x-floodgate-reject-reason", "")
+            rec.floodgate_headers = any(k.lower().startswith("x-floodgate-") for k in r.headers)
+            await r.read()
+    except asyncio.CancelledError:
+        rec.disconnected = True
+        raise
+    except Exception as exc:
+        rec.error = type(exc).__name__ + (" killed" if rec.envoy in h.killed else "")
+    finally:
+        rec.done = time.monotonic()
+
+
+async def drive(h: Harness, opts: Options, stop_at: float, recs: list[Rec], rng: random.Random) -> None:
+    """Open-loop Poisson arrivals until `stop_at`, then wait for every request to end."""
+    import aiohttp
+
+    rate = opts.capacity_rps * opts.load
+    tasks: set[asyncio.Task[None]] = set()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        while time.monotonic() < stop_at:
+            await asyncio.sleep(rng.expovariate(rate))
+            prio = rng.choices((0, 1, 2), PRIORITY_MIX)[0]
+            rec = Rec(time.monotonic(), rng.choice(h.live_envoys), prio, CLASS_TIMEOUTS[prio])
+            recs.append(rec)
+            task = asyncio.create_task(_one(session, h, rec, rng))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if h.disconnect_fraction and rng.random() < h.disconnect_fraction:
+                asyncio.get_running_loop().call_later(rng.uniform(0.05, 2.0), task.cancel)
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(CLASS_TIMEOUTS) + 20)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+async def run_fault(fault: Fault, opts: Options) -> Result:
+    from floodgate.supervisor import Supervisor
+
+    rng = random.Random(opts.seed)
+    # Long enough after recovery for a crashed processor's leases to expire (< 1 TTL) and more.
+    after = opts.after_s if opts.after_s is not None else 1.5 * opts.ttl_s + 2
+    workdir = opts.workdir / fault.name if opts.workdir else None
+    if workdir:
+        workdir.mkdir(parents=True, exist_ok=True)
+    with (Supervisor(workdir=workdir) if workdir else Supervisor()) as sup:
+        h = Harness(opts, sup)
+        await h.start()
+        try:
+            recs: list[Rec] = []
+            t0 = time.monotonic()
+            inject_at = t0 + opts.before_s
+            recover_at = inject_at + fault.hold_s(opts)
+            stop_at = recover_at + after
+            load = asyncio.create_task(drive(h, opts, stop_at, recs, rng))
+            await asyncio.sleep(max(0.0, inject_at - time.monotonic()))
+            inject_at = time.monotonic()
+            await fault.inject(h)
+            await asyncio.sleep(max(0.0, recover_at - time.monotonic()))
+            recover_at = time.monotonic()
+            await fault.recover(h)
+            await load
+            end = time.monotonic()
+            # Phantoms: one TTL after recovery, and after the idle credits went back (1 s ticks).
+            await asyncio.sleep(max(2.5, recover_at + opts.ttl_s - time.monotonic()))
+            leases, waiters = await h.pool_state()
+        finally:
+            await h.stop()
+    since = inject_at if fault.measure_from == "inject" else recover_at
+    over = [f"{t - inject_at:+.2f}s" for t, n in h.upstream.series if n > fault.bound(opts)]
+    fivexx = [r for r in recs if r.status >= 500 and not r.injected]
+    killed = [r for r in fivexx if r.envoy in h.killed and not r.floodgate_headers]
+    return Result(
+        fault=fault.name, limit=opts.limit, bound=fault.bound(opts),
+        max_concurrency=h.upstream.max_inflight, requests=len(recs),
+        ok=sum(1 for r in recs if r.status == 200), rejected=sum(1 for r in recs if r.status in (429, 503) and r.reason),
+        fivexx=len(fivexx) - len(killed), fivexx_killed=len(killed) + sum(1 for r in recs if "killed" in r.error),
+        hung=count_hung(recs, end), phantom_leases=leases, phantom_waiters=waiters,
+        serving_again_s=serving_again(h.upstream.series, since, opts.limit, t0 + 1.0, stop_at)
+        if fault.measure_from else 0.0,
+        target_s=fault.target(opts) if fault.measure_from else -1.0,
+        notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else "")
+
+
+# --------------------------------------------------------------------------- output
+
+
+def table(results: list[Result], opts: Options) -> str:
+    lines = [
+        f"L = {opts.limit}, lease TTL {opts.ttl_s:g} s (renewal every {opts.ttl_s / 3:.3g} s), "
+        f"reconnect interval {opts.reconnect_s:g} s, "
+        f"offered load {opts.load:g}x capacity ({opts.capacity_rps * opts.load:.0f} req/s), "
+        f"priority mix 20/50/30, shipped class timeouts 20/10/5 s.",
+        "",
+        "| fault | max concurrency (bound) | requests | 200 | 429/503 | 5xx | 5xx on a killed processor's streams "
+        "| waited > timeout+1 s | phantom leases / waiters | serving at L again (target) | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        again = "never" if r.serving_again_s is None else f"{r.serving_again_s:.2f} s"
+        if r.target_s < 0:
+            again, target = "n/a (no outage)", ""
+        else:
+            target = f" (≤ {r.target_s:.2f} s)"
+        lines.append(
+            f"| {r.fault} | {r.max_concurrency} ({r.bound}) | {r.requests} | {r.ok} | {r.rejected} | {r.fivexx} "
+            f"| {r.fivexx_killed} | {r.hung} | {r.phantom_leases} / {r.phantom_waiters} "
+            f"| {again}{target} | {'yes' if r.passed() else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, body: str, command: str) -> None:
+    section = f"{SECTION_START}\n```\n{command}\n```\n\n{body}\n{SECTION_END}"
+    text = doc.read_text() if doc.exists() else ""
+    if SECTION_START in text and SECTION_END in text:
+        head, rest = text.split(SECTION_START, 1)
+        text = head + section + rest.split(SECTION_END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n## Faults\n\n" + section + "\n"
+    doc.write_text(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--faults", nargs="+", default=FAULT_NAMES, choices=FAULT_NAMES, metavar="FAULT",
+                   help="which faults (default all): " + ", ".join(FAULT_NAMES))
+    p.add_argument("--limit", type=int, default=8, help="static limit L of the pool (default 8)")
+    p.add_argument("--ttl", type=float, default=15.0, metavar="S",
+                   help="redis.lease_ttl_s (default 15, the shipped value)")
+    p.add_argument("--reconnect", type=float, default=0.5, metavar="S",
+                   help="redis.reconnect_interval_s (default 0.5, the shipped value)")
+    p.add_argument("--load", type=float, default=1.5, help="offered load / capacity (default 1.5)")
+    p.add_argument("--before", type=float, default=4.0, metavar="S", help="load before the fault (default 4)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the results here")
+    p.add_argument("--workdir", type=Path, metavar="DIR", help="keep the processes' logs and configs here")
+    p.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = Options(limit=args.limit, ttl_s=args.ttl, reconnect_s=args.reconnect, load=args.load, before_s=args.before, seed=args.seed,
+                   workdir=args.workdir)
+    chosen = [f for f in FAULTS if f.name in args.faults]
+    results: list[Result] = []
+    for f in chosen:
+        print(f"# {f.name}: {f.description}", file=sys.stderr, flush=True)
+        results.append(asyncio.run(run_fault(f, opts)))
+        print(f"#   {results[-1]}", file=sys.stderr, flush=True)
+    body = table(results, opts)
+    print(body)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    if not args.no_doc:
+        cmd = "floodgate bench faults " + " ".join(
+            a for a in sys.argv[3:] if a != "--no-doc") if sys.argv[1:3] == ["bench", "faults"] else "floodgate bench faults"
+        write_doc(args.doc, body, cmd.strip())
+    return 0 if all(r.passed() for r in results) else 1
