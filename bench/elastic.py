@@ -80,8 +80,8 @@ DEFAULT_PHASES = (
 class Workload:
     replicas: int = 2  # the fixed pool; the scaling configs start here (min_replicas)
     max_replicas: int = 10
-    max_num_seqs: int = 256
-    prompt_mean: int = 512
+    max_num_seqs: int = 8
+    prompt_mean: int = 256
     output_mean: int = 64
     length_sigma: float = 0.5
     priority_shares: tuple[float, float, float] = (0.2, 0.5, 0.3)
@@ -696,7 +696,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--replicas", type=int, default=2, help="fixed pool size / min replicas")
     p.add_argument("--max-replicas", type=int, default=10)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="emulator --max-num-seqs per replica")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="emulator --max-num-seqs per replica")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration")
     p.add_argument("--ops-scale", type=float, default=0.1,
                    help="multiply cold start, wake and the controller's windows (0.1: 10x faster)")

@@ -133,7 +133,9 @@ def _add_simulate(sub: Any) -> None:
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per replica")
     p.add_argument("--cold-start", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN", "MAX"))
     p.add_argument("--wake", type=float, nargs=2, default=(5.0, 15.0), metavar=("MIN", "MAX"))
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated subset")
+    p.add_argument("--policies", default=",".join(POLICY_NAMES),
+                   help="comma-separated subset; also floodgate-served (the loop before offered demand: "
+                        "no admission model, served demand only, no learned capacity)")
     p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:` sections overriding the defaults")
     p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here")
     p.set_defaults(handler=_simulate)
@@ -196,9 +198,9 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = workload.load_trace(args.trace)
     mode = args.mode or ("tile" if trace is not None else "synthetic")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in report.POLICY_NAMES]
+    unknown = [n for n in names if n not in report.KNOWN_POLICY_NAMES]
     if unknown:
-        print(f"floodgate controller simulate: unknown policies {unknown}; known: {', '.join(report.POLICY_NAMES)}", file=sys.stderr)
+        print(f"floodgate controller simulate: unknown policies {unknown}; known: {', '.join(report.KNOWN_POLICY_NAMES)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     if mode == "replay":

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ from floodgate.controller.backtest.engine import (
 )
 from floodgate.controller.backtest.oracle import OracleController, lower_bound_s, zero_wait_schedule
 from floodgate.controller.backtest.workload import Workload
+from floodgate.controller.capacity import CapacityConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState
+from floodgate.controller.demand import DemandConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
 
@@ -39,10 +41,19 @@ POLICY_NAMES: tuple[str, ...] = (
 )
 
 
+# Not in the default run: Floodgate as it was before offered demand (issue 14) — no admission
+# model in front, served demand only, the configured target_concurrency (no learning).
+EXTRA_POLICY_NAMES: tuple[str, ...] = ("floodgate-served",)
+KNOWN_POLICY_NAMES: tuple[str, ...] = POLICY_NAMES + EXTRA_POLICY_NAMES
+
+
 def floodgate_controller(
     name: str, w: Workload, policy: PolicyConfig, forecast: fc.ForecastConfig, pool: WarmPoolConfig
 ) -> FloodgateController:
     cfg = DeciderConfig(policy, forecast, pool)
+    if name == "floodgate-served":
+        cfg = replace(cfg, demand=DemandConfig(enabled=False), capacity=CapacityConfig(enabled=False))
+        return FloodgateController(name, cfg, DeciderState(history=w.history), admission=False)
     return FloodgateController(name, cfg, DeciderState(history=w.history))
 
 
@@ -58,7 +69,7 @@ def build_controllers(
     no_fc = forecast.model_copy(update={"enabled": False})
     out: list[SimController] = []
     for name in names:
-        if name == "floodgate":
+        if name in ("floodgate", "floodgate-served"):
             out.append(floodgate_controller(name, w, policy, forecast, pool))
         elif name == "floodgate-no-forecast":
             out.append(floodgate_controller(name, w, policy, no_fc, pool))
@@ -75,7 +86,7 @@ def build_controllers(
         elif name == "oracle":
             out.append(OracleController(name, zero_wait_schedule(w, sim), w.start, sim.tick_s))
         else:
-            raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
+            raise ValueError(f"unknown policy {name!r} (known: {', '.join(KNOWN_POLICY_NAMES)})")
     return out
 
 
