@@ -7,10 +7,13 @@ plus the new policy state to feed into the next call. The warm-pool planner
 
 Rules (design §8, issue 4):
 
-* Demand = vLLM running + vLLM waiting + Floodgate's queue for the pool: pressure held in
-  Floodgate's queue never reaches vLLM's waiting queue, so both are counted.
-* Recommendation = ceil(demand / target_concurrency), unless within the tolerance band of the
-  current size (no flapping on noise).
+* Demand = vLLM running + vLLM waiting + Floodgate's queue for the pool + `signals.lacking`:
+  pressure held in Floodgate's queue never reaches vLLM's waiting queue, so both are counted,
+  and demand admission turned away (`controller.demand`, as concurrency) is counted too.
+* Recommendation = ceil(demand / per-replica capacity) — `signals.capacity` when learned
+  (`controller.capacity`), else `target_concurrency` — unless within the tolerance band of the
+  current size (no flapping on noise); demand above the current size with requests turned
+  away always scales up.
 * Queue pressure: waiting per replica > `queue_pressure_per_replica` ⇒ multiply by
   `scale_up_factor` (double) at once. KV-cache pressure (mean usage over active replicas above
   `kv_pressure_threshold`) is a second scale-up trigger.
