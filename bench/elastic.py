@@ -637,8 +637,8 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 
 `floodgate bench elastic` (bench/elastic.py) runs the whole loop on this machine — Envoy, the
 processor, Redis, the controller with the process actuator, and `floodgate sim` replicas with a
-real (scaled) cold start and a warm pool — and replays one seeded open-loop plan against three
-configurations, each on fresh processes. Raw data in `{rel_out}/`.
+real (scaled) cold start and a warm pool — and replays one seeded open-loop plan against each
+configuration below, each on fresh processes. Raw data in `{rel_out}/`.
 Reproduce: `{report['command']}` ({report['elapsed_s'] / 60:.0f} min here).
 
 **Configurations.** *admission*: Floodgate (Vegas, shipped limiter defaults) in front of a
