@@ -379,7 +379,7 @@ def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:
         _wait_healthy(p, timeout)
 
 
-def _decisions(path: Path) -> list[dict[str, Any]]:
+def _decisions(path: Path) -> list[dict[str, Any]]:  # decisions and promotions, in order
     out = []
     try:
         for line in path.read_text(errors="replace").splitlines():
@@ -439,6 +439,23 @@ class Row:
     errors_by_kind: dict[str, int]
     send_lag_p99_s: float | None
     loadavg_1m: float | None = None
+    # The first cold start as it really took: burst start -> the first replica cold-started
+    # after it is active (decision log), and SLO attainment outside that window.
+    measured_cold_start_s: float | None = None
+    slo_outside_measured_cold_start: float | None = None
+
+
+def first_cold_start(log: Sequence[dict[str, Any]], t0_unix: float, after: float) -> float | None:
+    """Seconds (run clock) at which the first replica cold-started after `after` became active."""
+    rid = None
+    for e in log:
+        t = e.get("ts", 0.0) - t0_unix
+        if rid is None and e.get("event") == "decision" and t >= after:
+            starts = [a.split(":")[1] for a in e.get("actions") or [] if a.startswith("start:")]
+            rid = starts[0] if starts else None
+        elif rid is not None and e.get("event") == "promoted" and e.get("replica") == rid:
+            return t
+    return None
 
 
 def _bins(records: Sequence[Any], slo: Any, t_end: float) -> list[dict[str, float]]:
@@ -506,6 +523,11 @@ def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
     reject_stop = settle_time(bins, burst_a, t_end,
                               lambda b: b["rejected"] / b["offered"] >= REJECT_RATE_DONE)
     slo_recover = settle_time(bins, burst_a, t_end, lambda b: b["met"] / b["offered"] < TARGET_SLO)
+    measured = first_cold_start(out.controller_log, out.result.meta.get("unix_time_at_t0", 0.0), burst_a)
+    slo_measured = None
+    if measured is not None:
+        keep = [r for r in recs if not (burst_a <= r.t_planned < measured)]
+        slo_measured = summarize(keep, slo, window=(0.0, t_end)).overall.slo_attainment
     if out.name == "admission":
         act, pooled, starting, peak = w.replicas * t_end, 0.0, 0.0, float(w.replicas)
     else:
@@ -526,6 +548,8 @@ def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
         rejected_by_reason=o.rejected_by_reason, errors_by_kind=o.errors_by_kind,
         send_lag_p99_s=out.result.meta.get("send_lag_p99_s"),
         loadavg_1m=out.result.meta.get("loadavg_1m"),
+        measured_cold_start_s=None if measured is None else measured - burst_a,
+        slo_outside_measured_cold_start=slo_measured,
     )
 
 
@@ -542,7 +566,8 @@ def _secs(v: float | None) -> str:
 
 
 def render_table(rows: Sequence[Row]) -> str:
-    head = ("| config | offered | ok / 429 / err | P0 success | SLO P0 / P1 / P2 | SLO all (outside 1st cold start) "
+    head = ("| config | offered | ok / 429 / err | P0 success | SLO P0 / P1 / P2 "
+            "| SLO all (outside 1st cold start: nominal / measured) "
             "| goodput P0 / P1 / P2 tok/s | burst goodput tok/s | 429 < 1 % after | SLO ≥ 99 % after "
             "| replica-s active / pooled / starting | peak active |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
@@ -552,7 +577,8 @@ def render_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.config} | {r.offered} | {r.admitted} / {r.rejected} / {r.errors} | {_pct(r.p0_success, 2)} "
             f"| {_pct(s.get('P0'))} / {_pct(s.get('P1'))} / {_pct(s.get('P2'))} "
-            f"| {_pct(r.slo_overall)} ({_pct(r.slo_outside_cold_start)}) "
+            f"| {_pct(r.slo_overall)} ({_pct(r.slo_outside_cold_start)} / {_pct(r.slo_outside_measured_cold_start)}"
+            f"{'' if r.measured_cold_start_s is None else f', {r.measured_cold_start_s:.0f} s'}) "
             f"| {_num(g.get('P0'))} / {_num(g.get('P1'))} / {_num(g.get('P2'))} | {_num(r.goodput_burst_tok_s)} "
             f"| {_secs(r.reject_stop_s)} | {_secs(r.slo_recover_s)} "
             f"| {r.active_replica_s:.0f} / {r.pooled_replica_s:.0f} / {r.starting_replica_s:.0f} | {r.peak_active:.0f} |")
@@ -574,8 +600,11 @@ def verdicts(rows: Sequence[Row], w: Workload) -> list[str]:
             continue
         out += [f"{name}: P0 success ≥ 99.9 %: {mark((fg.p0_success or 0) >= TARGET_P0_SUCCESS)} "
                 f"({_pct(fg.p0_success, 2)})",
-                f"{name}: SLO attainment ≥ 99 % outside the first cold start: "
-                f"{mark((fg.slo_outside_cold_start or 0) >= TARGET_SLO)} ({_pct(fg.slo_outside_cold_start, 2)})",
+                f"{name}: SLO attainment ≥ 99 % outside the first cold start: nominal "
+                f"({w.cold_start:.0f} s) {mark((fg.slo_outside_cold_start or 0) >= TARGET_SLO)} "
+                f"({_pct(fg.slo_outside_cold_start, 2)}), as measured "
+                f"({_num(fg.measured_cold_start_s)} s) {mark((fg.slo_outside_measured_cold_start or 0) >= TARGET_SLO)} "
+                f"({_pct(fg.slo_outside_measured_cold_start, 2)})",
                 f"{name}: rejections below 1 % within one cold start ({w.cold_start:.0f} s) of the burst: "
                 f"{mark(fg.reject_stop_s is not None and fg.reject_stop_s <= w.cold_start + BIN_S)} "
                 f"({_secs(fg.reject_stop_s)}; one warm promotion is {w.wake:.0f} s)"]
@@ -663,7 +692,8 @@ SLO: TTFT ≤ {report['slo']['ttft_s']} s and TPOT ≤ {report['slo']['tpot_s']}
 {render_table(rows)}
 Columns: SLO = share of *offered* requests that succeeded within the SLO (a 429 is a miss);
 "outside 1st cold start" leaves out arrivals in the first {w['cold_start_s'] * w['ops_scale']:.0f} s
-of the burst; goodput = output tokens/s of requests that met the SLO; "429 < 1 % after" /
+of the burst (nominal) or until the first replica cold-started after the burst's start was
+active (measured from the controller's decision log; its length after the comma); goodput = output tokens/s of requests that met the SLO; "429 < 1 % after" /
 "SLO ≥ 99 % after" = seconds from the burst's start until every later {BIN_S:.0f} s bin stays
 below 1 % rejected / at or above 99 % SLO (never: the last bin is still bad); replica-seconds
 over the plan: active (incl. waking and draining), pooled (warm or asleep), starting (cold
@@ -731,12 +761,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-doc", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--from-raw", action="store_true",
+                   help="run nothing: re-evaluate the raw data already in --out (same workload flags) "
+                        "and rewrite results.json, the plot and the doc section")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
     w = Workload(replicas=args.replicas, max_replicas=args.max_replicas, max_num_seqs=args.max_num_seqs,
                  seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start)
     return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
+
+
+def _load_raw(out_dir: Path, name: str) -> RunOutput:
+    from floodgate.sim.loadgen import LoadResult, Record
+
+    with gzip.open(out_dir / f"{name}.json.gz", "rt") as f:
+        d = json.load(f)
+    result = LoadResult([Record.from_dict(r) for r in d["records"]], [], d["meta"])
+    return RunOutput(name, result, [ReplicaSample(**s) for s in d["replicas"]], d["controller"])
 
 
 def write_raw(out_dir: Path, out: RunOutput) -> None:
@@ -753,6 +795,8 @@ def run(args: argparse.Namespace) -> int:
     slo = SLO(args.slo_ttft, args.slo_tpot)
     w = _workload(args)
     per_replica = args.per_replica_rps
+    if args.from_raw:
+        per_replica = json.loads((args.out / "results.json").read_text())["per_replica_rps"]
     if per_replica is None:
         per_replica, _, _ = derive_capacity(w.overload_workload(), slo.ttft_s, slo.tpot_s)
     print(f"one replica: {per_replica:.2f} req/s (engine model); cold start {w.cold_start:g} s, "
@@ -762,7 +806,14 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.quiet and sys.stderr.isatty()
     runs: list[RunOutput] = []
     rows: list[Row] = []
-    for name in args.configs:
+    previous: dict[str, Any] = {}
+    if args.from_raw:
+        previous = json.loads((args.out / "results.json").read_text())
+        for name in [r["config"] for r in previous["rows"]]:
+            out = _load_raw(args.out, name)
+            runs.append(out)
+            rows.append(evaluate(out, w, slo))
+    for name in [] if args.from_raw else args.configs:
         t = time.monotonic()
         print(f"[{name}] {len(plan)} requests over {w.duration:.0f} s ...", flush=True)
         out = run_config(name, w, plan, slo, timeout_s=args.timeout, progress=progress)
@@ -778,9 +829,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(table)
     print("\n".join(lines))
-    argv = " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("floodgate") else ""
+    argv = " ".join(a for a in sys.argv[1:] if a != "--from-raw") if sys.argv and sys.argv[0].endswith("floodgate") else ""
     report: dict[str, Any] = {
-        "command": "floodgate " + argv if argv.startswith("bench") else "floodgate bench elastic",
+        "command": previous.get("command") or ("floodgate " + argv if argv.startswith("bench") else "floodgate bench elastic"),
         "workload": {**asdict(w), "phases": [asdict(p) for p in w.phases]},
         "slo": asdict(slo),
         "per_replica_rps": per_replica,
@@ -789,7 +840,7 @@ def run(args: argparse.Namespace) -> int:
         "controller_overrides": ops_scaled(w),
         "rows": [asdict(r) for r in rows],
         "verdicts": lines,
-        "elapsed_s": time.monotonic() - started,
+        "elapsed_s": previous.get("elapsed_s") or time.monotonic() - started,
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     if not args.no_plots and runs:

@@ -47,6 +47,9 @@ def test_elastic_smoke(tmp_path: Path) -> None:
         raw = json.load(f)
     assert raw["replicas"] and all(s["states"].get("active", 0) >= 2 for s in raw["replicas"])
     assert any(e.get("event") == "decision" for e in raw["controller"])
+    # The first cold start after the burst, as measured from the decision log, lies after it.
+    m = rows["floodgate"]["measured_cold_start_s"]
+    assert m is None or m > 0
     assert (out / "timeline.png").stat().st_size > 10_000
     text = doc.read_text()
     assert "someone else's section" in text and elastic.SECTION_START in text and "## Elastic" in text
