@@ -93,7 +93,7 @@ class LimitConfig(_Strict):
     flavor: Literal["floodgate", "netflix"] = Field(
         default="floodgate",
         description="`floodgate`: the no-load baseline is re-estimated only from windows at low in-flight (it cannot drift up under sustained load), 5xx lower the limit by their share of the window, and latency up to `slo_target` counts as no queue. `netflix`: VegasLimit.java as written (a probe resets the baseline to the current latency, any 5xx in a window is a drop, no SLO target).")
-    slo_target: float = Field(default=0.75, ge=0, le=1, description="Latency up to this fraction of the pool's SLO for the signal counts as no queue (strictest class; tpot: slo_tpot_s, combined: 32 x slo_tpot_s, ttft: slo_ttft_s x (1 - queue_wait_slo_share, at least 1/4)); 0 = no SLO target.")
+    slo_target: float = Field(default=0.75, ge=0, le=1, description="Latency up to this fraction of the pool's SLO for the signal counts as no queue (strictest class; tpot: slo_tpot_s; ttft: slo_ttft_s x (1 - queue_wait_slo_share, at least 1/4); combined: that TTFT part + 31 x slo_tpot_s); 0 = no SLO target.")
     window_min_samples: int = Field(default=10, ge=1, description="Samples a window needs before it updates the limit.")
     window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
     window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
@@ -145,14 +145,14 @@ class PoolConfig(_Strict):
         """Seconds of `limit.signal` that count as no queue for Vegas, from the strictest class
         SLO (0 = none). The engine-side part of each SLO: TPOT as is; `combined` is the time
         to the 32nd token; `ttft` is measured after admission, so the queue's part of the TTFT
-        target is taken out."""
+        target is taken out (for `combined` too: TTFT's engine part + 31 x TPOT)."""
         if self.limit.slo_target <= 0:
             return 0.0
         cs = self.classes.values()
         if self.limit.signal == "tpot":
             base = min(c.slo_tpot_s for c in cs)
         elif self.limit.signal == "combined":
-            base = min(32 * c.slo_tpot_s for c in cs)
+            base = min(c.slo_ttft_s * max(0.25, 1 - c.queue_wait_slo_share) + 31 * c.slo_tpot_s for c in cs)
         else:
             base = min(c.slo_ttft_s * max(0.25, 1 - c.queue_wait_slo_share) for c in cs)
         return self.limit.slo_target * base
