@@ -306,11 +306,17 @@ class Options:
 class Harness:
     """Redis, two processors (each via its own proxy, each behind its own Envoy), one upstream."""
 
-    def __init__(self, opts: Options, sup: Any) -> None:
+    def __init__(self, opts: Options, sup: Any, topology: str = "single") -> None:
         from floodgate.stack import LocalStack
 
         self.opts = opts
         self.sup = sup
+        # "single": one server behind per-processor proxies; "sentinel": primary + replica + 3
+        # sentinels; "cluster": 3 primaries with a replica each (floodgate/redis_topology.py).
+        self.topology = topology
+        self.sentinel: Any = None
+        self.cluster: Any = None
+        self.other_pool = ""  # cluster: a second pool on another shard (no traffic)
         self.stack = LocalStack(sup)
         self.upstream = Upstream()
         self.proxies: list[RedisProxy] = []
@@ -322,11 +328,18 @@ class Harness:
 
     def processor_config(self) -> dict[str, Any]:
         # Shipped defaults, except a static limit (so "<= L" is a fixed line) and the TTL.
-        return {"pools": [{"name": "default", "limit": {"mode": "static", "initial": self.opts.limit}}],
+        pools: list[dict[str, Any]] = [{"name": "default", "limit": {"mode": "static", "initial": self.opts.limit}}]
+        if self.other_pool:
+            pools.append({"name": self.other_pool, "match_authority": "other.invalid",
+                          "limit": {"mode": "static", "initial": self.opts.limit}})
+        return {"pools": pools,
                 "admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
                 "redis": {"lease_ttl_s": self.opts.ttl_s, "reconnect_interval_s": self.opts.reconnect_s}}
 
     async def start(self) -> None:
+        if self.topology != "single":
+            await self._start_replicated()
+            return
         url = self.stack.start_redis()
         self.redis_port = int(url.rsplit(":", 1)[1].split("/")[0])
         await self.upstream.start()
@@ -338,6 +351,22 @@ class Harness:
             p = await asyncio.to_thread(self.stack.start_processor, self.processor_config(), name=f"extproc{i}")
             await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
         self.stack.redis_url = url
+
+    async def _start_replicated(self) -> None:
+        from floodgate.redis_topology import start_cluster, start_sentinel
+
+        if self.topology == "sentinel":
+            self.sentinel = await asyncio.to_thread(start_sentinel, self.sup)
+            self.stack.redis_url = self.sentinel.url
+        else:
+            self.cluster = await asyncio.to_thread(start_cluster, self.sup, primaries=3, replicas=1)
+            self.stack.redis_url = self.cluster.url
+            home = self.cluster.shard_of("fg:{default}:state")
+            self.other_pool = self.cluster.key_on_shard((home + 1) % 3, prefix="other")
+        await self.upstream.start()
+        for i in range(2):
+            p = await asyncio.to_thread(self.stack.start_processor, self.processor_config(), name=f"extproc{i}")
+            await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
 
     async def stop(self) -> None:
         for p in self.proxies:
@@ -383,6 +412,36 @@ class Fault:
     measure_from: str = "recover"  # "inject" | "recover" | "" (no outage: not measured)
     target: Callable[[Options], float] = lambda o: o.ttl_s / 3  # one renewal period
     bound: Callable[[Options], int] = lambda o: o.limit
+    topology: str = "single"  # which Redis the harness starts (see Harness)
+
+
+async def _sentinel_kill_primary(h: Harness) -> None:
+    await asyncio.to_thread(h.sentinel.kill_primary)
+
+
+async def _cluster_kill_pool_primary(h: Harness) -> None:
+    """SIGKILL the primary serving the loaded pool's slot; its replica takes over."""
+    node = await asyncio.to_thread(h.cluster.owner, "fg:{default}:state")
+    await asyncio.to_thread(h.cluster.kill, node)
+
+
+async def _cluster_kill_other_shard(h: Harness) -> None:
+    """SIGKILL the primary and replica of the shard holding the other pool (not the loaded one)."""
+    shard = h.cluster.shards[h.cluster.shard_of(f"fg:{{{h.other_pool}}}:state")]
+    for node in (shard.primary, *shard.replicas):
+        await asyncio.to_thread(h.cluster.kill, node)
+
+
+async def _cluster_restart_other_shard(h: Harness) -> None:
+    shard = h.cluster.shards[h.cluster.shard_of(f"fg:{{{h.other_pool}}}:state")]
+    for node in (shard.primary, *shard.replicas):
+        await asyncio.to_thread(h.cluster.restart, node)
+
+
+# A failover cannot be told from an outage by the processors: each runs on its local share
+# while the primary is gone; the first back re-asserts its permits and grants on shared state
+# before the other has re-synced, so the pool may run one processor's share over L.
+_FAILOVER_BOUND: Callable[[Options], int] = lambda o: o.limit + o.limit // 2  # noqa: E731
 
 
 async def _nothing(h: Harness) -> None:
@@ -466,6 +525,24 @@ FAULTS: list[Fault] = [
     Fault("upstream-errors", "10% upstream answers: half 500s, half connection resets", _upstream_errors,
           _no_upstream_errors, hold_s=lambda o: 2 * o.before_s, measure_from=""),
 ]
+FAULTS += [
+    Fault("sentinel-failover", "SIGKILL the Sentinel-managed primary; a replica is promoted",
+          _sentinel_kill_primary, _nothing, measure_from="inject", topology="sentinel",
+          bound=_FAILOVER_BOUND,
+          # sentinel down-after (1 s) + election, then one reconnect and the reconcile
+          target=lambda o: 5.0 + o.reconnect_s),
+    Fault("cluster-failover", "SIGKILL the Cluster primary holding the pool's slot; its replica takes over",
+          _cluster_kill_pool_primary, _nothing, measure_from="inject", topology="cluster",
+          bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),
+    Fault("cluster-shard-down", "SIGKILL primary and replica of another shard (another pool's); "
+          "the loaded pool's shard stays up; restarted after 2 x --before", _cluster_kill_other_shard,
+          _cluster_restart_other_shard, hold_s=lambda o: 2 * o.before_s, topology="cluster",
+          # Measured from the kill: the loaded pool should not notice. It does today, because
+          # degradation is per processor: both serve it on local shares (<= L, often below)
+          # until the other shard is back and they reconcile.
+          measure_from="inject", target=lambda o: 2.0 + o.reconnect_s,
+          bound=_FAILOVER_BOUND),  # leaving local limits: as after a failover
+]
 FAULT_NAMES = [f.name for f in FAULTS]
 
 
@@ -535,7 +612,7 @@ async def run_fault(fault: Fault, opts: Options) -> Result:
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
     with (Supervisor(workdir=workdir) if workdir else Supervisor()) as sup:
-        h = Harness(opts, sup)
+        h = Harness(opts, sup, fault.topology)
         await h.start()
         try:
             recs: list[Rec] = []

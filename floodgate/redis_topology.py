@@ -203,6 +203,13 @@ class ClusterTopology:
         node.child.kill(signal.SIGKILL)
         node.child.proc.wait(5)
 
+    def restart(self, node: Node) -> None:
+        """Start a killed node again with the same arguments: it rejoins with the identity,
+        role and slots in its nodes.conf (its data is gone: no persistence)."""
+        argv: Any = node.child.proc.args  # the list Supervisor.start was given
+        node.child = self.sup.start(node.child.name, [str(a) for a in argv])
+        wait_for_port("127.0.0.1", node.port, 10, node.child.proc)
+
     def wait_owner_changes(self, key: str, old_port: int, timeout: float = 30.0) -> Node:
         """Wait until a replica took over `key`'s slot from `old_port` and accepts writes."""
         def moved() -> bool:

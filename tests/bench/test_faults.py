@@ -55,3 +55,33 @@ def test_fault_meets_targets(name: str, tmp_path: Path) -> None:
     assert r.serving_again_s is not None and r.serving_again_s <= r.target_s, r
     if name == "sigkill":
         assert r.fivexx_killed >= 1, r  # the victim really was carrying requests
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["sentinel-failover", "cluster-failover"])
+def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
+    """SIGKILL the primary (Sentinel-managed; or the Cluster primary of the pool's slot) under
+    load: within the failover bound, no 5xx, nobody hung, no phantoms, serving at L again."""
+    fault = next(f for f in FAULTS if f.name == name)
+    opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
+    r = asyncio.run(run_fault(fault, opts))
+    assert r.ok > 50, r
+    assert r.max_concurrency <= r.bound, r
+    assert r.fivexx == 0 and r.hung == 0, r
+    assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
+    assert r.serving_again_s is not None and r.serving_again_s <= r.target_s, r
+
+
+@pytest.mark.integration
+def test_a_dead_shard_of_another_pool(tmp_path: Path) -> None:
+    """Another pool's shard dies (primary and replica) and comes back: the loaded pool keeps
+    answering (no 5xx, nobody hung, within the bound, no phantoms). It is served on local
+    shares meanwhile (degradation is per processor), so it is not at L until the shard returns."""
+    fault = next(f for f in FAULTS if f.name == "cluster-shard-down")
+    opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
+    r = asyncio.run(run_fault(fault, opts))
+    assert r.ok > 50, r
+    assert r.max_concurrency <= r.bound, r
+    assert r.fivexx == 0 and r.hung == 0, r
+    assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
+    assert r.serving_again_s is not None  # back at L once the shard returned
