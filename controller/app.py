@@ -299,6 +299,14 @@ class PoolController:
         m.actual.labels(pool=self.pool).set(plan.active)
         m.warm_target.labels(pool=self.pool).set(d.warm_target)
         m.demand.labels(pool=self.pool).set(plan.demand)
+        m.lacking.labels(pool=self.pool).set(plan.lacking)
+        m.per_replica.labels(pool=self.pool).set(d.per_replica)
+        if d.offered is not None:
+            for c in (0, 1, 2):
+                off = d.offered.offered_rate.get(c, 0.0) if not d.offered.stale else float("nan")
+                away = d.offered.turned_away_rate.get(c, 0.0) if not d.offered.stale else float("nan")
+                m.offered_rate.labels(pool=self.pool, priority=str(c)).set(off)
+                m.turned_away_rate.labels(pool=self.pool, priority=str(c)).set(away)
         m.forecast.labels(pool=self.pool).set(float("nan") if d.floor is None else d.floor)
         m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
         if plan.direction != "none":

@@ -36,7 +36,17 @@ class ControllerMetrics:
                               ["pool"], registry=r)
         self.forecast_demand = Gauge("floodgate_forecast_demand", "Forecast peak demand over the lead window.",
                                      ["pool"], registry=r)
-        self.demand = Gauge("floodgate_demand", "Measured demand (running + waiting + Floodgate queue).", ["pool"], registry=r)
+        self.demand = Gauge("floodgate_demand", "Offered demand the policy sized for (running + waiting + Floodgate "
+                            "queue + turned-away demand as concurrency).", ["pool"], registry=r)
+        self.lacking = Gauge("floodgate_demand_turned_away", "Turned-away demand counted as concurrency the pool "
+                             "lacks (excluded classes left out).", ["pool"], registry=r)
+        self.offered_rate = Gauge("floodgate_offered_requests_per_second", "Offered requests/s per class "
+                                  "(Floodgate's counters reconciled with Envoy); NaN when stale.",
+                                  ["pool", "priority"], registry=r)
+        self.turned_away_rate = Gauge("floodgate_turned_away_requests_per_second", "Requests/s admission turned "
+                                      "away per class; NaN when stale.", ["pool", "priority"], registry=r)
+        self.per_replica = Gauge("floodgate_replica_capacity", "Per-replica capacity the pool is sized with "
+                                 "(learned from TTFT/ITL, else target_concurrency).", ["pool"], registry=r)
         self.scrape_failures = Counter("floodgate_scrape_failures_total", "Failed scrapes (marked, never read as zero).",
                                        ["source"], registry=r)
         self.leader = Gauge("floodgate_controller_leader", "1 while this controller holds the leader lease.", registry=r)

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import aiohttp
 import pytest
+from floodgate.controller.actuators.static import StaticActuator
+from floodgate.controller.app import PoolController
 from floodgate.controller.capacity import CapacityConfig, TickLatency
+from floodgate.controller.config import PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
 from floodgate.controller.demand import ClassCounters, DemandConfig, FloodgateCounters
 from floodgate.controller.forecast import DemandHistory, ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
+from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import PolicyConfig
 from floodgate.controller.vllm import Histogram
+from floodgate.extproc.state import redis_client
 
 from tests.controller.conftest import FakeClock, signals, views
 
@@ -118,3 +124,25 @@ def test_sizing_uses_learned_capacity(clock: FakeClock) -> None:
     assert d is not None
     assert d.per_replica == pytest.approx(0.875 * 5.0, rel=0.02) and st.capacity.accepted > 5
     assert d.plan.desired == 8 and d.plan.per_replica == d.per_replica  # ceil((25 + 10) / 4.375)
+
+
+async def test_live_step_exports_offered_demand_and_capacity() -> None:
+    metrics = ControllerMetrics()
+    client = redis_client("redis://127.0.0.1:1/0")  # never contacted: step() does no I/O
+    async with aiohttp.ClientSession() as session:
+        pc = PoolController(PoolConfig(name="p", policy=POLICY, forecast=ForecastConfig(enabled=False)),
+                            StaticActuator(["127.0.0.1:1"]), client, session, metrics)
+        clock = FakeClock()
+        reps = views(clock.now, active=2)
+        for _ in range(10):
+            t = clock.advance(1.0)
+            k = t - 1_000_000.0
+            ps = replace(signals(t, reps, running=14.0), counters=counters(t, 7.0 * k, {1: 7.0 * k}))
+            d = pc.step(Signals(ps, reps), t)
+    await client.aclose()
+    assert d.plan.desired == 4
+    text = metrics.render().decode()
+    assert 'floodgate_turned_away_requests_per_second{pool="p",priority="1"} 7.0' in text
+    assert 'floodgate_demand_turned_away{pool="p"} 14.0' in text
+    assert 'floodgate_replica_capacity{pool="p"} 7.0' in text
+    assert any(e["event"] == "decision" and e["lacking"] == 14.0 for e in pc.events)
