@@ -373,7 +373,7 @@ class Admitter:
                queued: bool = False, credit: bool = False) -> Permit:
         now = self.clock()
         p = Permit(rt.cfg.name, ticket, req.priority, now - req.started, now, endpoint, queued, credit,
-                   _seq_of(ticket))
+                   _seq_of(ticket), on_finish=self.finish)
         rt.held[ticket] = p
         return p
 
@@ -434,7 +434,7 @@ class Admitter:
 
     # ---------------------------------------------------------------- latency feedback
 
-    def finish(self, permit: Permit, outcome: Outcome, latency: Latency | None = None) -> None:
+    def finish(self, permit: Permit, outcome: str, latency: Latency | None = None) -> None:
         """The request behind `permit` is over: feed its outcome (and, if it was measured, its
         latency) to the pool's limit, once. The limit's configuration picks the signal."""
         if permit.finished:
@@ -442,7 +442,8 @@ class Admitter:
         permit.finished = True
         rt = self.pools[permit.pool]
         rtt = latency.signal(rt.cfg.limit.signal) if latency is not None else None
-        sample = rt.limit.record(self.clock(), outcome, rtt, rt.inflight_seen())
+        kind: Outcome = "success" if outcome == "success" else "dropped" if outcome == "dropped" else "ignored"
+        sample = rt.limit.record(self.clock(), kind, rtt, rt.inflight_seen())
         if sample is not None and not self.degraded:
             self.spawn(self._apply_sample(rt, sample))
 

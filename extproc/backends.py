@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from floodgate.extproc.limit import Latency
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     Reject,
@@ -52,7 +53,14 @@ class Permit:
     credit: bool = False  # admitted from a local credit (no Redis round trip)
     seq: int = 0  # the ticket's number (`sync` watermark)
     released: bool = False
-    finished: bool = False  # its outcome went to the limit (Admitter.finish)
+    finished: bool = False  # its outcome went to the limit (finish)
+    on_finish: Callable[[Permit, str, Latency | None], None] | None = field(default=None, repr=False, compare=False)
+
+    def finish(self, outcome: str, latency: Latency | None = None) -> None:
+        """The request is over: `success` (with its latency if measured), `dropped` (5xx) or
+        `ignored`; feeds the pool's limit once (Netflix's limiter listener)."""
+        if not self.finished and self.on_finish is not None:
+            self.on_finish(self, outcome, latency)
 
 
 @dataclass(frozen=True)

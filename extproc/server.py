@@ -311,13 +311,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         success (with its latency when its body was streamed), a cancelled one says nothing.
         Which latency signal the limit uses is the limit's business (`limit.signal`)."""
         if ex.status is not None and ex.status >= 500:
-            self.admitter.finish(ex.permit, "dropped")
+            ex.permit.finish("dropped")
             return
         if reason != "stream_end" or ex.status is None:
-            self.admitter.finish(ex.permit, "ignored")
+            ex.permit.finish("ignored")
             return
         if not ex.sampled or ex.first_body_at is None or not ex.finished:
-            self.admitter.finish(ex.permit, "success")
+            ex.permit.finish("success")
             return
         ttft = ex.first_body_at - ex.permit.admitted_at
         tokens = ex.tokens if ex.tokens else max(1, ex.chunks - 1)  # minus [DONE]
@@ -327,7 +327,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         m.ttft.labels(pool, label).observe(ttft)
         if tpot is not None:
             m.tpot.labels(pool, label).observe(tpot)
-        self.admitter.finish(ex.permit, "success", Latency(ttft, tpot))
+        ex.permit.finish("success", Latency(ttft, tpot))
 
 
 def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
