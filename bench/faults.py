@@ -148,8 +148,8 @@ def serving_again(series: list[tuple[float, int]], since: float, limit: int, sta
             if back > since and low_since <= since + 1.0:
                 worst = max(worst, back - since)
             low_since = None
-    if low_since is not None:
-        return None
+    if low_since is not None and low_since <= since + 1.0:
+        return None  # the fault's dip never ended
     return worst
 
 
@@ -677,6 +677,19 @@ def table(results: list[Result], opts: Options) -> str:
     return "\n".join(lines)
 
 
+def doc_command(argv: list[str]) -> str:
+    """The command to reproduce a run, without the flags that only say where files go."""
+    out, skip = ["floodgate", "bench", "faults"], False
+    for a in argv[2:] if argv[:2] == ["bench", "faults"] else []:
+        if skip:
+            skip = False
+        elif a in ("--json", "--workdir", "--doc"):
+            skip = True
+        elif a != "--no-doc":
+            out.append(a)
+    return " ".join(out)
+
+
 def write_doc(doc: Path, body: str, command: str) -> None:
     section = f"{SECTION_START}\n```\n{command}\n```\n\n{body}\n{SECTION_END}"
     text = doc.read_text() if doc.exists() else ""
@@ -719,7 +732,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     if not args.no_doc:
-        cmd = "floodgate bench faults " + " ".join(
-            a for a in sys.argv[3:] if a != "--no-doc") if sys.argv[1:3] == ["bench", "faults"] else "floodgate bench faults"
-        write_doc(args.doc, body, cmd.strip())
+        write_doc(args.doc, body, doc_command(sys.argv[1:]))
     return 0 if all(r.passed() for r in results) else 1

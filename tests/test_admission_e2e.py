@@ -404,3 +404,25 @@ async def test_many_headers_never_fail_through_floodgate(stack: LocalStack, upst
             if alone.status == 200:
                 assert through.status == 200, (n, through.status, through.body[:200])
     assert (await drained(stack.redis_url)).inflight_total == 0
+
+
+async def test_processors_that_never_reached_redis_split_the_limit(stack: LocalStack, upstream: int) -> None:
+    """Two processors started while Redis is unreachable: each admits limit.initial /
+    redis.expected_gateways, so together they stay within the limit (they used to admit 2x)."""
+    from floodgate.supervisor import free_port
+
+    stack.redis_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    cfg = static(4, classes=classes(p0=1, p1=1, p2=1, max_queue=50))
+    cfg["redis"] = {"expected_gateways": 2, "op_timeout_s": 0.1}
+    p1, p2 = stack.start_processor(cfg), stack.start_processor(cfg)
+    e1 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p1])
+    e2 = stack.start_envoy([("127.0.0.1", upstream)], processors=[p2])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        replies = await asyncio.gather(*(post(s, (e1, e2)[i % 2].url, headers=hdr(1, chunks="2", delay_ms="150"))
+                                         for i in range(24)))
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+        m = await metrics(s, p1.metrics_url)
+    assert {r.status for r in replies} <= {200, 429}, [r.status for r in replies]
+    assert sum(r.status == 200 for r in replies) >= 4
+    assert stats["max_inflight"] <= 4
+    assert m["floodgate_degraded"] == 1

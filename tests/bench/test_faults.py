@@ -32,6 +32,7 @@ def test_bucket_means_and_serving_again() -> None:
     assert serving_again(series, 0.5, 8, 0, 3, 0.5) == 1.5
     assert serving_again([(0.1, 8), (1.0, 3)], 0.5, 8, 0, 3, 0.5) is None  # never back
     assert serving_again([(0.0, 8)], 1.0, 8, 0, 3, 0.5) == 0.0  # never dipped
+    assert serving_again([(0.0, 8), (2.6, 3)], 0.5, 8, 0, 3, 0.5) == 0.0  # a late lull is not the fault
 
 
 def test_count_hung() -> None:
