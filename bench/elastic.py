@@ -41,6 +41,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from floodgate.bench.doc_section import kept_notes, replace_section
+from floodgate.bench.doc_section import num as _num
+from floodgate.bench.doc_section import pct as _pct
+
 SUMMARY = "elastic: admission only vs scaling only vs Floodgate (both) through a diurnal ramp and a 3x burst"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -553,14 +557,6 @@ def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
     )
 
 
-def _pct(v: float | None, digits: int = 1) -> str:
-    return "–" if v is None else f"{100 * v:.{digits}f}%"
-
-
-def _num(v: float | None, fmt: str = ".0f") -> str:
-    return "–" if v is None else format(v, fmt)
-
-
 def _secs(v: float | None) -> str:
     return "never" if v is None else f"{v:.0f} s"
 
@@ -717,24 +713,11 @@ DEFAULT_NOTES = "<!-- elastic-notes:begin -->\n<!-- elastic-notes:end -->"
 
 
 def _existing_notes(doc: Path) -> str:
-    if not doc.exists():
-        return DEFAULT_NOTES
-    text = doc.read_text()
-    a, b = text.find("<!-- elastic-notes:begin -->"), text.find("<!-- elastic-notes:end -->")
-    if a < 0 or b < a:
-        return DEFAULT_NOTES
-    return text[a:b + len("<!-- elastic-notes:end -->")]
+    return kept_notes(doc, "<!-- elastic-notes:begin -->", "<!-- elastic-notes:end -->", DEFAULT_NOTES)
 
 
 def update_doc(doc: Path, section: str) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if SECTION_START in text and SECTION_END in text:
-        a = text.index(SECTION_START)
-        b = text.index(SECTION_END) + len(SECTION_END)
-        text = text[:a] + section.strip() + text[b:]
-    else:
-        text = text.rstrip() + "\n\n" + section.strip() + "\n"
-    doc.write_text(text)
+    replace_section(doc, SECTION_START, SECTION_END, section)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from floodgate.bench.doc_section import replace_section
+
 SUMMARY = "faults: SIGKILL, Redis stop/restart, partition, client disconnects, upstream errors under load"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -692,13 +694,7 @@ def doc_command(argv: list[str]) -> str:
 
 def write_doc(doc: Path, body: str, command: str) -> None:
     section = f"{SECTION_START}\n```\n{command}\n```\n\n{body}\n{SECTION_END}"
-    text = doc.read_text() if doc.exists() else ""
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## Faults\n\n" + section + "\n"
-    doc.write_text(text)
+    replace_section(doc, SECTION_START, SECTION_END, section, heading="## Faults\n\n")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

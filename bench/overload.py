@@ -41,6 +41,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from floodgate.bench.doc_section import kept_notes, replace_section
+from floodgate.bench.doc_section import num as _num
+from floodgate.bench.doc_section import pct as _pct
 from floodgate.extproc.config import PoolConfig
 
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
@@ -531,14 +534,6 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
     )
 
 
-def _pct(v: float | None, digits: int = 1) -> str:
-    return "–" if v is None else f"{100 * v:.{digits}f}%"
-
-
-def _num(v: float | None, fmt: str = ".0f") -> str:
-    return "–" if v is None else format(v, fmt)
-
-
 def _ms(v: float | None) -> str:
     return "–" if v is None else f"{1000 * v:.0f}"
 
@@ -743,14 +738,7 @@ load generator's p99 send lag (late sends mean the client, not the pool, was the
 
 def update_doc(doc: Path, section: str) -> None:
     """Replace our section between the markers, or append it; never touch the rest."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if SECTION_START in text and SECTION_END in text:
-        a = text.index(SECTION_START)
-        b = text.index(SECTION_END) + len(SECTION_END)
-        text = text[:a] + section.strip() + text[b:]
-    else:
-        text = text.rstrip() + "\n\n" + section.strip() + "\n"
-    doc.write_text(text)
+    replace_section(doc, SECTION_START, SECTION_END, section)
 
 
 DEFAULT_NOTES = "<!-- notes: filled in by hand after a full run -->"
@@ -758,13 +746,7 @@ DEFAULT_NOTES = "<!-- notes: filled in by hand after a full run -->"
 
 def _existing_notes(doc: Path) -> str:
     """Hand-written analysis between the verdict and the CPU table survives a rerun."""
-    if not doc.exists():
-        return DEFAULT_NOTES
-    text = doc.read_text()
-    a, b = text.find("<!-- notes:begin -->"), text.find("<!-- notes:end -->")
-    if a < 0 or b < a:
-        return DEFAULT_NOTES
-    return text[a:b + len("<!-- notes:end -->")]
+    return kept_notes(doc, "<!-- notes:begin -->", "<!-- notes:end -->", DEFAULT_NOTES)
 
 
 # --------------------------------------------------------------------------- calibration
