@@ -39,11 +39,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
+from floodgate.extproc.schema import TURNED_AWAY
 from pydantic import BaseModel, ConfigDict, Field
-
-CLASSES = (0, 1, 2)
-TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "abandoned")
-COUNTERS = ("admitted", "queued", *TURNED_AWAY)
 
 
 class DemandConfig(BaseModel):

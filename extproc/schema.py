@@ -50,8 +50,8 @@ CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
 #   abandoned      the client left while queued
 # Offered demand = admitted + queued-then-not-admitted + turned away; with these counters:
 #   offered = admitted + early_drop + queue_full + tenant_cap + queue_timeout + no_endpoints + abandoned
-DEMAND_OUTCOMES = ("admitted", "queued", "early_drop", "queue_full", "tenant_cap", "queue_timeout",
-                   "no_endpoints", "abandoned")
+TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "abandoned")
+DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY)
 
 
 def key(pool: str, name: str) -> str:
