@@ -29,6 +29,7 @@ from floodgate.controller.demand import DemandConfig
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
+from floodgate.extproc.schema import controller_leader_key
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL
@@ -55,7 +56,7 @@ class EnvoyConfig(_Strict):
 
 class LeaderConfig(_Strict):
     enabled: bool = Field(default=True, description="Act only while holding the Redis leader lease.")
-    key: str = Field(default="fg:controller:leader", min_length=1, description="Redis key of the lease.")
+    key: str = Field(default=controller_leader_key(), min_length=1, description="Redis key of the lease.")
     ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash.")
 
 

@@ -17,6 +17,7 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+from floodgate.extproc.schema import controller_leader_key
 from redis.exceptions import RedisError
 
 log = logging.getLogger("floodgate.controller.leader")
@@ -46,7 +47,7 @@ def default_holder_id() -> str:
 
 
 class LeaderLease:
-    def __init__(self, client: aioredis.Redis, key: str = "fg:controller:leader", *,
+    def __init__(self, client: aioredis.Redis, key: str = controller_leader_key(), *,
                  holder: str | None = None, ttl_s: float = 10.0, renew_every_s: float | None = None) -> None:
         self.client = client
         self.key = key

@@ -314,6 +314,7 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
     refilled by cold starts, so the drains after it recycle into the pool (the product's point:
     a replica that served the burst waits asleep for the next one)."""
     from floodgate.controller.actuators.process import sim_command
+    from floodgate.extproc.schema import controller_leader_key
 
     sim = sim_command("--cold-start", str(args.sim_cold_start), "--wake-delay-level1", "1.0",
                       "--log-level", "warning")
@@ -323,7 +324,7 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
         "tick_interval_s": 1.0,
         "metrics_listen": f"127.0.0.1:{metrics_port}",
         "envoy": {"admin_url": f"http://127.0.0.1:{envoy_admin}"},
-        "leader": {"key": f"fg:controller:leader:up:{metrics_port}", "ttl_s": 10},
+        "leader": {"key": controller_leader_key(f"up:{metrics_port}"), "ttl_s": 10},
         "pools": [{
             "name": pool,
             "policy": {"min_replicas": args.replicas, "max_replicas": max_active,
