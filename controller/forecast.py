@@ -30,7 +30,7 @@ MINUTES_PER_DAY = 1440
 
 
 class ForecastConfig(BaseModel):
-    """Forecaster settings. Defaults follow design §8 and the simulate tuning."""
+    """Forecaster settings. Defaults: docs/controller.md (forecast) and the backtest."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

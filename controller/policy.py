@@ -5,7 +5,7 @@ own (`now` is an argument), returning the desired number of *active* replicas wi
 plus the new policy state to feed into the next call. The warm-pool planner
 (`controller.lifecycle.plan_pool`) turns the desired count into replica actions.
 
-Rules (design §8, issue 4):
+Rules (docs/controller.md):
 
 * Demand = vLLM running + vLLM waiting + Floodgate's queue for the pool + `signals.lacking`:
   pressure held in Floodgate's queue never reaches vLLM's waiting queue, so both are counted,

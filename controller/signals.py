@@ -2,7 +2,7 @@
 
 The scrapers (live) or the simulator fill these; the policy, forecaster and warm-pool planner
 only read them. Every measured value carries the time it was taken and whether the scrape
-succeeded, because a failed or stale scrape must never be read as zero (design §8): a scrape
+succeeded, because a failed or stale scrape must never be read as zero (docs/controller.md): a scrape
 outage would otherwise look like an idle pool and trigger a scale-down.
 """
 

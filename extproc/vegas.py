@@ -1,6 +1,6 @@
 """The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus three fixes.
 
-Per sample (design §6): queue = ceil(L * (1 - ref / rtt)) with ref = rtt_noload in Netflix's
+Per sample (docs/admission.md, Vegas): queue = ceil(L * (1 - ref / rtt)) with ref = rtt_noload in Netflix's
 formula; lg = log10 of the truncated integer limit (at least 1); alpha = 3 lg, beta = 6 lg,
 threshold = lg. Drop: L -= lg. App-limited (inflight * 2 < L): no change. queue <= threshold:
 L += beta; queue < alpha: L += lg; queue > beta: L -= lg. Clamp, then smooth. rtt_noload is a

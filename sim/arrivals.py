@@ -40,7 +40,7 @@ class PlannedRequest:
     """One request of an open-loop plan."""
 
     t_offset: float  # seconds after run start
-    priority: int  # 0 critical, 1 standard, 2 sheddable (design §5)
+    priority: int  # 0 critical, 1 standard, 2 sheddable (docs/admission.md)
     tenant: str
     prompt_tokens: int
     output_tokens: int

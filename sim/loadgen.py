@@ -3,7 +3,7 @@
 Each planned request is sent at its planned time whether or not earlier requests finished:
 overload must show up as queueing and rejections at the gateway, not as a client that
 politely slows down. Requests stream (`stream: true`) so TTFT and TPOT are measured the way a
-user sees them. Floodgate's rejection shape (design §5: 429, `retry-after`,
+user sees them. Floodgate's rejection shape (docs/admission.md: 429, `retry-after`,
 `x-floodgate-reject-reason`, OpenAI-style JSON error) is parsed and recorded per request.
 
 Time base: every time in a `Record` or `Sample` is seconds after the run start (monotonic
@@ -59,7 +59,7 @@ class Record:
     retry_after: float | None = None  # retry-after of the last rejection, seconds
     queue_ms: float | None = None  # x-floodgate-queue-ms of the admitted attempt
     # x-floodgate-priority: the class the gateway applied (differs from `priority` when the
-    # caller is untrusted and its tenant's mapping wins, design §5).
+    # caller is untrusted and its tenant's mapping wins, docs/admission.md).
     gateway_priority: int | None = None
     ttft_s: float | None = None  # first content chunk - first send (includes retry waits)
     tpot_s: float | None = None  # mean gap between content chunks after the first

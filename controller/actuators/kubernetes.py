@@ -1,6 +1,6 @@
 """Kubernetes actuator: one inference Deployment per pool, its pods are the replicas.
 
-Model (design §8):
+Model (docs/controller.md):
 
 * replicas = pods matching `selector` in `namespace`; `replica_id` = pod name, endpoint =
   `podIP:port` once the pod has an IP; `running` = no deletionTimestamp and phase
