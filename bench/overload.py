@@ -310,6 +310,7 @@ def adaptive_concurrency_filter() -> dict[str, Any]:
 
 SHIPPED_CLASSES: dict[int, dict[str, Any]] = {
     c: v.model_dump() for c, v in PoolConfig().classes.items()}
+LIMIT_SIGNAL = PoolConfig().limit.signal
 
 
 def slo_classes(slo_ttft_s: float) -> dict[int, dict[str, Any]]:
@@ -332,7 +333,10 @@ def floodgate_config(cfg: BenchConfig, classes: dict[int, dict[str, Any]] | None
         assert cfg.limit is not None
         limit: dict[str, Any] = {"mode": "static", "initial": cfg.limit, "max": max(512, cfg.limit)}
     else:
-        limit = {"mode": "vegas", "signal": cfg.signal}  # everything else: LimitConfig defaults
+        # The shipped limiter: only a non-default signal is set, everything else is LimitConfig's.
+        limit = {"mode": "vegas"}
+        if cfg.signal != LIMIT_SIGNAL:
+            limit["signal"] = cfg.signal
     pool: dict[str, Any] = {"name": "default", "limit": limit}
     if classes is not None:
         pool["classes"] = classes
@@ -701,7 +705,7 @@ lulls and clumps of Poisson arrivals, so ratios above 100 % are possible.
 from loopback. Rows without `@tuned` run the **shipped class defaults** (each class's queue
 timeout derived from its SLO: `{json.dumps(report['classes'].get('shipped') if isinstance(report['classes'], dict) else None)}`);
 `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
-Vegas runs set only `signal`, every other `LimitConfig` field at its default.
+Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG` row with another signal sets only `signal`.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
 
 **Plan.** {phases} (seed {w['seed']}; {report['plan_requests']} requests). "Burst" numbers

@@ -87,7 +87,7 @@ class LimitConfig(_Strict):
     max: int = Field(default=512, ge=1, description="Highest the limit may rise.")
     smoothing: float = Field(default=1.0, gt=0, le=1, description="Weight of a new limit versus the old (1 = no smoothing).")
     signal: Literal["ttft", "tpot", "combined"] = Field(
-        default="tpot", description="Latency signal fed to Vegas (see docs/admission.md).")
+        default="combined", description="Latency signal fed to Vegas: `combined` (time to the 32nd token, TTFT + 31 x TPOT; sees both queueing behind full batches and batch slow-down), `tpot`, or `ttft` (see docs/admission.md).")
     probe_multiplier: int = Field(default=30, ge=1, description="rtt_noload is re-estimated every jitter[0.5,1)*probe_multiplier*L windows.")
     rtt_tolerance: float = Field(default=3.0, ge=1.0, le=10.0, description="Latency up to this multiple of the no-load latency counts as no queue (1.0 = Netflix Vegas; LLM latency grows with batch size before anything queues).")
     flavor: Literal["floodgate", "netflix"] = Field(

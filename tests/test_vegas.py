@@ -210,7 +210,10 @@ def test_windowed_limit_records_outcomes_and_fixed_limit_ignores_them() -> None:
 def test_limit_for_reads_the_mode_once() -> None:
     assert isinstance(limit_for(PoolConfig(limit=LimitConfig(mode="static", initial=64))).delegate, FixedLimit)
     v = limit_for(PoolConfig()).delegate
-    assert isinstance(v, VegasLimit) and v.flavor == "floodgate" and v.target == pytest.approx(0.075)
+    # shipped signal `combined`: 0.75 x (2 s x 1/4 of TTFT left after the queue + 31 x 0.1 s)
+    assert isinstance(v, VegasLimit) and v.flavor == "floodgate" and v.target == pytest.approx(2.7)
+    t = limit_for(PoolConfig(limit=LimitConfig(signal="tpot"))).delegate
+    assert isinstance(t, VegasLimit) and t.target == pytest.approx(0.075)
     n = limit_for(PoolConfig(limit=LimitConfig(flavor="netflix", rtt_tolerance=1.0))).delegate
     assert isinstance(n, VegasLimit) and n.target == 0.0
 
