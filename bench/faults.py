@@ -59,6 +59,7 @@ class Rec:
     envoy: int
     priority: int
     timeout_s: float  # its class's queue timeout
+    pool: str = "default"
     status: int = 0  # 0: no response (error / disconnected)
     first_byte: float | None = None
     done: float | None = None
@@ -85,6 +86,7 @@ class Result:
     phantom_waiters: int
     serving_again_s: float | None  # None: never reached L again
     target_s: float  # serving again within this (one TTL of a crash, one renewal of Redis returning)
+    local_entries: int = 0  # times a processor switched one of these pools to local limits
     notes: str = ""
 
     def passed(self) -> bool:
@@ -233,18 +235,28 @@ class Upstream:
         self.inflight = 0
         self.max_inflight = 0
         self.series: list[tuple[float, int]] = []
+        # The same per pool (the pool is the request's authority: `<pool>.invalid`, else default).
+        self.pool_inflight: dict[str, int] = {}
+        self.pool_max: dict[str, int] = {}
+        self.pool_series: dict[str, list[tuple[float, int]]] = {}
         self.port = 0
         self._runner: Any = None
 
-    def _level(self, d: int) -> None:
+    def _level(self, d: int, pool: str = "default") -> None:
+        now = time.monotonic()
         self.inflight += d
         self.max_inflight = max(self.max_inflight, self.inflight)
-        self.series.append((time.monotonic(), self.inflight))
+        self.series.append((now, self.inflight))
+        n = self.pool_inflight[pool] = self.pool_inflight.get(pool, 0) + d
+        self.pool_max[pool] = max(self.pool_max.get(pool, 0), n)
+        self.pool_series.setdefault(pool, []).append((now, n))
 
     async def handle(self, request: Any) -> Any:
         from aiohttp import web
 
-        self._level(+1)
+        host = request.host.split(":", 1)[0]
+        pool = host[:-len(".invalid")] if host.endswith(".invalid") else "default"
+        self._level(+1, pool)
         counted = True
         try:
             fault = request.headers.get("x-fault", "")
@@ -264,13 +276,13 @@ class Upstream:
             await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
             # Done before the last bytes leave: Envoy cannot see the end (and release the
             # permit) before the count drops.
-            self._level(-1)
+            self._level(-1, pool)
             counted = False
             await resp.write_eof()
             return resp
         finally:
             if counted:
-                self._level(-1)
+                self._level(-1, pool)
 
     async def start(self) -> None:
         from aiohttp import web
@@ -308,7 +320,7 @@ class Options:
 class Harness:
     """Redis, two processors (each via its own proxy, each behind its own Envoy), one upstream."""
 
-    def __init__(self, opts: Options, sup: Any, topology: str = "single") -> None:
+    def __init__(self, opts: Options, sup: Any, topology: str = "single", loaded_pools: int = 1) -> None:
         from floodgate.stack import LocalStack
 
         self.opts = opts
@@ -318,7 +330,8 @@ class Harness:
         self.topology = topology
         self.sentinel: Any = None
         self.cluster: Any = None
-        self.other_pool = ""  # cluster: a second pool on another shard (no traffic)
+        self.other_pools: list[str] = []  # cluster: a pool on each other shard (`loaded`: with traffic)
+        self.loaded = ["default"]  # the pools that get requests
         self.stack = LocalStack(sup)
         self.upstream = Upstream()
         self.proxies: list[RedisProxy] = []
@@ -327,12 +340,13 @@ class Harness:
         self.killed: set[int] = set()
         self.disconnect_fraction = 0.0
         self.upstream_fault_fraction = 0.0
+        self.loaded_pools = loaded_pools
 
     def processor_config(self) -> dict[str, Any]:
         # Shipped defaults, except a static limit (so "<= L" is a fixed line) and the TTL.
         pools: list[dict[str, Any]] = [{"name": "default", "limit": {"mode": "static", "initial": self.opts.limit}}]
-        if self.other_pool:
-            pools.append({"name": self.other_pool, "match_authority": "other.invalid",
+        for name in self.other_pools:
+            pools.append({"name": name, "match_authority": f"{name}.invalid",
                           "limit": {"mode": "static", "initial": self.opts.limit}})
         return {"pools": pools,
                 "admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
@@ -363,8 +377,10 @@ class Harness:
         else:
             self.cluster = await asyncio.to_thread(start_cluster, self.sup, primaries=3, replicas=1)
             self.stack.redis_url = self.cluster.url
+            # Pool names picked by slot: `default` on its shard, one more pool on each other shard.
             home = self.cluster.shard_of("fg:{default}:state")
-            self.other_pool = self.cluster.key_on_shard((home + 1) % 3, prefix="other")
+            self.other_pools = [self.cluster.key_on_shard((home + i) % 3, prefix=f"pool{i}-") for i in (1, 2)]
+            self.loaded = ["default", *self.other_pools][:self.loaded_pools]
         await self.upstream.start()
         for i in range(2):
             p = await asyncio.to_thread(self.stack.start_processor, self.processor_config(), name=f"extproc{i}")
@@ -375,8 +391,11 @@ class Harness:
             await p.stop()
         await self.upstream.stop()
 
-    async def pool_state(self) -> tuple[int, int]:
-        """(unexpired leases, waiters) in Redis now."""
+    def shard_of_pool(self, pool: str) -> Any:
+        return self.cluster.shards[self.cluster.shard_of(f"fg:{{{pool}}}:state")]
+
+    async def pool_state(self, pool: str = "default") -> tuple[int, int]:
+        """(unexpired leases, waiters) of `pool` in Redis now."""
         from floodgate.extproc.schema import key
         from floodgate.extproc.state import redis_client
 
@@ -384,11 +403,29 @@ class Harness:
         try:
             now_s, now_us = await c.time()
             now_ms = int(now_s) * 1000 + int(now_us) // 1000
-            leases = await c.zcount(key("default", "leases"), f"({now_ms}", "+inf")
-            waiters = await c.zcard(key("default", "queue"))
+            leases = await c.zcount(key(pool, "leases"), f"({now_ms}", "+inf")
+            waiters = await c.zcard(key(pool, "queue"))
             return int(leases), int(waiters)
         finally:
             await c.aclose()
+
+    def local_entries(self) -> dict[str, int]:
+        """Per pool: how often the live processors switched it to local limits
+        (floodgate_degraded_transitions_total{pool})."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from floodgate.stack import http_get
+
+        out: dict[str, int] = {}
+        for i, p in enumerate(self.stack.processors):
+            if i in self.killed:
+                continue
+            for fam in text_string_to_metric_families(http_get(p.metrics_url).decode()):
+                for smp in fam.samples:
+                    if smp.name == "floodgate_degraded_transitions_total":
+                        pool = smp.labels.get("pool", "")
+                        out[pool] = out.get(pool, 0) + int(smp.value)
+        return out
 
     def redis_signal(self, sig: int) -> None:
         assert self.stack.redis_child is not None
@@ -415,6 +452,19 @@ class Fault:
     target: Callable[[Options], float] = lambda o: o.ttl_s / 3  # one renewal period
     bound: Callable[[Options], int] = lambda o: o.limit
     topology: str = "single"  # which Redis the harness starts (see Harness)
+    loaded_pools: int = 1  # pools with traffic (on a Cluster one per shard, `default` first)
+    # Rows of the table when the pools fare differently: (label, which pools, bound, target,
+    # measure_from). None: one row for every loaded pool, with the fault's bound and target.
+    rows: Callable[[Harness], list[Row]] | None = None
+
+
+@dataclass
+class Row:
+    label: str
+    pools: list[str]
+    bound: Callable[[Options], int]
+    target: Callable[[Options], float]
+    measure_from: str
 
 
 async def _sentinel_kill_primary(h: Harness) -> None:
@@ -427,17 +477,36 @@ async def _cluster_kill_pool_primary(h: Harness) -> None:
     await asyncio.to_thread(h.cluster.kill, node)
 
 
+def _dead_pool(h: Harness) -> str:
+    """The pool of the shard that `cluster-shard-down` kills (not `default`'s)."""
+    return h.other_pools[0]
+
+
 async def _cluster_kill_other_shard(h: Harness) -> None:
-    """SIGKILL the primary and replica of the shard holding the other pool (not the loaded one)."""
-    shard = h.cluster.shards[h.cluster.shard_of(f"fg:{{{h.other_pool}}}:state")]
+    """SIGKILL the primary and the replica of one pool's shard: no replica left to take over."""
+    shard = h.shard_of_pool(_dead_pool(h))
     for node in (shard.primary, *shard.replicas):
         await asyncio.to_thread(h.cluster.kill, node)
 
 
 async def _cluster_restart_other_shard(h: Harness) -> None:
-    shard = h.cluster.shards[h.cluster.shard_of(f"fg:{{{h.other_pool}}}:state")]
+    shard = h.shard_of_pool(_dead_pool(h))
     for node in (shard.primary, *shard.replicas):
         await asyncio.to_thread(h.cluster.restart, node)
+
+
+def _shard_down_rows(h: Harness) -> list[Row]:
+    dead = _dead_pool(h)
+    return [
+        # The pools on the live shards must not notice: shared state, <= L, and no dip longer
+        # than a reconnect interval (going local and back takes at least two).
+        Row("pools on the live shards", [p for p in h.loaded if p != dead], lambda o: o.limit,
+            lambda o: o.reconnect_s, "inject"),
+        # The dead shard's pool runs on local shares while its shard is away and comes back to
+        # shared state after the restart (two clean reconciles), as after a failover.
+        Row("the dead shard's pool", [dead], lambda o: o.limit + o.limit // 2,
+            lambda o: 5.0 + o.reconnect_s, "recover"),
+    ]
 
 
 # A failover cannot be told from an outage by the processors: each runs on its local share
@@ -536,14 +605,10 @@ FAULTS += [
     Fault("cluster-failover", "SIGKILL the Cluster primary holding the pool's slot; its replica takes over",
           _cluster_kill_pool_primary, _nothing, measure_from="inject", topology="cluster",
           bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),
-    Fault("cluster-shard-down", "SIGKILL primary and replica of another shard (another pool's); "
-          "the loaded pool's shard stays up; restarted after 2 x --before", _cluster_kill_other_shard,
-          _cluster_restart_other_shard, hold_s=lambda o: 2 * o.before_s, topology="cluster",
-          # Measured from the kill: the loaded pool should not notice. It does today, because
-          # degradation is per processor: both serve it on local shares (<= L, often below)
-          # until the other shard is back and they reconcile.
-          measure_from="inject", target=lambda o: 2.0 + o.reconnect_s,
-          bound=_FAILOVER_BOUND),  # leaving local limits: as after a failover
+    Fault("cluster-shard-down", "three pools, one per shard, all loaded; SIGKILL the primary and "
+          "replica of one pool's shard (nothing to fail over to), restart them after 2 x --before",
+          _cluster_kill_other_shard, _cluster_restart_other_shard, hold_s=lambda o: 2 * o.before_s,
+          topology="cluster", loaded_pools=3, rows=_shard_down_rows),
 ]
 FAULT_NAMES = [f.name for f in FAULTS]
 
@@ -558,6 +623,8 @@ async def _one(session: Any, h: Harness, rec: Rec, rng: random.Random) -> None:
     import aiohttp
 
     headers = {"x-request-priority": str(rec.priority), "x-tenant-id": rng.choice(["a", "b", "c"])}
+    if rec.pool != "default":
+        headers["host"] = f"{rec.pool}.invalid"  # the pool's match_authority
     if h.upstream_fault_fraction and rng.random() < h.upstream_fault_fraction:
         headers["x-fault"] = rng.choice(["500", "reset"])
         rec.injected = True
@@ -584,13 +651,14 @@ async def drive(h: Harness, opts: Options, stop_at: float, recs: list[Rec], rng:
     """Open-loop Poisson arrivals until `stop_at`, then wait for every request to end."""
     import aiohttp
 
-    rate = opts.capacity_rps * opts.load
+    rate = opts.capacity_rps * opts.load * len(h.loaded)  # each loaded pool at `load` x its capacity
     tasks: set[asyncio.Task[None]] = set()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         while time.monotonic() < stop_at:
             await asyncio.sleep(rng.expovariate(rate))
             prio = rng.choices((0, 1, 2), PRIORITY_MIX)[0]
-            rec = Rec(time.monotonic(), rng.choice(h.live_envoys), prio, CLASS_TIMEOUTS[prio])
+            rec = Rec(time.monotonic(), rng.choice(h.live_envoys), prio, CLASS_TIMEOUTS[prio],
+                      pool=rng.choice(h.loaded))
             recs.append(rec)
             task = asyncio.create_task(_one(session, h, rec, rng))
             tasks.add(task)
@@ -604,7 +672,8 @@ async def drive(h: Harness, opts: Options, stop_at: float, recs: list[Rec], rng:
 # --------------------------------------------------------------------------- one run
 
 
-async def run_fault(fault: Fault, opts: Options) -> Result:
+async def run_fault(fault: Fault, opts: Options) -> list[Result]:
+    """Run one fault; one Result per row (see `Fault.rows`)."""
     from floodgate.supervisor import Supervisor
 
     rng = random.Random(opts.seed)
@@ -614,7 +683,7 @@ async def run_fault(fault: Fault, opts: Options) -> Result:
     if workdir:
         workdir.mkdir(parents=True, exist_ok=True)
     with (Supervisor(workdir=workdir) if workdir else Supervisor()) as sup:
-        h = Harness(opts, sup, fault.topology)
+        h = Harness(opts, sup, fault.topology, fault.loaded_pools)
         await h.start()
         try:
             recs: list[Rec] = []
@@ -633,23 +702,37 @@ async def run_fault(fault: Fault, opts: Options) -> Result:
             end = time.monotonic()
             # Phantoms: one TTL after recovery, and after the idle credits went back (1 s ticks).
             await asyncio.sleep(max(2.5, recover_at + opts.ttl_s - time.monotonic()))
-            leases, waiters = await h.pool_state()
+            state = {p: await h.pool_state(p) for p in h.loaded}
+            entries = await asyncio.to_thread(h.local_entries)
         finally:
             await h.stop()
-    since = inject_at if fault.measure_from == "inject" else recover_at
-    over = [f"{t - inject_at:+.2f}s" for t, n in h.upstream.series if n > fault.bound(opts)]
-    fivexx = [r for r in recs if r.status >= 500 and not r.injected]
-    killed = [r for r in fivexx if r.envoy in h.killed and not r.floodgate_headers]
-    return Result(
-        fault=fault.name, limit=opts.limit, bound=fault.bound(opts),
-        max_concurrency=h.upstream.max_inflight, requests=len(recs),
-        ok=sum(1 for r in recs if r.status == 200), rejected=sum(1 for r in recs if r.status in (429, 503) and r.reason),
-        fivexx=len(fivexx) - len(killed), fivexx_killed=len(killed) + sum(1 for r in recs if "killed" in r.error),
-        hung=count_hung(recs, end), phantom_leases=leases, phantom_waiters=waiters,
-        serving_again_s=serving_again(h.upstream.series, since, opts.limit, t0 + 1.0, stop_at)
-        if fault.measure_from else 0.0,
-        target_s=fault.target(opts) if fault.measure_from else -1.0,
-        notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else "")
+    rows = fault.rows(h) if fault.rows else [
+        Row("", list(h.loaded), fault.bound, fault.target, fault.measure_from)]
+    out = []
+    for row in rows:
+        since = inject_at if row.measure_from == "inject" else recover_at
+        bound = row.bound(opts)
+        mine = [r for r in recs if r.pool in row.pools]
+        series = {p: h.upstream.pool_series.get(p, []) for p in row.pools}
+        over = sorted(f"{t - inject_at:+.2f}s" for p in row.pools for t, n in series[p] if n > bound)
+        fivexx = [r for r in mine if r.status >= 500 and not r.injected]
+        killed = [r for r in fivexx if r.envoy in h.killed and not r.floodgate_headers]
+        again: list[float | None] = [serving_again(series[p], since, opts.limit, t0 + 1.0, stop_at)
+                                     for p in row.pools] if row.measure_from else [0.0]
+        out.append(Result(
+            fault=fault.name + (f": {row.label}" if row.label else ""), limit=opts.limit, bound=bound,
+            max_concurrency=max(h.upstream.pool_max.get(p, 0) for p in row.pools), requests=len(mine),
+            ok=sum(1 for r in mine if r.status == 200),
+            rejected=sum(1 for r in mine if r.status in (429, 503) and r.reason),
+            fivexx=len(fivexx) - len(killed),
+            fivexx_killed=len(killed) + sum(1 for r in mine if "killed" in r.error),
+            hung=count_hung(mine, end),
+            phantom_leases=sum(state[p][0] for p in row.pools), phantom_waiters=sum(state[p][1] for p in row.pools),
+            serving_again_s=None if None in again else max(a for a in again if a is not None),
+            target_s=row.target(opts) if row.measure_from else -1.0,
+            local_entries=sum(entries.get(p, 0) for p in row.pools),
+            notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else ""))
+    return out
 
 
 # --------------------------------------------------------------------------- output
@@ -659,12 +742,13 @@ def table(results: list[Result], opts: Options) -> str:
     lines = [
         f"L = {opts.limit}, lease TTL {opts.ttl_s:g} s (renewal every {opts.ttl_s / 3:.3g} s), "
         f"reconnect interval {opts.reconnect_s:g} s, "
-        f"offered load {opts.load:g}x capacity ({opts.capacity_rps * opts.load:.0f} req/s), "
+        f"offered load {opts.load:g}x capacity ({opts.capacity_rps * opts.load:.0f} req/s per loaded pool), "
         f"priority mix 20/50/30, shipped class timeouts 20/10/5 s.",
         "",
         "| fault | max concurrency (bound) | requests | 200 | 429/503 | 5xx | 5xx on a killed processor's streams "
-        "| waited > timeout+1 s | phantom leases / waiters | serving at L again (target) | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| waited > timeout+1 s | phantom leases / waiters | serving at L again (target) "
+        "| switches to local limits | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         again = "never" if r.serving_again_s is None else f"{r.serving_again_s:.2f} s"
@@ -675,7 +759,7 @@ def table(results: list[Result], opts: Options) -> str:
         lines.append(
             f"| {r.fault} | {r.max_concurrency} ({r.bound}) | {r.requests} | {r.ok} | {r.rejected} | {r.fivexx} "
             f"| {r.fivexx_killed} | {r.hung} | {r.phantom_leases} / {r.phantom_waiters} "
-            f"| {again}{target} | {'yes' if r.passed() else 'NO'} |")
+            f"| {again}{target} | {r.local_entries} | {'yes' if r.passed() else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -692,8 +776,46 @@ def doc_command(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def write_doc(doc: Path, body: str, command: str) -> None:
-    section = f"{SECTION_START}\n```\n{command}\n```\n\n{body}\n{SECTION_END}"
+def _fault_of(row: str) -> str:
+    return row.strip("| ").split("|", 1)[0].split(":", 1)[0].strip()
+
+
+def merge_section(old: str, body: str, command: str, rerun: set[str]) -> str:
+    """The section after rerunning only the faults in `rerun`: their rows replace the ones in
+    `old` (a previous section), the other rows stay (with `–` in columns they predate), and the
+    command list says which command produced which rows. Rows in FAULT_NAMES order."""
+    lines = body.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| fault"))
+    ncols = lines[header].count("|")
+    new_rows = [ln for ln in lines[header + 2:] if ln.startswith("| ")]
+    old_lines = old.splitlines()
+    old_rows = [ln for ln in old_lines if ln.startswith("| ") and not ln.startswith("| fault")
+                and _fault_of(ln) not in rerun]
+    kept = []
+    for ln in old_rows:
+        cells = ln.strip().strip("|").split("|")
+        while len(cells) + 1 < ncols:
+            cells.insert(len(cells) - 1, " – ")  # a column added since: before the `ok` column
+        kept.append("|" + "|".join(cells) + "|")
+    order = {name: i for i, name in enumerate(FAULT_NAMES)}
+    rows = sorted(kept + new_rows, key=lambda ln: order.get(_fault_of(ln), len(order)))
+    commands = []
+    if "```" in old:
+        a = old.index("```") + 3
+        commands = [c for c in old[a:old.index("```", a)].strip().splitlines()
+                    if not any(f"# rows: {name}" in c or c.endswith(f"--faults {name}") for name in rerun)]
+    commands.append(f"{command}  # rows: {', '.join(sorted(rerun))}")
+    return "\n".join(["```", *commands, "```", "", *lines[:header + 2], *rows])
+
+
+def write_doc(doc: Path, body: str, command: str, rerun: set[str] | None = None) -> None:
+    """Replace the Faults section; with `rerun` (a subset of the faults), only their rows."""
+    if rerun is not None and doc.exists() and SECTION_START in doc.read_text():
+        text = doc.read_text()
+        old = text[text.index(SECTION_START):text.index(SECTION_END)]
+        section = f"{SECTION_START}\n{merge_section(old, body, command, rerun)}\n{SECTION_END}"
+    else:
+        section = f"{SECTION_START}\n```\n{command}\n```\n\n{body}\n{SECTION_END}"
     replace_section(doc, SECTION_START, SECTION_END, section, heading="## Faults\n\n")
 
 
@@ -721,12 +843,15 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     for f in chosen:
         print(f"# {f.name}: {f.description}", file=sys.stderr, flush=True)
-        results.append(asyncio.run(run_fault(f, opts)))
-        print(f"#   {results[-1]}", file=sys.stderr, flush=True)
+        rows = asyncio.run(run_fault(f, opts))
+        results += rows
+        for r in rows:
+            print(f"#   {r}", file=sys.stderr, flush=True)
     body = table(results, opts)
     print(body)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     if not args.no_doc:
-        write_doc(args.doc, body, doc_command(sys.argv[1:]))
+        rerun = None if set(args.faults) == set(FAULT_NAMES) else set(args.faults)
+        write_doc(args.doc, body, doc_command(sys.argv[1:]), rerun)
     return 0 if all(r.passed() for r in results) else 1

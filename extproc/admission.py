@@ -7,6 +7,12 @@ the limit that also counts the shared permits still held (so the pool stays with
 limit). Every `lease_ttl_s/3` the admitter `sync`s each pool: it re-asserts every permit and
 waiter it has, which renews its leases, proves it alive, and makes Redis drop whatever this
 process no longer holds. Returning from degraded mode is such a sync (reconcile) first.
+
+The mode is per pool. A failed call degrades the pools that share the failed server: on one
+server or a Sentinel primary that is every pool; on a Cluster, the pools whose slots the same
+node serves (the others stay on shared state, within their limit). Each pool's background work
+(sync, status, polling, pub/sub) runs in its own task, on a Cluster with its own clients, so a
+dead or frozen shard cannot delay another pool's calls.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -43,7 +49,7 @@ from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
 from floodgate.extproc.policy import Reject, retry_after
-from floodgate.extproc.redis_client import AnyRedis, Subscription, subscribe
+from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
 from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
 from floodgate.extproc.state import PoolState
 from redis.exceptions import RedisError
@@ -83,6 +89,10 @@ class PoolRuntime:
     local: PermitTable
     limit: WindowedLimit  # FixedLimit or VegasLimit behind the sample window (limit.limit_for)
     picker: Picker
+    client: aioredis.Redis  # this pool's Redis client (on a Cluster, one per pool)
+    pubsub_client: AnyRedis
+    degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
+    back_since: float | None = None  # degraded: when the first of two clean reconciles in a row ran
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
     credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
     waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the shared queue
@@ -109,7 +119,11 @@ class Admitter:
     def __init__(self, cfg: Config, client: aioredis.Redis, *, metrics: Metrics | None = None,
                  pubsub_client: AnyRedis | None = None, gateway_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random,
-                 accept_endpoint: Callable[[str], bool] | None = None) -> None:
+                 accept_endpoint: Callable[[str], bool] | None = None,
+                 pool_clients: Mapping[str, tuple[aioredis.Redis, AnyRedis]] | None = None) -> None:
+        """`pool_clients`: pool -> (client, pub/sub client) for pools that get their own (on a
+        Cluster: a failing node makes a cluster client refresh its slot map before its next
+        call, which would delay every pool sharing it); the others use `client`."""
         self.cfg = cfg
         self.client = client
         self.pubsub_client = pubsub_client or client
@@ -119,7 +133,6 @@ class Admitter:
         self.rng = rng
         self.shared = SharedBackend(self)
         self.local = LocalBackend(self)
-        self.backend: Backend = self.shared
         self._next_seq = 1
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
@@ -128,37 +141,50 @@ class Admitter:
         self.pools: dict[str, PoolRuntime] = {}
         for p in cfg.pools:
             settings = pool_settings(p)
+            pc, ps = (pool_clients or {}).get(p.name, (client, self.pubsub_client))
             rt = PoolRuntime(
                 cfg=p, settings=settings,
-                state=PoolState(client, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings),
+                state=PoolState(pc, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings),
                 local=PermitTable(limit=p.limit.initial, shares=settings.shares),
                 limit=limit_for(p),
-                picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)))
+                picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
+                client=pc, pubsub_client=ps)
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
+            self.metrics.pool_degraded.labels(p.name).set(0)
 
     @property
     def degraded(self) -> bool:
-        return self.backend is self.local
+        """Some pool admits on its local share (its Redis or shard is unreachable)."""
+        return any(rt.degraded for rt in self.pools.values())
+
+    def backend(self, rt: PoolRuntime) -> Backend:
+        return self.local if rt.degraded else self.shared
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Store or check each pool's settings, assert this gateway, then serve. A Redis that
-        cannot be reached starts the process degraded (see `_local_limit`)."""
+        """Store or check each pool's settings, assert this gateway, then serve. A pool whose
+        Redis cannot be reached starts degraded (see `_local_limit`)."""
+        await asyncio.gather(*(self._start_pool(rt) for rt in self.pools.values()))
+        # One subscription per pub/sub client: per pool on a Cluster, one for all otherwise.
+        by_client: dict[int, list[PoolRuntime]] = {}
+        for rt in self.pools.values():
+            by_client.setdefault(id(rt.pubsub_client), []).append(rt)
+        self._tasks = [asyncio.create_task(self._pubsub_loop(rts), name=f"fg-pubsub-{rts[0].cfg.name}")
+                       for rts in by_client.values()]
+        for rt in self.pools.values():
+            self._tasks += [asyncio.create_task(self._sync_loop(rt), name=f"fg-sync-{rt.cfg.name}"),
+                            asyncio.create_task(self._poll_loop(rt), name=f"fg-poll-{rt.cfg.name}")]
+
+    async def _start_pool(self, rt: PoolRuntime) -> None:
         try:
-            for rt in self.pools.values():
-                await self._configure(rt)
-                if not rt.limit.adaptive:
-                    await self._force_static_limit(rt)
-                await self._sync(rt)
+            await self._configure(rt)
+            if not rt.limit.adaptive:
+                await self._force_static_limit(rt)
+            await self._sync(rt)
         except RedisDown:
-            pass  # call() switched to the local backend
-        self._tasks = [
-            asyncio.create_task(self._pubsub_loop(), name="fg-pubsub"),
-            asyncio.create_task(self._sync_loop(), name="fg-sync"),
-            asyncio.create_task(self._poll_loop(), name="fg-poll"),
-        ]
+            pass  # call() switched the pool to the local backend
 
     async def stop(self) -> None:
         """Processor shutdown: wake every waiter (they reject), return every held permit."""
@@ -171,14 +197,15 @@ class Admitter:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if not self.degraded:
-            for rt in self.pools.values():
-                tickets = [*rt.held, *rt.credits]
-                if tickets:
-                    with contextlib.suppress(RedisDown):
-                        await self.call("release", partial(rt.state.release, *tickets))
-                rt.held.clear()
-                rt.credits.clear()
+        for rt in self.pools.values():
+            if rt.degraded:
+                continue
+            tickets = [*rt.held, *rt.credits]
+            if tickets:
+                with contextlib.suppress(RedisDown):
+                    await self.call(rt, "release", partial(rt.state.release, *tickets))
+            rt.held.clear()
+            rt.credits.clear()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
 
@@ -194,19 +221,20 @@ class Admitter:
 
     # ---------------------------------------------------------------- redis plumbing
 
-    async def call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """One Redis call with a deadline. The client retries a broken connection once on a
-        fresh one (state.redis_client); a failure after that is an outage: degrade."""
+    async def call(self, rt: PoolRuntime, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """One Redis call for pool `rt` with a deadline. The client retries a broken connection
+        once on a fresh one (state.redis_client); a failure after that is an outage: degrade
+        the pools on that server."""
         try:
             async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
                 return await fn()
         except (RedisError, OSError, TimeoutError) as exc:
             self.metrics.redis_errors.labels(op).inc()
-            self._enter_degraded(f"{op}: {type(exc).__name__}: {exc}")
+            self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}")
             raise RedisDown(op) from exc
 
     async def _configure(self, rt: PoolRuntime) -> None:
-        stored = await self.call("configure", rt.state.configure)
+        stored = await self.call(rt, "configure", rt.state.configure)
         diff = rt.settings.differences(stored)
         self.metrics.settings_mismatch.labels(rt.cfg.name).set(1 if diff else 0)
         if diff:
@@ -236,13 +264,31 @@ class Admitter:
         st = rt.last_status
         return st.grant_rate / max(1, st.live_gateways) if st else 0.0
 
-    def _enter_degraded(self, why: str) -> None:
-        if self.degraded or self._closing:
+    def _server_of(self, rt: PoolRuntime) -> str:
+        """Which server holds the pool's keys, as far as this process can tell: on a Cluster,
+        the node its client's slot map names for the pool's slot; otherwise the one server
+        (every pool shares it, so they fail together)."""
+        if not is_cluster(rt.client):
+            return ""
+        try:
+            node = rt.client.get_node_from_key(key(rt.cfg.name, ACTIVE))  # type: ignore[attr-defined]
+        except Exception:  # no slot map yet (never reached the cluster)
+            node = None
+        return str(node.name) if node is not None else f"pool:{rt.cfg.name}"
+
+    def _enter_degraded(self, failed: PoolRuntime, why: str) -> None:
+        """A call for `failed` failed: it and the pools on the same server switch to local
+        limits (the others' next call would fail too); pools on other shards stay shared."""
+        if failed.degraded or self._closing:
             return
-        self.backend = self.local
-        self.metrics.degraded.set(1)
-        self.metrics.degraded_transitions.inc()
-        for rt in self.pools.values():
+        server = self._server_of(failed)
+        pools = [failed] + [rt for rt in self.pools.values()
+                            if rt is not failed and not rt.degraded and self._server_of(rt) == server]
+        for rt in pools:
+            rt.degraded = True
+            rt.back_since = None
+            self.metrics.pool_degraded.labels(rt.cfg.name).set(1)
+            self.metrics.degraded_transitions.labels(rt.cfg.name).inc()
             # Idle credits are leases nobody uses: forget them, they expire in Redis. The
             # permits live requests still hold count against the local share.
             rt.credits.clear()
@@ -256,39 +302,39 @@ class Admitter:
                 if not w.future.done():
                     w.future.set_exception(Switched())
                     w.future.exception()  # retrieved: the waiter may have gone already
+        self.metrics.degraded.set(1)
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
-                    {n: (rt.local.limit, len(rt.held)) for n, rt in self.pools.items()})
+                    {rt.cfg.name: (rt.local.limit, len(rt.held)) for rt in pools})
 
-    async def _reconcile(self, switch: bool) -> bool:
-        """Re-assert every permit this process holds (shared and local) in Redis and drop the
-        rest there; with `switch`, leave degraded mode and queue the local waiters in Redis.
-        False if Redis is still unreachable."""
+    async def _reconcile(self, rt: PoolRuntime, switch: bool) -> bool:
+        """Re-assert every permit this process holds for the pool (shared and local) in Redis
+        and drop the rest there; with `switch`, leave degraded mode and queue the local waiters
+        in Redis. False if the pool's Redis is still unreachable."""
         try:
-            for rt in self.pools.values():
-                if rt.state.stored is None:
-                    await self._configure(rt)
-                await self._sync(rt, reconcile=True)
+            if rt.state.stored is None:
+                await self._configure(rt)
+            await self._sync(rt, reconcile=True)
         except RedisDown:
             return False
         if not switch:
             return True
-        self.backend = self.shared
-        self.metrics.degraded.set(0)
-        for rt in self.pools.values():
-            for w in rt.local_waiting.values():
-                if not w.future.done():
-                    w.future.set_exception(Switched())
-                    w.future.exception()
-        log.warning("redis reachable again: shared admission state resumed (reconciled %s)",
-                    {n: len(rt.held) for n, rt in self.pools.items()})
+        rt.degraded = False
+        rt.back_since = None
+        self.metrics.pool_degraded.labels(rt.cfg.name).set(0)
+        self.metrics.degraded.set(1 if self.degraded else 0)
+        for w in rt.local_waiting.values():
+            if not w.future.done():
+                w.future.set_exception(Switched())
+                w.future.exception()
+        log.warning("redis reachable again: pool %s resumed shared admission state (reconciled %d permits)",
+                    rt.cfg.name, len(rt.held))
         # Permits admitted locally while the reconcile call was in flight: assert them now.
-        self.spawn(self._sync_all())
+        self.spawn(self._quietly_sync(rt))
         return True
 
-    async def _sync_all(self) -> None:
-        for rt in self.pools.values():
-            with contextlib.suppress(RedisDown):
-                await self._sync(rt)
+    async def _quietly_sync(self, rt: PoolRuntime) -> None:
+        with contextlib.suppress(RedisDown):
+            await self._sync(rt)
 
     async def _sync(self, rt: PoolRuntime, reconcile: bool = False) -> None:
         now = self.clock()
@@ -300,7 +346,7 @@ class Admitter:
         waiting = {t: (w.cls, w.seq, max(0.001, w.deadline - now), w.tenant)
                    for t, w in rt.waiting.items() if w.enqueued and not _failed(w.future)}
         watermark = min(rt.pending.values(), default=self._next_seq)
-        res = await self.call("sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
+        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
         rt.last_sync = res.status
         self.observe(rt, res.status)
         m = self.metrics.reconciled
@@ -315,11 +361,11 @@ class Admitter:
         # Released or cancelled while the sync was in flight: the sync may have put them back.
         gone = [t for t in held if t not in rt.held and t not in rt.credits]
         if gone:
-            await self.call("release", lambda: rt.state.release(*gone))
+            await self.call(rt, "release", lambda: rt.state.release(*gone))
         for t in waiting:
             if t not in rt.waiting and t not in rt.held and \
-                    await self.call("cancel", partial(rt.state.cancel, t)) == 1:
-                await self.call("release", partial(rt.state.release, t))
+                    await self.call(rt, "cancel", partial(rt.state.cancel, t)) == 1:
+                await self.call(rt, "release", partial(rt.state.release, t))
 
     def observe(self, rt: PoolRuntime, st: PoolStatus) -> None:
         if st.partial:
@@ -339,14 +385,14 @@ class Admitter:
 
     def _return_credits(self, rt: PoolRuntime) -> None:
         """Something waits: idle credits go back so the grant loop can hand them out."""
-        if not rt.credits or self.degraded:
+        if not rt.credits or rt.degraded:
             return
         tickets, rt.credits = rt.credits, []
-        self.spawn(self._quietly("return_credits", lambda: rt.state.return_credits(*tickets)))
+        self.spawn(self._quietly(rt, "return_credits", lambda: rt.state.return_credits(*tickets)))
 
-    async def _quietly(self, op: str, fn: Callable[[], Awaitable[object]]) -> None:
+    async def _quietly(self, rt: PoolRuntime, op: str, fn: Callable[[], Awaitable[object]]) -> None:
         with contextlib.suppress(RedisDown):
-            await self.call(op, fn)
+            await self.call(rt, op, fn)
 
     # ---------------------------------------------------------------- admission
 
@@ -358,7 +404,7 @@ class Admitter:
         req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
         result: Permit | Reject | None = None
         for _ in range(8):  # a request follows the mode switches while it waits
-            result = await self.backend.admit(rt, req)
+            result = await self.backend(rt).admit(rt, req)
             if result is not None:
                 break
         if result is None:
@@ -430,7 +476,7 @@ class Admitter:
         rt = self.pools[permit.pool]
         self.child(self.metrics.releases, (permit.pool, reason)).inc()
         rt.held.pop(permit.ticket, None)  # stop asserting it first: if Redis is down now, it expires
-        return self.backend.release(rt, permit)
+        return self.backend(rt).release(rt, permit)
 
     # ---------------------------------------------------------------- latency feedback
 
@@ -444,7 +490,7 @@ class Admitter:
         rtt = latency.signal(rt.cfg.limit.signal) if latency is not None else None
         kind: Outcome = "success" if outcome == "success" else "dropped" if outcome == "dropped" else "ignored"
         sample = rt.limit.record(self.clock(), kind, rtt, rt.inflight_seen())
-        if sample is not None and not self.degraded:
+        if sample is not None and not rt.degraded:
             self.spawn(self._apply_sample(rt, sample))
 
     def measures(self, pool: str) -> bool:
@@ -454,32 +500,33 @@ class Admitter:
     async def _apply_sample(self, rt: PoolRuntime, sample: Sample) -> None:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
-                rec = await self.call("get_limit", rt.state.get_limit)
+                rec = await self.call(rt, "get_limit", rt.state.get_limit)
                 new = rt.limit.update(rec.state, sample, self.rng())
                 if new == rec.state:
                     return
-                if await self.call("set_limit", partial(rt.state.set_limit, rec.version, new)):
+                if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
                     self.metrics.limit_updates.labels(rt.cfg.name).inc()
                     self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
                     return
 
     async def _force_static_limit(self, rt: PoolRuntime) -> None:
         for _ in range(5):
-            rec = await self.call("get_limit", rt.state.get_limit)
+            rec = await self.call(rt, "get_limit", rt.state.get_limit)
             st = rt.limit.initial(rt.cfg.limit.initial)
-            if await self.call("set_limit", partial(rt.state.set_limit, rec.version, st)):
+            if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, st)):
                 return
 
     # ---------------------------------------------------------------- background loops
 
-    async def _pubsub_loop(self) -> None:
-        # One channel per pool, in the pool's slot: sharded pub/sub on a Cluster (redis_client).
-        channels = [gateway_channel(self.gateway_id, name) for name in self.pools]
+    async def _pubsub_loop(self, rts: list[PoolRuntime]) -> None:
+        """Grants and credit recalls for `rts` (pools sharing a pub/sub client). One channel per
+        pool, in the pool's slot: sharded pub/sub on a Cluster (redis_client)."""
+        channels = [gateway_channel(self.gateway_id, rt.cfg.name) for rt in rts]
+        client = rts[0].pubsub_client
         while not self._closing:
             pubsub: Subscription | None = None
             try:
-                pubsub = await subscribe(self.pubsub_client, channels,
-                                         connect_timeout_s=self.cfg.redis.op_timeout_s)
+                pubsub = await subscribe(client, channels, connect_timeout_s=self.cfg.redis.op_timeout_s)
                 while not self._closing:
                     msg = await pubsub.get_message(1.0)
                     if msg is not None:
@@ -498,32 +545,31 @@ class Admitter:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, TimeoutError) as exc:
-                log.debug("pubsub connection lost: %s", exc)
+                log.debug("pubsub connection lost (%s): %s", [rt.cfg.name for rt in rts], exc)
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
 
-    async def _poll_loop(self) -> None:
+    async def _poll_loop(self, rt: PoolRuntime) -> None:
         """Fallback for lost grant messages; also drives reclaim when traffic is idle."""
         while not self._closing:
             await asyncio.sleep(self.cfg.redis.poll_interval_s)
-            if self.degraded:
+            if rt.degraded:
                 continue
-            for rt in self.pools.values():
-                tickets = [t for t, w in rt.waiting.items() if w.enqueued and not w.future.done()]
-                if not tickets:
-                    continue
-                with contextlib.suppress(RedisDown):
-                    granted = await self.call("mine", partial(rt.state.granted_among, tickets))
-                    for t, endpoint in granted.items():
-                        w = rt.waiting.get(t)
-                        if w is not None and not w.future.done():
-                            w.future.set_result(endpoint)
+            tickets = [t for t, w in rt.waiting.items() if w.enqueued and not w.future.done()]
+            if not tickets:
+                continue
+            with contextlib.suppress(RedisDown):
+                granted = await self.call(rt, "mine", partial(rt.state.granted_among, tickets))
+                for t, endpoint in granted.items():
+                    w = rt.waiting.get(t)
+                    if w is not None and not w.future.done():
+                        w.future.set_result(endpoint)
 
-    async def _sync_loop(self) -> None:
-        """Every lease_ttl/3: sync each pool (renew, prove alive, reconcile). Every second: a
+    async def _sync_loop(self, rt: PoolRuntime) -> None:
+        """Every lease_ttl/3: sync the pool (renew, prove alive, reconcile). Every second: a
         status read for the gauges, the registry's active endpoints, demand counters.
 
         While degraded: every `reconnect_interval_s`, re-assert everything in Redis; shared
@@ -533,45 +579,41 @@ class Admitter:
         interval = self.cfg.redis.lease_ttl_s / 3
         last_sync = self.clock()
         last_tick = 0.0
-        back_since: float | None = None
         while not self._closing:
-            if self.degraded:
+            if rt.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
                 now = self.clock()
-                if back_since is not None:
-                    if await self._reconcile(switch=True):
-                        last_sync = self.clock()
-                        back_since = None
-                        continue
-                if not await self._reconcile(switch=False):
-                    back_since = None
-                elif back_since is None:
-                    back_since = now
+                if not await self._reconcile(rt, switch=rt.back_since is not None):
+                    rt.back_since = None
+                elif rt.degraded:
+                    rt.back_since = now
+                else:
+                    last_sync = self.clock()
                 continue
             now = self.clock()
             if now - last_sync >= interval:
                 last_sync = now
-                await self._sync_all()
+                with contextlib.suppress(RedisDown):
+                    await self._sync(rt)
             if now - last_tick >= 1.0:
                 last_tick = now
-                for rt in self.pools.values():
-                    with contextlib.suppress(RedisDown):
-                        await self._tick(rt)
+                with contextlib.suppress(RedisDown):
+                    await self._tick(rt)
             await asyncio.sleep(min(1.0, interval))
 
     async def _tick(self, rt: PoolRuntime) -> None:
-        self.observe(rt, await self.call("status", lambda: rt.state.status(self.gateway_id)))
+        self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)
         rt.credit_uses = 0
         self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
         if rt.picker.enabled:
-            members = await self.call("registry", lambda: self.client.smembers(key(rt.cfg.name, ACTIVE)))
+            members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
         if rt.demand:
             counts, rt.demand = dict(rt.demand), Counter()
             try:
-                await self.call("demand", lambda: rt.state.add_demand(counts))
+                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
             except RedisDown:
                 rt.demand.update(counts)
 

@@ -6,11 +6,12 @@ import asyncio
 import logging
 
 import grpc
+import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.config import Config, TlsConfig
 from floodgate.extproc.metrics import Metrics
-from floodgate.extproc.redis_client import make_client, parse_redis_url
+from floodgate.extproc.redis_client import AnyRedis, make_client, parse_redis_url
 from floodgate.extproc.server import Processor
 from floodgate.extproc.state import redis_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -53,6 +54,19 @@ def security_warnings(cfg: Config) -> list[str]:
     return out
 
 
+def make_pool_clients(cfg: Config) -> dict[str, tuple[aioredis.Redis, AnyRedis]]:
+    """On a Cluster, each pool its own (client, pub/sub client): a cluster client that saw a node
+    fail refreshes its slot map before its next call, which must not delay the pools on the
+    other shards. Elsewhere every pool shares the processor's clients (one server: they fail
+    together anyway)."""
+    if parse_redis_url(cfg.redis.url).kind != "cluster":
+        return {}
+    r = cfg.redis
+    return {p.name: (redis_client(r.url, password=r.password, op_timeout_s=r.op_timeout_s),
+                     make_client(r.url, password=r.password, op_timeout_s=r.op_timeout_s, blocking=True))
+            for p in cfg.pools}
+
+
 async def serve(cfg: Config, stop: asyncio.Event) -> None:
     for warning in security_warnings(cfg):
         log.warning("%s", warning)
@@ -61,7 +75,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     # Pub/sub blocks on reads by design, so it gets its own connection without a read timeout.
     pubsub_client = make_client(cfg.redis.url, password=cfg.redis.password,
                                 op_timeout_s=cfg.redis.op_timeout_s, blocking=True)
-    admitter = Admitter(cfg, client, metrics=metrics, pubsub_client=pubsub_client)
+    pool_clients = make_pool_clients(cfg)
+    admitter = Admitter(cfg, client, metrics=metrics, pubsub_client=pubsub_client, pool_clients=pool_clients)
     await admitter.start()
 
     server = grpc.aio.server(options=[
@@ -103,3 +118,6 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     await admitter.stop()
     await client.aclose()
     await pubsub_client.aclose()
+    for pc, ps in pool_clients.values():
+        await pc.aclose()
+        await ps.aclose()

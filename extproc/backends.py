@@ -5,8 +5,10 @@
 implement `admit(rt, req) -> Permit | Reject | None` (None: the admitter switched modes while
 the request waited — continue on the other backend with the time left) and
 `release(rt, permit)` (returns the Redis call still to make, if any). The admitter
-(`admission.py`) owns the switch between them and the permits they hand out; a permit does
-not remember where it came from (on a switch, the new backend adopts every held permit).
+(`admission.py`) owns the switch between them — per pool: a pool whose Redis (or Cluster
+shard) fails runs locally while the other pools stay shared — and the permits they hand out;
+a permit does not remember where it came from (on a switch, the new backend adopts every held
+permit).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class SharedBackend:
         wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
         rt.pending[ticket] = seq
         try:
-            st = await a.call("acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant, wanted))
+            st = await a.call(rt, "acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant, wanted))
         except RedisDown:
             return None
         finally:
@@ -144,7 +146,7 @@ class SharedBackend:
         try:
             try:
                 remaining = max(0.001, req.deadline - a.clock())
-                st = await a.call("enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant, remaining))
+                st = await a.call(rt, "enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant, remaining))
             except RedisDown:
                 return None
             finally:
@@ -166,8 +168,8 @@ class SharedBackend:
                 return None
             # Timed out: remove ourselves atomically; we may have been granted in the meantime.
             try:
-                if await a.call("cancel", lambda: rt.state.cancel(ticket)) == 1:
-                    granted = await a.call("mine", lambda: rt.state.granted_among([ticket]))
+                if await a.call(rt, "cancel", lambda: rt.state.cancel(ticket)) == 1:
+                    granted = await a.call(rt, "mine", lambda: rt.state.granted_among([ticket]))
                     return a.permit(rt, ticket, req, granted.get(ticket, ""), queued=True)
             except RedisDown:
                 pass  # the queue entry goes with the next sync
@@ -185,8 +187,8 @@ class SharedBackend:
     async def _abandon(self, rt: PoolRuntime, ticket: str) -> None:
         a = self.a
         try:
-            if await a.call("cancel", lambda: rt.state.cancel(ticket)) == 1:
-                await a.call("release", lambda: rt.state.release(ticket))
+            if await a.call(rt, "cancel", lambda: rt.state.cancel(ticket)) == 1:
+                await a.call(rt, "release", lambda: rt.state.release(ticket))
                 a.metrics.releases.labels(rt.cfg.name, "abandoned_grant").inc()
         except RedisDown:
             pass  # the next sync drops what this gateway no longer asserts
@@ -203,7 +205,7 @@ class SharedBackend:
         await asyncio.sleep(0)
         tickets, rt.pending_release = rt.pending_release, []
         try:
-            await self.a.call("release", lambda: rt.state.release(*tickets))
+            await self.a.call(rt, "release", lambda: rt.state.release(*tickets))
         except RedisDown:
             pass  # not renewed any more: the leases expire, or the next sync drops them
 

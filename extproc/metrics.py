@@ -44,9 +44,13 @@ class Metrics:
             "floodgate_untrusted_priority_header", "Priority headers ignored because the caller is not trusted.",
             ["pool"], registry=r)
         self.degraded = Gauge(
-            "floodgate_degraded", "1 while Redis is unreachable and admission uses the local limiter.", registry=r)
+            "floodgate_degraded", "1 while some pool's Redis is unreachable and that pool admits on the local "
+            "limiter (floodgate_pool_degraded says which).", registry=r)
+        self.pool_degraded = Gauge(
+            "floodgate_pool_degraded", "1 while the pool's Redis (on a Cluster: the shard of its slot) is "
+            "unreachable and the pool admits on this processor's local share.", ["pool"], registry=r)
         self.degraded_transitions = Counter(
-            "floodgate_degraded_transitions", "Entries into degraded mode.", registry=r)
+            "floodgate_degraded_transitions", "Entries of a pool into degraded mode.", ["pool"], registry=r)
         self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
         self.lost_leases = Counter(
             "floodgate_lost_leases", "Leases Redis had lost while a live request held them (process paused "

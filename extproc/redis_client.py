@@ -169,7 +169,10 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
     """An async client for `url`. `blocking=True` is for pub/sub: no read timeout (reads wait
     for messages by design), only the connect timeout."""
     target = parse_redis_url(url)
-    read_timeout = None if blocking else op_timeout_s
+    # A Cluster client holds no subscription itself (`subscribe` opens its own connection to
+    # each slot owner) and only reads slot maps: it keeps the read timeout, so a frozen node
+    # cannot stall a refresh.
+    read_timeout = None if blocking and target.kind != "cluster" else op_timeout_s
     common: dict[str, Any] = {
         "socket_timeout": read_timeout, "socket_connect_timeout": op_timeout_s,
         "health_check_interval": 0, "decode_responses": False,
@@ -271,7 +274,6 @@ class _ShardedSubscription(Subscription):
         self._clients: list[aioredis.Redis] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._owners: dict[str, str] = {}
-        self._next_check = 0.0
 
     def _owner_map(self) -> dict[str, ClusterNode]:
         out: dict[str, ClusterNode] = {}
@@ -296,7 +298,7 @@ class _ShardedSubscription(Subscription):
             for ch in chans:  # one SSUBSCRIBE per channel: several at once must share a slot
                 await asyncio.wait_for(ps.ssubscribe(ch), self._connect_timeout * 4)
             self._tasks.append(asyncio.create_task(self._read(ps), name=f"fg-ssub-{node.name}"))
-        self._next_check = asyncio.get_running_loop().time() + self._recheck_s
+        self._tasks.append(asyncio.create_task(self._watch(), name="fg-ssub-watch"))
 
     def _auth(self) -> dict[str, Any]:
         kw = self._cluster.connection_kwargs
@@ -316,13 +318,22 @@ class _ShardedSubscription(Subscription):
             with contextlib.suppress(Exception):
                 await ps.aclose()
 
+    async def _watch(self) -> None:
+        """Re-read the slot map every `recheck_s`; a subscribed slot that moved ends the
+        subscription. A map that cannot be read now (some node down or frozen) is no reason
+        to: a dead owner shows as its reader's error, and another node's trouble is not ours."""
+        while True:
+            await asyncio.sleep(self._recheck_s)
+            try:
+                await asyncio.wait_for(self._cluster.nodes_manager.initialize(), self._connect_timeout * 4)
+                owners = {ch: n.name for ch, n in self._owner_map().items()}
+            except (RedisError, OSError, TimeoutError):
+                continue
+            if owners != self._owners:
+                self._queue.put_nowait(RedisError("a subscribed slot moved to another node"))
+                return
+
     async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
-        loop = asyncio.get_running_loop()
-        if loop.time() >= self._next_check:
-            self._next_check = loop.time() + self._recheck_s
-            await asyncio.wait_for(self._cluster.nodes_manager.initialize(), self._connect_timeout * 4)
-            if {ch: n.name for ch, n in self._owner_map().items()} != self._owners:
-                raise RedisError("a subscribed slot moved to another node")
         try:
             got = await asyncio.wait_for(self._queue.get(), wait_s)
         except TimeoutError:

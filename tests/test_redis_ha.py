@@ -9,6 +9,7 @@ shard leave the other pools serving.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -16,8 +17,10 @@ import aiohttp
 import pytest
 import redis
 from floodgate.extproc.admission import Admitter
+from floodgate.extproc.app import make_pool_clients
 from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.redis_client import AnyRedis, make_client, publish, subscribe
 from floodgate.extproc.schema import PoolSettings, gateway_channel, script_keys
 from floodgate.extproc.state import PoolState, redis_client
@@ -25,7 +28,7 @@ from redis.exceptions import MovedError, RedisError
 
 from floodgate.redis_topology import ClusterTopology, SentinelTopology
 from floodgate.stack import LocalStack
-from tests.helpers import Reply, get_json, post
+from tests.helpers import Reply, get_json, post, wait_until
 from tests.redis_topologies import cluster, sentinel  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -277,6 +280,84 @@ async def test_processor_reasserts_its_permits_and_waiters_on_the_promoted_prima
         await admitter.stop()
         await client.aclose()
         await sub_client.aclose()
+
+
+async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopology) -> None:  # noqa: F811
+    """Three pools: two on shard 0, one on shard 1, each at its limit with a waiter queued.
+    Shard 0 freezes (SIGSTOP primary and replica: no failover, calls hang until they time out).
+    Its pools switch to local limits, both of them although only one saw a call fail (same
+    node); the pool on shard 1 stays on shared state: its waiter is granted by SPUBLISH (the
+    poll is 60 s away), its limit holds. Nothing hangs. Thawed, the frozen pools return to
+    shared state, and every permit released leaves no lease behind."""
+    a, a2, b = cluster.key_on_shard(0, "a"), cluster.key_on_shard(0, "aa"), cluster.key_on_shard(1, "b")
+    classes = {c: {"queue_timeout_s": 30, "max_queue": 100, "share": s} for c, s in ((0, 0.5), (1, 0.3), (2, 0.1))}
+    cfg = Config.model_validate({
+        "redis": {"url": cluster.url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "poll_interval_s": 60,
+                  "reconnect_interval_s": 0.2},
+        "pools": [{"name": n, "match_authority": f"{n}.x", "local_credits": 0, "classes": classes,
+                   "limit": {"mode": "static", "initial": 2}} for n in (a, a2, b)]})
+    clients = make_pool_clients(cfg)
+    client = redis_client(cluster.url, op_timeout_s=0.25)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw", pool_clients=clients)
+    await admitter.start()
+    shard = cluster.shards[0]
+    frozen = False
+
+    def degraded(pool: str) -> float:
+        return metrics.pool_degraded.labels(pool)._value.get()
+
+    async def admit(pool: str) -> Permit:
+        p = await asyncio.wait_for(admitter.admit(pool, 1, "t"), 35)  # never hangs
+        assert isinstance(p, Permit), p
+        return p
+    try:
+        held = {n: [await admit(n), await admit(n)] for n in (a, b)}
+        waiters = {n: asyncio.create_task(admit(n)) for n in (a, b)}
+        await asyncio.sleep(0.5)
+        assert not any(w.done() for w in waiters.values())  # queued in Redis
+        for node in (shard.primary, *shard.replicas):
+            node.child.kill(signal.SIGSTOP)
+        frozen = True
+        # The next sync or status read of `a` times out: `a` and `a2` (same node) go local.
+        assert await wait_until(lambda: _true(degraded(a) == 1), 10)
+        assert degraded(a2) == 1 and degraded(b) == 0
+        # `b` is untouched: a release there grants its queued waiter, by pub/sub.
+        await admitter.release(held[b].pop())
+        held[b].append(await asyncio.wait_for(waiters[b], 5))
+        st = await asyncio.wait_for(admitter.pools[b].state.status(), 2)
+        assert st.inflight_total == 2 and st.queued_total == 0 and degraded(b) == 0
+        # `a` serves on its local share (this is the only gateway: all of L): its waiter moved
+        # to the local queue and gets the permit released locally.
+        await admitter.release(held[a].pop())
+        held[a].append(await asyncio.wait_for(waiters[a], 5))
+        for node in (shard.primary, *shard.replicas):
+            node.child.kill(signal.SIGCONT)
+        frozen = False
+        # Back: two clean reconciles in a row, then shared state again, for both pools.
+        assert await wait_until(lambda: _true(degraded(a) == 0 and degraded(a2) == 0), 20)
+        assert metrics.degraded._value.get() == 0
+        st = await asyncio.wait_for(admitter.pools[a].state.status(), 2)
+        assert st.inflight_total == 2  # the reconcile re-asserted exactly what is held
+        for ps in held.values():
+            for p in ps:
+                await admitter.release(p)
+        for n in (a, a2, b):
+            st = await asyncio.wait_for(admitter.pools[n].state.status(), 2)
+            assert st.inflight_total == 0 and st.queued_total == 0, (n, st)
+    finally:
+        if frozen:
+            for node in (shard.primary, *shard.replicas):
+                node.child.kill(signal.SIGCONT)
+        await admitter.stop()
+        await client.aclose()
+        for pc, ps in clients.values():
+            await pc.aclose()
+            await ps.aclose()
+
+
+async def _true(x: bool) -> bool:
+    return x
 
 
 async def test_controller_and_status_state_api_on_a_cluster(cluster: ClusterTopology) -> None:  # noqa: F811

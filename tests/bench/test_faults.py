@@ -20,6 +20,7 @@ from floodgate.bench.faults import (
     Rec,
     bucket_means,
     count_hung,
+    merge_section,
     run_fault,
     serving_again,
 )
@@ -43,12 +44,26 @@ def test_count_hung() -> None:
     assert count_hung([ok, late, never, left], end=30.0) == 2
 
 
+def test_merge_section_replaces_only_the_rerun_faults() -> None:
+    old = ("```\nfloodgate bench faults\n```\n\nL = 8.\n\n| fault | a | ok |\n|---|---|---|\n"
+           "| none | 1 | yes |\n| cluster-shard-down | 9 | NO |\n| sigkill | 2 | yes |\n")
+    body = ("L = 8.\n\n| fault | a | b | ok |\n|---|---|---|---|\n"
+            "| cluster-shard-down: live | 8 | 0 | yes |\n| cluster-shard-down: dead | 8 | 4 | yes |")
+    cmd = "floodgate bench faults --faults cluster-shard-down"
+    merged = merge_section(old, body, cmd, {"cluster-shard-down"})
+    rows = [ln for ln in merged.splitlines() if ln.startswith("| ") and not ln.startswith("| fault")]
+    assert rows == ["| none | 1 | – | yes |", "| sigkill | 2 | – | yes |",  # FAULTS order, old column
+                    "| cluster-shard-down: live | 8 | 0 | yes |", "| cluster-shard-down: dead | 8 | 4 | yes |"]
+    assert "floodgate bench faults\n" in merged and cmd + "  # rows: cluster-shard-down" in merged
+    assert merge_section(merged, body, cmd, {"cluster-shard-down"}) == merged  # a second rerun
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("name", ["sigkill", "redis-sigstop", "partition"])
 def test_fault_meets_targets(name: str, tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
-    r = asyncio.run(run_fault(fault, opts))
+    (r,) = asyncio.run(run_fault(fault, opts))
     assert r.ok > 50, r  # it really ran under load
     assert r.max_concurrency <= r.bound, r
     assert r.fivexx == 0 and r.hung == 0, r
@@ -65,7 +80,7 @@ def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
     load: within the failover bound, no 5xx, nobody hung, no phantoms, serving at L again."""
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
-    r = asyncio.run(run_fault(fault, opts))
+    (r,) = asyncio.run(run_fault(fault, opts))
     assert r.ok > 50, r
     assert r.max_concurrency <= r.bound, r
     assert r.fivexx == 0 and r.hung == 0, r
@@ -74,15 +89,19 @@ def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_a_dead_shard_of_another_pool(tmp_path: Path) -> None:
-    """Another pool's shard dies (primary and replica) and comes back: the loaded pool keeps
-    answering (no 5xx, nobody hung, within the bound, no phantoms). It is served on local
-    shares meanwhile (degradation is per processor), so it is not at L until the shard returns."""
+def test_a_dead_shard_leaves_the_pools_on_the_other_shards_alone(tmp_path: Path) -> None:
+    """Three loaded pools, one per shard, waiters queued and streams open on all of them; one
+    shard dies (primary and replica: nothing to fail over to) and comes back. The pools on the
+    live shards stay on shared state: <= L, never dipping, no 5xx, nobody hung, no phantoms.
+    The dead shard's pool runs on local shares (<= L + L/2), then shared again, no phantoms."""
     fault = next(f for f in FAULTS if f.name == "cluster-shard-down")
     opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
-    r = asyncio.run(run_fault(fault, opts))
-    assert r.ok > 50, r
-    assert r.max_concurrency <= r.bound, r
-    assert r.fivexx == 0 and r.hung == 0, r
-    assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
-    assert r.serving_again_s is not None  # back at L once the shard returned
+    live, dead = asyncio.run(run_fault(fault, opts))
+    assert "live shards" in live.fault and "dead shard" in dead.fault
+    for r in (live, dead):
+        assert r.ok > 50, r
+        assert r.max_concurrency <= r.bound, r
+        assert r.fivexx == 0 and r.hung == 0, r
+        assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
+        assert r.serving_again_s is not None and r.serving_again_s <= r.target_s, r
+    assert live.bound == opts.limit
