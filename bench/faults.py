@@ -87,10 +87,13 @@ class Result:
     serving_again_s: float | None  # None: never reached L again
     target_s: float  # serving again within this (one TTL of a crash, one renewal of Redis returning)
     local_entries: int = 0  # times a processor switched one of these pools to local limits
+    local_allowed: bool = True
+    local_at_end: int = 0  # processors still on local limits for these pools one TTL after recovery
     notes: str = ""
 
     def passed(self) -> bool:
-        return (self.max_concurrency <= self.bound and self.fivexx == 0 and self.hung == 0
+        return ((self.local_allowed or self.local_entries == 0) and self.local_at_end == 0
+                and self.max_concurrency <= self.bound and self.fivexx == 0 and self.hung == 0
                 and self.phantom_leases == 0 and self.phantom_waiters == 0
                 and (self.target_s < 0 or (self.serving_again_s is not None
                                            and self.serving_again_s <= self.target_s)))
@@ -409,23 +412,27 @@ class Harness:
         finally:
             await c.aclose()
 
-    def local_entries(self) -> dict[str, int]:
+    def local_limits(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per pool: how often the live processors switched it to local limits
-        (floodgate_degraded_transitions_total{pool})."""
+        (floodgate_degraded_transitions_total{pool}), and how many are on them now
+        (floodgate_pool_degraded{pool})."""
         from prometheus_client.parser import text_string_to_metric_families
 
         from floodgate.stack import http_get
 
-        out: dict[str, int] = {}
+        entries: dict[str, int] = {}
+        now: dict[str, int] = {}
         for i, p in enumerate(self.stack.processors):
             if i in self.killed:
                 continue
             for fam in text_string_to_metric_families(http_get(p.metrics_url).decode()):
                 for smp in fam.samples:
-                    if smp.name == "floodgate_degraded_transitions_total":
+                    out = {"floodgate_degraded_transitions_total": entries,
+                           "floodgate_pool_degraded": now}.get(smp.name)
+                    if out is not None:
                         pool = smp.labels.get("pool", "")
                         out[pool] = out.get(pool, 0) + int(smp.value)
-        return out
+        return entries, now
 
     def redis_signal(self, sig: int) -> None:
         assert self.stack.redis_child is not None
@@ -465,6 +472,7 @@ class Row:
     bound: Callable[[Options], int]
     target: Callable[[Options], float]
     measure_from: str
+    local_allowed: bool = True  # False: a processor switching these pools to local limits fails the row
 
 
 async def _sentinel_kill_primary(h: Harness) -> None:
@@ -498,10 +506,10 @@ async def _cluster_restart_other_shard(h: Harness) -> None:
 def _shard_down_rows(h: Harness) -> list[Row]:
     dead = _dead_pool(h)
     return [
-        # The pools on the live shards must not notice: shared state, <= L, and no dip longer
-        # than a reconnect interval (going local and back takes at least two).
+        # The pools on the live shards must not notice: never switched to local limits, <= L,
+        # and no dip longer than a status tick (1 s) from the kill on.
         Row("pools on the live shards", [p for p in h.loaded if p != dead], lambda o: o.limit,
-            lambda o: o.reconnect_s, "inject"),
+            lambda o: 1.0, "inject", local_allowed=False),
         # The dead shard's pool runs on local shares while its shard is away and comes back to
         # shared state after the restart (two clean reconciles), as after a failover.
         Row("the dead shard's pool", [dead], lambda o: o.limit + o.limit // 2,
@@ -703,7 +711,7 @@ async def run_fault(fault: Fault, opts: Options) -> list[Result]:
             # Phantoms: one TTL after recovery, and after the idle credits went back (1 s ticks).
             await asyncio.sleep(max(2.5, recover_at + opts.ttl_s - time.monotonic()))
             state = {p: await h.pool_state(p) for p in h.loaded}
-            entries = await asyncio.to_thread(h.local_entries)
+            entries, local_now = await asyncio.to_thread(h.local_limits)
         finally:
             await h.stop()
     rows = fault.rows(h) if fault.rows else [
@@ -730,7 +738,8 @@ async def run_fault(fault: Fault, opts: Options) -> list[Result]:
             phantom_leases=sum(state[p][0] for p in row.pools), phantom_waiters=sum(state[p][1] for p in row.pools),
             serving_again_s=None if None in again else max(a for a in again if a is not None),
             target_s=row.target(opts) if row.measure_from else -1.0,
-            local_entries=sum(entries.get(p, 0) for p in row.pools),
+            local_entries=sum(entries.get(p, 0) for p in row.pools), local_allowed=row.local_allowed,
+            local_at_end=sum(local_now.get(p, 0) for p in row.pools),
             notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else ""))
     return out
 

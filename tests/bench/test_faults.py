@@ -104,4 +104,6 @@ def test_a_dead_shard_leaves_the_pools_on_the_other_shards_alone(tmp_path: Path)
         assert r.fivexx == 0 and r.hung == 0, r
         assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
         assert r.serving_again_s is not None and r.serving_again_s <= r.target_s, r
-    assert live.bound == opts.limit
+    assert live.bound == opts.limit and live.local_entries == 0  # never left shared state
+    assert dead.local_entries >= 2  # both processors ran the dead shard's pool locally...
+    assert dead.local_at_end == 0  # ...and are back on shared state
