@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from floodgate.extproc.limit import Latency
@@ -104,6 +104,9 @@ SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain 
 class SharedBackend:
     def __init__(self, admitter: Admitter) -> None:
         self.a = admitter
+        # (pool, class) -> that class's grant rate as last read with one of its requests (a
+        # status carries only the asking class's): certain_reject needs it for any class.
+        self.class_rates: dict[tuple[str, int], float] = {}
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
@@ -112,11 +115,13 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last = rt.last_status
-        if last is not None and a.clock() - rt.last_status_at <= SNAPSHOT_FRESH_S:
+        last, age = rt.last_status, a.clock() - rt.last_status_at
+        crate = self.class_rates.get((rt.cfg.name, cls))
+        if last is not None and crate is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
-            # (twice over): reject without a round trip.
-            certain = certain_reject(cls, _snapshot(last), rt.cfg.classes, a.cfg.admission, a.rng())
+            # (even had its class's queue drained since): reject without a round trip.
+            snap = replace(_snapshot(last), class_rate=crate)
+            certain = certain_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age)
             if certain is not None:
                 return certain
         seq, ticket = a.new_ticket()
@@ -129,6 +134,8 @@ class SharedBackend:
         finally:
             rt.pending.pop(ticket, None)
         a.observe(rt, st)
+        if not st.partial:
+            self.class_rates[(rt.cfg.name, cls)] = st.class_rate
         if st.granted:
             if st.credits:
                 rt.credits.extend(st.credits)

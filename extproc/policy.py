@@ -5,27 +5,31 @@ fallback (`permits.py`); both call the same rules, written once here and mirrore
 `eligible` decides whether a class may take a free permit; `queue_decision` decides whether a
 request that could not be admitted at once may wait or is turned away now.
 
-Early drop predicts a request's wait from what decides it: its place in the grant order
-(waiters ahead of it in its own and higher classes, minus what its class's reservation lets
-it bypass) and the POOL-WIDE rate of freed permits, not its class's own (possibly sparse)
-grant history. It rejects only when even an optimistic reading of that estimate (the rate
-at its upper confidence bound, a Poisson margin on the releases needed) says the request
-cannot be granted before its deadline, and never while the rate rests on few releases:
-admitting late is cheaper than rejecting a request the pool would have served.
+Early drop bounds each class's queue by what the grant loop can grant in time. A new request
+waits only if its place in the grant order (the waiters ahead of it in its class) can be
+reached before its deadline at the rate the grant loop hands that class permits: the pool-wide
+rate of freed permits when no higher class waits, else the turnover of what the class holds or
+is reserved (higher classes take the rest) or its own recent grant rate, whichever is higher.
+With FIFO and timeouts, a queue longer than that does not serve more requests: every waiter
+beyond it waits about its whole timeout and then fails (or pushes out one that would have been
+served). Bounded, the queue's waiters are served, and the rest are rejected at once — from the
+last seen state without a Redis round trip when that already shows the queue at its bound
+(`certain_reject`). The rate is read at its upper confidence bound and never trusted on few
+releases: when unsure, the request waits (admitting late beats rejecting early).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
 
 CLASSES = (0, 1, 2)
 RATE_TAU_S = 10.0  # decay time of the event rates (leases.lua RATE_TAU_MS)
 MIN_RELEASES = 20  # below this many freed permits behind the rate, never drop early
-CONFIDENCE_Z = 3.0  # standard deviations of margin before a wait counts as certainly too long
+CONFIDENCE_Z = 2.0  # standard errors of margin on the measured rate before a wait counts as too long
 
 
 def reservations(limit: int, shares: Sequence[float]) -> list[int]:
@@ -140,96 +144,92 @@ class Enqueue:
 
 @dataclass(frozen=True)
 class WaitEstimate:
-    """How long a new request of a class would wait, as a point estimate (for Retry-After) and
-    as a lower bound in the grant order most favourable to it (for early drop)."""
+    """Where a new request of a class stands in the grant order and how fast it advances.
 
-    releases: int  # freed permits until its grant, waiters ahead served in order (point estimate)
+    Its class receives permits at `rate` (the pool-wide rate of freed permits) for the first
+    `gap` of them (free permits and the unused part of its reservation go to it first), then at
+    `class_rate`. The `ahead` waiters of its class go first, all of them: each was let in because
+    the grant loop reaches it in time (this rule, applied to it), so none is counted on to
+    expire. (Counting on waiters ahead to time out is what let queues grow until every waiter
+    waited its whole timeout.)"""
+
+    ahead: int  # waiters of its class ahead of it
+    free: int  # permits free right now
+    gap: int  # permits that reach the class at the pool rate (unused reservation)
     rate: float  # freed permits per second, pool-wide (0 = unknown)
+    class_rate: float  # permits per second the grant loop hands this class while it waits
     samples: float  # events the rate rests on
-    earliest: float  # seconds, lower bound at `rate` (inf: never at this rate)
-    earliest_hi: float  # the same at the rate's upper confidence bound
+
+    @property
+    def releases(self) -> int:
+        """Permits its class must receive until this request holds one (every waiter served)."""
+        return max(0, self.ahead + 1 - self.free)
+
+    def by(self, t: float, scale: float = 1.0) -> float:
+        """Permits the class has received t seconds from now (rates times `scale`)."""
+        fast, slow = self.rate * scale, self.class_rate * scale
+        if fast <= 0:
+            return float(self.free)
+        if self.gap >= t * fast:
+            return self.free + t * fast
+        return self.free + self.gap + (t - self.gap / fast) * slow
+
+    def _time_for(self, n: float, scale: float) -> float:
+        fast, slow = self.rate * scale, self.class_rate * scale
+        n -= self.free
+        if n <= 0:
+            return 0.0
+        if n <= self.gap:
+            return n / fast
+        return self.gap / fast + (n - self.gap) / slow if slow > 0 else math.inf
 
     @property
     def seconds(self) -> float | None:
+        """Point estimate: every waiter ahead served first (for Retry-After)."""
         if self.rate <= 0:
             return None
-        return self.releases / self.rate
+        return self._time_for(self.ahead + 1, 1.0)
 
     def certainly_over(self, deadline_s: float) -> bool:
-        """True only when even the most favourable grant order at the rate's upper confidence
-        bound cannot grant the request before `deadline_s`, and the rate rests on enough
-        releases; when unsure, the request waits (admitting late beats rejecting early)."""
+        """True when the grant loop cannot reach this request before `deadline_s` even at the
+        rates' upper confidence bounds; never on few releases: when unsure, the request waits
+        (admitting late beats rejecting early)."""
         if self.rate <= 0 or self.samples < MIN_RELEASES:
             return False
-        return self.earliest_hi > deadline_s
+        scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples)
+        return self.by(deadline_s, scale) + 1e-9 < self.ahead + 1
 
 
-def _earliest(cls: int, snap: Snapshot, res: Sequence[int], rate: float, horizon: float) -> float:
-    """Lower bound on the seconds until the grant loop grants a new request of class `cls`,
-    with permits freed at `rate` from now on in whatever order suits it best.
+def class_release_rate(cls: int, snap: Snapshot, res: Sequence[int]) -> float:
+    """Permits per second the grant loop hands class `cls` while it has waiters.
 
-    The request is granted at time t only if its class got more grants by t than the waiters
-    ahead of it that are still alive at t (waiters that expire are skipped, and every waiter
-    ahead lives at least until the class head's deadline and at most until the tail's).
-    Before each of its class's grants, the higher waiters that are certain to go first take
-    theirs: all higher waiters alive over the whole horizon, or, when the class can take
-    permits through its own reservation (which higher classes over their shares may not
-    touch), only the higher waiters still inside their reservations.
-    """
-    limit = max(1, snap.limit)
-    q, inflight = snap.queued, snap.inflight
-    free = max(0, limit - sum(inflight))
-    head = snap.head_left or (math.inf, math.inf, math.inf)
-    tail = snap.tail_left or (math.inf, math.inf, math.inf)
-
-    def alive(k: int, n: int) -> int:
-        return n if head[k] >= horizon else 0  # may all expire before the horizon otherwise
-
-    bypass = res[cls] >= 1 and (inflight[cls] >= 1 or inflight[cls] < res[cls])
-    if bypass:
-        higher = sum(alive(k, min(q[k], max(0, res[k] - inflight[k]))) for k in CLASSES if k < cls)
-    else:
-        higher = sum(alive(k, q[k]) for k in CLASSES if k < cls)
-
-    def when(grants: int) -> float:
-        """Earliest time the class can have received `grants` grants."""
-        return max(0.0, (grants + higher - free)) / rate
-
-    own = q[cls]
-    if own == 0:
-        return when(1)
-    options = []
-    t_all = when(own + 1)  # everything ahead served, then this request
-    if t_all <= head[cls]:
-        options.append(t_all)
-    t_one_left = max(head[cls], when(2))  # the head may have expired; the tail has not
-    if t_one_left <= tail[cls]:
-        options.append(t_one_left)
-    options.append(max(tail[cls], when(1)))  # every waiter ahead is gone
-    return min(options)
+    No higher class waiting: every freed permit (until one arrives, which the next decision
+    sees). Otherwise the higher classes take every permit but the ones this class holds or is
+    reserved — those come back to it as they free (its reservation holds the others back) —
+    or, if higher, what it was actually granted recently."""
+    r = snap.release_rate()
+    if r <= 0:
+        return 0.0
+    if not any(snap.queued[k] > 0 for k in CLASSES if k < cls):
+        return r
+    held = max(snap.inflight[cls], res[cls])
+    turnover = r * min(1.0, held / max(1, sum(snap.inflight)))
+    return max(turnover, min(r, snap.class_rate))
 
 
-def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float], horizon: float = math.inf) -> WaitEstimate:
-    """Where a new request of class `cls` stands in the grant order and when it may be granted.
+def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float]) -> WaitEstimate:
+    """Where a new request of class `cls` stands in the grant order and how fast it advances.
 
-    The point estimate counts its class's waiters and, unless it is inside its reservation,
-    every higher waiter, at the pool-wide rate of freed permits. The lower bound (see
-    `_earliest`) is what early drop uses; `horizon` is the request's queue timeout.
-    """
+    It needs its class's waiters ahead of it plus one permit. Free permits and the unused part
+    of its reservation reach it at the pool rate (the grant loop gives them to this class
+    first); the rest at `class_release_rate`."""
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
     samples = min(float(snap.release_n), snap.grant_rate * RATE_TAU_S) if snap.grant_rate > 0 else 0.0
-    rate = snap.release_rate()
-    releases = q[cls] + 1
-    if q[cls] >= res[cls] - inflight[cls]:
-        releases += sum(q[k] for k in CLASSES if k < cls)
-    releases = max(0, releases - max(0, limit - sum(inflight)))
-    if rate <= 0:
-        return WaitEstimate(releases, 0.0, samples, 0.0, 0.0)
-    rate_hi = rate * (1 + CONFIDENCE_Z / math.sqrt(samples)) if samples > 0 else rate
-    return WaitEstimate(releases, rate, samples, _earliest(cls, snap, res, rate, horizon),
-                        _earliest(cls, snap, res, rate_hi, horizon))
+    free = max(0, limit - sum(inflight))
+    gap = max(0, res[cls] - inflight[cls] - free)
+    return WaitEstimate(q[cls], free, gap, snap.release_rate(), class_release_rate(cls, snap, res), samples)
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1)) -> float | None:
@@ -261,7 +261,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     tenant (unless `admission.anonymous_tenant_cap` says so), so no tenant cap applies."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares, c.queue_timeout_s)
+    est = wait_estimate(cls, snap, shares)
     wait = est.seconds
     if snap.queued[cls] >= c.max_queue:
         return Reject("queue_full", retry_after(wait, c, cfg, rand))
@@ -275,15 +275,24 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
 
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-                   cfg: AdmissionConfig, rand: float) -> Reject | None:
-    """A rejection the last seen snapshot already proves, decided without a Redis round trip.
-
-    Only early drops, with twice the deadline as margin: the snapshot may be up to a second
-    old, and a backlog that long does not drain in that time."""
+                   cfg: AdmissionConfig, rand: float, age_s: float = 0.0) -> Reject | None:
+    """A rejection the last seen snapshot (`age_s` old) already proves, decided without a
+    Redis round trip: the pool was full and the class's queue so far past its bound that even
+    if its waiters had been granted at the pool's upper rate for `age_s` since, queue_decision
+    would still drop the request."""
     c = classes[cls]
+    if sum(snap.inflight) < snap.limit:
+        return None
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares, 2 * c.queue_timeout_s)
-    if est.certainly_over(2 * c.queue_timeout_s):
+    est = wait_estimate(cls, snap, shares)
+    if est.samples < MIN_RELEASES:
+        return None
+    drained = math.ceil(est.rate * (1 + CONFIDENCE_Z / math.sqrt(est.samples)) * max(0.0, age_s))
+    q = list(snap.queued)
+    q[cls] = max(0, q[cls] - drained)
+    aged = replace(snap, queued=(q[0], q[1], q[2]))
+    est = wait_estimate(cls, aged, shares)
+    if est.certainly_over(c.queue_timeout_s):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 

@@ -5,7 +5,7 @@ policy (`queue_decision`) and the grant loop of the reference permit table (`Per
 the model the Lua script is checked against), with releases when each granted request's
 service ends and the pool-wide release rate kept as leases.lua keeps it. `force_enqueue`
 replays the same history with some requests enqueued instead of dropped: the oracle for
-"would this early-dropped request have been granted before its deadline?".
+"did this early drop cost its class a request served in time?" (`wrongly_dropped`).
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 limit=table.limit, inflight=table.inflight(), queued=(q[0], q[1], q[2]),
                 tenant_queued=sum(1 for w in table.queues[a.cls] if w.tenant == a.tenant),
                 grant_rate=released.read(now), release_n=released.n,
+                class_rate=grants[a.cls].read(now),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
                 inflight_avg=level.value,
                 head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
@@ -126,9 +127,30 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     return out
 
 
+def served_in_time(out: Outcome, history: list[Arrival], cls: int, until: float) -> int:
+    """Requests of class `cls` arriving by `until` that were granted before their deadline
+    (immediate grants included)."""
+    n = 0
+    for i, a in enumerate(history):
+        if a.t > until:
+            break
+        if a.cls == cls and i in out.granted_at and (
+                out.decisions.get(i) == "immediate" or out.granted_at[i] <= out.deadline[i]):
+            n += 1
+    return n
+
+
 def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival],
                     base: Outcome, sample: int | None = None, **kw: object) -> list[int]:
-    """Early drops that, enqueued instead (all else the same), are granted before their deadline."""
+    """Early drops that cost their class a request served in time.
+
+    The counterfactual: the same history with this one request enqueued instead and the rule
+    applied to every other request as before. The drop was wrong if, there, the request is
+    granted before its deadline AND its class serves more requests in time (of those arriving
+    up to that deadline) than with the drop. If it is served only in place of a request of its
+    class that the bounded queue then turns away or that then times out, the drop cost nothing:
+    the grant loop serves a class no faster for a longer queue (that is why the queue is
+    bounded), it only changes which of its requests it serves."""
     wrong = []
     drops = base.early_drops()
     if sample is not None and len(drops) > sample:
@@ -137,41 +159,49 @@ def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: lis
     for i in drops:
         alt = replay(limit, classes, history, force_enqueue=frozenset({i}), **kw)  # type: ignore[arg-type]
         if i in alt.granted_at and alt.granted_at[i] <= alt.deadline[i]:
-            wrong.append(i)
+            cls, until = history[i].cls, alt.deadline[i]
+            if served_in_time(alt, history, cls, until) > served_in_time(base, history, cls, until):
+                wrong.append(i)
     return wrong
 
 
 def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int, timeout_s: float,
                                     now: float) -> bool:
-    """The deterministic oracle: enqueue the request into the grant loop's exact state (every
-    waiter with its own deadline) and free permits at the current release rate, oldest grant
-    first; classes that are backlogged now keep receiving waiters at their current grant rate.
-    Is it granted before its deadline?"""
+    """The rule's promise, checked on the real grant loop: enqueue the request into the grant
+    loop's exact state and free permits at the current pool-wide release rate, each class
+    freeing in proportion to what it holds; a higher class that is backlogged now stays
+    backlogged (its arrivals go on). The waiters already queued are served, not skipped: in the
+    world where the rule is applied consistently each was let in because it would be served in
+    time (a queue that only gets through because its waiters expire is the overlong queue the
+    rule prevents). Is the request granted before its deadline?"""
     t = copy.deepcopy(table)
+    for q in t.queues:
+        for w in q:
+            w.deadline = math.inf
     rate = snap.release_rate()
     deadline = now + timeout_s
     if t.enqueue("me", cls, "oracle", deadline, now)[0] == "granted":
         return True
     if rate <= 0:
         return False
-    arrivals: dict[int, float] = {}
-    events: list[tuple[float, int, int]] = [(now + k / rate, 0, 0) for k in range(1, int(timeout_s * rate) + 2)]
-    for k, r in arrivals.items():
-        if r > 0:
-            events += [(now + j / r, 1, k) for j in range(1, int(timeout_s * r) + 2)]
-    events.sort()
-    seq = 0
-    for at, kind, k in events:
-        if at > deadline + 1e-9:
-            break
-        if kind == 1:
-            seq += 1
-            got = t.enqueue(f"o{seq}", k, "oracle", math.inf, at)[1]
-        else:
-            if not t.held:
-                continue
-            oldest = next(iter(t.held))
-            _, got = t.release(oldest, at)
+    backlogged = [k for k in CLASSES if k < cls and snap.queued[k] > 0]
+    held = t.inflight()
+    total = sum(held)
+    if total == 0:
+        return False
+    # Each class frees its permits at its share of the rate (what it holds now), evenly.
+    events = sorted((now + j * total / (rate * held[k]), k) for k in CLASSES if held[k] > 0
+                    for j in range(1, math.floor(timeout_s * rate * held[k] / total + 1e-9) + 1))
+    fill = 0
+    for at, k in events:
+        for b in backlogged:  # keep them backlogged: their arrivals go on
+            while len(t.queues[b]) < 2:
+                fill += 1
+                t.enqueue(f"f{fill}", b, "oracle", math.inf, at)
+        ticket = next((tk for tk, lease in t.leases.items() if lease.cls == k), None)
+        if ticket is None:
+            continue
+        _, got = t.release(ticket, at)
         if "me" in got:
             return True
     return False
@@ -179,11 +209,11 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
 
 def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig],
                                 history: list[Arrival]) -> list[int]:
-    """Early drops that the grant loop would have granted before their deadline at the
-    current release rate (the rule's promise; target: none)."""
+    """Early drops the grant loop would have granted before their deadline at the current
+    release rate (the rule's promise; target: none)."""
     return [i for i, table, snap, now in out.drop_states
             if granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s, now)]
 
 
-__all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "wrong_drops_at_current_rate",
-           "wrongly_dropped"]
+__all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_in_time",
+           "wrong_drops_at_current_rate", "wrongly_dropped"]

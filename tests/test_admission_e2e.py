@@ -96,6 +96,52 @@ async def test_429_shape_and_early_drop(stack: LocalStack, upstream: int) -> Non
         assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == 1
 
 
+async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalStack, upstream: int) -> None:
+    """P2 behind a backlogged P0 in a pool of 2 (P2's share rounds to no reservation) is never
+    reached by the grant loop: early drop. Once the processor has seen that (a P2 decided
+    after a Redis reply), the next P2 is rejected from the last seen state, without a round
+    trip: with Redis frozen (SIGSTOP) it still gets early_drop, no acquire fails, nothing
+    degrades."""
+    stack.start_redis()
+    proc = stack.start_processor(static(2, classes=classes(p0=10, p2=1)))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    assert stack.redis_child is not None
+    stop = asyncio.Event()
+
+    async def p0_client(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            await post(s, envoy.url, headers=hdr(0, chunks="1", delay_ms="50"))
+
+    async with aiohttp.ClientSession() as s:
+        clients = [asyncio.create_task(p0_client(s)) for _ in range(10)]
+        try:
+            # >= 20 releases behind the rate, then a P2 decided with a Redis reply
+            await asyncio.sleep(2.0)
+            reasons = []
+            for _ in range(20):
+                r = await post(s, envoy.url, headers=hdr(2))
+                reasons.append(r.headers.get("x-floodgate-reject-reason"))
+                if reasons[-1] == "early_drop":
+                    break
+            assert reasons[-1] == "early_drop", reasons
+            stop.set()
+            stack.redis_child.kill(signal.SIGSTOP)
+            try:
+                r = await post(s, envoy.url, headers=hdr(2))
+                m = await metrics(s, proc.metrics_url)
+            finally:
+                stack.redis_child.kill(signal.SIGCONT)
+            assert r.status == 429 and r.headers["x-floodgate-reject-reason"] == "early_drop"
+            assert 1 <= int(r.headers["retry-after"]) <= 60
+            assert m.get('floodgate_redis_errors_total{op="acquire"}', 0) == 0
+            assert m["floodgate_degraded"] == 0
+        finally:
+            stop.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+    st = await drained(stack.redis_url, timeout=15)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
 async def test_queue_timeout_rejects_with_retry_after(stack: LocalStack, upstream: int) -> None:
     stack.start_redis()
     stack.start_processor(static(1, classes=classes(p2=0.5)))

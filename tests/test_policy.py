@@ -92,32 +92,39 @@ def test_release_rate_follows_a_pool_that_just_filled_up() -> None:
     assert Snapshot(10, (1, 0, 0), (0, 0, 0), 0, grant_rate=5.0, inflight_avg=4.0).release_rate() == 5.0
 
 
-def test_class_starved_behind_long_lived_higher_waiters_is_dropped() -> None:
-    # Limit 4: P2's share rounds to no reservation; 30 P0 waiters that live 20 s are served first
-    shares = (0.5, 0.3, 0.1)
-    s = Snapshot(4, (2, 2, 0), (30, 0, 0), 0, grant_rate=2.0, release_n=200,
-                 head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
-    est = wait_estimate(2, s, shares, horizon=5.0)
-    assert est.earliest == pytest.approx(15.5)  # 31 releases at 2/s
+def test_class_starved_behind_backlogged_higher_classes_is_dropped() -> None:
+    # Limit 4: P2's share rounds to no reservation and it holds nothing; P0 is backlogged, so
+    # every freed permit goes to P0 and the grant loop never reaches P2 while that lasts
+    s = Snapshot(4, (2, 2, 0), (30, 0, 0), 0, grant_rate=2.0, release_n=200)
+    est = wait_estimate(2, s, SHARES)
+    assert est.class_rate == 0.0 and est.seconds == float("inf")
     d = queue_decision(2, s, CLASSES, ADM, rand=0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
-    # if those waiters may expire within the horizon, nothing is certain: it waits
-    s2 = Snapshot(4, (2, 2, 0), (30, 0, 0), 0, grant_rate=2.0, release_n=200,
-                  head_left=(3.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
+    # nothing higher waits: it gets the next freed permit
+    s2 = Snapshot(4, (2, 2, 0), (0, 0, 0), 0, grant_rate=2.0, release_n=200)
+    assert wait_estimate(2, s2, SHARES).seconds == pytest.approx(0.5)
     assert isinstance(queue_decision(2, s2, CLASSES, ADM, rand=0.0), Enqueue)
 
 
-def test_own_class_backlog_that_will_expire_does_not_push_a_newcomer_out() -> None:
-    # 40 P1 waiters, but the last of them times out in 0.2 s: after that this one is next
-    shares = (0.5, 0.3, 0.1)
-    s = full((0, 40, 0), head_left=(0.0, 0.01, 0.0), tail_left=(0.0, 0.2, 0.0))
-    est = wait_estimate(1, s, shares, horizon=15.0)
-    assert est.earliest == pytest.approx(0.5)  # tail gone at 0.2 s, next release at 0.5 s
-    # Even a fresh backlog of its own class never proves it late: they all time out no later
-    # than the newest of them, before this one, and the grant loop skips them (it waits).
-    fresh = full((0, 40, 0), head_left=(0.0, 14.9, 0.0), tail_left=(0.0, 14.99, 0.0))
-    assert wait_estimate(1, fresh, shares, horizon=15.0).earliest == pytest.approx(14.9)
-    assert isinstance(queue_decision(1, fresh, CLASSES, ADM, 0.0), Enqueue)
+def test_queue_is_bounded_by_what_its_class_is_granted_in_time() -> None:
+    # Limit 10, in flight (5, 3, 2), P0 backlogged: P2 holds 2 of 10 permits, so it gets ~2/10
+    # of the 10 freed per second = 2/s; with a 5 s timeout, the 10th waiter is the last one
+    # the grant loop reaches in time; at the rate's upper bound (200 releases: x1.14) up to 11
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
+    s = Snapshot(10, (5, 3, 2), (4, 0, 9), 0, grant_rate=10.0, release_n=200)
+    est = wait_estimate(2, s, SHARES)
+    assert est.class_rate == pytest.approx(2.0) and est.seconds == pytest.approx(5.0)
+    assert isinstance(queue_decision(2, s, classes, ADM, 0.0), Enqueue)
+    at_bound = Snapshot(10, (5, 3, 2), (4, 0, 10), 0, grant_rate=10.0, release_n=200)
+    assert isinstance(queue_decision(2, at_bound, classes, ADM, 0.0), Enqueue)  # 11th: 11 <= 11.4
+    long = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200)
+    assert wait_estimate(2, long, SHARES).seconds == pytest.approx(6.5)
+    d = queue_decision(2, long, classes, ADM, 0.0)
+    assert isinstance(d, Reject) and d.reason == "early_drop" and 6 <= d.retry_after_s <= 8
+    # its recent grant rate, if higher, counts instead (optimistic: admitting late beats
+    # rejecting early)
+    fast = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200, class_rate=4.0)
+    assert isinstance(queue_decision(2, fast, classes, ADM, 0.0), Enqueue)
 
 
 def test_queue_full() -> None:
@@ -163,16 +170,22 @@ def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
     assert 15 <= timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s <= 18
 
 
-def test_certain_reject_needs_twice_the_margin() -> None:
-    # rate 4/s over 40 releases: upper bound 5.9/s
-    s = Snapshot(4, (2, 2, 0), (60, 0, 0), 0, grant_rate=4.0, release_n=200,
-                 head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
-    r = certain_reject(2, s, CLASSES, ADM, 0.0)  # 61 releases: >= 10.3 s > 2 x 5 s
+def test_certain_reject_from_the_last_snapshot() -> None:
+    # a full pool, P0 backlogged, P2 granted ~2/s: 40 P2 waiters are 20 s of work, 5 s timeout
+    s = Snapshot(10, (5, 3, 2), (4, 0, 40), 0, grant_rate=10.0, release_n=200, class_rate=2.0)
+    r = certain_reject(2, s, CLASSES, ADM, 0.0, age_s=0.1)
     assert r is not None and r.reason == "early_drop"
-    s2 = Snapshot(4, (2, 2, 0), (40, 0, 0), 0, grant_rate=4.0, release_n=200,
-                  head_left=(19.0, 0.0, 0.0), tail_left=(19.9, 0.0, 0.0))
-    assert isinstance(queue_decision(2, s2, CLASSES, ADM, 0.0), Reject)  # >= 6.9 s > 5 s
-    assert certain_reject(2, s2, CLASSES, ADM, 0.0) is None  # but not > 10 s
+    # the same queue seen 3 s ago may have drained by 3 x 11.4 permits: not proven any more
+    assert certain_reject(2, s, CLASSES, ADM, 0.0, age_s=3.0) is None
+    # past its bound (queue_decision drops it) but within what 1 s could drain: ask Redis
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
+    s2 = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200, class_rate=2.0)
+    d = queue_decision(2, s2, classes, ADM, 0.0)
+    assert isinstance(d, Reject) and d.reason == "early_drop"
+    assert certain_reject(2, s2, classes, ADM, 0.0, age_s=1.0) is None
+    # a pool with a free permit, or few releases behind the rate: never
+    assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
+    assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=10), CLASSES, ADM, 0.0) is None
 
 
 def test_queue_timeout_derives_from_the_slo() -> None:
