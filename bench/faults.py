@@ -503,6 +503,20 @@ async def _cluster_restart_other_shard(h: Harness) -> None:
         await asyncio.to_thread(h.cluster.restart, node)
 
 
+async def _cluster_freeze_other_shard(h: Harness) -> None:
+    """SIGSTOP the primary and the replica of one pool's shard: calls there hang (no refusal)
+    until the client's timeout, and nothing fails over."""
+    shard = h.shard_of_pool(_dead_pool(h))
+    for node in (shard.primary, *shard.replicas):
+        node.child.kill(signal.SIGSTOP)
+
+
+async def _cluster_thaw_other_shard(h: Harness) -> None:
+    shard = h.shard_of_pool(_dead_pool(h))
+    for node in (shard.primary, *shard.replicas):
+        node.child.kill(signal.SIGCONT)
+
+
 def _shard_down_rows(h: Harness) -> list[Row]:
     dead = _dead_pool(h)
     return [
@@ -616,6 +630,10 @@ FAULTS += [
     Fault("cluster-shard-down", "three pools, one per shard, all loaded; SIGKILL the primary and "
           "replica of one pool's shard (nothing to fail over to), restart them after 2 x --before",
           _cluster_kill_other_shard, _cluster_restart_other_shard, hold_s=lambda o: 2 * o.before_s,
+          topology="cluster", loaded_pools=3, rows=_shard_down_rows),
+    Fault("cluster-shard-freeze", "as cluster-shard-down, but SIGSTOP the shard's primary and replica "
+          "(calls hang until they time out) and SIGCONT them after 2 x --before",
+          _cluster_freeze_other_shard, _cluster_thaw_other_shard, hold_s=lambda o: 2 * o.before_s,
           topology="cluster", loaded_pools=3, rows=_shard_down_rows),
 ]
 FAULT_NAMES = [f.name for f in FAULTS]

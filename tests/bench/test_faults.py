@@ -89,12 +89,14 @@ def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_a_dead_shard_leaves_the_pools_on_the_other_shards_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["cluster-shard-down", "cluster-shard-freeze"])
+def test_a_dead_shard_leaves_the_pools_on_the_other_shards_alone(name: str, tmp_path: Path) -> None:
     """Three loaded pools, one per shard, waiters queued and streams open on all of them; one
-    shard dies (primary and replica: nothing to fail over to) and comes back. The pools on the
+    shard dies (SIGKILL) or freezes (SIGSTOP: calls hang until they time out), primary and
+    replica (nothing to fail over to), and comes back. The pools on the
     live shards stay on shared state: <= L, never dipping, no 5xx, nobody hung, no phantoms.
     The dead shard's pool runs on local shares (<= L + L/2), then shared again, no phantoms."""
-    fault = next(f for f in FAULTS if f.name == "cluster-shard-down")
+    fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=2.0, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
     live, dead = asyncio.run(run_fault(fault, opts))
     assert "live shards" in live.fault and "dead shard" in dead.fault
