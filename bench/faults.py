@@ -13,11 +13,15 @@ killed processor was carrying are counted apart), requests that waited past thei
 timeout + 1 s (or never got an answer), leases in Redis held by no request one TTL after
 recovery (phantoms) and waiters of nobody, and how long after the fault (a crash) or the
 recovery (Redis back) the pool was serving at its limit again. `none` is the no-fault baseline.
+The Cluster shard faults load three pools, one per shard, and report the pools on the live
+shards apart from the dead shard's pool (`Fault.rows`), with each row's switches to local limits.
 
     floodgate bench faults                                    # every fault, shipped lease TTL (15 s)
     floodgate bench faults --faults sigkill redis-sigstop --ttl 3 --no-doc
+    floodgate bench faults --faults cluster-shard-down cluster-shard-freeze
 
-Unless --no-doc, the table and the command go into the "Faults" section of docs/benchmarks.md.
+Unless --no-doc, the table and the command go into the "Faults" section of docs/benchmarks.md
+(a run of some faults replaces only their rows there).
 """
 
 from __future__ import annotations
