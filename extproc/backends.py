@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from floodgate.extproc.limit import Latency
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
+    Enqueue,
     Reject,
     Snapshot,
     certain_reject,
@@ -126,39 +127,66 @@ class SharedBackend:
                 return certain
         seq, ticket = a.new_ticket()
         wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
+        # One call per contended request: when the last snapshot showed a queue this request
+        # would join, acquire and enqueue run as one script call (`admit`). The policy still
+        # decides on the snapshot that call returns; a waiter it rejects is cancelled.
+        one_call = last is not None and age <= SNAPSHOT_FRESH_S and last.queued_total > 0 and isinstance(
+            queue_decision(cls, replace(_snapshot(last), class_rate=crate or 0.0), rt.cfg.classes,
+                           a.cfg.admission, 0.5, named_tenant=bool(req.tenant)), Enqueue)
+        w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
         rt.pending[ticket] = seq
         try:
-            st = await a.call(rt, "acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant, wanted))
+            if one_call:
+                rt.waiting[ticket] = w  # from here a grant message may arrive
+                remaining = max(0.001, req.deadline - a.clock())
+                st = await a.call(rt, "admit", lambda: rt.state.admit(ticket, a.gateway_id, seq, cls, req.tenant,
+                                                                  wanted, remaining))
+            else:
+                st = await a.call(rt, "acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant,
+                                                                      wanted))
         except RedisDown:
+            rt.waiting.pop(ticket, None)  # a waiter queued by a call whose reply was lost: the next sync drops it
             return None
+        except asyncio.CancelledError:
+            if one_call:  # the client went away: leave the queue, or hand back a permit
+                rt.waiting.pop(ticket, None)
+                a.spawn(self._abandon(rt, ticket))
+            raise
         finally:
             rt.pending.pop(ticket, None)
         a.observe(rt, st)
         if not st.partial:
             self.class_rates[(rt.cfg.name, cls)] = st.class_rate
         if st.granted:
+            rt.waiting.pop(ticket, None)
             if st.credits:
                 rt.credits.extend(st.credits)
                 rt.queue_clear = True
             return a.permit(rt, ticket, req, st.endpoint)
+        decision: Enqueue | Reject
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
-            return a.no_endpoints(rt, cls)
-        decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng(),
-                                  named_tenant=bool(req.tenant))
+            decision = a.no_endpoints(rt, cls)
+        else:
+            decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng(),
+                                      named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
+            if st.enqueued:
+                rt.waiting.pop(ticket, None)
+                a.spawn(self._abandon(rt, ticket))
             return decision
-        w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
         rt.waiting[ticket] = w
-        rt.pending[ticket] = seq
         try:
-            try:
-                remaining = max(0.001, req.deadline - a.clock())
-                st = await a.call(rt, "enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant, remaining))
-            except RedisDown:
-                return None
-            finally:
-                rt.pending.pop(ticket, None)
-            a.observe(rt, st)
+            if not st.enqueued and not st.rejected:
+                rt.pending[ticket] = seq
+                try:
+                    remaining = max(0.001, req.deadline - a.clock())
+                    st = await a.call(rt, "enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant,
+                                                                          remaining))
+                except RedisDown:
+                    return None
+                finally:
+                    rt.pending.pop(ticket, None)
+                a.observe(rt, st)
             if st.rejected:
                 c = rt.cfg.classes[cls]
                 return Reject(st.rejected, retry_after(None, c, a.cfg.admission, a.rng()))

@@ -2,73 +2,132 @@
 -- runs in one Redis Cluster slot. Time is the server's (TIME), never a gateway's.
 -- The key names and what each holds: extproc/schema.py (SCRIPT_KEYS, in this order).
 --
+-- Loaded as a Redis Function library (FUNCTION LOAD, called with FCALL): this file defines
+-- `main(keys, args)` and state.py appends the registration, or, on a server without Functions
+-- (Redis 6), `return main(KEYS, ARGV)` to run it as an EVALSHA script. As a library the helper
+-- functions below are built once at load time, not on every call; per-call state lives in the
+-- upvalues that `main` resets first (Redis runs one call at a time).
+--
 -- ARGV: 1 op, 2 lease ttl (ms), 3.. op args. The pool's settings (shares, reservations, picking,
 -- queue caps, initial limit) are NOT arguments: they are read from the `settings` hash that the
 -- first processor wrote (`configure`), so every grant uses the same ones whoever triggers it.
 -- A mutating op on a pool without settings fails with FGNOSETTINGS (the caller configures and
 -- retries). Replies are flat lists of alternating names and values (schema.parse_fields).
 --
+-- Cost: each hash the hot path needs (settings, counts, state) is read once per call into a
+-- Lua table and the changed fields of counts and state are written back once at the end
+-- (`flush`), so a call runs few commands.
+--
 -- Invariants (tests/test_state.py checks them against extproc/permits.py on random histories):
---  * a ticket is in at most one of queue / leases; a lease is created by `acquire` (when
---    grantable), by the grant loop, or by `sync` re-asserting a permit a live request holds;
---    it is removed by `release`, by reclaim (expiry), or by `sync` (its gateway no longer has it);
+--  * a ticket is in at most one of queue / leases; a lease is created by `acquire`/`admit`
+--    (when grantable), by the grant loop, or by `sync` re-asserting a permit a live request
+--    holds; it is removed by `release`, by reclaim (expiry), or by `sync` (its gateway no longer has it);
 --  * sum(i0..i2) = ZCARD leases; a grant never takes it above floor(limit) (a lowered limit,
 --    or a re-asserted permit, only stops new grants; held permits finish);
 --  * each freed permit is granted to exactly one waiter of a live gateway: the loop pops the
 --    waiter before leasing it, and `cancel` reports "granted" if the waiter was popped.
 --  * reads (`status`, `get_limit`) never write.
 
-if redis.replicate_commands then redis.replicate_commands() end
-
-local K = {}
-for i, name in ipairs({'leases', 'lmeta', 'queue', 'qmeta', 'qdl', 'counts', 'state', 'gws', 'active',
-                       'epinf', 'lep', 'creditors', 'settings', 'testclock'}) do
-  K[name] = KEYS[i]
-end
-local op = ARGV[1]
-local ttl = tonumber(ARGV[2])
+local KEY_NAMES = {'leases', 'lmeta', 'queue', 'qmeta', 'qdl', 'counts', 'state', 'gws', 'active',
+                   'epinf', 'lep', 'creditors', 'settings', 'testclock'}
 local CLASS_SPAN = 4294967296
 local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
 local RATE_MIN_AGE_MS = 1000
 local WAITER_GRACE_MS = 1000
+local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2'}
+-- Strings built once (number to string conversion costs more than the commands it feeds).
+local CLS = {'0', '1', '2'}            -- stored class of 1-based c
+local GRATE = {'g0', 'g1', 'g2'}       -- per-class grant-rate field of 1-based c
+local CLASS_LO = {'0', '4294967296', '8589934592'}                 -- queue score range of c
+local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive)
+-- Every field of the state hash the script reads or writes, read with one HMGET.
+-- (Written out: a library's load-time code may not use globals such as ipairs.)
+local STATE_FIELDS = {'limit', 'version', 'rtt_noload', 'probe_count', 'probe_jitter', 'vegas_x', 'seq', 'rr',
+                      'lvl', 'lvl_ts', 'due', 'rate', 'rate_ts', 'rate_t0', 'rate_n', 'g0', 'g0_ts', 'g0_t0', 'g0_n',
+                      'g1', 'g1_ts', 'g1_t0', 'g1_n', 'g2', 'g2_ts', 'g2_t0', 'g2_n'}
 
-local now
-do
-  local fake = redis.call('GET', K.testclock)
-  if fake then
-    now = tonumber(fake)
-  else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-end
+-- Parsed settings kept between calls (a library's upvalues live until it is reloaded), per
+-- settings key, checked against the `stamp` that `configure` writes with each new version.
+local SCACHE = {}
+
+-- Per-call state, reset by main().
+local K = {}        -- key name -> key
+local ttl, now
+local NOW_S, NOW_EXCL_S, EXPIRY_S  -- now, '(' .. now, now + ttl as strings
+local DUE           -- when reclaim next has work (state `due`), nil = unknown
+local S             -- settings (load_settings), false when the pool has none
+local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to write back
+local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
+local ALIVE         -- gateway -> alive, memo for this call
 
 local function num(v, d) if v then return tonumber(v) end return d end
+
+local function state()
+  if not ST then
+    local v = redis.call('HMGET', K.state, unpack(STATE_FIELDS))
+    ST, ST_DIRTY = {}, {}
+    for i, f in ipairs(STATE_FIELDS) do ST[f] = v[i] or nil end
+  end
+  return ST
+end
+
+local function set_state(f, v)
+  state()
+  ST[f] = v
+  ST_DIRTY[f] = true
+end
+
+-- In-flight and queued per class, read once per call; changes are written back by flush().
+local function counts()
+  if not INF then
+    local v = redis.call('HMGET', K.counts, unpack(COUNT_FIELDS))
+    INF = {num(v[1], 0), num(v[2], 0), num(v[3], 0)}
+    QUE = {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
+  end
+  return INF, QUE
+end
+
+local function add_inflight(c, d) counts() INF[c] = INF[c] + d CNT_DIRTY = true end
+local function add_queued(c, d) counts() QUE[c] = QUE[c] + d CNT_DIRTY = true end
+
+-- Write back what this call changed in the counts and state hashes (mutating ops only).
+local function flush()
+  if CNT_DIRTY then
+    redis.call('HSET', K.counts, 'i0', INF[1], 'i1', INF[2], 'i2', INF[3], 'q0', QUE[1], 'q1', QUE[2], 'q2', QUE[3])
+  end
+  if ST_DIRTY and next(ST_DIRTY) then
+    local args = {}
+    for f in pairs(ST_DIRTY) do table.insert(args, f) table.insert(args, ST[f]) end
+    redis.call('HSET', K.state, unpack(args))
+  end
+end
 
 -- A message to one gateway on its channel for this pool (schema.gateway_channel), which shares
 -- the pool's hash tag: SPUBLISH keeps it on this shard of a Cluster; a server without sharded
 -- pub/sub (Redis 6) gets PUBLISH, and the gateway's SUBSCRIBE fallback matches it.
 local function notify(gw, msg)
-  local pool = redis.call('HGET', K.settings, 'pool')
-  local ch = 'fg:{' .. pool .. '}:gw:' .. gw
+  local ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
   if not pcall(redis.call, 'SPUBLISH', ch, msg) then redis.call('PUBLISH', ch, msg) end
 end
 
-local S  -- settings, loaded by load_settings()
 local function load_settings()
+  local stamp = redis.call('HGET', K.settings, 'stamp')
+  local hit = stamp and SCACHE[K.settings]
+  if hit and hit.stamp == stamp then S = hit.S return true end
   local raw = redis.call('HGETALL', K.settings)
-  if #raw == 0 then return false end
+  if #raw == 0 then S = false return false end
   local f = {}
   for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
   S = {initial = tonumber(f.initial), picking = f.picking == '1', epoch = tonumber(f.epoch or '0'),
-       shares = {}, always = {}, maxq = {}, tcap = {}}
+       pool = f.pool or '', shares = {}, always = {}, maxq = {}, tcap = {}}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
     S.maxq[k] = tonumber(f['maxq' .. (k - 1)])
     S.tcap[k] = tonumber(f['tcap' .. (k - 1)])
   end
+  if f.stamp then SCACHE[K.settings] = {stamp = f.stamp, S = S} end
   return true
 end
 
@@ -76,16 +135,19 @@ end
 -- permits, `g0..g2` grants per class. `<name>_t0` and `<name>_n` let read_rate() correct the
 -- start-up bias and say "unknown" (0) until it has seen enough.
 local function bump_rate(name)
-  local s = redis.call('HMGET', K.state, name, name .. '_ts', name .. '_t0', name .. '_n')
-  local rate, ts = num(s[1], 0), num(s[2], now)
+  local s = state()
+  local rate, ts = num(s[name], 0), num(s[name .. '_ts'], now)
   rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
-  redis.call('HSET', K.state, name, tostring(rate), name .. '_ts', now, name .. '_t0', num(s[3], now),
-             name .. '_n', math.min(num(s[4], 0) + 1, 1000000))
+  set_state(name, tostring(rate))
+  set_state(name .. '_ts', NOW_S)
+  set_state(name .. '_t0', s[name .. '_t0'] or NOW_S)
+  set_state(name .. '_n', tostring(math.min(num(s[name .. '_n'], 0) + 1, 1000000)))
 end
 
 local function read_rate(name)
-  local s = redis.call('HMGET', K.state, name, name .. '_ts', name .. '_t0', name .. '_n')
-  local rate, ts, t0, n = num(s[1], 0), num(s[2], now), num(s[3], now), num(s[4], 0)
+  local s = state()
+  local rate, ts = num(s[name], 0), num(s[name .. '_ts'], now)
+  local t0, n = num(s[name .. '_t0'], now), num(s[name .. '_n'], 0)
   if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
   local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
   return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
@@ -93,19 +155,17 @@ end
 
 -- The limit; `write` stores the initial one when the pool has none yet (never on a read).
 local function limit_value(write)
-  local l = redis.call('HGET', K.state, 'limit')
+  local l = state().limit
   if l then return tonumber(l) end
   local initial = (S and S.initial) or 1
-  if write then redis.call('HSET', K.state, 'limit', initial, 'version', 0) end
+  if write then
+    set_state('limit', tostring(initial))
+    set_state('version', '0')
+  end
   return initial
 end
 
 local function int_limit(write) return math.max(1, math.floor(limit_value(write))) end
-
-local function counts()
-  local v = redis.call('HMGET', K.counts, 'i0', 'i1', 'i2', 'q0', 'q1', 'q2')
-  return {num(v[1], 0), num(v[2], 0), num(v[3], 0)}, {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
-end
 
 -- policy.eligible, mirrored: below the limit any class may take a free permit; a class inside
 -- its reservation always may; otherwise what stays free must still cover the unused
@@ -124,8 +184,11 @@ local function eligible(c, L, inflight, queued)
 end
 
 local function gateway_alive(gw)
-  local exp = redis.call('ZSCORE', K.gws, gw)
-  return exp and tonumber(exp) > now  -- dead from the same ms its leases expire
+  if ALIVE[gw] == nil then
+    local exp = redis.call('ZSCORE', K.gws, gw)
+    ALIVE[gw] = (exp and tonumber(exp) > now) or false  -- dead from the same ms its leases expire
+  end
+  return ALIVE[gw]
 end
 
 -- The least-loaded active endpoint (fewest permits routed to it); ties rotate so that an
@@ -135,12 +198,15 @@ local function pick()
   local n = #eps
   if n == 0 then return '' end
   table.sort(eps)
-  local start = redis.call('HINCRBY', K.state, 'rr', 1) % n
+  local rr = num(state().rr, 0) + 1
+  set_state('rr', tostring(rr))
+  local start = rr % n
+  local loads = redis.call('HMGET', K.epinf, unpack(eps))
   local best, best_load = '', math.huge
   for i = 0, n - 1 do
-    local ep = eps[(start + i) % n + 1]
-    local load = num(redis.call('HGET', K.epinf, ep), 0)
-    if load < best_load then best, best_load = ep, load end
+    local j = (start + i) % n + 1
+    local load = num(loads[j], 0)
+    if load < best_load then best, best_load = eps[j], load end
   end
   return best
 end
@@ -157,10 +223,22 @@ local function parse_qmeta(m)
   return tonumber(c), tonumber(dl), gw, tonumber(seq), tenant
 end
 
+-- Reclaim has work from `t` (ms) on: a lease expiring, a waiter's deadline plus grace, a
+-- gateway's liveness ending. Every insertion lowers `due`; reclaim recomputes it.
+local function lower_due(t)
+  if DUE == nil then DUE = num(state().due, -1) end
+  if t < DUE or DUE < 0 then
+    DUE = t
+    set_state('due', tostring(t))
+  end
+end
+
+-- c is 0-based here (as stored).
 local function put_lease(ticket, c, gw, seq, ep)
-  redis.call('ZADD', K.leases, now + ttl, ticket)
+  redis.call('ZADD', K.leases, EXPIRY_S, ticket)
+  lower_due(now + ttl)
   redis.call('HSET', K.lmeta, ticket, c .. '|' .. gw .. '|' .. seq)
-  redis.call('HINCRBY', K.counts, 'i' .. c, 1)
+  add_inflight(c + 1, 1)
   if ep ~= '' then
     redis.call('HSET', K.lep, ticket, ep)
     redis.call('HINCRBY', K.epinf, ep, 1)
@@ -172,7 +250,7 @@ local function lease(ticket, c, gw, seq)
   local ep = ''
   if S.picking then ep = pick() end
   put_lease(ticket, c - 1, gw, seq, ep)
-  bump_rate('g' .. (c - 1))
+  bump_rate(GRATE[c])
   return ep
 end
 
@@ -181,18 +259,21 @@ local function unqueue(ticket, meta)
   redis.call('ZREM', K.queue, ticket)
   redis.call('ZREM', K.qdl, ticket)
   redis.call('HDEL', K.qmeta, ticket)
-  redis.call('HINCRBY', K.counts, 'q' .. c, -1)
+  add_queued(c + 1, -1)
   if redis.call('HINCRBY', K.counts, 't' .. c .. ':' .. tenant, -1) <= 0 then
     redis.call('HDEL', K.counts, 't' .. c .. ':' .. tenant)
   end
 end
 
+-- c is 0-based here (as stored).
 local function put_waiter(ticket, c, deadline, gw, seq, tenant)
-  local qseq = redis.call('HINCRBY', K.state, 'seq', 1) % CLASS_SPAN
-  redis.call('ZADD', K.queue, c * CLASS_SPAN + qseq, ticket)
+  local qseq = num(state().seq, 0) + 1
+  set_state('seq', tostring(qseq))
+  redis.call('ZADD', K.queue, c * CLASS_SPAN + qseq % CLASS_SPAN, ticket)
   redis.call('ZADD', K.qdl, deadline, ticket)
+  lower_due(deadline + WAITER_GRACE_MS)
   redis.call('HSET', K.qmeta, ticket, c .. '|' .. deadline .. '|' .. gw .. '|' .. seq .. '|' .. tenant)
-  redis.call('HINCRBY', K.counts, 'q' .. c, 1)
+  add_queued(c + 1, 1)
   redis.call('HINCRBY', K.counts, 't' .. c .. ':' .. tenant, 1)
 end
 
@@ -202,21 +283,23 @@ end
 local function bump_level()
   local inflight = counts()
   local total = inflight[1] + inflight[2] + inflight[3]
-  local s = redis.call('HMGET', K.state, 'lvl', 'lvl_ts')
+  local s = state()
   local v = total
-  if s[2] then
-    local w = math.exp(-math.max(0, now - tonumber(s[2])) / RATE_TAU_MS)
-    v = num(s[1], total) * w + (1 - w) * total
+  if s.lvl_ts then
+    local w = math.exp(-math.max(0, now - tonumber(s.lvl_ts)) / RATE_TAU_MS)
+    v = num(s.lvl, total) * w + (1 - w) * total
   end
-  redis.call('HSET', K.state, 'lvl', tostring(v), 'lvl_ts', now)
+  set_state('lvl', tostring(v))
+  set_state('lvl_ts', NOW_S)
 end
 
+-- `count_rate`: a completion (rate and level events), not an idle credit handed back.
 local function drop_lease(ticket, count_rate)
-  if count_rate and redis.call('ZSCORE', K.leases, ticket) then bump_level() end
   if redis.call('ZREM', K.leases, ticket) == 0 then return false end
+  if count_rate then bump_level() end  -- sampled with the lease still counted
   local c = parse_lmeta(redis.call('HGET', K.lmeta, ticket))
   redis.call('HDEL', K.lmeta, ticket)
-  redis.call('HINCRBY', K.counts, 'i' .. c, -1)
+  add_inflight(c + 1, -1)
   local ep = redis.call('HGET', K.lep, ticket)
   if ep then
     redis.call('HDEL', K.lep, ticket)
@@ -232,16 +315,16 @@ end
 local function grant_loop()
   local L = int_limit(true)
   local granted = 0
+  local inflight, queued = counts()
   for _ = 1, 10000 do
-    local inflight, queued = counts()
     if inflight[1] + inflight[2] + inflight[3] >= L then break end
     local progressed = false
     for c = 1, 3 do
       if queued[c] > 0 and eligible(c, L, inflight, queued) then
-        local lo = (c - 1) * CLASS_SPAN
-        local head = redis.call('ZRANGEBYSCORE', K.queue, lo, '(' .. (lo + CLASS_SPAN), 'LIMIT', 0, 1)[1]
+        local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
         if not head then
-          redis.call('HSET', K.counts, 'q' .. (c - 1), 0)  -- repair a drifted counter
+          queued[c] = 0  -- repair a drifted counter
+          CNT_DIRTY = true
         else
           local meta = redis.call('HGET', K.qmeta, head)
           if not meta then
@@ -251,7 +334,7 @@ local function grant_loop()
             unqueue(head, meta)
             if deadline >= now and gateway_alive(gw) then
               local ep = lease(head, c, gw, seq)
-              notify(gw, redis.call('HGET', K.settings, 'pool') .. '|' .. head .. '|' .. ep)
+              notify(gw, S.pool .. '|' .. head .. '|' .. ep)
               granted = granted + 1
             end
           end
@@ -269,17 +352,19 @@ end
 -- cancel) are reaped; a gateway whose liveness expired is dead: its waiters are purged at once
 -- (its leases expire on their own TTL, which its last sync set).
 local function reclaim()
-  local expired = redis.call('ZRANGEBYSCORE', K.leases, '-inf', now, 'LIMIT', 0, 200)
+  if DUE == nil then DUE = num(state().due, -1) end
+  if DUE >= 0 and now < DUE then return end  -- nothing can have expired yet
+  local expired = redis.call('ZRANGEBYSCORE', K.leases, '-inf', NOW_S, 'LIMIT', 0, 200)
   for _, ticket in ipairs(expired) do drop_lease(ticket, true) end
   local abandoned = redis.call('ZRANGEBYSCORE', K.qdl, '-inf', now - WAITER_GRACE_MS, 'LIMIT', 0, 200)
   for _, ticket in ipairs(abandoned) do
     local meta = redis.call('HGET', K.qmeta, ticket)
     if meta then unqueue(ticket, meta) else redis.call('ZREM', K.qdl, ticket) end
   end
-  local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', now, 'LIMIT', 0, 20)
+  local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', NOW_S, 'LIMIT', 0, 20)
   if #dead > 0 then
     local is_dead = {}
-    for _, gw in ipairs(dead) do is_dead[gw] = true end
+    for _, gw in ipairs(dead) do is_dead[gw] = true ALIVE[gw] = false end
     local all = redis.call('HGETALL', K.qmeta)
     for i = 1, #all, 2 do
       local _, _, gw = parse_qmeta(all[i + 1])
@@ -288,38 +373,45 @@ local function reclaim()
     redis.call('ZREM', K.gws, unpack(dead))
     redis.call('SREM', K.creditors, unpack(dead))
   end
+  local due = math.huge
+  for _, z in ipairs({{K.leases, 0}, {K.qdl, WAITER_GRACE_MS}, {K.gws, 0}}) do
+    local first = redis.call('ZRANGE', z[1], 0, 0, 'WITHSCORES')
+    if first[2] then due = math.min(due, tonumber(first[2]) + z[2]) end
+  end
+  DUE = due == math.huge and -1 or due
+  set_state('due', tostring(DUE))
 end
 
 -- Tell every gateway holding credits to hand its idle ones back (see `acquire`).
 local function recall_credits()
-  local pool = redis.call('HGET', K.settings, 'pool')
-  for _, creditor in ipairs(redis.call('SMEMBERS', K.creditors)) do
-    notify(creditor, pool .. '|!return|')
-  end
+  local creditors = redis.call('SMEMBERS', K.creditors)
+  if #creditors == 0 then return end
+  for _, creditor in ipairs(creditors) do notify(creditor, S.pool .. '|!return|') end
   redis.call('DEL', K.creditors)
 end
 
 -- This gateway's position among the live ones, and how many there are (degraded shares).
 local function gateway_rank(gw)
-  local live = redis.call('ZRANGEBYSCORE', K.gws, '(' .. now, '+inf')
+  local live = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf')
   table.sort(live)
   for i, g in ipairs(live) do if g == gw then return i - 1, #live end end
   return -1, #live
 end
 
--- Seconds (ms) until the deadline of class c's oldest (`rev` false) or newest waiter; 0 if none.
-local function edge_left(c, rev)
-  local lo = (c - 1) * CLASS_SPAN
-  local t
-  if rev then
-    t = redis.call('ZREVRANGEBYSCORE', K.queue, '(' .. (lo + CLASS_SPAN), lo, 'LIMIT', 0, 1)[1]
-  else
-    t = redis.call('ZRANGEBYSCORE', K.queue, lo, '(' .. (lo + CLASS_SPAN), 'LIMIT', 0, 1)[1]
+-- Milliseconds until the deadline of class c's oldest and newest waiter (0 when none).
+local function edges_left(c)
+  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+  if not head then return 0, 0 end
+  local tail = redis.call('ZREVRANGEBYSCORE', K.queue, CLASS_HI[c], CLASS_LO[c], 'LIMIT', 0, 1)[1]
+  local metas = redis.call('HMGET', K.qmeta, head, tail)
+  local out = {0, 0}
+  for i = 1, 2 do
+    if metas[i] then
+      local _, deadline = parse_qmeta(metas[i])
+      out[i] = math.max(0, deadline - now)
+    end
   end
-  local meta = t and redis.call('HGET', K.qmeta, t)
-  if not meta then return 0 end
-  local _, deadline = parse_qmeta(meta)
-  return math.max(0, deadline - now)
+  return out[1], out[2]
 end
 
 local function snapshot(out, c, tenant, gw)
@@ -327,71 +419,39 @@ local function snapshot(out, c, tenant, gw)
   local inflight, queued = counts()
   local tq, class_rate = 0, 0
   if c then
-    tq = num(redis.call('HGET', K.counts, 't' .. (c - 1) .. ':' .. tenant), 0)
-    class_rate = read_rate('g' .. (c - 1))
+    tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0)
+    class_rate = read_rate(GRATE[c])
   end
-  local rank, live = -1, redis.call('ZCOUNT', K.gws, '(' .. now, '+inf')
-  if gw then rank, live = gateway_rank(gw) end
+  local rank, live = -1, nil
+  if gw then rank, live = gateway_rank(gw) else live = redis.call('ZCOUNT', K.gws, NOW_EXCL_S, '+inf') end
+  local s = state()
   for _, v in ipairs({'limit', L, 'i0', inflight[1], 'i1', inflight[2], 'i2', inflight[3],
                       'q0', queued[1], 'q1', queued[2], 'q2', queued[3], 'tenant_queued', tq,
                       'rate', tostring(read_rate('rate')), 'class_rate', tostring(class_rate),
                       'gateways', live, 'rank', rank, 'now', now, 'active', redis.call('SCARD', K.active),
-                      'epoch', S and S.epoch or -1}) do
+                      'epoch', S and S.epoch or -1,
+                      -- For early drop (policy.wait_estimate): how much the rate rests on and the
+                      -- in-flight level it was measured at.
+                      'rate_n', s.rate_n or '0', 'lvl', s.lvl or '0'}) do
     table.insert(out, v)
   end
-  -- For early drop (policy.wait_estimate): how much the rate rests on, the in-flight level it
-  -- was measured at, and the head/tail deadlines of each class queue.
-  local st = redis.call('HMGET', K.state, 'rate_n', 'lvl')
-  for _, v in ipairs({'rate_n', st[1] or '0', 'lvl', st[2] or '0'}) do table.insert(out, v) end
+  -- and the head/tail deadlines of each class queue
   for k = 1, 3 do
     local h, t = 0, 0
-    if queued[k] > 0 then h, t = edge_left(k, false), edge_left(k, true) end
+    if queued[k] > 0 then h, t = edges_left(k) end
     for _, v in ipairs({'hl' .. (k - 1), h, 'tl' .. (k - 1), t}) do table.insert(out, v) end
   end
   return out
 end
 
-if op == 'configure' then
-  -- ARGV 3 pool, 4.. field/value pairs of schema.PoolSettings (with `epoch`). Stores them when
-  -- the pool has none or these carry a higher epoch; returns what is stored afterwards.
-  local mine = {}
-  for i = 4, #ARGV, 2 do mine[ARGV[i]] = ARGV[i + 1] end
-  local stored = redis.call('HGET', K.settings, 'epoch')
-  if not stored or tonumber(mine.epoch) > tonumber(stored) then
-    redis.call('DEL', K.settings)
-    for i = 4, #ARGV, 2 do redis.call('HSET', K.settings, ARGV[i], ARGV[i + 1]) end
-    redis.call('HSET', K.settings, 'pool', ARGV[3])
-  end
-  return redis.call('HGETALL', K.settings)
-
-elseif op == 'status' then
-  -- A read: never reclaims, grants or stores anything. ARGV 3 (optional) gateway for its rank.
-  load_settings()
-  return snapshot({'granted', '0'}, nil, nil, ARGV[3])
-
-elseif op == 'get_limit' then
-  load_settings()
-  local s = redis.call('HMGET', K.state, 'limit', 'rtt_noload', 'probe_count', 'probe_jitter', 'version', 'vegas_x')
-  return {'limit', s[1] or tostring(limit_value(false)), 'rtt_noload', s[2] or '0', 'probe_count', s[3] or '0',
-          'probe_jitter', s[4] or '1', 'version', s[5] or '0', 'extra', s[6] or ''}
-end
-
-if not load_settings() then return redis.error_reply('FGNOSETTINGS pool settings missing') end
-
-if op == 'acquire' then
-  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted: lease now if the
-  -- grant loop would. The hot path: a short reply {granted=g, endpoint, credits} on a grant,
-  -- the full snapshot only when the policy has to decide. Idempotent: a retried acquire of a
-  -- ticket already leased returns that lease.
-  --
-  -- Credits: while nothing waits and the pool is at most half full, a grant may come with up
-  -- to `wanted` extra leases the gateway admits later requests with, without a round trip.
-  -- They are ordinary leases (counted in-flight, renewed, reclaimed), so in-flight never
-  -- exceeds the limit; `enqueue` tells every creditor to return its idle ones.
-  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
-  if redis.call('ZSCORE', K.leases, ticket) then
-    return {'granted', 'g', 'endpoint', redis.call('HGET', K.lep, ticket) or '', 'credits', ''}
-  end
+-- acquire's decision: lease now if the grant loop would give this class the next permit.
+-- Returns the short grant reply, or nil (refused; idle credits elsewhere are recalled).
+--
+-- Credits: while nothing waits and the pool is at most half full, a grant may come with up
+-- to `wanted` extra leases the gateway admits later requests with, without a round trip.
+-- They are ordinary leases (counted in-flight, renewed, reclaimed), so in-flight never
+-- exceeds the limit; a queue forming tells every creditor to return its idle ones.
+local function try_lease(ticket, gw, seq, c, wanted)
   reclaim()
   grant_loop()
   local L = int_limit(true)
@@ -402,51 +462,116 @@ if op == 'acquire' then
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
-  if ok then
-    local ep = lease(ticket, c, gw, seq)
-    local credits = {}
-    local wanted = tonumber(ARGV[8] or '0') or 0
-    if wanted > 0 and not S.picking and queued[1] + queued[2] + queued[3] == 0 then
-      local n = math.min(wanted, math.floor(L / 2) - (inflight[1] + inflight[2] + inflight[3] + 1))
-      for i = 1, n do
-        local credit = ticket .. ':c' .. i
-        put_lease(credit, 1, gw, seq, '')
-        table.insert(credits, credit)
-      end
-      if n > 0 then redis.call('SADD', K.creditors, gw) end
-    end
-    return {'granted', 'g', 'endpoint', ep, 'credits', table.concat(credits, ',')}
+  if not ok then
+    recall_credits()  -- a request could not be admitted: idle credits elsewhere must come back
+    return nil
   end
-  recall_credits()  -- a request could not be admitted: idle credits elsewhere must come back
-  return snapshot({'granted', '0'}, c, tenant, nil)
+  local before = inflight[1] + inflight[2] + inflight[3]
+  local ep = lease(ticket, c, gw, seq)
+  local credits = {}
+  if wanted > 0 and not S.picking and queued[1] + queued[2] + queued[3] == 0 then
+    local n = math.min(wanted, math.floor(L / 2) - (before + 1))
+    for i = 1, n do
+      local credit = ticket .. ':c' .. i
+      put_lease(credit, 1, gw, seq, '')
+      table.insert(credits, credit)
+    end
+    if n > 0 then redis.call('SADD', K.creditors, gw) end
+  end
+  return {'granted', 'g', 'endpoint', ep, 'credits', table.concat(credits, ',')}
+end
 
-elseif op == 'enqueue' then
+-- enqueue's cap check and insertion (c 1-based); returns the cap that refused it, or nil.
+-- A gateway that has not synced yet (first call after a Redis restart) is registered; a
+-- registered one is not refreshed here: only `sync` proves a gateway alive.
+local function try_queue(ticket, gw, seq, c, tenant, deadline)
+  if redis.call('HEXISTS', K.qmeta, ticket) == 1 then return nil end
+  local _, queued = counts()
+  if queued[c] >= S.maxq[c] then return 'queue_full' end
+  if tenant ~= '' then
+    local tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0)
+    if tq >= S.tcap[c] then return 'tenant_cap' end
+  end
+  if redis.call('ZADD', K.gws, 'NX', EXPIRY_S, gw) == 1 then lower_due(now + ttl) end
+  put_waiter(ticket, c - 1, deadline, gw, seq, tenant)
+  return nil
+end
+
+local function short_if_leased(ticket)
+  if redis.call('ZSCORE', K.leases, ticket) then
+    return {'granted', 'g', 'endpoint', redis.call('HGET', K.lep, ticket) or '', 'credits', ''}
+  end
+  return nil
+end
+
+local OPS = {}
+
+function OPS.configure(ARGV)
+  -- ARGV 3 pool, 4.. field/value pairs of schema.PoolSettings (with `epoch`). Stores them when
+  -- the pool has none or these carry a higher epoch; returns what is stored afterwards.
+  local mine = {}
+  for i = 4, #ARGV, 2 do mine[ARGV[i]] = ARGV[i + 1] end
+  local stored = redis.call('HGET', K.settings, 'epoch')
+  if not stored or tonumber(mine.epoch) > tonumber(stored) then
+    redis.call('DEL', K.settings)
+    local t = redis.call('TIME')  -- a new stamp: every script's settings cache reloads
+    redis.call('HSET', K.settings, 'pool', ARGV[3], 'stamp', t[1] .. '.' .. t[2], unpack(ARGV, 4))
+  end
+  return redis.call('HGETALL', K.settings)
+end
+
+function OPS.acquire(ARGV)
+  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted: lease now if the
+  -- grant loop would. The hot path: a short reply {granted=g, endpoint, credits} on a grant,
+  -- the full snapshot only when the policy has to decide. Idempotent: a retried acquire of a
+  -- ticket already leased returns that lease.
+  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local got = short_if_leased(ticket) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
+  if got then return got end
+  return snapshot({'granted', '0'}, c, tenant, nil)
+end
+
+function OPS.admit(ARGV)
+  -- acquire, and when refused, enqueue in the same call: one call per contended request.
+  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted, 9 timeout (ms).
+  -- Refused: the snapshot as `acquire` returns it (the state the policy decides on, before
+  -- this waiter joined), and `queued` 1 when it was queued, or `rejected` with the cap that
+  -- refused it. The caller whose policy then rejects the request cancels the waiter. With
+  -- endpoint picking and no active endpoint it is not queued (the caller answers 503).
+  -- Nothing becomes grantable by queueing a waiter (the grant loop just ran and a waiter only
+  -- adds to what others must leave free), so there is no second grant loop. Idempotent.
+  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local got = short_if_leased(ticket) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
+  if got then return got end
+  local out = snapshot({'granted', '0'}, c, tenant, nil)
+  if S.picking and redis.call('SCARD', K.active) == 0 then
+    table.insert(out, 'queued') table.insert(out, '0')
+    return out
+  end
+  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[9]))
+  table.insert(out, why and 'rejected' or 'queued')
+  table.insert(out, why or '1')
+  return out
+end
+
+function OPS.enqueue(ARGV)
   -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 timeout (ms). The class's
   -- max_queue and the tenant cap are checked here, atomically (`rejected`). Idempotent: a
   -- ticket already queued or leased is not added again.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
-  local deadline = now + tonumber(ARGV[8])
   reclaim()
   if redis.call('ZSCORE', K.leases, ticket) then
     return snapshot({'granted', '1', 'endpoint', redis.call('HGET', K.lep, ticket) or ''}, c, tenant, nil)
   end
-  if redis.call('HEXISTS', K.qmeta, ticket) == 0 then
-    local _, queued = counts()
-    local tq = num(redis.call('HGET', K.counts, 't' .. (c - 1) .. ':' .. tenant), 0)
-    local why = nil
-    if queued[c] >= S.maxq[c] then why = 'queue_full' elseif tenant ~= '' and tq >= S.tcap[c] then why = 'tenant_cap' end
-    if why then return snapshot({'granted', '0', 'rejected', why}, c, tenant, nil) end
-    -- A gateway that has not synced yet (first call after a Redis restart) is registered; a
-    -- registered one is not refreshed here: only `sync` proves a gateway alive.
-    redis.call('ZADD', K.gws, 'NX', now + ttl, gw)
-    put_waiter(ticket, c - 1, deadline, gw, seq, tenant)
-  end
+  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[8]))
+  if why then return snapshot({'granted', '0', 'rejected', why}, c, tenant, nil) end
   recall_credits()
   grant_loop()
   local mine = redis.call('ZSCORE', K.leases, ticket) and '1' or '0'
   return snapshot({'granted', mine, 'endpoint', redis.call('HGET', K.lep, ticket) or ''}, c, tenant, nil)
+end
 
-elseif op == 'cancel' then
+function OPS.cancel(ARGV)
   -- ARGV 3 ticket. 0 = was queued, now removed; 1 = already granted (caller owns a permit);
   -- 2 = neither (its lease was reclaimed, or it was reaped).
   local ticket = ARGV[3]
@@ -454,8 +579,9 @@ elseif op == 'cancel' then
   if meta then unqueue(ticket, meta) return 0 end
   if redis.call('ZSCORE', K.leases, ticket) then return 1 end
   return 2
+end
 
-elseif op == 'release' then
+function OPS.release(ARGV)
   -- ARGV 3.. tickets. Returns how many were held (a missing one was reclaimed already).
   local released = 0
   for i = 3, #ARGV do
@@ -464,14 +590,16 @@ elseif op == 'release' then
   reclaim()
   grant_loop()
   return released
+end
 
-elseif op == 'return_credits' then
+function OPS.return_credits(ARGV)
   -- ARGV 3.. idle credit tickets handed back unused: not completions, so no rate event.
   for i = 3, #ARGV do drop_lease(ARGV[i], false) end
   grant_loop()
   return 0
+end
 
-elseif op == 'sync' then
+function OPS.sync(ARGV)
   -- The gateway re-asserts everything it has: ARGV 3 gateway, 4 watermark (its next ticket
   -- number), 5 number of held entries, then held "ticket|class|seq|endpoint", then waiting
   -- "ticket|class|seq|remaining_ms|tenant". Afterwards Redis holds exactly that for this
@@ -480,13 +608,15 @@ elseif op == 'sync' then
   -- did not assert and that are older than the watermark (abandoned calls that ran late, or
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-  redis.call('ZADD', K.gws, now + ttl, gw)
+  redis.call('ZADD', K.gws, EXPIRY_S, gw)
+  lower_due(now + ttl)
+  ALIVE[gw] = true
   local held, waiting = {}, {}
   local reasserted, requeued, dropped = 0, 0, 0
   for i = 6, 5 + nheld do
     local t, c, seq, ep = string.match(ARGV[i], '^([^|]*)|(%d)|(%d+)|(.*)$')
     held[t] = true
-    if redis.call('ZADD', K.leases, 'XX', 'CH', now + ttl, t) == 0 and not redis.call('ZSCORE', K.leases, t) then
+    if redis.call('ZADD', K.leases, 'XX', 'CH', EXPIRY_S, t) == 0 and not redis.call('ZSCORE', K.leases, t) then
       local meta = redis.call('HGET', K.qmeta, t)
       if meta then unqueue(t, meta) end
       put_lease(t, tonumber(c), gw, seq, ep)
@@ -523,8 +653,9 @@ elseif op == 'sync' then
   grant_loop()
   return snapshot({'granted', '0', 'reasserted', reasserted, 'requeued', requeued, 'dropped', dropped},
                   nil, nil, gw)
+end
 
-elseif op == 'mine' then
+function OPS.mine(ARGV)
   -- ARGV 3.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
   reclaim()
   grant_loop()
@@ -536,17 +667,64 @@ elseif op == 'mine' then
     end
   end
   return leased
+end
 
-elseif op == 'set_limit' then
+function OPS.set_limit(ARGV)
   -- ARGV 3 expected version, 4 limit, 5 rtt_noload, 6 probe_count, 7 probe_jitter, 8 the rest
   -- of the limiter state (opaque here: vegas.py's baseline bookkeeping).
   -- Compare-and-set: the Vegas arithmetic stays in Python (vegas.py), atomic here.
   limit_value(true)
-  local version = num(redis.call('HGET', K.state, 'version'), 0)
+  local version = num(state().version, 0)
   if version ~= tonumber(ARGV[3]) then return {'ok', '0', 'version', tostring(version)} end
-  redis.call('HSET', K.state, 'limit', ARGV[4], 'rtt_noload', ARGV[5], 'probe_count', ARGV[6],
-             'probe_jitter', ARGV[7], 'vegas_x', ARGV[8] or '', 'version', version + 1)
+  set_state('limit', ARGV[4])
+  set_state('rtt_noload', ARGV[5])
+  set_state('probe_count', ARGV[6])
+  set_state('probe_jitter', ARGV[7])
+  set_state('vegas_x', ARGV[8] or '')
+  set_state('version', tostring(version + 1))
   grant_loop()
   return {'ok', '1', 'version', tostring(version + 1)}
 end
-return redis.error_reply('unknown op ' .. tostring(op))
+
+-- Reads: never reclaim, grant or store anything.
+local READS = {}
+
+function READS.status(ARGV)
+  -- ARGV 3 (optional) gateway for its rank.
+  load_settings()
+  return snapshot({'granted', '0'}, nil, nil, ARGV[3])
+end
+
+function READS.get_limit()
+  load_settings()
+  local s = state()
+  return {'limit', s.limit or tostring(limit_value(false)), 'rtt_noload', s.rtt_noload or '0',
+          'probe_count', s.probe_count or '0', 'probe_jitter', s.probe_jitter or '1',
+          'version', s.version or '0', 'extra', s.vegas_x or ''}
+end
+
+local function main(KEYS, ARGV)
+  for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
+  ttl = tonumber(ARGV[2])
+  S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
+  local fake = redis.call('GET', K.testclock)
+  if fake then
+    now = tonumber(fake)
+  else
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  NOW_S = tostring(now)
+  NOW_EXCL_S = '(' .. NOW_S
+  EXPIRY_S = tostring(now + ttl)
+  local op = ARGV[1]
+  if READS[op] then return READS[op](ARGV) end
+  local f = OPS[op]
+  if not f then return redis.error_reply('unknown op ' .. tostring(op)) end
+  if op ~= 'configure' and not load_settings() then
+    return redis.error_reply('FGNOSETTINGS pool settings missing')
+  end
+  local out = f(ARGV)
+  flush()
+  return out
+end

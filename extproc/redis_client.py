@@ -202,13 +202,25 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
                               retry=once, max_connections=POOL_SIZE_NONBLOCKING, **common)
         client.fg_sentinel = s
         return client
-    return RedisCluster(
+    return _Cluster(
         startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
         username=target.username, password=pw, ssl=target.tls,
         # A shard that is down must not stop the client from serving the others.
         require_full_coverage=False, max_connections=POOL_SIZE_NONBLOCKING,
         # A couple of quick retries ride over MOVED/failover; the caller's timeout bounds them.
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
+
+
+class _Cluster(RedisCluster):
+    """Routes FCALL by its first key, as redis-py routes EVALSHA. redis-py asks a fixed node
+    (`COMMAND GETKEYS`) where every FCALL goes: a round trip per call, and a failure while that
+    node is down even for pools on other shards. Floodgate's calls declare one pool's keys,
+    which share a hash tag (one slot)."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if command.upper() in ("FCALL", "FCALL_RO") and len(args) > 2 and int(args[1]) > 0:
+            return int(self.keyslot(args[2]))
+        return int(await super()._determine_slot(command, *args))
 
 
 def is_cluster(client: AnyRedis) -> bool:

@@ -158,6 +158,7 @@ class PoolStatus:
     class_rate: float = 0.0  # recent grants per second to the asking request's class
     credits: tuple[str, ...] = ()  # extra leases granted for local admission (see leases.lua)
     rejected: str = ""  # enqueue refused atomically: queue_full | tenant_cap
+    enqueued: bool = False  # `admit` queued the request (it waits for a grant)
     gateway_rank: int = -1  # this gateway's place among the live ones (degraded share), -1 unknown
     settings_epoch: int = -1
     release_n: int = 0  # freed permits counted so far (how much `grant_rate` rests on)
@@ -192,6 +193,7 @@ class PoolStatus:
             active_endpoints=int(f.get("active", 0)),
             class_rate=float(f.get("class_rate", 0)),
             rejected=f.get("rejected", ""),
+            enqueued=f.get("queued") == "1",
             gateway_rank=int(f.get("rank", -1)),
             settings_epoch=int(f.get("epoch", -1)),
             release_n=int(float(f.get("rate_n", 0))),

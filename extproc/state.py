@@ -2,19 +2,29 @@
 
 This is also Floodgate's public state API: the controller reads a pool's queue depth, in-flight
 count, limit and demand counters through `read_pool_status` / `read_demand` (it may import this
-module; extproc never imports the controller). Key names live in `schema.py`. redis-py's
-`Script` reloads the script on NOSCRIPT; a pool whose settings are missing (a fresh or
-restarted Redis) is configured from this processor's settings and the call retried.
+module; extproc never imports the controller). Key names live in `schema.py`.
+
+The script runs as a Redis Function library (FUNCTION LOAD, FCALL; Redis/Valkey >= 7): its
+helpers are compiled once at load time instead of on every call, and a library is replicated
+and persisted with the data, so a promoted replica has it. A server that answers "Function not
+found" (a restart without persistence, a new Cluster node, FUNCTION FLUSH) gets the library
+loaded again (on a Cluster: on every primary) and the call retried; a server without Functions
+(Redis 6) runs the same source as an EVALSHA script (redis-py's `Script` reloads it on
+NOSCRIPT). The library's name carries a hash of the source, so processors of two versions
+sharing one Redis each call their own. A pool whose settings are missing (a fresh or restarted
+Redis) is configured from this processor's settings and the call retried.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from floodgate.extproc.redis_client import make_client
+from floodgate.extproc.redis_client import is_cluster, make_client
 from floodgate.extproc.schema import (
     CLASSES,
     DEMAND,
@@ -33,7 +43,55 @@ from redis.exceptions import ResponseError
 __all__ = ["LimitRecord", "PoolSettings", "PoolState", "PoolStatus", "SyncResult", "gateway_channel",
            "read_demand", "read_pool_status", "redis_client"]
 
-_LUA = resources.files("floodgate.extproc").joinpath("leases.lua").read_text()
+_SOURCE = resources.files("floodgate.extproc").joinpath("leases.lua").read_text()
+FUNCTION = "fg_leases_" + hashlib.sha1(_SOURCE.encode()).hexdigest()[:16]
+FUNCTION_RO = FUNCTION + "_ro"  # reads only (`status`, `get_limit`): allowed on replicas and under OOM
+LIBRARY = (f"#!lua name={FUNCTION}\n{_SOURCE}\n"
+           f"redis.register_function{{function_name='{FUNCTION}', callback=main}}\n"
+           f"redis.register_function{{function_name='{FUNCTION_RO}', callback=main, flags={{'no-writes'}}}}\n")
+# The same source as a plain script, for a server without Functions.
+_LUA = f"{_SOURCE}\nif redis.replicate_commands then redis.replicate_commands() end\nreturn main(KEYS, ARGV)\n"
+
+
+class Leases:
+    """Runs leases.lua on one client: FCALL of the library, loaded when a server lacks it;
+    EVALSHA on a server without Functions."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.functions: bool | None = None  # None: not known yet
+        self._script = client.register_script(_LUA)
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any], *, read: bool = False) -> Any:
+        if self.functions is not False:
+            name = FUNCTION_RO if read else FUNCTION
+            try:
+                return await self.client.fcall(name, len(keys), *keys, *args)
+            except ResponseError as exc:
+                msg = str(exc).lower()
+                if "function not found" not in msg and "unknown command" not in msg:
+                    raise
+            if await self.load(keys[0]):
+                return await self.client.fcall(name, len(keys), *keys, *args)
+        return await self._script(keys=keys, args=args)
+
+    async def load(self, key: str) -> bool:
+        """Load the library (REPLACE: idempotent) on the server that holds `key` (on a Cluster,
+        that shard's primary: a shard that is down elsewhere must not stop it). False when the
+        server has no Functions: calls run as a script from now on."""
+        try:
+            if is_cluster(self.client):
+                node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
+                await self.client.execute_command("FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=node)
+            else:
+                await self.client.function_load(LIBRARY, replace=True)
+        except ResponseError as exc:
+            if "unknown command" not in str(exc).lower():
+                raise
+            self.functions = False
+            return False
+        self.functions = True
+        return True
 
 
 def _text(x: Any) -> str:
@@ -63,18 +121,18 @@ class PoolState:
         self.pool = pool
         self.settings = settings
         self.keys = script_keys(pool)
-        self._script = client.register_script(_LUA)
+        self._script = Leases(client)
         self._ttl = str(int(lease_ttl_s * 1000))
         self.stored: PoolSettings | None = None  # what Redis holds, after configure()
 
     async def _run(self, op: str, *args: Any) -> Any:
         try:
-            return await self._script(keys=self.keys, args=[op, self._ttl, *args])
+            return await self._script(self.keys, [op, self._ttl, *args])
         except ResponseError as exc:
             if "FGNOSETTINGS" not in str(exc) or self.settings is None:
                 raise
         await self.configure()
-        return await self._script(keys=self.keys, args=[op, self._ttl, *args])
+        return await self._script(self.keys, [op, self._ttl, *args])
 
     async def configure(self) -> PoolSettings:
         """Store this processor's settings unless the pool has some (or these have a higher
@@ -82,13 +140,22 @@ class PoolState:
         if self.settings is None:
             raise ValueError(f"pool {self.pool}: no settings to configure")
         flat = [x for kv in self.settings.fields().items() for x in kv]
-        raw = await self._script(keys=self.keys, args=["configure", self._ttl, self.pool, *flat])
+        raw = await self._script(self.keys, ["configure", self._ttl, self.pool, *flat])
         self.stored = PoolSettings.from_fields(parse_fields(raw))
         return self.stored
 
     async def acquire(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str,
                       credits: int = 0) -> PoolStatus:
         return PoolStatus.from_reply(await self._run("acquire", ticket, gateway, seq, cls, tenant, credits))
+
+    async def admit(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str, credits: int,
+                    timeout_s: float) -> PoolStatus:
+        """`acquire`, and when refused, `enqueue` in the same call (one call per contended
+        request). Refused: the snapshot `acquire` returns (the state before this waiter joined),
+        `enqueued` when it was queued, or `rejected` with the cap that refused it. A caller whose
+        policy rejects the request on that snapshot must `cancel` the waiter."""
+        return PoolStatus.from_reply(await self._run("admit", ticket, gateway, seq, cls, tenant, credits,
+                                                     max(1, round(timeout_s * 1000))))
 
     async def return_credits(self, *tickets: str) -> None:
         if tickets:
@@ -128,10 +195,10 @@ class PoolState:
 
     async def status(self, gateway: str = "") -> PoolStatus:
         """A read: never grants, reclaims or stores anything."""
-        return PoolStatus.from_reply(await self._script(keys=self.keys, args=["status", self._ttl, gateway]))
+        return PoolStatus.from_reply(await self._script(self.keys, ["status", self._ttl, gateway], read=True))
 
     async def get_limit(self) -> LimitRecord:
-        f = parse_fields(await self._script(keys=self.keys, args=["get_limit", self._ttl]))
+        f = parse_fields(await self._script(self.keys, ["get_limit", self._ttl], read=True))
         x = [v for v in f.get("extra", "").split(",") if v]
         st = VegasState(limit=float(f["limit"]), rtt_noload=float(f["rtt_noload"]),
                         probe_count=int(f["probe_count"]), probe_jitter=float(f["probe_jitter"]))

@@ -11,11 +11,12 @@ Two users besides the operator's `default`:
 
 Neither may run dangerous or admin commands (FLUSHALL, KEYS, CONFIG, ...).
 
-How the processor rules work: Redis checks EVAL/EVALSHA's declared keys as if the script wrote
-all of them, and the processor's one script declares the registry keys it only reads. So the
-processor's root permissions give read on `fg:{*}:*` and write on every pool key except the
-registry (glob character classes: suffixes not starting with a/e/c, plus `e[^n]*`, `c[^t]*`),
-and a selector allows EVAL/EVALSHA with any pool key. Every command the script runs is checked
+How the processor rules work: Redis checks FCALL's (and EVAL/EVALSHA's) declared keys as if the
+script wrote all of them, and the processor's one script declares the registry keys it only
+reads. So the processor's root permissions give read on `fg:{*}:*` and write on every pool key
+except the registry (glob character classes: suffixes not starting with a/e/c, plus `e[^n]*`,
+`c[^t]*`), and a selector allows FCALL/FCALL_RO (and EVAL/EVALSHA, for a server without
+Functions) with any pool key, and FUNCTION LOAD of the processor's library. Every command the script runs is checked
 against the user again, so a script, ours or an attacker's, still cannot write the registry.
 The exclusions are by first letters, so admission keys added later keep working unless they
 start with `a`, `en` or `ct` (tests/test_security.py runs the real processor under this user).
@@ -35,7 +36,7 @@ _COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting +@pubsu
 PROCESSOR_RULES = (
     f"resetkeys resetchannels {_COMMANDS} "
     "%R~fg:{*}:* ~fg:{*}:[^aec]* ~fg:{*}:e[^n]* ~fg:{*}:c[^t]* &fg:{*}:gw:* "
-    "(+evalsha +eval +script|load ~fg:{*}:*)"
+    "(+fcall +fcall_ro +function|load +evalsha +eval +script|load ~fg:{*}:*)"
 )
 CONTROLLER_RULES = f"resetkeys resetchannels {_COMMANDS} ~fg:* &fg:*"
 

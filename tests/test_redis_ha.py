@@ -122,6 +122,12 @@ async def test_cluster_pools_spread_over_shards(cluster: ClusterTopology) -> Non
                 if other.primary is not owner:
                     with pytest.raises(MovedError):  # the slot is served elsewhere
                         other.primary.client().exists(script_keys(pool)[0])
+        # A primary without the script library (a node added later, FUNCTION FLUSH) gets it
+        # loaded by the next call that reaches it; the other shards are not asked.
+        cluster.shards[1].primary.client().function_flush()
+        st = pool_state(client, pools[1], limit=1)
+        assert (await st.status()).inflight_total == 1
+        assert cluster.shards[1].primary.client().function_list()
     finally:
         await client.aclose()
         await sub_client.aclose()

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, gateway_channel, key, script_keys
-from floodgate.extproc.state import PoolState, read_demand, read_pool_status, redis_client
+from floodgate.extproc.state import FUNCTION, PoolState, read_demand, read_pool_status, redis_client
 from floodgate.extproc.vegas import VegasState
 
 from floodgate.stack import LocalStack
@@ -90,6 +90,8 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
     now = 1_000_000
     await client.set(clock, now)
     st = await make(client, pool, ttl=ttl_ms / 1000, limit=limit, always=always, max_queue=maxq, tenant_cap=tcap)
+    if seed % 3 == 2:
+        st._script.functions = False  # the EVALSHA fallback (a server without Functions) runs the same source
     model = PermitTable(limit=limit, shares=SHARES, always=always, max_queue=maxq, tenant_cap=tcap,
                         ttl=ttl_ms, waiter_grace=1000)
     seqs = dict.fromkeys(GATEWAYS, 0)
@@ -124,12 +126,23 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
             seq = seqs[gw]
             ticket, cls, tenant = f"{gw}/{seq}", rng.randrange(3), rng.choice("ab")
             wanted = rng.choice([0, 0, 3])
-            snap = await st.acquire(ticket, gw, seq, cls, tenant, wanted)
-            got, credits, _ = model.acquire(ticket, cls, now, gateway=gw, seq=seq, credits=wanted)
-            assert snap.granted == got, (step, op, ticket, cls)
-            assert list(snap.credits) == credits
-            if not got:
-                timeout = rng.choice([500, 2000, 8000])
+            timeout = rng.choice([500, 2000, 8000])
+            if rng.random() < 0.5:  # acquire-or-enqueue in one call: the same as the two calls
+                snap = await st.admit(ticket, gw, seq, cls, tenant, wanted, timeout / 1000)
+                got, credits, _ = model.acquire(ticket, cls, now, gateway=gw, seq=seq, credits=wanted)
+                assert snap.granted == got, (step, op, ticket, cls)
+                assert list(snap.credits) == credits
+                if not got:
+                    outcome, _ = model.enqueue(ticket, cls, tenant, now + timeout, now, gateway=gw, seq=seq)
+                    assert (snap.rejected or ("queued" if snap.enqueued else "refused")) == outcome, (step, ticket)
+                    assert snap.queued == tuple(model.queued()[k] - (k == cls and outcome == "queued")
+                                                for k in range(3))  # the state before it joined
+            else:
+                snap = await st.acquire(ticket, gw, seq, cls, tenant, wanted)
+                got, credits, _ = model.acquire(ticket, cls, now, gateway=gw, seq=seq, credits=wanted)
+                assert snap.granted == got, (step, op, ticket, cls)
+                assert list(snap.credits) == credits
+            if not got and not snap.enqueued and not snap.rejected:
                 snap = await st.enqueue(ticket, gw, seq, cls, tenant, timeout / 1000)
                 outcome, _ = model.enqueue(ticket, cls, tenant, now + timeout, now, gateway=gw, seq=seq)
                 expected = "granted" if snap.granted else (snap.rejected or "queued")
@@ -324,9 +337,29 @@ async def test_retried_calls_are_idempotent(client: aioredis.Redis) -> None:
 async def test_missing_settings_are_configured_on_demand_and_noscript_reloads(client: aioredis.Redis) -> None:
     st = await make(client, "ns", limit=2)
     assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    await client.function_flush()
     await client.script_flush()
     await client.flushall()
-    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted  # NOSCRIPT -> reload; settings -> configure
+    # "Function not found" -> library loaded again; settings missing -> configured again
+    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted
+    assert FUNCTION in str(await client.function_list())
+    st._script.functions = False  # as on a server without Functions: EVALSHA, NOSCRIPT -> reload
+    await client.script_flush()
+    assert (await st.acquire("a/3", "a", 3, 1, "t")).granted
+
+
+async def test_settings_written_again_are_not_served_from_the_script_cache(client: aioredis.Redis) -> None:
+    # The library keeps parsed settings between calls, keyed by the settings' stamp: settings
+    # lost and written again at the same epoch with other values must be the ones used.
+    st = await make(client, "sc", limit=1, max_queue=(100, 1, 100))
+    assert (await st.admit("a/1", "a", 1, 1, "", 0, 5)).granted
+    assert (await st.admit("a/2", "a", 2, 1, "", 0, 5)).enqueued
+    assert (await st.admit("a/3", "a", 3, 1, "", 0, 5)).rejected == "queue_full"
+    await client.flushall()
+    await make(client, "sc", limit=1, max_queue=(100, 5, 100))
+    assert (await st.admit("a/4", "a", 4, 1, "", 0, 5)).granted
+    assert (await st.admit("a/5", "a", 5, 1, "", 0, 5)).enqueued
+    assert (await st.admit("a/6", "a", 6, 1, "", 0, 5)).enqueued
 
 
 async def test_two_pools_are_independent(client: aioredis.Redis) -> None:

@@ -1,7 +1,7 @@
 """`floodgate bench scale` at tiny scale: real Redis, two real processors, real ext_proc streams.
 
 The modes must be what they claim: under contention every decision runs the per-request
-script path (acquire refused + enqueue, then a release that grants), while uncontended with
+script path (acquire-or-enqueue, then a release that grants), while uncontended with
 the shipped credits most decisions never reach Redis.
 """
 
@@ -33,8 +33,9 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert p["decisions"] > 0 and p["errors"] == 0 and p["rejected"] == 0
         assert p["redis_cpu_s"] >= 0
     contended, credits, plain = points["contended"], points["uncontended"], points["no-credits"]
-    # Contended: acquire and enqueue for every request, plus releases (batched per loop turn).
-    assert contended["script_calls"] >= 1.8 * contended["decisions"]
+    # Contended: one acquire-or-enqueue call for every request, plus releases (batched per loop
+    # turn), not the two calls (acquire refused, then enqueue) it took before.
+    assert contended["decisions"] <= contended["script_calls"] < 2 * contended["decisions"]
     # No credits: one acquire each plus releases; with the shipped credits, far fewer calls.
     assert plain["script_calls"] >= plain["decisions"]
     assert credits["script_calls"] < 0.5 * credits["decisions"]
