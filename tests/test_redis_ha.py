@@ -362,6 +362,44 @@ async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopo
             await ps.aclose()
 
 
+async def test_one_server_degrades_every_pool_together(stack: LocalStack) -> None:
+    """One server (and so a Sentinel primary) holds every pool: a failed call for one pool
+    switches them all to local limits at once, and each comes back on its own reconciles."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2},
+        "pools": [{"name": n, "match_authority": f"{n}.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 2}} for n in ("a", "b")]})
+    assert make_pool_clients(cfg) == {}  # every pool shares the processor's clients
+    client = redis_client(url, op_timeout_s=0.25)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    assert stack.redis_child is not None
+    frozen = False
+
+    def degraded(pool: str) -> float:
+        return metrics.pool_degraded.labels(pool)._value.get()
+    try:
+        held = await admitter.admit("a", 1, "t")
+        assert isinstance(held, Permit)
+        stack.redis_child.kill(signal.SIGSTOP)
+        frozen = True
+        assert await wait_until(lambda: _true(degraded("a") == 1 or degraded("b") == 1), 10)
+        assert degraded("a") == 1 and degraded("b") == 1  # switched together
+        stack.redis_child.kill(signal.SIGCONT)
+        frozen = False
+        assert await wait_until(lambda: _true(degraded("a") == 0 and degraded("b") == 0), 20)
+        await admitter.release(held)
+        st = await asyncio.wait_for(admitter.pools["a"].state.status(), 2)
+        assert st.inflight_total == 0
+    finally:
+        if frozen:
+            stack.redis_child.kill(signal.SIGCONT)
+        await admitter.stop()
+        await client.aclose()
+
+
 async def _true(x: bool) -> bool:
     return x
 
