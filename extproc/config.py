@@ -94,7 +94,7 @@ class LimitConfig(_Strict):
         default="floodgate",
         description="`floodgate`: the no-load baseline is re-estimated only from windows at low in-flight (it cannot drift up under sustained load), 5xx lower the limit by their share of the window, and latency up to `slo_target` counts as no queue. `netflix`: VegasLimit.java as written (a probe resets the baseline to the current latency, any 5xx in a window is a drop, no SLO target).")
     slo_target: float = Field(default=0.75, ge=0, le=1, description="Latency up to this fraction of the pool's SLO for the signal counts as no queue (strictest class; tpot: slo_tpot_s; ttft: slo_ttft_s x (1 - queue_wait_slo_share, at least 1/4); combined: that TTFT part + 31 x slo_tpot_s); 0 = no SLO target.")
-    window_min_samples: int = Field(default=10, ge=1, description="Samples a window needs before it updates the limit.")
+    window_min_samples: int = Field(default=10, ge=1, description="Finished requests (at least one with a measured latency, or a 5xx) a window needs before it updates the limit.")
     window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
     window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
     sample_rate: float = Field(default=0.5, ge=0, le=1, description="Fraction of admitted requests whose response body is streamed to measure TTFT/TPOT.")

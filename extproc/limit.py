@@ -101,8 +101,10 @@ class SampleWindow:
 
     Every finished request counts (success or drop), whether or not its latency was measured,
     so the drop share is not skewed by sampling. A window closes when it has `min_samples`
-    outcomes and is at least `min_duration` old, or when it is `max_duration` old with at
-    least one, so a quiet pool still learns.
+    finished requests (at least one measured or dropped) and is at least `min_duration` old —
+    as Netflix's, where every request is a sample: with `sample_rate` 0.5, counting only the
+    measured ones would halve how fast the limit follows the load — or when it is
+    `max_duration` old with at least one, so a quiet pool still learns.
     """
 
     min_samples: int = 10
@@ -136,7 +138,7 @@ class SampleWindow:
             return False
         age = now - self.started
         has_any = self.count > 0 or self.dropped
-        return (self.count + self.drops >= self.min_samples and age >= self.min_duration) or (
+        return (has_any and self.ok + self.drops >= self.min_samples and age >= self.min_duration) or (
             has_any and age >= self.max_duration)
 
     def take(self) -> Sample | None:

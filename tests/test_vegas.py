@@ -168,6 +168,22 @@ def test_window_needs_samples_and_time() -> None:
     assert not w.ready(100.0)  # a fresh window
 
 
+def test_window_counts_every_finished_request_but_needs_a_measured_one() -> None:
+    # sample_rate 0.5: 10 finished requests, 5 with a latency, close a window of 10
+    w = SampleWindow(min_samples=10, min_duration=0.0, max_duration=10.0)
+    for i in range(9):
+        w.add(0.0, 0.2 if i % 2 else None, inflight=8)
+    assert not w.ready(0.0)
+    w.add(0.0, None, inflight=8)
+    assert w.ready(0.0)
+    s = w.take()
+    assert s is not None and s.rtt == pytest.approx(0.2)
+    # unmeasured successes alone say nothing about latency: the window stays open
+    for _ in range(20):
+        w.add(1.0, None, inflight=8)
+    assert not w.ready(1.0)
+
+
 def test_window_closes_after_max_duration_with_few_samples() -> None:
     w = SampleWindow(min_samples=10, min_duration=1.0, max_duration=5.0)
     w.add(0.0, 0.2, inflight=3)
