@@ -38,14 +38,14 @@ local WAITER_GRACE_MS = 1000
 local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2'}
 -- Strings built once (number to string conversion costs more than the commands it feeds).
 local CLS = {'0', '1', '2'}            -- stored class of 1-based c
-local GRATE = {'g0', 'g1', 'g2'}       -- per-class grant-rate field of 1-based c
+local GRATE = {'g0:p', 'g1:p', 'g2:p'}  -- per-class grant-rate field of 1-based c
 local CLASS_LO = {'0', '4294967296', '8589934592'}                 -- queue score range of c
 local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive)
--- Every field of the state hash the script reads or writes, read with one HMGET.
--- (Written out: a library's load-time code may not use globals such as ipairs.)
-local STATE_FIELDS = {'limit', 'version', 'rtt_noload', 'probe_count', 'probe_jitter', 'vegas_x', 'seq', 'rr',
-                      'lvl', 'lvl_ts', 'due', 'rate', 'rate_ts', 'rate_t0', 'rate_n', 'g0', 'g0_ts', 'g0_t0', 'g0_n',
-                      'g1', 'g1_ts', 'g1_t0', 'g1_n', 'g2', 'g2_ts', 'g2_t0', 'g2_n'}
+-- The state hash fields every mutating call may need, read with one HMGET. Each event rate is
+-- one field "rate|ts|t0|n" and the level one field "level|ts" (`:p`, packed: fewer fields to
+-- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
+-- vegas_x) are read only by get_limit.
+local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p'}
 
 -- Parsed settings kept between calls (a library's upvalues live until it is reloaded), per
 -- settings key, checked against the `stamp` that `configure` writes with each new version.
@@ -59,6 +59,7 @@ local DUE           -- when reclaim next has work (state `due`), nil = unknown
 local S             -- settings (load_settings), false when the pool has none
 local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to write back
 local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
+local INF0, QUE0           -- as read (flush writes only what changed)
 local ALIVE         -- gateway -> alive, memo for this call
 
 local function num(v, d) if v then return tonumber(v) end return d end
@@ -84,6 +85,8 @@ local function counts()
     local v = redis.call('HMGET', K.counts, unpack(COUNT_FIELDS))
     INF = {num(v[1], 0), num(v[2], 0), num(v[3], 0)}
     QUE = {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
+    INF0 = {INF[1], INF[2], INF[3]}
+    QUE0 = {QUE[1], QUE[2], QUE[3]}
   end
   return INF, QUE
 end
@@ -94,7 +97,12 @@ local function add_queued(c, d) counts() QUE[c] = QUE[c] + d CNT_DIRTY = true en
 -- Write back what this call changed in the counts and state hashes (mutating ops only).
 local function flush()
   if CNT_DIRTY then
-    redis.call('HSET', K.counts, 'i0', INF[1], 'i1', INF[2], 'i2', INF[3], 'q0', QUE[1], 'q1', QUE[2], 'q2', QUE[3])
+    local args = {}
+    for k = 1, 3 do
+      if INF[k] ~= INF0[k] then table.insert(args, COUNT_FIELDS[k]) table.insert(args, INF[k]) end
+      if QUE[k] ~= QUE0[k] then table.insert(args, COUNT_FIELDS[k + 3]) table.insert(args, QUE[k]) end
+    end
+    if #args > 0 then redis.call('HSET', K.counts, unpack(args)) end
   end
   if ST_DIRTY and next(ST_DIRTY) then
     local args = {}
@@ -134,20 +142,20 @@ end
 -- Exponentially decayed event rates (events per second) in the state hash: `rate` counts freed
 -- permits, `g0..g2` grants per class. `<name>_t0` and `<name>_n` let read_rate() correct the
 -- start-up bias and say "unknown" (0) until it has seen enough.
+local function unpack_rate(name)
+  local r, ts, t0, n = string.match(state()[name] or '', '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if not r then return 0, now, now, 0 end
+  return tonumber(r), tonumber(ts), tonumber(t0), tonumber(n)
+end
+
 local function bump_rate(name)
-  local s = state()
-  local rate, ts = num(s[name], 0), num(s[name .. '_ts'], now)
+  local rate, ts, t0, n = unpack_rate(name)
   rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
-  set_state(name, tostring(rate))
-  set_state(name .. '_ts', NOW_S)
-  set_state(name .. '_t0', s[name .. '_t0'] or NOW_S)
-  set_state(name .. '_n', tostring(math.min(num(s[name .. '_n'], 0) + 1, 1000000)))
+  set_state(name, string.format('%.14g|%d|%d|%d', rate, now, t0, math.min(n + 1, 1000000)))
 end
 
 local function read_rate(name)
-  local s = state()
-  local rate, ts = num(s[name], 0), num(s[name .. '_ts'], now)
-  local t0, n = num(s[name .. '_t0'], now), num(s[name .. '_n'], 0)
+  local rate, ts, t0, n = unpack_rate(name)
   if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
   local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
   return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
@@ -220,7 +228,7 @@ end
 
 local function parse_qmeta(m)
   local c, dl, gw, seq, tenant = string.match(m, '^(%d)|([^|]*)|([^|]*)|(%d+)|(.*)$')
-  return tonumber(c), tonumber(dl), gw, tonumber(seq), tenant
+  return tonumber(c), tonumber(dl), gw, seq, tenant  -- seq as stored (a string)
 end
 
 -- Reclaim has work from `t` (ms) on: a lease expiring, a waiter's deadline plus grace, a
@@ -237,7 +245,7 @@ end
 local function put_lease(ticket, c, gw, seq, ep)
   redis.call('ZADD', K.leases, EXPIRY_S, ticket)
   lower_due(now + ttl)
-  redis.call('HSET', K.lmeta, ticket, c .. '|' .. gw .. '|' .. seq)
+  redis.call('HSET', K.lmeta, ticket, CLS[c + 1] .. '|' .. gw .. '|' .. seq)
   add_inflight(c + 1, 1)
   if ep ~= '' then
     redis.call('HSET', K.lep, ticket, ep)
@@ -260,8 +268,9 @@ local function unqueue(ticket, meta)
   redis.call('ZREM', K.qdl, ticket)
   redis.call('HDEL', K.qmeta, ticket)
   add_queued(c + 1, -1)
-  if redis.call('HINCRBY', K.counts, 't' .. c .. ':' .. tenant, -1) <= 0 then
-    redis.call('HDEL', K.counts, 't' .. c .. ':' .. tenant)
+  local field = 't' .. CLS[c + 1] .. ':' .. tenant
+  if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
+    redis.call('HDEL', K.counts, field)
   end
 end
 
@@ -270,11 +279,12 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant)
   local qseq = num(state().seq, 0) + 1
   set_state('seq', tostring(qseq))
   redis.call('ZADD', K.queue, c * CLASS_SPAN + qseq % CLASS_SPAN, ticket)
-  redis.call('ZADD', K.qdl, deadline, ticket)
+  local dl = tostring(deadline)
+  redis.call('ZADD', K.qdl, dl, ticket)
   lower_due(deadline + WAITER_GRACE_MS)
-  redis.call('HSET', K.qmeta, ticket, c .. '|' .. deadline .. '|' .. gw .. '|' .. seq .. '|' .. tenant)
+  redis.call('HSET', K.qmeta, ticket, CLS[c + 1] .. '|' .. dl .. '|' .. gw .. '|' .. seq .. '|' .. tenant)
   add_queued(c + 1, 1)
-  redis.call('HINCRBY', K.counts, 't' .. c .. ':' .. tenant, 1)
+  redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1)
 end
 
 -- Time-weighted mean in-flight (decay RATE_TAU_MS) sampled at each release, `lvl` in the state
@@ -283,14 +293,13 @@ end
 local function bump_level()
   local inflight = counts()
   local total = inflight[1] + inflight[2] + inflight[3]
-  local s = state()
   local v = total
-  if s.lvl_ts then
-    local w = math.exp(-math.max(0, now - tonumber(s.lvl_ts)) / RATE_TAU_MS)
-    v = num(s.lvl, total) * w + (1 - w) * total
+  local lvl, ts = string.match(state()['lvl:p'] or '', '^([^|]*)|([^|]*)$')
+  if ts then
+    local w = math.exp(-math.max(0, now - tonumber(ts)) / RATE_TAU_MS)
+    v = tonumber(lvl) * w + (1 - w) * total
   end
-  set_state('lvl', tostring(v))
-  set_state('lvl_ts', NOW_S)
+  set_state('lvl:p', string.format('%.14g|%d', v, now))
 end
 
 -- `count_rate`: a completion (rate and level events), not an idle credit handed back.
@@ -305,7 +314,7 @@ local function drop_lease(ticket, count_rate)
     redis.call('HDEL', K.lep, ticket)
     if redis.call('HINCRBY', K.epinf, ep, -1) <= 0 then redis.call('HDEL', K.epinf, ep) end
   end
-  if count_rate then bump_rate('rate') end
+  if count_rate then bump_rate('rate:p') end
   return true
 end
 
@@ -414,6 +423,9 @@ local function edges_left(c)
   return out[1], out[2]
 end
 
+local SNAP_FMT = 'limit %d i0 %d i1 %d i2 %d q0 %d q1 %d q2 %d tenant_queued %d rate %.14g class_rate %.14g ' ..
+                 'gateways %d rank %d now %d active %d epoch %d rate_n %d lvl %s hl0 %d hl1 %d hl2 %d tl0 %d tl1 %d tl2 %d'
+
 local function snapshot(out, c, tenant, gw)
   local L = int_limit(false)
   local inflight, queued = counts()
@@ -424,23 +436,20 @@ local function snapshot(out, c, tenant, gw)
   end
   local rank, live = -1, nil
   if gw then rank, live = gateway_rank(gw) else live = redis.call('ZCOUNT', K.gws, NOW_EXCL_S, '+inf') end
-  local s = state()
-  for _, v in ipairs({'limit', L, 'i0', inflight[1], 'i1', inflight[2], 'i2', inflight[3],
-                      'q0', queued[1], 'q1', queued[2], 'q2', queued[3], 'tenant_queued', tq,
-                      'rate', tostring(read_rate('rate')), 'class_rate', tostring(class_rate),
-                      'gateways', live, 'rank', rank, 'now', now, 'active', redis.call('SCARD', K.active),
-                      'epoch', S and S.epoch or -1,
-                      -- For early drop (policy.wait_estimate): how much the rate rests on and the
-                      -- in-flight level it was measured at.
-                      'rate_n', s.rate_n or '0', 'lvl', s.lvl or '0'}) do
-    table.insert(out, v)
-  end
-  -- and the head/tail deadlines of each class queue
+  local _, _, _, rate_n = unpack_rate('rate:p')
+  local lvl = string.match(state()['lvl:p'] or '', '^([^|]*)|') or '0'
+  -- For early drop (policy.wait_estimate): how much the rate rests on (rate_n), the in-flight
+  -- level it was measured at (lvl), and the head/tail deadlines of each class queue (hl, tl).
+  local e = {0, 0, 0, 0, 0, 0}
   for k = 1, 3 do
-    local h, t = 0, 0
-    if queued[k] > 0 then h, t = edges_left(k) end
-    for _, v in ipairs({'hl' .. (k - 1), h, 'tl' .. (k - 1), t}) do table.insert(out, v) end
+    if queued[k] > 0 then e[2 * k - 1], e[2 * k] = edges_left(k) end
   end
+  -- One reply field of space-separated names and values (schema.parse_fields splits it): a
+  -- reply of 60 elements costs more to build than the commands above.
+  table.insert(out, 'snap')
+  table.insert(out, string.format(SNAP_FMT, L, inflight[1], inflight[2], inflight[3], queued[1], queued[2],
+    queued[3], tq, read_rate('rate:p'), class_rate, live, rank, now, redis.call('SCARD', K.active),
+    S and S.epoch or -1, rate_n, lvl, e[1], e[3], e[5], e[2], e[4], e[6]))
   return out
 end
 
@@ -644,7 +653,7 @@ function OPS.sync(ARGV)
   for i = 1, #all, 2 do
     local t = all[i]
     local _, _, qgw, seq = parse_qmeta(all[i + 1])
-    if qgw == gw and seq < watermark and not waiting[t] then
+    if qgw == gw and tonumber(seq) < watermark and not waiting[t] then
       unqueue(t, all[i + 1])
       dropped = dropped + 1
     end
@@ -697,10 +706,9 @@ end
 
 function READS.get_limit()
   load_settings()
-  local s = state()
-  return {'limit', s.limit or tostring(limit_value(false)), 'rtt_noload', s.rtt_noload or '0',
-          'probe_count', s.probe_count or '0', 'probe_jitter', s.probe_jitter or '1',
-          'version', s.version or '0', 'extra', s.vegas_x or ''}
+  local s = redis.call('HMGET', K.state, 'limit', 'rtt_noload', 'probe_count', 'probe_jitter', 'version', 'vegas_x')
+  return {'limit', s[1] or tostring(limit_value(false)), 'rtt_noload', s[2] or '0', 'probe_count', s[3] or '0',
+          'probe_jitter', s[4] or '1', 'version', s[5] or '0', 'extra', s[6] or ''}
 end
 
 local function main(KEYS, ARGV)

@@ -128,9 +128,15 @@ def _text(x: Any) -> str:
 
 
 def parse_fields(raw: Iterable[Any]) -> dict[str, str]:
-    """A script reply of alternating names and values -> {name: value}."""
+    """A script reply of alternating names and values -> {name: value}. The value of `snap` is
+    itself space-separated names and values (the script builds a snapshot as one string)."""
     items = [_text(x) for x in raw]
-    return dict(zip(items[::2], items[1::2], strict=True))
+    out = dict(zip(items[::2], items[1::2], strict=True))
+    snap = out.pop("snap", None)
+    if snap is not None:
+        parts = snap.split(" ")
+        out.update(zip(parts[::2], parts[1::2], strict=True))
+    return out
 
 
 def _per_class(f: dict[str, str], prefix: str) -> tuple[float, float, float] | None:

@@ -400,3 +400,25 @@ async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client:
     assert await st.granted_among(["b/9"]) == {"b/9": ""}  # a returned credit went to the waiter
     assert (await st.status()).grant_rate == 0  # returning credits is not a completion
     await pubsub.aclose()
+
+
+async def test_event_rates_count_releases_and_grants(client: aioredis.Redis) -> None:
+    # The decayed rates the policy's wait estimate rests on: releases (pool) and grants (class).
+    st = await make(client, "rates", limit=2)
+    clock = key("rates", "testclock")
+    now = 1_000_000
+    await client.set(clock, now)
+    await st.sync("g", 0, {}, {})
+    for i in range(1, 31):  # one grant and one release of class 0 every 100 ms: 10/s each
+        assert (await st.acquire(f"g/{i}", "g", i, 0, "", 0)).granted
+        now += 100
+        await client.set(clock, now)
+        assert await st.release(f"g/{i}") == 1
+    s = await st.status()
+    assert s.release_n == 30
+    assert 8 < s.grant_rate < 12  # 10/s, decayed over tau 10 s with the start-up correction
+    assert s.inflight_avg == pytest.approx(1.0)  # one permit held at every release
+    assert (await st.acquire("g/32", "g", 32, 0, "", 0)).granted
+    assert (await st.acquire("g/33", "g", 33, 0, "", 0)).granted
+    refused = await st.acquire("g/34", "g", 34, 0, "", 0)
+    assert not refused.granted and 8 < refused.class_rate < 14  # class 0's grants
