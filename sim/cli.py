@@ -53,8 +53,8 @@ def register(subparsers: Any) -> None:
     srv.add_argument("--model", default="floodgate-sim-8b",
                      help="served model name; requests naming another model get 404, like vLLM")
     srv.add_argument("--cold-start", type=_non_negative, default=10.0, metavar="SECONDS",
-                     help="delay before /health turns 200 and completions are served (503 "
-                          "until then), emulating weight loading and warm-up")
+                     help="delay from process spawn until /health turns 200 and completions are "
+                          "served (503 until then), emulating weight loading and warm-up")
     srv.add_argument("--enable-sleep-mode", action="store_true",
                      help="serve POST /sleep, POST /wake_up and GET /is_sleeping (404 without "
                           "it, like vLLM without sleep mode / VLLM_SERVER_DEV_MODE)")

@@ -6,7 +6,8 @@ wait on their queue and write SSE chunks. There is no timer per token or per req
 what lets one process drive hundreds of concurrent streams.
 
 Behaviour chosen to match vLLM (see docs/emulator.md):
-* `/health` is 503 until the cold-start delay has passed, then 200, also while asleep.
+* `/health` is 503 until the cold-start delay (counted from process spawn) has passed, then
+  200, also while asleep.
 * While the engine sleeps (or drains to sleep, or wakes), the completion endpoints answer 503.
 * The sleep endpoints exist only with `enable_sleep_mode` (404 otherwise).
 """
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -211,6 +213,18 @@ def _opt_int(body: dict[str, Any], *names: str) -> int | None:
     return None
 
 
+def process_age() -> float:
+    """Seconds since this process was spawned (Linux: /proc/self/stat starttime against
+    CLOCK_BOOTTIME, the clock it is counted on); 0.0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5)
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 @dataclass
 class _Request:
     """What a handler needs about one parsed completion request."""
@@ -254,7 +268,9 @@ class Emulator:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        self._ready_at = self._now() + self.config.cold_start_s
+        # The cold start counts from process spawn, as a real replica's does (the interpreter's
+        # own start-up is part of it, not added on top).
+        self._ready_at = self._now() + max(0.0, self.config.cold_start_s - process_age())
         self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine-loop")
 
     async def _on_cleanup(self, _app: web.Application) -> None:

@@ -278,3 +278,36 @@ async def test_cold_start_and_sleep_mode_disabled() -> None:
                                  ("GET", "/is_sleeping")):
                 async with s.request(method, srv.base + path) as r:
                     assert r.status == 404
+
+
+def test_process_age_counts_from_spawn() -> None:
+    """The cold start counts from process spawn: the age a child reports includes its own
+    interpreter start-up and imports (≥ the sleep it did after them) and never exceeds what
+    the parent measured around its whole life (+ one clock tick of /proc rounding)."""
+    import subprocess
+    import sys
+
+    code = ("import time; from floodgate.sim.emulator import process_age; "
+            "time.sleep(0.3); print(process_age())")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    elapsed = time.monotonic() - t0
+    age = float(out.stdout)
+    assert 0.3 <= age <= elapsed + 0.02
+
+
+async def test_cold_start_is_never_shorter_than_configured_from_spawn() -> None:
+    with Supervisor() as sup:
+        port = free_port()
+        t0 = time.monotonic()
+        child = sup.start_python("sim-spawn", ["-m", "floodgate", "sim", "--port", str(port),
+                                               *FAST_ARGS, "--cold-start", "1.5"])
+        wait_for_port("127.0.0.1", port, 15, child.proc)
+        async with aiohttp.ClientSession() as s:
+            while True:
+                async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                    if r.status == 200:
+                        break
+                assert time.monotonic() - t0 < 15
+                await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 >= 1.5 - 0.02
