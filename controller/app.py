@@ -504,7 +504,9 @@ class PoolController:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"/health not ready after {t.health_s:g} s")
             await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+            # Short cap: every pause is time a loaded replica sits unused during a burst
+            # (a 2 s cap cost up to 2 s of each 15 s scaled cold start in the elastic bench).
+            delay = min(delay * 1.5, t.health_poll_s)
         self._event(rep, Event.LOADED)
         if await client.is_sleeping():
             await client.wake(t.wake_s)  # adopted asleep (static endpoint, restart mid-recycle)

@@ -9,7 +9,7 @@
     forecast             once per minute: the policy floor (lead window) and the pool forecast
                          (0 .. warm_pool.forecast_horizon_s)
     burst memory         lifecycle.observe_burst on the desired count
-    warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst)
+    warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst, max)
     plan                 lifecycle.plan_pool -> replica actions with ids
 
 Everything the step remembers lives in `DeciderState` (policy window, burst memory, demand
@@ -130,7 +130,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
             history = history.record(*recorded)
 
     bursts = observe_burst(state.bursts, now, plan.desired, cfg.warm_pool)
-    target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest())
+    target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas)
     pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix)
 
     new_state = replace(

@@ -108,7 +108,8 @@ class WarmPoolConfig(BaseModel):
     min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target.")
     max_size: int = Field(default=16, ge=0, description="Largest warm-pool target.")
     burst_fraction: float = Field(
-        default=0.25, ge=0, description="Pool target = ceil(burst_fraction × max(desired, forecast)) + forecast rise."
+        default=0.25, ge=0, description="Pool target = ceil(burst_fraction × max(desired, forecast)) + forecast rise "
+        "(never above max_replicas − desired)."
     )
     sleep_enabled: bool = Field(default=True, description="Put pool replicas to sleep (vLLM sleep level 1).")
     max_drain_s: float = Field(default=300.0, gt=0, description="Force-stop a drain after this long.")
@@ -164,18 +165,29 @@ def observe_burst(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPo
 
 
 def warm_pool_target(
-    desired_active: int, forecast_replicas: int | None, cfg: WarmPoolConfig, largest_burst: int = 0
+    desired_active: int,
+    forecast_replicas: int | None,
+    cfg: WarmPoolConfig,
+    largest_burst: int = 0,
+    max_active: int | None = None,
 ) -> int:
     """Pool size that follows the forecast: a burst reserve proportional to the expected size,
     plus the forecast rise above the current desired count (so pre-scaling wakes instead of
     cold-starting); at least `burst_memory_fraction` of the largest recent burst
-    (`BurstMemory.largest()`), so a burst that repeats is answered by wakes."""
+    (`BurstMemory.largest()`), so a burst that repeats is answered by wakes.
+
+    Never more than `max_active - desired_active` (the policy's `max_replicas`): a pool replica
+    can only ever be promoted into that headroom, so one beyond it is pure cost. At the maximum
+    the target is 0 and the pool refills from the drains on the way down."""
     if not cfg.enabled:
         return 0
     f = forecast_replicas or 0
     target = math.ceil(cfg.burst_fraction * max(desired_active, f) - 1e-9) + max(0, f - desired_active)
     target = max(target, int(cfg.burst_memory_fraction * largest_burst + 1e-9))
-    return min(max(target, cfg.min_size), cfg.max_size)
+    target = min(max(target, cfg.min_size), cfg.max_size)
+    if max_active is not None:
+        target = min(target, max(0, max_active - desired_active))
+    return target
 
 
 class ActionKind(StrEnum):

@@ -122,6 +122,14 @@ def test_warm_pool_target_follows_forecast() -> None:
     assert warm_pool_target(8, 12, cfg.model_copy(update={"enabled": False})) == 0
 
 
+def test_warm_pool_target_never_exceeds_the_headroom_to_max_replicas() -> None:
+    cfg = WarmPoolConfig(min_size=1, max_size=10)
+    assert warm_pool_target(8, None, cfg, largest_burst=12) == 6  # uncapped
+    assert warm_pool_target(8, None, cfg, largest_burst=12, max_active=10) == 2  # only 2 could be promoted
+    assert warm_pool_target(10, None, cfg, largest_burst=12, max_active=10) == 0  # at max: none, not even min_size
+    assert warm_pool_target(2, None, cfg, largest_burst=12, max_active=10) == 6  # headroom 8 is enough
+
+
 def test_warm_pool_target_covers_half_the_largest_recent_burst() -> None:
     cfg = WarmPoolConfig(burst_fraction=0.25, max_size=16, burst_memory_fraction=0.5)
     assert warm_pool_target(8, None, cfg, largest_burst=12) == 6  # above the 2-replica reserve
