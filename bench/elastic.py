@@ -689,7 +689,7 @@ def verdicts(rows: Sequence[Row], w: Workload) -> list[str]:
         cost_fg = fg.active_replica_s + fg.pooled_replica_s + fg.starting_replica_s
         cost_sc = sc.active_replica_s + sc.pooled_replica_s + sc.starting_replica_s
         out.append(f"{name}: cost no higher than scaling only: {mark(cost_fg <= cost_sc * 1.0001)} "
-                   f"({cost_fg:.0f} vs {cost_sc:.0f} replica-s, {cost_fg / max(cost_sc, 1e-9):.2f}x)")
+                   f"({cost_fg:.0f} vs {cost_sc:.0f} replica-s, {cost_fg / max(cost_sc, 1e-9):.3f}x)")
     return out
 
 
