@@ -6,9 +6,14 @@ Envoy): each simulated request opens a `Process` stream, sends request headers, 
 decision (admit or 429), then ends the stream (the processor releases the permit). Three pools
 on every processor, chosen by :authority:
 
-  contended     static limit L far below the offered concurrency: a queue is always formed,
-                so every request runs the script's full per-request path (acquire fails,
-                enqueue, wait for the grant, release grants the next waiter): the worst case.
+  contended     static limit L far below the offered concurrency, and each admitted request
+                holds its permit --hold-ms (10) before it ends: a queue is always formed, so
+                every request runs the script's full per-request path (acquire-or-enqueue in
+                one call, wait for the grant, release grants the next waiter): the worst case.
+                (Without the hold a permit is held for well under a millisecond, so with a fast
+                script the pool drains between requests and the shipped local credits carry
+                most decisions: not contention.) The `queued` column is the share of
+                admissions in the window that waited in the queue (processors' metrics).
   uncontended   limit far above the concurrency, shipped defaults (local credits: most
                 decisions need no Redis call at all).
   no-credits    uncontended with `local_credits: 0`: one acquire + one release per request.
@@ -67,6 +72,8 @@ class Point:
     p99_ms: float
     p99_overhead_ms: float
     degraded: int = 0  # processors' switches to local limits during the window (invalidates it)
+    queued: int = 0  # admissions after waiting in the queue (processors' floodgate_decisions_total)
+    immediate: int = 0  # admissions without waiting (at once, or from a local credit)
     idle_cpu_s: float = 0.0  # Redis CPU over an equal window with the same processors and no load
 
     @property
@@ -90,6 +97,11 @@ class Point:
         if not self.decisions or self.marginal_cpu_us <= 0:
             return float("inf")
         return (0.8 - self.idle_cpu_s / self.seconds) * 1e6 / self.marginal_cpu_us
+
+    @property
+    def queued_share(self) -> float:
+        total = self.queued + self.immediate
+        return self.queued / total if total else 0.0
 
     @property
     def calls_per_decision(self) -> float:
@@ -123,7 +135,7 @@ def processor_config(limit: int) -> dict[str, Any]:
 
 
 async def _drive(ports: Sequence[int], authority: str, concurrency: int, start_at: float, warm: float,
-                 duration: float) -> dict[str, Any]:
+                 duration: float, hold_s: float = 0.0) -> dict[str, Any]:
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -153,6 +165,8 @@ async def _drive(ports: Sequence[int], authority: str, concurrency: int, start_a
                 await call.write(first)
                 reply = await call.read()
                 took = time.monotonic() - now
+                if hold_s and reply is not grpc.aio.EOF and reply.WhichOneof("response") != "immediate_response":
+                    await asyncio.sleep(hold_s)  # the admitted request holds its permit this long
                 await call.done_writing()
                 while await call.read() is not grpc.aio.EOF:  # until the processor ends the stream
                     pass
@@ -188,9 +202,10 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--start-at", type=float, required=True)
     p.add_argument("--warm", type=float, required=True)
     p.add_argument("--duration", type=float, required=True)
+    p.add_argument("--hold-ms", type=float, default=0.0)
     a = p.parse_args(argv)
     res = asyncio.run(_drive([int(x) for x in a.ports.split(",")], a.authority, a.concurrency,
-                             a.start_at, a.warm, a.duration))
+                             a.start_at, a.warm, a.duration, a.hold_ms / 1000))
     json.dump(res, sys.stdout)
     return 0
 
@@ -220,7 +235,7 @@ def _script_calls(redis_port: int) -> tuple[int, int]:
     return scripts, data
 
 
-def prologue_cost(redis_pid: int, redis_port: int, n: int = 3000) -> tuple[float, float, float]:
+def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float, float]:
     """CPU µs of one `get_limit` call (the fixed per-call work: TIME, the settings check, one
     state read) as the Function (FCALL) and as the plain script (EVALSHA, the fallback for a
     server without Functions, which rebuilds every helper on each call), and of a `return 1`
@@ -247,6 +262,79 @@ def prologue_cost(redis_pid: int, redis_port: int, n: int = 3000) -> tuple[float
     return out[0], out[1], out[2]
 
 
+def script_floor(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float]:
+    """CPU µs and commands of the script work of one contended decision with the network taken
+    out: `admit` of a new request (refused, queued behind 16 waiters of a full pool of 8) and
+    the `release` that grants the queue's head, pipelined 500 pairs at a time. What a shard
+    spends per contended decision at saturation, where round trips are amortised."""
+    import collections
+
+    import redis
+    from floodgate.bench.overhead import cpu_seconds
+    from floodgate.extproc.schema import PoolSettings, script_keys
+    from floodgate.extproc.state import FUNCTION, LIBRARY
+
+    r = redis.Redis(port=redis_port)
+    r.function_load(LIBRARY, replace=True)
+    keys = script_keys("script-floor")
+    big = (10**6, 10**6, 10**6)
+    settings = [x for kv in PoolSettings(8, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields().items() for x in kv]
+
+    def call(p: Any, op: str, *args: str) -> Any:
+        return p.fcall(FUNCTION, len(keys), *keys, op, "15000", *args)
+
+    call(r, "configure", "script-floor", *settings)
+    call(r, "sync", "g", "0", "0")
+    sub = r.pubsub()
+    sub.ssubscribe("fg:{script-floor}:gw:g")  # grants are published to a subscriber, as in service
+    held: collections.deque[str] = collections.deque()
+    waiting: collections.deque[str] = collections.deque()
+    seq = 0
+
+    def admit(p: Any) -> str:
+        nonlocal seq
+        seq += 1
+        call(p, "admit", f"g/{seq}", "g", str(seq), "1", "", "0", "30000")
+        return f"g/{seq}"
+
+    for _ in range(24):
+        t = admit(r)
+        (held if len(held) < 8 else waiting).append(t)
+
+    def run(count: int) -> None:
+        for _ in range(0, count, 500):
+            p = r.pipeline(transaction=False)
+            for _ in range(500):
+                waiting.append(admit(p))
+                call(p, "release", held.popleft())
+                held.append(waiting.popleft())
+            p.execute()
+
+    run(2000)
+    c0, (_, k0) = cpu_seconds(redis_pid), _script_calls(redis_port)
+    run(n)
+    c1, (_, k1) = cpu_seconds(redis_pid), _script_calls(redis_port)
+    sub.close()
+    return (c1 - c0) * 1e6 / n, (k1 - k0) / n
+
+
+def admissions(metrics_urls: Sequence[str], pool: str) -> tuple[int, int]:
+    """(admitted after queueing, admitted at once) so far in `pool`, over the processors."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from floodgate.stack import http_get
+
+    out = {"queued": 0.0, "immediate": 0.0}
+    for url in metrics_urls:
+        for fam in text_string_to_metric_families(http_get(url).decode()):
+            for smp in fam.samples:
+                lb = smp.labels
+                if smp.name == "floodgate_decisions_total" and lb.get("pool") == pool \
+                        and lb.get("outcome") == "admitted" and lb.get("reason") in out:
+                    out[lb["reason"]] += smp.value
+    return int(out["queued"]), int(out["immediate"])
+
+
 def degraded_transitions(metrics_urls: Sequence[str]) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -263,7 +351,7 @@ def degraded_transitions(metrics_urls: Sequence[str]) -> int:
 
 def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: int, concurrency: int,
                   loaders: int, warm: float, duration: float, workdir: Path,
-                  metrics_urls: Sequence[str] = ()) -> Point:
+                  metrics_urls: Sequence[str] = (), hold_ms: float = 0.0) -> Point:
     from floodgate.bench.overhead import cpu_seconds
 
     deg0 = degraded_transitions(metrics_urls)
@@ -276,11 +364,14 @@ def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: i
         procs.append((subprocess.Popen(
             [sys.executable, "-m", "floodgate.bench.scale", "--worker", "--ports", ",".join(map(str, mine)),
              "--authority", mode, "--concurrency", str(c), "--start-at", str(start_at),
-             "--warm", str(warm), "--duration", str(duration)], stdout=out), out))
+             "--warm", str(warm), "--duration", str(duration),
+             "--hold-ms", str(hold_ms if mode == "contended" else 0)], stdout=out), out))
     time.sleep(max(0.0, start_at + warm - time.time()))
+    q0 = admissions(metrics_urls, mode)
     cpu0, (calls0, cmds0), t0 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
     time.sleep(duration)
     cpu1, (calls1, cmds1), t1 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
+    q1 = admissions(metrics_urls, mode)
     lat: list[float] = []
     ovh: list[float] = []
     tot = {"admitted": 0, "rejected": 0, "errors": 0}
@@ -295,14 +386,16 @@ def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: i
     decisions = tot["admitted"] + tot["rejected"]
     return Point(mode, len(ports), concurrency, decisions, tot["admitted"], tot["rejected"], tot["errors"],
                  t1 - t0, cpu1 - cpu0, calls1 - calls0, cmds1 - cmds0, _pct(lat, 0.5), _pct(lat, 0.99),
-                 _pct(ovh, 0.99), degraded_transitions(metrics_urls) - deg0)
+                 _pct(ovh, 0.99), degraded_transitions(metrics_urls) - deg0, queued=q1[0] - q0[0],
+                 immediate=q1[1] - q0[1])
 
 
 PROLOGUE: list[float] = []  # µs of CPU: leases.lua's fixed per-call work as FCALL, as EVALSHA; a trivial script
+FLOOR: list[float] = []  # script_floor(): µs and commands of a contended decision's script work
 
 
 def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: float,
-            per_processor: int, loaders: int, limit_per_processor: int) -> list[Point]:
+            per_processor: int, loaders: int, limit_per_processor: int, hold_ms: float = 0.0) -> list[Point]:
     from floodgate.bench.overhead import cpu_seconds
 
     from floodgate.stack import LocalStack
@@ -321,13 +414,15 @@ def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: 
             ports = [p.port for p in procs]
             if not PROLOGUE:
                 PROLOGUE.extend(prologue_cost(redis_pid, redis_port))
+                FLOOR.extend(script_floor(redis_pid, redis_port))
             time.sleep(warm)
             c0 = cpu_seconds(redis_pid)
             time.sleep(duration)
             idle = cpu_seconds(redis_pid) - c0
             for mode in modes:
                 pt = measure_point(mode, ports, redis_pid, redis_port, per_processor * n,
-                                   min(loaders, n), warm, duration, sup.workdir, [p.metrics_url for p in procs])
+                                   min(loaders, n), warm, duration, sup.workdir, [p.metrics_url for p in procs],
+                                   hold_ms)
                 pt.idle_cpu_s = idle * pt.seconds / duration
                 points.append(pt)
                 print(f"  N={n:<3} {mode:<12} {pt.rate:8.0f} decisions/s  {pt.cpu_us:7.1f} µs Redis CPU each  "
@@ -359,7 +454,7 @@ class ShardedRun:
 
 
 def run_sharded(shard_counts: Sequence[int], pools: int, n: int, duration: float, warm: float,
-                per_processor: int, limit_per_processor: int) -> list[ShardedRun]:
+                per_processor: int, limit_per_processor: int, hold_ms: float = 0.0) -> list[ShardedRun]:
     """The same contended pools on a Cluster of 1 shard, then of `pools` shards (one pool each):
     each shard's CPU per decision and the total, to show shards add capacity across pools."""
     from floodgate.bench.overhead import cpu_seconds
@@ -388,7 +483,8 @@ def run_sharded(shard_counts: Sequence[int], pools: int, n: int, duration: float
                 loaders.append((nm, subprocess.Popen(
                     [sys.executable, "-m", "floodgate.bench.scale", "--worker", "--ports", ports,
                      "--authority", nm, "--concurrency", str(per_processor * n // pools), "--start-at",
-                     str(start_at), "--warm", str(warm), "--duration", str(duration)], stdout=out), out))
+                     str(start_at), "--warm", str(warm), "--duration", str(duration), "--hold-ms", str(hold_ms)],
+                    stdout=out), out))
             pids = [s.primary.child.proc.pid for s in topo.shards]
             time.sleep(max(0.0, start_at + warm - time.time()))
             ports_r = [s.primary.port for s in topo.shards]
@@ -414,7 +510,7 @@ def run_sharded(shard_counts: Sequence[int], pools: int, n: int, duration: float
 
 def table(points: Sequence[Point]) -> str:
     head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} {'marginal':>8} "
-            f"{'scripts/dec':>11} {'cmds/dec':>8} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
+            f"{'scripts/dec':>11} {'cmds/dec':>8} {'queued':>6} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
     lines = [head, "-" * len(head)]
     base: dict[str, float] = {}
     for p in points:
@@ -422,7 +518,7 @@ def table(points: Sequence[Point]) -> str:
         ratio = p.rate / base[p.mode] if base[p.mode] else float("nan")
         shard = f"{p.shard_rate:11.0f}" if p.shard_rate != float("inf") else f"{'∞':>11}"
         lines.append(f"{p.mode:<12} {p.processors:>3} {p.concurrency:>5} {p.rate:>11.0f} {ratio:>6.2f}x "
-                     f"{p.cpu_us:>12.1f} {p.marginal_cpu_us:>8.1f} {p.calls_per_decision:>11.2f} {p.commands_per_decision:>8.1f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
+                     f"{p.cpu_us:>12.1f} {p.marginal_cpu_us:>8.1f} {p.calls_per_decision:>11.2f} {p.commands_per_decision:>8.1f} {p.queued_share:>6.0%} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                      f"{p.p99_overhead_ms:>10.2f} {shard} {p.rejected:>5} {p.errors:>4} {p.degraded:>4}")
     return "\n".join(lines)
 
@@ -450,6 +546,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contended pool limit per processor: far below --per-processor so a queue "
                         "always forms (default 8)")
     p.add_argument("--loaders", type=int, default=2, help="load processes (default 2)")
+    p.add_argument("--hold-ms", type=float, default=10.0,
+                   help="contended mode: how long an admitted request holds its permit, so that a queue "
+                        "always forms (default 10)")
     p.add_argument("--json", metavar="FILE", help="also write the points as JSON")
     p.add_argument("--sharded", type=int, default=3, metavar="P",
                    help="also run P contended pools on a Cluster of 1 shard and of P shards (0: skip; default 3)")
@@ -466,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"floodgate bench scale: N={counts}, modes={modes}, {args.duration:g} s per point "
           f"({os.cpu_count()} CPUs shared by Redis, processors and load)", flush=True)
     points = run_all(counts, modes, args.duration, args.warm, args.per_processor, args.loaders,
-                     args.limit_per_processor)
+                     args.limit_per_processor, args.hold_ms)
     print()
     print(table(points))
     print()
@@ -480,6 +579,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"script profile: a leases.lua call costs {PROLOGUE[0]:.1f} µs of Redis CPU before doing anything "
               f"(get_limit, pipelined; as EVALSHA on a server without Functions: {PROLOGUE[1]:.1f} µs; "
               f"a `return 1` script: {PROLOGUE[2]:.1f} µs)")
+    if FLOOR:
+        print(f"script work of one contended decision (admit + the release that grants the next, pipelined: "
+              f"no round trips): {FLOOR[0]:.1f} µs of Redis CPU, {FLOOR[1]:.1f} commands; one shard at 80 % "
+              f"CPU: {0.8e6 / FLOOR[0]:,.0f} decisions/s if round trips cost nothing")
     if "contended" in modes:
         ok = contended >= TARGET_PER_SHARD
         print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "
@@ -490,7 +593,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pools over shards: {args.sharded} contended pools on {args.sharded_processors} processors, "
               f"on a Cluster of 1 and of {args.sharded} shards", flush=True)
         sharded = run_sharded(sorted({1, args.sharded}), args.sharded, args.sharded_processors, args.duration,
-                              args.warm, args.per_processor, args.limit_per_processor)
+                              args.warm, args.per_processor, args.limit_per_processor, args.hold_ms)
         for r in sharded:
             us = [r.shard_us(i) for i in range(r.shards)]
             print(f"{r.shards} shard(s): busiest shard {max(r.shard_cpu_s) / r.seconds:.0%} CPU, "
@@ -499,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(
             {"points": [{**asdict(p), "rate": p.rate, "cpu_us": p.cpu_us, "marginal_cpu_us": p.marginal_cpu_us,
                          "shard_rate": p.shard_rate}
-                        for p in points], "prologue_us": PROLOGUE,
+                        for p in points], "prologue_us": PROLOGUE, "script_floor": FLOOR,
              "shard": {m: shard_figure(points, m) for m in modes},
              "sharded": [{**asdict(r), "rate": r.rate} for r in sharded]}, indent=1, default=float))
     return 0

@@ -154,7 +154,11 @@ class SharedBackend:
             raise
         finally:
             rt.pending.pop(ticket, None)
-        a.observe(rt, st)
+        # The state to remember is the one after the call: `admit` reports the queue before this
+        # request joined it (what the policy decides on), so count the request in (as the
+        # enqueue reply did), or a queue it formed would look clear and credits would be used.
+        a.observe(rt, replace(st, queued=tuple(q + (k == cls) for k, q in enumerate(st.queued)))  # type: ignore[arg-type]
+                  if st.enqueued else st)
         if not st.partial:
             self.class_rates[(rt.cfg.name, cls)] = st.class_rate
         if st.granted:

@@ -36,6 +36,8 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     # Contended: one acquire-or-enqueue call for every request, plus releases (batched per loop
     # turn), not the two calls (acquire refused, then enqueue) it took before.
     assert contended["decisions"] <= contended["script_calls"] < 2 * contended["decisions"]
+    assert contended["queued"] >= 0.9 * (contended["queued"] + contended["immediate"])  # a queue always formed
+    assert plain["queued"] == 0 and credits["queued"] == 0 and plain["immediate"] > 0
     # No credits: one acquire each plus releases; with the shipped credits, far fewer calls.
     assert plain["script_calls"] >= plain["decisions"]
     assert credits["script_calls"] < 0.5 * credits["decisions"]
