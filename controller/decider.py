@@ -155,7 +155,7 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
     """Offered demand (`controller.demand`) and learned capacity (`controller.capacity`) from
     this tick's raw inputs, folded into the signals the policy reads (`lacking`, `capacity`)."""
     dwin, service_s, off = state.demand, state.service_s, None
-    lacking, lacking_stale = pool.lacking, pool.lacking_stale
+    lacking, lacking_stale, burst = pool.lacking, pool.lacking_stale, pool.burst
     wired = pool.counters is not None or pool.gateway is not None
     if cfg.demand.enabled and wired:
         dwin = dm.observe(dwin, now, cfg.demand, pool.counters, pool.gateway)
@@ -164,9 +164,10 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         service_s = dm.service_time(off, running, cfg.demand) or service_s
         lacking = dm.lacking_concurrency(off, running, cfg.demand, service_s)
         lacking_stale = off.stale
+        burst = dm.burst_concurrency(dwin, now, cfg.demand, service_s)
     prior = cfg.policy.target_concurrency
     cstate = state.capacity
     if pool.latency is not None:
         cstate = cap.update(cstate, pool.latency, now, prior, cfg.capacity)
     per = cap.capacity(cstate, prior, cfg.capacity) if cstate.estimate is not None else pool.capacity
-    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, capacity=per), dwin, service_s, cstate, off
+    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, capacity=per), dwin, service_s, cstate, off

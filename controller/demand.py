@@ -37,6 +37,7 @@ chooses to shed under load) are left out of `lacking` but stay in `offered_rate`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
@@ -59,6 +60,12 @@ class DemandConfig(BaseModel):
     use_envoy: bool = Field(default=True, description="Reconcile with Envoy's gateway listener counters "
                             "(only correct when the listener serves this pool alone).")
     max_service_s: float = Field(default=600.0, gt=0, description="Upper bound on the measured seconds a request holds a slot.")
+    burst: bool = Field(default=True, description="Also size scale-up from the offered rate of the last tick "
+                        "(the burst estimate; `burst_concurrency`). Never used for scale-down.")
+    burst_ticks: int = Field(default=2, ge=1, description="The burst estimate needs this many consecutive "
+                             "ticks that are each a step (a step that persists, not a clump of arrivals).")
+    burst_sigma: float = Field(default=2.0, ge=0, description="A tick is a step when its arrivals exceed "
+                               "the earlier rate by this many Poisson standard deviations.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,3 +250,41 @@ def lacking_concurrency(d: OfferedDemand, running: float, cfg: DemandConfig,
     if service_s is None:
         return 0.0
     return d.lacking_rate(cfg.exclude_classes) * service_s
+
+
+def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s: float | None) -> float:
+    """The burst estimate: offered concurrency at the rate of the last ticks (Little's law:
+    offered requests/s between consecutive reads x the measured service time).
+
+    Knative's panic window: the rate window (`window_s`) dilutes a step at its start (0.5 s of
+    a 6x burst in a 5 s window reads as 1.5x), so the first decision after the step adds one
+    replica; a tick's own delta reads the step at its full height. A tick holds few arrivals,
+    so the estimate counts only when each of the last `burst_ticks` ticks is a step, not noise:
+    the pool fell behind in it (arrivals exceeded admissions: something was queued or turned
+    away — arrivals admitted as they come say nothing about missing capacity), and its
+    arrivals exceed what the window's rate before it predicts by `burst_sigma` Poisson
+    standard deviations. The estimate is the lowest of those ticks' rates. The policy uses it
+    for scale-up only (never in the stabilization window). Turned-away demand of
+    `exclude_classes` is left out. 0 when stale, disabled, without a measured service time or
+    without enough reads in the window (it needs `burst_ticks` + 2)."""
+    if not (cfg.enabled and cfg.burst) or service_s is None or offered(w, now, cfg).stale:
+        return 0.0
+    older = cfg.model_copy(update={"stale_after_s": cfg.stale_after_s + cfg.window_s})  # earlier reads
+    rate = math.inf
+    d: OfferedDemand | None = None
+    for i in range(cfg.burst_ticks):
+        fg, gw = w.floodgate[:max(0, len(w.floodgate) - i)], w.gateway[:max(0, len(w.gateway) - i)]
+        tick = offered(DemandWindow(fg[-2:], gw[-2:]), now, older)
+        before = offered(DemandWindow(fg[:-1], gw[:-1]), now, older)
+        if tick.stale or before.stale or tick.offered_total - tick.admitted_total <= 1e-9:
+            return 0.0
+        pair = fg[-2:] if tick.source.startswith("floodgate") else gw[-2:]
+        dt = pair[-1].taken_at - pair[0].taken_at
+        expected = before.offered_total * dt
+        if (tick.offered_total - before.offered_total) * dt < cfg.burst_sigma * math.sqrt(max(expected, 1.0)):
+            return 0.0
+        if tick.offered_total < rate:
+            rate, d = tick.offered_total, tick
+    assert d is not None
+    excluded = sum(v for c, v in d.turned_away_rate.items() if c in cfg.exclude_classes)
+    return max(0.0, rate - excluded) * service_s

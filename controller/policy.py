@@ -23,6 +23,11 @@ Rules (docs/controller.md):
   one (no cold-start cascade). The backlog itself is bounded by Floodgate's queue timeouts.
 * Scale-down only to the max recommendation over the last `stabilization_window_s`, one
   replica per `scale_down_interval_s`.
+* Burst estimate (`signals.burst`, `controller.demand.burst_concurrency`): offered concurrency
+  at the rate of the last ticks, so a step is sized on the first decision that sees it rather
+  than after the 5 s rate window catches up. Outside the tolerance band it raises the
+  recommendation (reason `burst_demand`) and enters panic; it never enters the stabilization
+  window, so it sizes scale-up only, never holds the pool up.
 * Panic: a burst (any scale-up trigger, or demand ≥ `panic_threshold` × current capacity)
   forbids scale-down for `panic_window_s`.
 * Stale or failed scrapes are never read as zero: the policy computes everything from fresh
@@ -45,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 REASON_QUEUE = "queue_pressure"
 REASON_KV = "kv_pressure"
 REASON_DEMAND = "demand"
+REASON_BURST = "burst_demand"
 REASON_FLOOR = "forecast_floor"
 REASON_DOWN = "stabilized_down"
 REASON_STEADY = "steady"
@@ -57,6 +63,7 @@ REASONS: tuple[str, ...] = (
     REASON_QUEUE,
     REASON_KV,
     REASON_DEMAND,
+    REASON_BURST,
     REASON_FLOOR,
     REASON_DOWN,
     REASON_STEADY,
@@ -160,6 +167,7 @@ class ScalePlan:
     panic: bool
     lacking: float = 0.0  # turned-away demand counted in `demand` (concurrency)
     per_replica: float = 0.0  # capacity per replica the recommendation used
+    burst: float = 0.0  # the burst estimate (offered concurrency at the last tick's rate)
 
     @property
     def direction(self) -> str:
@@ -278,6 +286,17 @@ def decide(
     window = _push_window(state.window, now, window_rec, cfg.stabilization_window_s)
     stabilized = max(r for _, r in window)
 
+    # Burst estimate (Knative's panic window on offered demand): the step at its full height
+    # on the first tick that sees it, outside the tolerance band. Scale-up only: it stays out
+    # of the stabilization window, so it never holds the pool up once the step has passed
+    # (panic holds it for `panic_window_s`, then the stable window decides).
+    burst = signals.burst
+    if burst > (1.0 + cfg.tolerance) * max(current, 1) * tc:
+        up = math.ceil(burst / tc - 1e-9)
+        panic = True
+        if up > rec:
+            rec, cause = up, REASON_BURST
+
     panic_until = now + cfg.panic_window_s if panic else state.panic_until
     in_panic = now < panic_until
     last_down = state.last_scale_down_at
@@ -304,7 +323,7 @@ def decide(
             reason = REASON_BOUNDS if stabilized < cfg.min_replicas <= current else REASON_HOLD_WINDOW
         else:
             reason = REASON_STEADY
-    if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_FLOOR):
+    if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_BURST, REASON_FLOOR):
         cause = reason
 
     plan = ScalePlan(
@@ -325,6 +344,7 @@ def decide(
         panic=in_panic,
         lacking=lacking,
         per_replica=tc,
+        burst=burst,
     )
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down

@@ -146,3 +146,68 @@ async def test_live_step_exports_offered_demand_and_capacity() -> None:
     assert 'floodgate_demand_turned_away{pool="p"} 14.0' in text
     assert 'floodgate_replica_capacity{pool="p"} 7.0' in text
     assert any(e["event"] == "decision" and e["lacking"] == 14.0 for e in pc.events)
+
+
+def _step(c: DeciderConfig, clock: FakeClock, before: int, after: int, rate_after: float,
+          admit_all: bool = False) -> list[object]:
+    """4 active replicas, 14 req/s offered and admitted (2 s each: running 28 = 4 x 7) for
+    `before` ticks of 1 s, then `rate_after` req/s offered for `after` ticks; admission admits
+    14/s (all of them with `admit_all`) and turns the rest away. Returns the decisions."""
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=4)
+    adm = away = 0.0
+    out: list[object] = []
+    for i in range(before + after):
+        t = clock.advance(1.0)
+        rate = 14.0 if i < before else rate_after
+        a = rate if admit_all else min(rate, 14.0)
+        adm, away = adm + a, away + rate - a
+        fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away)})
+        ps = replace(signals(t, reps, running=28.0), counters=fc)
+        st, d = decide(c, st, Signals(ps, reps), t)
+        out.append(d)
+    return out
+
+
+def test_burst_sized_on_the_first_decision_that_sees_it(clock: FakeClock) -> None:
+    # Step 14 -> 42 req/s at 2 s per request: 84 concurrent -> 12 replicas of 7. With one tick
+    # of evidence the first decision after the step asks for all 12.
+    ds = _step(cfg(burst_ticks=1), clock, 10, 1, 42.0)
+    before, first = ds[-2], ds[-1]
+    assert before.plan.desired == 4 and before.plan.burst == 0  # type: ignore[attr-defined]
+    assert first.plan.burst == pytest.approx(84.0)  # type: ignore[attr-defined]
+    assert first.plan.desired == 12 and first.plan.reason == "burst_demand"  # type: ignore[attr-defined]
+    # Scale-up only: the stabilization window holds the 5 s-window recommendation, not the
+    # burst estimate (28 running + 28/5 s turned away x 2 s = 39.2 -> 6).
+    assert first.plan.stabilized == 6 and first.plan.panic  # type: ignore[attr-defined]
+    # Without it the 5 s rate window dilutes the step: the same tick asks for 6.
+    ds = _step(cfg(burst=False), FakeClock(), 10, 1, 42.0)
+    assert ds[-1].plan.desired == 6 and ds[-1].plan.burst == 0  # type: ignore[attr-defined]
+
+
+def test_burst_needs_the_step_to_persist_by_default(clock: FakeClock) -> None:
+    # Shipped default: two ticks of evidence. The first tick of the step is diluted (6), the
+    # second asks for the full 12 — not a 5 s window later.
+    ds = _step(cfg(), clock, 10, 2, 42.0)
+    assert ds[-2].plan.burst == 0 and ds[-2].plan.desired == 6  # type: ignore[attr-defined]
+    assert ds[-1].plan.burst == pytest.approx(84.0) and ds[-1].plan.desired == 12  # type: ignore[attr-defined]
+    # One tick of a clump that does not persist: no burst.
+    ds = _step(cfg(), FakeClock(), 10, 1, 42.0)
+    assert ds[-1].plan.burst == 0  # type: ignore[attr-defined]
+
+
+def test_burst_estimate_ignores_noise(clock: FakeClock) -> None:
+    # Ticks of 30 req/s that admission admitted as they came: not capacity the pool lacks.
+    ds = _step(cfg(burst_ticks=1), clock, 10, 1, 30.0, admit_all=True)
+    assert ds[-1].plan.burst == 0 and ds[-1].plan.desired == 4  # type: ignore[attr-defined]
+    # 14 -> 18 req/s is within 2 Poisson standard deviations of 14 per tick: not a step.
+    ds = _step(cfg(burst_ticks=1), FakeClock(), 10, 1, 18.0)
+    assert ds[-1].plan.burst == 0  # type: ignore[attr-defined]
+    ds = _step(cfg(burst_ticks=1, burst_sigma=0.0), FakeClock(), 10, 1, 18.0)
+    assert ds[-1].plan.burst == pytest.approx(36.0)  # type: ignore[attr-defined]
+
+
+def test_burst_estimate_leaves_excluded_classes_out(clock: FakeClock) -> None:
+    # The same step, all of it P1 here; with P1 excluded its turned-away part drives nothing.
+    ds = _step(cfg(burst_ticks=1, exclude_classes=(1,)), clock, 10, 1, 42.0)
+    assert ds[-1].plan.burst == pytest.approx(28.0) and ds[-1].plan.desired == 4  # type: ignore[attr-defined]
