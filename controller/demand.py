@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
 from floodgate.extproc.schema import TURNED_AWAY
@@ -258,33 +259,54 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
 
     Knative's panic window: the rate window (`window_s`) dilutes a step at its start (0.5 s of
     a 6x burst in a 5 s window reads as 1.5x), so the first decision after the step adds one
-    replica; a tick's own delta reads the step at its full height. A tick holds few arrivals,
-    so the estimate counts only when each of the last `burst_ticks` ticks is a step, not noise:
-    the pool fell behind in it (arrivals exceeded admissions: something was queued or turned
-    away — arrivals admitted as they come say nothing about missing capacity), and its
-    arrivals exceed what the window's rate before it predicts by `burst_sigma` Poisson
-    standard deviations. The estimate is the lowest of those ticks' rates. The policy uses it
-    for scale-up only (never in the stabilization window). Turned-away demand of
-    `exclude_classes` is left out. 0 when stale, disabled, without a measured service time or
-    without enough reads in the window (it needs `burst_ticks` + 2)."""
-    if not (cfg.enabled and cfg.burst) or service_s is None or offered(w, now, cfg).stale:
+    replica; a tick's own delta reads the step at its full height. Arrivals per tick come from
+    Envoy's `downstream_rq_total` when it is read (live: the processors flush their Redis
+    counters about once a second, so one tick of those is lumpy), else from Floodgate's
+    counters. A tick holds few arrivals, so the estimate counts only when each of the last
+    `burst_ticks` ticks is a step — its arrivals exceed what the window's rate before it
+    predicts by `burst_sigma` Poisson standard deviations — and the pool is behind (requests
+    wait in Floodgate's queue, or some were turned away in those ticks: arrivals admitted as
+    they come say nothing about missing capacity). The estimate is the lowest of those ticks'
+    rates. The policy uses it for scale-up only (never in the stabilization window). Demand
+    of `exclude_classes` that was turned away is left out. 0 when stale, disabled, without a
+    measured service time or without enough reads in the window (it needs `burst_ticks` + 2)."""
+    full = offered(w, now, cfg)
+    if not (cfg.enabled and cfg.burst) or service_s is None or full.stale:
         return 0.0
-    older = cfg.model_copy(update={"stale_after_s": cfg.stale_after_s + cfg.window_s})  # earlier reads
-    rate = math.inf
-    d: OfferedDemand | None = None
+    use_gw = cfg.use_envoy and _fresh(w.gateway, now, cfg)
+    fg_ok = _fresh(w.floodgate, now, cfg)
+    src: tuple = w.gateway if use_gw else w.floodgate
+
+    def arrivals(a: Any, b: Any) -> float:
+        if use_gw:
+            return max(0.0, b.rq_total - a.rq_total)
+        return sum(floodgate_rates(a, b)[0].values()) * (b.taken_at - a.taken_at)
+
+    def turned_away(a: Any, b: Any) -> float:
+        if use_gw:
+            return max(0.0, b.rejected - a.rejected)
+        return sum(floodgate_rates(a, b)[2].values()) * (b.taken_at - a.taken_at)
+
+    rate, behind = math.inf, fg_ok and sum(w.floodgate[-1].queued_now.values()) > 0
     for i in range(cfg.burst_ticks):
-        fg, gw = w.floodgate[:max(0, len(w.floodgate) - i)], w.gateway[:max(0, len(w.gateway) - i)]
-        tick = offered(DemandWindow(fg[-2:], gw[-2:]), now, older)
-        before = offered(DemandWindow(fg[:-1], gw[:-1]), now, older)
-        if tick.stale or before.stale or tick.offered_total - tick.admitted_total <= 1e-9:
+        end = len(src) - i
+        if end < 3:
             return 0.0
-        pair = fg[-2:] if tick.source.startswith("floodgate") else gw[-2:]
-        dt = pair[-1].taken_at - pair[0].taken_at
-        expected = before.offered_total * dt
-        if (tick.offered_total - before.offered_total) * dt < cfg.burst_sigma * math.sqrt(max(expected, 1.0)):
+        first, a, b = src[0], src[end - 2], src[end - 1]
+        dt, span = b.taken_at - a.taken_at, a.taken_at - first.taken_at
+        if dt <= 0 or span <= 0:
             return 0.0
-        if tick.offered_total < rate:
-            rate, d = tick.offered_total, tick
-    assert d is not None
-    excluded = sum(v for c, v in d.turned_away_rate.items() if c in cfg.exclude_classes)
-    return max(0.0, rate - excluded) * service_s
+        before = arrivals(first, a) / span
+        n = arrivals(a, b)
+        if n - before * dt < cfg.burst_sigma * math.sqrt(max(before * dt, 1.0)):
+            return 0.0
+        rate = min(rate, n / dt)
+        behind = behind or turned_away(a, b) > 0
+    if not behind:
+        return 0.0
+    # Share of excluded turned-away demand: over the last tick with Floodgate's per-class
+    # counters as the source, over the rate window with Envoy's (unclassed) ones.
+    mix = full if use_gw else offered(DemandWindow(w.floodgate[-2:], ()), now, cfg)
+    excluded = sum(v for c, v in mix.turned_away_rate.items() if c in cfg.exclude_classes)
+    share = excluded / mix.offered_total if not mix.stale and mix.offered_total > 0 else 0.0
+    return rate * (1.0 - min(1.0, share)) * service_s
