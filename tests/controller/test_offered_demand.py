@@ -13,7 +13,12 @@ from floodgate.controller.app import PoolController
 from floodgate.controller.capacity import CapacityConfig, TickLatency
 from floodgate.controller.config import PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
-from floodgate.controller.demand import ClassCounters, DemandConfig, FloodgateCounters
+from floodgate.controller.demand import (
+    ClassCounters,
+    DemandConfig,
+    FloodgateCounters,
+    GatewayCounters,
+)
 from floodgate.controller.forecast import DemandHistory, ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.metrics import ControllerMetrics
@@ -211,3 +216,36 @@ def test_burst_estimate_leaves_excluded_classes_out(clock: FakeClock) -> None:
     # The same step, all of it P1 here; with P1 excluded its turned-away part drives nothing.
     ds = _step(cfg(burst_ticks=1, exclude_classes=(1,)), clock, 10, 1, 42.0)
     assert ds[-1].plan.burst == pytest.approx(28.0) and ds[-1].plan.desired == 4  # type: ignore[attr-defined]
+
+
+def test_burst_counts_arrivals_from_envoy_when_redis_counters_are_batched(clock: FakeClock) -> None:
+    # The processors flush their Redis counters every other tick (batches), Envoy's listener
+    # counters are live. Step 14 -> 42 req/s, 14/s admitted, the rest turned away (429).
+    def run_step(c: DeciderConfig, clk: FakeClock) -> list[object]:
+        st = DeciderState(history=DemandHistory.empty(8 * 1440))
+        reps = views(clk.now, active=4)
+        total = adm = away = 0.0
+        flushed = (0.0, 0.0)
+        out: list[object] = []
+        for i in range(12):
+            t = clk.advance(1.0)
+            rate = 14.0 if i < 10 else 42.0
+            total, adm, away = total + rate, adm + 14.0, away + rate - 14.0
+            if i % 2 == 0:
+                flushed = (adm, away)
+            fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=flushed[0], early_drop=flushed[1])})
+            gw = GatewayCounters(t, True, rq_total=total, rejected=away)
+            ps = replace(signals(t, reps, running=28.0), counters=fc, gateway=gw)
+            st, d = decide(c, st, Signals(ps, reps), t)
+            out.append(d)
+        return out
+
+    ds = run_step(cfg(), clock)
+    assert ds[-2].plan.burst == 0  # type: ignore[attr-defined]  # one step tick: not yet
+    # 42/s x the measured service time (2 s; read as up to 2.5 s through the batched admitted
+    # counter over the 5 s window).
+    assert 84.0 <= ds[-1].plan.burst <= 105.0  # type: ignore[attr-defined]
+    assert ds[-1].plan.desired >= 12 and ds[-1].plan.reason == "burst_demand"  # type: ignore[attr-defined]
+    # Redis counters alone: the batched ticks are no step (one of the two is empty).
+    ds = run_step(cfg(use_envoy=False), FakeClock())
+    assert ds[-1].plan.burst == 0  # type: ignore[attr-defined]
