@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -38,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from floodgate.envoy_config import write_config
 from floodgate.stack import Envoy, LocalStack, Processor
@@ -186,13 +187,12 @@ def upstream_bootstrap(port: int, admin_port: int) -> dict[str, Any]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (all its threads), from /proc."""
+    """User + system CPU time of one process (all its threads); 0.0 once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return t.user + t.system
 
 
 def envoy_stats(envoy: Envoy, pattern: str) -> dict[str, int]:

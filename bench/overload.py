@@ -41,9 +41,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 from floodgate.bench.doc_section import kept_notes, replace_section
 from floodgate.bench.doc_section import num as _num
 from floodgate.bench.doc_section import pct as _pct
+from floodgate.bench.overhead import cpu_seconds
 from floodgate.extproc.config import PoolConfig
 
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
@@ -347,21 +349,12 @@ def floodgate_config(cfg: BenchConfig, classes: dict[int, dict[str, Any]] | None
 # --------------------------------------------------------------------------- running
 
 
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 def _machine_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, for the CPU headroom check."""
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return float(sum(vals) - idle), float(sum(vals))
+    """(busy, total) CPU seconds of the whole machine, for the CPU headroom check."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(t)
+    return total - idle, total
 
 
 def _wait_healthy(port: int, timeout: float = 20.0) -> None:
@@ -420,7 +413,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
         else:
             envoy = stack.start_envoy(upstreams, processors=[], admission=False)
         pids = {c.name: c.proc.pid for c in sup.children}
-        cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
+        cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
         self0 = time.process_time()
         busy0 = _machine_busy()
         t0 = time.monotonic()
@@ -429,7 +422,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             metrics=metrics or ("none",), progress=progress))
         wall = max(1e-9, time.monotonic() - t0)
         busy1 = _machine_busy()
-        cpu = {n: (_cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
+        cpu = {n: (cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
         cpu["client"] = (time.process_time() - self0) / wall
         machine = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
         for c in sup.children:

@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import aiohttp
+from floodgate.bench.overhead import cpu_seconds
 from prometheus_client.parser import text_string_to_metric_families
 
 from floodgate.supervisor import Supervisor, free_port, wait_for_port
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _itl(session: aiohttp.ClientSession, base: str) -> tuple[float, float]:
@@ -68,11 +62,11 @@ async def _level(base: str, pid: int, concurrency: int, tokens: int) -> dict[str
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         sum0, n0 = await _itl(session, base)
-        cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
         results = await asyncio.gather(*(_one(session, base, tokens)
                                          for _ in range(concurrency)))
         wall = time.monotonic() - t0
-        cpu = _cpu_seconds(pid) - cpu0
+        cpu = cpu_seconds(pid) - cpu0
         sum1, n1 = await _itl(session, base)
     model_itl = (sum1 - sum0) / max(1.0, n1 - n0)
     client_itl = statistics.mean(r[1] for r in results)

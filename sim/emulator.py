@@ -215,7 +215,8 @@ def _opt_int(body: dict[str, Any], *names: str) -> int | None:
 
 def process_age() -> float:
     """Seconds since this process was spawned (Linux: /proc/self/stat starttime against
-    CLOCK_BOOTTIME, the clock it is counted on); 0.0 where that cannot be read."""
+    CLOCK_BOOTTIME, the clock it is counted on); 0.0 where that cannot be read. Not psutil:
+    its create_time() adds the boot time, which /proc/stat gives in whole seconds (up to 1 s off)."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

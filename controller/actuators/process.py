@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from floodgate.controller.actuators.base import ReplicaHandle, Role
 
 from floodgate.supervisor import Supervisor, free_port
@@ -31,17 +32,12 @@ def sim_command(*extra: str) -> list[str]:
 
 
 def _pid_alive(pid: int) -> bool:
+    # A zombie still has a pid but is dead.
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    # A zombie answers kill(0) but is dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+    except psutil.Error:  # exists, but we may not look at it
         return True
 
 

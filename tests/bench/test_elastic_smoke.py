@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 from pathlib import Path
 
+import psutil
 import pytest
 from floodgate.bench import elastic
 
@@ -71,8 +71,6 @@ def test_elastic_smoke(tmp_path: Path) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from floodgate.supervisor import free_port
@@ -23,27 +24,17 @@ pytestmark = pytest.mark.integration
 
 def _descendants(root: int) -> set[int]:
     """Every live process whose parent chain reaches `root`."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (d / "stat").read_text()
-                parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out: set[int] = set()
-    frontier = {root}
-    while frontier:
-        kids = {p for p, pp in parent.items() if pp in frontier and p not in out}
-        out |= kids
-        frontier = kids
-    return out
+    try:
+        return {c.pid for c in psutil.Process(root).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
 
 
 def _alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait(pred: object, timeout: float) -> None:
@@ -81,7 +72,7 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
         # The warm pool fills in the background: 1 active + 1 warm replica process.
         _wait(lambda: _pool_filled(tmp_path / "up.err"), 30)
         pids = _descendants(proc.pid)
-        sims = [p for p in pids if b"sim" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        sims = [p for p in pids if "sim" in " ".join(psutil.Process(p).cmdline())]
         assert len(sims) >= 2  # the controller's replicas are its (grand)children
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(30)
