@@ -235,6 +235,30 @@ def _script_calls(redis_port: int) -> tuple[int, int]:
     return scripts, data
 
 
+PROFILE: list[bool] = []  # --profile: print INFO commandstats per window
+
+
+def _commandstats(redis_port: int) -> dict[str, tuple[int, int]]:
+    import redis
+    return {k.removeprefix("cmdstat_"): (int(v.get("calls", 0)), int(v.get("usec", 0)))
+            for k, v in redis.Redis(port=redis_port).info("commandstats").items()}
+
+
+def _print_profile(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], cpu_s: float) -> None:
+    """Calls and server time per command in the window (a script's time includes its inner
+    commands'); what no command accounts for is the event loop and network."""
+    rows = sorted(((k, c - before.get(k, (0, 0))[0], u - before.get(k, (0, 0))[1]) for k, (c, u) in after.items()),
+                  key=lambda r: -r[2])
+    scripts = sum(u for k, _, u in rows if "cmdstat_" + k in _SCRIPT_CMDS)
+    outer = sum(u for k, _, u in rows if "cmdstat_" + k in _SCRIPT_CMDS or (not any(
+        "cmdstat_" + k == s for s in _SCRIPT_CMDS) and k in ("spublish", "publish", "info", "hincrby", "ping")))
+    print(f"    profile: Redis CPU {cpu_s * 1e6:,.0f} µs, scripts {scripts:,} µs, "
+          f"outside scripts' and listed commands' time ~{cpu_s * 1e6 - outer:,.0f} µs", flush=True)
+    for k, c, u in rows[:14]:
+        if c:
+            print(f"      {k:<18} {c:8d} calls {u:9d} µs {u / c:7.2f} µs/call", flush=True)
+
+
 def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float, float]:
     """CPU µs of one `get_limit` call (the fixed per-call work: TIME, the settings check, one
     state read) as the Function (FCALL) and as the plain script (EVALSHA, the fallback for a
@@ -262,11 +286,15 @@ def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[floa
     return out[0], out[1], out[2]
 
 
-def script_floor(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float]:
+def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0) -> tuple[float, float]:
     """CPU µs and commands of the script work of one contended decision with the network taken
     out: `admit` of a new request (refused, queued behind 16 waiters of a full pool of 8) and
-    the `release` that grants the queue's head, pipelined 500 pairs at a time. What a shard
-    spends per contended decision at saturation, where round trips are amortised."""
+    the `release` that grants the queue's head, pipelined 500 decisions at a time. What a shard
+    spends per contended decision at saturation, where round trips are amortised.
+
+    batch = 0: one call per op (admit, release). batch = b: as a processor sends them, b admits
+    and the release of b permits in one `batch` call, from two gateways in turn (so grants to
+    the other's waiters are published, grants to its own come back in the reply)."""
     import collections
 
     import redis
@@ -276,38 +304,60 @@ def script_floor(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float
 
     r = redis.Redis(port=redis_port)
     r.function_load(LIBRARY, replace=True)
-    keys = script_keys("script-floor")
+    pool = f"script-floor-{batch}"
+    keys = script_keys(pool)
     big = (10**6, 10**6, 10**6)
     settings = [x for kv in PoolSettings(8, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields().items() for x in kv]
 
     def call(p: Any, op: str, *args: str) -> Any:
         return p.fcall(FUNCTION, len(keys), *keys, op, "15000", *args)
 
-    call(r, "configure", "script-floor", *settings)
-    call(r, "sync", "g", "0", "0")
+    call(r, "configure", pool, *settings)
+    gws = ("g", "h")
+    for g in gws:
+        call(r, "sync", g, "0", "0")
     sub = r.pubsub()
-    sub.ssubscribe("fg:{script-floor}:gw:g")  # grants are published to a subscriber, as in service
+    for g in gws:
+        sub.ssubscribe(f"fg:{{{pool}}}:gw:{g}")  # grants are published to a subscriber, as in service
     held: collections.deque[str] = collections.deque()
     waiting: collections.deque[str] = collections.deque()
     seq = 0
 
-    def admit(p: Any) -> str:
+    def admit_args(g: str) -> list[str]:
         nonlocal seq
         seq += 1
-        call(p, "admit", f"g/{seq}", "g", str(seq), "1", "", "0", "30000")
-        return f"g/{seq}"
+        return [f"{g}/{seq}", g, str(seq), "1", "", "0", "30000"]
 
     for _ in range(24):
-        t = admit(r)
-        (held if len(held) < 8 else waiting).append(t)
+        a = admit_args("g")
+        call(r, "admit", *a)
+        (held if len(held) < 8 else waiting).append(a[0])
 
     def run(count: int) -> None:
-        for _ in range(0, count, 500):
+        step = 500 if batch == 0 else max(1, 500 // batch) * batch
+        k = 0
+        for _ in range(0, count, step):
             p = r.pipeline(transaction=False)
-            for _ in range(500):
-                waiting.append(admit(p))
-                call(p, "release", held.popleft())
-                held.append(waiting.popleft())
+            if batch == 0:
+                for _ in range(step):
+                    a = admit_args("g")
+                    call(p, "admit", *a)
+                    waiting.append(a[0])
+                    call(p, "release", held.popleft())
+                    held.append(waiting.popleft())
+            else:
+                for _ in range(step // batch):
+                    g = gws[k % 2]
+                    k += 1
+                    argv = [g]
+                    for _ in range(batch):
+                        a = admit_args(g)
+                        argv += ["admit", str(len(a)), *a]
+                        waiting.append(a[0])
+                    done = [held.popleft() for _ in range(batch)]
+                    argv += ["release", str(len(done)), *done]
+                    held.extend(waiting.popleft() for _ in range(batch))
+                    call(p, "batch", *argv)
             p.execute()
 
     run(2000)
@@ -368,9 +418,12 @@ def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: i
              "--hold-ms", str(hold_ms if mode == "contended" else 0)], stdout=out), out))
     time.sleep(max(0.0, start_at + warm - time.time()))
     q0 = admissions(metrics_urls, mode)
+    prof0 = _commandstats(redis_port) if PROFILE else {}
     cpu0, (calls0, cmds0), t0 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
     time.sleep(duration)
     cpu1, (calls1, cmds1), t1 = cpu_seconds(redis_pid), _script_calls(redis_port), time.monotonic()
+    if PROFILE:
+        _print_profile(prof0, _commandstats(redis_port), cpu1 - cpu0)
     q1 = admissions(metrics_urls, mode)
     lat: list[float] = []
     ovh: list[float] = []
@@ -391,7 +444,8 @@ def measure_point(mode: str, ports: Sequence[int], redis_pid: int, redis_port: i
 
 
 PROLOGUE: list[float] = []  # µs of CPU: leases.lua's fixed per-call work as FCALL, as EVALSHA; a trivial script
-FLOOR: list[float] = []  # script_floor(): µs and commands of a contended decision's script work
+FLOOR: list[float] = []  # script_floor(): µs and commands of a contended decision's script work, unbatched, batched
+FLOOR_BATCH = 4  # decisions per batch call in the second script_floor() figure
 
 
 def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: float,
@@ -415,6 +469,7 @@ def run_all(counts: Sequence[int], modes: Sequence[str], duration: float, warm: 
             if not PROLOGUE:
                 PROLOGUE.extend(prologue_cost(redis_pid, redis_port))
                 FLOOR.extend(script_floor(redis_pid, redis_port))
+                FLOOR.extend(script_floor(redis_pid, redis_port, batch=FLOOR_BATCH))
             time.sleep(warm)
             c0 = cpu_seconds(redis_pid)
             time.sleep(duration)
@@ -550,12 +605,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contended mode: how long an admitted request holds its permit, so that a queue "
                         "always forms (default 10)")
     p.add_argument("--json", metavar="FILE", help="also write the points as JSON")
+    p.add_argument("--profile", action="store_true",
+                   help="print the server's INFO commandstats (calls, µs) for every measured window")
     p.add_argument("--sharded", type=int, default=3, metavar="P",
                    help="also run P contended pools on a Cluster of 1 shard and of P shards (0: skip; default 3)")
     p.add_argument("--sharded-processors", type=int, default=4, help="processors for --sharded (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "profile", False):
+        PROFILE.append(True)
     counts = [int(x) for x in str(args.processors).split(",") if x]
     modes = [m for m in str(args.modes).split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -581,8 +640,9 @@ def run(args: argparse.Namespace) -> int:
               f"a `return 1` script: {PROLOGUE[2]:.1f} µs)")
     if FLOOR:
         print(f"script work of one contended decision (admit + the release that grants the next, pipelined: "
-              f"no round trips): {FLOOR[0]:.1f} µs of Redis CPU, {FLOOR[1]:.1f} commands; one shard at 80 % "
-              f"CPU: {0.8e6 / FLOOR[0]:,.0f} decisions/s if round trips cost nothing")
+              f"no round trips): one call per op {FLOOR[0]:.1f} µs of Redis CPU, {FLOOR[1]:.1f} commands; "
+              f"{FLOOR_BATCH} decisions per batch call {FLOOR[2]:.1f} µs, {FLOOR[3]:.1f} commands; one shard at 80 % "
+              f"CPU: {0.8e6 / FLOOR[2]:,.0f} decisions/s if round trips cost nothing")
     if "contended" in modes:
         ok = contended >= TARGET_PER_SHARD
         print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "

@@ -144,11 +144,13 @@ class Admitter:
             pc, ps = (pool_clients or {}).get(p.name, (client, self.pubsub_client))
             rt = PoolRuntime(
                 cfg=p, settings=settings,
-                state=PoolState(pc, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings),
+                state=PoolState(pc, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings,
+                                gateway=self.gateway_id, batch_timeout_s=cfg.redis.op_timeout_s * 2),
                 local=PermitTable(limit=p.limit.initial, shares=settings.shares),
                 limit=limit_for(p),
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
                 client=pc, pubsub_client=ps)
+            rt.state.on_grant = partial(self._granted, rt)
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
             self.metrics.pool_degraded.labels(p.name).set(0)
@@ -539,9 +541,7 @@ class Admitter:
                             rt.queue_clear = False
                             self._return_credits(rt)
                             continue
-                        w = rt.waiting.get(ticket)
-                        if w is not None and not w.future.done():
-                            w.future.set_result(endpoint)
+                        self._granted(rt, ticket, endpoint)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, TimeoutError) as exc:
@@ -551,6 +551,12 @@ class Admitter:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
+
+    def _granted(self, rt: PoolRuntime, ticket: str, endpoint: str) -> None:
+        """A grant to one of this processor's waiters (by pub/sub, or in a batch's reply)."""
+        w = rt.waiting.get(ticket)
+        if w is not None and not w.future.done():
+            w.future.set_result(endpoint)
 
     async def _poll_loop(self, rt: PoolRuntime) -> None:
         """Fallback for lost grant messages; also drives reclaim when traffic is idle."""

@@ -16,7 +16,10 @@
 --
 -- Cost: each hash the hot path needs (settings, counts, state) is read once per call into a
 -- Lua table and the changed fields of counts and state are written back once at the end
--- (`flush`), so a call runs few commands.
+-- (`flush`), so a call runs few commands. A processor sends its admission ops as `batch`
+-- calls (several ops, one call): everything read or memoised per call (the hashes, the event
+-- rates, the snapshot's queue edges, live gateways) is then shared by the batch's ops, and
+-- stays correct between them (each op that changes what a memo holds updates or drops it).
 --
 -- Invariants (tests/test_state.py checks them against extproc/permits.py on random histories):
 --  * a ticket is in at most one of queue / leases; a lease is created by `acquire`/`admit`
@@ -61,14 +64,40 @@ local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to wr
 local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
 local INF0, QUE0           -- as read (flush writes only what changed)
 local ALIVE         -- gateway -> alive, memo for this call
+local EDGE          -- class (1-based) -> {head deadline, tail deadline} (false: empty), memo for this call
+local LIVE, NACTIVE -- live gateway count, active endpoint count: memo for this call
+local RT            -- event rate name -> {rate, ts, t0, n}, parsed once per call (flush writes it back)
+local LVL_DONE      -- the level was sampled in this call (again at the same `now` it would not change)
+local NO_CREDITORS  -- no gateway holds credits (checked, or recalled, in this call)
+local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for this call
+local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
 
 local function num(v, d) if v then return tonumber(v) end return d end
 
+-- HGET and HDEL of one field as one command where the server has HGETDEL (Valkey 9, Redis 8);
+-- HAS_HGETDEL lives as long as the library (false: this server lacks it).
+local HAS_HGETDEL = nil
+local function hgetdel(key, field)
+  if HAS_HGETDEL ~= false then
+    local ok, r = pcall(redis.call, 'HGETDEL', key, 'FIELDS', 1, field)
+    if ok then HAS_HGETDEL = true return r[1] end
+    HAS_HGETDEL = false
+  end
+  local v = redis.call('HGET', key, field)
+  if v then redis.call('HDEL', key, field) end
+  return v
+end
+
 local function state()
   if not ST then
-    local v = redis.call('HMGET', K.state, unpack(STATE_FIELDS))
+    local fields = STATE_FIELDS
+    if MY_GW then  -- a batch: its gateway's ticket watermark in the same read
+      fields = {unpack(STATE_FIELDS)}
+      table.insert(fields, 'hw:' .. MY_GW)
+    end
+    local v = redis.call('HMGET', K.state, unpack(fields))
     ST, ST_DIRTY = {}, {}
-    for i, f in ipairs(STATE_FIELDS) do ST[f] = v[i] or nil end
+    for i, f in ipairs(fields) do ST[f] = v[i] or nil end
   end
   return ST
 end
@@ -105,6 +134,9 @@ local function flush()
     if #args > 0 then redis.call('HSET', K.counts, unpack(args)) end
   end
   if ST_DIRTY and next(ST_DIRTY) then
+    for name, r in pairs(RT) do
+      if ST_DIRTY[name] then ST[name] = string.format('%.14g|%d|%d|%d', r[1], r[2], r[3], r[4]) end
+    end
     local args = {}
     for f in pairs(ST_DIRTY) do table.insert(args, f) table.insert(args, ST[f]) end
     redis.call('HSET', K.state, unpack(args))
@@ -142,16 +174,27 @@ end
 -- Exponentially decayed event rates (events per second) in the state hash: `rate` counts freed
 -- permits, `g0..g2` grants per class. `<name>_t0` and `<name>_n` let read_rate() correct the
 -- start-up bias and say "unknown" (0) until it has seen enough.
+local function rate_rec(name)
+  local rec = RT[name]
+  if not rec then
+    local r, ts, t0, n = string.match(state()[name] or '', '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+    if r then rec = {tonumber(r), tonumber(ts), tonumber(t0), tonumber(n)} else rec = {0, now, now, 0} end
+    RT[name] = rec
+  end
+  return rec
+end
+
 local function unpack_rate(name)
-  local r, ts, t0, n = string.match(state()[name] or '', '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-  if not r then return 0, now, now, 0 end
-  return tonumber(r), tonumber(ts), tonumber(t0), tonumber(n)
+  local rec = rate_rec(name)
+  return rec[1], rec[2], rec[3], rec[4]
 end
 
 local function bump_rate(name)
-  local rate, ts, t0, n = unpack_rate(name)
-  rate = rate * math.exp(-(now - ts) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
-  set_state(name, string.format('%.14g|%d|%d|%d', rate, now, t0, math.min(n + 1, 1000000)))
+  local rec = rate_rec(name)
+  rec[1] = rec[1] * math.exp(-(now - rec[2]) / RATE_TAU_MS) + 1000 / RATE_TAU_MS
+  rec[2] = now
+  rec[4] = math.min(rec[4] + 1, 1000000)
+  ST_DIRTY[name] = true  -- flush formats it
 end
 
 local function read_rate(name)
@@ -249,6 +292,7 @@ local function put_lease(ticket, c, gw, seq, ep)
   add_inflight(c + 1, 1)
   if ep ~= '' then
     redis.call('HSET', K.lep, ticket, ep)
+    HAS_LEP = true
     redis.call('HINCRBY', K.epinf, ep, 1)
   end
 end
@@ -262,15 +306,21 @@ local function lease(ticket, c, gw, seq)
   return ep
 end
 
-local function unqueue(ticket, meta)
+-- `popped`: the caller already removed it from the queue and its meta (ZPOPMIN, HGETDEL).
+local function unqueue(ticket, meta, popped)
   local c, _, _, _, tenant = parse_qmeta(meta)
-  redis.call('ZREM', K.queue, ticket)
+  if not popped then
+    redis.call('ZREM', K.queue, ticket)
+    redis.call('HDEL', K.qmeta, ticket)
+  end
   redis.call('ZREM', K.qdl, ticket)
-  redis.call('HDEL', K.qmeta, ticket)
   add_queued(c + 1, -1)
-  local field = 't' .. CLS[c + 1] .. ':' .. tenant
-  if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
-    redis.call('HDEL', K.counts, field)
+  if EDGE then EDGE[c + 1] = nil end
+  if tenant ~= '' then  -- no cap applies to a request without a tenant: nothing to count
+    local field = 't' .. CLS[c + 1] .. ':' .. tenant
+    if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
+      redis.call('HDEL', K.counts, field)
+    end
   end
 end
 
@@ -284,13 +334,17 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant)
   lower_due(deadline + WAITER_GRACE_MS)
   redis.call('HSET', K.qmeta, ticket, CLS[c + 1] .. '|' .. dl .. '|' .. gw .. '|' .. seq .. '|' .. tenant)
   add_queued(c + 1, 1)
-  redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1)
+  local e = EDGE and EDGE[c + 1]
+  if e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
+  if tenant ~= '' then redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1) end
 end
 
 -- Time-weighted mean in-flight (decay RATE_TAU_MS) sampled at each release, `lvl` in the state
 -- hash: with the release rate it gives the mean hold time (Little), so the policy can tell
 -- that a pool which just filled up frees permits faster than its decayed rate says.
 local function bump_level()
+  if LVL_DONE then return end
+  LVL_DONE = true
   local inflight = counts()
   local total = inflight[1] + inflight[2] + inflight[3]
   local v = total
@@ -306,10 +360,10 @@ end
 local function drop_lease(ticket, count_rate)
   if redis.call('ZREM', K.leases, ticket) == 0 then return false end
   if count_rate then bump_level() end  -- sampled with the lease still counted
-  local c = parse_lmeta(redis.call('HGET', K.lmeta, ticket))
-  redis.call('HDEL', K.lmeta, ticket)
+  local c = parse_lmeta(hgetdel(K.lmeta, ticket))
   add_inflight(c + 1, -1)
-  local ep = redis.call('HGET', K.lep, ticket)
+  if HAS_LEP == nil then HAS_LEP = redis.call('EXISTS', K.lep) == 1 end
+  local ep = HAS_LEP and redis.call('HGET', K.lep, ticket)
   if ep then
     redis.call('HDEL', K.lep, ticket)
     if redis.call('HINCRBY', K.epinf, ep, -1) <= 0 then redis.call('HDEL', K.epinf, ep) end
@@ -321,6 +375,23 @@ end
 -- Hand free permits to waiters: highest eligible class first, FIFO within it. Each waiter is
 -- popped before it is leased, so no permit is ever granted twice. Waiters past their deadline
 -- or of a gateway that stopped syncing are dropped, never granted.
+-- Take class c's head off the queue (the caller removes its meta): one ZPOPMIN when no
+-- higher class waits (the usual case), else by score range.
+local function pop_head(c, queued)
+  local lower = true
+  for k = 1, c - 1 do if queued[k] > 0 then lower = false end end
+  if lower then
+    local p = redis.call('ZPOPMIN', K.queue)
+    if not p[1] then return nil end
+    local score = tonumber(p[2])
+    if score >= (c - 1) * CLASS_SPAN and score < c * CLASS_SPAN then return p[1] end
+    redis.call('ZADD', K.queue, p[2], p[1])  -- another class's (a drifted count): put it back
+  end
+  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+  if head then redis.call('ZREM', K.queue, head) end
+  return head
+end
+
 local function grant_loop()
   local L = int_limit(true)
   local granted = 0
@@ -330,20 +401,22 @@ local function grant_loop()
     local progressed = false
     for c = 1, 3 do
       if queued[c] > 0 and eligible(c, L, inflight, queued) then
-        local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+        local head = pop_head(c, queued)
         if not head then
           queued[c] = 0  -- repair a drifted counter
           CNT_DIRTY = true
         else
-          local meta = redis.call('HGET', K.qmeta, head)
-          if not meta then
-            redis.call('ZREM', K.queue, head)
-          else
+          local meta = hgetdel(K.qmeta, head)
+          if meta then
             local _, deadline, gw, seq = parse_qmeta(meta)
-            unqueue(head, meta)
+            unqueue(head, meta, true)
             if deadline >= now and gateway_alive(gw) then
               local ep = lease(head, c, gw, seq)
-              notify(gw, S.pool .. '|' .. head .. '|' .. ep)
+              if gw == MY_GW then  -- the caller's own waiter: in the reply, no message
+                table.insert(MINE, head) table.insert(MINE, ep)
+              else
+                notify(gw, S.pool .. '|' .. head .. '|' .. ep)
+              end
               granted = granted + 1
             end
           end
@@ -380,6 +453,12 @@ local function reclaim()
       if is_dead[gw] then unqueue(all[i], all[i + 1]) end
     end
     redis.call('ZREM', K.gws, unpack(dead))
+    local st = state()
+    for _, gw in ipairs(dead) do
+      redis.call('HDEL', K.state, 'hw:' .. gw)
+      st['hw:' .. gw], ST_DIRTY['hw:' .. gw] = nil, nil
+    end
+    LIVE = nil
     redis.call('SREM', K.creditors, unpack(dead))
   end
   local due = math.huge
@@ -393,6 +472,8 @@ end
 
 -- Tell every gateway holding credits to hand its idle ones back (see `acquire`).
 local function recall_credits()
+  if NO_CREDITORS then return end
+  NO_CREDITORS = true
   local creditors = redis.call('SMEMBERS', K.creditors)
   if #creditors == 0 then return end
   for _, creditor in ipairs(creditors) do notify(creditor, S.pool .. '|!return|') end
@@ -408,19 +489,28 @@ local function gateway_rank(gw)
 end
 
 -- Milliseconds until the deadline of class c's oldest and newest waiter (0 when none).
+-- Kept in EDGE for the rest of the call: a waiter queued later is the new tail (queue order
+-- within a class is arrival order), a waiter leaving forgets the class's edges.
 local function edges_left(c)
-  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
-  if not head then return 0, 0 end
-  local tail = redis.call('ZREVRANGEBYSCORE', K.queue, CLASS_HI[c], CLASS_LO[c], 'LIMIT', 0, 1)[1]
-  local metas = redis.call('HMGET', K.qmeta, head, tail)
-  local out = {0, 0}
-  for i = 1, 2 do
-    if metas[i] then
-      local _, deadline = parse_qmeta(metas[i])
-      out[i] = math.max(0, deadline - now)
+  local e = EDGE[c]
+  if e == nil then
+    e = false
+    local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+    if head then
+      local tail = redis.call('ZREVRANGEBYSCORE', K.queue, CLASS_HI[c], CLASS_LO[c], 'LIMIT', 0, 1)[1]
+      local metas = redis.call('HMGET', K.qmeta, head, tail)
+      e = {0, 0}
+      for i = 1, 2 do
+        if metas[i] then
+          local _, deadline = parse_qmeta(metas[i])
+          e[i] = deadline
+        end
+      end
     end
+    EDGE[c] = e
   end
-  return out[1], out[2]
+  if not e then return 0, 0 end
+  return math.max(0, e[1] - now), math.max(0, e[2] - now)
 end
 
 local SNAP_FMT = 'limit %d i0 %d i1 %d i2 %d q0 %d q1 %d q2 %d tenant_queued %d rate %.14g class_rate %.14g ' ..
@@ -431,11 +521,17 @@ local function snapshot(out, c, tenant, gw)
   local inflight, queued = counts()
   local tq, class_rate = 0, 0
   if c then
-    tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0)
+    if tenant ~= '' then tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0) end
     class_rate = read_rate(GRATE[c])
   end
   local rank, live = -1, nil
-  if gw then rank, live = gateway_rank(gw) else live = redis.call('ZCOUNT', K.gws, NOW_EXCL_S, '+inf') end
+  if gw then
+    rank, live = gateway_rank(gw)
+  else
+    if not LIVE then LIVE = redis.call('ZCOUNT', K.gws, NOW_EXCL_S, '+inf') end
+    live = LIVE
+  end
+  if not NACTIVE then NACTIVE = redis.call('SCARD', K.active) end
   local _, _, _, rate_n = unpack_rate('rate:p')
   local lvl = string.match(state()['lvl:p'] or '', '^([^|]*)|') or '0'
   -- For early drop (policy.wait_estimate): how much the rate rests on (rate_n), the in-flight
@@ -448,7 +544,7 @@ local function snapshot(out, c, tenant, gw)
   -- reply of 60 elements costs more to build than the commands above.
   table.insert(out, 'snap')
   table.insert(out, string.format(SNAP_FMT, L, inflight[1], inflight[2], inflight[3], queued[1], queued[2],
-    queued[3], tq, read_rate('rate:p'), class_rate, live, rank, now, redis.call('SCARD', K.active),
+    queued[3], tq, read_rate('rate:p'), class_rate, live, rank, now, NACTIVE,
     S and S.epoch or -1, rate_n, lvl, e[1], e[3], e[5], e[2], e[4], e[6]))
   return out
 end
@@ -485,7 +581,7 @@ local function try_lease(ticket, gw, seq, c, wanted)
       put_lease(credit, 1, gw, seq, '')
       table.insert(credits, credit)
     end
-    if n > 0 then redis.call('SADD', K.creditors, gw) end
+    if n > 0 then redis.call('SADD', K.creditors, gw) NO_CREDITORS = false end
   end
   return {'granted', 'g', 'endpoint', ep, 'credits', table.concat(credits, ',')}
 end
@@ -493,17 +589,37 @@ end
 -- enqueue's cap check and insertion (c 1-based); returns the cap that refused it, or nil.
 -- A gateway that has not synced yet (first call after a Redis restart) is registered; a
 -- registered one is not refreshed here: only `sync` proves a gateway alive.
-local function try_queue(ticket, gw, seq, c, tenant, deadline)
-  if redis.call('HEXISTS', K.qmeta, ticket) == 1 then return nil end
+local function try_queue(ticket, gw, seq, c, tenant, deadline, new)
+  if not new and redis.call('HEXISTS', K.qmeta, ticket) == 1 then return nil end
   local _, queued = counts()
   if queued[c] >= S.maxq[c] then return 'queue_full' end
   if tenant ~= '' then
     local tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0)
     if tq >= S.tcap[c] then return 'tenant_cap' end
   end
-  if redis.call('ZADD', K.gws, 'NX', EXPIRY_S, gw) == 1 then lower_due(now + ttl) end
+  if ALIVE[gw] ~= true and redis.call('ZADD', K.gws, 'NX', EXPIRY_S, gw) == 1 then
+    lower_due(now + ttl)
+    LIVE = nil
+    ALIVE[gw] = true
+  end
   put_waiter(ticket, c - 1, deadline, gw, seq, tenant)
   return nil
+end
+
+-- `hw:<gateway>` in the state hash: the highest ticket number of that gateway that an admit,
+-- acquire or enqueue has seen (or below which its sync re-asserted entries). A ticket above it
+-- is new: it cannot be leased or queued yet, so the idempotency checks (which only a retried
+-- call needs) are skipped. Written in the same atomic call as the entries, so a promoted
+-- replica has both or neither; unknown (nil) means check. Dropped with a dead gateway.
+local function is_new(gw, seq)
+  local f = 'hw:' .. gw
+  local st = state()
+  local hw = st[f]
+  if hw == nil and gw ~= MY_GW then hw = redis.call('HGET', K.state, f) or false st[f] = hw end
+  local n = tonumber(seq)
+  local new = hw and n > tonumber(hw)
+  if not hw or n > tonumber(hw) then set_state(f, seq) end
+  return new
 end
 
 local function short_if_leased(ticket)
@@ -535,7 +651,8 @@ function OPS.acquire(ARGV)
   -- the full snapshot only when the policy has to decide. Idempotent: a retried acquire of a
   -- ticket already leased returns that lease.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
-  local got = short_if_leased(ticket) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
+  local new = is_new(gw, seq)
+  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
   if got then return got end
   return snapshot({'granted', '0'}, c, tenant, nil)
 end
@@ -550,14 +667,15 @@ function OPS.admit(ARGV)
   -- Nothing becomes grantable by queueing a waiter (the grant loop just ran and a waiter only
   -- adds to what others must leave free), so there is no second grant loop. Idempotent.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
-  local got = short_if_leased(ticket) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
+  local new = is_new(gw, seq)
+  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
   if got then return got end
   local out = snapshot({'granted', '0'}, c, tenant, nil)
-  if S.picking and redis.call('SCARD', K.active) == 0 then
+  if S.picking and NACTIVE == 0 then
     table.insert(out, 'queued') table.insert(out, '0')
     return out
   end
-  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[9]))
+  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[9]), new)
   table.insert(out, why and 'rejected' or 'queued')
   table.insert(out, why or '1')
   return out
@@ -568,11 +686,12 @@ function OPS.enqueue(ARGV)
   -- max_queue and the tenant cap are checked here, atomically (`rejected`). Idempotent: a
   -- ticket already queued or leased is not added again.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local new = is_new(gw, seq)
   reclaim()
-  if redis.call('ZSCORE', K.leases, ticket) then
+  if not new and redis.call('ZSCORE', K.leases, ticket) then
     return snapshot({'granted', '1', 'endpoint', redis.call('HGET', K.lep, ticket) or ''}, c, tenant, nil)
   end
-  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[8]))
+  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[8]), new)
   if why then return snapshot({'granted', '0', 'rejected', why}, c, tenant, nil) end
   recall_credits()
   grant_loop()
@@ -620,6 +739,8 @@ function OPS.sync(ARGV)
   redis.call('ZADD', K.gws, EXPIRY_S, gw)
   lower_due(now + ttl)
   ALIVE[gw] = true
+  LIVE = nil
+  is_new(gw, tostring(watermark - 1))  -- every entry it re-asserts is below its watermark
   local held, waiting = {}, {}
   local reasserted, requeued, dropped = 0, 0, 0
   for i = 6, 5 + nheld do
@@ -695,6 +816,41 @@ function OPS.set_limit(ARGV)
   return {'ok', '1', 'version', tostring(version + 1)}
 end
 
+-- The ops a processor may batch into one call (`batch`).
+local BATCHABLE = {acquire = OPS.acquire, admit = OPS.admit, enqueue = OPS.enqueue, cancel = OPS.cancel,
+                   release = OPS.release, return_credits = OPS.return_credits}
+
+function OPS.batch(ARGV)
+  -- The admission calls a processor made in one event-loop turn, run in order in one call:
+  -- they share the call's cost and its reads (TIME, settings, state, counts, the snapshot's
+  -- queue edges), and the hashes are written back once. ARGV 3 the calling gateway, then per
+  -- op: name, argument count, arguments (as that op takes them after the TTL). Returns {replies,
+  -- grants}: each op's reply as a call of its own would return it ({'err', message} for one that
+  -- failed: the others still count), and the grants this call made to the calling gateway's own
+  -- waiters, as ticket, endpoint pairs (those are not published: the reply carries them).
+  MY_GW, MINE = ARGV[3], {}
+  local replies = {}
+  local i = 4
+  while i <= #ARGV do
+    local op, n = ARGV[i], tonumber(ARGV[i + 1])
+    local sub = {op, ARGV[2]}
+    for j = 1, n do sub[j + 2] = ARGV[i + 1 + j] end
+    i = i + 2 + n
+    local f = BATCHABLE[op]
+    if not f then
+      table.insert(replies, {'err', 'unknown op ' .. tostring(op)})
+    else
+      local ok, r = pcall(f, sub)
+      if ok then
+        table.insert(replies, r)
+      else
+        table.insert(replies, {'err', type(r) == 'table' and tostring(r.err) or tostring(r)})
+      end
+    end
+  end
+  return {replies, MINE}
+end
+
 -- Reads: never reclaim, grant or store anything.
 local READS = {}
 
@@ -715,6 +871,8 @@ local function main(KEYS, ARGV)
   for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
   ttl = tonumber(ARGV[2])
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
+  EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
+  RT, LVL_DONE, NO_CREDITORS = {}, false, false
   local fake = redis.call('GET', K.testclock)
   if fake then
     now = tonumber(fake)

@@ -10,15 +10,21 @@ and persisted with the data, so a promoted replica has it. A server that answers
 found" (a restart without persistence, a new Cluster node, FUNCTION FLUSH) gets the library
 loaded again (on a Cluster: on every primary) and the call retried; a server without Functions
 (Redis 6) runs the same source as an EVALSHA script (redis-py's `Script` reloads it on
-NOSCRIPT). The library's name carries a hash of the source, so processors of two versions
+NOSCRIPT). The admission calls of one pool (acquire, admit, enqueue, cancel, release,
+return_credits) that a processor makes while a call is in the air go together as one `batch`
+call, sent in order once the previous one has answered: one round trip and one read of the
+pool's state for all of them, and a grant to one of this processor's own waiters comes back in
+that reply instead of as a pub/sub message. The library's name carries a hash of the source, so processors of two versions
 sharing one Redis each call their own. A pool whose settings are missing (a fresh or restarted
 Redis) is configured from this processor's settings and the call retried.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
@@ -112,11 +118,23 @@ class SyncResult:
     dropped: int  # this gateway's leases/waiters nobody holds any more (abandoned calls, outages)
 
 
+BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits"})
+
+_Pending = tuple[str, Sequence[Any], "asyncio.Future[Any]"]
+
+
 class PoolState:
-    """The shared state of one pool. Every call is one atomic script run."""
+    """The shared state of one pool. Every call is one atomic script run; the admission calls
+    (`BATCHED`) made while one is in the air are sent together as one `batch` run, in order.
+
+    `gateway` and `on_grant(ticket, endpoint)`: a batch that grants a permit to one of this
+    gateway's waiters reports it in its reply, and `on_grant` is told before the batch's
+    callers get their replies (other gateways' waiters get a pub/sub message, as before).
+    `batch_timeout_s` bounds one batch call (a caller's own timeout may be shorter)."""
 
     def __init__(self, client: aioredis.Redis, pool: str, *, lease_ttl_s: float,
-                 settings: PoolSettings | None = None) -> None:
+                 settings: PoolSettings | None = None, gateway: str = "",
+                 on_grant: Callable[[str, str], None] | None = None, batch_timeout_s: float = 5.0) -> None:
         self.client = client
         self.pool = pool
         self.settings = settings
@@ -124,15 +142,79 @@ class PoolState:
         self._script = Leases(client)
         self._ttl = str(int(lease_ttl_s * 1000))
         self.stored: PoolSettings | None = None  # what Redis holds, after configure()
+        self.gateway = gateway
+        self.on_grant = on_grant
+        self.batch_timeout_s = batch_timeout_s
+        self._queue: list[_Pending] = []
+        self._sender: asyncio.Task[None] | None = None  # sends batches while ops are queued
+        self.batches = 0  # batch calls sent, and the ops they carried (tests, metrics)
+        self.batched_ops = 0
 
     async def _run(self, op: str, *args: Any) -> Any:
+        if op in BATCHED:
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._queue.append((op, args, fut))
+            if self._sender is None:
+                self._sender = asyncio.create_task(self._send(), name=f"fg-batch-{self.pool}")
+            return await fut
+        return await self._run_configured([op, self._ttl, *args])
+
+    async def _run_configured(self, argv: list[Any]) -> Any:
         try:
-            return await self._script(self.keys, [op, self._ttl, *args])
+            return await self._script(self.keys, argv)
         except ResponseError as exc:
             if "FGNOSETTINGS" not in str(exc) or self.settings is None:
                 raise
         await self.configure()
-        return await self._script(self.keys, [op, self._ttl, *args])
+        return await self._script(self.keys, argv)
+
+    async def _send(self) -> None:
+        """Send what is queued as one batch, and again until nothing is: one batch in the air
+        at a time, so ops reach Redis in the order they were made (a `cancel` never overtakes
+        the `admit` it undoes). An op whose caller gave up before it was sent is not sent."""
+        try:
+            await asyncio.sleep(0)  # the rest of this event-loop turn's calls join the first batch
+            while self._queue:
+                todo = [p for p in self._queue if not p[2].done()]
+                self._queue = []
+                if todo:
+                    await self._send_batch(todo)
+        finally:
+            self._sender = None
+            for _, _, fut in self._queue:  # (only when cancelled: the loop is closing)
+                fut.cancel()
+            self._queue = []
+
+    async def _send_batch(self, todo: list[_Pending]) -> None:
+        argv: list[Any] = ["batch", self._ttl, self.gateway]
+        for op, args, _ in todo:
+            argv += [op, len(args), *args]
+        self.batches += 1
+        self.batched_ops += len(todo)
+        try:
+            async with asyncio.timeout(self.batch_timeout_s):
+                replies, grants = await self._run_configured(argv)
+        except asyncio.CancelledError:
+            for _, _, fut in todo:
+                fut.cancel()
+            raise
+        except Exception as exc:  # each caller sees the failure (and degrades)
+            for _, _, fut in todo:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        if self.on_grant is not None:
+            it = iter(grants)
+            for ticket, endpoint in zip(it, it, strict=True):
+                with contextlib.suppress(Exception):  # a bad callback must not lose the replies
+                    self.on_grant(_text(ticket), _text(endpoint))
+        for (_, _, fut), r in zip(todo, replies, strict=True):
+            if fut.done():
+                continue
+            if isinstance(r, list) and len(r) == 2 and _text(r[0]) == "err":
+                fut.set_exception(ResponseError(_text(r[1])))
+            else:
+                fut.set_result(r)
 
     async def configure(self) -> PoolSettings:
         """Store this processor's settings unless the pool has some (or these have a higher

@@ -1,0 +1,329 @@
+"""Batched admission calls (`PoolState` sends the admission ops made while a call is in the air
+as one `batch` script run) against a real Redis-protocol server.
+
+A batch must mean exactly what its ops mean one call at a time: the same replies and the same
+state afterwards (random histories run both ways on two pools with one clock); ops reach Redis
+in the order they were made even when one is made while the previous batch is in the air; a
+grant to the caller's own waiter comes back in the reply, not as a message; one failing op does
+not fail the others; and a batch lost in the air (Redis frozen) degrades its callers without
+leaking a permit once Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from floodgate.extproc.admission import Admitter
+from floodgate.extproc.backends import Permit
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.redis_client import subscribe
+from floodgate.extproc.schema import (
+    SCRIPT_KEYS,
+    PoolSettings,
+    PoolStatus,
+    gateway_channel,
+    script_keys,
+)
+from floodgate.extproc.state import PoolState, redis_client
+from redis.exceptions import ResponseError
+
+from floodgate.stack import LocalStack
+from tests.helpers import wait_until
+
+K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
+SHARES = (0.5, 0.3, 0.1)
+
+
+@pytest.fixture
+async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    yield c
+    await c.aclose()
+
+
+async def make(c: aioredis.Redis, pool: str, *, gateway: str = "", limit: int = 3,
+               on_grant: dict[str, str] | None = None, ttl: float = 30) -> PoolState:
+    st = PoolState(c, pool, lease_ttl_s=ttl, gateway=gateway,
+                   settings=PoolSettings(limit, SHARES, max_queue=(6, 6, 6), tenant_cap=(3, 3, 3)))
+    if on_grant is not None:
+        st.on_grant = on_grant.__setitem__
+    await st.configure()
+    return st
+
+
+async def dump(c: aioredis.Redis, pool: str) -> dict[str, object]:
+    """Every key of the pool, by its role (the testclock excluded)."""
+    out: dict[str, object] = {}
+    for name, k in zip(SCRIPT_KEYS, script_keys(pool), strict=True):
+        t = (await c.type(k)).decode()
+        if name == "testclock" or t == "none":
+            continue
+        if t == "zset":
+            out[name] = await c.zrange(k, 0, -1, withscores=True)
+        elif t == "hash":
+            h = await c.hgetall(k)
+            if name == "settings":
+                h = {f: v for f, v in h.items() if f not in (b"stamp", b"pool")}
+            if name == "counts":  # a count that went back to its start within a batch is not rewritten
+                h = {f: v for f, v in h.items() if v != b"0"}
+            out[name] = h
+        elif t == "set":
+            out[name] = sorted(await c.smembers(k))
+        else:
+            out[name] = await c.get(k)
+    return out
+
+
+def _norm(x: object) -> object:
+    """Floats to 10 significant digits: a batch formats an event rate once where single calls
+    format it after every event (the 14-digit rounding in between may move the last digit)."""
+    if isinstance(x, float):
+        return float(f"{x:.10g}")
+    if isinstance(x, bytes):
+        parts = x.split(b"|")
+        out = []
+        for p in parts:
+            try:
+                out.append(f"{float(p):.10g}".encode() if b"." in p or b"e" in p else p)
+            except ValueError:
+                out.append(p)
+        return b"|".join(out)
+    if isinstance(x, dict):
+        return {k: _norm(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_norm(v) for v in x)
+    return x
+
+
+def reply(r: object) -> object:
+    if isinstance(r, int):
+        return r
+    return _norm(dataclasses.asdict(PoolStatus.from_reply(r)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, seed: int) -> None:
+    """The same random history on two pools with one clock: one op per call on `one`, the ops
+    of each step made together (one batch) on `bat`. Every reply and the whole stored state
+    after every step must be identical: what a batch shares (the reads, the snapshot's queue
+    edges, the live-gateway count, the event rates) never goes stale between its ops."""
+    rng = random.Random(seed)
+    grants_one: dict[str, str] = {}
+    grants_bat: dict[str, str] = {}
+    # A short TTL: leases expire and gateways that stop syncing die while the history runs.
+    one = await make(client, f"one{seed}", gateway="ga", on_grant=grants_one, ttl=3)
+    bat = await make(client, f"bat{seed}", gateway="ga", on_grant=grants_bat, ttl=3)
+    now = 1_000_000
+    for st in (one, bat):
+        await client.set(st.keys[K["testclock"]], now)
+        for g in ("ga", "gb"):
+            await st.sync(g, 1, {}, {})
+    seqs = {"ga": 0, "gb": 0}
+    for step in range(60):
+        leases = [t.decode() for t in await client.zrange(one.keys[K["leases"]], 0, -1)]
+        queued = [t.decode() for t in await client.zrange(one.keys[K["queue"]], 0, -1)]
+        ops: list[tuple[str, tuple[object, ...]]] = []
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.choices(["admit", "acquire", "release", "cancel", "credits"], [6, 1, 3, 1, 1])[0]
+            if kind in ("admit", "acquire"):
+                gw = rng.choice(["ga", "gb"])
+                seqs[gw] += 1
+                args: tuple[object, ...] = (f"{gw}/{seqs[gw]}", gw, seqs[gw], rng.choices([0, 1, 2], [1, 3, 2])[0],
+                                            rng.choice(["", "", "a", "b"]), rng.choice([0, 0, 2]))
+                if kind == "admit":
+                    args += (rng.choice([200, 1000, 5000]),)
+                ops.append((kind, args))
+            elif kind == "release" and leases:
+                ops.append(("release", tuple(rng.sample(leases, min(len(leases), rng.choice([1, 2]))))))
+            elif kind == "cancel" and (queued or leases):
+                ops.append(("cancel", (rng.choice(queued + leases[:1]),)))
+            elif kind == "credits":
+                credits = [t for t in leases if ":c" in t][:2]
+                if credits:
+                    ops.append(("return_credits", tuple(credits)))
+        r_one = [reply(await one._run(op, *args)) for op, args in ops]
+        batches = bat.batches
+        r_bat = [reply(r) for r in await asyncio.gather(*(bat._run(op, *args) for op, args in ops))]
+        assert bat.batches == batches + bool(ops)  # the step's ops went as one call
+        assert r_one == r_bat, (seed, step, ops)
+        d_one, d_bat = _norm(await dump(client, one.pool)), _norm(await dump(client, bat.pool))
+        assert d_one == d_bat, (seed, step, ops)
+        assert grants_one == grants_bat
+        if rng.random() < 0.3:
+            now += rng.choice([100, 700, 2000])
+            for st in (one, bat):
+                await client.set(st.keys[K["testclock"]], now)
+        if rng.random() < 0.1:
+            for st in (one, bat):
+                await st.sync("gb", seqs["gb"] + 1, {}, {})  # gb lets go of everything it had
+        elif rng.random() < 0.15:
+            g = rng.choice(["ga", "gb"])  # alive for another TTL, holding what Redis says it has
+            mine = {t.decode(): (1, int(t.decode().split("/")[1].split(":")[0]), "")
+                    for t in await client.zrange(one.keys[K["leases"]], 0, -1) if t.decode().startswith(g)}
+            for st in (one, bat):
+                await st.sync(g, seqs[g] + 1, mine, {})
+    assert grants_bat  # the history granted some of ga's waiters in a reply
+
+
+async def test_own_grants_come_in_the_reply_and_others_by_message(client: aioredis.Redis) -> None:
+    got: dict[str, str] = {}
+    ga = await make(client, "own", gateway="ga", limit=1, on_grant=got)
+    gb = await make(client, "own", gateway="gb", limit=1)
+    for g in ("ga", "gb"):
+        await ga.sync(g, 1, {}, {})
+    sub = await subscribe(client, [gateway_channel("ga", "own"), gateway_channel("gb", "own")])
+    try:
+        assert (await ga.admit("ga/1", "ga", 1, 1, "", 0, 30)).granted
+        assert (await ga.admit("ga/2", "ga", 2, 1, "", 0, 30)).enqueued
+        assert (await gb.admit("gb/1", "gb", 1, 1, "", 0, 30)).enqueued
+        assert await ga.release("ga/1") == 1
+        assert got == {"ga/2": ""}  # told by the reply
+        assert await gb.release("ga/2") == 1  # gb's call grants gb's waiter: also in the reply
+        assert await ga.release("gb/1") == 1  # nothing waits
+        assert (await ga.admit("ga/3", "ga", 3, 1, "", 0, 30)).granted
+        assert (await gb.admit("gb/2", "gb", 2, 1, "", 0, 30)).enqueued
+        assert await ga.release("ga/3") == 1  # ga's call grants gb's waiter: a message to gb
+        msgs = []
+        while (m := await sub.get_message(0.3)) is not None:
+            msgs.append(m)
+        assert msgs == [(gateway_channel("gb", "own"), b"own|gb/2|")]
+    finally:
+        await sub.aclose()
+
+
+async def test_ops_made_while_a_batch_is_in_the_air_follow_it_in_order(client: aioredis.Redis) -> None:
+    """A `cancel` made while its `admit` is in the air must not overtake it (it would find
+    nothing, and the waiter queued afterwards would be granted a permit nobody holds)."""
+    st = await make(client, "order", gateway="ga", limit=1)
+    await st.sync("ga", 1, {}, {})
+    assert (await st.admit("ga/1", "ga", 1, 1, "", 0, 30)).granted
+    b0, n0 = st.batches, st.batched_ops
+    admits = [asyncio.create_task(st.admit(f"ga/{i}", "ga", i, 1, "", 0, 30)) for i in (2, 3)]
+    for _ in range(10):  # until the batch of both admits is in the air
+        if st.batches > b0:
+            break
+        await asyncio.sleep(0)
+    assert st.batches == b0 + 1
+    cancel = asyncio.create_task(st.cancel("ga/2"))
+    release = asyncio.create_task(st.release("ga/1"))  # grants the head: ga/3 once ga/2 is gone
+    assert all(s.enqueued for s in await asyncio.gather(*admits))
+    assert await cancel == 0  # it found the waiter its admit queued
+    assert await release == 1
+    assert (st.batches - b0, st.batched_ops - n0) == (2, 4)
+    status = await st.status()
+    assert status.queued_total == 0 and status.inflight_total == 1
+    assert await client.zrange(st.keys[K["leases"]], 0, -1) == [b"ga/3"]
+
+
+async def test_an_op_given_up_before_its_batch_was_sent_is_not_sent(client: aioredis.Redis) -> None:
+    st = await make(client, "gaveup", gateway="ga", limit=1)
+    t = asyncio.create_task(st.admit("ga/1", "ga", 1, 1, "", 0, 30))
+    await asyncio.sleep(0)  # queued, not sent
+    t.cancel()
+    other = await st.admit("ga/2", "ga", 2, 1, "", 0, 30)
+    assert other.granted  # ga/1 never took the only permit
+    assert await client.zrange(st.keys[K["leases"]], 0, -1) == [b"ga/2"]
+
+
+async def test_one_failing_op_does_not_fail_the_others_in_its_batch(client: aioredis.Redis) -> None:
+    st = await make(client, "fail", gateway="ga", limit=2)
+    ok1 = st.admit("ga/1", "ga", 1, 1, "", 0, 30)
+    bad = st._run("admit", "ga/2", "ga", 2, "not-a-class", "", 0, 30000)
+    ok2 = st.admit("ga/3", "ga", 3, 1, "", 0, 30)
+    r1, rbad, r2 = await asyncio.gather(ok1, bad, ok2, return_exceptions=True)
+    assert isinstance(rbad, ResponseError)
+    assert isinstance(r1, PoolStatus) and r1.granted
+    assert isinstance(r2, PoolStatus) and r2.granted
+    assert st.batches == 1
+    assert (await st.status()).inflight_total == 2
+
+
+async def test_a_batch_lost_in_the_air_degrades_and_leaks_no_permit(stack: LocalStack) -> None:
+    """Permits held and waiters queued; Redis freezes while a batch of releases and admits is
+    in the air. Every caller of that batch degrades (nobody hangs past its timeout); when Redis
+    is back the processor re-asserts what it holds, and once everything is released Redis
+    holds no lease and no waiter."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 2}}]})
+    client = redis_client(url, op_timeout_s=0.25)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    assert stack.redis_child is not None
+    rt = admitter.pools["a"]
+    frozen = False
+    results: list[Permit | object] = []
+
+    def degraded() -> float:
+        return float(metrics.pool_degraded.labels("a")._value.get())
+
+    async def status_is(inflight: int, queued: int) -> bool:
+        try:
+            st = await asyncio.wait_for(rt.state.status(), 1)
+        except (TimeoutError, OSError, Exception):
+            return False
+        return st.inflight_total == inflight and st.queued_total == queued
+
+    try:
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(3)]
+        assert await wait_until(lambda: status_is(2, 3), 10)
+        stack.redis_child.kill(signal.SIGSTOP)
+        frozen = True
+        batches = rt.state.batches
+        release = asyncio.create_task(admitter.release(held[0]))  # grants a waiter: the reply is lost
+        late = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
+        assert await wait_until(lambda: _true(degraded() == 1), 10)
+        assert rt.state.batches > batches
+        stack.redis_child.kill(signal.SIGCONT)
+        frozen = False
+        await release
+        results = list(await asyncio.gather(*waiters, *late))
+        assert await wait_until(lambda: _true(degraded() == 0), 20)
+        permits = [r for r in [held[1], *results] if isinstance(r, Permit)]
+        for p in permits:
+            await admitter.release(p)
+        assert not rt.held
+        assert await wait_until(lambda: status_is(0, 0), 10)  # within a few sync periods
+    finally:
+        if frozen:
+            stack.redis_child.kill(signal.SIGCONT)
+        await admitter.stop()
+        await client.aclose()
+
+
+async def _true(x: bool) -> bool:
+    return x
+
+
+async def test_a_batch_sent_twice_counts_once(client: aioredis.Redis) -> None:
+    """The client re-sends a call once on a fresh connection when the first broke, which may
+    have run: a batch run twice must leave what one run leaves (new tickets skip the
+    idempotency checks only the first time: `hw:<gateway>`)."""
+    st = await make(client, "twice", gateway="ga", limit=1)
+    await st.sync("ga", 1, {}, {})
+    argv = ["batch", st._ttl, "ga"]
+    for i in (1, 2, 3):
+        argv += ["admit", 7, f"ga/{i}", "ga", i, 1, "", 0, 30000]
+    first = await st._script(st.keys, argv)
+    before = await dump(client, "twice")
+    again = await st._script(st.keys, argv)
+    assert await dump(client, "twice") == before
+    once, twice = ([PoolStatus.from_reply(r) for r in first[0]], [PoolStatus.from_reply(r) for r in again[0]])
+    assert [s.granted for s in once] == [s.granted for s in twice] == [True, False, False]
+    assert [s.enqueued for s in once[1:]] == [True, True]
+    status = await st.status()
+    assert status.inflight_total == 1 and status.queued_total == 2
+    assert await client.zrange(st.keys[K["queue"]], 0, -1) == [b"ga/2", b"ga/3"]
