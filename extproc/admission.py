@@ -48,7 +48,7 @@ from floodgate.extproc.limit import Latency, Outcome, Sample, WindowedLimit, lim
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
-from floodgate.extproc.policy import Reject, retry_after
+from floodgate.extproc.policy import ARRIVAL_TAU_S, DecayingRate, Reject, retry_after
 from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
 from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
 from floodgate.extproc.state import PoolState
@@ -106,6 +106,16 @@ class PoolRuntime:
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
     held_seen: int = 0  # permits + credits this process held when last_status was read
+    # Requests arriving per class at this process (early drop: higher classes' arrivals jump
+    # ahead of a waiter); the pool-wide rate is this times the live processors.
+    arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
+        default_factory=lambda: (DecayingRate(tau=ARRIVAL_TAU_S), DecayingRate(tau=ARRIVAL_TAU_S),
+                                 DecayingRate(tau=ARRIVAL_TAU_S)))
+
+    def arrival_rates(self, now: float, processors: int = 1) -> tuple[float, float, float]:
+        n = max(1, processors)
+        a = self.arrivals
+        return a[0].read(now) * n, a[1].read(now) * n, a[2].read(now) * n
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -404,6 +414,7 @@ class Admitter:
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
             tenant = "(anonymous)"  # tenant-less requests share one tenant cap only when configured
         req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
+        rt.arrivals[priority].bump(started)
         result: Permit | Reject | None = None
         for _ in range(8):  # a request follows the mode switches while it waits
             result = await self.backend(rt).admit(rt, req)

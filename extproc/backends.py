@@ -93,10 +93,10 @@ class Backend(Protocol):
     def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None: ...
 
 
-def _snapshot(st: PoolStatus) -> Snapshot:
+def _snapshot(st: PoolStatus, arrivals: tuple[float, float, float] | None = None) -> Snapshot:
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
-                    tail_left=st.tail_left)
+                    tail_left=st.tail_left, arrival_rates=arrivals)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -105,9 +105,10 @@ SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain 
 class SharedBackend:
     def __init__(self, admitter: Admitter) -> None:
         self.a = admitter
-        # (pool, class) -> that class's grant rate as last read with one of its requests (a
-        # status carries only the asking class's): certain_reject needs it for any class.
-        self.class_rates: dict[tuple[str, int], float] = {}
+
+    def _arrivals(self, rt: PoolRuntime, st: PoolStatus) -> tuple[float, float, float]:
+        """Pool-wide arrival rates per class: this process's, times the live processors."""
+        return rt.arrival_rates(self.a.clock(), st.live_gateways)
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
@@ -117,12 +118,11 @@ class SharedBackend:
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
         last, age = rt.last_status, a.clock() - rt.last_status_at
-        crate = self.class_rates.get((rt.cfg.name, cls))
-        if last is not None and crate is not None and age <= SNAPSHOT_FRESH_S:
+        last_snap = _snapshot(last, self._arrivals(rt, last)) if last is not None else None
+        if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
-            # (even had its class's queue drained since): reject without a round trip.
-            snap = replace(_snapshot(last), class_rate=crate)
-            certain = certain_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age)
+            # (even had the queues drained since): reject without a round trip.
+            certain = certain_reject(cls, last_snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age)
             if certain is not None:
                 return certain
         seq, ticket = a.new_ticket()
@@ -130,9 +130,10 @@ class SharedBackend:
         # One call per contended request: when the last snapshot showed a queue this request
         # would join, acquire and enqueue run as one script call (`admit`). The policy still
         # decides on the snapshot that call returns; a waiter it rejects is cancelled.
-        one_call = last is not None and age <= SNAPSHOT_FRESH_S and last.queued_total > 0 and isinstance(
-            queue_decision(cls, replace(_snapshot(last), class_rate=crate or 0.0), rt.cfg.classes,
-                           a.cfg.admission, 0.5, named_tenant=bool(req.tenant)), Enqueue)
+        one_call = last is not None and last_snap is not None and age <= SNAPSHOT_FRESH_S and \
+            last.queued_total > 0 and isinstance(
+                queue_decision(cls, last_snap, rt.cfg.classes, a.cfg.admission, 0.5,
+                               named_tenant=bool(req.tenant)), Enqueue)
         w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
         rt.pending[ticket] = seq
         try:
@@ -159,8 +160,6 @@ class SharedBackend:
         # enqueue reply did), or a queue it formed would look clear and credits would be used.
         a.observe(rt, replace(st, queued=tuple(q + (k == cls) for k, q in enumerate(st.queued)))  # type: ignore[arg-type]
                   if st.enqueued else st)
-        if not st.partial:
-            self.class_rates[(rt.cfg.name, cls)] = st.class_rate
         if st.granted:
             rt.waiting.pop(ticket, None)
             if st.credits:
@@ -171,8 +170,8 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, _snapshot(st), rt.cfg.classes, a.cfg.admission, a.rng(),
-                                      named_tenant=bool(req.tenant))
+            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st)), rt.cfg.classes,
+                                      a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)
@@ -213,7 +212,9 @@ class SharedBackend:
             except RedisDown:
                 pass  # the queue entry goes with the next sync
             # Retry-After from the freshest state seen (the status loop's), not from enqueue time.
-            return timeout_reject(cls, _snapshot(rt.last_status or st), rt.cfg.classes, a.cfg.admission, a.rng())
+            fresh = rt.last_status or st
+            return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh)), rt.cfg.classes,
+                                  a.cfg.admission, a.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a
             # permit granted in the race, in a task the cancellation cannot interrupt.
@@ -270,7 +271,8 @@ class LocalBackend:
         last = rt.last_status
         snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt), now=now,
                                  release_n=last.release_n if last else 0,
-                                 inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0)
+                                 inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0,
+                                 arrival_rates=rt.arrival_rates(now))
         decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             return decision

@@ -53,6 +53,7 @@ class ClassConfig(_Strict):
     queue_wait_slo_share: float = Field(default=0.75, gt=0, le=100, description="Longest queue wait as a multiple of `slo_ttft_s` when `queue_timeout_s` is not set (< 1 leaves the rest of the TTFT target for prefill; > 1 for a class that should rather wait than fail).")
     queue_timeout_s: float = Field(default=0.0, ge=0, le=600, description="Longest a request of this class waits in the queue before 429 (0 = `queue_wait_slo_share` x `slo_ttft_s`).")
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
+    early_drop_min_chance: float = Field(default=0.5, ge=0, le=1, description="Early drop turns a request of this class away at once when the chance that the grant loop reaches it before its queue timeout (releases as a Poisson process at the measured rates' upper bound, higher classes' arrivals jumping ahead) is below this. Lower: fewer requests turned away that would have been served in time; higher: fewer that wait their whole timeout and then get 429 (docs/admission.md has the trade-off curve).")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
     tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one named tenant may hold (tenant_cap).")
     reserve: Literal["when_waiting", "always"] = Field(

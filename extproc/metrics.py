@@ -5,6 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Fine below 25 ms (a rejection's decision time is judged against a 10 ms target) and around
+# the shipped queue timeouts (a timed-out waiter's 429 comes just after its timeout).
+_DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     0.75, 1, 1.1, 1.25, 1.5, 2, 2.5, 5, 10, 20, 30, 60)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 
 
@@ -15,6 +19,11 @@ class Metrics:
         self.decisions = Counter(
             "floodgate_decisions", "Admission decisions by outcome (admitted|rejected) and reason.",
             ["pool", "priority", "outcome", "reason"], registry=r)
+        self.decision_time = Histogram(
+            "floodgate_decision_seconds",
+            "Time from a request's headers arriving at the processor to its reply leaving it (admit "
+            "after any queue wait, or the immediate 429/503), by outcome and reason.",
+            ["pool", "priority", "outcome", "reason"], buckets=_DECISION_BUCKETS, registry=r)
         self.queue_depth = Gauge(
             "floodgate_queue_depth", "Requests waiting in the cluster-wide queue (last seen by this process).",
             ["pool", "priority"], registry=r)

@@ -29,6 +29,7 @@ from floodgate.extproc.config import AdmissionConfig, ClassConfig
 CLASSES = (0, 1, 2)
 RATE_TAU_S = 10.0  # decay time of the event rates (leases.lua RATE_TAU_MS)
 MIN_RELEASES = 20  # below this many freed permits behind the rate, never drop early
+ARRIVAL_TAU_S = 2.0  # decay time of the per-class arrival rates (they must follow a burst's onset)
 CONFIDENCE_Z = 2.0  # standard errors of margin on the measured rate before a wait counts as too long
 
 
@@ -68,11 +69,12 @@ class DecayingRate:
     ts: float | None = None
     t0: float | None = None
     n: int = 0
+    tau: float = RATE_TAU_S
 
     def bump(self, now: float) -> None:
         if self.ts is None or self.t0 is None:
             self.ts = self.t0 = now
-        self.rate = self.rate * math.exp(-(now - self.ts) / RATE_TAU_S) + 1 / RATE_TAU_S
+        self.rate = self.rate * math.exp(-(now - self.ts) / self.tau) + 1 / self.tau
         self.ts = now
         self.n += 1
 
@@ -80,8 +82,8 @@ class DecayingRate:
         """0 (unknown) until 5 events over at least 1 s, like `read_rate` in leases.lua."""
         if self.ts is None or self.t0 is None or self.n < 5 or now - self.t0 < 1.0:
             return 0.0
-        seen = 1 - math.exp(-(now - self.t0) / RATE_TAU_S)
-        return self.rate * math.exp(-(now - self.ts) / RATE_TAU_S) / seen
+        seen = 1 - math.exp(-(now - self.t0) / self.tau)
+        return self.rate * math.exp(-(now - self.ts) / self.tau) / seen
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Snapshot:
     # unknown, which makes early drop assume no waiter ahead expires.
     head_left: tuple[float, float, float] | None = None
     tail_left: tuple[float, float, float] | None = None
+    # Requests per second arriving in each class, pool-wide, recent (None = unknown): the
+    # higher classes' arrivals jump ahead of a waiter during its wait.
+    arrival_rates: tuple[float, float, float] | None = None
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -142,94 +147,192 @@ class Enqueue:
     predicted_wait_s: float | None
 
 
+def poisson_tail(mean: float, n: int) -> float:
+    """P(N >= n) for N ~ Poisson(mean): the chance that at least n permits free in a window
+    where `mean` are expected (releases of many independent requests are close to Poisson)."""
+    if n <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    sd = math.sqrt(mean)
+    if n > mean + 12 * sd + 12:
+        return 0.0
+    if n < mean - 12 * sd - 12:
+        return 1.0
+    if n > 200:  # normal approximation with continuity correction (large counts)
+        return 0.5 * math.erfc((n - 0.5 - mean) / (sd * math.sqrt(2)))
+    term = total = math.exp(-mean)
+    for i in range(1, n):
+        term *= mean / i
+        total += term
+    return max(0.0, 1.0 - total)
+
+
+def reach_chance(drift: float, var: float, t: float, m: float) -> float:
+    """P(max over [0, t] of X >= m) for a Brownian motion X with this drift and variance per
+    second (the reflection formula): the chance that releases minus higher-class arrivals
+    (a random walk) ever get `m` ahead within t. Its continuous stand-in for counts."""
+    if m <= 0:
+        return 1.0
+    if var <= 0 or t <= 0:
+        return 1.0 if drift * t >= m else 0.0
+    sd = math.sqrt(var * t)
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    first = phi((drift * t - m) / sd)
+    expo = 2 * drift * m / var
+    second = math.exp(expo) * phi((-m - drift * t) / sd) if expo < 700 else 0.0
+    return min(1.0, first + second)
+
+
 @dataclass(frozen=True)
 class WaitEstimate:
     """Where a new request of a class stands in the grant order and how fast it advances.
 
-    Its class receives permits at `rate` (the pool-wide rate of freed permits) for the first
-    `gap` of them (free permits and the unused part of its reservation go to it first), then at
-    `class_rate`. The `ahead` waiters of its class go first, all of them: each was let in because
-    the grant loop reaches it in time (this rule, applied to it), so none is counted on to
-    expire. (Counting on waiters ahead to time out is what let queues grow until every waiter
-    waited its whole timeout.)"""
+    The grant loop reaches it by one of two paths, whichever comes first:
+
+    * **open:** a freed permit goes to the highest class with waiters, so the request is served
+      once the higher classes' waiters (`higher_queued`) and the ones of its class ahead of it
+      are, from what is left of the pool-wide release rate after the higher classes' ARRIVALS
+      (`open_rate` = rate - their arrival rate: a higher request that arrives during the wait
+      jumps ahead of it);
+    * **reservation:** its class's reservation holds the other classes back: the unused part
+      of it (`gap`) reaches the class at `gap_rate`, after that each release of a permit of its
+      reservation comes back to it (`class_rate`, the reservation's turnover); a class above
+      its reservation first sheds the `excess` of its own permits to the higher classes.
+
+    The `ahead` waiters of its class go first, all of them: each was let in because the grant
+    loop reaches it in time (this rule, applied to it), so none is counted on to expire. Counts
+    of releases are read as Poisson: a request that needs one or two releases of a slow
+    turnover is late often even when the mean says it is in time."""
 
     ahead: int  # waiters of its class ahead of it
     free: int  # permits free right now
-    gap: int  # permits that reach the class at the pool rate (unused reservation)
+    gap: int  # unused reservation: permits that reach the class at `gap_rate`
     rate: float  # freed permits per second, pool-wide (0 = unknown)
-    class_rate: float  # permits per second the grant loop hands this class while it waits
+    class_rate: float  # the reservation's turnover: its permits freed per second
     samples: float  # events the rate rests on
+    higher_queued: int = 0  # waiters of higher classes (ahead of it on the open path)
+    open_rate: float = 0.0  # release rate left after higher classes' arrivals (open path)
+    higher_arrivals: float | None = None  # higher classes' arrivals per second (None = unknown)
+    gap_rate: float = 0.0  # rate at which the unused reservation reaches the class
+    claim: int = 0  # releases that go first to higher classes below their own reservation
+    excess: int = 0  # permits its class holds beyond its reservation (shed before it is reached)
+    excess_rate: float = 0.0  # releases per second of the class's permits while it sheds them
 
     @property
     def releases(self) -> int:
         """Permits its class must receive until this request holds one (every waiter served)."""
         return max(0, self.ahead + 1 - self.free)
 
-    def by(self, t: float, scale: float = 1.0) -> float:
-        """Permits the class has received t seconds from now (rates times `scale`)."""
-        fast, slow = self.rate * scale, self.class_rate * scale
-        if fast <= 0:
-            return float(self.free)
-        if self.gap >= t * fast:
-            return self.free + t * fast
-        return self.free + self.gap + (t - self.gap / fast) * slow
+    def _reserved(self, t: float, scale: float) -> tuple[float, int]:
+        """(expected releases by t, releases needed) on the reservation path."""
+        n = self.releases
+        if self.excess > 0:
+            return self.excess_rate * scale * t, n + self.excess
+        if self.gap > 0 and self.gap_rate > 0:
+            # the unused reservation (after what higher classes below their own claim first)
+            g = self.gap_rate * scale
+            head = min(t, (self.gap + self.claim) / g)
+            return head * g + (t - head) * self.class_rate * scale, n + self.claim
+        return t * self.class_rate * scale, n
 
-    def _time_for(self, n: float, scale: float) -> float:
-        fast, slow = self.rate * scale, self.class_rate * scale
-        n -= self.free
+    def chance(self, t: float, scale: float = 1.0) -> float:
+        """Probability that the grant loop reaches this request within t seconds: releases are
+        Poisson at the rates times `scale`; on the open path, releases minus higher-class
+        arrivals are a random walk and the class is served whenever it is ahead (no higher
+        request waits) — the walk's running maximum, not its mean, decides."""
+        n = self.releases
         if n <= 0:
-            return 0.0
-        if n <= self.gap:
-            return n / fast
-        return self.gap / fast + (n - self.gap) / slow if slow > 0 else math.inf
+            return 1.0
+        mean, need = self._reserved(t, scale)
+        p_res = poisson_tail(mean, need)
+        if self.higher_arrivals is None or self.rate <= 0:
+            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.higher_queued))
+        lam = self.higher_arrivals
+        if self.excess > 0 or self.gap > 0:
+            r = self.rate * scale
+            return max(p_res, reach_chance(r - lam, r + lam, t, n + self.higher_queued - 0.5))
+        # Its reservation turns over while the higher classes take the other releases (and
+        # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
+        turn = self.class_rate * scale * t
+        other = max(0.0, self.rate - self.class_rate) * scale
+        p, term = 0.0, math.exp(-turn)
+        for j in range(n):
+            p += term * reach_chance(other - lam, other + lam, t, n - j + self.higher_queued - 0.5)
+            term *= turn / (j + 1)
+            if term < 1e-12 and j > turn:
+                break
+        return min(1.0, p + poisson_tail(turn, n))
+
+    def by(self, t: float, scale: float = 1.0) -> float:
+        """Expected permits the class has received t seconds from now (rates times `scale`)."""
+        mean, need = self._reserved(t, scale)
+        return self.free + max(0.0, self.open_rate * scale * t - self.higher_queued, mean - (need - self.releases))
 
     @property
     def seconds(self) -> float | None:
-        """Point estimate: every waiter ahead served first (for Retry-After)."""
+        """Point estimate (for Retry-After): when the expected grants reach it."""
         if self.rate <= 0:
             return None
-        return self._time_for(self.ahead + 1, 1.0)
+        n = self.releases
+        if n <= 0:
+            return 0.0
+        best = (n + self.higher_queued) / self.open_rate if self.open_rate > 0 else math.inf
+        if self.excess > 0:
+            if self.excess_rate > 0:
+                best = min(best, (n + self.excess) / self.excess_rate)
+        elif self.gap > 0 and self.gap_rate > 0 and n <= self.gap:
+            best = min(best, (n + self.claim) / self.gap_rate)
+        elif self.class_rate > 0:
+            head = (self.gap + self.claim) / self.gap_rate if self.gap > 0 and self.gap_rate > 0 else 0.0
+            best = min(best, head + (n - (self.gap if head > 0 else 0)) / self.class_rate)
+        return best
 
-    def certainly_over(self, deadline_s: float) -> bool:
-        """True when the grant loop cannot reach this request before `deadline_s` even at the
-        rates' upper confidence bounds; never on few releases: when unsure, the request waits
-        (admitting late beats rejecting early)."""
+    def certainly_over(self, deadline_s: float, min_chance: float = 0.5) -> bool:
+        """True when the chance that the grant loop reaches this request before `deadline_s`,
+        at the rates' upper confidence bounds, is below `min_chance`; never on few releases:
+        when unsure about the rate, the request waits (admitting late beats rejecting early)."""
         if self.rate <= 0 or self.samples < MIN_RELEASES:
             return False
         scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples)
-        return self.by(deadline_s, scale) + 1e-9 < self.ahead + 1
-
-
-def class_release_rate(cls: int, snap: Snapshot, res: Sequence[int]) -> float:
-    """Permits per second the grant loop hands class `cls` while it has waiters.
-
-    No higher class waiting: every freed permit (until one arrives, which the next decision
-    sees). Otherwise the higher classes take every permit but the ones this class holds or is
-    reserved — those come back to it as they free (its reservation holds the others back) —
-    or, if higher, what it was actually granted recently."""
-    r = snap.release_rate()
-    if r <= 0:
-        return 0.0
-    if not any(snap.queued[k] > 0 for k in CLASSES if k < cls):
-        return r
-    held = max(snap.inflight[cls], res[cls])
-    turnover = r * min(1.0, held / max(1, sum(snap.inflight)))
-    return max(turnover, min(r, snap.class_rate))
+        return self.chance(deadline_s, scale) < min_chance
 
 
 def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float]) -> WaitEstimate:
-    """Where a new request of class `cls` stands in the grant order and how fast it advances.
-
-    It needs its class's waiters ahead of it plus one permit. Free permits and the unused part
-    of its reservation reach it at the pool rate (the grant loop gives them to this class
-    first); the rest at `class_release_rate`."""
+    """Where a new request of class `cls` stands in the grant order and how fast it advances
+    (see `WaitEstimate`). Higher classes' arrival rates come from `snap.arrival_rates`; when
+    they are unknown, the open path counts only when no higher class waits (as if none
+    arrived), and not at all when one does."""
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
+    r = snap.release_rate()
     samples = min(float(snap.release_n), snap.grant_rate * RATE_TAU_S) if snap.grant_rate > 0 else 0.0
-    free = max(0, limit - sum(inflight))
+    total = sum(inflight)
+    free = max(0, limit - total)
+    higher = [k for k in CLASSES if k < cls]
+    higher_queued = sum(q[k] for k in higher)
+    lam: float | None = None
+    if snap.arrival_rates is None:
+        open_rate = r if higher_queued == 0 else 0.0
+    else:
+        lam = sum(snap.arrival_rates[k] for k in higher)
+        open_rate = max(0.0, r - lam)
+    per_permit = r / total if total > 0 else 0.0
     gap = max(0, res[cls] - inflight[cls] - free)
-    return WaitEstimate(q[cls], free, gap, snap.release_rate(), class_release_rate(cls, snap, res), samples)
+    # The unused reservation reaches the class at the pool rate, after the waiters of higher
+    # classes that are below their own reservation (those are served first).
+    claim = sum(min(q[k], max(0, res[k] - inflight[k])) for k in higher)
+    # Above its reservation the class gets nothing while higher classes take every release.
+    excess = max(0, inflight[cls] - res[cls]) if open_rate < r else 0
+    return WaitEstimate(
+        ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
+        higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
+        excess=excess,
+        excess_rate=per_permit * inflight[cls])
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1)) -> float | None:
@@ -269,7 +372,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
             return Reject("tenant_cap", retry_after(wait, c, cfg, rand))
-    if est.certainly_over(c.queue_timeout_s):
+    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance):
         return Reject("early_drop", retry_after(wait, c, cfg, rand))
     return Enqueue(wait)
 
@@ -277,9 +380,9 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
                    cfg: AdmissionConfig, rand: float, age_s: float = 0.0) -> Reject | None:
     """A rejection the last seen snapshot (`age_s` old) already proves, decided without a
-    Redis round trip: the pool was full and the class's queue so far past its bound that even
-    if its waiters had been granted at the pool's upper rate for `age_s` since, queue_decision
-    would still drop the request."""
+    Redis round trip: the pool was full and, even if as many permits as the pool's upper rate
+    frees in `age_s` had each drained a waiter of this class and every higher class (and the
+    class's permits above its reservation), queue_decision would still drop the request."""
     c = classes[cls]
     if sum(snap.inflight) < snap.limit:
         return None
@@ -288,11 +391,16 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     if est.samples < MIN_RELEASES:
         return None
     drained = math.ceil(est.rate * (1 + CONFIDENCE_Z / math.sqrt(est.samples)) * max(0.0, age_s))
-    q = list(snap.queued)
-    q[cls] = max(0, q[cls] - drained)
-    aged = replace(snap, queued=(q[0], q[1], q[2]))
+    res = reservations(max(1, snap.limit), shares)
+    q = [max(0, n - drained) if k <= cls else n for k, n in enumerate(snap.queued)]
+    inflight = list(snap.inflight)
+    if cls > 0:  # permits above its reservation shed to the higher classes meanwhile
+        shed = max(0, min(drained, inflight[cls] - res[cls]))
+        inflight[cls] -= shed
+        inflight[0] += shed
+    aged = replace(snap, queued=(q[0], q[1], q[2]), inflight=(inflight[0], inflight[1], inflight[2]))
     est = wait_estimate(cls, aged, shares)
-    if est.certainly_over(c.queue_timeout_s):
+    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,6 +220,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             return
+        headers_in = time.perf_counter()
         if first.WhichOneof("request") != "request_headers":
             # Not how the shipped config talks to us; answer without interfering.
             yield _passthrough(first)
@@ -242,7 +244,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             child(m.untrusted_priority, (pool,)).inc()
         result = await self.admitter.admit(pool, decision.priority, caller.tenant or "")
         if isinstance(result, Reject):
-            yield reject_response(result, decision.priority)
+            reply = reject_response(result, decision.priority)
+            child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", result.reason)).observe(
+                time.perf_counter() - headers_in)
+            yield reply
             return
         limit_cfg = self.cfg.pool(pool).limit
         ex = _Exchange(result, sampled=self.admitter.measures(pool) and self.admitter.rng() < limit_cfg.sample_rate)
@@ -259,7 +264,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 reason = "header_limit"
                 yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
                 return
-            yield _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info)
+            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info)
+            child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "admitted",
+                                    "queued" if result.queued else "immediate")).observe(time.perf_counter() - headers_in)
+            yield reply
             async for msg in it:
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":

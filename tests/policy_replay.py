@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
+    ARRIVAL_TAU_S,
     CLASSES,
     DecayingMean,
     DecayingRate,
@@ -61,6 +62,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     released = DecayingRate()
     level = DecayingMean()
     grants = [DecayingRate(), DecayingRate(), DecayingRate()]
+    # requests arriving per class, as the processor counts them
+    arrivals = [DecayingRate(tau=ARRIVAL_TAU_S) for _ in CLASSES]
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -93,6 +96,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
         elif kind == 1:
             table.cancel(str(i))  # gone from the queue, or granted already (then nothing)
         else:
+            arrivals[a.cls].bump(now)
             if table.try_acquire(str(i), a.cls, now):
                 out.decisions[i] = "immediate"
                 granted([str(i)], now)
@@ -105,6 +109,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 class_rate=grants[a.cls].read(now),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
                 inflight_avg=level.value,
+                arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
                                 for k in CLASSES),  # type: ignore[arg-type]
                 tail_left=tuple(max(0.0, table.queues[k][-1].deadline - now) if table.queues[k] else 0.0
@@ -166,14 +171,16 @@ def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: lis
 
 
 def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int, timeout_s: float,
-                                    now: float) -> bool:
+                                    now: float, future: list[tuple[float, int]] | None = None) -> bool:
     """The rule's promise, checked on the real grant loop: enqueue the request into the grant
     loop's exact state and free permits at the current pool-wide release rate, each class
-    freeing in proportion to what it holds; a higher class that is backlogged now stays
-    backlogged (its arrivals go on). The waiters already queued are served, not skipped: in the
-    world where the rule is applied consistently each was let in because it would be served in
-    time (a queue that only gets through because its waiters expire is the overlong queue the
-    rule prevents). Is the request granted before its deadline?"""
+    freeing in proportion to what it holds. The higher-class requests that really arrive during
+    its wait (`future`: (time, class) of the history's arrivals that the run admitted or
+    queued) join the grant loop when they arrive and jump ahead of it, as they do in the real
+    one. The waiters already queued are served, not skipped: in the world where the rule is
+    applied consistently each was let in because it would be served in time (a queue that
+    only gets through because its waiters expire is the overlong queue the rule prevents). Is
+    the request granted before its deadline?"""
     t = copy.deepcopy(table)
     for q in t.queues:
         for w in q:
@@ -184,20 +191,21 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
         return True
     if rate <= 0:
         return False
-    backlogged = [k for k in CLASSES if k < cls and snap.queued[k] > 0]
     held = t.inflight()
     total = sum(held)
     if total == 0:
         return False
     # Each class frees its permits at its share of the rate (what it holds now), evenly.
-    events = sorted((now + j * total / (rate * held[k]), k) for k in CLASSES if held[k] > 0
-                    for j in range(1, math.floor(timeout_s * rate * held[k] / total + 1e-9) + 1))
-    fill = 0
-    for at, k in events:
-        for b in backlogged:  # keep them backlogged: their arrivals go on
-            while len(t.queues[b]) < 2:
-                fill += 1
-                t.enqueue(f"f{fill}", b, "oracle", math.inf, at)
+    events = [(now + j * total / (rate * held[k]), 0, k) for k in CLASSES if held[k] > 0
+              for j in range(1, math.floor(timeout_s * rate * held[k] / total + 1e-9) + 1)]
+    events += [(at, 1, k) for at, k in (future or []) if now < at <= deadline and k < cls]
+    n = 0
+    for at, kind, k in sorted(events):
+        if kind == 1:
+            n += 1
+            if "me" in t.enqueue(f"f{n}", k, "oracle", math.inf, at)[1]:
+                return True
+            continue
         ticket = next((tk for tk, lease in t.leases.items() if lease.cls == k), None)
         if ticket is None:
             continue
@@ -210,9 +218,14 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
 def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig],
                                 history: list[Arrival]) -> list[int]:
     """Early drops the grant loop would have granted before their deadline at the current
-    release rate (the rule's promise; target: none)."""
+    release rate, with the higher-class requests that really arrived meanwhile (the rule's
+    promise; target: none). Drops whose deadline lies past the history's last arrival are not
+    judged: there the history stops arriving, which no rate could have foreseen."""
+    joined = [(a.t, a.cls) for j, a in enumerate(history) if out.decisions.get(j) in ("immediate", "queued")]
+    end = history[-1].t if history else 0.0
     return [i for i, table, snap, now in out.drop_states
-            if granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s, now)]
+            if now + classes[history[i].cls].queue_timeout_s <= end and granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s,
+                                               now, joined)]
 
 
 __all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_in_time",

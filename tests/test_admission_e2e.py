@@ -113,7 +113,9 @@ async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalSta
             await post(s, envoy.url, headers=hdr(0, chunks="1", delay_ms="50"))
 
     async with aiohttp.ClientSession() as s:
-        clients = [asyncio.create_task(p0_client(s)) for _ in range(10)]
+        # 40 closed-loop P0 clients on 2 permits: a standing P0 queue of ~38 that no walk of
+        # releases against P0 arrivals gets a P2 past within its 1 s
+        clients = [asyncio.create_task(p0_client(s)) for _ in range(40)]
         try:
             # >= 20 releases behind the rate, then a P2 decided with a Redis reply
             await asyncio.sleep(2.0)
@@ -135,6 +137,10 @@ async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalSta
             assert 1 <= int(r.headers["retry-after"]) <= 60
             assert m.get('floodgate_redis_errors_total{op="acquire"}', 0) == 0
             assert m["floodgate_degraded"] == 0
+            # the processor timed its decisions: every early drop, headers in to 429 out
+            drops = 'outcome="rejected",pool="default",priority="2",reason="early_drop"'
+            assert m[f"floodgate_decision_seconds_count{{{drops}}}"] == m[f"floodgate_decisions_total{{{drops}}}"] >= 2
+            assert m[f'floodgate_decision_seconds_bucket{{le="+Inf",{drops}}}'] >= 2
         finally:
             stop.set()
             await asyncio.gather(*clients, return_exceptions=True)

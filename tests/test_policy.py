@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
+from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
     certain_reject,
     eligible,
+    poisson_tail,
     predicted_wait,
     queue_decision,
+    reach_chance,
     reservations,
     retry_after,
     timeout_reject,
@@ -107,24 +113,96 @@ def test_class_starved_behind_backlogged_higher_classes_is_dropped() -> None:
 
 
 def test_queue_is_bounded_by_what_its_class_is_granted_in_time() -> None:
-    # Limit 10, in flight (5, 3, 2), P0 backlogged: P2 holds 2 of 10 permits, so it gets ~2/10
-    # of the 10 freed per second = 2/s; with a 5 s timeout, the 10th waiter is the last one
-    # the grant loop reaches in time; at the rate's upper bound (200 releases: x1.14) up to 11
+    # Limit 10, in flight (5, 2, 3), P0 backlogged, P2's reservation 1 held: each release of that
+    # permit comes back to P2 (1/10 of the 10 freed per second = 1/s); P2's permits above it go
+    # to P0. With a 5 s timeout the queue holds what about five releases serve: waiter k needs
+    # k releases, Poisson(5 x 1.14) of them come (upper bound of the rate: 200 releases)
     classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
-    s = Snapshot(10, (5, 3, 2), (4, 0, 9), 0, grant_rate=10.0, release_n=200)
+    s = Snapshot(10, (5, 4, 1), (4, 0, 4), 0, grant_rate=10.0, release_n=200)
     est = wait_estimate(2, s, SHARES)
-    assert est.class_rate == pytest.approx(2.0) and est.seconds == pytest.approx(5.0)
+    assert est.class_rate == pytest.approx(1.0) and est.seconds == pytest.approx(5.0)
+    assert isinstance(queue_decision(2, s, classes, ADM, 0.0), Enqueue)  # P(>= 5 of Poisson(5.7)) = 0.67
+    long = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200)
+    assert wait_estimate(2, long, SHARES).seconds == pytest.approx(7.0)
+    d = queue_decision(2, long, classes, ADM, 0.0)  # P(>= 7) = 0.39
+    assert isinstance(d, Reject) and d.reason == "early_drop" and 7 <= d.retry_after_s <= 9
+    # its own recent grant rate does not count: it lags (a class that was granted fast before
+    # the higher classes queued is granted only its reservation's turnover now)
+    fast = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200, class_rate=4.0)
+    assert isinstance(queue_decision(2, fast, classes, ADM, 0.0), Reject)
+
+
+def test_a_class_above_its_reservation_first_sheds_its_excess() -> None:
+    """Limit 10, in flight (5, 2, 3), P0 waits: P2 holds 2 permits above its reservation of 1;
+    the grant loop gives P0 the first two P2 permits that free, only the third comes back to
+    P2 (the grant loop agrees: checked on the permit table)."""
+    s = Snapshot(10, (5, 2, 3), (4, 0, 0), 0, grant_rate=10.0, release_n=200, arrival_rates=(8.0, 1.0, 3.0))
+    est = wait_estimate(2, s, SHARES)
+    assert est.excess == 2 and est.seconds == pytest.approx(1.0)  # 3 releases of its 3 permits (3/s)
+    t = PermitTable(limit=10, shares=SHARES)
+    for k, n in enumerate((5, 2, 3)):
+        for j in range(n):
+            t.adopt(f"h{k}{j}", k)
+    for j in range(4):
+        t.enqueue(f"w0{j}", 0, "t", 100.0, 0.0)
+    assert t.enqueue("p2", 2, "t", 100.0, 0.0)[0] == "queued"
+    assert t.release("h20", 0.1)[1] == ["w00"] and t.release("h21", 0.2)[1] == ["w01"]
+    assert t.release("h22", 0.3)[1] == ["p2"]
+    # with a 1 s timeout, one waiter in a 1 s turnover: P(>= 3 of Poisson(3.4)) = 0.66 -> waits;
+    # two waiters ahead: P(>= 5) = 0.26 -> dropped (the old estimate, 1 permit, said 0.33 s)
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
     assert isinstance(queue_decision(2, s, classes, ADM, 0.0), Enqueue)
-    at_bound = Snapshot(10, (5, 3, 2), (4, 0, 10), 0, grant_rate=10.0, release_n=200)
-    assert isinstance(queue_decision(2, at_bound, classes, ADM, 0.0), Enqueue)  # 11th: 11 <= 11.4
-    long = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200)
-    assert wait_estimate(2, long, SHARES).seconds == pytest.approx(6.5)
-    d = queue_decision(2, long, classes, ADM, 0.0)
-    assert isinstance(d, Reject) and d.reason == "early_drop" and 6 <= d.retry_after_s <= 8
-    # its recent grant rate, if higher, counts instead (optimistic: admitting late beats
-    # rejecting early)
-    fast = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200, class_rate=4.0)
-    assert isinstance(queue_decision(2, fast, classes, ADM, 0.0), Enqueue)
+    s2 = Snapshot(10, (5, 2, 3), (4, 0, 2), 0, grant_rate=10.0, release_n=200, arrival_rates=(8.0, 1.0, 3.0))
+    assert isinstance(queue_decision(2, s2, classes, ADM, 0.0), Reject)
+
+
+def test_higher_arrivals_during_the_wait_jump_ahead() -> None:
+    """No higher class waits right now, but P0 and P1 arrive at 9 of the 10 permits freed per
+    second: a P2 with 5 waiters ahead is left ~1/s, not the pool's 10/s (the old estimate:
+    0.6 s). Its reservation is used (in flight (5, 4, 1)), so that path gives 1/s too. (Releases
+    and arrivals are random: the chance it is reached in 1 s is that of a random walk with
+    drift 1/s getting 6 ahead, ~0.4.)"""
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
+    quiet = Snapshot(10, (5, 4, 1), (0, 0, 5), 0, grant_rate=10.0, release_n=200, arrival_rates=(3.0, 6.0, 5.0))
+    est = wait_estimate(2, quiet, SHARES)
+    assert est.open_rate == pytest.approx(1.0) and est.seconds == pytest.approx(6.0)
+    assert 0.3 < est.chance(1.0, 1 + 2 / math.sqrt(100)) < 0.5
+    assert isinstance(queue_decision(2, quiet, classes, ADM, 0.0), Reject)
+    # unknown arrivals: as before, every freed permit (admitting late beats rejecting early)
+    unknown = replace(quiet, arrival_rates=None)
+    assert wait_estimate(2, unknown, SHARES).seconds == pytest.approx(0.6)
+    assert isinstance(queue_decision(2, unknown, classes, ADM, 0.0), Enqueue)
+    # higher classes arriving slower than the pool frees: still served, well within time
+    light = replace(quiet, arrival_rates=(1.0, 1.0, 5.0))
+    assert isinstance(queue_decision(2, light, classes, ADM, 0.0), Enqueue)
+
+
+def test_few_releases_are_read_as_poisson_not_as_a_mean() -> None:
+    """A P2 that needs 2 releases of a turnover of 2/s within its 1 s timeout is in time on
+    average, but gets them only ~60 % of the time; needing 1 release, ~90 %. The minimum chance
+    per class decides (shipped 0.5; a class that must be turned away fast sets it higher)."""
+    s1 = Snapshot(20, (12, 6, 2), (3, 5, 0), 0, grant_rate=20.0, release_n=400, arrival_rates=(12.0, 20.0, 9.0))
+    s2 = replace(s1, queued=(3, 5, 1))
+    est = wait_estimate(2, s2, SHARES)
+    assert est.class_rate == pytest.approx(2.0) and est.seconds == pytest.approx(1.0)
+    assert 0.5 < est.chance(1.0, 1.1) < 0.7 and wait_estimate(2, s1, SHARES).chance(1.0, 1.1) > 0.85
+    strict = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, early_drop_min_chance=0.8)}
+    lenient = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
+    assert isinstance(queue_decision(2, s2, lenient, ADM, 0.0), Enqueue)
+    assert isinstance(queue_decision(2, s2, strict, ADM, 0.0), Reject)
+    assert isinstance(queue_decision(2, s1, strict, ADM, 0.0), Enqueue)
+
+
+def test_poisson_tail_and_reach_chance() -> None:
+    assert poisson_tail(2.0, 0) == 1.0 and poisson_tail(0.0, 1) == 0.0
+    assert poisson_tail(2.0, 1) == pytest.approx(1 - math.exp(-2))
+    assert poisson_tail(2.0, 2) == pytest.approx(1 - 3 * math.exp(-2))
+    assert poisson_tail(1000.0, 1000) == pytest.approx(0.5, abs=0.02)
+    assert poisson_tail(10.0, 300) == 0.0
+    # a walk without drift reaches m about twice as often as it ends above m (reflection)
+    end_above = 0.5 * math.erfc(2 / math.sqrt(2 * 4))
+    assert reach_chance(0.0, 4.0, 1.0, 2.0) == pytest.approx(2 * end_above)
+    assert reach_chance(5.0, 0.0, 1.0, 4.0) == 1.0 and reach_chance(-1.0, 1.0, 1.0, 6.0) < 1e-6
 
 
 def test_queue_full() -> None:

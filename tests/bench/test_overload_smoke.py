@@ -79,3 +79,28 @@ def test_adaptive_concurrency_config_is_valid_envoy(tmp_path: Path) -> None:
     proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_histogram_quantile_is_prometheus_like() -> None:
+    buckets = [[0.001, 50.0], [0.01, 90.0], [1.0, 99.0], [1.1, 100.0], [float("inf"), 100.0]]
+    assert overload.histogram_quantile(buckets, 0.5) == pytest.approx(0.001)
+    assert overload.histogram_quantile(buckets, 0.7) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert overload.histogram_quantile(buckets, 0.995) == pytest.approx(1.05)
+    assert overload.histogram_quantile([], 0.5) is None
+    merged = overload._merge([[[0.01, 1.0], [float("inf"), 2.0]], [[0.01, 3.0], [float("inf"), 3.0]]])
+    assert merged == [[0.01, 4.0], [float("inf"), 5.0]]
+
+
+def test_p0_bound_on_the_engine_model() -> None:
+    """The ideal policy's P0 TTFT grows with the batch it holds, and so does goodput; a loaded
+    engine never beats the unloaded one."""
+    from floodgate.bench.p0_bound import ideal_policy, p0_ttft_bound
+
+    w = overload.Workload()
+    small = ideal_policy(w, 8, 5.0, 60.0, 2.0, 0.1, seed=1)
+    big = ideal_policy(w, 64, 5.0, 60.0, 2.0, 0.1, seed=1)
+    assert big.goodput_tok_s > 1.3 * small.goodput_tok_s
+    assert big.p0_ttft_p50_s > small.p0_ttft_p50_s and small.p0_count > 100
+    b = p0_ttft_bound(w, 19.0, 1200.0, 2.0, 0.1, duration=60.0, seeds=1, ns=(8, 64))
+    assert b.unloaded_p0_ttft_p99_s > 0 and all(p.p0_ttft_p99_s >= 0.9 * b.unloaded_p0_ttft_p99_s for p in b.points)
+    assert b.to_dict()["points"][1]["n_per_replica"] == 64

@@ -1,0 +1,66 @@
+"""Early drop's trade-off, measured on fake-clock replays: `python -m tests.policy_tradeoff`.
+
+A class's `early_drop_min_chance` says how sure the grant loop must be to reach a request in
+time before it may wait. Low: few requests are turned away that the grant loop would have
+served in time (the rule's promise, `wrong_drops_at_current_rate`), but more wait their whole
+timeout and then get 429 (slow rejections). High: the reverse. For each value, over the
+property test's random histories and over the overload bench's burst (tests/test_policy_replay.py):
+early drops, wrong drops, queue timeouts as a share of all rejections, requests served in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from floodgate.extproc.config import PoolConfig
+
+from tests.policy_replay import replay, wrong_drops_at_current_rate
+from tests.test_policy_replay import bench_burst, random_history
+
+
+def measure(chance: float, seeds: range, burst_seeds: range) -> dict[str, Counter[str]]:
+    classes = {k: c.model_copy(update={"early_drop_min_chance": chance}) for k, c in PoolConfig().classes.items()}
+    out: dict[str, Counter[str]] = {"random": Counter(), "burst": Counter()}
+    runs = [("random", *random_history(s)) for s in seeds] + [("burst", 107, bench_burst(s)) for s in burst_seeds]
+    for kind, limit, history in runs:
+        c = out[kind]
+        o = replay(limit, classes, history)
+        c["drops"] += len(o.early_drops())
+        c["wrong"] += len(wrong_drops_at_current_rate(o, classes, history))
+        for i, a in enumerate(history):
+            d = o.decisions[i]
+            in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+            c["served"] += in_time
+            c["timeouts"] += d == "queued" and not in_time
+            if a.cls == 2:
+                c["p2_served"] += in_time
+                c["p2_timeouts"] += d == "queued" and not in_time
+                c["p2_drops"] += d == "early_drop"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("chances", nargs="*", type=float, default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
+    p.add_argument("--seeds", type=int, default=40, help="random histories (the property test's)")
+    p.add_argument("--burst-seeds", type=int, default=4)
+    args = p.parse_args(argv)
+    print("| min chance | random: early drops | wrong drops | queue timeouts (of rejections) | served in time "
+          "| bench burst: P2 drops | P2 timeouts (of P2 rejections) | P2 served in time | all served |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for chance in args.chances:
+        m = measure(chance, range(args.seeds), range(args.burst_seeds))
+        r, b = m["random"], m["burst"]
+        rej = r["drops"] + r["timeouts"]
+        p2rej = b["p2_drops"] + b["p2_timeouts"]
+        print(f"| {chance:.2f} | {r['drops']} | {r['wrong']} ({100 * r['wrong'] / max(1, r['drops']):.2f} %) "
+              f"| {r['timeouts']} ({100 * r['timeouts'] / max(1, rej):.1f} %) | {r['served']} "
+              f"| {b['p2_drops']} | {b['p2_timeouts']} ({100 * b['p2_timeouts'] / max(1, p2rej):.1f} %) "
+              f"| {b['p2_served']} | {b['served']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
