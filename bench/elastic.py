@@ -53,7 +53,8 @@ DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "elastic"
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 SECTION_START = "<!-- elastic:begin -->"
 SECTION_END = "<!-- elastic:end -->"
-CONFIGS = ("admission", "scaling", "floodgate")
+CONFIGS = ("admission", "scaling", "floodgate", "floodgate-tuned")
+DEFAULT_CONFIGS = ("admission", "scaling", "floodgate")
 
 # Goals from issue 14.
 TARGET_P0_SUCCESS = 0.999
@@ -168,17 +169,28 @@ def sim_args(w: Workload) -> list[str]:
 
 
 def processor_config(name: str, w: Workload, slo_ttft_s: float) -> dict[str, Any]:
+    """`admission` and `floodgate` run the processor's shipped defaults (classes derived from
+    the SLO by config.ClassConfig); only `floodgate-tuned` sets the overload benchmark's
+    hand-tuned classes (P2 never queues)."""
     from floodgate.bench.overload import slo_classes
 
     pool: dict[str, Any] = {"name": "default"}
     if name == "scaling":
         # No admission: every request is let through at once; the processor only picks endpoints.
         pool["limit"] = {"mode": "static", "initial": 100000, "min": 1, "max": 100000}
-    else:
+    elif name == "floodgate-tuned":
         pool["classes"] = slo_classes(slo_ttft_s)
     if name != "admission":
         pool["endpoint_picking"] = True
     return {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}, "pools": [pool]}
+
+
+def shipped_classes() -> dict[int, dict[str, Any]]:
+    """The processor's default classes (what `admission` and `floodgate` run with)."""
+    from floodgate.extproc.config import PoolConfig
+
+    return {c: {k: v for k, v in cc.model_dump().items() if k in ("queue_timeout_s", "max_queue", "share")}
+            for c, cc in PoolConfig().classes.items()}
 
 
 def ops_scaled(w: Workload) -> dict[str, Any]:
@@ -240,6 +252,11 @@ class ReplicaSample:
     t: float
     states: dict[str, float]
     desired: float | None = None
+    # The processor's view at the same moment: its shared concurrency limit and the pool's
+    # in-flight and queued requests (all classes), as its gauges last saw them.
+    limit: float | None = None
+    inflight: float | None = None
+    queued: float | None = None
 
 
 @dataclass
@@ -270,13 +287,32 @@ def read_replica_states(metrics_url: str) -> tuple[dict[str, float], float | Non
     return states, desired
 
 
+def read_processor(metrics_url: str) -> tuple[float | None, float, float]:
+    """(limit, in-flight, queued) from the processor's gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    limit, inflight, queued = None, 0.0, 0.0
+    for fam in text_string_to_metric_families(_get(metrics_url)):
+        for s in fam.samples:
+            if s.name == "floodgate_limit":
+                limit = s.value
+            elif s.name == "floodgate_inflight":
+                inflight += s.value
+            elif s.name == "floodgate_queue_depth":
+                queued += s.value
+    return limit, inflight, queued
+
+
 async def sample_replicas(metrics_url: str, t0: float, stop: asyncio.Event, out: list[ReplicaSample],
-                          interval: float = 0.5) -> None:
+                          interval: float = 0.5, processor_url: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
             states, desired = await asyncio.to_thread(read_replica_states, metrics_url)
-            out.append(ReplicaSample(loop.time() - t0, states, desired))
+            sample = ReplicaSample(loop.time() - t0, states, desired)
+            if processor_url is not None:
+                sample.limit, sample.inflight, sample.queued = await asyncio.to_thread(read_processor, processor_url)
+            out.append(sample)
         except OSError:
             pass
         try:
@@ -343,7 +379,9 @@ def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             t0 = loop.time() + 0.05  # run_load_detailed's own t0 is within a few ms of this
-            task = asyncio.create_task(sample_replicas(ctl_metrics, t0, stop, samples)) if ctl_metrics else None
+            task = asyncio.create_task(sample_replicas(
+                ctl_metrics, t0, stop, samples, processor_url=f"http://127.0.0.1:{proc.metrics_port}/metrics",
+            )) if ctl_metrics else None
             try:
                 return await run_load_detailed(plan, envoy.url, model=MODEL, request_timeout=timeout_s,
                                                progress=progress)
@@ -753,12 +791,13 @@ fixed pool of {w['replicas']}. *scaling*: the controller and warm pool, no admis
 processor admits everything and only picks endpoints), HPA-like rule (replicas ∝ running +
 waiting, ±10 %, stabilized scale-down, no queue/KV triggers, no offered demand, no learned
 capacity). *floodgate*: both, on the controller's shipped policy and the processor's shipped
-limiter (no tuned row: nothing is tuned here). Controller durations
+defaults (limiter and classes; nothing is tuned here). *floodgate-tuned* (only when asked
+for with `--configs`): the overload benchmark's hand-tuned classes. Controller durations
 (stabilization, panic, scale-down interval, warm-pool ages, drains) and the replicas' cold start
 ({w['cold_start_s']:.0f} s) and wake ({w['wake_s']:.0f} s) are × {w['ops_scale']} (so
 {w['cold_start_s'] * w['ops_scale']:.0f} s and {w['wake_s'] * w['ops_scale']:.0f} s); request
 timings are not scaled. Pools start at {w['replicas']} active + the warm pool; max
-{w['max_replicas']}. Classes as in the overload benchmark: `{json.dumps(report['classes'])}`.
+{w['max_replicas']}. Classes (shipped, `config.ClassConfig` derived from the TTFT SLO): `{json.dumps(report['classes'])}`.
 
 **Plan.** Loads are multiples of one replica's capacity, **{report['per_replica_rps']:.2f} req/s**
 (highest rate with ≥ 99 % SLO attainment on the engine model, `--max-num-seqs {w['max_num_seqs']}`,
@@ -814,7 +853,9 @@ def update_doc(doc: Path, section: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS),
+                   help="floodgate-tuned (not run by default): floodgate with the overload benchmark's "
+                        "hand-tuned classes instead of the shipped ones")
     p.add_argument("--replicas", type=int, default=2, help="fixed pool size / min replicas")
     p.add_argument("--max-replicas", type=int, default=10)
     p.add_argument("--max-num-seqs", type=int, default=8, help="emulator --max-num-seqs per replica")
@@ -908,7 +949,8 @@ def run(args: argparse.Namespace) -> int:
         "slo": asdict(slo),
         "per_replica_rps": per_replica,
         "plan_requests": len(plan),
-        "classes": slo_classes(slo.ttft_s),
+        "classes": shipped_classes(),
+        "tuned_classes": slo_classes(slo.ttft_s),
         "controller_overrides": ops_scaled(w),
         "rows": [asdict(r) for r in rows],
         "verdicts": lines,

@@ -152,9 +152,12 @@ def saturate(setup: Setup, pool: PoolConfig, hours: float, error_rate: float = 0
                 if rng.random() < setup.sample_rate:  # as the processor: Latency.signal
                     tpot = (f.last - f.first) / (f.tokens - 1) if f.tokens > 1 else None
                     rtt = Latency(f.first - f.admitted, tpot).signal(signal)
-            sample = lim.record(f.last, outcome, rtt, r.inflight() + 1)  # type: ignore[arg-type]
+            sample = lim.record(f.last, outcome, rtt, r.inflight() + 1, f.admitted)  # type: ignore[arg-type]
             if sample is not None:
-                state = lim.update(state, sample, rng.random())
+                new = lim.update(state, sample, rng.random())
+                if max(1, int(new.limit)) != max(1, int(state.limit)):
+                    lim.limit_changed(f.last)  # as the processor (Admitter._limit_seen)
+                state = new
                 windows += 1
                 times.append(f.last)
                 limits.append(state.limit)

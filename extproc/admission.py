@@ -44,7 +44,14 @@ from floodgate.extproc.backends import (
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
 from floodgate.extproc.endpoint_guard import make_guard
-from floodgate.extproc.limit import Latency, Outcome, Sample, WindowedLimit, limit_for
+from floodgate.extproc.limit import (
+    Latency,
+    Outcome,
+    Sample,
+    WindowedLimit,
+    follow_endpoints,
+    limit_for,
+)
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
@@ -111,11 +118,16 @@ class PoolRuntime:
     arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
         default_factory=lambda: (DecayingRate(tau=ARRIVAL_TAU_S), DecayingRate(tau=ARRIVAL_TAU_S),
                                  DecayingRate(tau=ARRIVAL_TAU_S)))
+    endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
+    limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
 
     def arrival_rates(self, now: float, processors: int = 1) -> tuple[float, float, float]:
         n = max(1, processors)
         a = self.arrivals
         return a[0].read(now) * n, a[1].read(now) * n, a[2].read(now) * n
+
+    def follows_endpoints(self) -> bool:
+        return self.cfg.endpoint_picking and self.cfg.limit.follow_endpoints and self.limit.adaptive
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -387,6 +399,7 @@ class Admitter:
             self._return_credits(rt)
         rt.last_status = st
         rt.last_status_at = self.clock()
+        self._limit_seen(rt, st.limit)
         rt.held_seen = len(rt.held) + len(rt.credits)
         # The gauges move together with what was enforced, from one consistent read.
         name = rt.cfg.name
@@ -394,6 +407,14 @@ class Admitter:
         for c in range(3):
             self.child(self.metrics.queue_depth, (name, PRIORITY_LABELS[c])).set(st.queued[c])
             self.child(self.metrics.inflight, (name, PRIORITY_LABELS[c])).set(st.inflight[c])
+
+    def _limit_seen(self, rt: PoolRuntime, limit: float) -> None:
+        """The shared limit is `limit`: if it moved, samples of requests admitted before now
+        no longer describe it (WindowedLimit.limit_changed)."""
+        seen = max(1, int(limit))
+        if rt.limit_seen is not None and seen != rt.limit_seen:
+            rt.limit.limit_changed(self.clock())
+        rt.limit_seen = seen
 
     def _return_credits(self, rt: PoolRuntime) -> None:
         """Something waits: idle credits go back so the grant loop can hand them out."""
@@ -502,7 +523,7 @@ class Admitter:
         rt = self.pools[permit.pool]
         rtt = latency.signal(rt.cfg.limit.signal) if latency is not None else None
         kind: Outcome = "success" if outcome == "success" else "dropped" if outcome == "dropped" else "ignored"
-        sample = rt.limit.record(self.clock(), kind, rtt, rt.inflight_seen())
+        sample = rt.limit.record(self.clock(), kind, rtt, rt.inflight_seen(), permit.admitted_at)
         if sample is not None and not rt.degraded:
             self.spawn(self._apply_sample(rt, sample))
 
@@ -520,7 +541,25 @@ class Admitter:
                 if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
                     self.metrics.limit_updates.labels(rt.cfg.name).inc()
                     self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
+                    self._limit_seen(rt, new.limit)
                     return
+
+    async def _follow_endpoints(self, rt: PoolRuntime, endpoints: int) -> None:
+        """Scale the shared limit to the active endpoint count (limit.follow_endpoints); every
+        processor sees the same count, the first compare-and-set wins, the rest find it done."""
+        c = rt.cfg.limit
+        for _ in range(5):
+            rec = await self.call(rt, "get_limit", rt.state.get_limit)
+            new = follow_endpoints(rec.state, endpoints, c.min, c.max)
+            if new == rec.state or await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
+                rt.endpoints_applied = endpoints
+                if new.limit != rec.state.limit:
+                    self.metrics.limit_updates.labels(rt.cfg.name).inc()
+                    self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
+                    self._limit_seen(rt, new.limit)
+                    log.info("pool %s: %d active endpoints (was %d): limit %.1f -> %.1f", rt.cfg.name,
+                             endpoints, rec.state.endpoints, rec.state.limit, new.limit)
+                return
 
     async def _force_static_limit(self, rt: PoolRuntime) -> None:
         for _ in range(5):
@@ -627,6 +666,9 @@ class Admitter:
         if rt.picker.enabled:
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            n = len(rt.picker.active)
+            if rt.follows_endpoints() and n and n != rt.endpoints_applied:
+                await self._follow_endpoints(rt, n)
         if rt.demand:
             counts, rt.demand = dict(rt.demand), Counter()
             try:

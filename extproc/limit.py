@@ -10,7 +10,8 @@ the pool's limit from its configuration — the one place that reads `limit.mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from floodgate.extproc.config import PoolConfig
@@ -48,6 +49,7 @@ class LimitState:
     noload_inflight: int = 0  # peak in-flight of the window that set rtt_noload
     epoch_rtt: float = 0.0  # lowest rtt since the last probe among low in-flight windows (0 = none)
     epoch_inflight: int = 0
+    endpoints: int = 0  # active endpoints the limit was sized for (0 = not known; follow_endpoints)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class Sample:
     inflight: int
     dropped: bool = False
     drop_share: float = 0.0  # 0..1; a sample with `dropped` and no share counts as all drops
+    # False: some measured request was admitted before the limit last changed, so the sample
+    # does not show the current limit's latency and may not raise it (WindowedLimit).
+    fresh: bool = True
 
     @property
     def drops(self) -> float:
@@ -116,12 +121,13 @@ class SampleWindow:
     rtt_sum: float = 0.0
     max_inflight: int = 0
     drops: int = 0
+    stale: int = 0  # measured requests admitted before the limit last changed
 
     @property
     def dropped(self) -> bool:
         return self.drops > 0
 
-    def add(self, now: float, rtt: float | None, inflight: int, dropped: bool = False) -> None:
+    def add(self, now: float, rtt: float | None, inflight: int, dropped: bool = False, stale: bool = False) -> None:
         if self.started is None:
             self.started = now
         if dropped:
@@ -131,6 +137,7 @@ class SampleWindow:
             if rtt is not None and rtt > 0:
                 self.count += 1
                 self.rtt_sum += rtt
+                self.stale += stale
         self.max_inflight = max(self.max_inflight, inflight)
 
     def ready(self, now: float) -> bool:
@@ -147,8 +154,10 @@ class SampleWindow:
         if self.count or self.drops:
             rtt = self.rtt_sum / self.count if self.count else 0.0
             share = self.drops / max(1, self.drops + self.ok)
-            sample = Sample(rtt=rtt, inflight=self.max_inflight, dropped=self.drops > 0, drop_share=share)
+            sample = Sample(rtt=rtt, inflight=self.max_inflight, dropped=self.drops > 0, drop_share=share,
+                            fresh=self.stale == 0)
         self.started, self.count, self.ok, self.rtt_sum, self.max_inflight, self.drops = None, 0, 0, 0.0, 0, 0
+        self.stale = 0
         return sample
 
 
@@ -156,10 +165,23 @@ class SampleWindow:
 class WindowedLimit:
     """A `Limit` fed per request: outcomes go into a window, each closed window updates the
     delegate. `record` returns the sample to apply (the caller applies it to the shared state
-    with `update`), or None while the window is open."""
+    with `update`), or None while the window is open.
+
+    `fresh_only` (the floodgate flavor): raise the limit only on evidence about it. A request
+    admitted before the limit last changed (`limit_changed`) ran under the old limit; a
+    window holding one (measured) closes as usual — it may lower or hold the limit — but may
+    not raise it (`Sample.fresh`), so increases come at most once per round trip, as TCP
+    Vegas adjusts once per RTT. Without this, an LLM request's latency arrives seconds after
+    its admission (`combined` is the time to its 32nd token) while windows close every
+    second, so a burst kept raising the limit by beta per window on the latency of requests
+    admitted before the queue inside the engine built up: the elastic bench saw a limit of
+    94–136 on four replicas of 8 slots, ~100 requests queued inside replicas that the new
+    replicas could not take over."""
 
     delegate: Limit
     window: SampleWindow
+    fresh_only: bool = False
+    changed_at: float = -math.inf  # when the shared limit last changed, as this process knows
 
     @property
     def adaptive(self) -> bool:
@@ -171,11 +193,38 @@ class WindowedLimit:
     def update(self, state: LimitState, sample: Sample, rand: float) -> LimitState:
         return self.delegate.update(state, sample, rand)
 
-    def record(self, now: float, outcome: Outcome, rtt: float | None, inflight: int) -> Sample | None:
+    def limit_changed(self, now: float) -> None:
+        """The shared limit changed at `now` (this process's update, another's, or a rescale)."""
+        if self.fresh_only:
+            self.changed_at = max(self.changed_at, now)
+
+    def record(self, now: float, outcome: Outcome, rtt: float | None, inflight: int,
+               admitted_at: float | None = None) -> Sample | None:
         if outcome == "ignored" or not self.adaptive:
             return None
-        self.window.add(now, rtt, inflight, dropped=outcome == "dropped")
+        stale = self.fresh_only and admitted_at is not None and admitted_at < self.changed_at
+        self.window.add(now, rtt, inflight, dropped=outcome == "dropped", stale=stale)
         return self.window.take() if self.window.ready(now) else None
+
+
+def follow_endpoints(state: LimitState, endpoints: int, lo: int, hi: int) -> LimitState:
+    """The limit after the pool's active endpoint count became `endpoints`: scaled by
+    endpoints / state.endpoints, clamped to [lo, hi].
+
+    The limit is pool-wide and Vegas moves it by at most 6·lg per window (+6 per ~1 s below
+    a limit of 100), so without this a pool that grows from 3 to 10 replicas admits at the
+    3-replica level for the ~10 windows Vegas needs to grow into the new capacity, and turns
+    requests away while that capacity idles; a drained replica's share of the limit would
+    likewise stay until latency rises. Each endpoint's share of the limit is what Vegas
+    learnt per endpoint so far. No endpoints (nothing to scale from or to) and the first
+    count seen only record the count. Idempotent: the same count again changes nothing, so
+    every processor may apply it (compare-and-set) and the first one wins."""
+    if endpoints <= 0 or endpoints == state.endpoints:
+        return state
+    if state.endpoints <= 0:
+        return replace(state, endpoints=endpoints)
+    limit = max(float(lo), min(float(hi), state.limit * endpoints / state.endpoints))
+    return replace(state, limit=limit, endpoints=endpoints)
 
 
 def limit_for(pool: PoolConfig) -> WindowedLimit:
@@ -189,4 +238,5 @@ def limit_for(pool: PoolConfig) -> WindowedLimit:
     else:
         inner = VegasLimit(c.min, c.max, c.smoothing, c.probe_multiplier, c.rtt_tolerance, c.flavor,
                            pool.latency_target() if c.flavor == "floodgate" else 0.0)
-    return WindowedLimit(inner, SampleWindow(c.window_min_samples, c.window_s, c.window_max_s))
+    return WindowedLimit(inner, SampleWindow(c.window_min_samples, c.window_s, c.window_max_s),
+                         fresh_only=c.mode == "vegas" and c.flavor == "floodgate")

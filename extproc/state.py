@@ -284,14 +284,16 @@ class PoolState:
         x = [v for v in f.get("extra", "").split(",") if v]
         st = VegasState(limit=float(f["limit"]), rtt_noload=float(f["rtt_noload"]),
                         probe_count=int(f["probe_count"]), probe_jitter=float(f["probe_jitter"]))
-        if len(x) == 3:  # the baseline bookkeeping (vegas.py), stored opaquely by the script
+        if len(x) >= 3:  # the baseline bookkeeping (vegas.py), stored opaquely by the script
             st = replace(st, noload_inflight=int(x[0]), epoch_rtt=float(x[1]), epoch_inflight=int(x[2]))
+        if len(x) >= 4:  # the endpoint count the limit was sized for (limit.follow_endpoints)
+            st = replace(st, endpoints=int(x[3]))
         return LimitRecord(st, int(f["version"]))
 
     async def set_limit(self, expected_version: int, st: VegasState) -> bool:
         f = parse_fields(await self._run("set_limit", expected_version, repr(st.limit), repr(st.rtt_noload),
                                          st.probe_count, repr(st.probe_jitter),
-                                         f"{st.noload_inflight},{st.epoch_rtt!r},{st.epoch_inflight}"))
+                                         f"{st.noload_inflight},{st.epoch_rtt!r},{st.epoch_inflight},{st.endpoints}"))
         return f["ok"] == "1"
 
     async def add_demand(self, counts: dict[tuple[int, str], int]) -> None:

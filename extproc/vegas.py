@@ -1,4 +1,4 @@
-"""The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus three fixes.
+"""The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus four fixes.
 
 Per sample (docs/admission.md, Vegas): queue = ceil(L * (1 - ref / rtt)) with ref = rtt_noload in Netflix's
 formula; lg = log10 of the truncated integer limit (at least 1); alpha = 3 lg, beta = 6 lg,
@@ -19,6 +19,11 @@ pool under sustained load:
 * Drops. Netflix counts any drop in a window as a drop of the window; here a window whose
   requests failed with share s moves the limit s of the way to the drop decrease and 1 - s of
   the way to the latency decision, so a few percent of upstream 5xx barely move it.
+* Round trips. A window whose latency comes (in part) from requests admitted before the
+  limit last changed (`Sample.fresh` False, limit.WindowedLimit) may lower or hold the limit
+  but not raise it: increases at most once per round trip, as TCP Vegas. LLM requests report
+  seconds after admission while windows close every second; without this a burst raised the
+  limit window after window before any request admitted at the raised limit had reported.
 * Reference. ref = `target`, the latency the pool's SLO allows for the signal (config
   `limit.slo_target`), when the no-load latency is below it; tolerance x rtt_noload
   otherwise. An LLM engine's TPOT grows with batch size long before anything queues, and
@@ -143,6 +148,8 @@ class VegasLimit:
             ref = self.target
         queue = max(0, math.ceil(limit * (1 - ref / sample.rtt)))
         alpha, beta, threshold = 3 * lg, 6 * lg, lg
+        if queue < alpha and not sample.fresh:
+            return limit  # the latency of requests admitted under a lower limit cannot justify this one
         if queue <= threshold:
             return limit + beta
         if queue < alpha:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from typing import Any
 
@@ -126,3 +127,59 @@ async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: Loca
 
 async def _idle(reg: Registry) -> bool:
     return all(e.inflight == 0 for e in (await reg.endpoints()).values())
+
+
+async def test_limit_follows_active_endpoints_and_grants_waiters_at_once(stack: LocalStack) -> None:
+    """A replica that becomes active gets its share of the Vegas limit on the processors' next
+    registry refresh — a waiter queued at the old limit is granted then, not after Vegas has
+    grown into the new capacity window by window — and a drained one's share goes away. Two
+    processors apply the same count: the limit scales once."""
+    from floodgate.extproc.admission import Admitter, Permit
+    from floodgate.extproc.config import Config
+
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "poll_interval_s": 0.05},
+        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 2, "min": 1}}]})
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    a, b = Admitter(cfg, c, gateway_id="a"), Admitter(cfg, c, gateway_id="b")
+    waiter: asyncio.Task[Any] | None = None
+    try:
+        await reg.set("10.0.0.1:8000", "active", "r1")
+        await a.start()
+        await b.start()
+        ra, rb = a.pools["f"], b.pools["f"]
+        await a._tick(ra)
+        assert (await ra.state.get_limit()).state.endpoints == 1  # first sight: recorded, not scaled
+        held = [await a.admit("f", 0, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiter = asyncio.create_task(b.admit("f", 0, "t"))  # queued at the limit (2)
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        for i in (2, 3, 4):
+            await reg.set(f"10.0.0.{i}:8000", "active", f"r{i}")
+        await a._tick(ra)
+        await b._tick(rb)  # the same count from another processor: no second scaling
+        rec = await ra.state.get_limit()
+        assert (rec.state.limit, rec.state.endpoints) == (8.0, 4)
+        # Both processors know the limit moved: latency of requests admitted before now may
+        # no longer raise it (WindowedLimit.fresh_only) — `a` changed it, `b` saw it change.
+        assert ra.limit.changed_at > -math.inf and rb.limit.changed_at > -math.inf
+        late = held[0]
+        assert late.admitted_at < ra.limit.changed_at
+        got = await asyncio.wait_for(waiter, 2)  # granted by the raised limit, with no release
+        assert isinstance(got, Permit) and got.endpoint
+        # Two drained: their share of the limit goes.
+        await reg.set("10.0.0.3:8000", "draining", "r3")
+        await reg.set("10.0.0.4:8000", "draining", "r4")
+        await b._tick(rb)
+        assert (await ra.state.get_limit()).state.limit == 4.0
+        for p in [*held, got]:
+            await (a if p in held else b).release(p)
+    finally:
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        await a.stop()
+        await b.stop()
+        await c.aclose()

@@ -62,6 +62,6 @@ async def test_limit_state_round_trips_the_baseline_bookkeeping(client: aioredis
     rec = await st.get_limit()
     assert rec.state.probe_jitter == 1.0  # never drawn: vegas.py draws it on the first update
     new = VegasState(limit=40.5, rtt_noload=0.02, probe_count=7, probe_jitter=0.6, noload_inflight=12,
-                     epoch_rtt=0.025, epoch_inflight=9)
+                     epoch_rtt=0.025, epoch_inflight=9, endpoints=5)
     assert await st.set_limit(rec.version, new)
     assert (await st.get_limit()).state == new

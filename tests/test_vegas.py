@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 from floodgate.extproc.config import LimitConfig, PoolConfig
-from floodgate.extproc.limit import FixedLimit, WindowedLimit, limit_for
+from floodgate.extproc.limit import FixedLimit, WindowedLimit, follow_endpoints, limit_for
 from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit, VegasState, log10_root
 
 V = VegasLimit(min_limit=1, max_limit=1000, smoothing=1.0, probe_multiplier=30)
@@ -329,3 +329,95 @@ def test_netflix_flavor_equals_the_java_transcription(seed: int) -> None:
                           jitters.random() if before + 1 >= state.probe_jitter * 30 * state.limit else 0.0)
         assert int(state.limit) == expected and state.limit == java.estimated, step
         assert state.rtt_noload == java.rtt_noload and state.probe_count == java.probe_count
+
+
+# --- limit.follow_endpoints: the pool-wide limit follows the active endpoint count
+
+
+def test_new_endpoints_get_their_share_of_the_limit_at_once() -> None:
+    st = VegasState(limit=24.0, rtt_noload=0.5, endpoints=3)
+    grown = follow_endpoints(st, 10, 1, 512)
+    assert grown.limit == pytest.approx(80.0) and grown.endpoints == 10
+    assert (grown.rtt_noload, grown.probe_count) == (st.rtt_noload, st.probe_count)  # only the limit moves
+    # Vegas alone grows by beta = 6 per window below 100: the same capacity takes 10 windows.
+    v, s, windows = VegasLimit(tolerance=3.0), st, 0
+    while s.limit < 80:
+        s = v.update(s, Sample(rtt=0.5, inflight=int(s.limit)), 0.5)
+        windows += 1
+    assert windows >= 9
+
+
+def test_drained_endpoints_take_their_share_away() -> None:
+    st = VegasState(limit=40.0, endpoints=4)
+    assert follow_endpoints(st, 3, 1, 512).limit == pytest.approx(30.0)
+    assert follow_endpoints(st, 1, 16, 512).limit == 16.0  # clamped to [min, max]
+    assert follow_endpoints(st, 40, 1, 100).limit == 100.0
+
+
+def test_follow_endpoints_is_idempotent_and_records_the_first_count() -> None:
+    fresh = VegasState(limit=16.0)
+    first = follow_endpoints(fresh, 2, 1, 512)
+    assert first == replace(fresh, endpoints=2)  # nothing to scale from: only recorded
+    assert follow_endpoints(first, 2, 1, 512) is first  # every processor may apply it; one change
+    assert follow_endpoints(first, 0, 1, 512) is first  # no endpoints: nothing to size for
+    # Round trip 2 -> 5 -> 2 returns to the same limit.
+    assert follow_endpoints(follow_endpoints(first, 5, 1, 512), 2, 1, 512).limit == pytest.approx(16.0)
+
+
+def test_vegas_updates_keep_the_endpoint_count() -> None:
+    st = VegasState(limit=24.0, rtt_noload=0.5, probe_jitter=0.9, endpoints=3)
+    after = VegasLimit(tolerance=3.0).update(st, Sample(rtt=0.5, inflight=24), 0.5)
+    assert after.limit > st.limit and after.endpoints == 3
+
+
+# --- WindowedLimit(fresh_only): once per round trip, on requests admitted under the current limit
+
+
+def _windowed(fresh_only: bool = True) -> WindowedLimit:
+    return WindowedLimit(VegasLimit(tolerance=3.0), SampleWindow(10, 1.0, 10.0), fresh_only=fresh_only)
+
+
+def test_requests_admitted_before_a_limit_change_may_lower_but_not_raise_it() -> None:
+    lim, st = _windowed(), VegasState(limit=30.0, rtt_noload=0.5, probe_jitter=0.9)
+    lim.limit_changed(2.0)
+    old = [lim.record(2.0 + 0.12 * i, "success", 0.5, 30, admitted_at=1.9 if i == 0 else 2.1) for i in range(10)]
+    assert old[9] is not None and not old[9].fresh  # one request of the window predates the change
+    assert lim.update(st, old[9], 0.5).limit == 30.0  # latency fine, but not about this limit: hold
+    slow = Sample(rtt=5.0, inflight=30, fresh=False)
+    assert lim.update(st, slow, 0.5).limit == 29.0  # a queue is evidence whatever the limit was
+    new = [lim.record(4.0 + 0.12 * i, "success", 0.5, 30, admitted_at=2.5) for i in range(10)]
+    assert new[9] is not None and new[9].fresh
+    assert lim.update(st, new[9], 0.5).limit == 36.0  # fresh: + beta
+
+
+def test_a_burst_cannot_raise_the_limit_faster_than_its_requests_report() -> None:
+    """Fake clock. Requests take 3 s from admission to their latency sample; latency looks
+    fine for 10 s (the queue inside the engine builds, but what finishes was admitted
+    before). Per-window Vegas adds beta every second; once per round trip adds it about
+    every 3 s."""
+
+    def run(fresh_only: bool) -> float:
+        lim, st = _windowed(fresh_only), VegasState(limit=30.0, rtt_noload=0.5, probe_jitter=0.9)
+        t = 0.0
+        while t < 10.0:
+            t += 0.05
+            s = lim.record(t, "success", 0.5, int(st.limit), admitted_at=t - 3.0)
+            if s is not None:
+                new = lim.update(st, s, 0.5)
+                if int(new.limit) != int(st.limit):
+                    lim.limit_changed(t)
+                st = new
+        return st.limit
+
+    assert run(False) >= 30 + 6 * 9
+    assert run(True) <= 30 + 6 * 3
+
+
+def test_netflix_flavor_and_static_limits_keep_every_window() -> None:
+    assert not limit_for(PoolConfig(limit=LimitConfig(flavor="netflix"))).fresh_only
+    assert not limit_for(PoolConfig(limit=LimitConfig(mode="static"))).fresh_only
+    assert limit_for(PoolConfig()).fresh_only
+    lim = _windowed(False)
+    lim.limit_changed(5.0)
+    got = [lim.record(6.0 + 0.12 * i, "success", 0.5, 20, admitted_at=0.0) for i in range(10)]
+    assert got[9] is not None and got[9].fresh
