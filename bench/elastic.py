@@ -755,6 +755,11 @@ def plot_timeline(runs: Sequence[RunOutput], w: Workload, per_replica_rps: float
                     color="tab:red", ls="--", label="capacity (active × per-replica)")
             ax.step(st, [s.states.get("warm", 0.0) * per_replica_rps for s in out.replicas], where="post",
                     color="tab:orange", lw=0.8, label="warm pool × per-replica")
+        lim = [(x.t, x.limit) for x in out.replicas if x.limit is not None]
+        if lim and out.name != "scaling":  # scaling's processor holds a static 100000
+            ax2 = ax.twinx()
+            ax2.step([t for t, _ in lim], [v for _, v in lim], where="post", color="tab:purple", lw=0.8)
+            ax2.set_ylabel("processor limit (concurrency)", color="tab:purple", fontsize=7)
         for name, (a, b) in w.windows().items():
             if name in BURSTS:
                 ax.axvspan(a, b, color="0.9", zorder=0)
