@@ -781,7 +781,11 @@ are over requests that *arrived* during the burst.
 Columns: P0 success over the whole run; P0 TTFT p99 of the unloaded phase vs the burst phase;
 goodput = output tokens/s of burst arrivals that met the SLO, vs the best steady goodput;
 P2 reject p50 / p99 = time from send to the 429 for rejected P2 requests (in brackets: how many
-of them waited out their queue timeout, of all P2 rejections); limit = mean concurrency
+of them waited out their queue timeout, of all P2 rejections; the adaptive row's is Envoy's own
+local 429, the floor for client-observed times on this box); P2 reject in processor = the
+processor's `floodgate_decision_seconds` for P2 rejections, request headers in to the 429 out
+(p50 / p99 of all; in brackets p99 of those that did not wait out a timeout; histogram buckets,
+so values are interpolated within a bucket); limit = mean concurrency
 limit during the burst (static: the configured value); sparse P0 = the last phase, where P1/P2
 saturate the pool and P0 arrives rarely: P0 admitted of offered, P0 turned away by early drop
 (target 0), their TTFT p99. offered = admitted + rejected + errors holds for every row (checked).
