@@ -252,6 +252,9 @@ class WaitEstimate:
         if self.higher_arrivals is None or self.rate <= 0:
             return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.higher_queued))
         lam = self.higher_arrivals
+        if lam <= 0 and self.higher_queued == 0:
+            # nothing higher waits or arrives: every release reaches it (a count, no walk)
+            return max(p_res, poisson_tail(self.rate * scale * t, n))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
             return max(p_res, reach_chance(r - lam, r + lam, t, n + self.higher_queued - 0.5))
@@ -259,12 +262,14 @@ class WaitEstimate:
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
         turn = self.class_rate * scale * t
         other = max(0.0, self.rate - self.class_rate) * scale
+        if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
+            tr = self.class_rate * scale
+            return max(p_res, reach_chance(other + tr - lam, other + tr + lam, t, n + self.higher_queued - 0.5))
         p, term = 0.0, math.exp(-turn)
-        for j in range(n):
+        # terms beyond ~12 standard deviations of the turnover count weigh nothing
+        for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
             p += term * reach_chance(other - lam, other + lam, t, n - j + self.higher_queued - 0.5)
             term *= turn / (j + 1)
-            if term < 1e-12 and j > turn:
-                break
         return min(1.0, p + poisson_tail(turn, n))
 
     def by(self, t: float, scale: float = 1.0) -> float:
