@@ -422,7 +422,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             metrics=metrics or ("none",), progress=progress))
         wall = max(1e-9, time.monotonic() - t0)
         if cfg.floodgate and metrics_url:
-            result.meta["decision_seconds"] = decision_histogram(metrics_url)
+            result.meta["decision_seconds"], result.meta["local_rejections_p2"] = decision_histogram(metrics_url)
         busy1 = _machine_busy()
         cpu = {n: (cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
         cpu["client"] = (time.process_time() - self0) / wall
@@ -434,15 +434,19 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
     return RunOutput(cfg, result, cpu, machine)
 
 
-def decision_histogram(metrics_url: str) -> dict[str, list[list[float]]]:
+def decision_histogram(metrics_url: str) -> tuple[dict[str, list[list[float]]], int]:
     """The processor's `floodgate_decision_seconds` histogram (request headers in -> reply out)
-    for P2 rejections: reason -> [[le, cumulative count], ...]."""
+    for P2 rejections: reason -> [[le, cumulative count], ...]; and how many P2 early drops it
+    decided without a Redis round trip (`floodgate_local_rejections_total`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
     out: dict[str, list[list[float]]] = {}
+    local = 0
     for fam in text_string_to_metric_families(text):
+        if fam.name == "floodgate_local_rejections":
+            local += int(sum(x.value for x in fam.samples if x.name.endswith("_total") and x.labels.get("priority") == "2"))
         if fam.name != "floodgate_decision_seconds":
             continue
         for smp in fam.samples:
@@ -451,7 +455,7 @@ def decision_histogram(metrics_url: str) -> dict[str, list[list[float]]]:
                 out.setdefault(lab["reason"], []).append([float(lab["le"]), float(smp.value)])
     for v in out.values():
         v.sort()
-    return out
+    return out, local
 
 
 def histogram_quantile(buckets: list[list[float]], q: float) -> float | None:
@@ -520,6 +524,7 @@ class Row:
     p2_reject_proc_p50_ms: float | None = None
     p2_reject_proc_p99_ms: float | None = None
     p2_immediate_reject_proc_p99_ms: float | None = None
+    p2_local_rejections: int | None = None  # P2 early drops decided without a Redis round trip
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -587,6 +592,7 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
         p2_immediate_reject_p99_ms=(percentile(p2_now, 99) or 0) * 1000 if p2_now else None,
         p2_reject_proc_p50_ms=proc_ms(h_all, 0.5), p2_reject_proc_p99_ms=proc_ms(h_all, 0.99),
         p2_immediate_reject_proc_p99_ms=proc_ms(h_now, 0.99),
+        p2_local_rejections=out.result.meta.get("local_rejections_p2"),
         sparse_p0_offered=len(sparse), sparse_p0_admitted=sum(1 for r in sparse if r.outcome == OK),
         sparse_p0_early_drops=sum(1 for r in sparse if r.outcome == REJECTED and r.reject_reason == "early_drop"),
         sparse_p0_ttft_p99_s=percentile(sparse_ttft, 99) if sparse_ttft else None,
@@ -605,7 +611,7 @@ def _ms(v: float | None) -> str:
 def render_table(rows: Sequence[Row]) -> str:
     head = ("| config | offered | admitted | rejected | errors | P0 success | P0 TTFT p99 unloaded / burst (ms) "
             "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p50 / p99 ms (timeouts of rejects) "
-            "| P2 reject in processor p50 / p99 ms (immediate only p99) | limit in burst "
+            "| P2 reject in processor p50 / p99 ms (immediate only p99; local) | limit in burst "
             "| sparse P0: admitted / early drops / TTFT p99 ms |\n"
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
@@ -616,7 +622,7 @@ def render_table(rows: Sequence[Row]) -> str:
             f"({_num(r.p0_ttft_ratio, '.1f')}x) | {_num(r.p0_queue_p99_burst_ms)} | {_num(r.goodput_burst_tok_s)} ({_pct(r.goodput_ratio, 0)}) "
             f"| {_num(r.p2_reject_p50_ms, '.1f')} / {_num(r.p2_reject_p99_ms, '.1f')} ({r.p2_reject_timeouts}/{r.p2_rejected}) "
             f"| {_num(r.p2_reject_proc_p50_ms, '.1f')} / {_num(r.p2_reject_proc_p99_ms, '.1f')} "
-            f"({_num(r.p2_immediate_reject_proc_p99_ms, '.1f')}) "
+            f"({_num(r.p2_immediate_reject_proc_p99_ms, '.1f')}; {'–' if r.p2_local_rejections is None else r.p2_local_rejections}) "
             f"| {_num(r.limit_mean_burst)} "
             f"| {r.sparse_p0_admitted}/{r.sparse_p0_offered} / {r.sparse_p0_early_drops} / {_ms(r.sparse_p0_ttft_p99_s)} |")
     return head + "\n".join(lines) + "\n"
@@ -784,8 +790,9 @@ P2 reject p50 / p99 = time from send to the 429 for rejected P2 requests (in bra
 of them waited out their queue timeout, of all P2 rejections; the adaptive row's is Envoy's own
 local 429, the floor for client-observed times on this box); P2 reject in processor = the
 processor's `floodgate_decision_seconds` for P2 rejections, request headers in to the 429 out
-(p50 / p99 of all; in brackets p99 of those that did not wait out a timeout; histogram buckets,
-so values are interpolated within a bucket); limit = mean concurrency
+(p50 / p99 of all; in brackets p99 of those that did not wait out a timeout, histogram buckets
+so interpolated within a bucket; and how many were decided from the last seen state without a
+Redis round trip); limit = mean concurrency
 limit during the burst (static: the configured value); sparse P0 = the last phase, where P1/P2
 saturate the pool and P0 arrives rarely: P0 admitted of offered, P0 turned away by early drop
 (target 0), their TTFT p99. offered = admitted + rejected + errors holds for every row (checked).

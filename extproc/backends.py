@@ -124,6 +124,7 @@ class SharedBackend:
             # (even had the queues drained since): reject without a round trip.
             certain = certain_reject(cls, last_snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age)
             if certain is not None:
+                a.child(a.metrics.local_rejections, (rt.cfg.name, str(cls))).inc()
                 return certain
         seq, ticket = a.new_ticket()
         wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))

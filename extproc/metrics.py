@@ -24,6 +24,10 @@ class Metrics:
             "Time from a request's headers arriving at the processor to its reply leaving it (admit "
             "after any queue wait, or the immediate 429/503), by outcome and reason.",
             ["pool", "priority", "outcome", "reason"], buckets=_DECISION_BUCKETS, registry=r)
+        self.local_rejections = Counter(
+            "floodgate_local_rejections",
+            "Early drops decided from the last seen pool state, without a Redis round trip (also "
+            "counted in floodgate_decisions_total).", ["pool", "priority"], registry=r)
         self.queue_depth = Gauge(
             "floodgate_queue_depth", "Requests waiting in the cluster-wide queue (last seen by this process).",
             ["pool", "priority"], registry=r)

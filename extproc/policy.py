@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
 
@@ -384,28 +384,17 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
                    cfg: AdmissionConfig, rand: float, age_s: float = 0.0) -> Reject | None:
-    """A rejection the last seen snapshot (`age_s` old) already proves, decided without a
-    Redis round trip: the pool was full and, even if as many permits as the pool's upper rate
-    frees in `age_s` had each drained a waiter of this class and every higher class (and the
-    class's permits above its reservation), queue_decision would still drop the request."""
+    """A rejection the last seen snapshot (`age_s` old) already decides, without a Redis round
+    trip: the pool was full, and the grant loop would not reach the request in time even
+    counting the `age_s` since the snapshot — the waiters it showed ahead that were served
+    meanwhile are releases of that longer window, and the requests that arrived meanwhile are
+    ahead of this one anyway. The same rule, the same confidence as queue_decision."""
     c = classes[cls]
     if sum(snap.inflight) < snap.limit:
         return None
     shares = [classes[k].share for k in CLASSES]
     est = wait_estimate(cls, snap, shares)
-    if est.samples < MIN_RELEASES:
-        return None
-    drained = math.ceil(est.rate * (1 + CONFIDENCE_Z / math.sqrt(est.samples)) * max(0.0, age_s))
-    res = reservations(max(1, snap.limit), shares)
-    q = [max(0, n - drained) if k <= cls else n for k, n in enumerate(snap.queued)]
-    inflight = list(snap.inflight)
-    if cls > 0:  # permits above its reservation shed to the higher classes meanwhile
-        shed = max(0, min(drained, inflight[cls] - res[cls]))
-        inflight[cls] -= shed
-        inflight[0] += shed
-    aged = replace(snap, queued=(q[0], q[1], q[2]), inflight=(inflight[0], inflight[1], inflight[2]))
-    est = wait_estimate(cls, aged, shares)
-    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance):
+    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 

@@ -141,6 +141,7 @@ async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalSta
             drops = 'outcome="rejected",pool="default",priority="2",reason="early_drop"'
             assert m[f"floodgate_decision_seconds_count{{{drops}}}"] == m[f"floodgate_decisions_total{{{drops}}}"] >= 2
             assert m[f'floodgate_decision_seconds_bucket{{le="+Inf",{drops}}}'] >= 2
+            assert m['floodgate_local_rejections_total{pool="default",priority="2"}'] >= 1
         finally:
             stop.set()
             await asyncio.gather(*clients, return_exceptions=True)

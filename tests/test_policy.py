@@ -249,17 +249,20 @@ def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
 
 
 def test_certain_reject_from_the_last_snapshot() -> None:
-    # a full pool, P0 backlogged, P2 granted ~2/s: 40 P2 waiters are 20 s of work, 5 s timeout
-    s = Snapshot(10, (5, 3, 2), (4, 0, 40), 0, grant_rate=10.0, release_n=200, class_rate=2.0)
+    # a full pool, P0 backlogged, P2 at its reservation of 1 turning over at 1/s: 40 P2 waiters
+    # are ~40 s of work for a 5 s timeout
+    s = Snapshot(10, (5, 4, 1), (4, 0, 40), 0, grant_rate=10.0, release_n=200)
     r = certain_reject(2, s, CLASSES, ADM, 0.0, age_s=0.1)
     assert r is not None and r.reason == "early_drop"
-    # the same queue seen 3 s ago may have drained by 3 x 11.4 permits: not proven any more
-    assert certain_reject(2, s, CLASSES, ADM, 0.0, age_s=3.0) is None
-    # past its bound (queue_decision drops it) but within what 1 s could drain: ask Redis
+    # seen 40 s ago, those waiters may all have been served since: not decided any more
+    assert certain_reject(2, s, CLASSES, ADM, 0.0, age_s=40.0) is None
+    # at its bound for the 5 s timeout (queue_decision drops the 7th waiter, chance 0.39), but
+    # 1 s older the window holds 6 releases (chance 0.6): ask Redis
     classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
-    s2 = Snapshot(10, (5, 3, 2), (4, 0, 12), 0, grant_rate=10.0, release_n=200, class_rate=2.0)
+    s2 = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200)
     d = queue_decision(2, s2, classes, ADM, 0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
+    assert certain_reject(2, s2, classes, ADM, 0.0, age_s=0.01) is not None
     assert certain_reject(2, s2, classes, ADM, 0.0, age_s=1.0) is None
     # a pool with a free permit, or few releases behind the rate: never
     assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
