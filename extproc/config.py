@@ -99,6 +99,7 @@ class LimitConfig(_Strict):
     window_s: float = Field(default=1.0, gt=0, description="Shortest window duration.")
     window_max_s: float = Field(default=10.0, gt=0, description="A window with at least one sample closes after this long.")
     sample_rate: float = Field(default=0.5, ge=0, le=1, description="Fraction of admitted requests whose response body is streamed to measure TTFT/TPOT.")
+    rise_once_per_rtt: bool = Field(default=False, description="`floodgate` flavor: a window holding a request admitted before the limit last changed may lower or hold the limit but not raise it (increases once per round trip, as TCP Vegas). Stops a burst from raising the limit window after window on the latency of requests admitted before the engine's queue built up (elastic bench: 82 instead of 136 on 4 replicas of 8 slots), but halves how fast the limit climbs out of `initial` (overload bench: burst goodput 96 % instead of 114 % of the best steady, Vegas 86 % of the best static limit). Off by default.")
     follow_endpoints: bool = Field(default=True, description="With endpoint picking and `vegas`: when the number of active endpoints changes, scale the limit in proportion at once (a new replica's share is granted as soon as it is active, a drained one's share is taken away), instead of Vegas growing or shrinking into it window by window.")
 
     @model_validator(mode="after")

@@ -167,7 +167,8 @@ class WindowedLimit:
     delegate. `record` returns the sample to apply (the caller applies it to the shared state
     with `update`), or None while the window is open.
 
-    `fresh_only` (the floodgate flavor): raise the limit only on evidence about it. A request
+    `fresh_only` (`limit.rise_once_per_rtt`, floodgate flavor; off by default): raise the
+    limit only on evidence about it. A request
     admitted before the limit last changed (`limit_changed`) ran under the old limit; a
     window holding one (measured) closes as usual — it may lower or hold the limit — but may
     not raise it (`Sample.fresh`), so increases come at most once per round trip, as TCP
@@ -239,4 +240,4 @@ def limit_for(pool: PoolConfig) -> WindowedLimit:
         inner = VegasLimit(c.min, c.max, c.smoothing, c.probe_multiplier, c.rtt_tolerance, c.flavor,
                            pool.latency_target() if c.flavor == "floodgate" else 0.0)
     return WindowedLimit(inner, SampleWindow(c.window_min_samples, c.window_s, c.window_max_s),
-                         fresh_only=c.mode == "vegas" and c.flavor == "floodgate")
+                         fresh_only=c.mode == "vegas" and c.flavor == "floodgate" and c.rise_once_per_rtt)

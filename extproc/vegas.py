@@ -19,7 +19,7 @@ pool under sustained load:
 * Drops. Netflix counts any drop in a window as a drop of the window; here a window whose
   requests failed with share s moves the limit s of the way to the drop decrease and 1 - s of
   the way to the latency decision, so a few percent of upstream 5xx barely move it.
-* Round trips. A window whose latency comes (in part) from requests admitted before the
+* Round trips (opt-in, `limit.rise_once_per_rtt`). A window whose latency comes (in part) from requests admitted before the
   limit last changed (`Sample.fresh` False, limit.WindowedLimit) may lower or hold the limit
   but not raise it: increases at most once per round trip, as TCP Vegas. LLM requests report
   seconds after admission while windows close every second; without this a burst raised the

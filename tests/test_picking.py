@@ -140,7 +140,8 @@ async def test_limit_follows_active_endpoints_and_grants_waiters_at_once(stack: 
     url = stack.start_redis()
     cfg = Config.model_validate({
         "redis": {"url": url, "poll_interval_s": 0.05},
-        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 2, "min": 1}}]})
+        "pools": [{"name": "f", "endpoint_picking": True,
+                   "limit": {"mode": "vegas", "initial": 2, "min": 1, "rise_once_per_rtt": True}}]})
     c = redis_client(url, op_timeout_s=5)
     reg = Registry(c, "f")
     a, b = Admitter(cfg, c, gateway_id="a"), Admitter(cfg, c, gateway_id="b")
@@ -164,7 +165,7 @@ async def test_limit_follows_active_endpoints_and_grants_waiters_at_once(stack: 
         rec = await ra.state.get_limit()
         assert (rec.state.limit, rec.state.endpoints) == (8.0, 4)
         # Both processors know the limit moved: latency of requests admitted before now may
-        # no longer raise it (WindowedLimit.fresh_only) — `a` changed it, `b` saw it change.
+        # no longer raise it (rise_once_per_rtt: WindowedLimit.fresh_only) — `a` changed it, `b` saw it change.
         assert ra.limit.changed_at > -math.inf and rb.limit.changed_at > -math.inf
         late = held[0]
         assert late.admitted_at < ra.limit.changed_at

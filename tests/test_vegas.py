@@ -416,7 +416,9 @@ def test_a_burst_cannot_raise_the_limit_faster_than_its_requests_report() -> Non
 def test_netflix_flavor_and_static_limits_keep_every_window() -> None:
     assert not limit_for(PoolConfig(limit=LimitConfig(flavor="netflix"))).fresh_only
     assert not limit_for(PoolConfig(limit=LimitConfig(mode="static"))).fresh_only
-    assert limit_for(PoolConfig()).fresh_only
+    assert not limit_for(PoolConfig()).fresh_only  # opt-in: it slows the climb out of `initial`
+    assert limit_for(PoolConfig(limit=LimitConfig(rise_once_per_rtt=True))).fresh_only
+    assert not limit_for(PoolConfig(limit=LimitConfig(rise_once_per_rtt=True, flavor="netflix"))).fresh_only
     lim = _windowed(False)
     lim.limit_changed(5.0)
     got = [lim.record(6.0 + 0.12 * i, "success", 0.5, 20, admitted_at=0.0) for i in range(10)]
