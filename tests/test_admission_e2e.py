@@ -363,7 +363,12 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
     stack.start_redis()
     cfg = {"pools": [{"name": "default", "limit": {
         "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
-        "window_min_samples": 3, "window_s": 0.2, "signal": "tpot"}}], **TRUST_LOCAL}
+        "window_min_samples": 3, "window_s": 0.2, "signal": "tpot"},
+        # A wave of 8 at limit 4 must queue, not time out or be dropped early on a loaded box:
+        # this test is about learning from latency, not about shedding.
+        "classes": {0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5},
+                    1: {"queue_timeout_s": 10, "max_queue": 1000, "share": 0.3},
+                    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.1}}}], **TRUST_LOCAL}
     p = stack.start_processor(cfg)
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -375,7 +380,7 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
             return m.get('floodgate_tpot_seconds_count{pool="default",priority="1"}', 0) >= 24
 
         # Half of the 48 requests is plenty to learn from; on a loaded box a few may queue out.
-        await wait_until(measured, 15)
+        assert await wait_until(measured, 15)
         m = await metrics(s, p.metrics_url)
     assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 24
     assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 24
