@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
+from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
 from floodgate.supervisor import Supervisor, free_port
@@ -19,6 +21,14 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 def stack(tmp_path: Path) -> Iterator[LocalStack]:
     with Supervisor(workdir=tmp_path) as sup:
         yield LocalStack(sup)
+
+
+@pytest.fixture
+async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
+    """A redis.asyncio client of a fresh Redis-protocol server started for the test."""
+    c = redis_client(stack.start_redis(), op_timeout_s=5)
+    yield c
+    await c.aclose()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import random
 import signal
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -39,14 +38,6 @@ from tests.helpers import wait_until
 
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
 SHARES = (0.5, 0.3, 0.1)
-
-
-@pytest.fixture
-async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
-    url = stack.start_redis()
-    c = redis_client(url, op_timeout_s=5)
-    yield c
-    await c.aclose()
 
 
 async def make(c: aioredis.Redis, pool: str, *, gateway: str = "", limit: int = 3,

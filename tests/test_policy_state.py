@@ -4,22 +4,11 @@ tenant cap for tenant-less requests (real Redis-protocol server)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.schema import PoolSettings
-from floodgate.extproc.state import PoolState, redis_client
+from floodgate.extproc.state import PoolState
 from floodgate.extproc.vegas import VegasState
-
-from floodgate.stack import LocalStack
-
-
-@pytest.fixture
-async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
-    c = redis_client(stack.start_redis(), op_timeout_s=5)
-    yield c
-    await c.aclose()
 
 
 async def make(c: aioredis.Redis, pool: str, limit: int = 2, tenant_cap: int = 1) -> PoolState:

@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, gateway_channel, key, script_keys
-from floodgate.extproc.state import FUNCTION, PoolState, read_demand, read_pool_status, redis_client
+from floodgate.extproc.state import FUNCTION, PoolState, read_demand, read_pool_status
 from floodgate.extproc.vegas import VegasState
-
-from floodgate.stack import LocalStack
 
 SHARES = (0.5, 0.3, 0.1)
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
-
-
-@pytest.fixture
-async def client(stack: LocalStack) -> AsyncIterator[aioredis.Redis]:
-    url = stack.start_redis()
-    c = redis_client(url, op_timeout_s=5)
-    yield c
-    await c.aclose()
 
 
 async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
