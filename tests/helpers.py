@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
@@ -65,12 +66,17 @@ async def pool_status(redis_url: str, pool: str = "default") -> PoolStatus:
 
 
 async def wait_until(pred: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `pred` (returning a bool, or an awaitable of one) until true or `timeout`."""
+    async def check() -> bool:
+        r = pred()
+        return bool(await r if inspect.isawaitable(r) else r)
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if await pred():
+        if await check():
             return True
         await asyncio.sleep(interval)
-    return bool(await pred())
+    return await check()
 
 
 async def drained(redis_url: str, timeout: float = 10.0) -> PoolStatus:

@@ -276,13 +276,13 @@ async def test_a_batch_lost_in_the_air_degrades_and_leaks_no_permit(stack: Local
         batches = rt.state.batches
         release = asyncio.create_task(admitter.release(held[0]))  # grants a waiter: the reply is lost
         late = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
-        assert await wait_until(lambda: _true(degraded() == 1), 10)
+        assert await wait_until(lambda: degraded() == 1, 10)
         assert rt.state.batches > batches
         stack.redis_child.kill(signal.SIGCONT)
         frozen = False
         await release
         results = list(await asyncio.gather(*waiters, *late))
-        assert await wait_until(lambda: _true(degraded() == 0), 20)
+        assert await wait_until(lambda: degraded() == 0, 20)
         permits = [r for r in [held[1], *results] if isinstance(r, Permit)]
         for p in permits:
             await admitter.release(p)
@@ -294,9 +294,6 @@ async def test_a_batch_lost_in_the_air_degrades_and_leaks_no_permit(stack: Local
         await admitter.stop()
         await client.aclose()
 
-
-async def _true(x: bool) -> bool:
-    return x
 
 
 async def test_a_batch_sent_twice_counts_once(client: aioredis.Redis) -> None:

@@ -326,7 +326,7 @@ async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopo
             node.child.kill(signal.SIGSTOP)
         frozen = True
         # The next sync or status read of `a` times out: `a` and `a2` (same node) go local.
-        assert await wait_until(lambda: _true(degraded(a) == 1), 10)
+        assert await wait_until(lambda: degraded(a) == 1, 10)
         assert degraded(a2) == 1 and degraded(b) == 0
         # `b` is untouched: a release there grants its queued waiter, by pub/sub.
         await admitter.release(held[b].pop())
@@ -341,7 +341,7 @@ async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopo
             node.child.kill(signal.SIGCONT)
         frozen = False
         # Back: two clean reconciles in a row, then shared state again, for both pools.
-        assert await wait_until(lambda: _true(degraded(a) == 0 and degraded(a2) == 0), 20)
+        assert await wait_until(lambda: degraded(a) == 0 and degraded(a2) == 0, 20)
         assert metrics.degraded._value.get() == 0
         st = await asyncio.wait_for(admitter.pools[a].state.status(), 2)
         assert st.inflight_total == 2  # the reconcile re-asserted exactly what is held
@@ -385,11 +385,11 @@ async def test_one_server_degrades_every_pool_together(stack: LocalStack) -> Non
         assert isinstance(held, Permit)
         stack.redis_child.kill(signal.SIGSTOP)
         frozen = True
-        assert await wait_until(lambda: _true(degraded("a") == 1 or degraded("b") == 1), 10)
+        assert await wait_until(lambda: degraded("a") == 1 or degraded("b") == 1, 10)
         assert degraded("a") == 1 and degraded("b") == 1  # switched together
         stack.redis_child.kill(signal.SIGCONT)
         frozen = False
-        assert await wait_until(lambda: _true(degraded("a") == 0 and degraded("b") == 0), 20)
+        assert await wait_until(lambda: degraded("a") == 0 and degraded("b") == 0, 20)
         await admitter.release(held)
         st = await asyncio.wait_for(admitter.pools["a"].state.status(), 2)
         assert st.inflight_total == 0
@@ -399,9 +399,6 @@ async def test_one_server_degrades_every_pool_together(stack: LocalStack) -> Non
         await admitter.stop()
         await client.aclose()
 
-
-async def _true(x: bool) -> bool:
-    return x
 
 
 async def test_controller_and_status_state_api_on_a_cluster(cluster: ClusterTopology) -> None:  # noqa: F811
