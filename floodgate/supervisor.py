@@ -98,8 +98,9 @@ class Supervisor:
         return child
 
     def start_redis(self, port: int | None = None, name: str = "redis",
-                    password: str | None = None) -> tuple[Child, str]:
-        """A Redis-protocol server on 127.0.0.1; returns it and its URL (without the password)."""
+                    password: str | None = None, extra: Sequence[str] = ()) -> tuple[Child, str]:
+        """A Redis-protocol server on 127.0.0.1; returns it and its URL (without the password).
+        `extra`: more server arguments (e.g. `--rename-command X '""'` to emulate an older server)."""
         port = port or free_port()
         data = self.workdir / f"{name}-data"
         data.mkdir(exist_ok=True)
@@ -113,6 +114,7 @@ class Supervisor:
                 "--appendonly", "no",
                 "--dir", str(data),
                 *(["--requirepass", password] if password else []),
+                *extra,
             ],
         )
         wait_for_port("127.0.0.1", port, 10, child.proc)
