@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "elastic": "floodgate.bench.elastic",
     "scale": "floodgate.bench.scale",
     "vegas-knee": "floodgate.bench.vegas_knee",
+    "reject": "floodgate.bench.reject_latency",
     "faults": "floodgate.bench.faults",
 }
 

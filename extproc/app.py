@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.config import Config, TlsConfig
+from floodgate.extproc.loopwatch import GcPauses, LoopLagProbe, tune_runtime
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.redis_client import AnyRedis, make_client, parse_redis_url
 from floodgate.extproc.server import Processor
@@ -108,7 +109,15 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
              "plaintext" if cfg.server.tls is None else "mTLS" if cfg.server.tls.client_ca_file else "TLS",
              cfg.server.metrics_listen or "off",
              parse_redis_url(cfg.redis.url).display, [p.name for p in cfg.pools])
+    tune_runtime(gc_freeze=cfg.server.gc_freeze, gc_threshold=cfg.server.gc_threshold,
+                 switch_interval_s=cfg.server.switch_interval_s)
+    gc_children = {g: metrics.gc_pause.labels(str(g)) for g in range(3)}
+    gc_pauses = GcPauses(lambda gen, s: gc_children[gen].observe(s) if gen in gc_children else None)
+    gc_pauses.install()
+    lag_task = asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run(), name="loop-lag-probe")
     await stop.wait()
+    lag_task.cancel()
+    gc_pauses.uninstall()
     log.info("shutting down: draining streams, releasing permits")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -231,6 +231,9 @@ class ServerConfig(_Strict):
     metrics_listen: Annotated[str, AfterValidator(check_optional_listen)] = Field(default="127.0.0.1:9464", description="HTTP address serving /metrics (empty to disable).")
     gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                    description="Unique id of this process (default: host-pid-random).")
+    gc_freeze: bool = Field(default=False, description="After start-up, move every object then alive (modules, protobuf descriptors, config) into Python's permanent generation (`gc.freeze()`), so no later collection walks them: a full collection then costs what the live requests cost, not what the process imported. Off: the interpreter's default.")
+    gc_threshold: tuple[int, int, int] | None = Field(default=None, description="Python's collection thresholds (`gc.set_threshold`: allocations before a generation-0 pass, and generation-0/1 passes before the next older one); unset: the interpreter's default (700, 10, 10). Larger values mean fewer, longer passes.")
+    switch_interval_s: float | None = Field(default=None, gt=0, le=0.1, description="How long Python lets one thread hold the interpreter lock while another waits for it (`sys.setswitchinterval`). gRPC's completion-queue thread hands every incoming message to the event loop through that lock; unset: the interpreter's default (5 ms).")
     max_headers: int = Field(default=100, ge=10, le=10000, description="Envoy's header-count limit (`max_headers_count`, 100 unless your HTTP connection manager sets it). Near it, the informational headers Floodgate adds (x-floodgate-priority, x-floodgate-queue-ms) are left out rather than pushing a request over the limit (Envoy would answer 500).")
 
 

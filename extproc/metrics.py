@@ -9,6 +9,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 # the shipped queue timeouts (a timed-out waiter's 429 comes just after its timeout).
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
                      0.75, 1, 1.1, 1.25, 1.5, 2, 2.5, 5, 10, 20, 30, 60)
+# How long the event loop (or a GC pass) holds back a message that arrives: fine from 0.1 ms,
+# since a reply's whole budget is a few milliseconds.
+_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1,
+                  0.25, 1)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 
 
@@ -79,3 +83,12 @@ class Metrics:
             ["pool"], registry=r)
         self.limit_updates = Counter(
             "floodgate_limit_updates", "Vegas window samples applied to the shared limit.", ["pool"], registry=r)
+        self.loop_lag = Histogram(
+            "floodgate_event_loop_lag_seconds",
+            "How much later than asked a periodic timer ran on the processor's event loop (every 50 ms): "
+            "the wait a message arriving at a random moment has before the loop can handle it.",
+            buckets=_PAUSE_BUCKETS, registry=r)
+        self.gc_pause = Histogram(
+            "floodgate_gc_pause_seconds",
+            "Duration of each Python garbage collection in the processor (the event loop stops meanwhile), "
+            "by generation.", ["generation"], buckets=_PAUSE_BUCKETS, registry=r)

@@ -94,6 +94,9 @@ async def test_429_shape_and_early_drop(stack: LocalStack, upstream: int) -> Non
         assert (await hold).status == 200
         m = await metrics(s, stack.processors[0].metrics_url)
         assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == 1
+        # The loop probe ran during the 1 s hold (every 50 ms), and GC pauses are exported by generation.
+        assert m["floodgate_event_loop_lag_seconds_count"] >= 1
+        assert 'floodgate_gc_pause_seconds_count{generation="2"}' in m
 
 
 async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalStack, upstream: int) -> None:
