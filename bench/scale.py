@@ -20,16 +20,29 @@ on every processor, chosen by :authority:
 
 For each: decisions/s, Redis CPU per decision (utime+stime of the server from /proc over the
 measured window / decisions; `marginal` subtracts the CPU of an equal idle window with the same
-processors running, which does not grow with traffic), script calls per decision (INFO commandstats), p50/p99 decision
-latency (request headers sent -> decision received; under contention that includes the queue
-wait, so the overhead column subtracts the queue time the processor reports), and the
-decisions/s one shard would sustain at 80 % CPU ((0.8 s - idle CPU) per second / marginal CPU
-per decision).
-This box has 2 cores shared by processors, load and Redis, so Redis is never the bottleneck
-here: the per-decision CPU is the measured quantity, the shard figure is derived from it.
+processors running, which does not grow with traffic), script calls per decision (INFO
+commandstats), p50/p99 decision latency (request headers sent -> decision received; under
+contention that includes the queue wait, so the overhead column subtracts the queue time the
+processor reports), and the decisions/s one shard would sustain at 80 % CPU at that CPU per
+decision. These rows measure the end-to-end path (gRPC, processor, Redis); on this box's 2
+cores the processors and load clients are the bottleneck and the shard stays far from busy.
 
-  floodgate bench scale                       # N = 1,4,8,16; 4 s per point
-  floodgate bench scale --processors 1,4 --duration 2   # quick look
+Then the direct drive (--saturate): the contended pool without gRPC, from 2 driver processes
+hosting 16 gateways (each its own id, Redis connections and batching), so that the shard gets
+as busy as this box can make it. Layer `state`: the processor's state layer alone (PoolState:
+batching into `batch` FCALLs, grants in the reply or by sharded pub/sub, syncs) with C request
+loops per gateway: admit (queues), wait for the grant, hold, release. Layer `admitter`: whole
+Admitters (policy, metrics, status and poll loops too: more Python per decision, so less load
+on the shard). One point per hold time (a shorter hold offers more decisions/s). Per point:
+the shard's CPU share (`Redis busy`), decisions/s, all of the shard's CPU per decision, ops per
+batch call, p50/p99 of one batch call's round trip and p99 of the decision. The per-shard
+figure is 80 % of a core over the CPU per decision of the busiest point: CPU per decision falls
+as the shard gets busier (batch calls carry more ops), so this is conservative as long as
+the busiest point is below 80 %.
+
+  floodgate bench scale                       # N = 1,4,8,16; 4 s per point; then the direct drive
+  floodgate bench scale --processors 1,4 --duration 2 --saturate state:10   # quick look
+  floodgate bench scale --processors 1 --modes contended --sharded 0 --saturate state:20,state:5
 
 Then, unless --sharded 0, the same contended load on P pools (one loader each) on a Cluster of
 one shard and of P shards (one pool each): each shard's CPU per decision and CPU share, which
@@ -53,6 +66,7 @@ from typing import Any
 SUMMARY = "admission decisions/s and Redis CPU per decision for 1-16 processors on one Redis shard"
 MODES = ("contended", "uncontended", "no-credits")
 TARGET_PER_SHARD = 20_000  # decisions/s per shard under contention (issue 13)
+DEFAULT_LEVELS = "state:160,state:80,state:40,state:20,state:10,state:5,admitter:10"
 
 
 @dataclass
@@ -286,7 +300,7 @@ def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[floa
     return out[0], out[1], out[2]
 
 
-def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0) -> tuple[float, float]:
+def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0, queue: int = 16) -> tuple[float, float]:
     """CPU µs and commands of the script work of one contended decision with the network taken
     out: `admit` of a new request (refused, queued behind 16 waiters of a full pool of 8) and
     the `release` that grants the queue's head, pipelined 500 decisions at a time. What a shard
@@ -304,7 +318,7 @@ def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0
 
     r = redis.Redis(port=redis_port)
     r.function_load(LIBRARY, replace=True)
-    pool = f"script-floor-{batch}"
+    pool = f"script-floor-{batch}-{queue}"
     keys = script_keys(pool)
     big = (10**6, 10**6, 10**6)
     settings = [x for kv in PoolSettings(8, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields().items() for x in kv]
@@ -328,7 +342,7 @@ def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0
         seq += 1
         return [f"{g}/{seq}", g, str(seq), "1", "", "0", "30000"]
 
-    for _ in range(24):
+    for _ in range(8 + queue):
         a = admit_args("g")
         call(r, "admit", *a)
         (held if len(held) < 8 else waiting).append(a[0])
@@ -563,6 +577,135 @@ def run_sharded(shard_counts: Sequence[int], pools: int, n: int, duration: float
     return runs
 
 
+@dataclass
+class LoadPoint:
+    """One level of the direct drive (`--saturate`): driver processes, no gRPC."""
+
+    layer: str  # "admitter": real Admitters; "state": their state layer alone (PoolState, subscribe)
+    hold_ms: float
+    gateways: int
+    concurrency: int
+    decisions: int
+    rejected: int
+    errors: int
+    degraded: int
+    queued: int
+    seconds: float
+    redis_cpu_s: float
+    script_calls: int
+    commands: int
+    batches: int
+    ops: int
+    call_p50_ms: float
+    call_p99_ms: float
+    decision_p50_ms: float
+    decision_p99_ms: float
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds if self.seconds else 0.0
+
+    @property
+    def busy(self) -> float:
+        """Share of one core the shard used over the window."""
+        return self.redis_cpu_s / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        """All of the shard's CPU over the window per decision (background work included)."""
+        return self.redis_cpu_s * 1e6 / self.decisions if self.decisions else float("nan")
+
+    @property
+    def shard_rate(self) -> float:
+        return 0.8e6 / self.cpu_us if self.decisions and self.cpu_us > 0 else float("inf")
+
+
+def parse_levels(text: str) -> list[tuple[str, float]]:
+    """`state:40,admitter:10` -> [("state", 40.0), ("admitter", 10.0)]."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            layer, _, hold = item.rpartition(":")
+            if layer not in ("state", "admitter"):
+                raise ValueError(f"bad --saturate level {item!r}: expected state:<hold ms> or admitter:<hold ms>")
+            out.append((layer, float(hold)))
+    return out
+
+
+def run_saturate(levels: Sequence[tuple[str, float]], drivers: int, gateways: int, per_gateway: int,
+                 limit_per_gateway: int, duration: float, warm: float) -> list[LoadPoint]:
+    """The contended pool driven directly by `drivers` processes hosting `gateways` gateways in
+    all (bench/scale_drive.py: real Admitters, or their state layer alone), one level per
+    (layer, hold time) — a longer hold offers fewer decisions/s (the pool's limit over the
+    hold) — each on a fresh shard: the shard's CPU share, decisions/s and CPU per decision at
+    each level, from /proc and the drivers' counts."""
+    from floodgate.bench.overhead import cpu_seconds
+
+    from floodgate.supervisor import Supervisor
+
+    pts: list[LoadPoint] = []
+    for layer, hold in levels:
+        with Supervisor() as sup:
+            child, url = sup.start_redis()
+            pid, port = child.proc.pid, int(url.rsplit(":", 1)[1].split("/")[0])
+            pool = processor_config(limit_per_gateway * gateways)["pools"][0]
+            start_at = time.time() + 3.0  # the drivers import, connect and sync first
+            procs = []
+            for i in range(drivers):
+                gws = [f"d{i}g{j}" for j in range(gateways) if j % drivers == i]
+                out = (sup.workdir / f"drive-{i}.json").open("w")
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "floodgate.bench.scale_drive", "--url", url, "--pool", json.dumps(pool),
+                     "--gateways", ",".join(gws), "--per-gateway", str(per_gateway), "--hold-ms", str(hold),
+                     "--start-at", str(start_at), "--warm", str(warm), "--duration", str(duration),
+                     "--layer", layer], stdout=out), out))
+            time.sleep(max(0.0, start_at + warm - time.time()))
+            prof0 = _commandstats(port) if PROFILE else {}
+            cpu0, (k0, m0), t0 = cpu_seconds(pid), _script_calls(port), time.monotonic()
+            time.sleep(duration)
+            cpu1, (k1, m1), t1 = cpu_seconds(pid), _script_calls(port), time.monotonic()
+            if PROFILE:
+                _print_profile(prof0, _commandstats(port), cpu1 - cpu0)
+            res = []
+            for proc, out in procs:
+                proc.wait(120)
+                out.close()
+                res.append(json.loads(Path(out.name).read_text()))
+            calls = [x for r in res for x in r["call_ms"]]
+            lat = [x for r in res for x in r["decision_ms"]]
+            pt = LoadPoint(layer, hold, gateways, gateways * per_gateway, sum(r["decisions"] for r in res),
+                           sum(r["rejected"] for r in res), sum(r["errors"] for r in res),
+                           sum(r["degraded"] for r in res), sum(r["queued"] for r in res), t1 - t0, cpu1 - cpu0,
+                           k1 - k0, m1 - m0, sum(r["batches"] for r in res), sum(r["ops"] for r in res),
+                           _pct(calls, 0.5), _pct(calls, 0.99), _pct(lat, 0.5), _pct(lat, 0.99))
+            pts.append(pt)
+            print(f"  {layer:<8} hold {hold:g} ms: {pt.rate:8,.0f} decisions/s, shard {pt.busy:4.0%} busy, "
+                  f"{pt.cpu_us:6.1f} µs Redis CPU each, {pt.ops / max(1, pt.batches):4.1f} ops per call, "
+                  f"call p99 {pt.call_p99_ms:5.2f} ms", flush=True)
+    return pts
+
+
+def saturated_figure(pts: Sequence[LoadPoint]) -> LoadPoint | None:
+    """The busiest clean point of the direct drive: its CPU per decision, measured with the
+    shard as busy as this box can make it, is the per-shard figure's basis."""
+    clean = [p for p in pts if p.decisions and not p.degraded and not p.errors]
+    return max(clean, key=lambda p: p.busy) if clean else None
+
+
+def saturate_table(pts: Sequence[LoadPoint]) -> str:
+    head = (f"{'layer':<8} {'hold ms':>7} {'gw':>3} {'conc':>5} {'decisions/s':>11} {'Redis busy':>10} {'Redis µs/dec':>12} "
+            f"{'scripts/dec':>11} {'ops/call':>8} {'cmds/dec':>8} {'queued':>6} {'call p50':>8} {'call p99':>8} "
+            f"{'dec p99 ms':>10} {'@80% (this µs)':>14} {'rej':>4} {'err':>4} {'deg':>4}")
+    lines = [head, "-" * len(head)]
+    for p in pts:
+        d = max(1, p.decisions)
+        lines.append(f"{p.layer:<8} {p.hold_ms:>7g} {p.gateways:>3} {p.concurrency:>5} {p.rate:>11,.0f} {p.busy:>10.0%} "
+                     f"{p.cpu_us:>12.1f} {p.script_calls / d:>11.2f} {p.ops / max(1, p.batches):>8.1f} "
+                     f"{p.commands / d:>8.1f} {p.queued / d:>6.0%} {p.call_p50_ms:>8.2f} {p.call_p99_ms:>8.2f} "
+                     f"{p.decision_p99_ms:>10.1f} {p.shard_rate:>14,.0f} {p.rejected:>4} {p.errors:>4} {p.degraded:>4}")
+    return "\n".join(lines)
+
+
 def table(points: Sequence[Point]) -> str:
     head = (f"{'mode':<12} {'N':>3} {'conc':>5} {'decisions/s':>11} {'vs N=1':>7} {'Redis µs/dec':>12} {'marginal':>8} "
             f"{'scripts/dec':>11} {'cmds/dec':>8} {'queued':>6} {'p50 ms':>7} {'p99 ms':>7} {'p99 ovh ms':>10} {'shard @80%':>11} {'rej':>5} {'err':>4} {'deg':>4}")
@@ -610,6 +753,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharded", type=int, default=3, metavar="P",
                    help="also run P contended pools on a Cluster of 1 shard and of P shards (0: skip; default 3)")
     p.add_argument("--sharded-processors", type=int, default=4, help="processors for --sharded (default 4)")
+    p.add_argument("--saturate", default=DEFAULT_LEVELS, metavar="LEVELS",
+                   help="direct drive of one shard without gRPC, one point per LAYER:HOLD_MS: 'state' = the "
+                        "processor's state layer alone (PoolState batching, batch FCALL, pub/sub grants), "
+                        "'admitter' = whole Admitters; a shorter hold offers more decisions/s "
+                        f"(default {DEFAULT_LEVELS}; '' skips)")
+    p.add_argument("--saturate-drivers", type=int, default=2, help="driver processes for --saturate (default 2)")
+    p.add_argument("--saturate-gateways", type=int, default=16,
+                   help="gateways (each its own id, connections and batching) over the drivers (default 16)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -643,10 +794,40 @@ def run(args: argparse.Namespace) -> int:
               f"no round trips): one call per op {FLOOR[0]:.1f} µs of Redis CPU, {FLOOR[1]:.1f} commands; "
               f"{FLOOR_BATCH} decisions per batch call {FLOOR[2]:.1f} µs, {FLOOR[3]:.1f} commands; one shard at 80 % "
               f"CPU: {0.8e6 / FLOOR[2]:,.0f} decisions/s if round trips cost nothing")
-    if "contended" in modes:
-        ok = contended >= TARGET_PER_SHARD
+    try:
+        levels = parse_levels(str(args.saturate or ""))
+    except ValueError as exc:
+        print(f"floodgate bench scale: {exc}", file=sys.stderr)
+        return 2
+    sat: list[LoadPoint] = []
+    if levels:
+        print()
+        print(f"direct drive of one shard, contended pool, no gRPC: {args.saturate_gateways} gateways on "
+              f"{args.saturate_drivers} driver processes, {args.per_processor} request loops per gateway, "
+              f"limit {args.limit_per_processor} per gateway", flush=True)
+        sat = run_saturate(levels, args.saturate_drivers, args.saturate_gateways, args.per_processor,
+                           args.limit_per_processor, args.duration, args.warm)
+        print()
+        print(saturate_table(sat))
+        print()
+    busiest = saturated_figure(sat)
+    if busiest is not None:
+        trend = sorted((p for p in sat if p.layer == busiest.layer and not p.degraded and not p.errors),
+                       key=lambda p: p.busy)
+        print("Redis CPU per contended decision as the shard gets busier (direct drive, "
+              f"{busiest.layer} layer): " + ", ".join(f"{p.busy:.0%} busy {p.cpu_us:.0f} µs" for p in trend))
+        print(f"busiest measured point: {busiest.rate:,.0f} decisions/s with the shard {busiest.busy:.0%} busy, "
+              f"{busiest.cpu_us:.1f} µs of Redis CPU per decision (all of its CPU, background included): "
+              f"one shard at 80 % CPU at that cost: {busiest.shard_rate:,.0f} decisions/s")
+    if "contended" in modes or busiest is not None:
+        fig = busiest.shard_rate if busiest is not None else contended
+        how = ("from the busiest direct-drive point" if busiest is not None
+               else "linear from the gRPC-driven points")
+        ok = fig >= TARGET_PER_SHARD
         print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "
-              f"{'MET' if ok else 'NOT MET'} ({contended:,.0f})")
+              f"{'MET' if ok else 'NOT MET'} ({fig:,.0f}, {how}"
+              + (f"; gRPC-driven points, linear: {contended:,.0f})" if busiest is not None and "contended" in modes
+                 else ")"))
     sharded: list[ShardedRun] = []
     if args.sharded > 0:
         print()
@@ -664,7 +845,9 @@ def run(args: argparse.Namespace) -> int:
                          "shard_rate": p.shard_rate}
                         for p in points], "prologue_us": PROLOGUE, "script_floor": FLOOR,
              "shard": {m: shard_figure(points, m) for m in modes},
-             "sharded": [{**asdict(r), "rate": r.rate} for r in sharded]}, indent=1, default=float))
+             "sharded": [{**asdict(r), "rate": r.rate} for r in sharded],
+             "saturate": [{**asdict(p), "rate": p.rate, "busy": p.busy, "cpu_us": p.cpu_us, "shard_rate": p.shard_rate}
+                          for p in sat]}, indent=1, default=float))
     return 0
 
 

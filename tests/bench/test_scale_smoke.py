@@ -23,7 +23,8 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     scale.add_arguments(parser)
     out = tmp_path / "scale.json"
     args = parser.parse_args(["--processors", "2", "--duration", "1.5", "--warm", "1", "--per-processor", "12", "--sharded", "0",
-                              "--limit-per-processor", "3", "--loaders", "1", "--json", str(out)])
+                              "--limit-per-processor", "3", "--loaders", "1", "--json", str(out),
+                              "--saturate", "state:10,admitter:10", "--saturate-gateways", "2"])
     assert scale.run(args) == 0
     text = capsys.readouterr().out
     assert "goal >= 20,000 decisions/s per shard under contention" in text
@@ -45,3 +46,13 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert plain["commands"] > 5 * plain["decisions"]
     assert credits["script_calls"] < 0.5 * credits["decisions"]
     assert contended["cpu_us"] > plain["cpu_us"] > credits["cpu_us"]
+    # The direct drive (no gRPC): both layers ran the contended sequence on one shard, every
+    # decision waited in the queue, and the ops went as batch calls of at least one op each.
+    sat = {p["layer"]: p for p in json.loads(out.read_text())["saturate"]}
+    assert set(sat) == {"state", "admitter"}
+    for p in sat.values():
+        assert p["decisions"] > 0 and p["errors"] == 0 and p["rejected"] == 0 and p["degraded"] == 0
+        assert p["queued"] >= 0.9 * p["decisions"]
+        assert p["batches"] > 0 and p["ops"] >= p["batches"] and p["busy"] > 0
+        assert p["commands"] > 5 * p["decisions"]  # every decision ran the script path
+    assert "busiest measured point" in text
