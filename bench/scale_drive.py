@@ -6,7 +6,9 @@ the processor's admission core, its batching of a pool's calls into one `batch` 
 pub/sub grant delivery, status/sync/poll loops), each with its own gateway id and its own
 Redis connections, as G processors would. Each gateway runs C request loops on the contended
 pool: `admit` (which queues: the pool's limit is far below the offered concurrency), hold the
-permit `hold_ms`, `release` (which grants the next waiter: by SPUBLISH to another gateway, or
+permit for a random time (exponential, mean `hold_ms`: a fixed hold would keep the requests
+granted together in step, so that their releases share calls more than real traffic's do),
+`release` (which grants the next waiter: by SPUBLISH to another gateway, or
 in the reply to its own). What is left out is only the gRPC stream around each decision, whose
 CPU on this 2-core box starves Redis of the load the gRPC-driven rows would need to show it
 busy.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -77,6 +80,7 @@ async def drive(url: str, pool_cfg: dict[str, Any], gateways: Sequence[str], per
     lat: list[float] = []
     counts = {"admitted": 0, "rejected": 0, "errors": 0, "queued": 0}
     b0: list[tuple[int, int]] = []
+    rng = random.Random(",".join(gateways))
 
     async def loop(a: Admitter) -> None:
         while True:
@@ -92,7 +96,7 @@ async def drive(url: str, pool_cfg: dict[str, Any], gateways: Sequence[str], per
             took = time.monotonic() - now
             if isinstance(got, Permit):
                 if hold_s:
-                    await asyncio.sleep(hold_s)
+                    await asyncio.sleep(rng.expovariate(1 / hold_s))
                 await a.release(got)
             if lo <= now < hi:
                 lat.append(took * 1000)
@@ -140,6 +144,7 @@ async def drive_state(url: str, pool_cfg: dict[str, Any], gateways: Sequence[str
     call_ms: list[float] = []
     lat: list[float] = []
     counts = {"admitted": 0, "rejected": 0, "errors": 0, "queued": 0}
+    rng = random.Random(",".join(gateways))
     gws: list[tuple[str, Any, dict[str, asyncio.Future[str]], Any, dict[str, int], dict[str, int]]] = []
     for gw in gateways:
         waiting: dict[str, asyncio.Future[str]] = {}
@@ -213,7 +218,7 @@ async def drive_state(url: str, pool_cfg: dict[str, Any], gateways: Sequence[str
             took = time.monotonic() - now
             held[ticket] = seq
             if hold_s:
-                await asyncio.sleep(hold_s)
+                await asyncio.sleep(rng.expovariate(1 / hold_s))
             del held[ticket]
             await st.release(ticket)
             if lo <= now < hi:
