@@ -35,7 +35,9 @@ loops per gateway: admit (queues), wait for the grant, hold, release. Layer `adm
 Admitters (policy, metrics, status and poll loops too: more Python per decision, so less load
 on the shard). One point per hold time (a shorter hold offers more decisions/s). Per point:
 the shard's CPU share (`Redis busy`), decisions/s, all of the shard's CPU per decision, ops per
-batch call, p50/p99 of one batch call's round trip and p99 of the decision. The per-shard
+batch call, p50/p99 of one batch call's round trip, p99 of the decision, and `runq wait`: the
+share of the window the shard was runnable but waiting for a CPU (/proc/<pid>/task/*/schedstat),
+i.e. held back by the other processes on the box rather than short of work. The per-shard
 figure is 80 % of a core over the CPU per decision of the busiest point: CPU per decision falls
 as the shard gets busier (batch calls carry more ops), so this is conservative as long as
 the busiest point is below 80 %.
@@ -273,11 +275,13 @@ def _print_profile(before: dict[str, tuple[int, int]], after: dict[str, tuple[in
             print(f"      {k:<18} {c:8d} calls {u:9d} µs {u / c:7.2f} µs/call", flush=True)
 
 
-def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float, float]:
+def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[float, float, float, float]:
     """CPU µs of one `get_limit` call (the fixed per-call work: TIME, the settings check, one
     state read) as the Function (FCALL) and as the plain script (EVALSHA, the fallback for a
     server without Functions, which rebuilds every helper on each call), and of a `return 1`
-    script; pipelined so that network cost is amortised; from /proc."""
+    script; pipelined so that network cost is amortised; from /proc. Last, the same FCALL
+    from one client one call at a time (each call's round trip wakes the shard): what the
+    network and the wake-up add to a call on this machine."""
     import redis
     from floodgate.bench.overhead import cpu_seconds
     from floodgate.extproc.schema import script_keys
@@ -297,7 +301,12 @@ def prologue_cost(redis_pid: int, redis_port: int, n: int = 20000) -> tuple[floa
             pipe.execute_command(cmd.upper(), name, len(keys), *keys, *args)
         pipe.execute()
         out.append((cpu_seconds(redis_pid) - c0) * 1e6 / n)
-    return out[0], out[1], out[2]
+    cmd, name, args = calls[0]
+    c0 = cpu_seconds(redis_pid)
+    for _ in range(n // 4):
+        r.execute_command(cmd.upper(), name, len(keys), *keys, *args)
+    out.append((cpu_seconds(redis_pid) - c0) * 1e6 / (n // 4))
+    return out[0], out[1], out[2], out[3]
 
 
 def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0, queue: int = 16) -> tuple[float, float]:
@@ -600,6 +609,7 @@ class LoadPoint:
     call_p99_ms: float
     decision_p50_ms: float
     decision_p99_ms: float
+    runq_wait_s: float = 0.0  # the shard runnable but waiting for a CPU (the box's other processes)
 
     @property
     def rate(self) -> float:
@@ -632,6 +642,18 @@ def parse_levels(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def _runq_wait_s(pid: int) -> float:
+    """Seconds the process's threads spent runnable but waiting for a CPU (/proc schedstat)."""
+    total = 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1]) / 1e9
+    except OSError:
+        pass
+    return total
+
+
 def run_saturate(levels: Sequence[tuple[str, float]], drivers: int, gateways: int, per_gateway: int,
                  limit_per_gateway: int, duration: float, warm: float) -> list[LoadPoint]:
     """The contended pool driven directly by `drivers` processes hosting `gateways` gateways in
@@ -661,9 +683,11 @@ def run_saturate(levels: Sequence[tuple[str, float]], drivers: int, gateways: in
                      "--layer", layer], stdout=out), out))
             time.sleep(max(0.0, start_at + warm - time.time()))
             prof0 = _commandstats(port) if PROFILE else {}
+            w0 = _runq_wait_s(pid)
             cpu0, (k0, m0), t0 = cpu_seconds(pid), _script_calls(port), time.monotonic()
             time.sleep(duration)
             cpu1, (k1, m1), t1 = cpu_seconds(pid), _script_calls(port), time.monotonic()
+            w1 = _runq_wait_s(pid)
             if PROFILE:
                 _print_profile(prof0, _commandstats(port), cpu1 - cpu0)
             res = []
@@ -677,12 +701,27 @@ def run_saturate(levels: Sequence[tuple[str, float]], drivers: int, gateways: in
                            sum(r["rejected"] for r in res), sum(r["errors"] for r in res),
                            sum(r["degraded"] for r in res), sum(r["queued"] for r in res), t1 - t0, cpu1 - cpu0,
                            k1 - k0, m1 - m0, sum(r["batches"] for r in res), sum(r["ops"] for r in res),
-                           _pct(calls, 0.5), _pct(calls, 0.99), _pct(lat, 0.5), _pct(lat, 0.99))
+                           _pct(calls, 0.5), _pct(calls, 0.99), _pct(lat, 0.5), _pct(lat, 0.99), w1 - w0)
             pts.append(pt)
             print(f"  {layer:<8} hold {hold:g} ms: {pt.rate:8,.0f} decisions/s, shard {pt.busy:4.0%} busy, "
                   f"{pt.cpu_us:6.1f} µs Redis CPU each, {pt.ops / max(1, pt.batches):4.1f} ops per call, "
                   f"call p99 {pt.call_p99_ms:5.2f} ms", flush=True)
     return pts
+
+
+def per_call_fit(pts: Sequence[LoadPoint]) -> tuple[float, float] | None:
+    """Least squares of CPU µs per decision against script calls per decision over `pts`:
+    (µs per call, µs per decision). What a call costs whatever it carries (its round trip,
+    waking the shard, the script's per-call reads and writes) against each decision's own work."""
+    xy = [(p.script_calls / p.decisions, p.cpu_us) for p in pts if p.decisions and not p.errors and not p.degraded]
+    if len(xy) < 3:
+        return None
+    mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
+    sxx = sum((x - mx) ** 2 for x, _ in xy)
+    if sxx <= 0:
+        return None
+    a = sum((x - mx) * (y - my) for x, y in xy) / sxx
+    return a, my - a * mx
 
 
 def saturated_figure(pts: Sequence[LoadPoint]) -> LoadPoint | None:
@@ -695,14 +734,14 @@ def saturated_figure(pts: Sequence[LoadPoint]) -> LoadPoint | None:
 def saturate_table(pts: Sequence[LoadPoint]) -> str:
     head = (f"{'layer':<8} {'hold ms':>7} {'gw':>3} {'conc':>5} {'decisions/s':>11} {'Redis busy':>10} {'Redis µs/dec':>12} "
             f"{'scripts/dec':>11} {'ops/call':>8} {'cmds/dec':>8} {'queued':>6} {'call p50':>8} {'call p99':>8} "
-            f"{'dec p99 ms':>10} {'@80% (this µs)':>14} {'rej':>4} {'err':>4} {'deg':>4}")
+            f"{'dec p99 ms':>10} {'runq wait':>9} {'@80% (this µs)':>14} {'rej':>4} {'err':>4} {'deg':>4}")
     lines = [head, "-" * len(head)]
     for p in pts:
         d = max(1, p.decisions)
         lines.append(f"{p.layer:<8} {p.hold_ms:>7g} {p.gateways:>3} {p.concurrency:>5} {p.rate:>11,.0f} {p.busy:>10.0%} "
                      f"{p.cpu_us:>12.1f} {p.script_calls / d:>11.2f} {p.ops / max(1, p.batches):>8.1f} "
                      f"{p.commands / d:>8.1f} {p.queued / d:>6.0%} {p.call_p50_ms:>8.2f} {p.call_p99_ms:>8.2f} "
-                     f"{p.decision_p99_ms:>10.1f} {p.shard_rate:>14,.0f} {p.rejected:>4} {p.errors:>4} {p.degraded:>4}")
+                     f"{p.decision_p99_ms:>10.1f} {p.runq_wait_s / p.seconds:>9.0%} {p.shard_rate:>14,.0f} {p.rejected:>4} {p.errors:>4} {p.degraded:>4}")
     return "\n".join(lines)
 
 
@@ -788,7 +827,8 @@ def run(args: argparse.Namespace) -> int:
     if PROLOGUE:
         print(f"script profile: a leases.lua call costs {PROLOGUE[0]:.1f} µs of Redis CPU before doing anything "
               f"(get_limit, pipelined; as EVALSHA on a server without Functions: {PROLOGUE[1]:.1f} µs; "
-              f"a `return 1` script: {PROLOGUE[2]:.1f} µs)")
+              f"a `return 1` script: {PROLOGUE[2]:.1f} µs); the same get_limit sent one call at a time "
+              f"(a round trip each): {PROLOGUE[3]:.1f} µs")
     if FLOOR:
         print(f"script work of one contended decision (admit + the release that grants the next, pipelined: "
               f"no round trips): one call per op {FLOOR[0]:.1f} µs of Redis CPU, {FLOOR[1]:.1f} commands; "
@@ -810,6 +850,10 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(saturate_table(sat))
         print()
+    fit = per_call_fit([p for p in sat if p.layer == "state"])
+    if fit is not None:
+        print(f"least-squares fit over the state-layer points, Redis µs per decision = a × calls per decision + b: "
+              f"a = {fit[0]:.0f} µs per call, b = {fit[1]:.0f} µs per decision")
     busiest = saturated_figure(sat)
     if busiest is not None:
         trend = sorted((p for p in sat if p.layer == busiest.layer and not p.degraded and not p.errors),
