@@ -15,8 +15,11 @@ Rules (docs/controller.md):
   current size (no flapping on noise); demand above the current size with requests turned
   away always scales up.
 * Queue pressure: waiting per replica > `queue_pressure_per_replica` ⇒ multiply by
-  `scale_up_factor` (double) at once. KV-cache pressure (mean usage over active replicas above
-  `kv_pressure_threshold`) is a second scale-up trigger.
+  `scale_up_factor` (double) at once — only while the backlog is growing (above its peak of
+  this panic episode) and demand exceeds what the current size (incoming included) carries: a
+  backlog draining inside the old replicas after a wave turned active is not a new burst.
+  KV-cache pressure (mean usage over active replicas above `kv_pressure_threshold`) is a
+  second scale-up trigger.
 * Loading / warming / waking replicas count as incoming capacity: triggers are sized on the
   active replicas and compared with the current size (which includes the incoming ones), so
   a queue that is still waiting for the first wave asks for the same wave again, not a second
@@ -144,6 +147,7 @@ class PolicyState:
     window: tuple[tuple[float, int], ...] = ()
     panic_until: float = -math.inf
     last_scale_down_at: float = -math.inf
+    backlog_peak: float = 0.0  # largest waiting seen under queue pressure in this panic episode
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +270,22 @@ def decide(
     # for the same wave again, not for a second one (cascade prevention).
     panic = False
     act = max(active, 1)
+    # The backlog the queue trigger has already answered in this burst (its peak, forgotten
+    # when panic ends). Requests queued inside the old replicas stay there when a new wave
+    # turns active (vLLM does not move them), so `active` grows within a second of a
+    # promotion while the backlog drains at the old replicas' pace: doubling the new `active`
+    # on that backlog starts a second wave nobody asked for (the cascade seen in the elastic
+    # bench: 2 -> 4 -> 8 -> 10 in 2 s at a 4x burst). A backlog that grows past its peak,
+    # or demand that the size already asked for (current, incoming included) does not cover,
+    # is new evidence; a draining one is not.
+    peak = state.backlog_peak if now < state.panic_until else 0.0
     if waiting / act > cfg.queue_pressure_per_replica:
-        up = math.ceil(act * cfg.scale_up_factor - 1e-9)
         panic = True
-        if up > rec:
-            rec, cause = up, REASON_QUEUE
+        if waiting > peak and demand > max(current, 1) * tc:
+            up = math.ceil(act * cfg.scale_up_factor - 1e-9)
+            if up > rec:
+                rec, cause = up, REASON_QUEUE
+        peak = max(peak, waiting)
     if kv_mean is not None and kv_mean > cfg.kv_pressure_threshold:
         up = max(active + 1, math.ceil(active * kv_mean / cfg.kv_target - 1e-9))
         panic = True
@@ -347,6 +362,7 @@ def decide(
         burst=burst,
     )
     new_state = replace(
-        state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down
+        state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,
+        backlog_peak=peak,
     )
     return plan, new_state

@@ -23,7 +23,7 @@ from floodgate.controller.policy import (
     ScalePlan,
     decide,
 )
-from floodgate.controller.signals import PoolSignals, ReplicaView
+from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView
 from pydantic import ValidationError
 
 from .conftest import FakeClock, signals, views
@@ -107,6 +107,71 @@ def test_loading_replicas_prevent_a_cold_start_cascade(clock: FakeClock) -> None
     reps = views(now, active=4, loading=4)
     plan, state = step(CFG, state, now, reps, signals(now, reps, running=40, queue=100))
     assert (plan.desired, plan.reason) == (14, REASON_DEMAND)
+
+
+def _waking(now: float, active: int, waking: int) -> tuple[ReplicaView, ...]:
+    return views(now, active=active) + tuple(
+        ReplicaView(f"p{i}", ReplicaState.WAKING, now - 0.5) for i in range(waking))
+
+
+def test_backlog_draining_in_old_replicas_does_not_start_a_second_wave(clock: FakeClock) -> None:
+    """The elastic bench's burst 2 (07:07 run): 2 active + a warm pool, a 4x burst. Promotions
+    turn active within a second while ~16 requests still wait inside the two old replicas
+    (vLLM does not move them). Before: queue pressure doubled the new active count on that
+    backlog at every promotion, 2 -> 4 -> 5 -> 8 -> 10 in 2 s (5 cold starts where the pool
+    held the burst)."""
+    cfg = PolicyConfig(min_replicas=2, max_replicas=10, target_concurrency=7.0)
+    t0 = clock.now
+    reps = views(t0, active=2)
+    plan, state = step(cfg, PolicyState(desired=2), t0, reps, signals(t0, reps, running=16, waiting=7))
+    assert plan.desired == 4  # the burst: 7 waiting on 2 replicas, demand 23 > 14
+    reps = _waking(t0 + 1, active=2, waking=2)
+    plan, state = step(cfg, state, t0 + 1, reps, signals(t0 + 1, reps, running=16, waiting=16))
+    assert (plan.desired, plan.reason) == (5, REASON_DEMAND)  # demand 32: ceil(32 / 7)
+    # The two promoted replicas are active; the backlog is still inside the old two.
+    reps = _waking(t0 + 1.1, active=4, waking=1)
+    plan, state = step(cfg, state, t0 + 1.1, reps, signals(t0 + 1.1, reps, running=16, waiting=16))
+    assert (plan.desired, plan.recommendation) == (5, 5), "16 waiting on 4 active: 8 before"
+    # All five active, backlog draining (16 -> 11): demand 43 asks for 7, no doubling to 10.
+    reps = views(t0 + 2, active=5)
+    plan, state = step(cfg, state, t0 + 2, reps, signals(t0 + 2, reps, running=32, waiting=11))
+    assert (plan.desired, plan.reason) == (7, REASON_DEMAND)
+    assert plan.panic  # still a burst: no scale-down meanwhile
+
+
+def test_backlog_growing_past_its_peak_still_doubles(clock: FakeClock) -> None:
+    cfg = PolicyConfig(min_replicas=2, max_replicas=64, target_concurrency=7.0)
+    t0 = clock.now
+    reps = views(t0, active=4)
+    plan, state = step(cfg, PolicyState(desired=4), t0, reps, signals(t0, reps, running=32, waiting=16))
+    assert (plan.desired, plan.reason) == (8, REASON_QUEUE)
+    reps = views(t0 + 2, active=8)
+    # The wave is active and the backlog drains: nothing more.
+    plan, state = step(cfg, state, t0 + 2, reps, signals(t0 + 2, reps, running=48, waiting=12))
+    assert plan.desired == 8
+    # Demand keeps growing: the backlog passes its peak (16) with demand above 8 x 7.
+    reps = views(t0 + 4, active=8)
+    plan, state = step(cfg, state, t0 + 4, reps, signals(t0 + 4, reps, running=56, waiting=20))
+    assert (plan.desired, plan.reason) == (16, REASON_QUEUE)  # proportional alone: 11
+    # A backlog above its peak that the size already asked for covers does not double.
+    reps = views(t0 + 6, active=8, loading=8)
+    plan, state = step(cfg, state, t0 + 6, reps, signals(t0 + 6, reps, running=64, waiting=40))
+    assert plan.desired == 16
+
+
+def test_backlog_peak_is_forgotten_when_panic_ends(clock: FakeClock) -> None:
+    cfg = PolicyConfig(min_replicas=2, max_replicas=64, target_concurrency=7.0, panic_window_s=60.0,
+                       stabilization_window_s=0.0, scale_down_interval_s=0.0)
+    t0 = clock.now
+    reps = views(t0, active=4)
+    plan, state = step(cfg, PolicyState(desired=4), t0, reps, signals(t0, reps, running=32, waiting=40))
+    assert plan.desired == 11 and state.backlog_peak == 40  # demand 72: ceil(72 / 7)
+    reps = views(t0 + 61, active=2)
+    state = dataclasses.replace(state, desired=2)
+    # A later, smaller burst: 5 waiting on 2 replicas is pressure again, though below 40
+    # (proportional alone: ceil(21 / 7) = 3).
+    plan, state = step(cfg, state, t0 + 61, reps, signals(t0 + 61, reps, running=16, waiting=5))
+    assert (plan.desired, plan.reason) == (4, REASON_QUEUE)
 
 
 def test_loading_replicas_count_as_capacity_for_demand(clock: FakeClock) -> None:
