@@ -15,9 +15,10 @@ Rules (docs/controller.md):
   current size (no flapping on noise); demand above the current size with requests turned
   away always scales up.
 * Queue pressure: waiting per replica > `queue_pressure_per_replica` ⇒ multiply by
-  `scale_up_factor` (double) at once — only while the backlog is growing (above its peak of
-  this panic episode) and demand exceeds what the current size (incoming included) carries: a
-  backlog draining inside the old replicas after a wave turned active is not a new burst.
+  `scale_up_factor` (double) at once — only while the backlog is above the one the last
+  scale-up was sized with and demand exceeds what the current size (incoming included)
+  carries: a backlog draining inside the old replicas after a wave turned active is not a new
+  burst.
   KV-cache pressure (mean usage over active replicas above `kv_pressure_threshold`) is a
   second scale-up trigger.
 * Loading / warming / waking replicas count as incoming capacity: triggers are sized on the
@@ -147,7 +148,7 @@ class PolicyState:
     window: tuple[tuple[float, int], ...] = ()
     panic_until: float = -math.inf
     last_scale_down_at: float = -math.inf
-    backlog_peak: float = 0.0  # largest waiting seen under queue pressure in this panic episode
+    sized_backlog: float = 0.0  # waiting at the last scale-up (0 once panic ends)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,22 +271,20 @@ def decide(
     # for the same wave again, not for a second one (cascade prevention).
     panic = False
     act = max(active, 1)
-    # The backlog the queue trigger has already answered in this burst (its peak, forgotten
-    # when panic ends). Requests queued inside the old replicas stay there when a new wave
-    # turns active (vLLM does not move them), so `active` grows within a second of a
-    # promotion while the backlog drains at the old replicas' pace: doubling the new `active`
-    # on that backlog starts a second wave nobody asked for (the cascade seen in the elastic
-    # bench: 2 -> 4 -> 8 -> 10 in 2 s at a 4x burst). A backlog that grows past its peak,
-    # or demand that the size already asked for (current, incoming included) does not cover,
-    # is new evidence; a draining one is not.
-    peak = state.backlog_peak if now < state.panic_until else 0.0
+    # Requests queued inside the old replicas stay there when a new wave turns active (vLLM
+    # does not move them), so `active` grows within a second of a promotion while the backlog
+    # drains at the old replicas' pace: doubling the new `active` on that backlog starts a
+    # second wave nobody asked for (the elastic bench's burst 2: 2 -> 4 -> 5 -> 8 -> 10 in 2 s).
+    # The last scale-up was sized with the backlog it saw (`sized_backlog`, counted in demand,
+    # forgotten when panic ends); only a backlog above it, with demand that the size already
+    # asked for (current, incoming included) does not cover, is new evidence.
+    sized = state.sized_backlog if now < state.panic_until else 0.0
     if waiting / act > cfg.queue_pressure_per_replica:
         panic = True
-        if waiting > peak and demand > max(current, 1) * tc:
+        if waiting > sized and demand > max(current, 1) * tc:
             up = math.ceil(act * cfg.scale_up_factor - 1e-9)
             if up > rec:
                 rec, cause = up, REASON_QUEUE
-        peak = max(peak, waiting)
     if kv_mean is not None and kv_mean > cfg.kv_pressure_threshold:
         up = max(active + 1, math.ceil(active * kv_mean / cfg.kv_target - 1e-9))
         panic = True
@@ -363,6 +362,6 @@ def decide(
     )
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,
-        backlog_peak=peak,
+        sized_backlog=waiting if desired > current else sized,
     )
     return plan, new_state

@@ -139,7 +139,7 @@ def test_backlog_draining_in_old_replicas_does_not_start_a_second_wave(clock: Fa
     assert plan.panic  # still a burst: no scale-down meanwhile
 
 
-def test_backlog_growing_past_its_peak_still_doubles(clock: FakeClock) -> None:
+def test_backlog_growing_past_the_sized_one_still_doubles(clock: FakeClock) -> None:
     cfg = PolicyConfig(min_replicas=2, max_replicas=64, target_concurrency=7.0)
     t0 = clock.now
     reps = views(t0, active=4)
@@ -149,23 +149,24 @@ def test_backlog_growing_past_its_peak_still_doubles(clock: FakeClock) -> None:
     # The wave is active and the backlog drains: nothing more.
     plan, state = step(cfg, state, t0 + 2, reps, signals(t0 + 2, reps, running=48, waiting=12))
     assert plan.desired == 8
-    # Demand keeps growing: the backlog passes its peak (16) with demand above 8 x 7.
+    # Demand keeps growing: the backlog passes the one the doubling was sized with (16), with
+    # demand above 8 x 7.
     reps = views(t0 + 4, active=8)
     plan, state = step(cfg, state, t0 + 4, reps, signals(t0 + 4, reps, running=56, waiting=20))
     assert (plan.desired, plan.reason) == (16, REASON_QUEUE)  # proportional alone: 11
-    # A backlog above its peak that the size already asked for covers does not double.
+    # A backlog above that (20) which the size already asked for covers does not double.
     reps = views(t0 + 6, active=8, loading=8)
     plan, state = step(cfg, state, t0 + 6, reps, signals(t0 + 6, reps, running=64, waiting=40))
     assert plan.desired == 16
 
 
-def test_backlog_peak_is_forgotten_when_panic_ends(clock: FakeClock) -> None:
+def test_sized_backlog_is_forgotten_when_panic_ends(clock: FakeClock) -> None:
     cfg = PolicyConfig(min_replicas=2, max_replicas=64, target_concurrency=7.0, panic_window_s=60.0,
                        stabilization_window_s=0.0, scale_down_interval_s=0.0)
     t0 = clock.now
     reps = views(t0, active=4)
     plan, state = step(cfg, PolicyState(desired=4), t0, reps, signals(t0, reps, running=32, waiting=40))
-    assert plan.desired == 11 and state.backlog_peak == 40  # demand 72: ceil(72 / 7)
+    assert plan.desired == 11 and state.sized_backlog == 40  # demand 72: ceil(72 / 7)
     reps = views(t0 + 61, active=2)
     state = dataclasses.replace(state, desired=2)
     # A later, smaller burst: 5 waiting on 2 replicas is pressure again, though below 40
