@@ -15,10 +15,10 @@ Rules (docs/controller.md):
   current size (no flapping on noise); demand above the current size with requests turned
   away always scales up.
 * Queue pressure: waiting per replica > `queue_pressure_per_replica` ⇒ multiply by
-  `scale_up_factor` (double) at once — only while the backlog is above the one the last
-  scale-up was sized with and demand exceeds what the current size (incoming included)
-  carries: a backlog draining inside the old replicas after a wave turned active is not a new
-  burst.
+  `scale_up_factor` (double) at once — when Floodgate's queue alone is above the threshold,
+  or the backlog is above the one the last scale-up was sized with and demand exceeds what the
+  current size (incoming included) carries: a backlog draining inside the old replicas after
+  a wave turned active is not a new burst.
   KV-cache pressure (mean usage over active replicas above `kv_pressure_threshold`) is a
   second scale-up trigger.
 * Loading / warming / waking replicas count as incoming capacity: triggers are sized on the
@@ -245,8 +245,10 @@ def decide(
             kv_n += 1
     stale = len(fresh_active) < active or signals.lacking_stale
     q = signals.queue
+    queued = 0.0  # Floodgate's queue alone (the rest of `waiting` is inside the replicas)
     if q is not None:
         if _fresh(q.scraped_at, q.ok, now, cfg):
+            queued = q.depth
             waiting += q.depth
         else:
             stale = True
@@ -271,17 +273,20 @@ def decide(
     # for the same wave again, not for a second one (cascade prevention).
     panic = False
     act = max(active, 1)
-    # Requests queued inside the old replicas stay there when a new wave turns active (vLLM
-    # does not move them), so `active` grows within a second of a promotion while the backlog
-    # drains at the old replicas' pace: doubling the new `active` on that backlog starts a
-    # second wave nobody asked for (the elastic bench's burst 2: 2 -> 4 -> 5 -> 8 -> 10 in 2 s).
-    # The last scale-up was sized with the backlog it saw (`sized_backlog`, counted in demand,
-    # forgotten when panic ends); only a backlog above it, with demand that the size already
-    # asked for (current, incoming included) does not cover, is new evidence.
+    # Requests queued inside the old replicas (vLLM `waiting`) stay there when a new wave turns
+    # active, so `active` grows within a second of a promotion while that backlog drains at the
+    # old replicas' pace: doubling the new `active` on it starts a second wave nobody asked for
+    # (the elastic bench's burst 2: 2 -> 4 -> 5 -> 8 -> 10 in 2 s). Every scale-up was sized
+    # with the backlog it saw (demand counts it: `sized_backlog`, forgotten when panic ends), so
+    # only a backlog above it, with demand that the size already asked for (current, incoming
+    # included) does not cover, is new evidence. Floodgate's own queue is different: any
+    # replica, the new ones included, takes from it, so that queue alone above the threshold
+    # still doubles, as before.
     sized = state.sized_backlog if now < state.panic_until else 0.0
     if waiting / act > cfg.queue_pressure_per_replica:
         panic = True
-        if waiting > sized and demand > max(current, 1) * tc:
+        shared = queued / act > cfg.queue_pressure_per_replica
+        if shared or (waiting > sized and demand > max(current, 1) * tc):
             up = math.ceil(act * cfg.scale_up_factor - 1e-9)
             if up > rec:
                 rec, cause = up, REASON_QUEUE

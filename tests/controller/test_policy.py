@@ -139,6 +139,22 @@ def test_backlog_draining_in_old_replicas_does_not_start_a_second_wave(clock: Fa
     assert plan.panic  # still a burst: no scale-down meanwhile
 
 
+def test_floodgate_queue_after_a_wave_turned_active_still_doubles(clock: FakeClock) -> None:
+    """The same burst with the backlog in Floodgate's queue instead of inside the replicas:
+    the promoted replicas take from that queue at once, so 16 still queued on 4 active
+    replicas is pressure the wave did not answer (the backtest, whose queue is at the gateway,
+    runs this path)."""
+    cfg = PolicyConfig(min_replicas=2, max_replicas=10, target_concurrency=7.0)
+    t0 = clock.now
+    reps = views(t0, active=2)
+    plan, state = step(cfg, PolicyState(desired=2), t0, reps, signals(t0, reps, running=16, queue=7))
+    reps = _waking(t0 + 1, active=2, waking=2)
+    plan, state = step(cfg, state, t0 + 1, reps, signals(t0 + 1, reps, running=16, queue=16))
+    reps = _waking(t0 + 1.1, active=4, waking=1)
+    plan, state = step(cfg, state, t0 + 1.1, reps, signals(t0 + 1.1, reps, running=16, queue=16))
+    assert (plan.desired, plan.reason) == (8, REASON_QUEUE)
+
+
 def test_backlog_growing_past_the_sized_one_still_doubles(clock: FakeClock) -> None:
     cfg = PolicyConfig(min_replicas=2, max_replicas=64, target_concurrency=7.0)
     t0 = clock.now
