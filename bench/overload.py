@@ -9,8 +9,11 @@ arrival plan against each configuration in turn, every one on fresh processes:
                 one is the hand-tuned reference);
 * `vegas-SIG`   Floodgate with the untuned Vegas limit fed by signal SIG (ttft, tpot, combined).
 
-The plan: an unloaded phase (the reference for P0 TTFT), a steady phase at ~70 % of the pool's
-capacity, a burst at 3x capacity, then recovery; priority mix 20/50/30 % P0/P1/P2. Capacity
+The plan: an unloaded phase, a steady phase at ~70 % of the pool's capacity, a burst at 3x
+capacity, then recovery and a sparse-P0 phase; priority mix 20/50/30 % P0/P1/P2 (`--mix`).
+The reference for P0's TTFT is measured once per invocation, before the configs, in a
+dedicated pass: the unloaded phase's load for `--reference-s` seconds through Envoy alone,
+every request P0 (hundreds of samples: the unloaded phase's few P0s cannot give a p99). Capacity
 is derived first from the pure engine model (`sim/engine.py`, the same code the replicas run)
 and, by default, the pool's best steady goodput is then measured on the real pool with a short
 step sweep without admission control.
@@ -80,6 +83,12 @@ class Phase:
     p0_rate: float | None = None
 
 
+# The unloaded reference pass (seconds; scaled with --scale, at least REFERENCE_MIN_S). At the
+# unloaded phase's load (0.3x of ~19 req/s) 80 s give ~450 P0 TTFTs: a p99 over hundreds.
+REFERENCE_S = 80.0
+REFERENCE_MIN_S = 10.0
+REFERENCE_WARMUP_S = 5.0
+
 DEFAULT_PHASES = (
     Phase("unloaded", 6, 0.3),
     Phase("steady", 14, 0.7),
@@ -140,6 +149,40 @@ def build_plan(w: Workload, capacity_rps: float) -> list[Any]:
         plan += [replace(r, t_offset=r.t_offset + a) for r in p0]
     plan.sort(key=lambda r: r.t_offset)
     return plan
+
+
+def reference_plan(w: Workload, capacity_rps: float, duration_s: float) -> list[Any]:
+    """The unloaded reference: the lightest phase's load for `duration_s`, every request P0.
+    Without admission control the emulator never sees a priority, so each request is a P0
+    sample of the unloaded pool's TTFT (same lengths as the workload's mix)."""
+    from floodgate.sim.arrivals import Mix, constant_profile, synthetic_plan
+
+    unloaded = min(w.phases, key=lambda p: p.load)
+    mix = w.mix()
+    p0_mix = Mix(priority_shares=(1.0, 0.0, 0.0), tenants=mix.tenants, prompt=mix.prompt, output=mix.output)
+    return list(synthetic_plan(constant_profile(unloaded.load * capacity_rps, duration_s), p0_mix,
+                               seed=w.seed + 29))
+
+
+def measure_reference(w: Workload, capacity_rps: float, duration_s: float, *, timeout_s: float,
+                      progress: bool) -> dict[str, Any]:
+    """Run the reference pass on fresh processes (Envoy alone: the processor's own overhead is
+    not in the reference, so it counts against the Floodgate rows) and return its P0 TTFT p99
+    over every request after a short warm-up."""
+    from floodgate.sim.loadgen import OK
+    from floodgate.sim.report import percentile
+
+    plan = reference_plan(w, capacity_rps, duration_s)
+    run = run_config(BenchConfig("reference", "none"), w, plan, timeout_s=timeout_s, progress=progress)
+    warm = min(REFERENCE_WARMUP_S, duration_s / 4)
+    recs = [r for r in run.result.records if r.t_planned >= warm]
+    ttft = [r.ttft_s for r in recs if r.outcome == OK and r.ttft_s is not None]
+    unloaded = min(w.phases, key=lambda p: p.load)
+    return {"duration_s": duration_s, "load": unloaded.load, "rate_rps": unloaded.load * capacity_rps,
+            "offered": len(recs), "samples": len(ttft),
+            "failed": sum(1 for r in recs if r.outcome != OK),
+            "p0_ttft_p50_s": percentile(ttft, 50), "p0_ttft_p99_s": percentile(ttft, 99),
+            "cpu": run.cpu, "machine_busy": run.machine_busy}
 
 
 # --------------------------------------------------------------------------- capacity (offline)
@@ -495,9 +538,9 @@ class Row:
     consistent: bool
     p0_success: float | None
     p0_burst_success: float | None
-    p0_ttft_p99_unloaded_s: float | None
+    p0_ttft_p99_unloaded_s: float | None  # the unloaded phase's few P0s (not a p99: see reference)
     p0_ttft_p99_burst_s: float | None
-    p0_ttft_ratio: float | None
+    p0_ttft_ratio: float | None  # burst p99 / the reference pass's p99 (the phase's when none)
     p0_queue_p99_burst_ms: float | None  # Floodgate queue wait (x-floodgate-queue-ms) of burst P0s
     goodput_steady_tok_s: float | None
     goodput_burst_tok_s: float | None
@@ -525,13 +568,17 @@ class Row:
     p2_reject_proc_p99_ms: float | None = None
     p2_immediate_reject_proc_p99_ms: float | None = None
     p2_local_rejections: int | None = None  # P2 early drops decided without a Redis round trip
+    p0_unloaded_n: int = 0  # P0s behind p0_ttft_p99_unloaded_s
+    p0_ttft_ratio_phase: float | None = None  # burst p99 / the unloaded phase's few-sample "p99"
+    p0_ttft_ref_p99_s: float | None = None  # the reference pass's P0 TTFT p99 (hundreds of samples)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
+def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float,
+             reference: dict[str, Any] | None = None) -> Row:
     import numpy as np
     from floodgate.sim.loadgen import OK, REJECTED
     from floodgate.sim.report import percentile, summarize
@@ -558,6 +605,7 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
     if out.config.kind == "static":
         limit_mean = float(out.config.limit or 0)
     p0_unloaded = unloaded.per_priority[0].ttft_p99 if unloaded else None
+    ref_p99 = reference.get("p0_ttft_p99_s") if reference else None
     p0_burst = burst.per_priority[0].ttft_p99 if burst else None
     g_burst = burst.overall.goodput_tok_s if burst else None
     o = whole.overall
@@ -579,7 +627,11 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float) -> Row:
         p0_success=whole.per_priority[0].success_rate,
         p0_burst_success=burst.per_priority[0].success_rate if burst else None,
         p0_ttft_p99_unloaded_s=p0_unloaded, p0_ttft_p99_burst_s=p0_burst,
-        p0_ttft_ratio=_ratio(p0_burst, p0_unloaded),
+        p0_ttft_ratio=_ratio(p0_burst, ref_p99 if ref_p99 else p0_unloaded),
+        p0_ttft_ratio_phase=_ratio(p0_burst, p0_unloaded), p0_ttft_ref_p99_s=ref_p99,
+        p0_unloaded_n=sum(1 for r in recs if r.priority == 0 and r.outcome == OK and r.ttft_s is not None
+                          and unloaded is not None and unloaded.window is not None
+                          and unloaded.window[0] <= r.t_planned < unloaded.window[1]),
         p0_queue_p99_burst_ms=burst.per_priority[0].queue_ms_p99 if burst else None,
         goodput_steady_tok_s=phases["steady"].overall.goodput_tok_s if "steady" in phases else None,
         goodput_burst_tok_s=g_burst,
@@ -609,17 +661,19 @@ def _ms(v: float | None) -> str:
 
 
 def render_table(rows: Sequence[Row]) -> str:
-    head = ("| config | offered | admitted | rejected | errors | P0 success | P0 TTFT p99 unloaded / burst (ms) "
+    head = ("| config | offered | admitted | rejected | errors | P0 success "
+            "| P0 TTFT p99 burst ms (vs reference) | unloaded phase: P0s, their p99 ms (burst vs it) "
             "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p50 / p99 ms (timeouts of rejects) "
             "| P2 reject in processor p50 / p99 ms (immediate only p99; local) | limit in burst "
             "| sparse P0: admitted / early drops / TTFT p99 ms |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(
             f"| {r.config} | {r.offered} | {r.admitted} | {r.rejected} | {r.errors} "
-            f"| {_pct(r.p0_success, 2)} | {_ms(r.p0_ttft_p99_unloaded_s)} / {_ms(r.p0_ttft_p99_burst_s)} "
-            f"({_num(r.p0_ttft_ratio, '.1f')}x) | {_num(r.p0_queue_p99_burst_ms)} | {_num(r.goodput_burst_tok_s)} ({_pct(r.goodput_ratio, 0)}) "
+            f"| {_pct(r.p0_success, 2)} | {_ms(r.p0_ttft_p99_burst_s)} ({_num(r.p0_ttft_ratio, '.2f')}x) "
+            f"| {r.p0_unloaded_n}, {_ms(r.p0_ttft_p99_unloaded_s)} ({_num(r.p0_ttft_ratio_phase, '.1f')}x) "
+            f"| {_num(r.p0_queue_p99_burst_ms)} | {_num(r.goodput_burst_tok_s)} ({_pct(r.goodput_ratio, 0)}) "
             f"| {_num(r.p2_reject_p50_ms, '.1f')} / {_num(r.p2_reject_p99_ms, '.1f')} ({r.p2_reject_timeouts}/{r.p2_rejected}) "
             f"| {_num(r.p2_reject_proc_p50_ms, '.1f')} / {_num(r.p2_reject_proc_p99_ms, '.1f')} "
             f"({_num(r.p2_immediate_reject_proc_p99_ms, '.1f')}; {'–' if r.p2_local_rejections is None else r.p2_local_rejections}) "
@@ -650,7 +704,7 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
         p2 = r.p2_reject_p99_ms is None or r.p2_reject_p99_ms < TARGET_P2_REJECT_MS
         p2p = r.p2_reject_proc_p99_ms is None or r.p2_reject_proc_p99_ms < TARGET_P2_REJECT_MS
         line = (f"{r.config}: P0 success {mark(p0)} ({_pct(r.p0_success, 2)}), "
-                f"P0 TTFT p99 burst/unloaded {mark(tt)} ({_num(r.p0_ttft_ratio, '.2f')}x), "
+                f"P0 TTFT p99 burst/reference {mark(tt)} ({_num(r.p0_ttft_ratio, '.2f')}x), "
                 f"burst goodput {mark(gp)} ({_pct(r.goodput_ratio, 0)} of best steady), "
                 f"P2 reject p99 {mark(p2)} ({_num(r.p2_reject_p99_ms, '.1f')} ms client, "
                 f"{mark(p2p)} {_num(r.p2_reject_proc_p99_ms, '.1f')} ms in the processor), "
@@ -663,7 +717,7 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         if r.config in ("none", "adaptive"):
             out.append(f"{r.config}: burst goodput {_pct(r.goodput_ratio, 0)} of best steady, "
-                       f"P0 success {_pct(r.p0_success, 2)}, P0 TTFT p99 burst/unloaded "
+                       f"P0 success {_pct(r.p0_success, 2)}, P0 TTFT p99 burst/reference "
                        f"{_num(r.p0_ttft_ratio, '.1f')}x")
     return out
 
@@ -783,8 +837,12 @@ Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG
 **Plan.** {phases} (seed {w['seed']}; {report['plan_requests']} requests). "Burst" numbers
 are over requests that *arrived* during the burst.
 
+{render_reference(report.get("reference"))}
+
 {render_table(rows)}
-Columns: P0 success over the whole run; P0 TTFT p99 of the unloaded phase vs the burst phase;
+Columns: P0 success over the whole run; P0 TTFT p99 of the burst's P0s and its ratio to the
+reference above; the unloaded phase's own P0s (how many, their p99, the burst p99 over it — few
+samples, so an underestimate of the unloaded p99, kept for comparison with earlier runs);
 goodput = output tokens/s of burst arrivals that met the SLO, vs the best steady goodput;
 P2 reject p50 / p99 = time from send to the 429 for rejected P2 requests (in brackets: how many
 of them waited out their queue timeout, of all P2 rejections; the adaptive row's is Envoy's own
@@ -819,6 +877,19 @@ load generator's p99 send lag (late sends mean the client, not the pool, was the
 """
 
 
+def render_reference(ref: dict[str, Any] | None) -> str:
+    """The unloaded reference paragraph: what every row's P0 TTFT ratio divides by."""
+    if not ref or not ref.get("p0_ttft_p99_s"):
+        return ("**Reference for P0 TTFT:** none measured (this run's ratios divide by the unloaded "
+                "phase's few P0s).")
+    return (f"**Reference for P0 TTFT** (measured first, in the same invocation): "
+            f"{ref['duration_s']:.0f} s at the unloaded phase's load ({ref['load']:.1f}x, "
+            f"{ref['rate_rps']:.1f} req/s) through Envoy alone, every request P0, on fresh processes; "
+            f"{ref['samples']} TTFTs after a {REFERENCE_WARMUP_S:.0f} s warm-up ({ref['failed']} failed): "
+            f"p50 {1000 * ref['p0_ttft_p50_s']:.0f} ms, **p99 {1000 * ref['p0_ttft_p99_s']:.0f} ms**. "
+            "The processor's own overhead is not in it, so it counts against the Floodgate rows.")
+
+
 def render_bound(bound: dict[str, Any] | None, rows: Sequence[Row]) -> str:
     """The P0 TTFT bound paragraph (bench/p0_bound.py): what no admission policy can beat."""
     if not bound:
@@ -837,12 +908,15 @@ def render_bound(bound: dict[str, Any] | None, rows: Sequence[Row]) -> str:
     else:
         measured = [f"{r.config} {b['p0_ttft_p99_s'] / r.p0_ttft_p99_unloaded_s:.1f}x" for r in rows
                     if r.p0_ttft_p99_unloaded_s and (r.config.startswith("static-") or r.config.startswith("vegas-"))]
+        ref = next((r.p0_ttft_ref_p99_s for r in rows if r.p0_ttft_ref_p99_s), None)
         verdict = (f"the smallest batch reaching {bound['target_goodput_tok_s']:.0f} tok/s (95 % of the best) is "
                    f"{b['n_per_replica']} per replica, where P0's TTFT p99 is {1000 * b['p0_ttft_p99_s']:.0f} ms: "
                    f"**{bound['ratio']:.2f}x** the engines' unloaded P0 TTFT p99 ({1000 * unl:.0f} ms over "
-                   f"thousands of P0s at the unloaded phase's load). Against each run's own measured unloaded p99 "
-                   f"(a handful of P0s, so it underestimates the p99) the same ideal would read "
-                   + (", ".join(measured) or "–") + ".")
+                   f"thousands of P0s at the unloaded phase's load)"
+                   + (f"; against this run's measured reference ({1000 * ref:.0f} ms) "
+                      f"{b['p0_ttft_p99_s'] / ref:.2f}x" if ref else "")
+                   + ". Against each run's unloaded phase (a handful of P0s, so it underestimates the p99) "
+                   "the same ideal would read " + (", ".join(measured) or "–") + ".")
     return f"""**P0 TTFT bound for any admission policy** (`bench/p0_bound.py`, the replicas' own engine
 model on a virtual clock, {pts[0]['p0_count'] if pts else 0} P0s per point): the ideal policy admits every
 P0 the moment it arrives, first in its engine's queue, and keeps each replica at N sequences with
@@ -909,6 +983,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the measured steady-goodput sweep; use the derived best goodput")
     p.add_argument("--calibrate-step", type=float, default=10.0, help="seconds per calibration step")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--mix", type=float, nargs=3, default=None, metavar=("P0", "P1", "P2"),
+                   help="priority mix of the plan (shares of P0/P1/P2 in every phase but sparse-p0; "
+                        "default 0.2 0.5 0.3)")
+    p.add_argument("--reference-s", type=float, default=REFERENCE_S,
+                   help="seconds of the unloaded reference pass (scaled by --scale; 0 = none: the "
+                        "ratio then divides by the unloaded phase's few P0s)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=20.0, help="client timeout per request, s")
@@ -962,7 +1042,7 @@ def run(args: argparse.Namespace) -> int:
         measured = report["calibration"]["best_goodput_tok_s"] if report.get("calibration") else 0.0
         cap["best_goodput_tok_s"] = max(cap["derived_best_goodput_tok_s"], measured)
         best = cap["best_goodput_tok_s"]
-        rows = [evaluate(out, w, slo, best) for out in runs]
+        rows = [evaluate(out, w, slo, best, report.get("reference")) for out in runs]
     else:
         report, runs, rows = _measure(args, slo)
         best = report["capacity"]["best_goodput_tok_s"]
@@ -992,6 +1072,8 @@ def run(args: argparse.Namespace) -> int:
 def _workload(args: argparse.Namespace) -> Workload:
     w = Workload(replicas=args.replicas, time_scale=args.time_scale, max_num_seqs=args.max_num_seqs,
                  prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+    if args.mix is not None:
+        w = replace(w, priority_shares=tuple(args.mix))
     return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
 
 
@@ -1022,6 +1104,12 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
                           duration=max(40.0, 400.0 * args.scale)).to_dict()
     print(f"P0 TTFT bound (ideal admission, engine model): {_num(bound['ratio'], '.2f')}x unloaded "
           f"at {bound['best']['n_per_replica'] if bound['best'] else '-'} sequences per replica", flush=True)
+    reference = None
+    if args.reference_s > 0:
+        ref_s = max(REFERENCE_MIN_S, args.reference_s * args.scale)
+        reference = measure_reference(w, capacity, ref_s, timeout_s=args.timeout, progress=progress)
+        print(f"reference: P0 TTFT p99 {_ms(reference['p0_ttft_p99_s'])} ms over {reference['samples']} "
+              f"requests at {reference['load']:.1f}x ({ref_s:.0f} s, Envoy alone)", flush=True)
     plan = build_plan(w, capacity)
 
     def classes_for(cfg: BenchConfig) -> dict[int, dict[str, Any]] | None:
@@ -1042,7 +1130,7 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
               flush=True)
         out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes_for(cfg))
         runs.append(out)
-        row = evaluate(out, w, slo, best)
+        row = evaluate(out, w, slo, best, reference)
         rows.append(row)
         write_raw(args.out, out, slo)
         print(f"[{cfg.name}] done in {time.monotonic() - t:.0f} s: admitted {row.admitted}, "
@@ -1056,6 +1144,7 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
                      "curve": [asdict(c) for c in curve]},
         "calibration": calibration,
         "p0_bound": bound,
+        "reference": reference,
         "plan_requests": len(plan),
         "classes": {"shipped": SHIPPED_CLASSES, "tuned": slo_classes(slo.ttft_s)},
         "adaptive_concurrency_filter": adaptive_concurrency_filter(),
