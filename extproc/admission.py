@@ -83,6 +83,7 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         shares=(cls[0].share, cls[1].share, cls[2].share),
         always=(cls[0].reserve == "always", cls[1].reserve == "always", cls[2].reserve == "always"),
         picking=p.endpoint_picking,
+        headroom=(cls[0].headroom, cls[1].headroom, cls[2].headroom),
         max_queue=(cls[0].max_queue, cls[1].max_queue, cls[2].max_queue),
         tenant_cap=(tenant_cap(cls[0]), tenant_cap(cls[1]), tenant_cap(cls[2])),
         epoch=p.settings_epoch)

@@ -260,7 +260,7 @@ class LocalBackend:
     @staticmethod
     def table(rt: PoolRuntime, limit: int) -> PermitTable:
         s = rt.settings
-        return PermitTable(limit=limit, shares=s.shares, always=s.always, max_queue=s.max_queue,
+        return PermitTable(limit=limit, shares=s.shares, always=s.always, headroom=s.headroom, max_queue=s.max_queue,
                            tenant_cap=s.tenant_cap, ttl=math.inf)
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:

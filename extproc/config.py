@@ -55,6 +55,7 @@ class ClassConfig(_Strict):
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
     early_drop_min_chance: float = Field(default=0.5, ge=0, le=1, description="Early drop turns a request of this class away at once when the chance that the grant loop reaches it before its queue timeout (releases as a Poisson process at the measured rates' upper bound, higher classes' arrivals jumping ahead) is below this. Lower: fewer requests turned away that would have been served in time; higher: fewer that wait their whole timeout and then get 429 (docs/admission.md has the trade-off curve).")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
+    headroom: float = Field(default=0.0, ge=0, le=1, description="Share of the limit that only this class and the classes above it may take: a lower class above its own `share` is admitted only while this many permits stay free. Arrivals of this class then find a free permit at once instead of waiting for a release while lower classes keep the pool full (at the cost of that many permits the lower classes cannot use).")
     tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one named tenant may hold (tenant_cap).")
     reserve: Literal["when_waiting", "always"] = Field(
         default="when_waiting",
@@ -72,10 +73,14 @@ def _default_classes() -> dict[int, ClassConfig]:
     # Interactive SLO for every class (TTFT 2 s, TPOT 100 ms); what differs is how long each
     # may wait for it: critical waits well past its TTFT target rather than fail (10 x = 20 s),
     # standard waits ~3/4 of it (the rest is prefill), sheddable half of it.
+    # Shares are floors against starvation, not targets: standard keeps 10 % of the limit under
+    # any flood of critical traffic, sheddable keeps nothing (it runs on what the others leave,
+    # and is turned away at once while they are backlogged). Critical keeps 10 % of the limit
+    # free as headroom so its arrivals rarely wait for a release (docs/admission.md, Guarantees).
     return {
-        0: ClassConfig(queue_wait_slo_share=10, max_queue=1000, share=0.5),
-        1: ClassConfig(queue_wait_slo_share=0.75, max_queue=1000, share=0.3),
-        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.1),
+        0: ClassConfig(queue_wait_slo_share=10, max_queue=1000, share=0.5, headroom=0.1),
+        1: ClassConfig(queue_wait_slo_share=0.75, max_queue=1000, share=0.1),
+        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.0),
     }
 
 

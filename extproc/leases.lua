@@ -160,10 +160,11 @@ local function load_settings()
   local f = {}
   for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
   S = {initial = tonumber(f.initial), picking = f.picking == '1', epoch = tonumber(f.epoch or '0'),
-       pool = f.pool or '', shares = {}, always = {}, maxq = {}, tcap = {}}
+       pool = f.pool or '', shares = {}, always = {}, headroom = {}, maxq = {}, tcap = {}}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
+    S.headroom[k] = tonumber(f['headroom' .. (k - 1)] or '0')  -- absent in older settings: none
     S.maxq[k] = tonumber(f['maxq' .. (k - 1)])
     S.tcap[k] = tonumber(f['tcap' .. (k - 1)])
   end
@@ -220,7 +221,8 @@ local function int_limit(write) return math.max(1, math.floor(limit_value(write)
 
 -- policy.eligible, mirrored: below the limit any class may take a free permit; a class inside
 -- its reservation always may; otherwise what stays free must still cover the unused
--- reservations of the other classes that have waiters (or keep theirs `always`).
+-- reservations of the other classes that have waiters (or keep theirs `always`), plus the
+-- headroom of every higher class (policy.kept_free: permits only the higher class may take).
 local function eligible(c, L, inflight, queued)
   local free = L - inflight[1] - inflight[2] - inflight[3]
   if free < 1 then return false end
@@ -230,6 +232,7 @@ local function eligible(c, L, inflight, queued)
   local others = 0
   for k = 1, 3 do
     if k ~= c and (queued[k] > 0 or S.always[k]) then others = others + math.max(0, res[k] - inflight[k]) end
+    if k < c then others = others + math.floor(S.headroom[k] * L + 1e-9) end
   end
   return free - 1 >= others
 end

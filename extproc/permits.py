@@ -40,6 +40,7 @@ class PermitTable:
     limit: int
     shares: tuple[float, float, float]
     always: tuple[bool, bool, bool] = (False, False, False)  # reservations kept without waiters
+    headroom: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kept free for the classes above
     max_queue: tuple[int, int, int] = (10**9, 10**9, 10**9)
     tenant_cap: tuple[int, int, int] = (10**9, 10**9, 10**9)
     ttl: float = math.inf  # lease and gateway-liveness lifetime
@@ -119,7 +120,7 @@ class PermitTable:
         while sum(self.inflight()) < self.limit:
             inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
-                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always):
+                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
                     w = self.queues[k].pop(0)
                     if w.deadline >= now and self._alive(w.gateway, now):
                         self.leases[w.ticket] = Lease(k, w.gateway, w.seq, now + self.ttl)
@@ -140,8 +141,8 @@ class PermitTable:
         self.reclaim(now)
         woken = self.grant(now)
         inflight, queued = list(self.inflight()), self.queued()
-        ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always) and not any(
-            queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always)
+        ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
+            queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
             for k in CLASSES if k <= cls)
         if not ok:
             self.creditors.clear()

@@ -2,8 +2,10 @@
 
 Mechanism (leases, queues, grants) lives in Redis Lua (`leases.lua`) and in the local
 fallback (`permits.py`); both call the same rules, written once here and mirrored in Lua:
-`eligible` decides whether a class may take a free permit; `queue_decision` decides whether a
-request that could not be admitted at once may wait or is turned away now.
+`eligible` decides whether a class may take a free permit (floors against starvation, the
+headroom a class keeps free against the classes below it, never above the limit);
+`queue_decision` decides whether a request that could not be admitted at once may wait or is
+turned away now.
 
 Early drop bounds each class's queue by what the grant loop can grant in time. A new request
 waits only if its place in the grant order (the waiters ahead of it in its class) can be
@@ -38,14 +40,24 @@ def reservations(limit: int, shares: Sequence[float]) -> list[int]:
     return [math.floor(s * limit + 1e-9) for s in shares]
 
 
+def kept_free(cls: int, limit: int, headroom: Sequence[float]) -> int:
+    """Permits class `cls` must leave free above its reservation: the headroom of the classes
+    above it (floor(headroom * L) each), which only they may take."""
+    return sum(math.floor(headroom[k] * limit + 1e-9) for k in CLASSES if k < cls)
+
+
 def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int],
-             shares: Sequence[float], always: Sequence[bool] = (False, False, False)) -> bool:
+             shares: Sequence[float], always: Sequence[bool] = (False, False, False),
+             headroom: Sequence[float] = (0.0, 0.0, 0.0)) -> bool:
     """May class `cls` take a free permit now? (Netflix partitions, never above the limit.)
 
     Below the limit any class may use spare capacity; under contention a class inside its own
     reservation always may, and any other class only if what stays free still covers the
     unused reservations of the other classes that have requests waiting — or, for a class
-    whose reservation is kept `always`, whether or not it has waiters (headroom for P0).
+    whose reservation is kept `always`, whether or not it has waiters. Above its reservation a
+    class must also leave the `headroom` of every higher class free (`kept_free`): those
+    permits only the higher class may take, so its arrivals find one free at once instead of
+    waiting for a release while lower classes keep the pool full.
     """
     free = limit - sum(inflight)
     if free < 1:
@@ -55,7 +67,7 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
         return True
     others_unused = sum(max(0, res[k] - inflight[k]) for k in CLASSES
                         if k != cls and (queued[k] > 0 or always[k]))
-    return free - 1 >= others_unused
+    return free - 1 >= others_unused + kept_free(cls, limit, headroom)
 
 
 @dataclass
@@ -221,6 +233,15 @@ class WaitEstimate:
     claim: int = 0  # releases that go first to higher classes below their own reservation
     excess: int = 0  # permits its class holds beyond its reservation (shed before it is reached)
     excess_rate: float = 0.0  # releases per second of the class's permits while it sheds them
+    # releases that must first refill the higher classes' headroom (free permits it may not
+    # take) before the open path reaches it; higher arrivals take from that headroom meanwhile
+    blocked: int = 0
+
+    @property
+    def open_ahead(self) -> int:
+        """Releases (net of higher arrivals) that go elsewhere before the open path reaches its
+        class: the higher classes' waiters and the headroom kept free for them."""
+        return self.higher_queued + self.blocked
 
     @property
     def releases(self) -> int:
@@ -250,32 +271,32 @@ class WaitEstimate:
         mean, need = self._reserved(t, scale)
         p_res = poisson_tail(mean, need)
         if self.higher_arrivals is None or self.rate <= 0:
-            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.higher_queued))
-        lam = self.higher_arrivals
+            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.open_ahead))
+        lam = self.higher_arrivals / scale  # the higher arrivals at their lower bound, as the releases at their upper
         if lam <= 0 and self.higher_queued == 0:
             # nothing higher waits or arrives: every release reaches it (a count, no walk)
-            return max(p_res, poisson_tail(self.rate * scale * t, n))
+            return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
-            return max(p_res, reach_chance(r - lam, r + lam, t, n + self.higher_queued - 0.5))
+            return max(p_res, reach_chance(r - lam, r + lam, t, n + self.open_ahead - 0.5))
         # Its reservation turns over while the higher classes take the other releases (and
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
         turn = self.class_rate * scale * t
         other = max(0.0, self.rate - self.class_rate) * scale
         if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
             tr = self.class_rate * scale
-            return max(p_res, reach_chance(other + tr - lam, other + tr + lam, t, n + self.higher_queued - 0.5))
+            return max(p_res, reach_chance(other + tr - lam, other + tr + lam, t, n + self.open_ahead - 0.5))
         p, term = 0.0, math.exp(-turn)
         # terms beyond ~12 standard deviations of the turnover count weigh nothing
         for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
-            p += term * reach_chance(other - lam, other + lam, t, n - j + self.higher_queued - 0.5)
+            p += term * reach_chance(other - lam, other + lam, t, n - j + self.open_ahead - 0.5)
             term *= turn / (j + 1)
         return min(1.0, p + poisson_tail(turn, n))
 
     def by(self, t: float, scale: float = 1.0) -> float:
         """Expected permits the class has received t seconds from now (rates times `scale`)."""
         mean, need = self._reserved(t, scale)
-        return self.free + max(0.0, self.open_rate * scale * t - self.higher_queued, mean - (need - self.releases))
+        return self.free + max(0.0, self.open_rate * scale * t - self.open_ahead, mean - (need - self.releases))
 
     @property
     def seconds(self) -> float | None:
@@ -285,7 +306,7 @@ class WaitEstimate:
         n = self.releases
         if n <= 0:
             return 0.0
-        best = (n + self.higher_queued) / self.open_rate if self.open_rate > 0 else math.inf
+        best = (n + self.open_ahead) / self.open_rate if self.open_rate > 0 else math.inf
         if self.excess > 0:
             if self.excess_rate > 0:
                 best = min(best, (n + self.excess) / self.excess_rate)
@@ -298,7 +319,9 @@ class WaitEstimate:
 
     def certainly_over(self, deadline_s: float, min_chance: float = 0.5) -> bool:
         """True when the chance that the grant loop reaches this request before `deadline_s`,
-        at the rates' upper confidence bounds, is below `min_chance`; never on few releases:
+        at the release rates' upper confidence bounds (and the higher classes' arrivals at their
+        lower one: a short-window rate of a few arrivals is noisy, and an overestimate of what
+        jumps ahead drops requests that would have been served), is below `min_chance`; never on few releases:
         when unsure about the rate, the request waits (admitting late beats rejecting early)."""
         if self.rate <= 0 or self.samples < MIN_RELEASES:
             return False
@@ -306,7 +329,8 @@ class WaitEstimate:
         return self.chance(deadline_s, scale) < min_chance
 
 
-def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float]) -> WaitEstimate:
+def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
+                  headroom: Sequence[float] = (0.0, 0.0, 0.0)) -> WaitEstimate:
     """Where a new request of class `cls` stands in the grant order and how fast it advances
     (see `WaitEstimate`). Higher classes' arrival rates come from `snap.arrival_rates`; when
     they are unknown, the open path counts only when no higher class waits (as if none
@@ -318,6 +342,13 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float]) -> WaitEsti
     samples = min(float(snap.release_n), snap.grant_rate * RATE_TAU_S) if snap.grant_rate > 0 else 0.0
     total = sum(inflight)
     free = max(0, limit - total)
+    # Above its reservation the class may not take the higher classes' headroom: those free
+    # permits are not its, and releases must refill the headroom before one reaches it.
+    blocked = 0
+    if inflight[cls] >= res[cls]:
+        kept = kept_free(cls, limit, headroom)
+        blocked = max(0, kept - free)
+        free = max(0, free - kept)
     higher = [k for k in CLASSES if k < cls]
     higher_queued = sum(q[k] for k in higher)
     lam: float | None = None
@@ -337,12 +368,13 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float]) -> WaitEsti
         ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
-        excess_rate=per_permit * inflight[cls])
+        excess_rate=per_permit * inflight[cls], blocked=blocked)
 
 
-def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1)) -> float | None:
+def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1),
+                   headroom: Sequence[float] = (0.0, 0.0, 0.0)) -> float | None:
     """Seconds until this request is granted (point estimate), None when nothing is known."""
-    return wait_estimate(cls, snap, shares).seconds
+    return wait_estimate(cls, snap, shares, headroom).seconds
 
 
 def retry_after(wait_s: float | None, cls_cfg: ClassConfig, cfg: AdmissionConfig, rand: float) -> int:
@@ -369,7 +401,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     tenant (unless `admission.anonymous_tenant_cap` says so), so no tenant cap applies."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares)
+    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES])
     wait = est.seconds
     if snap.queued[cls] >= c.max_queue:
         return Reject("queue_full", retry_after(wait, c, cfg, rand))
@@ -393,7 +425,7 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     if sum(snap.inflight) < snap.limit:
         return None
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares)
+    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES])
     if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
@@ -404,5 +436,5 @@ def timeout_reject(cls: int, snap: Snapshot | None, classes: Mapping[int, ClassC
     """A waiter whose deadline passed; `snap` should be the freshest state seen, not the one
     from when it was enqueued, so Retry-After reflects the queue as it is now."""
     shares = [classes[k].share for k in CLASSES]
-    wait = predicted_wait(cls, snap, shares) if snap else None
+    wait = predicted_wait(cls, snap, shares, [classes[k].headroom for k in CLASSES]) if snap else None
     return Reject("queue_timeout", retry_after(wait, classes[cls], cfg, rand))

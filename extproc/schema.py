@@ -96,6 +96,7 @@ class PoolSettings:
     max_queue: tuple[int, int, int] = (1000, 1000, 500)
     tenant_cap: tuple[int, int, int] = (500, 500, 250)
     epoch: int = 0
+    headroom: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kept free for each class (policy.kept_free)
 
     def fields(self) -> dict[str, str]:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
@@ -103,6 +104,7 @@ class PoolSettings:
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
             out[f"always{c}"] = "1" if self.always[c] else "0"
+            out[f"headroom{c}"] = repr(float(self.headroom[c]))
             out[f"maxq{c}"] = str(self.max_queue[c])
             out[f"tcap{c}"] = str(self.tenant_cap[c])
         return out
@@ -114,6 +116,8 @@ class PoolSettings:
             shares=(float(f["share0"]), float(f["share1"]), float(f["share2"])),
             always=(f["always0"] == "1", f["always1"] == "1", f["always2"] == "1"),
             picking=f["picking"] == "1",
+            # settings stored by a version without headroom have none
+            headroom=(float(f.get("headroom0", "0")), float(f.get("headroom1", "0")), float(f.get("headroom2", "0"))),
             max_queue=(int(f["maxq0"]), int(f["maxq1"]), int(f["maxq2"])),
             tenant_cap=(int(f["tcap0"]), int(f["tcap1"]), int(f["tcap2"])),
             epoch=int(f.get("epoch", "0")))

@@ -58,7 +58,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     second had been freed for `since` seconds (a pool that has been busy before the history)."""
     adm = adm or AdmissionConfig()
     shares = (classes[0].share, classes[1].share, classes[2].share)
-    table = PermitTable(limit=limit, shares=shares)
+    table = PermitTable(limit=limit, shares=shares,
+                        headroom=(classes[0].headroom, classes[1].headroom, classes[2].headroom))
     released = DecayingRate()
     level = DecayingMean()
     grants = [DecayingRate(), DecayingRate(), DecayingRate()]

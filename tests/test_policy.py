@@ -14,6 +14,7 @@ from floodgate.extproc.policy import (
     Snapshot,
     certain_reject,
     eligible,
+    kept_free,
     poisson_tail,
     predicted_wait,
     queue_decision,
@@ -161,13 +162,19 @@ def test_higher_arrivals_during_the_wait_jump_ahead() -> None:
     second: a P2 with 5 waiters ahead is left ~1/s, not the pool's 10/s (the old estimate:
     0.6 s). Its reservation is used (in flight (5, 4, 1)), so that path gives 1/s too. (Releases
     and arrivals are random: the chance it is reached in 1 s is that of a random walk with
-    drift 1/s getting 6 ahead, ~0.4.)"""
+    drift 1/s getting 6 ahead, ~0.4 at the point estimates; at the confidence bounds — releases
+    20 % faster, the higher arrivals 20 % slower, 200 releases behind the rate — ~0.58, so it
+    waits; with 8 ahead it is dropped.)"""
     classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
     quiet = Snapshot(10, (5, 4, 1), (0, 0, 5), 0, grant_rate=10.0, release_n=200, arrival_rates=(3.0, 6.0, 5.0))
     est = wait_estimate(2, quiet, SHARES)
     assert est.open_rate == pytest.approx(1.0) and est.seconds == pytest.approx(6.0)
-    assert 0.3 < est.chance(1.0, 1 + 2 / math.sqrt(100)) < 0.5
-    assert isinstance(queue_decision(2, quiet, classes, ADM, 0.0), Reject)
+    assert 0.3 < est.chance(1.0) < 0.5
+    assert 0.5 < est.chance(1.0, 1 + 2 / math.sqrt(100)) < 0.65
+    assert isinstance(queue_decision(2, quiet, classes, ADM, 0.0), Enqueue)
+    longer = replace(quiet, queued=(0, 0, 8))
+    assert wait_estimate(2, longer, SHARES).chance(1.0, 1 + 2 / math.sqrt(100)) < 0.3
+    assert isinstance(queue_decision(2, longer, classes, ADM, 0.0), Reject)
     # unknown arrivals: as before, every freed permit (admitting late beats rejecting early)
     unknown = replace(quiet, arrival_rates=None)
     assert wait_estimate(2, unknown, SHARES).seconds == pytest.approx(0.6)
@@ -281,3 +288,117 @@ def test_reservation_kept_always_even_without_waiters() -> None:
     assert not eligible(1, 10, [0, 5, 0], [0, 0, 0], SHARES, (True, False, False))
     assert eligible(1, 10, [0, 4, 0], [0, 0, 0], SHARES, (True, False, False))  # 6 free, 5 kept
     assert eligible(0, 10, [0, 9, 0], [0, 0, 0], SHARES, (True, False, False))  # P0 itself may
+
+
+# ----------------------------------------------------------------------------- headroom and
+# the shipped guarantees (docs/admission.md, "What each class is guaranteed")
+
+SHIPPED_SHARES = (0.5, 0.1, 0.0)
+P0_HEADROOM = (0.1, 0.0, 0.0)
+
+
+def test_headroom_is_kept_free_for_the_classes_above() -> None:
+    # limit 20: P0's headroom is 2 permits; P1 above its floor (2) stops at 18 in flight
+    assert kept_free(0, 20, P0_HEADROOM) == 0 and kept_free(1, 20, P0_HEADROOM) == 2
+    assert kept_free(2, 20, (0.1, 0.1, 0.0)) == 4
+    assert eligible(1, 20, [5, 12, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)  # 3 free: leaves 2
+    assert not eligible(1, 20, [5, 13, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)  # 2 free: P0's
+    assert not eligible(2, 20, [5, 13, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)
+    assert eligible(0, 20, [5, 13, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)
+    assert eligible(0, 20, [6, 13, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)  # the last one
+    assert not eligible(0, 20, [7, 13, 0], [0, 0, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)  # never above L
+    # P2 leaves the headroom of every class above it
+    assert not eligible(2, 20, [5, 11, 1], [0, 0, 0], SHIPPED_SHARES, headroom=(0.1, 0.1, 0.0))
+    assert eligible(1, 20, [5, 11, 1], [0, 0, 0], SHIPPED_SHARES, headroom=(0.1, 0.1, 0.0))
+
+
+def test_a_floor_is_kept_inside_the_headroom() -> None:
+    # P1 waiting below its floor (2 of 20) gets a free permit even from the headroom: the floor
+    # is the guarantee against starvation, the headroom only what lower classes may borrow
+    assert eligible(1, 20, [18, 1, 0], [5, 1, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)
+    # and P0 may not take the permit that P1's unused floor needs
+    assert not eligible(0, 20, [18, 1, 0], [5, 1, 0], SHIPPED_SHARES, headroom=P0_HEADROOM)
+
+
+def test_grant_loop_with_headroom_never_exceeds_the_limit_nor_lends_the_headroom() -> None:
+    """Random operations on the reference grant loop (fake clock): in-flight never above L, and
+    a lower class above its floor never leaves fewer than the headroom free when it is granted."""
+    import random
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        limit = rng.choice([3, 7, 10, 20, 50])
+        hr = (rng.choice([0.1, 0.2, 0.5]), rng.choice([0.0, 0.1]), 0.0)
+        t = PermitTable(limit=limit, shares=rng.choice([SHARES, SHIPPED_SHARES]), headroom=hr)
+        n = 0
+        for step in range(400):
+            now = float(step)
+            total = sum(t.inflight())
+            if rng.random() < 0.55:
+                n += 1
+                cls = rng.choice([0, 1, 1, 2, 2])
+                before = t.inflight()
+                ok = t.try_acquire(f"r{n}", cls, now)
+                if not ok:
+                    t.enqueue(f"r{n}", cls, "t", now + 50, now)
+                elif cls > 0 and before[cls] >= reservations(limit, t.shares)[cls]:
+                    assert limit - sum(before) - 1 >= kept_free(cls, limit, hr)
+            elif t.leases:
+                t.release(rng.choice(sorted(t.leases)), now)
+                total -= 1
+            # a grant never takes in-flight above L (a lowered limit lets held permits finish)
+            assert sum(t.inflight()) <= max(total, t.limit)
+            if rng.random() < 0.05:
+                t.set_limit(rng.choice([limit, max(1, limit // 2)]), now)
+
+
+def test_p1_keeps_its_floor_under_a_flood_of_p0() -> None:
+    """Shipped guarantee: with P0 backlogged and holding every permit, P1 (waiting) gets its
+    floor, 10 % of the limit, from the next releases; P2 (no floor) gets nothing."""
+    t = PermitTable(limit=20, shares=SHIPPED_SHARES, headroom=P0_HEADROOM)
+    for j in range(20):
+        t.adopt(f"h{j}", 0)
+    for j in range(30):
+        t.enqueue(f"p0-{j}", 0, "t", 1e9, 0.0)
+    for j in range(5):
+        t.enqueue(f"p1-{j}", 1, "t", 1e9, 0.0)
+        t.enqueue(f"p2-{j}", 2, "t", 1e9, 0.0)
+    got = [t.release(f"h{j}", float(j))[1][0] for j in range(10)]
+    assert got[:2] == ["p1-0", "p1-1"]  # floor(0.1 x 20) = 2
+    assert all(g.startswith("p0-") for g in got[2:])
+    assert t.inflight() == (18, 2, 0)
+
+
+def test_p2_behind_backlogged_classes_is_a_certain_rejection() -> None:
+    """Shipped P2 has no floor: while P0/P1 are backlogged and arrive faster than permits free,
+    a P2 is turned away at once — and the last snapshot already decides it (no round trip)."""
+    from floodgate.extproc.config import PoolConfig
+
+    shipped = PoolConfig().classes
+    s = Snapshot(100, (60, 40, 0), (3, 20, 0), 0, grant_rate=20.0, release_n=500,
+                 arrival_rates=(12.0, 30.0, 18.0))
+    d = queue_decision(2, s, shipped, ADM, rand=0.5)
+    assert isinstance(d, Reject) and d.reason == "early_drop"
+    assert certain_reject(2, s, shipped, ADM, rand=0.5, age_s=0.5) is not None
+    # a P1 in the same state (above its floor) waits: with 2 P1s ahead it is reached within its
+    # 1.5 s by the releases that P0's arrivals leave (20 - 12 per second)
+    assert isinstance(queue_decision(1, replace(s, queued=(0, 2, 0)), shipped, ADM, rand=0.5), Enqueue)
+
+
+def test_wait_estimate_counts_the_headroom_it_may_not_take() -> None:
+    """A P1 above its floor with only P0's headroom free is not 'reached at once': releases must
+    first refill the headroom (P0's arrivals take from it meanwhile)."""
+    s = Snapshot(20, (6, 12, 0), (0, 0, 0), 0, grant_rate=4.0, release_n=200, arrival_rates=(1.0, 4.0, 0.0))
+    est = wait_estimate(1, s, SHIPPED_SHARES, P0_HEADROOM)
+    assert est.free == 0 and est.blocked == 0 and est.releases == 1
+    s2 = replace(s, inflight=(5, 12, 0))  # 3 free, 2 of them P0's: one is P1's
+    est2 = wait_estimate(1, s2, SHIPPED_SHARES, P0_HEADROOM)
+    assert est2.free == 1 and est2.releases == 0
+    s3 = replace(s, inflight=(4, 12, 0))
+    assert wait_estimate(1, s3, SHIPPED_SHARES, P0_HEADROOM).free == 2
+    s4 = replace(s, inflight=(7, 12, 0))  # 1 free, P0's: P1 needs 1 release to refill it, then 1
+    est4 = wait_estimate(1, s4, SHIPPED_SHARES, P0_HEADROOM)
+    assert est4.free == 0 and est4.blocked == 1 and est4.open_ahead == 1
+    assert est4.seconds == pytest.approx(2 / 3.0)  # 2 releases at 4/s minus P0's 1/s
+    # without headroom the same P1 would count the free permit as its own
+    assert wait_estimate(1, s4, SHIPPED_SHARES).releases == 0

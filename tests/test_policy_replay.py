@@ -25,6 +25,9 @@ from floodgate.extproc.policy import Enqueue, Snapshot, queue_decision, wait_est
 from tests.policy_replay import Arrival, replay, wrong_drops_at_current_rate, wrongly_dropped
 
 SHIPPED = PoolConfig().classes
+# The partitions shipped before the headroom (floors 50/30/10 %, none kept free for P0).
+OLD_PARTITIONS = {0: SHIPPED[0].model_copy(update={"headroom": 0.0}), 1: SHIPPED[1].model_copy(update={"share": 0.3}),
+                  2: SHIPPED[2].model_copy(update={"share": 0.1})}
 
 
 def poisson(rng: random.Random, rate: float, start: float, end: float, cls: int,
@@ -80,16 +83,17 @@ def test_no_early_drop_of_a_request_the_grant_loop_serves_in_time(chunk: int) ->
     assert wrong * 100 <= drops, f"{wrong} of {drops} early drops: granted in time at the current rate"
 
 
-def bench_burst(seed: int, limit: int = 107, hold: float = 5.6) -> list[Arrival]:
+def bench_burst(seed: int, limit: int = 107, hold: float = 5.6,
+                mix: tuple[float, float, float] = (0.2, 0.5, 0.3)) -> list[Arrival]:
     """The overload bench's plan on a pool like its Vegas limit: 14 s at 0.7x capacity, 20 s at
-    3x, 10 s at 0.7x, mix 20/50/30 % P0/P1/P2, hold times lognormal (sigma 0.5)."""
+    3x, 10 s at 0.7x, mix 20/50/30 % P0/P1/P2 (or `mix`), hold times lognormal (sigma 0.5)."""
     rng = random.Random(seed)
     cap = limit / hold
     out: list[Arrival] = []
     for t0, t1, f in ((0, 14, 0.7), (14, 34, 3.0), (34, 44, 0.7)):
-        for cls, share in enumerate((0.2, 0.5, 0.3)):
+        for cls, share in enumerate(mix):
             t = float(t0)
-            while True:
+            while share > 0:
                 t += rng.expovariate(cap * f * share)
                 if t >= t1:
                     break
@@ -98,12 +102,14 @@ def bench_burst(seed: int, limit: int = 107, hold: float = 5.6) -> list[Arrival]
 
 
 def test_p2_waiters_in_the_bench_burst_rarely_time_out() -> None:
-    """In the bench's burst P2 is granted only its reservation's turnover (~2 permits/s) while
-    P0/P1 arrive faster than the pool frees permits; at the onset it still holds far more than
-    its reservation. The estimate that took P2's own (lagging) grant rate and every freed permit
-    when no higher class waited let 11 % of P2's rejections be queue timeouts (351 of 3,126 over
-    10 seeds); counting the arrivals that jump ahead, the excess to shed and the Poisson spread
-    of 1-2 releases: 5 % at the shipped minimum chance 0.5, while serving as many P2 in time."""
+    """In the bench's burst P0/P1 arrive faster than the pool frees permits, and at the onset P2
+    still holds far more than its floor. The estimate that took P2's own (lagging) grant rate and
+    every freed permit when no higher class waited let 11 % of P2's rejections be queue timeouts
+    (351 of 3,126 over 10 seeds); counting the arrivals that jump ahead, the excess to shed and
+    the Poisson spread of 1-2 releases: 5 % with P2's old floor (10 % of the limit, which turned
+    over ~2 permits/s: a P2 needing one or two of them in its 1 s was a coin toss). The shipped
+    P2 has no floor: behind backlogged P0/P1 it is reached only when they are not, so most of
+    its rejections are certain — 11 timeouts of 1,401 P2 rejections (0.8 %) over these 4 seeds."""
     timeouts = drops = served = 0
     for seed in range(4):
         history = bench_burst(seed)
@@ -116,8 +122,47 @@ def test_p2_waiters_in_the_bench_burst_rarely_time_out() -> None:
             served += in_time
             timeouts += d == "queued" and not in_time
             drops += d == "early_drop"
-    assert drops > 800 and served > 400
-    assert timeouts * 100 <= 7 * (timeouts + drops), f"{timeouts} timeouts of {timeouts + drops} P2 rejections"
+    assert drops > 800 and served > 300
+    assert timeouts * 1000 <= 15 * (timeouts + drops), f"{timeouts} timeouts of {timeouts + drops} P2 rejections"
+
+
+def p0_burst_waits(classes: dict[int, ClassConfig], p0: float, seeds: int = 3) -> list[float]:
+    """Queue waits of the P0s that arrive in the bench burst with this share of P0 (P1/P2 split
+    5:3 as in the bench), sorted; a P0 never granted counts as 99 s."""
+    waits = []
+    for seed in range(seeds):
+        history = bench_burst(seed, mix=(p0, (1 - p0) * 5 / 8, (1 - p0) * 3 / 8))
+        out = replay(107, classes, history)
+        waits += [out.granted_at.get(i, 99.0) - a.t for i, a in enumerate(history) if a.cls == 0 and 14 <= a.t < 34]
+    return sorted(waits)
+
+
+@pytest.mark.parametrize("p0", [0.1, 0.2])
+def test_p0_in_the_bench_burst_finds_a_permit_at_once(p0: float) -> None:
+    """Shipped: P0 keeps 10 % of the limit as headroom and the floors below it are small (P1
+    10 %, P2 none), so in the 3x burst with P0 at 10 % or 20 % of the arrivals (30 % / 60 % of
+    what the pool frees) a P0 finds a permit on arrival (measured 100 % / 98.2 % over 4 seeds).
+    With the old partitions (P1 30 %, P2 10 %, no headroom) P0 at 20 % queued: it waited for a
+    release whenever P1/P2 kept the pool full, and was capped at the 60 % their floors left
+    it — its wait p99 was 2.7 s in this replay."""
+    waits = p0_burst_waits(SHIPPED, p0)
+    n = len(waits)
+    assert n > 100
+    assert sum(1 for w in waits if w == 0) >= 0.97 * n
+    assert waits[int(0.99 * n)] < 0.1
+    if p0 == 0.2:
+        old = p0_burst_waits(OLD_PARTITIONS, p0)
+        assert old[int(0.99 * len(old))] > 1.0
+
+
+def test_p0_near_the_pools_capacity_queues_but_is_served() -> None:
+    """Where no headroom helps: P0 at 30 % of the 3x burst is 90 % of what the pool frees, at
+    the 90 % that P1's floor leaves it, so it queues (measured: 57 % found a permit at once,
+    wait p99 2.5 s) — but every one is granted within its 20 s."""
+    waits = p0_burst_waits(SHIPPED, 0.3)
+    n = len(waits)
+    assert sum(1 for w in waits if w == 0) < 0.8 * n
+    assert waits[-1] < SHIPPED[0].queue_timeout_s
 
 
 def test_drops_served_by_luck_are_few() -> None:
@@ -190,13 +235,14 @@ def test_twenty_p0_after_forty_seconds_of_silence_are_all_admitted() -> None:
 
 def test_p2_inside_its_reservation_gets_the_next_release() -> None:
     """Limit 10, in flight (6, 4, 0), queued (3, 3, 0): the grant loop gives a new P2 the next
-    freed permit (its reservation of 1 holds P0 and P1 back), so it must not be dropped."""
-    shares = [SHIPPED[k].share for k in range(3)]
+    freed permit (its reservation of 1 holds P0 and P1 back), so it must not be dropped. (With
+    P2's floor of 10 %, as shipped before; the shipped P2 has none.)"""
+    shares = [OLD_PARTITIONS[k].share for k in range(3)]
     snap = Snapshot(10, (6, 4, 0), (3, 3, 0), 0, grant_rate=2.0, release_n=200,
                     class_rates=(1.2, 0.8, 0.0))
     est = wait_estimate(2, snap, shares)
     assert est.releases == 1 and est.seconds == pytest.approx(0.5)
-    assert isinstance(queue_decision(2, snap, SHIPPED, AdmissionConfig(), rand=0.3), Enqueue)
+    assert isinstance(queue_decision(2, snap, OLD_PARTITIONS, AdmissionConfig(), rand=0.3), Enqueue)
     # and the grant loop agrees: one release later the P2 holds the permit
     t = PermitTable(limit=10, shares=(0.5, 0.3, 0.1))
     for k, n in enumerate((6, 4, 0)):

@@ -28,8 +28,10 @@ async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
                shares: tuple[float, float, float] = SHARES, picking: bool = False,
                always: tuple[bool, bool, bool] = (False, False, False),
                max_queue: tuple[int, int, int] = (100, 100, 100),
-               tenant_cap: tuple[int, int, int] = (100, 100, 100)) -> PoolState:
-    st = PoolState(c, pool, lease_ttl_s=ttl, settings=PoolSettings(limit, shares, always, picking, max_queue, tenant_cap))
+               tenant_cap: tuple[int, int, int] = (100, 100, 100),
+               headroom: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> PoolState:
+    st = PoolState(c, pool, lease_ttl_s=ttl, settings=PoolSettings(limit, shares, always, picking, max_queue, tenant_cap,
+                                                                     headroom=headroom))
     await st.configure()
     return st
 
@@ -67,23 +69,28 @@ async def check_invariants(c: aioredis.Redis, pool: str) -> None:
 GATEWAYS = ("ga", "gb", "gc")
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) -> None:
     rng = random.Random(seed)
     pool = f"diff{seed}"
     limit = rng.choice([1, 2, 3, 5, 10])
     always = (rng.random() < 0.5, False, rng.random() < 0.3)  # some seeds keep reservations always
+    # the old partitions and the shipped ones (no floor for P2); headroom kept free for the
+    # classes above (odd seeds: P0's, sometimes P1's too)
+    shares = SHARES if seed % 4 < 2 else (0.5, 0.1, 0.0)
+    headroom = (rng.choice([0.1, 0.2, 0.5]), rng.choice([0.0, 0.2]), 0.0) if seed % 2 else (0.0, 0.0, 0.0)
     maxq = (rng.choice([1, 3, 100]), rng.choice([2, 100]), rng.choice([1, 4]))
     tcap = (rng.choice([1, 2, 100]), 100, rng.choice([1, 100]))
     ttl_ms = 3000
     clock = key(pool, "testclock")
     now = 1_000_000
     await client.set(clock, now)
-    st = await make(client, pool, ttl=ttl_ms / 1000, limit=limit, always=always, max_queue=maxq, tenant_cap=tcap)
+    st = await make(client, pool, ttl=ttl_ms / 1000, limit=limit, shares=shares, always=always, max_queue=maxq,
+                    tenant_cap=tcap, headroom=headroom)
     if seed % 3 == 2:
         st._script.functions = False  # the EVALSHA fallback (a server without Functions) runs the same source
-    model = PermitTable(limit=limit, shares=SHARES, always=always, max_queue=maxq, tenant_cap=tcap,
-                        ttl=ttl_ms, waiter_grace=1000)
+    model = PermitTable(limit=limit, shares=shares, always=always, headroom=headroom, max_queue=maxq,
+                        tenant_cap=tcap, ttl=ttl_ms, waiter_grace=1000)
     seqs = dict.fromkeys(GATEWAYS, 0)
     dead: set[str] = set()
     version = 0
