@@ -24,23 +24,33 @@ def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
                               "--quiet", *extra])
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_overload_smoke(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Admission overhead\n\nsomeone else's section\n")
     # ~5 s of arrivals per config; capacity given so the engine-model search is skipped.
+    # The unloaded reference pass: its minimum (10 s) at this scale; a priority mix of our own.
     args = _args(tmp_path, "--configs", "none", "vegas", "--scale", "0.1", "--capacity", "15",
-                 "--no-calibrate", "--timeout", "15")
+                 "--no-calibrate", "--timeout", "15", "--mix", "0.3", "0.4", "0.3")
     assert overload.run(args) == 0
 
     out = tmp_path / "out"
     report = json.loads((out / "results.json").read_text())
     rows = {r["config"]: r for r in report["rows"]}
     assert set(rows) == {"none", f"vegas-{overload.parse_config('vegas').signal}"}
+    assert report["workload"]["priority_shares"] == [0.3, 0.4, 0.3]
+    ref = report["reference"]
+    # 10 s at 0.3 x 15 req/s, every request P0, the first 2.5 s left out as warm-up
+    assert ref["duration_s"] == overload.REFERENCE_MIN_S and 15 < ref["samples"] <= ref["offered"]
+    assert ref["p0_ttft_p50_s"] <= ref["p0_ttft_p99_s"]
     for name, r in rows.items():
         assert r["offered"] == report["plan_requests"] > 0, name
         assert r["offered"] == r["admitted"] + r["rejected"] + r["errors"], name
         assert r["consistent"], name
+        # every row's ratio divides by the reference pass, not the unloaded phase's few P0s
+        assert r["p0_ttft_ref_p99_s"] == ref["p0_ttft_p99_s"], name
+        if r["p0_ttft_p99_burst_s"]:
+            assert r["p0_ttft_ratio"] == pytest.approx(r["p0_ttft_p99_burst_s"] / ref["p0_ttft_p99_s"]), name
         raw = json.loads(gzip.open(out / f"{name}.json.gz", "rt").read())
         assert len(raw["records"]) == r["offered"]
         outcomes = [rec["outcome"] for rec in raw["records"]]
