@@ -145,104 +145,122 @@ async def drive_state(url: str, pool_cfg: dict[str, Any], gateways: Sequence[str
     lat: list[float] = []
     counts = {"admitted": 0, "rejected": 0, "errors": 0, "queued": 0}
     rng = random.Random(",".join(gateways))
-    gws: list[tuple[str, Any, dict[str, asyncio.Future[str]], Any, dict[str, int], dict[str, int]]] = []
-    for gw in gateways:
-        waiting: dict[str, asyncio.Future[str]] = {}
 
-        def granted(ticket: str, endpoint: str, waiting: dict[str, asyncio.Future[str]] = waiting) -> None:
-            f = waiting.get(ticket)
+    class Gw:
+        """One gateway's bookkeeping, as the processor keeps it for a pool (admission.py)."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.seq = 0
+            self.waiting: dict[str, asyncio.Future[str]] = {}  # admit sent or queued, no permit taken yet
+            self.enqueued: set[str] = set()  # the admit's reply said queued
+            self.pending: dict[str, int] = {}  # ticket -> seq whose admit is in the air
+            self.held: dict[str, int] = {}  # permits taken, not released
+            self.st = PoolState(redis_client(url, op_timeout_s=2.0), pool, lease_ttl_s=ttl,
+                                settings=pool_settings(pcfg), gateway=name, on_grant=self.granted, batch_timeout_s=4.0)
+            self.st._script = _TimedLeases(self.st._script, call_ms, window)  # type: ignore[assignment]
+
+        def granted(self, ticket: str, endpoint: str) -> None:
+            f = self.waiting.get(ticket)
             if f is not None and not f.done():
                 f.set_result(endpoint)
 
-        st = PoolState(redis_client(url, op_timeout_s=2.0), pool, lease_ttl_s=ttl, settings=pool_settings(pcfg),
-                       gateway=gw, on_grant=granted, batch_timeout_s=4.0)
-        st._script = _TimedLeases(st._script, call_ms, window)  # type: ignore[assignment]
-        gws.append((gw, st, waiting, granted, {"seq": 0}, {}))
-    for gw, st, *_ in gws:
-        await st.configure()
-        await st.sync(gw, 1, {}, {})
+    gws = [Gw(name) for name in gateways]
+    for g in gws:
+        await g.st.configure()
+        await g.st.sync(g.name, 1, {}, {})
 
-    async def listen(gw: str, granted: Any) -> None:
-        sub = await subscribe(make_client(url, op_timeout_s=2.0, blocking=True), [gateway_channel(gw, pool)])
+    async def listen(g: Gw) -> None:
+        sub = await subscribe(make_client(url, op_timeout_s=2.0, blocking=True), [gateway_channel(g.name, pool)])
         try:
             while True:
                 msg = await sub.get_message(1.0)
                 if msg is not None:
                     _, ticket, endpoint = [*msg[1].decode().split("|", 2), "", ""][:3]
-                    granted(ticket, endpoint)
+                    g.granted(ticket, endpoint)
         finally:
             await sub.aclose()
 
-    async def keep_alive(gw: str, st: Any, waiting: dict[str, asyncio.Future[str]], seqs: dict[str, int],
-                         held: dict[str, int]) -> None:
-        # As the processor's sync: re-assert the permits held and the waiters (a waiter it did
-        # not assert would be dropped from the queue).
+    async def keep_alive(g: Gw) -> None:
+        # The processor's sync (admission.py `_sync`): assert the permits held (and those granted
+        # but not taken yet) and the queued waiters; the watermark stays below every admit still
+        # in the air; afterwards hand back what was released or given up during the sync.
         while True:
             await asyncio.sleep(ttl / 3)
-            await st.sync(gw, seqs["seq"] + 1, {t: (1, s, "") for t, s in list(held.items())},
-                          {t: (1, int(t.rsplit("/", 1)[1]), 30.0, "") for t, f in list(waiting.items())
-                           if not f.done()})
+            held = {t: (1, s, "") for t, s in g.held.items()}
+            held.update({t: (1, int(t.rsplit("/", 1)[1]), "") for t in g.enqueued if g.waiting[t].done()})
+            waiting = {t: (1, int(t.rsplit("/", 1)[1]), 30.0, "") for t in g.enqueued if not g.waiting[t].done()}
+            await g.st.sync(g.name, min(g.pending.values(), default=g.seq + 1), held, waiting)
+            gone = [t for t in held if t not in g.held and t not in g.waiting]
+            if gone:
+                await g.st.release(*gone)
+            for t in waiting:
+                if t not in g.waiting and t not in g.held and await g.st.cancel(t) == 1:
+                    await g.st.release(t)
 
     await asyncio.sleep(max(0.0, start_at - time.time()))
     t0 = time.monotonic()
     lo, hi = t0 + warm, t0 + warm + duration
     window[0], window[1] = lo, hi
 
-    async def loop(gw: str, st: Any, waiting: dict[str, asyncio.Future[str]], seqs: dict[str, int],
-                   held: dict[str, int]) -> None:
+    async def loop(g: Gw) -> None:
         loop_ = asyncio.get_running_loop()
         while True:
             now = time.monotonic()
             if now >= hi:
                 return
-            seqs["seq"] += 1
-            seq = seqs["seq"]
-            ticket = f"{gw}/{seq}"
+            g.seq += 1
+            seq = g.seq
+            ticket = f"{g.name}/{seq}"
             fut: asyncio.Future[str] = loop_.create_future()
-            waiting[ticket] = fut
+            g.waiting[ticket] = fut
+            g.pending[ticket] = seq
             try:
-                reply = await st.admit(ticket, gw, seq, 1, "", 0, 30.0)
+                try:
+                    reply = await g.st.admit(ticket, g.name, seq, 1, "", 0, 30.0)
+                finally:
+                    g.pending.pop(ticket, None)
                 queued = not reply.granted
                 if queued:
                     if not reply.enqueued:
                         counts["rejected"] += lo <= now < hi
                         continue
-                    await asyncio.wait_for(fut, 30.0)
+                    g.enqueued.add(ticket)
+                    await asyncio.wait_for(asyncio.shield(fut), 30.0)
             except Exception as exc:  # counted, and said
                 counts["errors"] += lo <= now < hi
-                print(f"scale_drive {gw}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(f"scale_drive {g.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 await asyncio.sleep(0.01)
                 continue
             finally:
-                waiting.pop(ticket, None)
+                g.waiting.pop(ticket, None)
+                g.enqueued.discard(ticket)
             took = time.monotonic() - now
-            held[ticket] = seq
+            g.held[ticket] = seq
             if hold_s:
                 await asyncio.sleep(rng.expovariate(1 / hold_s))
-            del held[ticket]
-            await st.release(ticket)
+            del g.held[ticket]
+            await g.st.release(ticket)
             if lo <= now < hi:
                 lat.append(took * 1000)
                 counts["admitted"] += 1
                 counts["queued"] += queued
 
-    bg = [asyncio.create_task(listen(gw, granted)) for gw, _, _, granted, _, _ in gws]
-    bg += [asyncio.create_task(keep_alive(gw, st, waiting, seqs, held)) for gw, st, waiting, _, seqs, held in gws]
+    bg = [asyncio.create_task(listen(g)) for g in gws] + [asyncio.create_task(keep_alive(g)) for g in gws]
     await asyncio.sleep(0.2)  # subscribed before the first grant
     b0: list[tuple[int, int]] = []
 
     async def mark() -> None:
         await asyncio.sleep(max(0.0, lo - time.monotonic()))
-        b0.extend((st.batches, st.batched_ops) for _, st, *_ in gws)
+        b0.extend((g.st.batches, g.st.batched_ops) for g in gws)
 
     marker = asyncio.create_task(mark())
-    await asyncio.gather(*(loop(gw, st, waiting, seqs, held) for gw, st, waiting, _, seqs, held in gws
-                           for _ in range(per_gateway)))
+    await asyncio.gather(*(loop(g) for g in gws for _ in range(per_gateway)))
     await marker
     for t in bg:
         t.cancel()
-    batches = sum(st.batches for _, st, *_ in gws) - sum(b for b, _ in b0)
-    ops = sum(st.batched_ops for _, st, *_ in gws) - sum(o for _, o in b0)
+    batches = sum(g.st.batches for g in gws) - sum(b for b, _ in b0)
+    ops = sum(g.st.batched_ops for g in gws) - sum(o for _, o in b0)
     return {**counts, "batches": batches, "ops": ops, "degraded": 0,
             "decisions": counts["admitted"] + counts["rejected"],
             "call_ms": [round(x, 3) for x in call_ms], "decision_ms": [round(x, 3) for x in lat]}
