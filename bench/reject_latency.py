@@ -24,7 +24,7 @@ the processor's /metrics over the same window, `floodgate_decision_seconds` of P
 (headers in to 429 out), `floodgate_event_loop_lag_seconds` and `floodgate_gc_pause_seconds`.
 
     floodgate bench reject                                 # 2 rounds x 20 s per phase
-    floodgate bench reject --variant nofreeze='{"server": {"gc_freeze": false}}'   # same-run A/B
+    floodgate bench reject --variant before='{"server": {"gc_freeze": false, "switch_interval_s": null}}'
 """
 
 from __future__ import annotations
