@@ -420,12 +420,17 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     trip: the pool was full, and the grant loop would not reach the request in time even
     counting the `age_s` since the snapshot — the waiters it showed ahead that were served
     meanwhile are releases of that longer window, and the requests that arrived meanwhile are
-    ahead of this one anyway. The same rule, the same confidence as queue_decision."""
+    ahead of this one anyway. The same rule, the same confidence as queue_decision.
+    "Full" for this class: no free permit it may take — the free ones may all be the headroom
+    of higher classes (a lower class above its floor may not take those)."""
     c = classes[cls]
-    if sum(snap.inflight) < snap.limit:
-        return None
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES])
+    headroom = [classes[k].headroom for k in CLASSES]
+    free = snap.limit - sum(snap.inflight)
+    kept = kept_free(cls, snap.limit, headroom) if snap.inflight[cls] >= reservations(snap.limit, shares)[cls] else 0
+    if free > kept:
+        return None
+    est = wait_estimate(cls, snap, shares, headroom)
     if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None

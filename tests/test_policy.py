@@ -276,6 +276,21 @@ def test_certain_reject_from_the_last_snapshot() -> None:
     assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=10), CLASSES, ADM, 0.0) is None
 
 
+def test_certain_reject_when_only_the_headroom_of_a_higher_class_is_free() -> None:
+    """A pool whose free permits are all P0's headroom is full for a P2 above its floor: the
+    last snapshot decides a certain rejection locally (it did not while 'full' meant in-flight
+    = L: with the headroom a busy pool rarely is, and every P2 rejection went to Redis)."""
+    from floodgate.extproc.config import PoolConfig
+
+    shipped = PoolConfig().classes
+    s = Snapshot(100, (50, 40, 1), (0, 20, 0), 0, grant_rate=20.0, release_n=500, arrival_rates=(12.0, 30.0, 18.0))
+    assert certain_reject(2, s, shipped, ADM, 0.0, age_s=0.2) is not None  # 9 free: P0's 10
+    # one more free than the headroom: this P2 could be admitted, ask Redis
+    assert certain_reject(2, replace(s, inflight=(49, 40, 0)), shipped, ADM, 0.0) is None
+    # P0 itself is never kept out by its own headroom
+    assert certain_reject(0, s, shipped, ADM, 0.0) is None
+
+
 def test_queue_timeout_derives_from_the_slo() -> None:
     c = ClassConfig(slo_ttft_s=4, queue_wait_slo_share=0.5, max_queue=1, share=0.1)
     assert c.queue_timeout_s == 2
