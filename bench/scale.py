@@ -38,9 +38,9 @@ the shard's CPU share (`Redis busy`), decisions/s, all of the shard's CPU per de
 batch call, p50/p99 of one batch call's round trip, p99 of the decision, and `runq wait`: the
 share of the window the shard was runnable but waiting for a CPU (/proc/<pid>/task/*/schedstat),
 i.e. held back by the other processes on the box rather than short of work. The per-shard
-figure is 80 % of a core over the CPU per decision of the busiest point: CPU per decision falls
-as the shard gets busier (batch calls carry more ops), so this is conservative as long as
-the busiest point is below 80 %.
+figure is 80 % of a core over the CPU per decision of the point with the most decisions/s (the
+highest load this box puts on the shard): CPU per decision falls as the load grows (batch calls
+carry more ops), so this is conservative as long as that point's shard is below 80 % busy.
 
   floodgate bench scale                       # N = 1,4,8,16; 4 s per point; then the direct drive
   floodgate bench scale --processors 1,4 --duration 2 --saturate state:10   # quick look
@@ -725,10 +725,11 @@ def per_call_fit(pts: Sequence[LoadPoint]) -> tuple[float, float] | None:
 
 
 def saturated_figure(pts: Sequence[LoadPoint]) -> LoadPoint | None:
-    """The busiest clean point of the direct drive: its CPU per decision, measured with the
-    shard as busy as this box can make it, is the per-shard figure's basis."""
+    """The clean direct-drive point with the most decisions/s: the highest load this box put on
+    the shard. Its CPU per decision is the per-shard figure's basis: calls carry more ops as
+    the load grows, so the cost per decision falls with load (each point shows it)."""
     clean = [p for p in pts if p.decisions and not p.degraded and not p.errors]
-    return max(clean, key=lambda p: p.busy) if clean else None
+    return max(clean, key=lambda p: p.rate) if clean else None
 
 
 def saturate_table(pts: Sequence[LoadPoint]) -> str:
@@ -854,18 +855,19 @@ def run(args: argparse.Namespace) -> int:
     if fit is not None:
         print(f"least-squares fit over the state-layer points, Redis µs per decision = a × calls per decision + b: "
               f"a = {fit[0]:.0f} µs per call, b = {fit[1]:.0f} µs per decision")
-    busiest = saturated_figure(sat)
+    busiest = saturated_figure(sat)  # the highest-load point
     if busiest is not None:
         trend = sorted((p for p in sat if p.layer == busiest.layer and not p.degraded and not p.errors),
-                       key=lambda p: p.busy)
-        print("Redis CPU per contended decision as the shard gets busier (direct drive, "
-              f"{busiest.layer} layer): " + ", ".join(f"{p.busy:.0%} busy {p.cpu_us:.0f} µs" for p in trend))
-        print(f"busiest measured point: {busiest.rate:,.0f} decisions/s with the shard {busiest.busy:.0%} busy, "
+                       key=lambda p: p.rate)
+        print("Redis CPU per contended decision as the load grows (direct drive, "
+              f"{busiest.layer} layer): " + ", ".join(f"{p.rate:,.0f}/s ({p.busy:.0%} busy) {p.cpu_us:.0f} µs"
+                                                      for p in trend))
+        print(f"highest load measured: {busiest.rate:,.0f} decisions/s with the shard {busiest.busy:.0%} busy, "
               f"{busiest.cpu_us:.1f} µs of Redis CPU per decision (all of its CPU, background included): "
               f"one shard at 80 % CPU at that cost: {busiest.shard_rate:,.0f} decisions/s")
     if "contended" in modes or busiest is not None:
         fig = busiest.shard_rate if busiest is not None else contended
-        how = ("from the busiest direct-drive point" if busiest is not None
+        how = ("from the direct drive's highest-load point" if busiest is not None
                else "linear from the gRPC-driven points")
         ok = fig >= TARGET_PER_SHARD
         print(f"goal >= {TARGET_PER_SHARD:,} decisions/s per shard under contention: "

@@ -55,4 +55,4 @@ def test_scale_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert p["queued"] >= 0.9 * p["decisions"]
         assert p["batches"] > 0 and p["ops"] >= p["batches"] and p["busy"] > 0
         assert p["commands"] > 5 * p["decisions"]  # every decision ran the script path
-    assert "busiest measured point" in text
+    assert "highest load measured" in text
