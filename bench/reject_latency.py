@@ -60,18 +60,18 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.headers["x-request-priority"] = "2"
 local threads = {}
 function setup(thread) table.insert(threads, thread) end
-function init(args) n429 = 0; nother = 0 end
+function init(args) n429 = 0; nother = 0; last = 0 end
 function delay() return %(delay_ms)d end
 function response(status, headers, body)
-  if status == 429 then n429 = n429 + 1 else nother = nother + 1 end
+  if status == 429 then n429 = n429 + 1 else nother = nother + 1; last = status end
 end
 function done(summary, latency, requests)
-  local a, b = 0, 0
-  for _, t in ipairs(threads) do a = a + t:get("n429"); b = b + t:get("nother") end
+  local a, b, l = 0, 0, 0
+  for _, t in ipairs(threads) do a = a + t:get("n429"); b = b + t:get("nother"); l = math.max(l, t:get("last")) end
   io.write(string.format(
-    'FLOODGATE_BENCH {"requests":%%d,"n429":%%d,"other":%%d,"errors":%%d,' ..
+    'FLOODGATE_BENCH {"requests":%%d,"n429":%%d,"other":%%d,"other_status":%%d,"errors":%%d,' ..
     '"p50_us":%%d,"p90_us":%%d,"p99_us":%%d,"p999_us":%%d,"max_us":%%d}\\n',
-    summary.requests, a, b, summary.errors.connect + summary.errors.read + summary.errors.write +
+    summary.requests, a, b, l, summary.errors.connect + summary.errors.read + summary.errors.write +
     summary.errors.timeout, latency:percentile(50), latency:percentile(90), latency:percentile(99),
     latency:percentile(99.9), latency.max))
 end
@@ -245,7 +245,8 @@ def wrk_result(p: subprocess.Popen[str], timeout: float) -> dict[str, float]:
     if p.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({p.returncode}):\n{out}\n{err}")
     w = json.loads(line.split(" ", 1)[1])
-    return {"requests": w["requests"], "n429": w["n429"], "other": w["other"], "errors": w["errors"],
+    return {"requests": w["requests"], "n429": w["n429"], "other": w["other"], "other_status": w["other_status"],
+            "errors": w["errors"],
             "p50_ms": w["p50_us"] / 1000, "p90_ms": w["p90_us"] / 1000, "p99_ms": w["p99_us"] / 1000,
             "p999_ms": w["p999_us"] / 1000, "max_ms": w["max_us"] / 1000}
 
