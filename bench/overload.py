@@ -811,7 +811,7 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 same emulated pool in several configurations, each on fresh processes, and prints the table
 below. Raw data (every request record and metric sample, gzipped JSON as written by
 `sim.report.write_json`) and `results.json` are in `{rel_out}/`.
-Reproduce: `floodgate bench overload` (about 9 minutes; `--help` for a shorter run).
+Reproduce: `floodgate bench overload` (about 10 minutes with the reference pass; `--help` for a shorter run).
 
 **Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
 {w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST).
