@@ -414,10 +414,10 @@ def _replica_pids(state_dir: Path) -> list[int]:
 
 
 def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:
-    from floodgate.bench.overload import _wait_healthy
+    from floodgate.supervisor import wait_healthy
 
     for p in ports:
-        _wait_healthy(p, timeout)
+        wait_healthy(f"http://127.0.0.1:{p}/health", timeout, interval=0.05)
 
 
 def _decisions(path: Path) -> list[dict[str, Any]]:  # decisions and promotions, in order

@@ -400,19 +400,6 @@ def _machine_busy() -> tuple[float, float]:
     return total - idle, total
 
 
-def _wait_healthy(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"emulator on {port} never became healthy")
-
-
 @dataclass
 class RunOutput:
     config: BenchConfig
@@ -427,7 +414,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
     from floodgate.sim.loadgen import run_load_detailed
 
     from floodgate.stack import LocalStack
-    from floodgate.supervisor import Supervisor, free_port
+    from floodgate.supervisor import Supervisor, free_port, wait_healthy
 
     kwargs: dict[str, Any] = {"workdir": workdir} if workdir else {}
     with Supervisor(**kwargs) as sup:
@@ -439,7 +426,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
                 [sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
                  "--time-scale", str(w.time_scale), "--max-num-seqs", str(w.max_num_seqs),
                  "--log-level", "warning"], name=f"sim{i}", port=port)
-            _wait_healthy(port)
+            wait_healthy(f"http://127.0.0.1:{port}/health", 20, interval=0.05)
             upstreams.append(("127.0.0.1", port))
         metrics_url: str | None = None
         metrics: tuple[str, ...] = ()

@@ -218,19 +218,6 @@ def processor_config(limit: int, overlay: dict[str, Any]) -> dict[str, Any]:
     return merge(base, overlay)
 
 
-def wait_healthy(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"emulator on {port} never became healthy")
-
-
 # ------------------------------------------------------------------------- load
 
 def start_wrk(wrk: str, script: Path, url: str, connections: int, duration: float) -> subprocess.Popen[str]:
@@ -277,7 +264,7 @@ def load_avg() -> float:
 
 def measure(args: argparse.Namespace, variants: list[Variant], log: Any = sys.stderr) -> tuple[list[Sample], dict[str, Any]]:
     from floodgate.stack import LocalStack
-    from floodgate.supervisor import Supervisor, free_port
+    from floodgate.supervisor import Supervisor, free_port, wait_healthy
 
     wrk = shutil.which("wrk")
     if wrk is None:
@@ -292,7 +279,7 @@ def measure(args: argparse.Namespace, variants: list[Variant], log: Any = sys.st
         port = free_port()
         stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
                               "--log-level", "warning"], name="sim0", port=port)
-        wait_healthy(port)
+        wait_healthy(f"http://127.0.0.1:{port}/health", 30)
         upstreams = [("127.0.0.1", port)]
         stack.start_redis()
         for v in variants:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,17 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[b
             return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def wait_healthy(url: str, timeout: float, interval: float = 0.2) -> None:
+    """Poll `url` (an HTTP health endpoint) until it answers 200; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(interval)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 @dataclass

@@ -379,19 +379,6 @@ def _kill_leftover_replicas(replica_dir: Path) -> None:
             os.killpg(int(entry["pid"]), signal.SIGKILL)
 
 
-def _wait_healthy(url: str, timeout: float) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=1) as r:
-            if r.status == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
-
-
 async def _wait_forever(status: StatusLine) -> None:
     await _status_loop(status, asyncio.Event(), time.monotonic())
 
