@@ -488,7 +488,7 @@ def decision_histogram(metrics_url: str) -> tuple[dict[str, list[list[float]]], 
     return out, local
 
 
-def histogram_quantile(buckets: list[list[float]], q: float) -> float | None:
+def histogram_quantile(buckets: Sequence[Sequence[float]], q: float) -> float | None:
     """Prometheus' histogram_quantile: linear inside the bucket holding the q-quantile."""
     if not buckets or buckets[-1][1] <= 0:
         return None

@@ -43,6 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The q-quantile of a cumulative histogram (Prometheus' histogram_quantile): the overload bench's.
+from floodgate.bench.overload import histogram_quantile as quantile
+
 SUMMARY = "client latency of immediate P2 rejections vs Envoy's own local 429 (same run)"
 TARGET_P99_MS = 10.0
 LOCAL_429_PATH = "/local-429"
@@ -124,24 +127,6 @@ def histogram_delta(before: dict[Any, float], after: dict[Any, float], name: str
         le = float(lab["le"])
         sums[le] = sums.get(le, 0.0) + v - before.get((n, labels), 0.0)
     return sorted(sums.items())
-
-
-def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
-    """The q-quantile of a cumulative histogram, interpolated linearly within its bucket
-    (Prometheus' histogram_quantile); None without observations."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    total = buckets[-1][1]
-    rank = q * total
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in buckets:
-        if c >= rank:
-            if le == float("inf"):
-                return prev_le
-            span = c - prev_c
-            return prev_le + (le - prev_le) * ((rank - prev_c) / span if span else 1.0)
-        prev_le, prev_c = le, c
-    return prev_le
 
 
 def proc_window(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
