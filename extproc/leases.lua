@@ -39,6 +39,14 @@ local RATE_MIN_EVENTS = 5
 local RATE_MIN_AGE_MS = 1000
 local WAITER_GRACE_MS = 1000
 local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2'}
+-- A field whose value is longer than `hash-max-listpack-value` (64 by default) makes the server
+-- keep a hash as a hashtable for good (it never converts back while the key exists). `sync`
+-- writes it into the per-ticket hashes (lmeta, qmeta) and the state hash: as listpacks (the
+-- default up to 512 fields in Valkey 9) every HSET / HGET / HGETDEL of a ticket scans the whole
+-- hash, so a decision cost grew with the queue and the number of gateways (the state hash
+-- holds one `hw:` field per gateway). Readers of those hashes skip PAD_FIELD.
+local PAD_FIELD = '~'
+local PAD = '~hashtable~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~'
 -- Strings built once (number to string conversion costs more than the commands it feeds).
 local CLS = {'0', '1', '2'}            -- stored class of 1-based c
 local GRATE = {'g0:p', 'g1:p', 'g2:p'}  -- per-class grant-rate field of 1-based c
@@ -453,7 +461,7 @@ local function reclaim()
     local all = redis.call('HGETALL', K.qmeta)
     for i = 1, #all, 2 do
       local _, _, gw = parse_qmeta(all[i + 1])
-      if is_dead[gw] then unqueue(all[i], all[i + 1]) end
+      if all[i] ~= PAD_FIELD and is_dead[gw] then unqueue(all[i], all[i + 1]) end
     end
     redis.call('ZREM', K.gws, unpack(dead))
     local st = state()
@@ -740,6 +748,9 @@ function OPS.sync(ARGV)
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
   redis.call('ZADD', K.gws, EXPIRY_S, gw)
+  redis.call('HSET', K.lmeta, PAD_FIELD, PAD)  -- hashtables from now on (see PAD)
+  redis.call('HSET', K.qmeta, PAD_FIELD, PAD)
+  set_state(PAD_FIELD, PAD)
   lower_due(now + ttl)
   ALIVE[gw] = true
   LIVE = nil
@@ -768,7 +779,7 @@ function OPS.sync(ARGV)
   for i = 1, #all, 2 do
     local t = all[i]
     local _, lgw, seq = parse_lmeta(all[i + 1])
-    if lgw == gw and seq < watermark and not held[t] and not waiting[t] then
+    if t ~= PAD_FIELD and lgw == gw and seq < watermark and not held[t] and not waiting[t] then
       drop_lease(t, false)
       dropped = dropped + 1
     end
@@ -777,7 +788,7 @@ function OPS.sync(ARGV)
   for i = 1, #all, 2 do
     local t = all[i]
     local _, _, qgw, seq = parse_qmeta(all[i + 1])
-    if qgw == gw and tonumber(seq) < watermark and not waiting[t] then
+    if t ~= PAD_FIELD and qgw == gw and tonumber(seq) < watermark and not waiting[t] then
       unqueue(t, all[i + 1])
       dropped = dropped + 1
     end

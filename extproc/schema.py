@@ -34,6 +34,10 @@ SCRIPT_KEYS = (
     "testclock",  # STRING ms; when present the script uses it instead of TIME (tests only)
 )
 
+# A field `sync` keeps in lmeta, qmeta and state so that the server stores them as hashtables
+# (its value is longer than hash-max-listpack-value): not a ticket; readers of those hashes skip it.
+PAD_FIELD = "~"
+
 ACTIVE = "active"
 EPINF = "epinf"
 

@@ -96,7 +96,9 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     now_s, now_us = await client.time()
     now_ms = int(now_s) * 1000 + int(now_us) // 1000
     leases: dict[str, int] = {}
-    for meta in (await client.hgetall(schema.key(pool, "lmeta"))).values():
+    for ticket, meta in (await client.hgetall(schema.key(pool, "lmeta"))).items():
+        if _text(ticket) == schema.PAD_FIELD:
+            continue
         gw = schema.lease_gateway(_text(meta)) or "?"
         leases[gw] = leases.get(gw, 0) + 1
     gateways: dict[str, GatewayStatus] = {}

@@ -16,7 +16,14 @@ import random
 import pytest
 import redis.asyncio as aioredis
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, gateway_channel, key, script_keys
+from floodgate.extproc.schema import (
+    PAD_FIELD,
+    SCRIPT_KEYS,
+    PoolSettings,
+    gateway_channel,
+    key,
+    script_keys,
+)
 from floodgate.extproc.state import FUNCTION, PoolState, read_demand, read_pool_status
 from floodgate.extproc.vegas import VegasState
 
@@ -50,11 +57,12 @@ async def check_invariants(c: aioredis.Redis, pool: str) -> None:
     queue = set(await queue_order(c, pool))
     assert not leases & queue
     counts = {k.decode(): int(v) for k, v in (await c.hgetall(keys[K["counts"]])).items()}
-    lmeta = {k.decode(): int(v.decode().split("|")[0]) for k, v in (await c.hgetall(keys[K["lmeta"]])).items()}
+    lmeta = {k.decode(): int(v.decode().split("|")[0]) for k, v in (await c.hgetall(keys[K["lmeta"]])).items()
+             if k.decode() != PAD_FIELD}
     assert set(lmeta) == leases
     for cls in range(3):
         assert counts.get(f"i{cls}", 0) == sum(1 for v in lmeta.values() if v == cls)
-    qmeta = {k.decode(): v.decode() for k, v in (await c.hgetall(keys[K["qmeta"]])).items()}
+    qmeta = {k.decode(): v.decode() for k, v in (await c.hgetall(keys[K["qmeta"]])).items() if k.decode() != PAD_FIELD}
     assert set(qmeta) == queue
     for cls in range(3):
         assert counts.get(f"q{cls}", 0) == sum(1 for v in qmeta.values() if v.startswith(f"{cls}|"))
@@ -216,6 +224,33 @@ async def test_dead_gateways_waiters_are_never_granted_and_purged(client: aiored
     assert await leased(client, "dead") == {"a/1"}  # the survivor, not the dead P0 waiter
     assert (await st.status()).queued_total == 0  # the dead gateway's waiter is purged
     await check_invariants(client, "dead")
+
+
+async def test_ticket_hashes_are_hashtables_and_their_pad_is_no_ticket(client: aioredis.Redis) -> None:
+    # As listpacks (up to 512 fields on Valkey 9) every ticket lookup scanned the whole hash;
+    # sync keeps a pad field in them so the server stores hashtables. The pad is no ticket:
+    # not counted, not dropped by sync, not purged with a dead gateway, not a lease in status.
+    from floodgate.status import read_pool
+
+    st = await make(client, "pad", limit=2, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    for k in ("lmeta", "qmeta", "state"):
+        assert await client.object("encoding", key("pad", k)) == b"hashtable", k
+    for seq in range(1, 6):
+        await st.admit(f"a/{seq}", "a", seq, 1, "t", 0, 30)
+    assert (await st.status()).queued_total == 3
+    await check_invariants(client, "pad")
+    await st.sync("a", 6, {"a/1": (1, 1, ""), "a/2": (1, 2, "")}, {f"a/{s}": (1, s, 30.0, "t") for s in (3, 4, 5)})
+    await check_invariants(client, "pad")  # nothing re-asserted or dropped: the pad is no entry of `a`
+    assert await leased(client, "pad") == {"a/1", "a/2"}
+    assert [g.leases for g in (await read_pool(client, "pad")).gateways] == [2]
+    await st.release("a/1", "a/2")
+    for seq in (3, 4, 5):
+        await st.cancel(f"a/{seq}")  # a/3 and a/4 were granted by the releases: they own permits
+    await st.release("a/3", "a/4")
+    await check_invariants(client, "pad")
+    assert await client.hkeys(key("pad", "qmeta")) == [PAD_FIELD.encode()]  # empty, and still a hashtable
+    assert await client.object("encoding", key("pad", "qmeta")) == b"hashtable"
 
 
 async def test_status_never_writes(client: aioredis.Redis) -> None:
