@@ -80,6 +80,11 @@ local NO_CREDITORS  -- no gateway holds credits (checked, or recalled, in this c
 local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for this call
 local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
 
+-- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
+-- reaches a global through its environment's fallback (they are not reachable at load time), a
+-- few % of a decision's instructions. (`redis` stays global: the registration line needs it.)
+local tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type
+
 local function num(v, d) if v then return tonumber(v) end return d end
 
 -- HGET and HDEL of one field as one command where the server has HGETDEL (Valkey 9, Redis 8);
@@ -398,7 +403,8 @@ local function pop_head(c, queued)
     if score >= (c - 1) * CLASS_SPAN and score < c * CLASS_SPAN then return p[1] end
     redis.call('ZADD', K.queue, p[2], p[1])  -- another class's (a drifted count): put it back
   end
-  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+  -- LIMIT as strings here and below: a number argument costs a sprintf in the call bridge.
+  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', '0', '1')[1]
   if head then redis.call('ZREM', K.queue, head) end
   return head
 end
@@ -506,9 +512,9 @@ local function edges_left(c)
   local e = EDGE[c]
   if e == nil then
     e = false
-    local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', 0, 1)[1]
+    local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', '0', '1')[1]
     if head then
-      local tail = redis.call('ZREVRANGEBYSCORE', K.queue, CLASS_HI[c], CLASS_LO[c], 'LIMIT', 0, 1)[1]
+      local tail = redis.call('ZREVRANGEBYSCORE', K.queue, CLASS_HI[c], CLASS_LO[c], 'LIMIT', '0', '1')[1]
       local metas = redis.call('HMGET', K.qmeta, head, tail)
       e = {0, 0}
       for i = 1, 2 do
@@ -882,6 +888,8 @@ function READS.get_limit()
 end
 
 local function main(KEYS, ARGV)
+  tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type =
+    _G.tonumber, _G.tostring, _G.string, _G.table, _G.math, _G.pcall, _G.unpack, _G.ipairs, _G.pairs, _G.next, _G.type
   for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
   ttl = tonumber(ARGV[2])
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
