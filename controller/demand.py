@@ -253,7 +253,8 @@ def lacking_concurrency(d: OfferedDemand, running: float, cfg: DemandConfig,
     return d.lacking_rate(cfg.exclude_classes) * service_s
 
 
-def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s: float | None) -> float:
+def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s: float | None,
+                      replica_waiting: float = 0.0) -> float:
     """The burst estimate: offered concurrency at the rate of the last ticks (Little's law:
     offered requests/s between consecutive reads x the measured service time).
 
@@ -265,9 +266,10 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
     counters. A tick holds few arrivals, so the estimate counts only when each of the last
     `burst_ticks` ticks is a step — its arrivals exceed what the window's rate before it
     predicts by `burst_sigma` Poisson standard deviations — and the pool is behind (requests
-    wait in Floodgate's queue, or some were turned away in those ticks: arrivals admitted as
-    they come say nothing about missing capacity). The estimate is the lowest of those ticks'
-    rates. The policy uses it for scale-up only (never in the stabilization window). Demand
+    wait in Floodgate's queue or inside the replicas (`replica_waiting`: vLLM
+    `num_requests_waiting` of this tick), or some were turned away in those ticks: arrivals
+    served as they come say nothing about missing capacity). The estimate is the lowest of
+    those ticks' rates. The policy uses it for scale-up only (never in the stabilization window). Demand
     of `exclude_classes` that was turned away is left out. 0 when stale, disabled, without a
     measured service time or without enough reads in the window (it needs `burst_ticks` + 2)."""
     full = offered(w, now, cfg)
@@ -287,7 +289,12 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
             return max(0.0, b.rejected - a.rejected)
         return sum(floodgate_rates(a, b)[2].values()) * (b.taken_at - a.taken_at)
 
-    rate, behind = math.inf, fg_ok and sum(w.floodgate[-1].queued_now.values()) > 0
+    # Behind: requests wait somewhere. Admission with a limit above what the replicas run
+    # (it follows the endpoint count) queues a burst inside vLLM rather than in Floodgate's
+    # queue (the elastic bench's first burst: Floodgate's queue 0, vLLM waiting 15 -> 101), so
+    # that queue counts as much as Floodgate's own.
+    rate = math.inf
+    behind = replica_waiting > 0 or (fg_ok and sum(w.floodgate[-1].queued_now.values()) > 0)
     for i in range(cfg.burst_ticks):
         end = len(src) - i
         if end < 3:

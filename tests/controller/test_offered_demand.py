@@ -212,6 +212,37 @@ def test_burst_estimate_ignores_noise(clock: FakeClock) -> None:
     assert ds[-1].plan.burst == pytest.approx(36.0)  # type: ignore[attr-defined]
 
 
+def test_burst_counts_a_backlog_inside_the_replicas_as_behind(clock: FakeClock) -> None:
+    # Admission whose limit is above what the replicas run admits the whole step: nothing is
+    # turned away and Floodgate's queue stays empty, but the requests wait inside vLLM. That
+    # is a pool behind its arrivals: the step is sized at its full height (42/s x 2 s = 84 ->
+    # 12 replicas) on the second tick, as when admission queues or sheds it.
+    def run_step(c: DeciderConfig, clk: FakeClock, waiting_after: float) -> list[object]:
+        st = DeciderState(history=DemandHistory.empty(8 * 1440))
+        reps = views(clk.now, active=4)
+        adm = 0.0
+        out: list[object] = []
+        for i in range(12):
+            t = clk.advance(1.0)
+            adm += 14.0 if i < 10 else 42.0
+            fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm)})
+            ps = replace(signals(t, reps, running=28.0, waiting=waiting_after if i >= 10 else 0.0), counters=fc)
+            st, d = decide(c, st, Signals(ps, reps), t)
+            out.append(d)
+        return out
+
+    ds = run_step(cfg(), clock, 20.0)
+    assert ds[-2].plan.burst == 0  # type: ignore[attr-defined]  # one step tick: not yet
+    # 42/s x the slot time measured before the step (28 running / 14 admitted/s = 2 s): the
+    # admitted rate over the 5 s window already counts the step's waiting requests (28 / 25.2
+    # = 1.1 s would size 7).
+    assert ds[-1].plan.burst == pytest.approx(84.0)  # type: ignore[attr-defined]
+    assert ds[-1].plan.desired == 12 and ds[-1].plan.reason == "burst_demand"  # type: ignore[attr-defined]
+    # Admitted and served as they come (no one waits anywhere): no burst.
+    ds = run_step(cfg(), FakeClock(), 0.0)
+    assert ds[-1].plan.burst == 0  # type: ignore[attr-defined]
+
+
 def test_burst_estimate_leaves_excluded_classes_out(clock: FakeClock) -> None:
     # The same step, all of it P1 here; with P1 excluded its turned-away part drives nothing.
     ds = _step(cfg(burst_ticks=1, exclude_classes=(1,)), clock, 10, 1, 42.0)
