@@ -119,10 +119,12 @@ class WarmPoolConfig(BaseModel):
         default=120.0, ge=0, description="A warm replica above target is kept at least this long (anti-churn)."
     )
     burst_window_s: float = Field(
-        default=300.0, gt=0, description="A burst is a rise of the desired count within this window."
+        default=300.0, gt=0, description="A burst is a rise of the desired count above the level it held "
+        "over this window."
     )
     burst_min_ratio: float = Field(
-        default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the window's lowest desired count."
+        default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the level the desired count "
+        "held over the window (its time-weighted median)."
     )
     burst_memory_s: float = Field(
         default=5400.0, ge=0, description="How long the largest recent burst sizes the pool (0: off)."

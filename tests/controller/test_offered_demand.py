@@ -243,6 +243,27 @@ def test_burst_counts_a_backlog_inside_the_replicas_as_behind(clock: FakeClock) 
     assert ds[-1].plan.burst == 0  # type: ignore[attr-defined]
 
 
+def test_burst_estimate_settles_on_the_rate_of_the_whole_step(clock: FakeClock) -> None:
+    # 14 req/s, then a step whose first two ticks bring 42 and later ones 60 (noise, or a step
+    # that keeps climbing): each tick is still a step against the window before it. The
+    # lowest of the last two ticks would size 60/s x 2 s = 120 (18 replicas); the rate over
+    # the whole step so far, (42 + 42 + 60 + 60) / 4 s = 51/s, sizes 102 (15).
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=4)
+    adm = away = 0.0
+    ds: list[object] = []
+    for rate in [14.0] * 10 + [42.0, 42.0, 60.0, 60.0]:
+        t = clock.advance(1.0)
+        adm, away = adm + min(rate, 14.0), away + rate - min(rate, 14.0)
+        fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away)})
+        ps = replace(signals(t, reps, running=28.0), counters=fc)
+        st, d = decide(cfg(), st, Signals(ps, reps), t)
+        ds.append(d)
+    assert ds[-3].plan.burst == pytest.approx(84.0)  # type: ignore[attr-defined]  # two ticks of 42
+    assert ds[-1].plan.burst == pytest.approx(102.0)  # type: ignore[attr-defined]
+    assert ds[-1].plan.desired == 15  # type: ignore[attr-defined]
+
+
 def test_burst_estimate_leaves_excluded_classes_out(clock: FakeClock) -> None:
     # The same step, all of it P1 here; with P1 excluded its turned-away part drives nothing.
     ds = _step(cfg(burst_ticks=1, exclude_classes=(1,)), clock, 10, 1, 42.0)
