@@ -119,12 +119,10 @@ class WarmPoolConfig(BaseModel):
         default=120.0, ge=0, description="A warm replica above target is kept at least this long (anti-churn)."
     )
     burst_window_s: float = Field(
-        default=300.0, gt=0, description="A burst is a rise of the desired count above the level it held "
-        "over this window."
+        default=300.0, gt=0, description="A burst is a rise of the desired count within this window."
     )
     burst_min_ratio: float = Field(
-        default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the level the desired count "
-        "held over the window (its time-weighted median)."
+        default=1.0, ge=0, description="A rise counts as a burst when it exceeds this × the window's lowest desired count."
     )
     burst_memory_s: float = Field(
         default=5400.0, ge=0, description="How long the largest recent burst sizes the pool (0: off)."
@@ -139,60 +137,31 @@ class WarmPoolConfig(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class BurstMemory:
-    """Recent desired counts and burst sizes: `levels` holds the desired count's change points
-    (time, value) within `burst_window_s` (plus the one in force at the window's start), so
-    a few entries; `bursts` the candidates for the largest burst within the memory, as a
-    monotonic queue of (time, rise) (values decreasing)."""
+    """Recent desired counts and burst sizes, as monotonic queues of (time, value): `lows`
+    holds the candidates for the window's minimum (values increasing), `bursts` the candidates
+    for the largest burst within the memory (values decreasing)."""
 
-    levels: tuple[tuple[float, int], ...] = ()
+    lows: tuple[tuple[float, int], ...] = ()
     bursts: tuple[tuple[float, int], ...] = ()
 
     def largest(self) -> int:
         return self.bursts[0][1] if self.bursts else 0
 
 
-def _held_level(levels: list[tuple[float, int]], start: float, now: float) -> int:
-    """The time-weighted median of the desired count over [start, now]: the level the pool
-    held for most of the window (the current value when no time has passed yet)."""
-    spans: list[tuple[int, float]] = []
-    for i, (t, v) in enumerate(levels):
-        end = levels[i + 1][0] if i + 1 < len(levels) else now
-        d = end - max(t, start)
-        if d > 0:
-            spans.append((v, d))
-    total = sum(d for _, d in spans)
-    if total <= 0:
-        return levels[-1][1]
-    acc = 0.0
-    for v, d in sorted(spans):
-        acc += d
-        if acc >= total / 2:
-            return v
-    return max(v for v, _ in spans)  # not reached: acc ends at total
-
-
 def observe_burst(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPoolConfig) -> BurstMemory:
-    """Record this tick's desired count. A burst is the rise of the desired count above the
-    level it held within `burst_window_s` (the time-weighted median, not the lowest value:
-    a ramp step that happens to fall just inside the window would otherwise count a whole
-    level more — the elastic bench's seed 3 remembered 2 -> 10 instead of 3 -> 10 because
-    the ramp's 2 -> 3 came 27 s before the peak, inside the 30 s window, and kept one more
-    replica pooled through the recovery), when that rise exceeds `burst_min_ratio` × that
-    level; bursts are remembered for `burst_memory_s`."""
-    levels = list(mem.levels)
-    if not levels or levels[-1][1] != desired_active:
-        levels.append((now, desired_active))
-    start = now - cfg.burst_window_s
-    while len(levels) > 1 and levels[1][0] <= start:
-        levels.pop(0)
-    level = _held_level(levels, start, now)
+    """Record this tick's desired count. A burst is the rise of the desired count above its
+    lowest value within `burst_window_s`, when that rise exceeds `burst_min_ratio` × the low;
+    bursts are remembered for `burst_memory_s`."""
+    lows = [(t, d) for t, d in mem.lows if now - t <= cfg.burst_window_s and d < desired_active]
+    lows.append((now, desired_active))
+    low = lows[0][1]
     bursts = [(t, b) for t, b in mem.bursts if now - t <= cfg.burst_memory_s]
-    rise = desired_active - level
-    if cfg.burst_memory_s > 0 and rise > 0 and rise > cfg.burst_min_ratio * level:
+    rise = desired_active - low
+    if cfg.burst_memory_s > 0 and rise > 0 and rise > cfg.burst_min_ratio * low:
         while bursts and bursts[-1][1] <= rise:
             bursts.pop()
         bursts.append((now, rise))
-    return BurstMemory(tuple(levels), tuple(bursts))
+    return BurstMemory(tuple(lows), tuple(bursts))
 
 
 def warm_pool_target(
