@@ -86,7 +86,8 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         headroom=(cls[0].headroom, cls[1].headroom, cls[2].headroom),
         max_queue=(cls[0].max_queue, cls[1].max_queue, cls[2].max_queue),
         tenant_cap=(tenant_cap(cls[0]), tenant_cap(cls[1]), tenant_cap(cls[2])),
-        epoch=p.settings_epoch)
+        epoch=p.settings_epoch,
+        ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate)
 
 
 @dataclass

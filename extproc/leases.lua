@@ -56,7 +56,7 @@ local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive
 -- one field "rate|ts|t0|n" and the level one field "level|ts" (`:p`, packed: fewer fields to
 -- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
 -- vegas_x) are read only by get_limit.
-local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p'}
+local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p'}
 
 -- Parsed settings kept between calls (a library's upvalues live until it is reloaded), per
 -- settings key, checked against the `stamp` that `configure` writes with each new version.
@@ -79,6 +79,7 @@ local LVL_DONE      -- the level was sampled in this call (again at the same `no
 local NO_CREDITORS  -- no gateway holds credits (checked, or recalled, in this call)
 local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for this call
 local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
+local RAMP          -- the onset ramp's bucket {tokens, ts} once brought to `now` in this call (nil: not yet)
 
 -- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
 -- reaches a global through its environment's fallback (they are not reachable at load time), a
@@ -150,6 +151,7 @@ local function flush()
     for name, r in pairs(RT) do
       if ST_DIRTY[name] then ST[name] = string.format('%.14g|%d|%d|%d', r[1], r[2], r[3], r[4]) end
     end
+    if ST_DIRTY['ramp:p'] and RAMP then ST['ramp:p'] = string.format('%.17g|%d', RAMP[1], RAMP[2]) end
     local args = {}
     for f in pairs(ST_DIRTY) do table.insert(args, f) table.insert(args, ST[f]) end
     redis.call('HSET', K.state, unpack(args))
@@ -173,7 +175,9 @@ local function load_settings()
   local f = {}
   for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
   S = {initial = tonumber(f.initial), picking = f.picking == '1', epoch = tonumber(f.epoch or '0'),
-       pool = f.pool or '', shares = {}, always = {}, headroom = {}, maxq = {}, tcap = {}}
+       pool = f.pool or '', shares = {}, always = {}, headroom = {}, maxq = {}, tcap = {},
+       -- the onset ramp (absent in older settings: off); the rate per ms of the script's clock
+       ramp_burst = tonumber(f.ramp_burst or '0'), ramp_rate_ms = tonumber(f.ramp_rate or '0') / 1000}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
@@ -231,6 +235,45 @@ local function limit_value(write)
 end
 
 local function int_limit(write) return math.max(1, math.floor(limit_value(write))) end
+
+-- The onset ramp, mirrored from policy.py (ramp_refill, ramp_paces) and permits.py: while a P0
+-- is in flight, a lower-class grant needs a token; every grant takes one (credits too), every
+-- lease that ends gives one back, and tokens accrue at ramp_rate x L per second up to
+-- max(4, ramp_burst x L). The bucket is brought to `now` once at the start of each op that
+-- grants or frees (as the reference model does), in the same float arithmetic, and stored with
+-- 17 digits so the model and the script compare the same numbers.
+local RAMP_MIN_BURST = 4
+local function ramp_cap(L) return math.max(RAMP_MIN_BURST, S.ramp_burst * L) end
+
+local function ramp_refill()
+  if S.ramp_rate_ms <= 0 then return end
+  local L = int_limit(true)
+  if not RAMP then
+    local tk, ts = string.match(state()['ramp:p'] or '', '^([^|]*)|([^|]*)$')
+    if tk then RAMP = {tonumber(tk), tonumber(ts)} end
+  end
+  if not RAMP then
+    RAMP = {ramp_cap(L), now}
+  else
+    RAMP[1] = math.min(ramp_cap(L), RAMP[1] + L * S.ramp_rate_ms * math.max(0, now - RAMP[2]))
+    RAMP[2] = now
+  end
+  ST_DIRTY['ramp:p'] = true  -- flush formats it
+end
+
+-- May class c (1-based) take a permit now as far as the ramp goes? P0 always; lower classes
+-- freely while no P0 is in flight.
+local function ramp_open(c, inflight)
+  return S.ramp_rate_ms <= 0 or c == 1 or inflight[1] == 0 or not RAMP or RAMP[1] >= 1
+end
+
+local function ramp_take(n)
+  if RAMP then RAMP[1] = RAMP[1] - n end
+end
+
+local function ramp_give()
+  if RAMP then RAMP[1] = math.min(ramp_cap(int_limit(true)), RAMP[1] + 1) end
+end
 
 -- policy.eligible, mirrored: below the limit any class may take a free permit; a class inside
 -- its reservation always may; otherwise what stays free must still cover the unused
@@ -319,6 +362,7 @@ local function lease(ticket, c, gw, seq)
   if S.picking then ep = pick() end
   put_lease(ticket, c - 1, gw, seq, ep)
   bump_rate(GRATE[c])
+  ramp_take(1)
   return ep
 end
 
@@ -378,6 +422,7 @@ local function drop_lease(ticket, count_rate)
   if count_rate then bump_level() end  -- sampled with the lease still counted
   local c = parse_lmeta(hgetdel(K.lmeta, ticket))
   add_inflight(c + 1, -1)
+  ramp_give()
   if HAS_LEP == nil then HAS_LEP = redis.call('EXISTS', K.lep) == 1 end
   local ep = HAS_LEP and redis.call('HGET', K.lep, ticket)
   if ep then
@@ -418,6 +463,7 @@ local function grant_loop()
     local progressed = false
     for c = 1, 3 do
       if queued[c] > 0 and eligible(c, L, inflight, queued) then
+        if not ramp_open(c, inflight) then return granted end  -- paced: waits for a token
         local head = pop_head(c, queued)
         if not head then
           queued[c] = 0  -- repair a drifted counter
@@ -584,6 +630,7 @@ local function try_lease(ticket, gw, seq, c, wanted)
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
+  if ok then ok = ramp_open(c, inflight) end
   if not ok then
     recall_credits()  -- a request could not be admitted: idle credits elsewhere must come back
     return nil
@@ -593,6 +640,8 @@ local function try_lease(ticket, gw, seq, c, wanted)
   local credits = {}
   if wanted > 0 and not S.picking and queued[1] + queued[2] + queued[3] == 0 then
     local n = math.min(wanted, math.floor(L / 2) - (before + 1))
+    if RAMP and inflight[1] > 0 then n = math.min(n, math.floor(RAMP[1])) end  -- credits admit any class later
+    ramp_take(math.max(0, n))
     for i = 1, n do
       local credit = ticket .. ':c' .. i
       put_lease(credit, 1, gw, seq, '')
@@ -669,6 +718,7 @@ function OPS.acquire(ARGV)
   -- ticket already leased returns that lease.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
   local new = is_new(gw, seq)
+  ramp_refill()
   local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
   if got then return got end
   return snapshot({'granted', '0'}, c, tenant, nil)
@@ -685,6 +735,7 @@ function OPS.admit(ARGV)
   -- adds to what others must leave free), so there is no second grant loop. Idempotent.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
   local new = is_new(gw, seq)
+  ramp_refill()
   local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
   if got then return got end
   local out = snapshot({'granted', '0'}, c, tenant, nil)
@@ -704,6 +755,7 @@ function OPS.enqueue(ARGV)
   -- ticket already queued or leased is not added again.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
   local new = is_new(gw, seq)
+  ramp_refill()
   reclaim()
   if not new and redis.call('ZSCORE', K.leases, ticket) then
     return snapshot({'granted', '1', 'endpoint', redis.call('HGET', K.lep, ticket) or ''}, c, tenant, nil)
@@ -728,6 +780,7 @@ end
 
 function OPS.release(ARGV)
   -- ARGV 3.. tickets. Returns how many were held (a missing one was reclaimed already).
+  ramp_refill()
   local released = 0
   for i = 3, #ARGV do
     if drop_lease(ARGV[i], true) then released = released + 1 end
@@ -739,6 +792,7 @@ end
 
 function OPS.return_credits(ARGV)
   -- ARGV 3.. idle credit tickets handed back unused: not completions, so no rate event.
+  ramp_refill()
   for i = 3, #ARGV do drop_lease(ARGV[i], false) end
   grant_loop()
   return 0
@@ -753,6 +807,7 @@ function OPS.sync(ARGV)
   -- did not assert and that are older than the watermark (abandoned calls that ran late, or
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  ramp_refill()
   redis.call('ZADD', K.gws, EXPIRY_S, gw)
   redis.call('HSET', K.lmeta, PAD_FIELD, PAD)  -- hashtables from now on (see PAD)
   redis.call('HSET', K.qmeta, PAD_FIELD, PAD)
@@ -807,6 +862,7 @@ end
 
 function OPS.mine(ARGV)
   -- ARGV 3.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
+  ramp_refill()
   reclaim()
   grant_loop()
   local leased = {}
@@ -826,6 +882,7 @@ function OPS.set_limit(ARGV)
   limit_value(true)
   local version = num(state().version, 0)
   if version ~= tonumber(ARGV[3]) then return {'ok', '0', 'version', tostring(version)} end
+  ramp_refill()  -- accrued at the old limit up to now
   set_state('limit', ARGV[4])
   set_state('rtt_noload', ARGV[5])
   set_state('probe_count', ARGV[6])
@@ -894,7 +951,7 @@ local function main(KEYS, ARGV)
   ttl = tonumber(ARGV[2])
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
-  RT, LVL_DONE, NO_CREDITORS = {}, false, false
+  RT, LVL_DONE, NO_CREDITORS, RAMP = {}, false, false, nil
   local fake = redis.call('GET', K.testclock)
   if fake then
     now = tonumber(fake)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from floodgate.extproc.policy import CLASSES, Snapshot, eligible
+from floodgate.extproc.policy import (
+    CLASSES,
+    Snapshot,
+    eligible,
+    ramp_burst,
+    ramp_paces,
+    ramp_refill,
+)
 
 
 @dataclass
@@ -43,6 +50,12 @@ class PermitTable:
     headroom: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kept free for the classes above
     max_queue: tuple[int, int, int] = (10**9, 10**9, 10**9)
     tenant_cap: tuple[int, int, int] = (10**9, 10**9, 10**9)
+    # The onset ramp (policy.ramp_refill): shares of the limit, the rate per unit of the caller's
+    # clock; ramp_rate 0 = off. `tokens` None = a full bucket (never used).
+    ramp_burst: float = 0.0
+    ramp_rate: float = 0.0
+    tokens: float | None = None
+    tokens_ts: float = 0.0
     ttl: float = math.inf  # lease and gateway-liveness lifetime
     waiter_grace: float = 0.0  # a waiter past its deadline is reaped this much later
     leases: dict[str, Lease] = field(default_factory=dict)
@@ -96,6 +109,25 @@ class PermitTable:
                     return w
         return None
 
+    # ------------------------------------------------------------------ the onset ramp
+
+    def _ramp(self, now: float) -> None:
+        """Bring the bucket to `now` (leases.lua does it once per mutating call, at its start)."""
+        if self.ramp_rate > 0:
+            self.tokens = ramp_refill(self.tokens, self.tokens_ts, now, self.limit, self.ramp_burst, self.ramp_rate)
+            self.tokens_ts = now
+
+    def _ramp_open(self, cls: int, inflight: list[int] | tuple[int, int, int]) -> bool:
+        return self.ramp_rate <= 0 or not ramp_paces(cls, inflight) or (self.tokens or 0.0) >= 1
+
+    def _ramp_take(self, n: int = 1) -> None:
+        if self.ramp_rate > 0 and self.tokens is not None:
+            self.tokens -= n
+
+    def _ramp_give(self) -> None:
+        if self.ramp_rate > 0 and self.tokens is not None:
+            self.tokens = min(ramp_burst(self.limit, self.ramp_burst), self.tokens + 1)
+
     # ------------------------------------------------------------------ mechanism
 
     def _unqueue(self, w: Waiter) -> None:
@@ -104,6 +136,7 @@ class PermitTable:
     def reclaim(self, now: float) -> None:
         for t in [t for t, lease in self.leases.items() if lease.expiry <= now]:
             del self.leases[t]
+            self._ramp_give()
         for q in self.queues:
             q[:] = [w for w in q if w.deadline > now - self.waiter_grace]
         dead = {g for g, exp in self.gateways.items() if exp <= now}
@@ -121,9 +154,12 @@ class PermitTable:
             inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
                 if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
+                    if not self._ramp_open(k, inflight):
+                        return granted  # paced: a lower class waits for a token (P0 went first)
                     w = self.queues[k].pop(0)
                     if w.deadline >= now and self._alive(w.gateway, now):
                         self.leases[w.ticket] = Lease(k, w.gateway, w.seq, now + self.ttl)
+                        self._ramp_take()
                         granted.append(w.ticket)
                     break
             else:
@@ -138,19 +174,24 @@ class PermitTable:
         Returns (granted, credit tickets, tickets the grant loop granted to waiters first)."""
         if ticket in self.leases:
             return True, [], []
+        self._ramp(now)
         self.reclaim(now)
         woken = self.grant(now)
         inflight, queued = list(self.inflight()), self.queued()
         ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
             queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
-            for k in CLASSES if k <= cls)
+            for k in CLASSES if k <= cls) and self._ramp_open(cls, inflight)
         if not ok:
             self.creditors.clear()
             return False, [], woken
         self.leases[ticket] = Lease(cls, gateway, seq, now + self.ttl)
+        self._ramp_take()
         extra: list[str] = []
         if credits > 0 and sum(queued) == 0:
             n = min(credits, self.limit // 2 - (sum(inflight) + 1))
+            if self.ramp_rate > 0 and ramp_paces(1, self.inflight()):  # credits admit any class later
+                n = min(n, math.floor(self.tokens or 0.0))
+            self._ramp_take(max(0, n))
             for i in range(1, n + 1):
                 extra.append(f"{ticket}:c{i}")
                 self.leases[extra[-1]] = Lease(1, gateway, seq, now + self.ttl)
@@ -166,6 +207,7 @@ class PermitTable:
         """Wait for a permit. Returns (outcome, granted tickets): outcome is `granted` (this
         ticket holds a permit now), `queued`, or the cap that refused it (`queue_full`,
         `tenant_cap`)."""
+        self._ramp(now)
         self.reclaim(now)
         if ticket in self.leases:
             return "granted", []
@@ -193,16 +235,24 @@ class PermitTable:
         return n == 1, granted
 
     def release_many(self, tickets: list[str], now: float) -> tuple[int, list[str]]:
-        n = sum(1 for t in tickets if self.leases.pop(t, None) is not None)
+        self._ramp(now)
+        n = 0
+        for t in tickets:
+            if self.leases.pop(t, None) is not None:
+                n += 1
+                self._ramp_give()
         self.reclaim(now)
         return n, self.grant(now)
 
     def return_credits(self, tickets: list[str], now: float) -> list[str]:
+        self._ramp(now)
         for t in tickets:
-            self.leases.pop(t, None)
+            if self.leases.pop(t, None) is not None:
+                self._ramp_give()
         return self.grant(now)
 
     def mine(self, tickets: list[str], now: float) -> tuple[list[str], list[str]]:
+        self._ramp(now)
         self.reclaim(now)
         granted = self.grant(now)
         return [t for t in tickets if t in self.leases], granted
@@ -212,6 +262,7 @@ class PermitTable:
         """A gateway re-asserts what it has: held ticket -> (class, seq); waiting ticket ->
         (class, seq, remaining, tenant). Its other leases and waiters older than `watermark`
         are dropped. Returns the tickets the grant loop granted."""
+        self._ramp(now)
         self.gateways[gateway] = now + self.ttl
         for t, (cls, seq) in held.items():
             if t in self.leases:
@@ -227,12 +278,14 @@ class PermitTable:
         for t, lease in list(self.leases.items()):
             if lease.gateway == gateway and lease.seq < watermark and t not in held and t not in waiting:
                 del self.leases[t]
+                self._ramp_give()
         for q in self.queues:
             q[:] = [w for w in q if not (w.gateway == gateway and w.seq < watermark and w.ticket not in waiting)]
         self.reclaim(now)
         return self.grant(now)
 
     def set_limit(self, limit: int, now: float) -> list[str]:
+        self._ramp(now)
         self.limit = max(1, limit)
         return self.grant(now)
 

@@ -70,6 +70,38 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
     return free - 1 >= others_unused + kept_free(cls, limit, headroom)
 
 
+
+# The onset ramp (leases.lua mirrors it): while a P0 request is in flight, lower classes may
+# raise the pool's in-flight only as fast as the engines can take new prompts. Every grant
+# (any class, credits included) takes a token, every lease that ends gives one back, and
+# tokens accrue at `rate` x L per second up to `burst` x L. So a pool at its steady level
+# replaces what completes freely, but the jump from the steady level to the limit at a burst's
+# onset is spread out instead of dozens of prompts landing in the engines' FIFO queues at once,
+# ahead of the P0s that arrive with them (bench/p0_onset.py: the model that chose it).
+RAMP_MIN_BURST = 4.0  # a small limit still lets a few lower-class requests in at once
+
+
+def ramp_burst(limit: int, burst_share: float) -> float:
+    """Most tokens the bucket holds: the growth allowed at once."""
+    return max(RAMP_MIN_BURST, burst_share * limit)
+
+
+def ramp_refill(tokens: float | None, ts: float, now: float, limit: int, burst_share: float,
+                rate_share: float) -> float:
+    """Tokens at `now` (None = never used: a full bucket). `rate_share` is per unit of the
+    caller's clock (leases.lua: per ms), times the limit; the arithmetic is written in
+    leases.lua's order so both give the same floats."""
+    burst = ramp_burst(limit, burst_share)
+    if tokens is None:
+        return burst
+    return min(burst, tokens + limit * rate_share * max(0.0, now - ts))
+
+
+def ramp_paces(cls: int, inflight: Sequence[int]) -> bool:
+    """Is a grant to class `cls` subject to the ramp now? Lower classes, while P0 is in flight
+    (without P0 traffic there is nothing to protect, and an idle pool's spike goes in at once)."""
+    return cls > 0 and inflight[0] > 0
+
 @dataclass
 class DecayingRate:
     """Events per second, exponentially decayed (tau `RATE_TAU_S`), as leases.lua keeps them.

@@ -101,10 +101,14 @@ class PoolSettings:
     tenant_cap: tuple[int, int, int] = (500, 500, 250)
     epoch: int = 0
     headroom: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kept free for each class (policy.kept_free)
+    # the onset ramp (policy.ramp_refill): bucket size and refill per second, shares of the limit; 0 = off
+    ramp_burst: float = 0.0
+    ramp_rate: float = 0.0
 
     def fields(self) -> dict[str, str]:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
-               "epoch": str(self.epoch)}
+               "epoch": str(self.epoch), "ramp_burst": repr(float(self.ramp_burst)),
+               "ramp_rate": repr(float(self.ramp_rate))}
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
             out[f"always{c}"] = "1" if self.always[c] else "0"
@@ -124,7 +128,9 @@ class PoolSettings:
             headroom=(float(f.get("headroom0", "0")), float(f.get("headroom1", "0")), float(f.get("headroom2", "0"))),
             max_queue=(int(f["maxq0"]), int(f["maxq1"]), int(f["maxq2"])),
             tenant_cap=(int(f["tcap0"]), int(f["tcap1"]), int(f["tcap2"])),
-            epoch=int(f.get("epoch", "0")))
+            epoch=int(f.get("epoch", "0")),
+            # settings stored by a version without the ramp have none
+            ramp_burst=float(f.get("ramp_burst", "0")), ramp_rate=float(f.get("ramp_rate", "0")))
 
     def differences(self, other: PoolSettings) -> list[str]:
         mine, theirs = self.fields(), other.fields()

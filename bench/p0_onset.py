@@ -1,0 +1,386 @@
+"""The burst's onset on a virtual clock: Floodgate's grant loop in front of the pool's engines.
+
+The overload bench's worst P0 TTFTs are P0s that arrive in the burst's first seconds, wait
+nothing in Floodgate's queue, and then wait in the engine's FIFO queue behind the dozens of
+lower-class prompts admitted at once when in-flight jumps from the steady level to the limit.
+This model replays the bench's own plan (`bench.overload.build_plan`) through the reference
+grant loop (`PermitTable` + `queue_decision`, the code the Lua script is checked against) and
+the replicas' own engine model (`sim/engine.py`), Envoy's LEAST_REQUEST in between, to test
+remedies before building one:
+
+* `ramp`    : lower classes may raise in-flight only by `burst` at once and `rate` per second
+              beyond what releases free (a token bucket; P0 exempt but counted);
+* `prefill` : at most K lower-class requests admitted and still without a first token (an
+              oracle: the processor does not see first tokens of unsampled requests);
+* `p0first` : P0 goes first in its engine's queue (engine-side priority, the ideal's rule);
+* `p0pick`  : P0 goes to the replica with the least prefill work queued (oracle).
+
+    python -m floodgate.bench.p0_onset --limit 96 115
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from floodgate.extproc.config import AdmissionConfig, PoolConfig
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.policy import (
+    ARRIVAL_TAU_S,
+    CLASSES,
+    DecayingMean,
+    DecayingRate,
+    Reject,
+    Snapshot,
+    eligible,
+    queue_decision,
+)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    name: str = "none"
+    ramp_burst: float | None = None  # token bucket: growth allowed at once
+    ramp_rate: float = 0.0  # growth tokens per second
+    prefill_cap: int | None = None  # lower-class requests admitted without a first token (oracle)
+    p0_first: bool = False
+    p0_pick: bool = False
+    # ramp scaled by the pool's completion rate R (permits freed per second, decayed as
+    # leases.lua keeps it): burst = ramp_burst x R (seconds of completions), rate = ramp_rate x R
+    by_release_rate: bool = False
+    grace: float | None = None  # a paced waiter this close to its deadline goes anyway
+    above_half: bool = False  # pace only grants made with in-flight at or above half the limit
+    # the shipped rule itself: PermitTable's onset ramp (burst share, rate share of L per second)
+    shipped: tuple[float, float] | None = None
+
+
+@dataclass
+class Gate:
+    remedy: Remedy
+    tokens: float = 0.0
+    ts: float = 0.0
+    prefilling: int = 0  # lower-class admitted, no first token yet
+    release_rate: Any = None  # () -> permits freed per second (0 = unknown)
+
+    def params(self) -> tuple[float, float]:
+        r = self.remedy
+        assert r.ramp_burst is not None
+        if not r.by_release_rate:
+            return r.ramp_burst, r.ramp_rate
+        rate = self.release_rate()
+        if rate <= 0:
+            return math.inf, math.inf
+        return r.ramp_burst * rate, r.ramp_rate * rate
+
+    def refill(self, now: float) -> None:
+        r = self.remedy
+        if r.ramp_burst is None:
+            return
+        burst, rate = self.params()
+        self.tokens = min(burst, self.tokens + rate * max(0.0, now - self.ts))
+        self.ts = now
+
+    def open(self, cls: int, now: float) -> bool:
+        if cls == 0:
+            return True
+        r = self.remedy
+        if r.prefill_cap is not None and self.prefilling >= r.prefill_cap:
+            return False
+        if r.ramp_burst is not None:
+            self.refill(now)
+            if self.tokens < 1:
+                return False
+        return True
+
+    def granted(self, cls: int) -> None:
+        if self.remedy.ramp_burst is not None:
+            self.tokens -= 1
+        if cls > 0:
+            self.prefilling += 1
+
+    def released(self, now: float) -> None:
+        if self.remedy.ramp_burst is not None:
+            self.refill(now)
+            self.tokens = min(self.params()[0], self.tokens + 1)
+
+
+@dataclass
+class GatedTable(PermitTable):
+    gate: Gate | None = None
+    clock: float = 0.0
+    on_grant: Any = None
+
+    def grant(self, now: float) -> list[str]:
+        granted: list[str] = []
+        while sum(self.inflight()) < self.limit:
+            inflight, queued = list(self.inflight()), self.queued()
+            for k in CLASSES:
+                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
+                    free_pass = self.gate is not None and self.gate.remedy.above_half and 2 * sum(inflight) < self.limit
+                    if self.gate is not None and not free_pass and not self.gate.open(k, now) and not (
+                            self.gate.remedy.grace is not None
+                            and self.queues[k][0].deadline - now <= self.gate.remedy.grace):
+                        continue  # a paced lower class: leave it queued, a higher one may go
+                    w = self.queues[k].pop(0)
+                    if w.deadline >= now:
+                        self.leases[w.ticket] = _lease(k)
+                        granted.append(w.ticket)
+                        if self.gate is not None and not free_pass:
+                            self.gate.granted(k)
+                    break
+            else:
+                break
+        return granted
+
+    def acquire(self, ticket: str, cls: int, now: float, *, gateway: str = "local", seq: int = 0,
+                credits: int = 0) -> tuple[bool, list[str], list[str]]:
+        woken = self.grant(now)
+        inflight, queued = list(self.inflight()), self.queued()
+        ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
+            queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
+            and (self.gate is None or self.gate.open(k, now))
+            for k in CLASSES if k <= cls)
+        free_pass = self.gate is not None and self.gate.remedy.above_half and 2 * sum(inflight) < self.limit
+        if ok and self.gate is not None and not free_pass and not self.gate.open(cls, now):
+            ok = False
+        if not ok:
+            return False, [], woken
+        self.leases[ticket] = _lease(cls)
+        if self.gate is not None and not free_pass:
+            self.gate.granted(cls)
+        return True, [], woken
+
+
+def _lease(cls: int) -> Any:
+    from floodgate.extproc.permits import Lease
+
+    return Lease(cls, "local", 0, math.inf)
+
+
+@dataclass
+class Result:
+    remedy: str
+    limit: int
+    p0_ttft_p99_burst_s: float
+    p0_ttft_p99_after2_s: float
+    p0_queue_p99_burst_s: float
+    goodput_burst_tok_s: float
+    rejected_burst: dict[int, int] = field(default_factory=dict)
+    timeouts_burst: dict[int, int] = field(default_factory=dict)
+    p0_sparse_p99_s: float = 0.0
+    p0_burst_ttft: list[float] = field(default_factory=list)
+    p1_burst_ok: int = 0
+
+
+def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 0,
+        slo_ttft: float = 2.0, slo_tpot: float = 0.1) -> Result:
+    import numpy as np
+    from floodgate.bench.overload import build_plan
+    from floodgate.sim.engine import Engine
+
+    rng = random.Random(seed)
+    plan = build_plan(w, capacity_rps)
+    pool = PoolConfig()
+    classes = pool.classes
+    adm = AdmissionConfig()
+    gate = Gate(remedy, tokens=math.inf)
+    shares = tuple(classes[k].share for k in CLASSES)
+    headroom = tuple(classes[k].headroom for k in CLASSES)
+    table: PermitTable
+    if remedy.shipped is not None:
+        table = PermitTable(limit=limit, shares=shares, headroom=headroom,  # type: ignore[arg-type]
+                            ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1])
+    else:
+        table = GatedTable(limit=limit, shares=shares, headroom=headroom, gate=gate)  # type: ignore[arg-type]
+    engines = [Engine(w.engine_config()) for _ in range(w.replicas)]
+    active = [0] * len(engines)
+    where: dict[int, int] = {}
+    released = DecayingRate()
+    level = DecayingMean()
+    now = 0.0
+    gate.release_rate = lambda: released.read(now)
+    arrivals = [DecayingRate(tau=ARRIVAL_TAU_S) for _ in CLASSES]
+    grants = [DecayingRate(), DecayingRate(), DecayingRate()]
+    admitted_at: dict[int, float] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    count: dict[int, int] = {}
+    outcome: dict[int, str] = {}
+    deadline: dict[int, float] = {}
+    events: list[tuple[float, int, int]] = []  # (time, kind, index): kind 1 deadline, 2 arrival
+    for i, r in enumerate(plan):
+        heapq.heappush(events, (r.t_offset, 2, i))
+
+    _p0 = {i for i, r in enumerate(plan) if r.priority == 0}
+
+    def route(i: int, now: float) -> None:
+        r = plan[i]
+        if remedy.p0_pick and r.priority == 0:
+            def work(e: Engine) -> int:
+                return sum(s.num_tokens - s.num_computed for s in e.waiting) + sum(
+                    max(0, s.prompt_tokens - s.num_computed) for s in e.running)
+            k = min(range(len(engines)), key=lambda j: work(engines[j]))
+        else:  # Envoy LEAST_REQUEST: two random choices (with replacement), fewer active wins
+            a, b = rng.randrange(len(engines)), rng.randrange(len(engines))
+            k = a if active[a] <= active[b] else b
+        e = engines[k]
+        seq = e.add_request(str(i), r.prompt_tokens, r.output_tokens, now)
+        if remedy.p0_first and r.priority == 0:
+            e.waiting.remove(seq)
+            # behind P0s already waiting, ahead of everything else not started
+            pos = 0
+            while pos < len(e.waiting) and int(e.waiting[pos].request_id) in _p0 and e.waiting[pos].num_computed == 0:
+                pos += 1
+            e.waiting.insert(pos, seq)
+        active[k] += 1
+        where[i] = k
+
+    def granted(tickets: list[str], now: float) -> None:
+        for t in tickets:
+            i = int(t)
+            admitted_at[i] = now
+            outcome[i] = "admitted"
+            grants[plan[i].priority].bump(now)
+            route(i, now)
+
+    while True:
+        nexts = [t for t in (e.next_event_time() for e in engines) if t is not None]
+        cand = nexts + ([events[0][0]] if events else [])
+        if not cand:
+            break
+        now = max(now, min(cand))
+        for k, e in enumerate(engines):
+            for ev in e.advance(now):
+                i = int(ev.seq.request_id)
+                if i not in first:
+                    first[i] = ev.time
+                    if plan[i].priority > 0:
+                        gate.prefilling -= 1
+                last[i] = ev.time
+                count[i] = ev.index + 1
+                if ev.finished:
+                    active[k] -= 1
+                    level.add(now, sum(table.inflight()))
+                    released.bump(now)
+                    gate.released(now)
+                    granted(table.release_many([str(i)], now)[1], now)
+        while events and events[0][0] <= now:
+            _, kind, i = heapq.heappop(events)
+            r = plan[i]
+            if kind == 1:
+                if str(i) not in table.leases and outcome.get(i) == "queued":
+                    table.cancel(str(i))
+                    outcome[i] = "queue_timeout"
+                continue
+            arrivals[r.priority].bump(now)
+            ok, _, woken = table.acquire(str(i), r.priority, now)
+            granted(woken, now)
+            if ok:
+                granted([str(i)], now)
+                continue
+            q = table.queued()
+            snap = Snapshot(
+                limit=table.limit, inflight=table.inflight(), queued=(q[0], q[1], q[2]),
+                tenant_queued=sum(1 for x in table.queues[r.priority] if x.tenant == r.tenant),
+                grant_rate=released.read(now), release_n=released.n,
+                class_rate=grants[r.priority].read(now),
+                class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
+                inflight_avg=level.value,
+                arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
+                head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
+                                for k in CLASSES),  # type: ignore[arg-type]
+                tail_left=tuple(max(0.0, table.queues[k][-1].deadline - now) if table.queues[k] else 0.0
+                                for k in CLASSES))  # type: ignore[arg-type]
+            d = queue_decision(r.priority, snap, classes, adm, rand=rng.random())
+            if isinstance(d, Reject):
+                outcome[i] = d.reason
+                continue
+            outcome[i] = "queued"
+            deadline[i] = now + classes[r.priority].queue_timeout_s
+            heapq.heappush(events, (deadline[i], 1, i))
+            _, got = table.enqueue(str(i), r.priority, r.tenant, deadline[i], now)
+            granted(got, now)
+        # tokens accrue with time: let a paced waiter go when the bucket allows (the real
+        # grant loop runs on every arrival, release and poll)
+        granted(table.mine([], now)[1], now)
+    win = w.windows()
+    a, b = win["burst"]
+    p0_ttft, p0_after, p0_q = [], [], []
+    good = 0
+    rej: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    tmo: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    for i, r in enumerate(plan):
+        if not a <= r.t_offset < b:
+            continue
+        if outcome.get(i) != "admitted":
+            rej[r.priority] += 1
+            if outcome.get(i) == "queue_timeout":
+                tmo[r.priority] += 1
+            continue
+        ttft = first[i] - r.t_offset
+        if r.priority == 0:
+            p0_ttft.append(ttft)
+            p0_q.append(admitted_at[i] - r.t_offset)
+            if r.t_offset >= a + 2:
+                p0_after.append(ttft)
+        n = count[i]
+        tpot = (last[i] - first[i]) / (n - 1) if n > 1 else 0.0
+        if ttft <= slo_ttft and tpot <= slo_tpot:
+            good += n
+    sa, sb = win["sparse-p0"]
+    sparse = [first[i] - r.t_offset for i, r in enumerate(plan)
+              if r.priority == 0 and sa <= r.t_offset < sb and i in first]
+    pct = lambda v: float(np.percentile(v, 99)) if v else math.nan  # noqa: E731
+    p1_ok = sum(1 for i, r in enumerate(plan) if a <= r.t_offset < b and r.priority == 1
+                and outcome.get(i) == "admitted")
+    return Result(remedy.name, limit, pct(p0_ttft), pct(p0_after), pct(p0_q), good / (b - a), rej, tmo,
+                  pct(sparse), p0_ttft, p1_ok)
+
+
+REMEDIES = (
+    Remedy(),
+    Remedy("shipped-ramp", shipped=(0.08, 0.1)),
+    Remedy("p0first", p0_first=True),
+    Remedy("p0pick", p0_pick=True),
+    Remedy("prefill-4", prefill_cap=4),
+    Remedy("prefill-8", prefill_cap=8),
+    Remedy("prefill-16", prefill_cap=16),
+    Remedy("ramp-8+10/s", ramp_burst=8, ramp_rate=10),
+    Remedy("ramp-8+20/s", ramp_burst=8, ramp_rate=20),
+    Remedy("ramp-16+20/s", ramp_burst=16, ramp_rate=20),
+    Remedy("ramp-16+40/s", ramp_burst=16, ramp_rate=40),
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from floodgate.bench.overload import Workload
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, nargs="+", default=[96, 115])
+    ap.add_argument("--capacity", type=float, default=19.1)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--mix", type=float, nargs=3, default=None)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    print("| remedy | limit | seed | P0 TTFT p99 burst ms | after 2 s | P0 queue p99 ms | burst goodput tok/s | "
+          "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms |")
+    for seed in args.seeds:
+        w = Workload(seed=seed) if args.mix is None else Workload(seed=seed, priority_shares=tuple(args.mix))
+        for limit in args.limit:
+            for rem in REMEDIES:
+                if args.only and rem.name not in args.only:
+                    continue
+                r = run(w, args.capacity, limit, rem, seed=seed)
+                print(f"| {r.remedy} | {limit} | {seed} | {r.p0_ttft_p99_burst_s * 1000:.0f} | "
+                      f"{r.p0_ttft_p99_after2_s * 1000:.0f} | {r.p0_queue_p99_burst_s * 1000:.0f} | "
+                      f"{r.goodput_burst_tok_s:.0f} | "
+                      + "/".join(f"{r.rejected_burst[k]}({r.timeouts_burst[k]})" for k in CLASSES)
+                      + f" | {r.p0_sparse_p99_s * 1000:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The onset ramp on the reference permit table, with a fake clock (leases.lua is checked against
+the same table in tests/test_state.py)."""
+
+from __future__ import annotations
+
+import math
+
+from floodgate.extproc.config import PoolConfig
+from floodgate.extproc.permits import PermitTable
+from floodgate.extproc.policy import RAMP_MIN_BURST, ramp_burst, ramp_paces, ramp_refill
+
+
+def table(limit: int = 100, burst: float = 0.08, rate: float = 0.1) -> PermitTable:
+    return PermitTable(limit=limit, shares=(0.5, 0.1, 0.0), ramp_burst=burst, ramp_rate=rate)
+
+
+def arrive(t: PermitTable, n: int, cls: int, now: float, tag: str) -> list[str]:
+    """n requests of class `cls` at `now`: those admitted at once; the rest wait (deadline far)."""
+    got = []
+    for i in range(n):
+        ticket = f"{tag}{i}"
+        if t.try_acquire(ticket, cls, now):
+            got.append(ticket)
+        else:
+            t.enqueue(ticket, cls, "", math.inf, now)
+    return got
+
+
+def test_bucket_arithmetic() -> None:
+    assert ramp_burst(100, 0.08) == 8.0
+    assert ramp_burst(10, 0.08) == RAMP_MIN_BURST  # a small limit still admits a few at once
+    assert ramp_refill(None, 0.0, 5.0, 100, 0.08, 0.1) == 8.0  # never used: full
+    assert math.isclose(ramp_refill(0.0, 1.0, 1.5, 100, 0.08, 0.1), 5.0)  # 0.1 x 100 per s for 0.5 s
+    assert ramp_refill(2.0, 1.0, 100.0, 100, 0.08, 0.1) == 8.0  # never above the burst
+    assert ramp_refill(-3.0, 1.0, 1.0, 100, 0.08, 0.1) == -3.0  # no time, no tokens
+    assert ramp_paces(1, (1, 0, 0)) and ramp_paces(2, (3, 5, 0))
+    assert not ramp_paces(0, (1, 0, 0))  # P0 is never paced
+    assert not ramp_paces(1, (0, 40, 0))  # no P0 in flight: nothing to protect
+
+
+def test_lower_classes_grow_by_the_burst_then_at_the_rate_while_p0_runs() -> None:
+    t = table()
+    assert arrive(t, 1, 0, 0.0, "p0-") == ["p0-0"]  # P0 in flight (took a token: 7 left)
+    got = arrive(t, 40, 1, 0.0, "a")
+    assert len(got) == 7  # the rest of the burst at once, although 92 permits are free
+    assert t.queued() == [0, 33, 0]
+    # 10 tokens per second accrue (0.1 x L): half a second later 5 more waiters are granted
+    assert len(t.mine([], 0.5)[1]) == 5
+    assert len(t.mine([], 1.0)[1]) == 5
+    # P0 is never paced: it takes a free permit at once with the bucket empty
+    assert arrive(t, 3, 0, 1.0, "p0b-") == ["p0b-0", "p0b-1", "p0b-2"]
+    assert t.tokens is not None and t.tokens < 0
+    # a completion gives its token back: what completes is replaced, but the P0s' growth counts:
+    # of 5 completions, 3 tokens pay for the 3 P0s, 2 waiters take the other 2
+    _, granted = t.release_many(["a0", "a1", "a2", "a3", "a4"], 1.0)
+    assert len(granted) == 2
+    _, granted = t.release_many(["a5"], 1.0)
+    assert len(granted) == 1
+
+
+def test_without_p0_in_flight_nothing_is_paced() -> None:
+    t = table()
+    assert len(arrive(t, 40, 1, 0.0, "a")) == 40  # an idle pool's spike goes in at once
+    assert t.tokens is not None and t.tokens < 0  # ... but counts as growth
+    # P0 arrives: lower classes wait until the growth is paid back (completions, time)
+    assert arrive(t, 1, 0, 0.0, "p0-") == ["p0-0"]
+    assert arrive(t, 1, 1, 0.0, "b") == []
+    assert t.mine([], 3.0)[1] == []  # 30 tokens accrued: still below 1 (-33 + 30)
+    assert t.mine([], 3.5)[1] == ["b0"]
+
+
+def test_off_by_rate_zero_and_shipped_on() -> None:
+    t = table(rate=0.0)
+    assert arrive(t, 1, 0, 0.0, "p0-") == ["p0-0"]
+    assert len(arrive(t, 40, 1, 0.0, "a")) == 40
+    assert t.tokens is None
+    pool = PoolConfig()
+    assert pool.onset_ramp_rate > 0 and pool.onset_ramp_burst > 0
