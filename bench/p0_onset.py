@@ -5,17 +5,20 @@ nothing in Floodgate's queue, and then wait in the engine's FIFO queue behind th
 lower-class prompts admitted at once when in-flight jumps from the steady level to the limit.
 This model replays the bench's own plan (`bench.overload.build_plan`) through the reference
 grant loop (`PermitTable` + `queue_decision`, the code the Lua script is checked against) and
-the replicas' own engine model (`sim/engine.py`), Envoy's LEAST_REQUEST in between, to test
-remedies before building one:
+the replicas' own engine model (`sim/engine.py`), Envoy's LEAST_REQUEST in between, with a
+static limit (96: static-96; 115: about Vegas's burst limit), to test remedies before building:
 
-* `ramp`    : lower classes may raise in-flight only by `burst` at once and `rate` per second
-              beyond what releases free (a token bucket; P0 exempt but counted);
-* `prefill` : at most K lower-class requests admitted and still without a first token (an
-              oracle: the processor does not see first tokens of unsampled requests);
-* `p0first` : P0 goes first in its engine's queue (engine-side priority, the ideal's rule);
-* `p0pick`  : P0 goes to the replica with the least prefill work queued (oracle).
+* `shipped-ramp`: the onset ramp as shipped (`PermitTable`'s token bucket, policy.ramp_refill);
+* `ramp-B+R/s`  : an absolute bucket, B at once and R per second beyond what releases free,
+                  applied whether or not a P0 is in flight (variants: `by_release_rate` scales
+                  both with the pool's release rate, `grace` lets a paced waiter go near its
+                  deadline, `above_half` paces only above half the limit);
+* `prefill-K`   : at most K lower-class requests admitted and still without a first token (an
+                  oracle: the processor does not see first tokens of unsampled requests);
+* `p0first`     : P0 goes first in its engine's queue (engine-side priority, the ideal's rule);
+* `p0pick`      : P0 goes to the replica with the least prefill work queued (oracle).
 
-    python -m floodgate.bench.p0_onset --limit 96 115
+    python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3
 """
 
 from __future__ import annotations
