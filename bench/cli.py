@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "overload": "floodgate.bench.overload",
     "elastic": "floodgate.bench.elastic",
     "scale": "floodgate.bench.scale",
+    "script-instr": "floodgate.bench.script_instr",
     "vegas-knee": "floodgate.bench.vegas_knee",
     "reject": "floodgate.bench.reject_latency",
     "faults": "floodgate.bench.faults",

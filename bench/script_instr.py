@@ -1,0 +1,187 @@
+"""Instructions one Redis shard executes per contended admission decision, counted by valgrind.
+
+The CPU figures of `floodgate bench scale` move with this shared VM's load (the same work
+measured 30 and 69 µs per decision in runs minutes apart). This counts instead: the server runs
+under `valgrind --tool=callgrind` (instrumentation switched on only around the measured calls),
+and the same workload is run against this checkout's leases.lua and against the one of a git
+revision (`--base`), loaded side by side as two Function libraries
+in the same server, alternating. Instruction counts do not depend on the box's load, so the
+ratio does not move with the box (it is no time: a cache miss costs more than an instruction).
+What still varies between runs of the same code (within about 1 %; the server runs with
+`--hz 1` to keep it small): the server's timer housekeeping falling inside a measured window,
+and where the Lua garbage collector's steps land.
+
+Workload (the contended decision of the scale bench's direct drive, pipelined so that the
+network is left out): G gateways (synced, subscribed to their grant channels), a pool of limit
+8·G full, 16·G waiters queued; each `batch` call comes from one gateway picked at random and
+carries B `admit`s (each refused and queued behind the others, with its snapshot) and one
+`release` of B permits (each granting the queue's head: a SPUBLISH to its gateway, or in the
+reply). One decision = one admit + one release + the grant. With --batch 1 and --batch 6 the
+per-call and per-decision parts separate: instructions = a/B + b.
+
+  floodgate bench script-instr                          # this checkout vs HEAD~1, B = 1, 3, 6
+  floodgate bench script-instr --base ef5dd4b --batch 3 # vs a given commit
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "instructions per contended decision in the shard (callgrind), this leases.lua vs a base revision"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default="HEAD~1", help="git revision whose extproc/leases.lua is the reference (default HEAD~1)")
+    p.add_argument("--gateways", type=int, default=16, help="gateways (default 16: the direct drive's)")
+    p.add_argument("--batch", default="1,3,6", help="admits (and released permits) per batch call (default 1,3,6)")
+    p.add_argument("--decisions", type=int, default=600, help="measured decisions per library and batch size (default 600)")
+
+
+class _Pool:
+    """One pool driven through one library: setup unmeasured, then `go(n)` pipelined."""
+
+    def __init__(self, r: Any, function: str, gateways: int, batch: int) -> None:
+        from floodgate.extproc.schema import PoolSettings, script_keys
+
+        self.r, self.fn, self.batch = r, function, batch
+        self.pool = f"instr-{function}-{batch}"
+        self.keys = script_keys(self.pool)
+        big = (10**6,) * 3
+        settings = PoolSettings(8 * gateways, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields()
+        self.call(r, "configure", self.pool, *[x for kv in settings.items() for x in kv])
+        self.gws = [f"d{i % 2}g{i}" for i in range(gateways)]
+        for g in self.gws:
+            self.call(r, "sync", g, "0", "0")
+        self.sub = r.pubsub()
+        for g in self.gws:  # grants are published to a subscriber, as in service
+            self.sub.ssubscribe(f"fg:{{{self.pool}}}:gw:{g}")
+        self.held: collections.deque[str] = collections.deque()
+        self.waiting: collections.deque[str] = collections.deque()
+        self.seq: collections.Counter[str] = collections.Counter()
+        self.rng = random.Random(1)
+        for i in range(24 * gateways):
+            a = self.admit_args(self.gws[i % gateways])
+            self.call(r, "admit", *a)
+            (self.held if len(self.held) < 8 * gateways else self.waiting).append(a[0])
+
+    def call(self, p: Any, op: str, *args: str) -> Any:
+        # TTL and timeouts far above the run's length: nothing expires while valgrind is slow
+        return p.fcall(self.fn, len(self.keys), *self.keys, op, "3600000", *args)
+
+    def admit_args(self, g: str) -> list[str]:
+        self.seq[g] += 1
+        return [f"{g}/{self.seq[g]}", g, str(self.seq[g]), "1", "", "0", "3600000"]
+
+    def go(self, decisions: int) -> None:
+        p = self.r.pipeline(transaction=False)
+        for _ in range(-(-decisions // self.batch)):
+            g = self.rng.choice(self.gws)
+            argv = [g]
+            for _ in range(self.batch):
+                a = self.admit_args(g)
+                argv += ["admit", str(len(a)), *a]
+                self.waiting.append(a[0])
+            done = [self.held.popleft() for _ in range(self.batch)]
+            argv += ["release", str(len(done)), *done]
+            self.held.extend(self.waiting.popleft() for _ in range(self.batch))
+            self.call(p, "batch", *argv)
+        for reply in p.execute():
+            errors = [x for x in reply[0] if isinstance(x, list) and x and x[0] == b"err"]
+            if errors:
+                raise RuntimeError(f"{self.fn}: {errors[0]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import redis
+
+    from floodgate.binaries import redis_server_binary
+    from floodgate.supervisor import free_port, wait_for_port
+
+    if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
+        print("valgrind (callgrind) is not installed: apt-get install valgrind")
+        return 2
+    root = Path(__file__).resolve().parent.parent
+    here = (root / "extproc" / "leases.lua").read_text()
+    base_rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", args.base], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    base = subprocess.run(["git", "-C", str(root), "show", f"{base_rev}:extproc/leases.lua"], check=True,
+                          capture_output=True, text=True).stdout
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "extproc/leases.lua"]).returncode
+    label_here = f"{head}{'+changes' if dirty else ''}"
+    batches = [int(x) for x in str(args.batch).split(",") if x.strip()]
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"fg-script-instr-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    server = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={work}/cg.%p",
+         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(work), "--hz", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 60, server)
+        r = redis.Redis(port=port)
+        pid = str(server.pid)
+
+        def control(*a: str) -> None:
+            subprocess.run(["callgrind_control", *a, pid], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def measured(pool: _Pool, n: int) -> int:
+            control("-z")
+            control("-i", "on")
+            pool.go(n)
+            control("-d")  # dumps after the pipeline's replies came back: every call is counted
+            control("-i", "off")
+            dump = max(glob.glob(f"{work}/cg.{pid}.*"), key=os.path.getmtime)
+            for line in Path(dump).read_text().splitlines():
+                if line.startswith(("totals:", "summary:")):
+                    return int(line.split()[1])
+            raise RuntimeError(f"no totals in {dump}")
+
+        libs = {}
+        for label, source in (("base", base), ("here", here)):
+            name = f"fg_instr_{label}"
+            r.function_load(f"#!lua name={name}\n{source}\nredis.register_function{{function_name='{name}', callback=main}}\n",
+                            replace=True)
+            libs[label] = name
+        print(f"floodgate bench script-instr: leases.lua of {label_here} vs {base_rev}; {args.gateways} gateways, "
+              f"limit {8 * args.gateways}, {16 * args.gateways} waiters; {args.decisions} decisions per cell "
+              f"(valgrind callgrind: instructions of the shard, user space)\n", flush=True)
+        head_line = f"{'admits per call':>15} {'base instr/dec':>15} {'here instr/dec':>15} {'here/base':>9}"
+        print(head_line)
+        print("-" * len(head_line))
+        results: dict[tuple[str, int], float] = {}
+        t0 = time.monotonic()
+        for b in batches:
+            pools = {label: _Pool(r, fn, args.gateways, b) for label, fn in libs.items()}
+            for pool in pools.values():
+                pool.go(60)  # warm: the library's caches, the hashes' encodings
+            for label in ("base", "here", "base", "here"):  # alternate; keep the lower of two
+                n = measured(pools[label], args.decisions) / args.decisions
+                results[(label, b)] = min(results.get((label, b), float("inf")), n)
+            for pool in pools.values():
+                pool.sub.close()
+                r.delete(*pool.keys)
+            print(f"{b:>15} {results[('base', b)]:>15,.0f} {results[('here', b)]:>15,.0f} "
+                  f"{results[('here', b)] / results[('base', b)]:>9.3f}", flush=True)
+        if 1 in batches and len(batches) > 1:
+            hi = max(batches)
+            for label in ("base", "here"):
+                a = (results[(label, 1)] - results[(label, hi)]) / (1 - 1 / hi)
+                print(f"{label}: {a:,.0f} instructions per call + {results[(label, 1)] - a:,.0f} per decision "
+                      f"(from B = 1 and {hi})")
+        print(f"\n({time.monotonic() - t0:.0f} s under valgrind)")
+    finally:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
