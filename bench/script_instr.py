@@ -41,6 +41,7 @@ SUMMARY = "instructions per contended decision in the shard (callgrind), this le
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="HEAD~1", help="git revision whose extproc/leases.lua is the reference (default HEAD~1)")
+    p.add_argument("--base-file", metavar="PATH", help="a leases.lua file as the reference instead of --base's")
     p.add_argument("--gateways", type=int, default=16, help="gateways (default 16: the direct drive's)")
     p.add_argument("--batch", default="1,3,6", help="admits (and released permits) per batch call (default 1,3,6)")
     p.add_argument("--decisions", type=int, default=600, help="measured decisions per library and batch size (default 600)")
@@ -111,10 +112,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     root = Path(__file__).resolve().parent.parent
     here = (root / "extproc" / "leases.lua").read_text()
-    base_rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", args.base], check=True,
-                              capture_output=True, text=True).stdout.strip()
-    base = subprocess.run(["git", "-C", str(root), "show", f"{base_rev}:extproc/leases.lua"], check=True,
-                          capture_output=True, text=True).stdout
+    if args.base_file:
+        base_rev, base = str(args.base_file), Path(args.base_file).read_text()
+    else:
+        base_rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", args.base], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+        base = subprocess.run(["git", "-C", str(root), "show", f"{base_rev}:extproc/leases.lua"], check=True,
+                              capture_output=True, text=True).stdout
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "extproc/leases.lua"]).returncode
