@@ -21,6 +21,7 @@ per-call and per-decision parts separate: instructions = a/B + b.
 
   floodgate bench script-instr                          # this checkout vs HEAD~1, B = 1, 3, 6
   floodgate bench script-instr --base ef5dd4b --batch 3 # vs a given commit
+  floodgate bench script-instr --server-arg=--zset-max-listpack-entries --server-arg=16  # a server setting
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-file", metavar="PATH", help="a leases.lua file as the reference instead of --base's")
     p.add_argument("--gateways", type=int, default=16, help="gateways (default 16: the direct drive's)")
     p.add_argument("--batch", default="1,3,6", help="admits (and released permits) per batch call (default 1,3,6)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra server argument (repeat; e.g. --server-arg=--zset-max-listpack-entries --server-arg=16)")
     p.add_argument("--decisions", type=int, default=600, help="measured decisions per library and batch size (default 600)")
 
 
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     server = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={work}/cg.%p",
          redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(work), "--hz", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--dir", str(work), "--hz", "1", *args.server_arg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port("127.0.0.1", port, 60, server)
         r = redis.Redis(port=port)
