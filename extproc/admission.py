@@ -55,7 +55,13 @@ from floodgate.extproc.limit import (
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.picking import Picker
-from floodgate.extproc.policy import ARRIVAL_TAU_S, DecayingRate, Reject, retry_after
+from floodgate.extproc.policy import (
+    ARRIVAL_FAST_TAU_S,
+    ARRIVAL_TAU_S,
+    DecayingRate,
+    Reject,
+    retry_after,
+)
 from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
 from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
 from floodgate.extproc.state import PoolState
@@ -120,12 +126,17 @@ class PoolRuntime:
     arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
         default_factory=lambda: (DecayingRate(tau=ARRIVAL_TAU_S), DecayingRate(tau=ARRIVAL_TAU_S),
                                  DecayingRate(tau=ARRIVAL_TAU_S)))
+    # The same with a short decay: a class that would rather be told at once reads the faster of
+    # the two, which follows a burst's onset (policy.wait_estimate, reject_fast).
+    arrivals_fast: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
+        default_factory=lambda: (DecayingRate(tau=ARRIVAL_FAST_TAU_S), DecayingRate(tau=ARRIVAL_FAST_TAU_S),
+                                 DecayingRate(tau=ARRIVAL_FAST_TAU_S)))
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
 
-    def arrival_rates(self, now: float, processors: int = 1) -> tuple[float, float, float]:
+    def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
-        a = self.arrivals
+        a = self.arrivals_fast if fast else self.arrivals
         return a[0].read(now) * n, a[1].read(now) * n, a[2].read(now) * n
 
     def follows_endpoints(self) -> bool:
@@ -438,6 +449,7 @@ class Admitter:
             tenant = "(anonymous)"  # tenant-less requests share one tenant cap only when configured
         req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
         rt.arrivals[priority].bump(started)
+        rt.arrivals_fast[priority].bump(started)
         result: Permit | Reject | None = None
         for _ in range(8):  # a request follows the mode switches while it waits
             result = await self.backend(rt).admit(rt, req)

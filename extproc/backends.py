@@ -93,10 +93,15 @@ class Backend(Protocol):
     def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None: ...
 
 
-def _snapshot(st: PoolStatus, arrivals: tuple[float, float, float] | None = None) -> Snapshot:
+Rates = tuple[float, float, float]
+
+
+def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None) -> Snapshot:
+    """`arrivals`: (the arrival rates per class, the fast-reacting ones)."""
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
-                    tail_left=st.tail_left, arrival_rates=arrivals)
+                    tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
+                    arrival_rates_fast=arrivals[1] if arrivals else None)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -106,9 +111,11 @@ class SharedBackend:
     def __init__(self, admitter: Admitter) -> None:
         self.a = admitter
 
-    def _arrivals(self, rt: PoolRuntime, st: PoolStatus) -> tuple[float, float, float]:
-        """Pool-wide arrival rates per class: this process's, times the live processors."""
-        return rt.arrival_rates(self.a.clock(), st.live_gateways)
+    def _arrivals(self, rt: PoolRuntime, st: PoolStatus) -> tuple[Rates, Rates]:
+        """Pool-wide arrival rates per class (and the fast-reacting ones): this process's, times
+        the live processors."""
+        now = self.a.clock()
+        return (rt.arrival_rates(now, st.live_gateways), rt.arrival_rates(now, st.live_gateways, fast=True))
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
@@ -273,7 +280,8 @@ class LocalBackend:
         snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt), now=now,
                                  release_n=last.release_n if last else 0,
                                  inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0,
-                                 arrival_rates=rt.arrival_rates(now))
+                                 arrival_rates=rt.arrival_rates(now),
+                                 arrival_rates_fast=rt.arrival_rates(now, fast=True))
         decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             return decision

@@ -45,6 +45,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# `slo_reject_s` is a p99 target: a class that has one waits only when 99 % sure to be served.
+REJECT_SLO_QUANTILE = 0.99
+
+
 class ClassConfig(_Strict):
     """Per-priority-class admission settings, derived from the class's SLO unless overridden."""
 
@@ -53,7 +57,8 @@ class ClassConfig(_Strict):
     queue_wait_slo_share: float = Field(default=0.75, gt=0, le=100, description="Longest queue wait as a multiple of `slo_ttft_s` when `queue_timeout_s` is not set (< 1 leaves the rest of the TTFT target for prefill; > 1 for a class that should rather wait than fail).")
     queue_timeout_s: float = Field(default=0.0, ge=0, le=600, description="Longest a request of this class waits in the queue before 429 (0 = `queue_wait_slo_share` x `slo_ttft_s`).")
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
-    early_drop_min_chance: float = Field(default=0.5, ge=0, le=1, description="Early drop turns a request of this class away at once when the chance that the grant loop reaches it before its queue timeout (releases as a Poisson process at the measured rates' upper bound, higher classes' arrivals jumping ahead) is below this. Lower: fewer requests turned away that would have been served in time; higher: fewer that wait their whole timeout and then get 429 (docs/admission.md has the trade-off curve).")
+    slo_reject_s: float = Field(default=0.0, ge=0, le=600, description="Time-to-429 target of this class at p99 (0 = none: a rejection may come at the queue timeout). Below `queue_timeout_s` it says the class would rather be told at once than wait and then fail (a request that times out misses it): a request of this class then waits only when the grant loop reaches it in time with 99 % chance (`early_drop_min_chance` derives 0.99) at the rates' pessimistic bounds, and is turned away at once otherwise, also while the rates rest on too few releases to tell (docs/admission.md, early drop).")
+    early_drop_min_chance: float = Field(default=0.5, ge=0, le=1, description="Early drop turns a request of this class away at once when the chance that the grant loop reaches it before its queue timeout (releases as a Poisson process at the measured rates' upper bound, higher classes' arrivals jumping ahead; the pessimistic bounds for a class with an `slo_reject_s` below its queue timeout) is below this. Lower: fewer requests turned away that would have been served in time; higher: fewer that wait their whole timeout and then get 429 (docs/admission.md has the trade-off curve). Unset: 0.5, or 0.99 (the quantile of `slo_reject_s`) for a class that would rather be told at once.")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
     headroom: float = Field(default=0.0, ge=0, le=1, description="Share of the limit that only this class and the classes above it may take: a lower class above its own `share` is admitted only while this many permits stay free. Arrivals of this class then find a free permit at once instead of waiting for a release while lower classes keep the pool full (at the cost of that many permits the lower classes cannot use).")
     tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one named tenant may hold (tenant_cap).")
@@ -66,13 +71,23 @@ class ClassConfig(_Strict):
         if self.queue_timeout_s == 0:
             derived = min(600.0, self.queue_wait_slo_share * self.slo_ttft_s)
             object.__setattr__(self, "queue_timeout_s", round(derived, 6))
+        if self.rejects_fast and "early_drop_min_chance" not in self.model_fields_set:
+            # A p99 target that a timed-out wait misses: at most 1 % of its waiters may time out.
+            object.__setattr__(self, "early_drop_min_chance", REJECT_SLO_QUANTILE)
         return self
+
+    @property
+    def rejects_fast(self) -> bool:
+        """Would this class rather be told at once than wait and fail? (Its time-to-429 target
+        is shorter than its queue timeout, so any rejection after a wait misses it.)"""
+        return 0 < self.slo_reject_s < self.queue_timeout_s
 
 
 def _default_classes() -> dict[int, ClassConfig]:
     # Interactive SLO for every class (TTFT 2 s, TPOT 100 ms); what differs is how long each
     # may wait for it: critical waits well past its TTFT target rather than fail (10 x = 20 s),
-    # standard waits ~3/4 of it (the rest is prefill), sheddable half of it.
+    # standard waits ~3/4 of it (the rest is prefill), sheddable half of it — and sheddable
+    # would rather hear 429 at once (10 ms at p99) than wait and then hear it.
     # Shares are floors against starvation, not targets: standard keeps 10 % of the limit under
     # any flood of critical traffic, sheddable keeps nothing (it runs on what the others leave,
     # and is turned away at once while they are backlogged). Critical keeps 10 % of the limit
@@ -80,7 +95,7 @@ def _default_classes() -> dict[int, ClassConfig]:
     return {
         0: ClassConfig(queue_wait_slo_share=10, max_queue=1000, share=0.5, headroom=0.1),
         1: ClassConfig(queue_wait_slo_share=0.75, max_queue=1000, share=0.1),
-        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.0),
+        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.0, slo_reject_s=0.01),
     }
 
 

@@ -86,7 +86,8 @@ class PermitTable:
 
     def snapshot(self, cls: int, tenant: str, grant_rate: float, *, now: float | None = None,
                  release_n: int = 0, inflight_avg: float = 0.0,
-                 arrival_rates: tuple[float, float, float] | None = None) -> Snapshot:
+                 arrival_rates: tuple[float, float, float] | None = None,
+                 arrival_rates_fast: tuple[float, float, float] | None = None) -> Snapshot:
         """The policy's view of this table; with `now`, the head/tail deadlines of each queue."""
         q = self.queued()
         head = tail = None
@@ -96,6 +97,7 @@ class PermitTable:
         return Snapshot(limit=self.limit, inflight=self.inflight(), queued=(q[0], q[1], q[2]),
                         tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
                         release_n=release_n, inflight_avg=inflight_avg, arrival_rates=arrival_rates,
+                        arrival_rates_fast=arrival_rates_fast,
                         head_left=head, tail_left=tail)  # type: ignore[arg-type]
 
     def _alive(self, gateway: str, now: float) -> bool:

@@ -32,6 +32,7 @@ CLASSES = (0, 1, 2)
 RATE_TAU_S = 10.0  # decay time of the event rates (leases.lua RATE_TAU_MS)
 MIN_RELEASES = 20  # below this many freed permits behind the rate, never drop early
 ARRIVAL_TAU_S = 2.0  # decay time of the per-class arrival rates (they must follow a burst's onset)
+ARRIVAL_FAST_TAU_S = 0.5  # the fast-reacting arrival rates (a 3x onset is seen at ~2x within 0.25 s)
 CONFIDENCE_Z = 2.0  # standard errors of margin on the measured rate before a wait counts as too long
 
 
@@ -167,6 +168,9 @@ class Snapshot:
     # Requests per second arriving in each class, pool-wide, recent (None = unknown): the
     # higher classes' arrivals jump ahead of a waiter during its wait.
     arrival_rates: tuple[float, float, float] | None = None
+    # The same with a short decay (`ARRIVAL_FAST_TAU_S`): follows a burst's onset within a
+    # fraction of a second, noisier; read only by a class that would rather be told at once.
+    arrival_rates_fast: tuple[float, float, float] | None = None
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -349,28 +353,39 @@ class WaitEstimate:
             best = min(best, head + (n - (self.gap if head > 0 else 0)) / self.class_rate)
         return best
 
-    def certainly_over(self, deadline_s: float, min_chance: float = 0.5) -> bool:
+    def certainly_over(self, deadline_s: float, min_chance: float = 0.5, *, reject_fast: bool = False) -> bool:
         """True when the chance that the grant loop reaches this request before `deadline_s`,
         at the release rates' upper confidence bounds (and the higher classes' arrivals at their
         lower one: a short-window rate of a few arrivals is noisy, and an overestimate of what
         jumps ahead drops requests that would have been served), is below `min_chance`; never on few releases:
-        when unsure about the rate, the request waits (admitting late beats rejecting early)."""
+        when unsure about the rate, the request waits (admitting late beats rejecting early).
+
+        `reject_fast` (a class that would rather be told at once than wait and fail): the other
+        way round — the releases at their lower bound, the higher arrivals at their upper one,
+        and on few releases the request is turned away (for it, rejecting early beats failing
+        late)."""
         if self.rate <= 0 or self.samples < MIN_RELEASES:
-            return False
+            return reject_fast
         scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples)
-        return self.chance(deadline_s, scale) < min_chance
+        return self.chance(deadline_s, 1 / scale if reject_fast else scale) < min_chance
 
 
 def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
-                  headroom: Sequence[float] = (0.0, 0.0, 0.0)) -> WaitEstimate:
+                  headroom: Sequence[float] = (0.0, 0.0, 0.0), *, reject_fast: bool = False) -> WaitEstimate:
     """Where a new request of class `cls` stands in the grant order and how fast it advances
     (see `WaitEstimate`). Higher classes' arrival rates come from `snap.arrival_rates`; when
     they are unknown, the open path counts only when no higher class waits (as if none
-    arrived), and not at all when one does."""
+    arrived), and not at all when one does.
+
+    `reject_fast` (a class that would rather be told at once): the pessimistic reading — the
+    measured release rate without the Little's-law scale-up (a pool that just filled up holds
+    each permit longer as its engines fill, so more in flight need not free more per second),
+    and each higher class's arrivals at the faster-reacting of its two rates (the 2 s one lags
+    a burst's onset)."""
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
-    r = snap.release_rate()
+    r = snap.grant_rate if reject_fast else snap.release_rate()
     samples = min(float(snap.release_n), snap.grant_rate * RATE_TAU_S) if snap.grant_rate > 0 else 0.0
     total = sum(inflight)
     free = max(0, limit - total)
@@ -387,7 +402,8 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     if snap.arrival_rates is None:
         open_rate = r if higher_queued == 0 else 0.0
     else:
-        lam = sum(snap.arrival_rates[k] for k in higher)
+        fast = snap.arrival_rates_fast if reject_fast and snap.arrival_rates_fast is not None else snap.arrival_rates
+        lam = sum(max(snap.arrival_rates[k], fast[k]) for k in higher)
         open_rate = max(0.0, r - lam)
     per_permit = r / total if total > 0 else 0.0
     gap = max(0, res[cls] - inflight[cls] - free)
@@ -433,7 +449,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     tenant (unless `admission.anonymous_tenant_cap` says so), so no tenant cap applies."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
-    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES])
+    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast)
     wait = est.seconds
     if snap.queued[cls] >= c.max_queue:
         return Reject("queue_full", retry_after(wait, c, cfg, rand))
@@ -441,7 +457,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
             return Reject("tenant_cap", retry_after(wait, c, cfg, rand))
-    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance):
+    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(wait, c, cfg, rand))
     return Enqueue(wait)
 
@@ -462,8 +478,8 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     kept = kept_free(cls, snap.limit, headroom) if snap.inflight[cls] >= reservations(snap.limit, shares)[cls] else 0
     if free > kept:
         return None
-    est = wait_estimate(cls, snap, shares, headroom)
-    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance):
+    est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast)
+    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 

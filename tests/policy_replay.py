@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
+    ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
     CLASSES,
     DecayingMean,
@@ -65,6 +66,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     grants = [DecayingRate(), DecayingRate(), DecayingRate()]
     # requests arriving per class, as the processor counts them
     arrivals = [DecayingRate(tau=ARRIVAL_TAU_S) for _ in CLASSES]
+    arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -98,6 +100,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             table.cancel(str(i))  # gone from the queue, or granted already (then nothing)
         else:
             arrivals[a.cls].bump(now)
+            arrivals_fast[a.cls].bump(now)
             if table.try_acquire(str(i), a.cls, now):
                 out.decisions[i] = "immediate"
                 granted([str(i)], now)
@@ -111,6 +114,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
                 inflight_avg=level.value,
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
+                arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
                                 for k in CLASSES),  # type: ignore[arg-type]
                 tail_left=tuple(max(0.0, table.queues[k][-1].deadline - now) if table.queues[k] else 0.0

@@ -17,11 +17,14 @@ from collections import Counter
 from floodgate.extproc.config import PoolConfig
 
 from tests.policy_replay import replay, wrong_drops_at_current_rate
-from tests.test_policy_replay import bench_burst, random_history
+from tests.test_policy_replay import bench_burst, p2_outcomes, random_history
 
 
 def measure(chance: float, seeds: range, burst_seeds: range) -> dict[str, Counter[str]]:
-    classes = {k: c.model_copy(update={"early_drop_min_chance": chance}) for k, c in PoolConfig().classes.items()}
+    # every class reads the rates optimistically at this chance (no reject target: the curve is
+    # of the chance alone)
+    classes = {k: c.model_copy(update={"early_drop_min_chance": chance, "slo_reject_s": 0.0})
+               for k, c in PoolConfig().classes.items()}
     out: dict[str, Counter[str]] = {"random": Counter(), "burst": Counter()}
     runs = [("random", *random_history(s)) for s in seeds] + [("burst", 107, bench_burst(s)) for s in burst_seeds]
     for kind, limit, history in runs:
@@ -41,12 +44,50 @@ def measure(chance: float, seeds: range, burst_seeds: range) -> dict[str, Counte
     return out
 
 
+def reject_target(seeds: range, bench_seeds: range) -> None:
+    """P2 with and without its reject target (`slo_reject_s`), the other classes as shipped:
+    per class early drops and wrong drops over the random histories, and P2's queue timeouts,
+    early drops and requests served in time over the bench's whole plan (burst and sparse
+    phase, limits 96 and 107)."""
+    shipped = PoolConfig().classes
+    variants = {"P2 waits at 0.5 (no reject target)":
+                {**shipped, 2: shipped[2].model_copy(update={"slo_reject_s": 0.0, "early_drop_min_chance": 0.5})},
+                "shipped: P2 `slo_reject_s` 0.01": shipped}
+    print("| P2 | random: wrong drops P0 / P1 / P2 (of early drops) | P2 timeouts (of P2 rejections) | P2 served in time "
+          "| bench plan: P2 timeouts (of P2 rejections) | P2 served in time |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, classes in variants.items():
+        drops: Counter[int] = Counter()
+        wrong: Counter[int] = Counter()
+        p2_to = p2_served = 0
+        for s in seeds:
+            limit, history = random_history(s)
+            o = replay(limit, classes, history)
+            drops.update(history[i].cls for i in o.early_drops())
+            wrong.update(history[i].cls for i in wrong_drops_at_current_rate(o, classes, history))
+            for i, a in enumerate(history):
+                if a.cls == 2:
+                    d = o.decisions[i]
+                    in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+                    p2_served += in_time
+                    p2_to += d == "queued" and not in_time
+        bt, bd, bs = p2_outcomes(classes, bench_seeds)
+        w = " / ".join(f"{wrong[k]} ({drops[k]})" for k in range(3))
+        print(f"| {name} | {w} | {p2_to} ({100 * p2_to / max(1, p2_to + drops[2]):.1f} %) | {p2_served} "
+              f"| {bt} ({100 * bt / max(1, bt + bd):.1f} %) | {bs} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("chances", nargs="*", type=float, default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
     p.add_argument("--seeds", type=int, default=40, help="random histories (the property test's)")
     p.add_argument("--burst-seeds", type=int, default=4)
+    p.add_argument("--reject-target", action="store_true",
+                   help="instead: P2 with and without its reject target (slo_reject_s), per-class wrong drops")
     args = p.parse_args(argv)
+    if args.reject_target:
+        reject_target(range(args.seeds), range(args.burst_seeds))
+        return 0
     print("| min chance | random: early drops | wrong drops | queue timeouts (of rejections) | served in time "
           "| bench burst: P2 drops | P2 timeouts (of P2 rejections) | P2 served in time | all served |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

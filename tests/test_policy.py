@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from floodgate.extproc.config import AdmissionConfig, ClassConfig
+from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     Enqueue,
@@ -417,3 +417,48 @@ def test_wait_estimate_counts_the_headroom_it_may_not_take() -> None:
     assert est4.seconds == pytest.approx(2 / 3.0)  # 2 releases at 4/s minus P0's 1/s
     # without headroom the same P1 would count the free permit as its own
     assert wait_estimate(1, s4, SHIPPED_SHARES).releases == 0
+
+
+def test_a_class_with_a_reject_target_below_its_timeout_derives_its_confidence() -> None:
+    """`slo_reject_s` below the queue timeout: a rejection after a wait misses it, so the class
+    waits only when 99 % sure (its p99); an explicit `early_drop_min_chance` still wins, and a
+    target the timeout already meets changes nothing."""
+    c = ClassConfig(queue_timeout_s=1, max_queue=1, share=0.0, slo_reject_s=0.01)
+    assert c.rejects_fast and c.early_drop_min_chance == 0.99
+    assert ClassConfig(queue_timeout_s=1, max_queue=1, share=0.0, slo_reject_s=0.01,
+                       early_drop_min_chance=0.7).early_drop_min_chance == 0.7
+    loose = ClassConfig(queue_timeout_s=1, max_queue=1, share=0.0, slo_reject_s=2)
+    assert not loose.rejects_fast and loose.early_drop_min_chance == 0.5
+    assert not ClassConfig(queue_timeout_s=1, max_queue=1, share=0.0).rejects_fast
+    shipped = PoolConfig().classes
+    assert shipped[2].rejects_fast and not shipped[0].rejects_fast and not shipped[1].rejects_fast
+
+
+def test_a_class_that_rather_hears_at_once_is_turned_away_when_unsure() -> None:
+    """Few releases behind the rate: P1 (no reject target) waits — admitting late beats
+    rejecting early; the shipped P2 (10 ms reject target) is turned away at once."""
+    shipped = PoolConfig().classes
+    s = Snapshot(10, (5, 3, 2), (0, 0, 0), 0, grant_rate=5.0, release_n=4, arrival_rates=(0.0, 1.0, 1.0))
+    assert isinstance(queue_decision(1, s, shipped, ADM, 0.0), Enqueue)
+    assert isinstance(queue_decision(2, s, shipped, ADM, 0.0), Reject)
+    assert certain_reject(2, s, shipped, ADM, 0.0) is not None
+    assert certain_reject(1, s, shipped, ADM, 0.0) is None
+
+
+def test_reject_fast_reads_the_rates_pessimistically() -> None:
+    """At a burst's onset: the pool just filled (in flight 100 against a mean of 60), the 2 s
+    arrival rate of the higher classes still says 18/s, the 0.5 s one already 40/s. Read
+    optimistically (releases scaled up by Little's law, the slow arrival rate at its lower
+    bound) a P2 with nothing ahead is reached in time; read as a class that would rather be told
+    at once (releases as measured, the faster arrival rate) it is not."""
+    shipped = PoolConfig().classes
+    onset = Snapshot(110, (20, 70, 10), (0, 0, 0), 0, grant_rate=20.0, release_n=300, inflight_avg=60.0,
+                     arrival_rates=(4.0, 14.0, 8.0), arrival_rates_fast=(9.0, 31.0, 17.0))
+    lenient = {**shipped, 2: shipped[2].model_copy(update={"slo_reject_s": 0.0, "early_drop_min_chance": 0.5})}
+    assert isinstance(queue_decision(2, onset, lenient, ADM, 0.0), Enqueue)
+    assert wait_estimate(2, onset, [c.share for c in shipped.values()], [c.headroom for c in shipped.values()],
+                         reject_fast=True).open_rate == pytest.approx(0.0)
+    assert isinstance(queue_decision(2, onset, shipped, ADM, 0.0), Reject)
+    # steady (the fast rate agrees, the pool is at its mean in flight) and quiet above: it waits
+    steady = replace(onset, inflight_avg=100.0, arrival_rates=(1.0, 3.0, 8.0), arrival_rates_fast=(1.0, 3.0, 8.0))
+    assert isinstance(queue_decision(2, steady, shipped, ADM, 0.0), Enqueue)
