@@ -151,7 +151,8 @@ def served_in_time(out: Outcome, history: list[Arrival], cls: int, until: float)
 
 
 def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival],
-                    base: Outcome, sample: int | None = None, **kw: object) -> list[int]:
+                    base: Outcome, sample: int | None = None, judged: tuple[int, ...] = CLASSES,
+                    **kw: object) -> list[int]:
     """Early drops that cost their class a request served in time.
 
     The counterfactual: the same history with this one request enqueued instead and the rule
@@ -162,7 +163,7 @@ def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: lis
     the grant loop serves a class no faster for a longer queue (that is why the queue is
     bounded), it only changes which of its requests it serves."""
     wrong = []
-    drops = base.early_drops()
+    drops = [i for i in base.early_drops() if history[i].cls in judged]
     if sample is not None and len(drops) > sample:
         step = len(drops) / sample
         drops = [drops[int(k * step)] for k in range(sample)]
