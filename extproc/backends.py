@@ -96,12 +96,13 @@ class Backend(Protocol):
 Rates = tuple[float, float, float]
 
 
-def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None) -> Snapshot:
-    """`arrivals`: (the arrival rates per class, the fast-reacting ones)."""
+def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None, ramp: bool = False) -> Snapshot:
+    """`arrivals`: (the arrival rates per class, the fast-reacting ones); `ramp`: the onset
+    ramp is on."""
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
-                    arrival_rates_fast=arrivals[1] if arrivals else None)
+                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=ramp)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -125,7 +126,7 @@ class SharedBackend:
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
         last, age = rt.last_status, a.clock() - rt.last_status_at
-        last_snap = _snapshot(last, self._arrivals(rt, last)) if last is not None else None
+        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings.ramp_rate > 0) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -178,7 +179,7 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st)), rt.cfg.classes,
+            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings.ramp_rate > 0), rt.cfg.classes,
                                       a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             if st.enqueued:
@@ -221,7 +222,7 @@ class SharedBackend:
                 pass  # the queue entry goes with the next sync
             # Retry-After from the freshest state seen (the status loop's), not from enqueue time.
             fresh = rt.last_status or st
-            return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh)), rt.cfg.classes,
+            return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh), rt.settings.ramp_rate > 0), rt.cfg.classes,
                                   a.cfg.admission, a.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a

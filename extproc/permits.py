@@ -97,7 +97,7 @@ class PermitTable:
         return Snapshot(limit=self.limit, inflight=self.inflight(), queued=(q[0], q[1], q[2]),
                         tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
                         release_n=release_n, inflight_avg=inflight_avg, arrival_rates=arrival_rates,
-                        arrival_rates_fast=arrival_rates_fast,
+                        arrival_rates_fast=arrival_rates_fast, ramp=self.ramp_rate > 0,
                         head_left=head, tail_left=tail)  # type: ignore[arg-type]
 
     def _alive(self, gateway: str, now: float) -> bool:

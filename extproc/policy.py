@@ -173,6 +173,9 @@ class Snapshot:
     # The same with a short decay (`ARRIVAL_FAST_TAU_S`): follows a burst's onset within a
     # fraction of a second, noisier; read only by a class that would rather be told at once.
     arrival_rates_fast: tuple[float, float, float] | None = None
+    # The onset ramp is on (`PoolConfig.onset_ramp_rate` > 0): while P0 is in flight a free
+    # permit reaches a lower class only when the ramp's bucket has a token for it.
+    ramp: bool = False
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -398,6 +401,10 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         kept = kept_free(cls, limit, headroom)
         blocked = max(0, kept - free)
         free = max(0, free - kept)
+    if reject_fast and snap.ramp and ramp_paces(cls, inflight):
+        # Paced by the onset ramp: a free permit is its only with a token, which the snapshot
+        # does not show; the pessimistic reading counts only releases (each gives a token back).
+        free = 0
     higher = [k for k in CLASSES if k < cls]
     higher_queued = sum(q[k] for k in higher)
     lam: float | None = None

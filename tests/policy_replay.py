@@ -54,13 +54,15 @@ class Outcome:
 
 def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival], *,
            force_enqueue: frozenset[int] = frozenset(), adm: AdmissionConfig | None = None,
-           warm_rate: tuple[float, float] | None = None) -> Outcome:
+           warm_rate: tuple[float, float] | None = None, ramp: tuple[float, float] | None = None) -> Outcome:
     """`warm_rate` = (rate, since): the release-rate estimator starts as if `rate` permits per
-    second had been freed for `since` seconds (a pool that has been busy before the history)."""
+    second had been freed for `since` seconds (a pool that has been busy before the history).
+    `ramp` = (burst, rate): the onset ramp on (shares of the limit; rate per second)."""
     adm = adm or AdmissionConfig()
     shares = (classes[0].share, classes[1].share, classes[2].share)
     table = PermitTable(limit=limit, shares=shares,
-                        headroom=(classes[0].headroom, classes[1].headroom, classes[2].headroom))
+                        headroom=(classes[0].headroom, classes[1].headroom, classes[2].headroom),
+                        ramp_burst=ramp[0] if ramp else 0.0, ramp_rate=ramp[1] if ramp else 0.0)
     released = DecayingRate()
     level = DecayingMean()
     grants = [DecayingRate(), DecayingRate(), DecayingRate()]
@@ -112,7 +114,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 grant_rate=released.read(now), release_n=released.n,
                 class_rate=grants[a.cls].read(now),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
-                inflight_avg=level.value,
+                inflight_avg=level.value, ramp=ramp is not None,
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0

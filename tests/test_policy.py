@@ -462,3 +462,19 @@ def test_reject_fast_reads_the_rates_pessimistically() -> None:
     # steady (the fast rate agrees, the pool is at its mean in flight) and quiet above: it waits
     steady = replace(onset, inflight_avg=100.0, arrival_rates=(1.0, 3.0, 8.0), arrival_rates_fast=(1.0, 3.0, 8.0))
     assert isinstance(queue_decision(2, steady, shipped, ADM, 0.0), Enqueue)
+
+
+def test_reject_fast_under_the_onset_ramp_does_not_count_on_free_permits() -> None:
+    """Free permits while P0 is in flight: with the onset ramp on, a lower class gets one only
+    when the ramp's bucket has a token, which the snapshot does not show. P1 (no reject target)
+    waits as before; the shipped P2 counts only releases, and with P1 waiters ahead and the
+    higher classes arriving as fast as permits free it is turned away at once."""
+    shipped = PoolConfig().classes
+    s = Snapshot(100, (20, 50, 10), (0, 6, 0), 0, grant_rate=20.0, release_n=300, inflight_avg=80.0,
+                 arrival_rates=(5.0, 15.0, 6.0), arrival_rates_fast=(5.0, 15.0, 6.0))
+    assert isinstance(queue_decision(2, s, shipped, ADM, 0.0), Enqueue)  # 20 free: 10 beyond P0's headroom
+    paced = replace(s, ramp=True)
+    assert isinstance(queue_decision(2, paced, shipped, ADM, 0.0), Reject)
+    assert isinstance(queue_decision(1, paced, shipped, ADM, 0.0), Enqueue)
+    # without P0 in flight the ramp paces nothing
+    assert isinstance(queue_decision(2, replace(paced, inflight=(0, 60, 20)), shipped, ADM, 0.0), Enqueue)
