@@ -35,6 +35,7 @@ from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     ARRIVAL_TAU_S,
     CLASSES,
+    RAMP_MIN_RATE_S,
     DecayingMean,
     DecayingRate,
     Reject,
@@ -196,7 +197,8 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     table: PermitTable
     if remedy.shipped is not None:
         table = PermitTable(limit=limit, shares=shares, headroom=headroom,  # type: ignore[arg-type]
-                            ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1])
+                            ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1],
+                            ramp_min_rate=RAMP_MIN_RATE_S)
     else:
         table = GatedTable(limit=limit, shares=shares, headroom=headroom, gate=gate)  # type: ignore[arg-type]
     engines = [Engine(w.engine_config()) for _ in range(w.replicas)]

@@ -58,6 +58,8 @@ from floodgate.extproc.picking import Picker
 from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
+    RAMP_MIN_BURST,
+    RAMP_MIN_RATE_S,
     DecayingRate,
     Reject,
     retry_after,
@@ -93,7 +95,8 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         max_queue=(cls[0].max_queue, cls[1].max_queue, cls[2].max_queue),
         tenant_cap=(tenant_cap(cls[0]), tenant_cap(cls[1]), tenant_cap(cls[2])),
         epoch=p.settings_epoch,
-        ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate)
+        ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate,
+        ramp_min_burst=RAMP_MIN_BURST, ramp_min_rate=RAMP_MIN_RATE_S)
 
 
 @dataclass

@@ -177,7 +177,8 @@ local function load_settings()
   S = {initial = tonumber(f.initial), picking = f.picking == '1', epoch = tonumber(f.epoch or '0'),
        pool = f.pool or '', shares = {}, always = {}, headroom = {}, maxq = {}, tcap = {},
        -- the onset ramp (absent in older settings: off); the rate per ms of the script's clock
-       ramp_burst = tonumber(f.ramp_burst or '0'), ramp_rate_ms = tonumber(f.ramp_rate or '0') / 1000}
+       ramp_burst = tonumber(f.ramp_burst or '0'), ramp_rate_ms = tonumber(f.ramp_rate or '0') / 1000,
+       ramp_min_burst = tonumber(f.ramp_min_burst or '8'), ramp_min_rate_ms = tonumber(f.ramp_min_rate or '8') / 1000}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
@@ -238,12 +239,11 @@ local function int_limit(write) return math.max(1, math.floor(limit_value(write)
 
 -- The onset ramp, mirrored from policy.py (ramp_refill, ramp_paces) and permits.py: while a P0
 -- is in flight, a lower-class grant needs a token; every grant takes one (credits too), every
--- lease that ends gives one back, and tokens accrue at ramp_rate x L per second up to
--- max(4, ramp_burst x L). The bucket is brought to `now` once at the start of each op that
+-- lease that ends gives one back, and tokens accrue at max(ramp_min_rate, ramp_rate x L) per
+-- second up to max(ramp_min_burst, ramp_burst x L) (the floors: policy.RAMP_MIN_*). The bucket is brought to `now` once at the start of each op that
 -- grants or frees (as the reference model does), in the same float arithmetic, and stored with
 -- 17 digits so the model and the script compare the same numbers.
-local RAMP_MIN_BURST = 4
-local function ramp_cap(L) return math.max(RAMP_MIN_BURST, S.ramp_burst * L) end
+local function ramp_cap(L) return math.max(S.ramp_min_burst, S.ramp_burst * L) end
 
 local function ramp_refill()
   if S.ramp_rate_ms <= 0 then return end
@@ -255,7 +255,7 @@ local function ramp_refill()
   if not RAMP then
     RAMP = {ramp_cap(L), now}
   else
-    RAMP[1] = math.min(ramp_cap(L), RAMP[1] + L * S.ramp_rate_ms * math.max(0, now - RAMP[2]))
+    RAMP[1] = math.min(ramp_cap(L), RAMP[1] + math.max(S.ramp_min_rate_ms, L * S.ramp_rate_ms) * math.max(0, now - RAMP[2]))
     RAMP[2] = now
   end
   ST_DIRTY['ramp:p'] = true  -- flush formats it

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from floodgate.extproc.policy import (
     CLASSES,
+    RAMP_MIN_BURST,
     Snapshot,
     eligible,
     ramp_burst,
@@ -54,6 +55,8 @@ class PermitTable:
     # clock; ramp_rate 0 = off. `tokens` None = a full bucket (never used).
     ramp_burst: float = 0.0
     ramp_rate: float = 0.0
+    ramp_min_rate: float = 0.0  # tokens per unit of the caller's clock at least (policy.RAMP_MIN_RATE_S)
+    ramp_min_burst: float = RAMP_MIN_BURST
     tokens: float | None = None
     tokens_ts: float = 0.0
     ttl: float = math.inf  # lease and gateway-liveness lifetime
@@ -116,7 +119,8 @@ class PermitTable:
     def _ramp(self, now: float) -> None:
         """Bring the bucket to `now` (leases.lua does it once per mutating call, at its start)."""
         if self.ramp_rate > 0:
-            self.tokens = ramp_refill(self.tokens, self.tokens_ts, now, self.limit, self.ramp_burst, self.ramp_rate)
+            self.tokens = ramp_refill(self.tokens, self.tokens_ts, now, self.limit, self.ramp_burst, self.ramp_rate,
+                                      self.ramp_min_rate, self.ramp_min_burst)
             self.tokens_ts = now
 
     def _ramp_open(self, cls: int, inflight: list[int] | tuple[int, int, int]) -> bool:
@@ -128,7 +132,7 @@ class PermitTable:
 
     def _ramp_give(self) -> None:
         if self.ramp_rate > 0 and self.tokens is not None:
-            self.tokens = min(ramp_burst(self.limit, self.ramp_burst), self.tokens + 1)
+            self.tokens = min(ramp_burst(self.limit, self.ramp_burst, self.ramp_min_burst), self.tokens + 1)
 
     # ------------------------------------------------------------------ mechanism
 

@@ -81,23 +81,27 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
 # replaces what completes freely, but the jump from the steady level to the limit at a burst's
 # onset is spread out instead of dozens of prompts landing in the engines' FIFO queues at once,
 # ahead of the P0s that arrive with them (bench/p0_onset.py: the model that chose it).
-RAMP_MIN_BURST = 4.0  # a small limit still lets a few lower-class requests in at once
+RAMP_MIN_BURST = 8.0  # a small limit still lets a few lower-class requests in at once ...
+# ... and grows at least this many per second: while Vegas climbs out of a small initial limit,
+# a share of it would pace an ordinary step in load (the overload bench's unloaded -> steady
+# step timed out P2s at 0.7x capacity with 0.1 x L alone)
+RAMP_MIN_RATE_S = 8.0
 
 
-def ramp_burst(limit: int, burst_share: float) -> float:
+def ramp_burst(limit: int, burst_share: float, min_burst: float = RAMP_MIN_BURST) -> float:
     """Most tokens the bucket holds: the growth allowed at once."""
-    return max(RAMP_MIN_BURST, burst_share * limit)
+    return max(min_burst, burst_share * limit)
 
 
 def ramp_refill(tokens: float | None, ts: float, now: float, limit: int, burst_share: float,
-                rate_share: float) -> float:
-    """Tokens at `now` (None = never used: a full bucket). `rate_share` is per unit of the
-    caller's clock (leases.lua: per ms), times the limit; the arithmetic is written in
-    leases.lua's order so both give the same floats."""
-    burst = ramp_burst(limit, burst_share)
+                rate_share: float, min_rate: float = 0.0, min_burst: float = RAMP_MIN_BURST) -> float:
+    """Tokens at `now` (None = never used: a full bucket). `rate_share` (times the limit) and
+    `min_rate` are per unit of the caller's clock (leases.lua: per ms; RAMP_MIN_RATE_S / 1000);
+    the arithmetic is written in leases.lua's order so both give the same floats."""
+    burst = ramp_burst(limit, burst_share, min_burst)
     if tokens is None:
         return burst
-    return min(burst, tokens + limit * rate_share * max(0.0, now - ts))
+    return min(burst, tokens + max(min_rate, limit * rate_share) * max(0.0, now - ts))
 
 
 def ramp_paces(cls: int, inflight: Sequence[int]) -> bool:

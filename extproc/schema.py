@@ -104,11 +104,15 @@ class PoolSettings:
     # the onset ramp (policy.ramp_refill): bucket size and refill per second, shares of the limit; 0 = off
     ramp_burst: float = 0.0
     ramp_rate: float = 0.0
+    # the ramp's floors (policy.RAMP_MIN_BURST, RAMP_MIN_RATE_S): permits at once, per second
+    ramp_min_burst: float = 8.0
+    ramp_min_rate: float = 8.0
 
     def fields(self) -> dict[str, str]:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
                "epoch": str(self.epoch), "ramp_burst": repr(float(self.ramp_burst)),
-               "ramp_rate": repr(float(self.ramp_rate))}
+               "ramp_rate": repr(float(self.ramp_rate)), "ramp_min_burst": repr(float(self.ramp_min_burst)),
+               "ramp_min_rate": repr(float(self.ramp_min_rate))}
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
             out[f"always{c}"] = "1" if self.always[c] else "0"
@@ -130,7 +134,8 @@ class PoolSettings:
             tenant_cap=(int(f["tcap0"]), int(f["tcap1"]), int(f["tcap2"])),
             epoch=int(f.get("epoch", "0")),
             # settings stored by a version without the ramp have none
-            ramp_burst=float(f.get("ramp_burst", "0")), ramp_rate=float(f.get("ramp_rate", "0")))
+            ramp_burst=float(f.get("ramp_burst", "0")), ramp_rate=float(f.get("ramp_rate", "0")),
+            ramp_min_burst=float(f.get("ramp_min_burst", "8")), ramp_min_rate=float(f.get("ramp_min_rate", "8")))
 
     def differences(self, other: PoolSettings) -> list[str]:
         mine, theirs = self.fields(), other.fields()

@@ -7,11 +7,18 @@ import math
 
 from floodgate.extproc.config import PoolConfig
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.policy import RAMP_MIN_BURST, ramp_burst, ramp_paces, ramp_refill
+from floodgate.extproc.policy import (
+    RAMP_MIN_BURST,
+    RAMP_MIN_RATE_S,
+    ramp_burst,
+    ramp_paces,
+    ramp_refill,
+)
 
 
 def table(limit: int = 100, burst: float = 0.08, rate: float = 0.1) -> PermitTable:
-    return PermitTable(limit=limit, shares=(0.5, 0.1, 0.0), ramp_burst=burst, ramp_rate=rate)
+    return PermitTable(limit=limit, shares=(0.5, 0.1, 0.0), ramp_burst=burst, ramp_rate=rate,
+                       ramp_min_rate=RAMP_MIN_RATE_S)
 
 
 def arrive(t: PermitTable, n: int, cls: int, now: float, tag: str) -> list[str]:
@@ -36,6 +43,9 @@ def test_bucket_arithmetic() -> None:
     assert ramp_paces(1, (1, 0, 0)) and ramp_paces(2, (3, 5, 0))
     assert not ramp_paces(0, (1, 0, 0))  # P0 is never paced
     assert not ramp_paces(1, (0, 40, 0))  # no P0 in flight: nothing to protect
+    # a small limit still grows at the floor rate, not at 0.1 x L (2 per second here)
+    assert math.isclose(ramp_refill(0.0, 0.0, 0.5, 20, 0.08, 0.1, RAMP_MIN_RATE_S), 0.5 * RAMP_MIN_RATE_S)
+    assert ramp_refill(0.0, 0.0, 0.5, 20, 0.08, 0.1, RAMP_MIN_RATE_S, min_burst=2.0) == 2.0
 
 
 def test_lower_classes_grow_by_the_burst_then_at_the_rate_while_p0_runs() -> None:
@@ -76,3 +86,13 @@ def test_off_by_rate_zero_and_shipped_on() -> None:
     assert t.tokens is None
     pool = PoolConfig()
     assert pool.onset_ramp_rate > 0 and pool.onset_ramp_burst > 0
+
+
+def test_a_small_limit_is_not_paced_below_the_floors() -> None:
+    # 20 lower-class requests at once into a pool of limit 20 with a P0 running: the burst floor
+    # (8) goes at once and the rest follow at the floor rate, not at 0.1 x 20 = 2 per second
+    t = table(limit=20)
+    assert arrive(t, 1, 0, 0.0, "p0-") == ["p0-0"]
+    assert len(arrive(t, 19, 1, 0.0, "a")) == RAMP_MIN_BURST - 1
+    granted = t.mine([], 1.0)[1]
+    assert len(granted) == 8  # RAMP_MIN_RATE_S in one second

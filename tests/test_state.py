@@ -37,10 +37,11 @@ async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
                max_queue: tuple[int, int, int] = (100, 100, 100),
                tenant_cap: tuple[int, int, int] = (100, 100, 100),
                headroom: tuple[float, float, float] = (0.0, 0.0, 0.0),
-               ramp: tuple[float, float] = (0.0, 0.0)) -> PoolState:
+               ramp: tuple[float, float, float, float] = (0.0, 0.0, 8.0, 8.0)) -> PoolState:
     st = PoolState(c, pool, lease_ttl_s=ttl, settings=PoolSettings(limit, shares, always, picking, max_queue, tenant_cap,
                                                                      headroom=headroom, ramp_burst=ramp[0],
-                                                                     ramp_rate=ramp[1]))
+                                                                     ramp_rate=ramp[1], ramp_min_burst=ramp[2],
+                                                                     ramp_min_rate=ramp[3]))
     await st.configure()
     return st
 
@@ -91,9 +92,11 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
     headroom = (rng.choice([0.1, 0.2, 0.5]), rng.choice([0.0, 0.2]), 0.0) if seed % 2 else (0.0, 0.0, 0.0)
     maxq = (rng.choice([1, 3, 100]), rng.choice([2, 100]), rng.choice([1, 4]))
     tcap = (rng.choice([1, 2, 100]), 100, rng.choice([1, 100]))
-    # the onset ramp (bucket share, refill share of the limit per second) on most seeds: small
-    # limits keep the 4-permit floor, so tokens run out and lower classes are paced while P0 runs
-    ramp = (rng.choice([0.0, 0.5]), rng.choice([0.1, 0.5, 2.0])) if seed % 4 != 3 else (0.0, 0.0)
+    # the onset ramp (bucket share, refill share of the limit per second, floors: permits at
+    # once, per second) on most seeds; small floors, so tokens run out at these small limits and
+    # lower classes are paced while P0 runs
+    ramp = ((rng.choice([0.0, 0.5]), rng.choice([0.1, 0.5, 2.0]), rng.choice([1.0, 4.0]), rng.choice([0.0, 0.5, 2.0]))
+            if seed % 4 != 3 else (0.0, 0.0, 8.0, 8.0))
     ttl_ms = 3000
     clock = key(pool, "testclock")
     now = 1_000_000
@@ -104,7 +107,8 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
         st._script.functions = False  # the EVALSHA fallback (a server without Functions) runs the same source
     model = PermitTable(limit=limit, shares=shares, always=always, headroom=headroom, max_queue=maxq,
                         tenant_cap=tcap, ttl=ttl_ms, waiter_grace=1000, ramp_burst=ramp[0],
-                        ramp_rate=ramp[1] / 1000)  # the script's clock is in ms
+                        ramp_rate=ramp[1] / 1000, ramp_min_burst=ramp[2],
+                        ramp_min_rate=ramp[3] / 1000)  # the script's clock is in ms
     seqs = dict.fromkeys(GATEWAYS, 0)
     dead: set[str] = set()
     version = 0
