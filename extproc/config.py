@@ -147,10 +147,10 @@ class PoolConfig(_Strict):
     settings_epoch: int = Field(default=0, ge=0, description="Version of this pool's admission settings (shares, reservations, queue caps, picking, initial limit). The first processor stores them in Redis and every grant uses the stored ones; a processor with different settings and the same epoch logs an error and sets floodgate_settings_mismatch. Raise it to roll out changed settings.")
     onset_ramp_rate: float = Field(
         default=0.1, ge=0, le=100,
-        description="While a critical (P0) request is in flight, lower classes may raise the pool's in-flight by at most this share of the limit per second beyond what completions free (plus `onset_ramp_burst` at once): at a burst's onset their prompts reach the engines about as fast as the engines prefill them, instead of all at once ahead of the P0s arriving with them in the engines' FIFO queues. Paced requests wait in the queue (and may time out there); P0 is never paced. 0 = off (docs/admission.md, \"The onset ramp\").")
+        description="While a critical (P0) request is in flight, lower classes may raise the pool's in-flight by at most this share of the limit per second (at least 8 per second) beyond what completions free (plus `onset_ramp_burst` at once): at a burst's onset their prompts reach the engines about as fast as the engines prefill them, instead of all at once ahead of the P0s arriving with them in the engines' FIFO queues. Paced requests wait in the queue (and may time out there); P0 is never paced. 0 = off (docs/admission.md, \"The onset ramp\").")
     onset_ramp_burst: float = Field(
         default=0.08, ge=0, le=1,
-        description="With `onset_ramp_rate`: the growth lower classes may take at once, as a share of the limit (at least 4 permits).")
+        description="With `onset_ramp_rate`: the growth lower classes may take at once, as a share of the limit (at least 8 permits).")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 
