@@ -77,6 +77,36 @@ def reject_target(seeds: range, bench_seeds: range) -> None:
               f"| {bt} ({100 * bt / max(1, bt + bd):.1f} %) | {bs} |", flush=True)
 
 
+def variety(seeds: range) -> None:
+    """P2 with and without its reject target on other seeds and priority mixes of the bench's
+    plan (burst and sparse phase, limits 96 and 107), without and with the shipped onset ramp."""
+    pool = PoolConfig()
+    shipped = pool.classes
+    lenient = {**shipped, 2: shipped[2].model_copy(update={"slo_reject_s": 0.0, "early_drop_min_chance": 0.5})}
+    print("| mix P0/P1/P2 | onset ramp | P2 waits at 0.5: timeouts (of P2 rejections), served in time "
+          "| shipped: timeouts (of P2 rejections), served in time |")
+    print("|---|---|---:|---:|")
+    for mix in ((0.1, 0.6, 0.3), (0.3, 0.4, 0.3), (0.2, 0.3, 0.5)):
+        for ramp in (None, (pool.onset_ramp_burst, pool.onset_ramp_rate)):
+            cells = []
+            for classes in (lenient, shipped):
+                to = dr = sv = 0
+                for limit in (96, 107):
+                    for s in seeds:
+                        history = bench_burst(s, limit=limit, sparse=True, mix=mix)
+                        o = replay(limit, classes, history, ramp=ramp)
+                        for i, a in enumerate(history):
+                            if a.cls != 2:
+                                continue
+                            d = o.decisions[i]
+                            in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+                            sv += in_time
+                            to += d == "queued" and not in_time
+                            dr += d == "early_drop"
+                cells.append(f"{to} ({100 * to / max(1, to + dr):.1f} %), {sv}")
+            print(f"| {' / '.join(f'{m:g}' for m in mix)} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("chances", nargs="*", type=float, default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
@@ -84,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst-seeds", type=int, default=4)
     p.add_argument("--reject-target", action="store_true",
                    help="instead: P2 with and without its reject target (slo_reject_s), per-class wrong drops")
+    p.add_argument("--variety", action="store_true",
+                   help="instead: P2 with and without its reject target on bench seeds 4-7, three mixes, ramp off/on")
     args = p.parse_args(argv)
+    if args.variety:
+        variety(range(4, 8))
+        return 0
     if args.reject_target:
         reject_target(range(args.seeds), range(args.burst_seeds))
         return 0
