@@ -111,6 +111,7 @@ class PoolRuntime:
     pubsub_client: AnyRedis
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first of two clean reconciles in a row ran
+    asserted: int = 0  # permits this process asserted in Redis at its last reconcile
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
     credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
     waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the shared queue
@@ -387,6 +388,8 @@ class Admitter:
                    for t, w in rt.waiting.items() if w.enqueued and not _failed(w.future)}
         watermark = min(rt.pending.values(), default=self._next_seq)
         res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
+        if reconcile:
+            rt.asserted = len(held)
         rt.last_sync = res.status
         self.observe(rt, res.status)
         m = self.metrics.reconciled

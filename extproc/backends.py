@@ -275,6 +275,11 @@ class LocalBackend:
         a, cls = self.a, req.priority
         seq, ticket = a.new_ticket()
         now = a.clock()
+        if rt.back_since is not None and len(rt.held) >= rt.asserted:
+            # Redis is back and a processor that switched already admits from it, counting of
+            # this process's permits only the ones its last reconcile asserted: more would
+            # overshoot L. Wait for the switch instead (or for Redis to fail again).
+            return await self._await_switch(rt, req, seq, ticket)
         if rt.local.try_acquire(ticket, cls, now):
             return self._permit(rt, ticket, req)
         last = rt.last_status
@@ -316,6 +321,33 @@ class LocalBackend:
             raise
         finally:
             rt.local_waiting.pop(ticket, None)
+
+    async def _await_switch(self, rt: PoolRuntime, req: Request, seq: int, ticket: str) -> Permit | Reject | None:
+        """Wait, outside the local table, until the pool switches back to shared admission
+        (None: continue there), the reconcile fails again (admit locally after all), or the
+        deadline passes."""
+        a, cls = self.a, req.priority
+        w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
+        rt.local_waiting[ticket] = w
+        try:
+            while True:
+                left = req.deadline - a.clock()
+                if left <= 0:
+                    snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt), now=a.clock())
+                    return timeout_reject(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng())
+                try:
+                    await asyncio.wait_for(asyncio.shield(w.future), min(left, a.cfg.redis.reconnect_interval_s))
+                except TimeoutError:
+                    pass
+                except Switched:
+                    return None
+                if not rt.degraded:
+                    return None
+                if rt.back_since is None or len(rt.held) < rt.asserted:
+                    break
+        finally:
+            rt.local_waiting.pop(ticket, None)
+        return await self.admit(rt, req)
 
     def _permit(self, rt: PoolRuntime, ticket: str, req: Request, queued: bool = False) -> Permit:
         endpoint = rt.picker.pick_local(p.endpoint for p in rt.held.values())

@@ -1,0 +1,114 @@
+"""The return from degraded mode, with permits held and requests arriving on both processors,
+against a real Redis-protocol server.
+
+Two processors share a pool of L = 8 and both lose Redis (frozen). When it comes back they
+leave degraded mode at different times: each switches on its second clean reconcile in a row,
+and here the second processor retries far less often. Between its first clean reconcile and
+its switch it still admits locally, while the first already admits from Redis, which counts
+of the second's permits only those its reconcile asserted. So the second must admit no more
+than those until it switches; the requests beyond wait for the switch and then queue in Redis.
+At no moment may the two hold more than L permits together, and in the end no permit leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from floodgate.extproc.admission import Admitter, PoolRuntime
+from floodgate.extproc.backends import Permit
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.policy import Reject
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from tests.helpers import wait_until
+
+LIMIT = 8
+
+
+def _config(url: str, reconnect_s: float) -> Config:
+    return Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": reconnect_s},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": LIMIT}}]})
+
+
+async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
+    fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
+    slow = Admitter(_config(url, 2.0), clients[1], metrics=Metrics(), gateway_id="slow")
+    await fast.start()
+    await slow.start()
+    assert stack.redis_child is not None
+    rf, rs = fast.pools["a"], slow.pools["a"]
+    peak = 0
+    frozen = False
+    tasks: list[asyncio.Task[Permit | Reject]] = []
+
+    def total() -> int:
+        nonlocal peak
+        n = len(rf.held) + len(rs.held)
+        peak = max(peak, n)
+        return n
+
+    async def watch() -> None:
+        while True:
+            total()
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        # Both sync once, so each knows the other is live (their local shares split L).
+        held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
+                "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
+        assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
+        assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+
+        stack.redis_child.kill(signal.SIGSTOP)
+        frozen = True
+        assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+        stack.redis_child.kill(signal.SIGCONT)
+        frozen = False
+
+        def window(r: PoolRuntime) -> bool:
+            return not rf.degraded and r.degraded and r.back_since is not None
+        # The fast one is back on shared state; the slow one has reconciled once, not switched.
+        assert await wait_until(lambda: window(rs), 10), (rf.degraded, rs.degraded, rs.back_since)
+
+        # Requests on both at once: the fast one takes every permit Redis sees free, the slow
+        # one would admit from its local share (4, of which it holds 2).
+        tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
+        tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
+        await asyncio.sleep(0.3)
+        assert window(rs), "the slow processor switched before the test could look"
+        assert total() <= LIMIT, (len(rf.held), len(rs.held))
+        assert len(rs.held) == 2, "admitted locally beyond what its reconcile asserted"
+
+        # After the switch the slow one's requests queue in Redis; releases hand them permits.
+        assert await wait_until(lambda: not rs.degraded, 10)
+        for p in [*held["fast"], *held["slow"]]:
+            await (fast if p in held["fast"] else slow).release(p)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        assert all(isinstance(r, Permit) for r in results), results
+        assert peak <= LIMIT, f"{peak} permits held at once, L = {LIMIT}"
+        for t, r in zip(tasks[:2], results[:2], strict=True):
+            assert isinstance(r, Permit) and r.ticket in rs.held, t
+        for r in results:
+            assert isinstance(r, Permit)
+            await (slow if r.ticket in rs.held else fast).release(r)
+        st = await rf.state.status()
+        assert (st.inflight_total, st.queued_total) == (0, 0)
+    finally:
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
+        if frozen:
+            stack.redis_child.kill(signal.SIGCONT)
+        await fast.stop()
+        await slow.stop()
+        for c in clients:
+            await c.aclose()
