@@ -65,6 +65,10 @@ TARGET_P0_TTFT_RATIO = 2.0
 TARGET_GOODPUT_RATIO = 0.95
 TARGET_P2_REJECT_MS = 10.0
 
+# The P2 probe's rate (per second; bench/reject_probe.py): ~480 probes over the burst, recovery and
+# sparse-P0 phases, tiny requests (32 prompt tokens, 2 output), ~1 % of the pool's work when admitted.
+PROBE_RATE = 8.0
+
 FLOODGATE_METRICS = ("floodgate_limit", "floodgate_inflight", "floodgate_queue_depth")
 ADAPTIVE_LIMIT = "envoy_http_adaptive_concurrency_gradient_controller_concurrency_limit"
 ADAPTIVE_METRICS = (ADAPTIVE_LIMIT, "envoy_http_adaptive_concurrency_gradient_controller_rq_blocked")
@@ -408,9 +412,20 @@ class RunOutput:
     machine_busy: float = 0.0  # share of all cores busy during the run (everyone's work)
 
 
+def probe_window(w: Workload) -> tuple[float, float]:
+    """Where the P2 probe runs (plan seconds): from the burst's start to the end of the plan, the
+    phases where the pool is saturated (burst, sparse-P0) and the recovery between them."""
+    win = w.windows()
+    a = win["burst"][0] if "burst" in win else 0.0
+    return a, max(b for _, b in win.values())
+
+
 def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s: float,
                progress: bool, classes: dict[int, dict[str, Any]] | None = None,
-               workdir: Path | None = None) -> RunOutput:
+               workdir: Path | None = None, probe_rate: float = 0.0) -> RunOutput:
+    import subprocess
+    import tempfile
+
     from floodgate.sim.loadgen import run_load_detailed
 
     from floodgate.stack import LocalStack
@@ -446,11 +461,38 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
         cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
         self0 = time.process_time()
         busy0 = _machine_busy()
+        probe = None
+        if probe_rate > 0:
+            # The P2 probe: its own process and event loop (bench/reject_probe.py), started now so
+            # its imports are done long before its window; aligned to the plan by unix time.
+            pa, pb = probe_window(w)
+            probe_out = Path(tempfile.mkstemp(prefix="fg-probe-", suffix=".json")[1])
+            probe = subprocess.Popen(
+                [sys.executable, "-m", "floodgate.bench.reject_probe", "--url", envoy.url,
+                 "--start-unix", str(time.time() + pa), "--duration", str(pb - pa),
+                 "--rate", str(probe_rate), "--out", str(probe_out)])
         t0 = time.monotonic()
-        result = asyncio.run(run_load_detailed(
-            plan, envoy.url, request_timeout=timeout_s, metrics_url=metrics_url,
-            metrics=metrics or ("none",), progress=progress))
+        try:
+            result = asyncio.run(run_load_detailed(
+                plan, envoy.url, request_timeout=timeout_s, metrics_url=metrics_url,
+                metrics=metrics or ("none",), progress=progress))
+        except BaseException:
+            if probe is not None:
+                probe.kill()
+                probe.wait()
+            raise
         wall = max(1e-9, time.monotonic() - t0)
+        if probe is not None:
+            if probe.wait(timeout=60) != 0:
+                raise RuntimeError(f"the P2 probe failed in the {cfg.name} run (exit {probe.returncode})")
+            data = json.loads(probe_out.read_text())
+            probe_out.unlink()
+            t0_unix = float(result.meta["unix_time_at_t0"])
+            result.meta["probe"] = {"rate": probe_rate, "probes": [
+                {"t_planned": p["t_unix_planned"] - t0_unix, "t_sent": p["t_unix_sent"] - t0_unix,
+                 "lag_s": p["lag_s"], "latency_s": p["latency_s"], "status": p["status"],
+                 "reason": p["reason"], **({"error": p["error"]} if "error" in p else {})}
+                for p in data["probes"]]}
         if cfg.floodgate and metrics_url:
             result.meta["decision_seconds"], result.meta["local_rejections_p2"] = decision_histogram(metrics_url)
         busy1 = _machine_busy()
@@ -558,6 +600,16 @@ class Row:
     p0_unloaded_n: int = 0  # P0s behind p0_ttft_p99_unloaded_s
     p0_ttft_ratio_phase: float | None = None  # burst p99 / the unloaded phase's few-sample "p99"
     p0_ttft_ref_p99_s: float | None = None  # the reference pass's P0 TTFT p99 (hundreds of samples)
+    # The P2 probe (bench/reject_probe.py, its own process): its rejected probes, send -> 429
+    probe_sent: int = 0
+    probe_rejected: int = 0
+    probe_reject_timeouts: int = 0
+    probe_reject_p50_ms: float | None = None
+    probe_reject_p99_ms: float | None = None
+    probe_reject_burst_p99_ms: float | None = None  # only probes sent in the burst
+    probe_reject_burst_n: int = 0
+    probe_send_lag_p99_ms: float | None = None
+    probe_errors: int = 0  # probes answered neither 200 nor 429 (or not at all)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -608,7 +660,23 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float,
         v = histogram_quantile(h, q)
         return None if v is None else v * 1000
 
+    probes = (out.result.meta.get("probe") or {}).get("probes") or []
+    p_rej = [p for p in probes if p["status"] == 429 and p["latency_s"] is not None]
+    p_rej_burst = [p["latency_s"] for p in p_rej if burst is not None and burst.window is not None
+                   and burst.window[0] <= p["t_planned"] < burst.window[1]]
+    p_lag = [p["lag_s"] for p in probes]
+
+    def p_ms(v: list[float], q: float) -> float | None:
+        return (percentile(v, q) or 0) * 1000 if v else None
+
     return Row(
+        probe_sent=len(probes), probe_rejected=len(p_rej),
+        probe_reject_timeouts=sum(1 for p in p_rej if p["reason"] == "queue_timeout"),
+        probe_reject_p50_ms=p_ms([p["latency_s"] for p in p_rej], 50),
+        probe_reject_p99_ms=p_ms([p["latency_s"] for p in p_rej], 99),
+        probe_reject_burst_p99_ms=p_ms(p_rej_burst, 99), probe_reject_burst_n=len(p_rej_burst),
+        probe_send_lag_p99_ms=p_ms(p_lag, 99),
+        probe_errors=sum(1 for p in probes if p["status"] not in (200, 429)),
         config=out.config.name, offered=o.offered, admitted=o.admitted, rejected=o.rejected,
         errors=o.errors, consistent=o.offered == o.admitted + o.rejected + o.errors,
         p0_success=whole.per_priority[0].success_rate,
@@ -651,9 +719,10 @@ def render_table(rows: Sequence[Row]) -> str:
     head = ("| config | offered | admitted | rejected | errors | P0 success "
             "| P0 TTFT p99 burst ms (vs reference) | unloaded phase: P0s, their p99 ms (burst vs it) "
             "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p50 / p99 ms (timeouts of rejects) "
-            "| P2 reject in processor p50 / p99 ms (immediate only p99; local) | limit in burst "
-            "| sparse P0: admitted / early drops / TTFT p99 ms |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| P2 reject in processor p50 / p99 ms (immediate only p99; local) "
+            "| P2 probe: reject p50 / p99 ms (burst only p99; rejected of sent; probe send lag p99 ms) "
+            "| limit in burst | sparse P0: admitted / early drops / TTFT p99 ms |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(
@@ -664,6 +733,9 @@ def render_table(rows: Sequence[Row]) -> str:
             f"| {_num(r.p2_reject_p50_ms, '.1f')} / {_num(r.p2_reject_p99_ms, '.1f')} ({r.p2_reject_timeouts}/{r.p2_rejected}) "
             f"| {_num(r.p2_reject_proc_p50_ms, '.1f')} / {_num(r.p2_reject_proc_p99_ms, '.1f')} "
             f"({_num(r.p2_immediate_reject_proc_p99_ms, '.1f')}; {'–' if r.p2_local_rejections is None else r.p2_local_rejections}) "
+            f"| {_num(r.probe_reject_p50_ms, '.1f')} / {_num(r.probe_reject_p99_ms, '.1f')} "
+            f"({_num(r.probe_reject_burst_p99_ms, '.1f')}; {r.probe_rejected}/{r.probe_sent}; "
+            f"{_num(r.probe_send_lag_p99_ms, '.1f')}) "
             f"| {_num(r.limit_mean_burst)} "
             f"| {r.sparse_p0_admitted}/{r.sparse_p0_offered} / {r.sparse_p0_early_drops} / {_ms(r.sparse_p0_ttft_p99_s)} |")
     return head + "\n".join(lines) + "\n"
@@ -690,10 +762,19 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
         gp = r.goodput_ratio is not None and r.goodput_ratio >= TARGET_GOODPUT_RATIO
         p2 = r.p2_reject_p99_ms is None or r.p2_reject_p99_ms < TARGET_P2_REJECT_MS
         p2p = r.p2_reject_proc_p99_ms is None or r.p2_reject_proc_p99_ms < TARGET_P2_REJECT_MS
+        # Judged on the probe when it ran (a client with nothing else to do); the load
+        # generator's figure, which carries its own send lag, is reported beside it.
+        probed = r.probe_reject_p99_ms is not None
+        if probed:
+            p2 = r.probe_reject_p99_ms is not None and r.probe_reject_p99_ms < TARGET_P2_REJECT_MS
+        p2_text = (f"{_num(r.probe_reject_p99_ms, '.1f')} ms at the probe client over {r.probe_rejected} "
+                   f"probe rejections (send lag p99 {_num(r.probe_send_lag_p99_ms, '.1f')} ms), "
+                   f"{_num(r.p2_reject_p99_ms, '.1f')} ms at the load generator"
+                   if probed else f"{_num(r.p2_reject_p99_ms, '.1f')} ms client")
         line = (f"{r.config}: P0 success {mark(p0)} ({_pct(r.p0_success, 2)}), "
                 f"P0 TTFT p99 burst/reference {mark(tt)} ({_num(r.p0_ttft_ratio, '.2f')}x), "
                 f"burst goodput {mark(gp)} ({_pct(r.goodput_ratio, 0)} of best steady), "
-                f"P2 reject p99 {mark(p2)} ({_num(r.p2_reject_p99_ms, '.1f')} ms client, "
+                f"P2 reject p99 {mark(p2)} ({p2_text}, "
                 f"{mark(p2p)} {_num(r.p2_reject_proc_p99_ms, '.1f')} ms in the processor), "
                 f"sparse P0 early drops {mark(r.sparse_p0_early_drops == 0)} "
                 f"({r.sparse_p0_early_drops} of {r.sparse_p0_offered})")
@@ -988,6 +1069,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuned-classes", action="store_true",
                    help="every Floodgate config with the hand-tuned class settings (as @tuned: P1 waits "
                         "0.75 x SLO TTFT, P2 never queues, P0 30 s)")
+    p.add_argument("--probe-rate", type=float, default=PROBE_RATE,
+                   help="P2 probes per second from a separate process (bench/reject_probe.py) from the "
+                        "burst's start to the end of the plan, in every config; 0 = no probe")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and plots")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="markdown file to update")
     p.add_argument("--no-doc", action="store_true", help="do not update the markdown file")
@@ -1115,7 +1199,8 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         t = time.monotonic()
         print(f"[{cfg.name}] {len(plan)} requests over {sum(p.duration_s for p in w.phases):.0f} s ...",
               flush=True)
-        out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes_for(cfg))
+        out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes_for(cfg),
+                         probe_rate=args.probe_rate)
         runs.append(out)
         row = evaluate(out, w, slo, best, reference)
         rows.append(row)
@@ -1133,6 +1218,8 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         "p0_bound": bound,
         "reference": reference,
         "plan_requests": len(plan),
+        "probe": {"rate": args.probe_rate, "window_s": list(probe_window(w)), "tenant": "reject-probe",
+                  "prompt_tokens": 32, "output_tokens": 2},
         "classes": {"shipped": SHIPPED_CLASSES, "tuned": slo_classes(slo.ttft_s)},
         "adaptive_concurrency_filter": adaptive_concurrency_filter(),
         "floodgate_configs": {c.name: floodgate_config(c, classes_for(c)) for c in configs if c.floodgate},

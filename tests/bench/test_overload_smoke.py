@@ -55,8 +55,25 @@ def test_overload_smoke(tmp_path: Path) -> None:
         assert len(raw["records"]) == r["offered"]
         outcomes = [rec["outcome"] for rec in raw["records"]]
         assert outcomes.count("ok") == r["admitted"] and outcomes.count("rejected") == r["rejected"]
-    # At a fifth of capacity nothing is shed without admission control.
-    assert rows["none"]["rejected"] == 0
+    # The P2 probe ran in its own process over its window in every config: every probe has an
+    # answer (a 429 timed send -> answer, or an admitted completion) and its own send lag.
+    a, b = report["probe"]["window_s"]
+    assert report["probe"]["rate"] == 8.0
+    for name, r in rows.items():
+        assert r["probe_sent"] == int((b - a) * 8.0) > 0, name
+        assert r["probe_errors"] == 0, name
+        raw = json.loads(gzip.open(out / f"{name}.json.gz", "rt").read())
+        probes = raw["meta"]["probe"]["probes"]
+        assert len(probes) == r["probe_sent"], name
+        assert sum(1 for p in probes if p["status"] == 429) == r["probe_rejected"], name
+        assert all(p["status"] in (200, 429) and p["latency_s"] > 0 and p["lag_s"] > -0.01 for p in probes), name
+        # aligned with the plan's clock: each probe was sent inside its window, in order
+        sent = [p["t_sent"] for p in probes]
+        assert sent == sorted(sent) and a - 0.5 <= sent[0] and sent[-1] <= b + 0.5, name
+        if r["probe_rejected"]:
+            assert r["probe_reject_p50_ms"] <= r["probe_reject_p99_ms"], name
+    # At a fifth of capacity nothing is shed without admission control (the probes neither).
+    assert rows["none"]["rejected"] == 0 and rows["none"]["probe_rejected"] == 0
     assert (out / "timeline.png").stat().st_size > 0
 
     text = doc.read_text()
