@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from floodgate.sim.engine import EngineConfig
+from floodgate.sim.engine import SCHEDULING_POLICIES, EngineConfig
 
 _D = EngineConfig()
 
@@ -92,6 +92,11 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--wake-delay-level2", type=_non_negative, default=_D.wake_level2_s,
                      metavar="SECONDS",
                      help="time POST /wake_up takes after sleep level 2 (weights discarded)")
+    eng.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_D.scheduling_policy,
+                     help="vLLM's --scheduling-policy: fcfs (a request with a non-zero `priority` gets "
+                          "400, as from vLLM) or priority (the waiting queue in order of the body's "
+                          "`priority`, lower first, then arrival; a full KV cache preempts the lowest "
+                          "priority)")
     eng.add_argument("--time-scale", type=_positive, default=1.0,
                      help="multiply every emulated duration (step times, cold start, sleep and "
                           "wake delays); 0.1 runs the model ten times faster")
@@ -115,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         wake_level1_s=args.wake_delay_level1,
         wake_level2_s=args.wake_delay_level2,
         sleep_s=args.sleep_delay,
+        scheduling_policy=args.scheduling_policy,
     ).scaled(args.time_scale)
     return EmulatorConfig(
         model=args.model,

@@ -30,6 +30,7 @@ from floodgate.sim.engine import (
     Engine,
     EngineConfig,
     EngineNotAwake,
+    PriorityNotEnabled,
     RequestTooLong,
     Sequence,
     SleepState,
@@ -237,6 +238,7 @@ class _Request:
     output_tokens: int
     finish_reason: str
     model: str
+    priority: int = 0  # vLLM's request field: lower is scheduled first (priority policy)
 
 
 class Emulator:
@@ -394,11 +396,16 @@ class Emulator:
             output, reason = max_tokens, "length"
         else:
             output, reason = default_out, ("stop" if chat else "length")
+        priority = body.get("priority", 0)
+        if priority is None:
+            priority = 0
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ApiError(400, "priority must be an integer", param="priority")
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") or {}
         include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
         return _Request(chat, stream, include_usage, prompt_tokens, output, reason,
-                        self.config.model)
+                        self.config.model, priority)
 
     # ---- completion handlers --------------------------------------------------------------
 
@@ -415,11 +422,11 @@ class Emulator:
             queue: asyncio.Queue[TokenEvent | _Abort] = asyncio.Queue()
             try:
                 self.engine.add_request(rid, req.prompt_tokens, req.output_tokens, self._now(),
-                                        req.finish_reason)
+                                        req.finish_reason, priority=req.priority)
             except EngineNotAwake:
                 raise ApiError(503, "The model is sleeping. Wake it up via /wake_up first.",
                                "ServiceUnavailableError") from None
-            except RequestTooLong as exc:
+            except (RequestTooLong, PriorityNotEnabled) as exc:
                 raise ApiError(400, str(exc)) from None
         except ApiError as err:
             return err.response()

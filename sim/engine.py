@@ -4,12 +4,19 @@ The async shell (`sim.emulator`) owns the clock and calls `Engine.advance(now)`;
 with a fake clock. The model follows the vLLM v1 scheduler closely enough for the signals an
 admission controller and an autoscaler read:
 
-* At most `max_num_seqs` sequences run per step; the rest wait in a FIFO queue.
+* At most `max_num_seqs` sequences run per step; the rest wait in a FIFO queue, or, with
+  `scheduling_policy="priority"` (vLLM's `--scheduling-policy priority`), in order of
+  (priority, arrival): a lower value goes first. vLLM rejects a non-zero `priority` under its
+  default `fcfs` policy ("Got priority N but Priority scheduling is not enabled."), and so does
+  this model (`PriorityNotEnabled`).
 * KV cache: `num_kv_blocks` blocks of `block_size` tokens. A sequence holds
   ceil(computed tokens / block_size) blocks (prompt and generated tokens). A request is
   admitted only if its blocks fit; a running sequence that needs a new block when the cache is
   full preempts the most recently admitted running sequence (recompute preemption: its blocks
-  are freed and it goes back to the head of the queue, to be prefilled again).
+  are freed and it goes back to the head of the queue, to be prefilled again); under the
+  priority policy it preempts the running sequence with the largest (priority, arrival) instead,
+  which goes back into the queue in its (priority, arrival) place (vLLM v1's scheduler: a
+  waiting request never preempts a running one; only a running one that needs blocks does).
 * Chunked prefill: each step computes at most `max_num_batched_tokens` tokens; decodes (one
   token each) are scheduled first, prompt chunks fill the rest of the budget.
 * Step duration = decode_base_s + decode_per_seq_s * (decoding sequences)
@@ -44,6 +51,13 @@ class RequestTooLong(EngineError):
     """Prompt plus output can never fit the context window or the KV cache."""
 
 
+class PriorityNotEnabled(EngineError):
+    """A non-zero priority under the fcfs policy (vLLM answers 400 with this message)."""
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Timing and capacity of the emulated model server.
@@ -62,8 +76,11 @@ class EngineConfig:
     wake_level1_s: float = 1.0  # copy offloaded weights back to the GPU
     wake_level2_s: float = 8.0  # reallocate and reload weights
     sleep_s: float = 0.5  # offload weights / free memory when falling asleep
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         for name in ("max_num_seqs", "block_size", "num_kv_blocks", "max_num_batched_tokens",
                      "max_model_len"):
             if getattr(self, name) < 1:
@@ -125,6 +142,12 @@ class Sequence:
     finished_at: float | None = None
     num_preemptions: int = 0
     admit_order: int = 0
+    priority: int = 0  # vLLM's request priority: lower is scheduled first (priority policy)
+    arrival_order: int = 0  # ties of (priority, arrival) keep the order of add_request
+
+    @property
+    def queue_key(self) -> tuple[int, float, int]:
+        return self.priority, self.arrival, self.arrival_order
 
     @property
     def num_tokens(self) -> int:
@@ -175,11 +198,25 @@ class Engine:
         self._step: _Step | None = None
         self._last_end = -math.inf  # the engine is busy until the current step ends
         self._admit_counter = 0
+        self._arrival_counter = 0
 
+    @property
+    def priority_policy(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue in (priority, arrival) order (priority policy)."""
+        key = seq.queue_key
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].queue_key > key:
+            i -= 1
+        self.waiting.insert(i, seq)
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float,
-                    finish_reason: str = "length") -> Sequence:
+                    finish_reason: str = "length", priority: int = 0) -> Sequence:
+        if priority != 0 and not self.priority_policy:
+            raise PriorityNotEnabled(f"Got priority {priority} but Priority scheduling is not enabled.")
         if self.sleep_state is not SleepState.AWAKE:
             raise EngineNotAwake(f"engine is {self.sleep_state.value}")
         if request_id in self.seqs:
@@ -198,9 +235,14 @@ class Engine:
                 f"request needs {total} tokens of KV cache but the cache holds "
                 f"{self.config.kv_capacity_tokens}"
             )
-        seq = Sequence(request_id, prompt_tokens, output_tokens, now, finish_reason)
+        self._arrival_counter += 1
+        seq = Sequence(request_id, prompt_tokens, output_tokens, now, finish_reason, priority=priority,
+                       arrival_order=self._arrival_counter)
         self.seqs[request_id] = seq
-        self.waiting.append(seq)
+        if self.priority_policy:
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
         return seq
 
     def abort(self, request_id: str, now: float) -> Sequence | None:
@@ -302,8 +344,12 @@ class Engine:
         if self.running:
             return self._last_end
         if self.waiting:
-            return max(self._last_end, self.waiting[0].arrival)
+            return max(self._last_end, self._first_arrival())
         return None
+
+    def _first_arrival(self) -> float:
+        # FIFO: the head arrived first; by priority, any waiter may have.
+        return min(s.arrival for s in self.waiting) if self.priority_policy else self.waiting[0].arrival
 
     def advance(self, now: float) -> list[TokenEvent]:
         """Run every step that completes by `now`; start the step in progress at `now`.
@@ -338,7 +384,7 @@ class Engine:
             return self._last_end  # back to back with the previous step
         if not self.waiting:
             return None
-        start = max(self._last_end, self.waiting[0].arrival)
+        start = max(self._last_end, self._first_arrival())
         return start if start <= now else None
 
     def _blocks_for(self, tokens: int) -> int:
@@ -365,7 +411,10 @@ class Engine:
         seq.state = SeqState.WAITING
         seq.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.priority_policy:
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _schedule(self, start: float) -> _Step | None:
         cfg = self.config
@@ -378,7 +427,15 @@ class Engine:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self._allocate(seq, n):
-                victim = self.running[-1]
+                if self.priority_policy:
+                    victim = max(self.running, key=lambda s: (s.priority, s.arrival, s.arrival_order))
+                    k = self.running.index(victim)
+                    if k < i:  # already scheduled in this step: give its tokens back
+                        j = next(j for j, (s, _) in enumerate(scheduled) if s is victim)
+                        budget += scheduled.pop(j)[1]
+                        i -= 1
+                else:
+                    victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -390,16 +447,21 @@ class Engine:
                 continue
             # `seq` preempted itself: every later sequence is gone too.
             break
-        # Then admit from the queue, FIFO, unless this step had to preempt (vLLM does the same)
-        # and still runs something.
+        # Then admit from the queue, FIFO (or by priority), unless this step had to preempt (vLLM
+        # does the same) and still runs something.
         while ((not preempted or not scheduled) and self.waiting and budget > 0
-               and len(self.running) < cfg.max_num_seqs
-               and self.waiting[0].arrival <= start):
-            seq = self.waiting[0]
+               and len(self.running) < cfg.max_num_seqs):
+            if self.priority_policy:
+                head = next((k for k, s in enumerate(self.waiting) if s.arrival <= start), None)
+            else:
+                head = 0 if self.waiting[0].arrival <= start else None
+            if head is None:
+                break
+            seq = self.waiting[head]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._allocate(seq, n):
-                break  # head of line blocks: FIFO, like vLLM's default policy
-            self.waiting.popleft()
+                break  # head of line blocks, like vLLM (both policies)
+            del self.waiting[head]
             seq.state = SeqState.RUNNING
             self._admit_counter += 1
             seq.admit_order = self._admit_counter

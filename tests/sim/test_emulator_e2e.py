@@ -121,6 +121,35 @@ async def test_errors_look_like_openai_errors(server: Server) -> None:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
 
 
+async def test_priority_is_refused_under_fcfs_like_vllm(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="Got priority -1 but Priority scheduling is not enabled"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": -1})
+    with pytest.raises(openai.BadRequestError, match="priority must be an integer"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": "high"})
+    ok = await client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 0})
+    assert ok.choices[0].text
+
+
+async def test_priority_policy_serves_the_lower_value_first() -> None:
+    """One slot; four priority-0 requests queue, then a priority -1 one: it is served next."""
+    with Supervisor() as sup:
+        srv = start(sup, "sim-prio", ["--cold-start", "0", "--max-num-seqs", "1",
+                                      "--scheduling-policy", "priority"])
+        client = srv.client()
+        done: list[str] = []
+
+        async def one(name: str, prio: int) -> None:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=15, extra_body={"priority": prio})
+            done.append(name)
+
+        tasks = [asyncio.create_task(one(f"low{i}", 0)) for i in range(4)]
+        await asyncio.sleep(0.03)  # low0 runs (15 steps of 5 ms), low1..3 wait
+        tasks.append(asyncio.create_task(one("high", -1)))
+        await asyncio.gather(*tasks)
+        assert done.index("high") <= 1 and done[-1] == "low3"
+
+
 async def test_metrics_names_and_monotonic_counters(server: Server) -> None:
     before = await metrics(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

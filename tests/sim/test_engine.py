@@ -9,6 +9,7 @@ from floodgate.sim.engine import (
     Engine,
     EngineConfig,
     EngineNotAwake,
+    PriorityNotEnabled,
     RequestTooLong,
     SeqState,
     SleepState,
@@ -169,6 +170,76 @@ def test_idle_engine_starts_at_the_arrival() -> None:
     assert engine.next_event_time() == 7.0
     events = engine.advance(8.0)
     assert len(events) == 1 and events[0].time == pytest.approx(7.0 + 0.010 + 10 * 0.0001)
+
+
+def test_fcfs_refuses_a_priority_like_vllm() -> None:
+    engine = Engine(FAST)
+    with pytest.raises(PriorityNotEnabled, match="Got priority -1 but Priority scheduling is not enabled"):
+        engine.add_request("a", 10, 1, 0.0, priority=-1)
+    engine.add_request("b", 10, 1, 0.0, priority=0)  # the default is accepted under fcfs
+    assert engine.num_waiting == 1 and "a" not in engine.seqs
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
+
+
+def _queue_order(policy: str) -> list[str]:
+    """Six 600-token prompts arrive at once into a budget of 512 tokens per step (one prompt at a
+    time); a late low-value priority request joins while the first prompt is being prefilled."""
+    engine = Engine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, scheduling_policy=policy))
+    for i in range(6):
+        engine.add_request(f"low{i}", 600, 2, 0.0)
+    engine.advance(0.0)
+    t = engine.next_event_time() or 0.0
+    engine.advance(t)  # step 1 done (low0 512 of 600 tokens); step 2 starts: low0, low1 running
+    engine.add_request("p0", 600, 2, t, priority=-1 if policy == "priority" else 0)
+    events = run(engine)
+    first = first_token_times(events)
+    return sorted(first, key=lambda k: first[k])
+
+
+def test_priority_policy_orders_the_waiting_queue_by_priority_then_arrival() -> None:
+    # fcfs: the late request waits behind every prompt that arrived before it
+    assert _queue_order("fcfs") == ["low0", "low1", "low2", "low3", "low4", "low5", "p0"]
+    # priority: it goes ahead of every *waiting* one; the running prefills are not interrupted
+    # (vLLM v1 never preempts a running request for a waiting one): low0's rest and low1's first
+    # chunk were scheduled in the step that started as p0 arrived
+    assert _queue_order("priority") == ["low0", "low1", "p0", "low2", "low3", "low4", "low5"]
+
+
+def test_priority_policy_equal_priorities_is_fcfs() -> None:
+    def order(policy: str, prio: int) -> list[tuple[str, int, float]]:
+        engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy=policy))
+        for i in range(10):
+            engine.add_request(f"r{i}", 100 + 10 * i, 3 + i, 0.01 * i, priority=prio)
+        return [(e.seq.request_id, e.index, round(e.time, 9)) for e in run(engine)]
+
+    assert order("priority", 3) == order("priority", 0) == order("fcfs", 0)
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_request() -> None:
+    # Prompts fit, growth does not (as in the fcfs preemption test above). Under fcfs the newest
+    # admitted sequence is preempted; by priority the one with the largest (priority, arrival),
+    # so the high-priority request admitted last is never preempted.
+    def preempted(policy: str) -> dict[str, int]:
+        cfg = EngineConfig(max_num_seqs=64, block_size=16, num_kv_blocks=12, max_num_batched_tokens=4096,
+                           scheduling_policy=policy)
+        engine = Engine(cfg)
+        seqs = [engine.add_request(f"r{i}", 40, 60, 0.0, priority=1 if policy == "priority" else 0)
+                for i in range(3)]
+        seqs.append(engine.add_request("hi", 40, 60, 0.0))  # priority 0: the most important
+        events = run(engine)
+        assert engine.stats.finished["length"] == 4 and engine.free_blocks == cfg.num_kv_blocks
+        counts: dict[str, int] = {}
+        for e in events:
+            counts[e.seq.request_id] = counts.get(e.seq.request_id, 0) + 1
+        assert set(counts.values()) == {60}  # no token lost or duplicated
+        return {s.request_id: s.num_preemptions for s in seqs}
+
+    fcfs = preempted("fcfs")
+    assert fcfs["hi"] > 0  # the newest admitted
+    prio = preempted("priority")
+    assert prio["hi"] == 0 and sum(prio.values()) > 0
+    assert prio["r2"] >= prio["r0"]  # the latest arrival of the lowest priority goes first
 
 
 def test_abort_frees_blocks_and_the_slot() -> None:
