@@ -15,7 +15,9 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
                   deadline, `above_half` paces only above half the limit);
 * `prefill-K`   : at most K lower-class requests admitted and still without a first token (an
                   oracle: the processor does not see first tokens of unsampled requests);
-* `p0first`     : P0 goes first in its engine's queue (engine-side priority, the ideal's rule);
+* `p0first`     : P0 goes first in its engine's queue (engine-side priority: the engines run
+                  vLLM's `--scheduling-policy priority` and P0 carries `priority: -1`, as the
+                  pool setting `engine_priority: {0: -1}` sends it); `ramp+p0first` with the ramp;
 * `p0pick`      : P0 goes to the replica with the least prefill work queued (oracle).
 
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3
@@ -27,20 +29,20 @@ import argparse
 import heapq
 import math
 import random
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from floodgate.extproc.config import AdmissionConfig, PoolConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
+    ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
     CLASSES,
     RAMP_MIN_RATE_S,
     DecayingMean,
     DecayingRate,
     Reject,
-    Snapshot,
-    eligible,
     queue_decision,
 )
 
@@ -64,6 +66,8 @@ class Remedy:
 
 @dataclass
 class Gate:
+    """The remedies' pacing rules, as a `PermitTable` pacer (extproc.permits.Pacer)."""
+
     remedy: Remedy
     tokens: float = 0.0
     ts: float = 0.0
@@ -88,19 +92,26 @@ class Gate:
         self.tokens = min(burst, self.tokens + rate * max(0.0, now - self.ts))
         self.ts = now
 
-    def open(self, cls: int, now: float) -> bool:
-        if cls == 0:
+    def free_pass(self, inflight: Sequence[int], limit: int) -> bool:
+        return self.remedy.above_half and 2 * sum(inflight) < limit
+
+    def open(self, cls: int, now: float, inflight: Sequence[int], limit: int,
+             head_deadline: float | None) -> bool:
+        if cls == 0 or self.free_pass(inflight, limit):
             return True
         r = self.remedy
+        ok = True
         if r.prefill_cap is not None and self.prefilling >= r.prefill_cap:
-            return False
-        if r.ramp_burst is not None:
+            ok = False
+        elif r.ramp_burst is not None:
             self.refill(now)
-            if self.tokens < 1:
-                return False
-        return True
+            ok = self.tokens >= 1
+        # a paced waiter this close to its deadline goes anyway
+        return ok or (head_deadline is not None and r.grace is not None and head_deadline - now <= r.grace)
 
-    def granted(self, cls: int) -> None:
+    def granted(self, cls: int, now: float, inflight: Sequence[int], limit: int) -> None:
+        if self.free_pass(inflight, limit):
+            return
         if self.remedy.ramp_burst is not None:
             self.tokens -= 1
         if cls > 0:
@@ -110,59 +121,6 @@ class Gate:
         if self.remedy.ramp_burst is not None:
             self.refill(now)
             self.tokens = min(self.params()[0], self.tokens + 1)
-
-
-@dataclass
-class GatedTable(PermitTable):
-    gate: Gate | None = None
-    clock: float = 0.0
-    on_grant: Any = None
-
-    def grant(self, now: float) -> list[str]:
-        granted: list[str] = []
-        while sum(self.inflight()) < self.limit:
-            inflight, queued = list(self.inflight()), self.queued()
-            for k in CLASSES:
-                if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
-                    free_pass = self.gate is not None and self.gate.remedy.above_half and 2 * sum(inflight) < self.limit
-                    if self.gate is not None and not free_pass and not self.gate.open(k, now) and not (
-                            self.gate.remedy.grace is not None
-                            and self.queues[k][0].deadline - now <= self.gate.remedy.grace):
-                        continue  # a paced lower class: leave it queued, a higher one may go
-                    w = self.queues[k].pop(0)
-                    if w.deadline >= now:
-                        self.leases[w.ticket] = _lease(k)
-                        granted.append(w.ticket)
-                        if self.gate is not None and not free_pass:
-                            self.gate.granted(k)
-                    break
-            else:
-                break
-        return granted
-
-    def acquire(self, ticket: str, cls: int, now: float, *, gateway: str = "local", seq: int = 0,
-                credits: int = 0) -> tuple[bool, list[str], list[str]]:
-        woken = self.grant(now)
-        inflight, queued = list(self.inflight()), self.queued()
-        ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
-            queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
-            and (self.gate is None or self.gate.open(k, now))
-            for k in CLASSES if k <= cls)
-        free_pass = self.gate is not None and self.gate.remedy.above_half and 2 * sum(inflight) < self.limit
-        if ok and self.gate is not None and not free_pass and not self.gate.open(cls, now):
-            ok = False
-        if not ok:
-            return False, [], woken
-        self.leases[ticket] = _lease(cls)
-        if self.gate is not None and not free_pass:
-            self.gate.granted(cls)
-        return True, [], woken
-
-
-def _lease(cls: int) -> Any:
-    from floodgate.extproc.permits import Lease
-
-    return Lease(cls, "local", 0, math.inf)
 
 
 @dataclass
@@ -194,14 +152,16 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     gate = Gate(remedy, tokens=math.inf)
     shares = tuple(classes[k].share for k in CLASSES)
     headroom = tuple(classes[k].headroom for k in CLASSES)
-    table: PermitTable
     if remedy.shipped is not None:
         table = PermitTable(limit=limit, shares=shares, headroom=headroom,  # type: ignore[arg-type]
                             ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1],
                             ramp_min_rate=RAMP_MIN_RATE_S)
     else:
-        table = GatedTable(limit=limit, shares=shares, headroom=headroom, gate=gate)  # type: ignore[arg-type]
-    engines = [Engine(w.engine_config()) for _ in range(w.replicas)]
+        table = PermitTable(limit=limit, shares=shares, headroom=headroom, pacer=gate)  # type: ignore[arg-type]
+    ecfg = w.engine_config()
+    if remedy.p0_first:  # vLLM's --scheduling-policy priority, P0 sent with priority -1
+        ecfg = replace(ecfg, scheduling_policy="priority")
+    engines = [Engine(ecfg) for _ in range(w.replicas)]
     active = [0] * len(engines)
     where: dict[int, int] = {}
     released = DecayingRate()
@@ -209,6 +169,7 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     now = 0.0
     gate.release_rate = lambda: released.read(now)
     arrivals = [DecayingRate(tau=ARRIVAL_TAU_S) for _ in CLASSES]
+    arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
     grants = [DecayingRate(), DecayingRate(), DecayingRate()]
     admitted_at: dict[int, float] = {}
     first: dict[int, float] = {}
@@ -219,8 +180,6 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     events: list[tuple[float, int, int]] = []  # (time, kind, index): kind 1 deadline, 2 arrival
     for i, r in enumerate(plan):
         heapq.heappush(events, (r.t_offset, 2, i))
-
-    _p0 = {i for i, r in enumerate(plan) if r.priority == 0}
 
     def route(i: int, now: float) -> None:
         r = plan[i]
@@ -233,14 +192,8 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
             a, b = rng.randrange(len(engines)), rng.randrange(len(engines))
             k = a if active[a] <= active[b] else b
         e = engines[k]
-        seq = e.add_request(str(i), r.prompt_tokens, r.output_tokens, now)
-        if remedy.p0_first and r.priority == 0:
-            e.waiting.remove(seq)
-            # behind P0s already waiting, ahead of everything else not started
-            pos = 0
-            while pos < len(e.waiting) and int(e.waiting[pos].request_id) in _p0 and e.waiting[pos].num_computed == 0:
-                pos += 1
-            e.waiting.insert(pos, seq)
+        e.add_request(str(i), r.prompt_tokens, r.output_tokens, now,
+                      priority=-1 if remedy.p0_first and r.priority == 0 else 0)
         active[k] += 1
         where[i] = k
 
@@ -282,24 +235,18 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
                     outcome[i] = "queue_timeout"
                 continue
             arrivals[r.priority].bump(now)
+            arrivals_fast[r.priority].bump(now)
             ok, _, woken = table.acquire(str(i), r.priority, now)
             granted(woken, now)
             if ok:
                 granted([str(i)], now)
                 continue
-            q = table.queued()
-            snap = Snapshot(
-                limit=table.limit, inflight=table.inflight(), queued=(q[0], q[1], q[2]),
-                tenant_queued=sum(1 for x in table.queues[r.priority] if x.tenant == r.tenant),
-                grant_rate=released.read(now), release_n=released.n,
-                class_rate=grants[r.priority].read(now),
-                class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
-                inflight_avg=level.value,
+            snap = table.snapshot(
+                r.priority, r.tenant, released.read(now), now=now, release_n=released.n, inflight_avg=level.value,
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
-                head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
-                                for k in CLASSES),  # type: ignore[arg-type]
-                tail_left=tuple(max(0.0, table.queues[k][-1].deadline - now) if table.queues[k] else 0.0
-                                for k in CLASSES))  # type: ignore[arg-type]
+                arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now),
+                                    arrivals_fast[2].read(now)),
+                class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
             d = queue_decision(r.priority, snap, classes, adm, rand=rng.random())
             if isinstance(d, Reject):
                 outcome[i] = d.reason
@@ -350,6 +297,7 @@ REMEDIES = (
     Remedy(),
     Remedy("shipped-ramp", shipped=(0.08, 0.1)),
     Remedy("p0first", p0_first=True),
+    Remedy("ramp+p0first", shipped=(0.08, 0.1), p0_first=True),
     Remedy("p0pick", p0_pick=True),
     Remedy("prefill-4", prefill_cap=4),
     Remedy("prefill-8", prefill_cap=8),

@@ -11,7 +11,9 @@ endpoint picking are not modelled.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from floodgate.extproc.policy import (
     CLASSES,
@@ -43,6 +45,19 @@ class Waiter:
     tenant: str
 
 
+class Pacer(Protocol):
+    """A pacing hook for models of other grant rules (bench/p0_onset.py); the shipped code sets
+    none. `open` False: a waiter of class `cls` at the head of its queue is not granted now (it
+    stays queued and the grant loop tries the next class), and an arrival of that class is not
+    admitted at once; `head_deadline` is the head waiter's deadline (None for an arrival).
+    `granted` is told of every permit the table hands out, with in-flight before it."""
+
+    def open(self, cls: int, now: float, inflight: Sequence[int], limit: int,
+             head_deadline: float | None) -> bool: ...
+
+    def granted(self, cls: int, now: float, inflight: Sequence[int], limit: int) -> None: ...
+
+
 @dataclass
 class PermitTable:
     limit: int
@@ -65,6 +80,7 @@ class PermitTable:
     queues: tuple[list[Waiter], list[Waiter], list[Waiter]] = field(default_factory=lambda: ([], [], []))
     gateways: dict[str, float] = field(default_factory=dict)  # gateway -> liveness expiry
     creditors: set[str] = field(default_factory=set)
+    pacer: Pacer | None = None  # models only: see Pacer
 
     # ------------------------------------------------------------------ reads
 
@@ -90,8 +106,10 @@ class PermitTable:
     def snapshot(self, cls: int, tenant: str, grant_rate: float, *, now: float | None = None,
                  release_n: int = 0, inflight_avg: float = 0.0,
                  arrival_rates: tuple[float, float, float] | None = None,
-                 arrival_rates_fast: tuple[float, float, float] | None = None) -> Snapshot:
-        """The policy's view of this table; with `now`, the head/tail deadlines of each queue."""
+                 arrival_rates_fast: tuple[float, float, float] | None = None,
+                 class_rates: tuple[float, float, float] | None = None) -> Snapshot:
+        """The policy's view of this table; with `now`, the head/tail deadlines of each queue.
+        The rates are the caller's (the processor's estimators, or a model's fake-clock ones)."""
         q = self.queued()
         head = tail = None
         if now is not None:
@@ -101,6 +119,8 @@ class PermitTable:
                         tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
                         release_n=release_n, inflight_avg=inflight_avg, arrival_rates=arrival_rates,
                         arrival_rates_fast=arrival_rates_fast, ramp=self.ramp_rate > 0,
+                        class_rate=class_rates[cls] if class_rates else 0.0,
+                        class_rates=class_rates or (0.0, 0.0, 0.0),
                         head_left=head, tail_left=tail)  # type: ignore[arg-type]
 
     def _alive(self, gateway: str, now: float) -> bool:
@@ -129,6 +149,13 @@ class PermitTable:
     def _ramp_take(self, n: int = 1) -> None:
         if self.ramp_rate > 0 and self.tokens is not None:
             self.tokens -= n
+
+    def _paced(self, cls: int, now: float, inflight: Sequence[int], head_deadline: float | None) -> bool:
+        return self.pacer is not None and not self.pacer.open(cls, now, inflight, self.limit, head_deadline)
+
+    def _pacer_granted(self, cls: int, now: float, inflight: Sequence[int]) -> None:
+        if self.pacer is not None:
+            self.pacer.granted(cls, now, inflight, self.limit)
 
     def _ramp_give(self) -> None:
         if self.ramp_rate > 0 and self.tokens is not None:
@@ -162,10 +189,13 @@ class PermitTable:
                 if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
                     if not self._ramp_open(k, inflight):
                         return granted  # paced: a lower class waits for a token (P0 went first)
+                    if self._paced(k, now, inflight, self.queues[k][0].deadline):
+                        continue  # a model's pacer holds this class: it stays queued
                     w = self.queues[k].pop(0)
                     if w.deadline >= now and self._alive(w.gateway, now):
                         self.leases[w.ticket] = Lease(k, w.gateway, w.seq, now + self.ttl)
                         self._ramp_take()
+                        self._pacer_granted(k, now, inflight)
                         granted.append(w.ticket)
                     break
             else:
@@ -186,12 +216,14 @@ class PermitTable:
         inflight, queued = list(self.inflight()), self.queued()
         ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
             queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
-            for k in CLASSES if k <= cls) and self._ramp_open(cls, inflight)
+            and not self._paced(k, now, inflight, self.queues[k][0].deadline)
+            for k in CLASSES if k <= cls) and self._ramp_open(cls, inflight) and not self._paced(cls, now, inflight, None)
         if not ok:
             self.creditors.clear()
             return False, [], woken
         self.leases[ticket] = Lease(cls, gateway, seq, now + self.ttl)
         self._ramp_take()
+        self._pacer_granted(cls, now, inflight)
         extra: list[str] = []
         if credits > 0 and sum(queued) == 0:
             n = min(credits, self.limit // 2 - (sum(inflight) + 1))

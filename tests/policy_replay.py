@@ -107,20 +107,11 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 out.decisions[i] = "immediate"
                 granted([str(i)], now)
                 continue
-            q = table.queued()
-            snap = Snapshot(
-                limit=table.limit, inflight=table.inflight(), queued=(q[0], q[1], q[2]),
-                tenant_queued=sum(1 for w in table.queues[a.cls] if w.tenant == a.tenant),
-                grant_rate=released.read(now), release_n=released.n,
-                class_rate=grants[a.cls].read(now),
-                class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)),
-                inflight_avg=level.value, ramp=ramp is not None,
+            snap = table.snapshot(
+                a.cls, a.tenant, released.read(now), now=now, release_n=released.n, inflight_avg=level.value,
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
-                head_left=tuple(max(0.0, table.queues[k][0].deadline - now) if table.queues[k] else 0.0
-                                for k in CLASSES),  # type: ignore[arg-type]
-                tail_left=tuple(max(0.0, table.queues[k][-1].deadline - now) if table.queues[k] else 0.0
-                                for k in CLASSES))  # type: ignore[arg-type]
+                class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
             decision = queue_decision(a.cls, snap, classes, adm, rand=0.5)
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)

@@ -96,3 +96,39 @@ def test_a_small_limit_is_not_paced_below_the_floors() -> None:
     assert len(arrive(t, 19, 1, 0.0, "a")) == RAMP_MIN_BURST - 1
     granted = t.mine([], 1.0)[1]
     assert len(granted) == 8  # RAMP_MIN_RATE_S in one second
+
+
+class _HoldClass:
+    """A pacer (models only, extproc.permits.Pacer) that holds one class and records grants."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+        self.grants: list[tuple[int, int]] = []  # (class, in-flight before the grant)
+
+    def open(self, cls: int, now: float, inflight: object, limit: int, head_deadline: float | None) -> bool:
+        return cls != self.held
+
+    def granted(self, cls: int, now: float, inflight: object, limit: int) -> None:
+        self.grants.append((cls, sum(inflight)))  # type: ignore[call-overload]
+
+
+def test_a_pacer_holds_its_class_and_lets_the_others_past() -> None:
+    pacer = _HoldClass(1)
+    t = PermitTable(limit=2, shares=(0.0, 0.0, 0.0), pacer=pacer)
+    assert t.try_acquire("a", 2, 0.0) and t.try_acquire("b", 2, 0.0)  # the pool is full
+    assert t.enqueue("p1", 1, "", 10.0, 0.0) == ("queued", [])
+    assert t.enqueue("p2", 2, "", 10.0, 0.0) == ("queued", [])
+    # a release: the held P1 at the head stays queued; the P2 behind it goes
+    assert t.release("a", 1.0) == (True, ["p2"])
+    assert t.queued() == [0, 1, 0]
+    # an arriving P1 is not admitted at once either, a P0 is
+    assert t.release("b", 1.0) == (True, [])
+    assert not t.try_acquire("p1b", 1, 1.0)
+    assert t.try_acquire("p0", 0, 1.0)
+    assert pacer.grants == [(2, 0), (2, 1), (2, 1), (0, 1)]
+    # without a pacer the same history grants the P1 first
+    u = PermitTable(limit=2, shares=(0.0, 0.0, 0.0))
+    assert u.try_acquire("a", 2, 0.0) and u.try_acquire("b", 2, 0.0)
+    u.enqueue("p1", 1, "", 10.0, 0.0)
+    u.enqueue("p2", 2, "", 10.0, 0.0)
+    assert u.release("a", 1.0) == (True, ["p1"])
