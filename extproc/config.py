@@ -151,6 +151,12 @@ class PoolConfig(_Strict):
     onset_ramp_burst: float = Field(
         default=0.08, ge=0, le=1,
         description="With `onset_ramp_rate`: the growth lower classes may take at once, as a share of the limit (at least 8 permits).")
+    engine_priority: dict[Priority, int] = Field(
+        default_factory=dict,
+        description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
+    engine_priority_max_body_bytes: int = Field(
+        default=1 << 20, ge=0,
+        description="With `engine_priority`: larger request bodies pass unchanged (bounds the JSON parse on the processor's event loop).")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 

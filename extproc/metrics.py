@@ -57,6 +57,11 @@ class Metrics:
         self.invalid_priority = Counter(
             "floodgate_invalid_priority_header", "Requests whose priority header was unparseable or conflicting.",
             ["pool"], registry=r)
+        self.engine_priority = Counter(
+            "floodgate_engine_priority", "Admitted requests of a class with engine_priority, by what happened to "
+            "the body: set (priority written), or passed unchanged: not_json, not_object, too_large (over "
+            "engine_priority_max_body_bytes), partial (over Envoy's buffer), no_body.",
+            ["pool", "priority", "outcome"], registry=r)
         self.untrusted_priority = Counter(
             "floodgate_untrusted_priority_header", "Priority headers ignored because the caller is not trusted.",
             ["pool"], registry=r)

@@ -4,7 +4,9 @@ Envoy opens one `Process` stream per HTTP request. The shipped filter config sen
 headers, response headers and response trailers (bodies NONE), which keeps the stream open
 until the HTTP request ends (verified on Envoy 1.40, docs/admission.md): so the end of this stream, for whatever reason, is
 where the permit is released. A sampled fraction of admitted requests asks for the response
-body via `mode_override` to measure TTFT and TPOT for the Vegas limit.
+body via `mode_override` to measure TTFT and TPOT for the Vegas limit. With a pool's
+`engine_priority`, the admitted requests of the listed classes also get their request body
+(`mode_override`, BUFFERED) to write vLLM's `priority` field into it (`rewrite_priority`).
 """
 
 from __future__ import annotations
@@ -40,12 +42,39 @@ REASON_OUT = "x-floodgate-reject-reason"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_STREAM_BODY = processing_mode_pb2.ProcessingMode(
-    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-    response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-    response_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
-)
+_PM = processing_mode_pb2.ProcessingMode
+
+
+def _mode(stream_response: bool, buffer_request: bool) -> processing_mode_pb2.ProcessingMode:
+    """The shipped filter's mode (headers, response trailers) plus, for this request only, the
+    response body streamed (a latency sample) and/or the request body buffered (engine priority)."""
+    return _PM(request_header_mode=_PM.SEND, response_header_mode=_PM.SEND,
+               request_body_mode=_PM.BUFFERED_PARTIAL if buffer_request else _PM.NONE,
+               response_body_mode=_PM.STREAMED if stream_response else _PM.NONE,
+               request_trailer_mode=_PM.SKIP, response_trailer_mode=_PM.SEND)
+
+
+_MODES = {(s, b): _mode(s, b) for s in (False, True) for b in (False, True)}
+_REQUEST_BODY_PASS = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool) -> tuple[bytes | None, str]:
+    """vLLM's `priority` written into a JSON request body (pure). Returns (the new body, "set"),
+    or (None, why) when the body must pass unchanged: `partial` (Envoy sent only part of it: over
+    its buffer), `too_large`, `not_json`, `not_object`. Never raises: a body we cannot rewrite is
+    the upstream's to judge, not a reason to fail the request."""
+    if not complete:
+        return None, "partial"
+    if len(body) > max_bytes:
+        return None, "too_large"
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, "not_json"
+    if not isinstance(doc, dict):
+        return None, "not_object"
+    doc["priority"] = priority
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(), "set"
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, list[str]]:
@@ -94,7 +123,7 @@ INFO_HEADERS = 2  # x-floodgate-priority, x-floodgate-queue-ms
 
 @functools.lru_cache(maxsize=4096)
 def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str, ...],
-                 sampled: bool, info: bool = True) -> pb.ProcessingResponse:
+                 sampled: bool, info: bool = True, buffer_body: bool = False) -> pb.ProcessingResponse:
     """The request-headers reply of an admitted request (cached: replies are only serialized,
     never mutated, and most of them are alike). `remove`: headers present that must go."""
     set_headers = [_set(PRIORITY_OUT, str(priority)), _set(QUEUE_MS_OUT, queue_ms)] if info else []
@@ -104,8 +133,8 @@ def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str,
     if set_headers or remove:
         common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers, remove_headers=list(remove)))
     reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-    if sampled:
-        reply.mode_override.CopyFrom(_STREAM_BODY)
+    if sampled or buffer_body:
+        reply.mode_override.CopyFrom(_MODES[(sampled, buffer_body)])
     return reply
 
 
@@ -181,8 +210,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
+        self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
         self._wanted = frozenset({":authority", ":path", DESTINATION_HEADER, cfg.admission.priority_header.lower(),
-                                  cfg.admission.tenant_header.lower()})
+                                  cfg.admission.tenant_header.lower(), "content-length"})
 
     def _route_only(self, pool: str) -> pb.ProcessingResponse:
         """No permit: with endpoint picking, send it to any active endpoint; never let the
@@ -256,15 +286,23 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             queue_ms = str(int(result.queue_s * 1000))
             strip_priority = decision.source != "header"
             prio_header = self.cfg.admission.priority_header.lower()
+            engine_prio = self._engine_priority[pool].get(decision.priority)
+            buffer_body = engine_prio is not None and not first.request_headers.end_of_stream
             remove = ((prio_header,) if strip_priority and prio_header in headers else ()) + \
-                ((DESTINATION_HEADER,) if DESTINATION_HEADER in headers and not result.endpoint else ())
+                ((DESTINATION_HEADER,) if DESTINATION_HEADER in headers and not result.endpoint else ()) + \
+                (("content-length",) if buffer_body and "content-length" in headers else ())
+            # (content-length: a rewritten body has another length, and Envoy refuses a body
+            # mutation that does not match the request's content-length (500); without it Envoy
+            # sends the body upstream chunked, rewritten or not.)
             fits, info = admit_mutation(len(first.request_headers.headers.headers), self.cfg.server.max_headers,
                                         result.endpoint, remove, DESTINATION_HEADER in headers)
             if not fits:
                 reason = "header_limit"
                 yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
                 return
-            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info)
+            if engine_prio is not None and not buffer_body:
+                child(m.engine_priority, (pool, PRIORITY_LABELS[decision.priority], "no_body")).inc()
+            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info, buffer_body)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "admitted",
                                     "queued" if result.queued else "immediate")).observe(time.perf_counter() - headers_in)
             yield reply
@@ -281,6 +319,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_body":
                     self._on_body(ex, msg.response_body)
                     yield _BODY_REPLY
+                elif kind == "request_body" and engine_prio is not None:
+                    yield self._priority_body(pool, decision.priority, engine_prio, msg.request_body)
                 elif kind == "response_trailers":
                     ex.finished = True
                     yield _TRAILERS_REPLY
@@ -297,6 +337,19 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 reason = "upstream_error"
             self._finish(pool, ex, reason)
             self.admitter.release_soon(result, reason)
+
+    def _priority_body(self, pool: str, cls: int, engine_prio: int, body: pb.HttpBody) -> pb.ProcessingResponse:
+        """The request body with vLLM's `priority` written in (BUFFERED_PARTIAL: the whole body in one
+        message, or its first part with end_of_stream false when it is larger than Envoy's buffer,
+        which then passes unchanged; BUFFERED would answer 413 instead)."""
+        new, outcome = rewrite_priority(body.body, engine_prio, self.cfg.pool(pool).engine_priority_max_body_bytes,
+                                        body.end_of_stream)
+        m = self.admitter.metrics
+        self.admitter.child(m.engine_priority, (pool, PRIORITY_LABELS[cls], outcome)).inc()
+        if new is None:
+            return _REQUEST_BODY_PASS
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(body=new))))
 
     def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> None:
         now = self.admitter.clock()

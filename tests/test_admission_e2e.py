@@ -491,3 +491,46 @@ async def test_processors_that_never_reached_redis_split_the_limit(stack: LocalS
     assert sum(r.status == 200 for r in replies) >= 4
     assert stats["max_inflight"] <= 4
     assert m["floodgate_degraded"] == 1
+
+
+async def _raw_post(session: aiohttp.ClientSession, url: str, body: bytes, prio: int) -> int:
+    async with session.post(url + "/v1/completions", data=body,
+                            headers={"x-request-priority": str(prio), "content-type": "application/json"}) as r:
+        await r.read()
+        return r.status
+
+
+async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: LocalStack, upstream: int) -> None:
+    """`engine_priority` {0: -1}: a P0's JSON body reaches the upstream with `"priority": -1` and a
+    matching content-length (real Envoy, mode override to BUFFERED); P1's is not touched; bodies
+    that cannot be rewritten pass unchanged and are counted, never failed."""
+    stack.start_redis()
+    proc = stack.start_processor(static(8, engine_priority={0: -1}, engine_priority_max_body_bytes=4096))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    doc = {"model": "m", "prompt": "héllo", "max_tokens": 2, "stream": True, "priority": 7}
+    cases = [  # (class, body, expected body at the upstream)
+        (0, json.dumps(doc).encode(), {**doc, "priority": -1}),
+        (1, json.dumps(doc).encode(), doc),
+        (0, b"not json {", None),
+        (0, b"[1, 2]", None),
+        (0, json.dumps({**doc, "prompt": "x" * 5000}).encode(), None),  # over the 4096 bytes set above
+    ]
+    async with aiohttp.ClientSession() as s:
+        for prio, body, _ in cases:
+            assert await _raw_post(s, envoy.url, body, prio) == 200
+        # a P0 without a body (GET) is not held for one
+        async with s.get(envoy.url + "/v1/completions", headers={"x-request-priority": "0"}) as r:
+            assert r.status in (200, 405)
+        got = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["bodies"]
+        m = await metrics(s, proc.metrics_url)
+    assert len(got) >= len(cases)
+    for (prio, sent, want), seen in zip(cases, got[:len(cases)], strict=True):
+        assert seen["len"] == (int(seen["content_length"]) if seen["content_length"] else seen["len"]), seen
+        if want is None:
+            assert seen["text"].encode()[:200] == sent[:200], (prio, seen)  # unchanged
+        else:
+            assert json.loads(seen["text"]) == want, (prio, seen)
+    for outcome, n in (("set", 1), ("not_json", 1), ("not_object", 1), ("too_large", 1)):
+        assert m.get(f'floodgate_engine_priority_total{{outcome="{outcome}",pool="default",priority="0"}}') == n, m
+    assert not any("priority=\"1\"" in k for k in m if k.startswith("floodgate_engine_priority_total"))
+    assert (await drained(stack.redis_url)).inflight_total == 0

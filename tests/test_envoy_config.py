@@ -106,6 +106,10 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
     assert mode["response_trailer_mode"] == "SEND"  # stream end == request end (design §3)
     assert mode["request_body_mode"] == "NONE" and mode["response_body_mode"] == "NONE"
     assert f["allow_mode_override"] is True
+    # every override the processor sends must stay allowed: response body STREAMED (latency
+    # samples) and request body BUFFERED_PARTIAL (engine_priority; real Envoy in
+    # tests/test_admission_e2e.py::test_engine_priority_writes_the_body_of_listed_classes_only)
+    assert not f.get("allowed_override_modes")
     assert "failure_mode_allow" in f  # explicit, documented
     # message_timeout must exceed the longest default queue timeout (P0, 30 s)
     from floodgate.extproc.config import load_config

@@ -24,6 +24,8 @@ class Upstream:
         self.total = 0
         self.seen: list[dict[str, str]] = []
         self.paths: list[str] = []  # every path requested, in order
+        # the last request bodies as received: content-length header, bytes read, text (truncated)
+        self.bodies: list[dict[str, Any]] = []
 
     @web.middleware
     async def record_path(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -40,6 +42,11 @@ class Upstream:
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
+            raw = await request.read()
+            self.bodies.append({"content_length": request.headers.get("content-length"), "len": len(raw),
+                                "chunked": "chunked" in request.headers.get("transfer-encoding", ""),
+                                "text": raw[:4096].decode("utf-8", "replace")})
+            del self.bodies[:-50]
             h = request.headers
             status = int(h.get("x-test-status", "200"))
             chunks = int(h.get("x-test-chunks", "4"))
@@ -64,7 +71,8 @@ class Upstream:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"inflight": self.inflight, "max_inflight": self.max_inflight,
-                                  "total": self.total, "seen": self.seen[-20:], "paths": self.paths})
+                                  "total": self.total, "seen": self.seen[-20:], "paths": self.paths,
+                                  "bodies": self.bodies[-20:]})
 
     async def reset(self, request: web.Request) -> web.Response:
         self.max_inflight = self.inflight

@@ -1,0 +1,55 @@
+"""`engine_priority`: the pure body rewrite and its settings (the real-Envoy path is in
+tests/test_admission_e2e.py::test_engine_priority_writes_the_body_of_listed_classes_only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from floodgate.extproc.config import PoolConfig
+from floodgate.extproc.server import _MODES, _admit_reply, rewrite_priority
+from pydantic import ValidationError
+
+
+def test_rewrite_sets_priority_and_keeps_the_rest() -> None:
+    doc = {"model": "m", "messages": [{"role": "user", "content": "héllo \u2603"}], "stream": True}
+    new, outcome = rewrite_priority(json.dumps(doc).encode(), -1, 1 << 20, True)
+    assert outcome == "set" and new is not None
+    assert json.loads(new) == {**doc, "priority": -1}
+
+
+def test_a_client_priority_is_overwritten() -> None:
+    new, outcome = rewrite_priority(b'{"prompt": "x", "priority": -100}', 2, 1 << 20, True)
+    assert outcome == "set" and new is not None and json.loads(new)["priority"] == 2
+
+
+@pytest.mark.parametrize(("body", "complete", "outcome"), [  # (max_bytes 1 MiB but for too_large)
+    (b"not json {", True, "not_json"),
+    (b"\xff\xfe\x00", True, "not_json"),
+    (b"[1, 2]", True, "not_object"),
+    (b'"a string"', True, "not_object"),
+    (b"", True, "not_json"),
+    (b"[" * 100_000 + b"]" * 100_000, True, "not_json"),  # too deep for the parser: passes, never raises
+    (b'{"prompt": "x"}', False, "partial"),  # Envoy's buffer held only part of it
+    (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', True, "too_large"),
+])
+def test_bodies_that_cannot_be_rewritten_pass_unchanged(body: bytes, complete: bool, outcome: str) -> None:
+    assert rewrite_priority(body, -1, 1 << 20, complete) == (None, outcome)
+
+
+def test_buffered_partial_only_for_requests_that_need_it() -> None:
+    plain = _admit_reply(1, "0", "", (), False, True, False)
+    assert not plain.HasField("mode_override")
+    both = _admit_reply(0, "0", "", ("content-length",), True, True, True)
+    assert both.mode_override == _MODES[(True, True)]
+    mode = both.mode_override
+    assert mode.request_body_mode == mode.BUFFERED_PARTIAL and mode.response_body_mode == mode.STREAMED
+    assert mode.response_trailer_mode == mode.SEND  # the stream still ends with the request
+    assert [h for h in both.request_headers.response.header_mutation.remove_headers] == ["content-length"]
+
+
+def test_engine_priority_setting() -> None:
+    assert PoolConfig().engine_priority == {}  # off: vLLM's default fcfs policy rejects a priority
+    assert PoolConfig(engine_priority={0: -1}).engine_priority == {0: -1}
+    with pytest.raises(ValidationError):
+        PoolConfig(engine_priority={3: -1})
