@@ -290,18 +290,30 @@ class BenchConfig:
     limit: int | None = None
     signal: str | None = None
     tuned: bool = False  # `@tuned`: the hand-tuned class settings (slo_classes), else the shipped ones
+    # `@engine-priority`: the emulators run vLLM's `--scheduling-policy priority` and the pool
+    # sets `engine_priority` (ENGINE_PRIORITY): a deployment choice matching the engines' flag
+    engine_priority: bool = False
 
     @property
     def floodgate(self) -> bool:
         return self.kind in ("static", "vegas")
 
 
+# The pool's `engine_priority` in `@engine-priority` rows: P0 first in the engines' waiting
+# queues (vLLM: lower is first; P1/P2 keep the default 0 and are not buffered).
+ENGINE_PRIORITY = {0: -1}
+
+
 def parse_config(name: str) -> BenchConfig:
     base, at, suffix = name.partition("@")
     if at:
-        if suffix != "tuned":
-            raise argparse.ArgumentTypeError(f"unknown config suffix {suffix!r} in {name!r}: only @tuned")
-        return replace(parse_config(base), name=name, tuned=True)
+        if suffix not in ("tuned", "engine-priority"):
+            raise argparse.ArgumentTypeError(
+                f"unknown config suffix {suffix!r} in {name!r}: only @tuned or @engine-priority")
+        cfg = parse_config(base)
+        if not cfg.floodgate:
+            raise argparse.ArgumentTypeError(f"{name!r}: @{suffix} is for Floodgate configs only")
+        return replace(cfg, name=name, tuned=suffix == "tuned", engine_priority=suffix == "engine-priority")
     if name in ("none", "adaptive"):
         return BenchConfig(name, name)
     kind, _, arg = name.partition("-")
@@ -316,13 +328,16 @@ def parse_config(name: str) -> BenchConfig:
         return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
     raise argparse.ArgumentTypeError(
         f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined, "
-        "each Floodgate one optionally with @tuned")
+        "each Floodgate one optionally with @tuned or @engine-priority")
 
 
 def default_configs() -> list[str]:
     """The headline: shipped defaults against Envoy alone, adaptive_concurrency and the best
-    static limit found earlier; the hand-tuned class settings as a second Vegas row."""
-    return ["none", "adaptive", "static-96", "vegas-combined", "vegas-combined@tuned"]
+    static limit found earlier; the hand-tuned class settings as a second Vegas row; and both
+    Floodgate rows again with engine priority (a deployment choice: engines started with vLLM's
+    `--scheduling-policy priority`, pool setting `engine_priority`)."""
+    return ["none", "adaptive", "static-96", "vegas-combined", "vegas-combined@tuned",
+            "static-96@engine-priority", "vegas-combined@engine-priority"]
 
 
 def adaptive_concurrency_filter() -> dict[str, Any]:
@@ -387,6 +402,8 @@ def floodgate_config(cfg: BenchConfig, classes: dict[int, dict[str, Any]] | None
         if cfg.signal != LIMIT_SIGNAL:
             limit["signal"] = cfg.signal
     pool: dict[str, Any] = {"name": "default", "limit": limit}
+    if cfg.engine_priority:
+        pool["engine_priority"] = dict(ENGINE_PRIORITY)
     if classes is not None:
         pool["classes"] = classes
     out["pools"] = [pool]
@@ -440,6 +457,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             stack.start_upstream(
                 [sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
                  "--time-scale", str(w.time_scale), "--max-num-seqs", str(w.max_num_seqs),
+                 "--scheduling-policy", "priority" if cfg.engine_priority else "fcfs",
                  "--log-level", "warning"], name=f"sim{i}", port=port)
             wait_healthy(f"http://127.0.0.1:{port}/health", 20, interval=0.05)
             upstreams.append(("127.0.0.1", port))
@@ -495,6 +513,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
                 for p in data["probes"]]}
         if cfg.floodgate and metrics_url:
             result.meta["decision_seconds"], result.meta["local_rejections_p2"] = decision_histogram(metrics_url)
+            result.meta["engine_priority"] = engine_priority_counts(metrics_url)
         busy1 = _machine_busy()
         cpu = {n: (cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
         cpu["client"] = (time.process_time() - self0) / wall
@@ -528,6 +547,22 @@ def decision_histogram(metrics_url: str) -> tuple[dict[str, list[list[float]]], 
     for v in out.values():
         v.sort()
     return out, local
+
+
+def engine_priority_counts(metrics_url: str) -> dict[str, int]:
+    """The processor's `floodgate_engine_priority_total` by outcome (set, not_json, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "floodgate_engine_priority":
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    k = smp.labels["outcome"]
+                    out[k] = out.get(k, 0) + int(smp.value)
+    return out
 
 
 def histogram_quantile(buckets: Sequence[Sequence[float]], q: float) -> float | None:
@@ -610,6 +645,8 @@ class Row:
     probe_reject_burst_n: int = 0
     probe_send_lag_p99_ms: float | None = None
     probe_errors: int = 0  # probes answered neither 200 nor 429 (or not at all)
+    # `@engine-priority` rows: admitted requests whose body got vLLM's priority, by outcome
+    engine_priority: dict[str, int] = field(default_factory=dict)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -670,6 +707,7 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float,
         return (percentile(v, q) or 0) * 1000 if v else None
 
     return Row(
+        engine_priority=dict(out.result.meta.get("engine_priority") or {}),
         probe_sent=len(probes), probe_rejected=len(p_rej),
         probe_reject_timeouts=sum(1 for p in p_rej if p["reason"] == "queue_timeout"),
         probe_reject_p50_ms=p_ms([p["latency_s"] for p in p_rej], 50),
@@ -742,7 +780,7 @@ def render_table(rows: Sequence[Row]) -> str:
 
 
 def best_static(rows: Sequence[Row]) -> Row | None:
-    static = [r for r in rows if r.config.startswith("static-")]
+    static = [r for r in rows if r.config.startswith("static-") and "@" not in r.config]
     return max(static, key=lambda r: r.goodput_burst_tok_s or 0.0, default=None)
 
 
@@ -898,7 +936,10 @@ lulls and clumps of Poisson arrivals, so ratios above 100 % are possible.
 **Floodgate** (static and Vegas alike): one processor, one Redis, priority header trusted
 from loopback. Rows without `@tuned` run the **shipped class defaults** (each class's queue
 timeout derived from its SLO: `{json.dumps(report['classes'].get('shipped') if isinstance(report['classes'], dict) else None)}`);
-`@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
+`@engine-priority` rows are a deployment choice, not the default: the emulators run vLLM's
+`--scheduling-policy priority` (waiting queue by the body's `priority`, then arrival) and the pool
+sets `engine_priority: {json.dumps(ENGINE_PRIORITY)}` (the processor writes `"priority": -1` into each
+P0's body; P1/P2 untouched). `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
 Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG` row with another signal sets only `signal`.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
 

@@ -30,14 +30,21 @@ def test_overload_smoke(tmp_path: Path) -> None:
     doc.write_text("# Benchmarks\n\n## Admission overhead\n\nsomeone else's section\n")
     # ~5 s of arrivals per config; capacity given so the engine-model search is skipped.
     # The unloaded reference pass: its minimum (10 s) at this scale; a priority mix of our own.
-    args = _args(tmp_path, "--configs", "none", "vegas", "--scale", "0.1", "--capacity", "15",
+    args = _args(tmp_path, "--configs", "none", "vegas", "static-24@engine-priority", "--scale", "0.1", "--capacity", "15",
                  "--no-calibrate", "--timeout", "15", "--mix", "0.3", "0.4", "0.3")
     assert overload.run(args) == 0
 
     out = tmp_path / "out"
     report = json.loads((out / "results.json").read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert set(rows) == {"none", f"vegas-{overload.parse_config('vegas').signal}"}
+    assert set(rows) == {"none", f"vegas-{overload.parse_config('vegas').signal}", "static-24@engine-priority"}
+    # engine priority: the emulators ran the priority policy (a P0 body without its priority, or
+    # with one under fcfs, would be an error) and the processor wrote it into every admitted P0
+    prio = rows["static-24@engine-priority"]
+    assert report["floodgate_configs"]["static-24@engine-priority"]["pools"][0]["engine_priority"] == {"0": -1}
+    assert prio["errors"] == 0 and prio["engine_priority"].get("set", 0) > 0
+    assert sum(prio["engine_priority"].values()) == prio["engine_priority"]["set"]  # nothing passed unchanged
+    assert rows["none"]["engine_priority"] == {}
     assert report["workload"]["priority_shares"] == [0.3, 0.4, 0.3]
     ref = report["reference"]
     # 10 s at 0.3 x 15 req/s, every request P0, the first 2.5 s left out as warm-up
