@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra server argument (repeat; e.g. --server-arg=--zset-max-listpack-entries --server-arg=16)")
     p.add_argument("--decisions", type=int, default=600, help="measured decisions per library and batch size (default 600)")
+    p.add_argument("--keep", metavar="DIR", help="copy each measured callgrind dump here (cg.<base|here>.<B>: callgrind_annotate reads them)")
 
 
 class _Pool:
@@ -142,13 +143,16 @@ def run(args: argparse.Namespace) -> int:
         def control(*a: str) -> None:
             subprocess.run(["callgrind_control", *a, pid], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-        def measured(pool: _Pool, n: int) -> int:
+        def measured(pool: _Pool, n: int, label: str) -> int:
             control("-z")
             control("-i", "on")
             pool.go(n)
             control("-d")  # dumps after the pipeline's replies came back: every call is counted
             control("-i", "off")
             dump = max(glob.glob(f"{work}/cg.{pid}.*"), key=os.path.getmtime)
+            if args.keep:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(dump, Path(args.keep) / f"cg.{label}.{pool.batch}")
             for line in Path(dump).read_text().splitlines():
                 if line.startswith(("totals:", "summary:")):
                     return int(line.split()[1])
@@ -173,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             for pool in pools.values():
                 pool.go(60)  # warm: the library's caches, the hashes' encodings
             for label in ("base", "here", "base", "here"):  # alternate; keep the lower of two
-                n = measured(pools[label], args.decisions) / args.decisions
+                n = measured(pools[label], args.decisions, label) / args.decisions
                 results[(label, b)] = min(results.get((label, b), float("inf")), n)
             for pool in pools.values():
                 pool.sub.close()

@@ -49,6 +49,7 @@ local PAD_FIELD = '~'
 local PAD = '~hashtable~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~'
 -- Strings built once (number to string conversion costs more than the commands it feeds).
 local CLS = {'0', '1', '2'}            -- stored class of 1-based c
+local CLASS0 = {['0'] = 0, ['1'] = 1, ['2'] = 2}  -- stored class -> 0-based number (tonumber: two strtod)
 local GRATE = {'g0:p', 'g1:p', 'g2:p'}  -- per-class grant-rate field of 1-based c
 local CLASS_LO = {'0', '4294967296', '8589934592'}                 -- queue score range of c
 local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive)
@@ -80,6 +81,12 @@ local NO_CREDITORS  -- no gateway holds credits (checked, or recalled, in this c
 local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for this call
 local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
 local RAMP          -- the onset ramp's bucket {tokens, ts} once brought to `now` in this call (nil: not yet)
+-- Numbers parsed once per call (tonumber of a string runs strtod twice; these were read per op):
+local LIM, ILIM     -- the limit as stored, and int_limit's; nil = not read yet (set_state('limit') drops them)
+local QSEQ          -- the queue sequence (state `seq`) as a number, written back by flush
+local RES, RES_L    -- eligible(): reservations and higher-class headroom at limit RES_L
+local RRATE         -- read_rate() results of this call by rate name (bump_rate drops one)
+local LVL_S         -- the level as the snapshot reports it (nil: not yet; bump_level drops it)
 
 -- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
 -- reaches a global through its environment's fallback (they are not reachable at load time), a
@@ -92,8 +99,9 @@ local function num(v, d) if v then return tonumber(v) end return d end
 -- HAS_HGETDEL lives as long as the library (false: this server lacks it).
 local HAS_HGETDEL = nil
 local function hgetdel(key, field)
-  if HAS_HGETDEL ~= false then
-    local ok, r = pcall(redis.call, 'HGETDEL', key, 'FIELDS', 1, field)
+  if HAS_HGETDEL then return redis.call('HGETDEL', key, 'FIELDS', '1', field)[1] end
+  if HAS_HGETDEL == nil then
+    local ok, r = pcall(redis.call, 'HGETDEL', key, 'FIELDS', '1', field)
     if ok then HAS_HGETDEL = true return r[1] end
     HAS_HGETDEL = false
   end
@@ -120,6 +128,7 @@ local function set_state(f, v)
   state()
   ST[f] = v
   ST_DIRTY[f] = true
+  if f == 'limit' then LIM, ILIM, RES_L = nil, nil, nil end
 end
 
 -- In-flight and queued per class, read once per call; changes are written back by flush().
@@ -147,6 +156,7 @@ local function flush()
     end
     if #args > 0 then redis.call('HSET', K.counts, unpack(args)) end
   end
+  if QSEQ and ST_DIRTY then ST.seq = tostring(QSEQ) end
   if ST_DIRTY and next(ST_DIRTY) then
     for name, r in pairs(RT) do
       if ST_DIRTY[name] then ST[name] = string.format('%.14g|%d|%d|%d', r[1], r[2], r[3], r[4]) end
@@ -214,19 +224,28 @@ local function bump_rate(name)
   rec[2] = now
   rec[4] = math.min(rec[4] + 1, 1000000)
   ST_DIRTY[name] = true  -- flush formats it
+  RRATE[name] = nil
 end
 
 local function read_rate(name)
+  local v = RRATE[name]
+  if v then return v end
   local rate, ts, t0, n = unpack_rate(name)
-  if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then return 0 end
-  local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
-  return rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
+  if n < RATE_MIN_EVENTS or now - t0 < RATE_MIN_AGE_MS then
+    v = 0
+  else
+    local seen = 1 - math.exp(-(now - t0) / RATE_TAU_MS)
+    v = rate * math.exp(-(now - ts) / RATE_TAU_MS) / seen
+  end
+  RRATE[name] = v
+  return v
 end
 
 -- The limit; `write` stores the initial one when the pool has none yet (never on a read).
 local function limit_value(write)
+  if LIM then return LIM end
   local l = state().limit
-  if l then return tonumber(l) end
+  if l then LIM = tonumber(l) return LIM end
   local initial = (S and S.initial) or 1
   if write then
     set_state('limit', tostring(initial))
@@ -235,7 +254,12 @@ local function limit_value(write)
   return initial
 end
 
-local function int_limit(write) return math.max(1, math.floor(limit_value(write))) end
+local function int_limit(write)
+  if ILIM then return ILIM end
+  local L = math.max(1, math.floor(limit_value(write)))
+  if LIM then ILIM = L end  -- only once stored (a read of a pool without a limit stores nothing)
+  return L
+end
 
 -- The onset ramp, mirrored from policy.py (ramp_refill, ramp_paces) and permits.py: while a P0
 -- is in flight, a lower-class grant needs a token; every grant takes one (credits too), every
@@ -282,13 +306,19 @@ end
 local function eligible(c, L, inflight, queued)
   local free = L - inflight[1] - inflight[2] - inflight[3]
   if free < 1 then return false end
-  local res = {}
-  for k = 1, 3 do res[k] = math.floor(S.shares[k] * L + 1e-9) end
+  if RES_L ~= L then
+    RES, RES_L = {}, L
+    for k = 1, 3 do
+      RES[k] = math.floor(S.shares[k] * L + 1e-9)
+      RES[k + 3] = math.floor(S.headroom[k] * L + 1e-9)
+    end
+  end
+  local res = RES
   if inflight[c] < res[c] then return true end
   local others = 0
   for k = 1, 3 do
     if k ~= c and (queued[k] > 0 or S.always[k]) then others = others + math.max(0, res[k] - inflight[k]) end
-    if k < c then others = others + math.floor(S.headroom[k] * L + 1e-9) end
+    if k < c then others = others + res[k + 3] end
   end
   return free - 1 >= others
 end
@@ -325,12 +355,12 @@ end
 -- may contain '|'). `seq` is the gateway's ticket number, which `sync` compares to its watermark.
 local function parse_lmeta(m)
   local c, gw, seq = string.match(m or '', '^(%d)|(.*)|(%d+)$')
-  return tonumber(c or '1'), gw or '', tonumber(seq or '0')
+  return CLASS0[c] or 1, gw or '', seq or '0'  -- seq as stored (a string)
 end
 
 local function parse_qmeta(m)
   local c, dl, gw, seq, tenant = string.match(m, '^(%d)|([^|]*)|([^|]*)|(%d+)|(.*)$')
-  return tonumber(c), tonumber(dl), gw, seq, tenant  -- seq as stored (a string)
+  return CLASS0[c], dl and dl + 0, gw, seq, tenant  -- seq as stored (a string); dl + 0: one strtod (tonumber: two)
 end
 
 -- Reclaim has work from `t` (ms) on: a lease expiring, a waiter's deadline plus grace, a
@@ -366,10 +396,12 @@ local function lease(ticket, c, gw, seq)
   return ep
 end
 
--- `popped`: the caller already removed it from the queue and its meta (ZPOPMIN, HGETDEL).
-local function unqueue(ticket, meta, popped)
-  local c, _, _, _, tenant = parse_qmeta(meta)
+-- `popped`: the caller already removed it from the queue and its meta (ZPOPMIN, HGETDEL)
+-- and parsed the meta (c 0-based, tenant).
+local function unqueue(ticket, meta, popped, c, tenant)
   if not popped then
+    local _
+    c, _, _, _, tenant = parse_qmeta(meta)
     redis.call('ZREM', K.queue, ticket)
     redis.call('HDEL', K.qmeta, ticket)
   end
@@ -386,8 +418,10 @@ end
 
 -- c is 0-based here (as stored).
 local function put_waiter(ticket, c, deadline, gw, seq, tenant)
-  local qseq = num(state().seq, 0) + 1
-  set_state('seq', tostring(qseq))
+  if not QSEQ then QSEQ = num(state().seq, 0) end
+  QSEQ = QSEQ + 1
+  ST_DIRTY.seq = true  -- flush writes it
+  local qseq = QSEQ
   redis.call('ZADD', K.queue, c * CLASS_SPAN + qseq % CLASS_SPAN, ticket)
   local dl = tostring(deadline)
   redis.call('ZADD', K.qdl, dl, ticket)
@@ -414,6 +448,7 @@ local function bump_level()
     v = tonumber(lvl) * w + (1 - w) * total
   end
   set_state('lvl:p', string.format('%.14g|%d', v, now))
+  LVL_S = nil
 end
 
 -- `count_rate`: a completion (rate and level events), not an idle credit handed back.
@@ -444,7 +479,7 @@ local function pop_head(c, queued)
   if lower then
     local p = redis.call('ZPOPMIN', K.queue)
     if not p[1] then return nil end
-    local score = tonumber(p[2])
+    local score = p[2] + 0
     if score >= (c - 1) * CLASS_SPAN and score < c * CLASS_SPAN then return p[1] end
     redis.call('ZADD', K.queue, p[2], p[1])  -- another class's (a drifted count): put it back
   end
@@ -471,8 +506,8 @@ local function grant_loop()
         else
           local meta = hgetdel(K.qmeta, head)
           if meta then
-            local _, deadline, gw, seq = parse_qmeta(meta)
-            unqueue(head, meta, true)
+            local qc, deadline, gw, seq, tenant = parse_qmeta(meta)
+            unqueue(head, meta, true, qc, tenant)
             if deadline >= now and gateway_alive(gw) then
               local ep = lease(head, c, gw, seq)
               if gw == MY_GW then  -- the caller's own waiter: in the reply, no message
@@ -596,7 +631,8 @@ local function snapshot(out, c, tenant, gw)
   end
   if not NACTIVE then NACTIVE = redis.call('SCARD', K.active) end
   local _, _, _, rate_n = unpack_rate('rate:p')
-  local lvl = string.match(state()['lvl:p'] or '', '^([^|]*)|') or '0'
+  if not LVL_S then LVL_S = string.match(state()['lvl:p'] or '', '^([^|]*)|') or '0' end
+  local lvl = LVL_S
   -- For early drop (policy.wait_estimate): how much the rate rests on (rate_n), the in-flight
   -- level it was measured at (lvl), and the head/tail deadlines of each class queue (hl, tl).
   local e = {0, 0, 0, 0, 0, 0}
@@ -682,10 +718,10 @@ local function is_new(gw, seq)
   local st = state()
   local hw = st[f]
   if hw == nil and gw ~= MY_GW then hw = redis.call('HGET', K.state, f) or false st[f] = hw end
-  local n = tonumber(seq)
-  local new = hw and n > tonumber(hw)
-  if not hw or n > tonumber(hw) then set_state(f, seq) end
-  return new
+  local n = seq + 0
+  local above = hw and n > hw + 0
+  if not hw or above then set_state(f, seq) end
+  return above
 end
 
 local function short_if_leased(ticket)
@@ -716,7 +752,7 @@ function OPS.acquire(ARGV)
   -- grant loop would. The hot path: a short reply {granted=g, endpoint, credits} on a grant,
   -- the full snapshot only when the policy has to decide. Idempotent: a retried acquire of a
   -- ticket already leased returns that lease.
-  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
   local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
@@ -733,7 +769,7 @@ function OPS.admit(ARGV)
   -- endpoint picking and no active endpoint it is not queued (the caller answers 503).
   -- Nothing becomes grantable by queueing a waiter (the grant loop just ran and a waiter only
   -- adds to what others must leave free), so there is no second grant loop. Idempotent.
-  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
   local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
@@ -753,7 +789,7 @@ function OPS.enqueue(ARGV)
   -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 timeout (ms). The class's
   -- max_queue and the tenant cap are checked here, atomically (`rejected`). Idempotent: a
   -- ticket already queued or leased is not added again.
-  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]) + 1, ARGV[7]
+  local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
   reclaim()
@@ -840,7 +876,7 @@ function OPS.sync(ARGV)
   for i = 1, #all, 2 do
     local t = all[i]
     local _, lgw, seq = parse_lmeta(all[i + 1])
-    if t ~= PAD_FIELD and lgw == gw and seq < watermark and not held[t] and not waiting[t] then
+    if t ~= PAD_FIELD and lgw == gw and tonumber(seq) < watermark and not held[t] and not waiting[t] then
       drop_lease(t, false)
       dropped = dropped + 1
     end
@@ -952,6 +988,7 @@ local function main(KEYS, ARGV)
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP = {}, false, false, nil
+  LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
   local fake = redis.call('GET', K.testclock)
   if fake then
     now = tonumber(fake)
