@@ -77,6 +77,8 @@ class _Pool:
             a = self.admit_args(self.gws[i % gateways])
             self.call(r, "admit", *a)
             (self.held if len(self.held) < 8 * gateways else self.waiting).append(a[0])
+        for g in self.gws:  # as in service (every TTL/3): a sync of the pool as it is now
+            self.call(r, "sync", g, "0", "0")
 
     def call(self, p: Any, op: str, *args: str) -> Any:
         # TTL and timeouts far above the run's length: nothing expires while valgrind is slow

@@ -47,6 +47,14 @@ local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2'}
 -- holds one `hw:` field per gateway). Readers of those hashes skip PAD_FIELD.
 local PAD_FIELD = '~'
 local PAD = '~hashtable~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~'
+-- ZSETs likewise: up to `zset-max-listpack-entries` (128 by default) the server keeps a ZSET as
+-- a listpack, where every ZADD / ZREM / ZSCORE scans it and a ZADD reallocates it: the `leases`
+-- of a pool of 128 permits cost ~8 % of a contended decision's instructions that way. A member
+-- longer than `zset-max-listpack-value` converts it to a skiplist, and a ZSET never converts
+-- back while it exists, so `sync` adds PAD and removes it at once (no reader ever sees it) in
+-- the leases, queue and qdl of this size or more. An emptied ZSET is deleted and starts as a
+-- listpack again, until the next sync.
+local ZSET_PAD_MIN = 16
 -- Strings built once (number to string conversion costs more than the commands it feeds).
 local CLS = {'0', '1', '2'}            -- stored class of 1-based c
 local CLASS0 = {['0'] = 0, ['1'] = 1, ['2'] = 2}  -- stored class -> 0-based number (tonumber: two strtod)
@@ -865,6 +873,12 @@ function OPS.sync(ARGV)
   redis.call('HSET', K.lmeta, PAD_FIELD, PAD)  -- hashtables from now on (see PAD)
   redis.call('HSET', K.qmeta, PAD_FIELD, PAD)
   set_state(PAD_FIELD, PAD)
+  for _, z in ipairs({K.leases, K.queue, K.qdl}) do  -- skiplists from now on (see ZSET_PAD_MIN)
+    if redis.call('ZCARD', z) >= ZSET_PAD_MIN then
+      redis.call('ZADD', z, '0', PAD)
+      redis.call('ZREM', z, PAD)
+    end
+  end
   lower_due(now + ttl)
   ALIVE[gw] = true
   LIVE = nil

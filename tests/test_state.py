@@ -264,6 +264,32 @@ async def test_ticket_hashes_are_hashtables_and_their_pad_is_no_ticket(client: a
     assert await client.object("encoding", key("pad", "qmeta")) == b"hashtable"
 
 
+async def test_sync_makes_the_big_zsets_skiplists_and_leaves_no_pad(client: aioredis.Redis) -> None:
+    # As listpacks (up to 128 entries by default) every ZADD / ZREM of a lease scanned the ZSET;
+    # sync converts leases, queue and qdl of 16 entries or more by adding and removing a long
+    # member in one call: no reader ever sees it. A smaller ZSET stays a listpack.
+    st = await make(client, "zpad", limit=20, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    for seq in range(1, 31):
+        await st.admit(f"a/{seq}", "a", seq, 1, "t", 0, 30)
+    zk = {n: key("zpad", n) for n in ("leases", "queue", "qdl")}
+    assert {n: await client.object("encoding", k) for n, k in zk.items()} == \
+        {"leases": b"listpack", "queue": b"listpack", "qdl": b"listpack"}
+    held = {f"a/{s}": (1, s, "") for s in range(1, 21)}
+    waiting = {f"a/{s}": (1, s, 30.0, "t") for s in range(21, 31)}
+    await st.sync("a", 31, held, waiting)
+    assert await client.object("encoding", zk["leases"]) == b"skiplist"  # 20 leases
+    assert await client.object("encoding", zk["queue"]) == b"listpack"   # 10 waiters
+    assert await leased(client, "zpad") == set(held)
+    assert set(await queue_order(client, "zpad")) == set(waiting)
+    assert await client.zcard(zk["qdl"]) == 10
+    await check_invariants(client, "zpad")
+    await st.release("a/1", "a/2")  # grants a/21, a/22: still a skiplist
+    assert await client.object("encoding", zk["leases"]) == b"skiplist"
+    assert await leased(client, "zpad") == (set(held) - {"a/1", "a/2"}) | {"a/21", "a/22"}
+    await check_invariants(client, "zpad")
+
+
 async def test_status_never_writes(client: aioredis.Redis) -> None:
     # No settings stored, nothing at all: a read must not create anything.
     assert (await read_pool_status(client, "empty")).limit == 1
