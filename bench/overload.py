@@ -7,7 +7,13 @@ arrival plan against each configuration in turn, every one on fresh processes:
 * `adaptive`    Envoy's `adaptive_concurrency` filter (gradient controller), 429 when over;
 * `static-N`    Floodgate with a static limit of N concurrent requests (one run per N: the best
                 one is the hand-tuned reference);
-* `vegas-SIG`   Floodgate with the untuned Vegas limit fed by signal SIG (ttft, tpot, combined).
+* `vegas-SIG`   Floodgate with the untuned Vegas limit fed by signal SIG (ttft, tpot, combined);
+* `X@tuned`     a Floodgate config with hand-tuned class settings instead of the shipped ones;
+* `X@engine-priority` a Floodgate config with the emulators on vLLM's `--scheduling-policy
+                priority` and the pool's `engine_priority` {0: -1} (a deployment choice).
+
+Beside the load generator, a P2 probe in its own process (bench/reject_probe.py, `--probe-rate`)
+times P2 rejections from a client that has nothing else to do.
 
 The plan: an unloaded phase, a steady phase at ~70 % of the pool's capacity, a burst at 3x
 capacity, then recovery and a sparse-P0 phase; priority mix 20/50/30 % P0/P1/P2 (`--mix`).
@@ -18,7 +24,7 @@ is derived first from the pure engine model (`sim/engine.py`, the same code the 
 and, by default, the pool's best steady goodput is then measured on the real pool with a short
 step sweep without admission control.
 
-    floodgate bench overload                                  # the headline, shipped defaults, ~10 min
+    floodgate bench overload                                  # the headline, shipped defaults, ~14 min
     floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
 
 Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,
@@ -68,6 +74,9 @@ TARGET_P2_REJECT_MS = 10.0
 # The P2 probe's rate (per second; bench/reject_probe.py): ~480 probes over the burst, recovery and
 # sparse-P0 phases, tiny requests (32 prompt tokens, 2 output), ~1 % of the pool's work when admitted.
 PROBE_RATE = 8.0
+# The probe's niceness (bench/reject_probe.py --nice): ahead of the box's other processes, as a
+# client on its own machine would be; Envoy, the processor and the load generator keep theirs.
+PROBE_NICE = -10
 
 FLOODGATE_METRICS = ("floodgate_limit", "floodgate_inflight", "floodgate_queue_depth")
 ADAPTIVE_LIMIT = "envoy_http_adaptive_concurrency_gradient_controller_concurrency_limit"
@@ -439,7 +448,7 @@ def probe_window(w: Workload) -> tuple[float, float]:
 
 def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s: float,
                progress: bool, classes: dict[int, dict[str, Any]] | None = None,
-               workdir: Path | None = None, probe_rate: float = 0.0) -> RunOutput:
+               workdir: Path | None = None, probe_rate: float = 0.0, probe_nice: int = 0) -> RunOutput:
     import subprocess
     import tempfile
 
@@ -488,7 +497,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             probe = subprocess.Popen(
                 [sys.executable, "-m", "floodgate.bench.reject_probe", "--url", envoy.url,
                  "--start-unix", str(time.time() + pa), "--duration", str(pb - pa),
-                 "--rate", str(probe_rate), "--out", str(probe_out)])
+                 "--rate", str(probe_rate), "--nice", str(probe_nice), "--out", str(probe_out)])
         t0 = time.monotonic()
         try:
             result = asyncio.run(run_load_detailed(
@@ -506,7 +515,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             data = json.loads(probe_out.read_text())
             probe_out.unlink()
             t0_unix = float(result.meta["unix_time_at_t0"])
-            result.meta["probe"] = {"rate": probe_rate, "probes": [
+            result.meta["probe"] = {"rate": probe_rate, "nice": data.get("nice"), "probes": [
                 {"t_planned": p["t_unix_planned"] - t0_unix, "t_sent": p["t_unix_sent"] - t0_unix,
                  "lag_s": p["lag_s"], "latency_s": p["latency_s"], "status": p["status"],
                  "reason": p["reason"], **({"error": p["error"]} if "error" in p else {})}
@@ -917,7 +926,7 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 same emulated pool in several configurations, each on fresh processes, and prints the table
 below. Raw data (every request record and metric sample, gzipped JSON as written by
 `sim.report.write_json`) and `results.json` are in `{rel_out}/`.
-Reproduce: `floodgate bench overload` (about 10 minutes with the reference pass; `--help` for a shorter run).
+Reproduce: `floodgate bench overload` (about 14 minutes with the reference pass and the two `@engine-priority` rows; `--help` for a shorter run).
 
 **Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
 {w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST).
@@ -959,7 +968,14 @@ local 429, the floor for client-observed times on this box); P2 reject in proces
 processor's `floodgate_decision_seconds` for P2 rejections, request headers in to the 429 out
 (p50 / p99 of all; in brackets p99 of those that did not wait out a timeout, histogram buckets
 so interpolated within a bucket; and how many were decided from the last seen state without a
-Redis round trip); limit = mean concurrency
+Redis round trip); P2 probe = `bench/reject_probe.py`, a separate process sending
+{report.get('probe', {}).get('rate', '–')} P2 requests/s (32-token prompts, 2 output tokens, tenant
+`reject-probe`) through the same Envoy from the burst's start to the end of the plan, at niceness
+change {report.get('probe', {}).get('nice_change', '–')} (ahead of the box's other processes, as a
+client on its own machine): send to the whole 429 read, monotonic clock, p50 / p99 of its
+rejections (in brackets the p99 of those sent in the burst, how many of its probes were
+rejected, and its own send lag p99: how late it sent; the adaptive row's probe meets Envoy's own
+429); the load generator's P2 figures above are kept: its lag lands in them; limit = mean concurrency
 limit during the burst (static: the configured value); sparse P0 = the last phase, where P1/P2
 saturate the pool and P0 arrives rarely: P0 admitted of offered, P0 turned away by early drop
 (target 0), their TTFT p99. offered = admitted + rejected + errors holds for every row (checked).
@@ -1113,6 +1129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-rate", type=float, default=PROBE_RATE,
                    help="P2 probes per second from a separate process (bench/reject_probe.py) from the "
                         "burst's start to the end of the plan, in every config; 0 = no probe")
+    p.add_argument("--probe-nice", type=int, default=PROBE_NICE,
+                   help="the probe process's niceness change (negative: ahead of the bench's other "
+                        "processes, as a client with its own CPU; needs privileges, else it runs as is)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and plots")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="markdown file to update")
     p.add_argument("--no-doc", action="store_true", help="do not update the markdown file")
@@ -1241,7 +1260,7 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         print(f"[{cfg.name}] {len(plan)} requests over {sum(p.duration_s for p in w.phases):.0f} s ...",
               flush=True)
         out = run_config(cfg, w, plan, timeout_s=args.timeout, progress=progress, classes=classes_for(cfg),
-                         probe_rate=args.probe_rate)
+                         probe_rate=args.probe_rate, probe_nice=args.probe_nice)
         runs.append(out)
         row = evaluate(out, w, slo, best, reference)
         rows.append(row)
@@ -1259,7 +1278,8 @@ def _measure(args: argparse.Namespace, slo: Any) -> tuple[dict[str, Any], list[R
         "p0_bound": bound,
         "reference": reference,
         "plan_requests": len(plan),
-        "probe": {"rate": args.probe_rate, "window_s": list(probe_window(w)), "tenant": "reject-probe",
+        "probe": {"rate": args.probe_rate, "nice_change": args.probe_nice, "window_s": list(probe_window(w)),
+                  "tenant": "reject-probe",
                   "prompt_tokens": 32, "output_tokens": 2},
         "classes": {"shipped": SHIPPED_CLASSES, "tuned": slo_classes(slo.ttft_s)},
         "adaptive_concurrency_filter": adaptive_concurrency_filter(),

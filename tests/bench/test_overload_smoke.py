@@ -71,6 +71,7 @@ def test_overload_smoke(tmp_path: Path) -> None:
         assert r["probe_errors"] == 0, name
         raw = json.loads(gzip.open(out / f"{name}.json.gz", "rt").read())
         probes = raw["meta"]["probe"]["probes"]
+        assert isinstance(raw["meta"]["probe"]["nice"], int)  # the niceness it ran at, as measured
         assert len(probes) == r["probe_sent"], name
         assert sum(1 for p in probes if p["status"] == 429) == r["probe_rejected"], name
         assert all(p["status"] in (200, 429) and p["latency_s"] > 0 and p["lag_s"] > -0.01 for p in probes), name
