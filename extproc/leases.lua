@@ -150,8 +150,9 @@ end
 local function counts()
   if not INF then
     local v = redis.call('HMGET', K.counts, unpack(COUNT_FIELDS))
-    INF = {num(v[1], 0), num(v[2], 0), num(v[3], 0)}
-    QUE = {num(v[4], 0), num(v[5], 0), num(v[6], 0)}
+    -- `+ 0`: a string's number by one strtod (tonumber runs two)
+    INF = {(v[1] or 0) + 0, (v[2] or 0) + 0, (v[3] or 0) + 0}
+    QUE = {(v[4] or 0) + 0, (v[5] or 0) + 0, (v[6] or 0) + 0}
     INF0 = {INF[1], INF[2], INF[3]}
     QUE0 = {QUE[1], QUE[2], QUE[3]}
   end
@@ -222,7 +223,7 @@ local function rate_rec(name)
   local rec = RT[name]
   if not rec then
     local r, ts, t0, n = string.match(state()[name] or '', '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-    if r then rec = {tonumber(r), tonumber(ts), tonumber(t0), tonumber(n)} else rec = {0, now, now, 0} end
+    if r then rec = {r + 0, ts + 0, t0 + 0, n + 0} else rec = {0, now, now, 0} end
     RT[name] = rec
   end
   return rec
@@ -341,7 +342,7 @@ end
 local function gateway_alive(gw)
   if ALIVE[gw] == nil then
     local exp = redis.call('ZSCORE', K.gws, gw)
-    ALIVE[gw] = (exp and tonumber(exp) > now) or false  -- dead from the same ms its leases expire
+    ALIVE[gw] = (exp and exp + 0 > now) or false  -- dead from the same ms its leases expire
   end
   return ALIVE[gw]
 end
@@ -459,8 +460,8 @@ local function bump_level()
   local v = total
   local lvl, ts = string.match(state()['lvl:p'] or '', '^([^|]*)|([^|]*)$')
   if ts then
-    local w = math.exp(-math.max(0, now - tonumber(ts)) / RATE_TAU_MS)
-    v = tonumber(lvl) * w + (1 - w) * total
+    local w = math.exp(-math.max(0, now - ts) / RATE_TAU_MS)
+    v = lvl * w + (1 - w) * total
   end
   set_state('lvl:p', string.format('%.14g|%d', v, now))
   LVL_S = nil
@@ -804,14 +805,14 @@ function OPS.admit(ARGV)
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
-  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8]) or 0)
+  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, (ARGV[8] or 0) + 0)
   if got then return got end
   local out = snapshot({'granted', '0'}, c, tenant, nil)
   if S.picking and NACTIVE == 0 then
     table.insert(out, 'queued') table.insert(out, '0')
     return out
   end
-  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[9]), new)
+  local why = try_queue(ticket, gw, seq, c, tenant, now + ARGV[9], new)
   table.insert(out, why and 'rejected' or 'queued')
   table.insert(out, why or '1')
   return out
@@ -983,7 +984,7 @@ function OPS.batch(ARGV)
   local replies = {}
   local i = 4
   while i <= #ARGV do
-    local op, n = ARGV[i], tonumber(ARGV[i + 1])
+    local op, n = ARGV[i], ARGV[i + 1] + 0
     local sub = {op, ARGV[2]}
     for j = 1, n do sub[j + 2] = ARGV[i + 1 + j] end
     i = i + 2 + n
@@ -1022,7 +1023,7 @@ local function main(KEYS, ARGV)
   tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type =
     _G.tonumber, _G.tostring, _G.string, _G.table, _G.math, _G.pcall, _G.unpack, _G.ipairs, _G.pairs, _G.next, _G.type
   for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
-  ttl = tonumber(ARGV[2])
+  ttl = ARGV[2] + 0
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP = {}, false, false, nil
@@ -1032,7 +1033,7 @@ local function main(KEYS, ARGV)
     now = tonumber(fake)
   else
     local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    now = t[1] * 1000 + math.floor(t[2] / 1000)
   end
   NOW_S = intstr(now)
   NOW_EXCL_S = '(' .. NOW_S
