@@ -10,7 +10,8 @@
                          (0 .. warm_pool.forecast_horizon_s)
     burst memory         lifecycle.observe_burst on the desired count
     warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst, max)
-    plan                 lifecycle.plan_pool -> replica actions with ids
+    plan                 lifecycle.plan_pool -> replica actions with ids (a burst's own replicas,
+                         lifecycle.returning_replicas, count toward the pool's refills)
 
 Everything the step remembers lives in `DeciderState` (policy window, burst memory, demand
 history, the next replica id), so the live shell only persists what changed (`Decision.recorded`
@@ -33,6 +34,7 @@ from floodgate.controller.lifecycle import (
     WarmPoolConfig,
     observe_burst,
     plan_pool,
+    returning_replicas,
     warm_pool_target,
 )
 from floodgate.controller.policy import PolicyConfig, PolicyState, ScalePlan
@@ -134,7 +136,8 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
 
     bursts = observe_burst(state.bursts, now, plan.desired, cfg.warm_pool)
     target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas)
-    pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix)
+    pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix,
+                   returning=returning_replicas(bursts, now, plan.desired, cfg.warm_pool))
 
     new_state = replace(
         state,

@@ -164,6 +164,21 @@ def observe_burst(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPo
     return BurstMemory(tuple(lows), tuple(bursts))
 
 
+def returning_replicas(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPoolConfig) -> int:
+    """Active replicas a burst in progress will hand back to the pool: the desired count above
+    the window's lowest value, while a burst (`observe_burst`; `mem` already holds this tick)
+    was seen within `burst_window_s`. `plan_pool` counts them toward the pool the way it
+    counts drains in progress, so it does not cold-start pool refills for them: a refill
+    started at a burst's onset sits warm through the burst and, when the burst's replicas
+    drain, pushes them out as `pool_full` (elastic bench, 15:20 run: the two refills
+    cold-started in the first burst were pooled ~80 s each through the burst and the recovery
+    while six drained replicas were terminated). A level that outlasts `burst_window_s` is no
+    longer a burst (the window's low rises to it): its pool is refilled as usual."""
+    if not mem.lows or not mem.bursts or now - mem.bursts[-1][0] > cfg.burst_window_s:
+        return 0
+    return max(0, desired_active - mem.lows[0][1])
+
+
 def warm_pool_target(
     desired_active: int,
     forecast_replicas: int | None,
@@ -251,9 +266,12 @@ def plan_pool(
     cfg: WarmPoolConfig,
     next_seq: int = 0,
     id_prefix: str = "r",
+    returning: int = 0,
 ) -> PoolPlan:
     """Actions that move `replicas` toward `desired_active` serving replicas and a warm pool of
-    `warm_target`. New replicas get ids `f"{id_prefix}{seq}"` from `next_seq` on."""
+    `warm_target`. New replicas get ids `f"{id_prefix}{seq}"` from `next_seq` on. `returning`:
+    active replicas expected back in the pool (`returning_replicas`), counted toward it for
+    refills like drains in progress."""
     if not cfg.enabled:
         warm_target = 0
     acts: list[Action] = []
@@ -327,8 +345,10 @@ def plan_pool(
             new_drains += 1
 
     # Replicas being drained are loaded: they refill the pool when they finish (recycle), so
-    # they count toward it here; no cold start while loaded replicas are on their way.
-    pending = (draining_busy + new_drains) if cfg.enabled else 0
+    # they count toward it here; no cold start while loaded replicas are on their way. The same
+    # for the active replicas a burst will hand back (`returning`): they drain into the pool
+    # when it passes.
+    pending = (draining_busy + new_drains + max(0, returning)) if cfg.enabled else 0
     refill = max(0, warm_target - pool - pending)
     for _ in range(min(refill, max(0, room))):
         acts.append(Action(ActionKind.START, f"{id_prefix}{seq}", "pool_refill"))

@@ -13,6 +13,7 @@ from floodgate.controller.lifecycle import (
     apply_event,
     observe_burst,
     plan_pool,
+    returning_replicas,
     transition,
     warm_pool_target,
 )
@@ -177,7 +178,39 @@ def test_burst_memory_ignores_slow_or_small_rises() -> None:
     assert len(mem.lows) == 1
 
 
+def test_returning_replicas_are_a_bursts_rise_while_it_lasts() -> None:
+    cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
+    assert returning_replicas(BurstMemory(), 0, 5, cfg) == 0
+    # 3 -> 8 within the window: the 5 replicas above the low go back to the pool after it,
+    # also while the burst subsides.
+    assert returning_replicas(_feed(cfg, [(0, 3), (60, 8)]), 60, 8, cfg) == 5
+    assert returning_replicas(_feed(cfg, [(0, 3), (60, 8), (120, 6)]), 120, 6, cfg) == 3
+    # 4 -> 6 is no burst (not more than a doubling): a level, its pool refills as usual.
+    assert returning_replicas(_feed(cfg, [(0, 4), (60, 6)]), 60, 6, cfg) == 0
+    # A level held past the window is no longer a burst (the remembered burst stays).
+    mem = _feed(cfg, [(0, 3), (60, 8), (200, 8), (400, 8)])
+    assert returning_replicas(mem, 400, 8, cfg) == 0 and mem.largest() == 5
+
+
 # --- planner ----------------------------------------------------------------------------------
+
+def test_no_pool_refill_cold_start_for_replicas_a_burst_hands_back() -> None:
+    # A burst took the pool (7 active); the target asks for 2 back. Refills cold-started now
+    # would sit warm through the burst and then push its drained replicas out as pool_full.
+    reps = tuple(rv(f"a{i}", S.ACTIVE) for i in range(7))
+    assert [(a.kind.value, a.reason) for a in plan_pool(7, reps, 2, NOW, CFG).actions] == \
+        [("start", "pool_refill")] * 2
+    assert plan_pool(7, reps, 2, NOW, CFG, returning=4).actions == ()
+    assert [(a.kind.value, a.reason) for a in plan_pool(7, reps, 2, NOW, CFG, returning=1).actions] == \
+        [("start", "pool_refill")]
+    # Scale-up is never held back by it: what the burst needs is cold-started.
+    assert [(a.kind.value, a.reason) for a in plan_pool(9, reps, 2, NOW, CFG, returning=4).actions] == \
+        [("start", "scale_up")] * 2
+    # When the burst passes, its drained replicas refill the pool (below target: recycled).
+    done = rv("d0", S.DRAINING, NOW - 30, inflight=0, running=0)
+    p = plan_pool(6, (*reps[:6], done), 2, NOW, CFG, returning=3)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("recycle", "d0", "pool_refill")]
+
 
 def test_promotes_warm_first_awake_before_asleep_then_cold_starts() -> None:
     reps = (
