@@ -90,19 +90,7 @@ def variety(seeds: range) -> None:
         for ramp in (None, (pool.onset_ramp_burst, pool.onset_ramp_rate)):
             cells = []
             for classes in (lenient, shipped):
-                to = dr = sv = 0
-                for limit in (96, 107):
-                    for s in seeds:
-                        history = bench_burst(s, limit=limit, sparse=True, mix=mix)
-                        o = replay(limit, classes, history, ramp=ramp)
-                        for i, a in enumerate(history):
-                            if a.cls != 2:
-                                continue
-                            d = o.decisions[i]
-                            in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
-                            sv += in_time
-                            to += d == "queued" and not in_time
-                            dr += d == "early_drop"
+                to, dr, sv = p2_outcomes(classes, seeds, ramp=ramp, mix=mix)
                 cells.append(f"{to} ({100 * to / max(1, to + dr):.1f} %), {sv}")
             print(f"| {' / '.join(f'{m:g}' for m in mix)} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |", flush=True)
 

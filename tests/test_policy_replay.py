@@ -126,13 +126,14 @@ def bench_burst(seed: int, limit: int = 107, hold: float = 5.6,
 
 
 def p2_outcomes(classes: dict[int, ClassConfig], seeds: range = range(4),
-                limits: tuple[int, ...] = (96, 107), ramp: tuple[float, float] | None = None) -> tuple[int, int, int]:
+                limits: tuple[int, ...] = (96, 107), ramp: tuple[float, float] | None = None,
+                mix: tuple[float, float, float] = (0.2, 0.5, 0.3)) -> tuple[int, int, int]:
     """(queue timeouts, early drops, served in time) of P2 over the bench's whole plan (with the
     sparse phase) on pools of these limits (static-96, and about Vegas's burst limit)."""
     timeouts = drops = served = 0
     for limit in limits:
         for seed in seeds:
-            history = bench_burst(seed, limit=limit, sparse=True)
+            history = bench_burst(seed, limit=limit, sparse=True, mix=mix)
             out = replay(limit, classes, history, ramp=ramp)
             for i, a in enumerate(history):
                 if a.cls != 2:
