@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 from floodgate.extproc.config import AdmissionConfig, ClassConfig
@@ -116,7 +116,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)
             if isinstance(decision, Reject) and decision.reason == "early_drop":
-                out.drop_states.append((i, copy.deepcopy(table), snap, now))
+                out.drop_states.append((i, clone(table), snap, now))
             if isinstance(decision, Reject):
                 out.decisions[i] = decision.reason
                 out.retry_after[i] = decision.retry_after_s
@@ -169,6 +169,17 @@ def wrongly_dropped(limit: int, classes: Mapping[int, ClassConfig], history: lis
     return wrong
 
 
+def clone(table: PermitTable) -> PermitTable:
+    """A copy of `table` that shares nothing mutable with it (`copy.deepcopy`, but ~20x faster:
+    the replays copy a table at every early drop)."""
+    t = copy.copy(table)
+    t.leases = {k: copy.copy(v) for k, v in table.leases.items()}
+    t.queues = tuple([copy.copy(w) for w in q] for q in table.queues)  # type: ignore[assignment]
+    t.gateways = dict(table.gateways)
+    t.creditors = set(table.creditors)
+    return t
+
+
 def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int, timeout_s: float,
                                     now: float, future: list[tuple[float, int]] | None = None) -> bool:
     """The rule's promise, checked on the real grant loop: enqueue the request into the grant
@@ -180,7 +191,7 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
     applied consistently each was let in because it would be served in time (a queue that
     only gets through because its waiters expire is the overlong queue the rule prevents). Is
     the request granted before its deadline?"""
-    t = copy.deepcopy(table)
+    t = clone(table)
     for q in t.queues:
         for w in q:
             w.deadline = math.inf
@@ -215,16 +226,18 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
 
 
 def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig],
-                                history: list[Arrival]) -> list[int]:
+                                history: list[Arrival], only: Container[int] = CLASSES) -> list[int]:
     """Early drops the grant loop would have granted before their deadline at the current
     release rate, with the higher-class requests that really arrived meanwhile (the rule's
     promise; target: none). Drops whose deadline lies past the history's last arrival are not
-    judged: there the history stops arriving, which no rate could have foreseen."""
+    judged: there the history stops arriving, which no rate could have foreseen. `only`: the
+    classes to judge (each judgement replays the grant loop, so skip the ones not asked for)."""
     joined = [(a.t, a.cls) for j, a in enumerate(history) if out.decisions.get(j) in ("immediate", "queued")]
     end = history[-1].t if history else 0.0
     return [i for i, table, snap, now in out.drop_states
-            if now + classes[history[i].cls].queue_timeout_s <= end and granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s,
-                                               now, joined)]
+            if history[i].cls in only and now + classes[history[i].cls].queue_timeout_s <= end
+            and granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s,
+                                                now, joined)]
 
 
 __all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_in_time",

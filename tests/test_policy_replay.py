@@ -14,6 +14,7 @@ bounded.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -22,7 +23,13 @@ from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import Enqueue, Snapshot, queue_decision, wait_estimate
 
-from tests.policy_replay import Arrival, replay, wrong_drops_at_current_rate, wrongly_dropped
+from tests.policy_replay import (
+    Arrival,
+    Outcome,
+    replay,
+    wrong_drops_at_current_rate,
+    wrongly_dropped,
+)
 
 SHIPPED = PoolConfig().classes
 # The partitions shipped before the headroom (floors 50/30/10 %, none kept free for P0).
@@ -39,6 +46,14 @@ def poisson(rng: random.Random, rate: float, start: float, end: float, cls: int,
             break
         out.append(Arrival(t, cls, rng.expovariate(1 / service), tenant))
     return out
+
+
+@functools.cache
+def shipped_replay(seed: int) -> tuple[int, list[Arrival], Outcome]:
+    """`random_history(seed)` replayed with the shipped classes, once per test session: several
+    tests judge the same 40 replays (none changes an outcome)."""
+    limit, history = random_history(seed)
+    return limit, history, replay(limit, SHIPPED, history)
 
 
 def random_history(seed: int) -> tuple[int, list[Arrival]]:
@@ -86,10 +101,9 @@ def test_no_early_drop_of_a_request_the_grant_loop_serves_in_time(chunk: int) ->
     time instead of 7,667 (`python -m tests.policy_tradeoff --reject-target`)."""
     wrong = drops = p2_timeouts = p2_drops = 0
     for seed in range(10 * chunk, 10 * chunk + 10):
-        limit, history = random_history(seed)
-        base = replay(limit, SHIPPED, history)
+        _, history, base = shipped_replay(seed)
         drops += sum(1 for i in base.early_drops() if history[i].cls < 2)
-        wrong += sum(1 for i in wrong_drops_at_current_rate(base, SHIPPED, history) if history[i].cls < 2)
+        wrong += len(wrong_drops_at_current_rate(base, SHIPPED, history, only=(0, 1)))
         p2_drops += sum(1 for i in base.early_drops() if history[i].cls == 2)
         p2_timeouts += sum(1 for i, d in base.decisions.items() if history[i].cls == 2 and d == "queued"
                            and not (i in base.granted_at and base.granted_at[i] <= base.deadline[i]))
@@ -226,8 +240,7 @@ def test_drops_served_by_luck_are_few() -> None:
     here at 1 in 4 (a rule that dropped on a pessimistic estimate would fail this)."""
     lucky = checked = 0
     for seed in range(0, 40, 2):
-        limit, history = random_history(seed)
-        base = replay(limit, SHIPPED, history)
+        limit, history, base = shipped_replay(seed)
         checked += min(4, sum(1 for i in base.early_drops() if history[i].cls < 2))
         lucky += len(wrongly_dropped(limit, SHIPPED, history, base, sample=4, judged=(0, 1)))
     assert checked > 40
@@ -239,8 +252,7 @@ def test_the_replays_do_drop_early_and_the_queue_serves_its_waiters() -> None:
     bounded queue does its job: most requests that are turned away are turned away at once."""
     drops = timeouts = 0
     for seed in range(40):
-        limit, history = random_history(seed)
-        out = replay(limit, SHIPPED, history)
+        *_, out = shipped_replay(seed)
         drops += len(out.early_drops())
         timeouts += sum(1 for i, d in out.decisions.items()
                         if d == "queued" and not (i in out.granted_at and out.granted_at[i] <= out.deadline[i]))
@@ -323,7 +335,7 @@ def test_degraded_local_table_same_rule() -> None:
         local = max(1, limit // 3)  # one of three gateways' share
         base = replay(local, SHIPPED, history, warm_rate=(local / 1.5, 30.0))
         drops += len(base.early_drops())
-        wrong_total += sum(1 for i in wrong_drops_at_current_rate(base, SHIPPED, history) if history[i].cls < 2)
+        wrong_total += len(wrong_drops_at_current_rate(base, SHIPPED, history, only=(0, 1)))
         p2_timeouts += sum(1 for i, d in base.decisions.items() if history[i].cls == 2 and d == "queued"
                            and not (i in base.granted_at and base.granted_at[i] <= base.deadline[i]))
     assert drops > 0
