@@ -16,7 +16,8 @@ active before it has served a token. `active` cannot be terminated directly: it 
 promote warm replicas first, cold-start only the remainder (counting replicas already loading),
 refill the warm pool in the background (replicas being drained count toward it: they join it
 when their drain ends, so a scale-down never cold-starts a pool replica while loaded ones are
-on their way out), drain the most idle active replica (one at a time by default), recycle a
+on their way out; so do the active replicas a burst will hand back, `returning_replicas`),
+drain the most idle active replica (one at a time by default), recycle a
 finished drain into the pool when it is below target (else terminate), and force-stop a drain
 that outlives `max_drain_s` (default 300 s, not the design's 60 s: see docs/controller.md,
 "Drain").
