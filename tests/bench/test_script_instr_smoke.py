@@ -28,7 +28,7 @@ def test_script_instr_counts_the_same_library_the_same(capsys: pytest.CaptureFix
         pytest.skip("leases.lua differs from HEAD in this checkout")
     parser = argparse.ArgumentParser()
     script_instr.add_arguments(parser)
-    args = parser.parse_args(["--base", "HEAD", "--gateways", "2", "--batch", "1,2", "--decisions", "80"])
+    args = parser.parse_args(["--base", "HEAD", "--gateways", "2", "--batch", "1,2", "--decisions", "240"])
     assert script_instr.run(args) == 0
     text = capsys.readouterr().out
     rows = re.findall(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$", text, re.M)
