@@ -13,7 +13,8 @@ and where the Lua garbage collector's steps land.
 
 Workload (the contended decision of the scale bench's direct drive, pipelined so that the
 network is left out): G gateways (synced, subscribed to their grant channels), a pool of limit
-8·G full, 16·G waiters queued; each `batch` call comes from one gateway picked at random and
+8·G full, 16·G waiters queued, then every gateway synced once more (as each does every TTL/3 in
+service: sync is where the script converts the pool's big ZSETs to skiplists); each `batch` call comes from one gateway picked at random and
 carries B `admit`s (each refused and queued behind the others, with its snapshot) and one
 `release` of B permits (each granting the queue's head: a SPUBLISH to its gateway, or in the
 reply). One decision = one admit + one release + the grant. With --batch 1 and --batch 6 the
