@@ -110,8 +110,11 @@ class PoolRuntime:
     client: aioredis.Redis  # this pool's Redis client (on a Cluster, one per pool)
     pubsub_client: AnyRedis
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
-    back_since: float | None = None  # degraded: when the first of two clean reconciles in a row ran
+    back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # permits this process asserted in Redis at its last reconcile
+    back_ms: float = 0.0  # degraded, back_since set: Redis's time of that first clean reconcile
+    peers_back: bool = False  # degraded: every other gateway has synced since back_ms
+    live_before: int = 0  # degraded: live gateways in the last sync before the outage
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
     credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
     waiting: dict[str, Waiter] = field(default_factory=dict)  # waiters on the shared queue
@@ -327,7 +330,8 @@ class Admitter:
                             if rt is not failed and not rt.degraded and self._server_of(rt) == server]
         for rt in pools:
             rt.degraded = True
-            rt.back_since = None
+            rt.back_since, rt.peers_back = None, False
+            rt.live_before = rt.last_sync.live_gateways if rt.last_sync is not None else 0
             self.metrics.pool_degraded.labels(rt.cfg.name).set(1)
             self.metrics.degraded_transitions.labels(rt.cfg.name).inc()
             # Idle credits are leases nobody uses: forget them, they expire in Redis. The
@@ -360,7 +364,7 @@ class Admitter:
         if not switch:
             return True
         rt.degraded = False
-        rt.back_since = None
+        rt.back_since, rt.peers_back = None, False
         self.metrics.pool_degraded.labels(rt.cfg.name).set(0)
         self.metrics.degraded.set(1 if self.degraded else 0)
         for w in rt.local_waiting.values():
@@ -649,9 +653,8 @@ class Admitter:
         status read for the gauges, the registry's active endpoints, demand counters.
 
         While degraded: every `reconnect_interval_s`, re-assert everything in Redis; shared
-        admission resumes on the second success in a row, so every other processor that lost
-        Redis too (they retry at the same interval) has re-asserted its permits by then
-        (otherwise this one would grant permits another still holds locally)."""
+        admission resumes once every other processor has re-asserted its permits too
+        (`_await_peers`; otherwise this one would grant permits another still holds locally)."""
         interval = self.cfg.redis.lease_ttl_s / 3
         last_sync = self.clock()
         last_tick = 0.0
@@ -659,10 +662,10 @@ class Admitter:
             if rt.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
                 now = self.clock()
-                if not await self._reconcile(rt, switch=rt.back_since is not None):
-                    rt.back_since = None
+                if not await self._reconcile(rt, switch=rt.back_since is not None and rt.peers_back):
+                    rt.back_since, rt.peers_back = None, False
                 elif rt.degraded:
-                    rt.back_since = now
+                    await self._await_peers(rt, now)
                 else:
                     last_sync = self.clock()
                 continue
@@ -676,6 +679,34 @@ class Admitter:
                 with contextlib.suppress(RedisDown):
                     await self._tick(rt)
             await asyncio.sleep(min(1.0, interval))
+
+    async def _await_peers(self, rt: PoolRuntime, now: float) -> None:
+        """A clean reconcile while degraded (Redis is reachable). The first one starts the way
+        back: from it on, this process admits locally no more than Redis counts of it
+        (`LocalBackend`). It switches back only once every other gateway of the pool has synced
+        since then (plus a reconnect interval, past the calls that were sent during an
+        outage and ran when it ended), and as many gateways as were live before the outage are
+        known again: each has then re-asserted its permits and stopped
+        admitting beyond them, so the shared state counts everything held. A gateway that does
+        not sync within one lease TTL is dead or cut off (its leases expire; the partition bound
+        applies) and is not waited for."""
+        try:
+            times = await self.call(rt, "gateways", rt.state.sync_times)
+        except RedisDown:
+            rt.back_since, rt.peers_back = None, False
+            return
+        mine = times.pop(self.gateway_id, None)
+        if rt.back_since is None:
+            if mine is None:
+                return
+            rt.back_since, rt.back_ms = now, mine
+            if len(rt.held) > rt.asserted and not await self._reconcile(rt, switch=False):
+                rt.back_since = None  # admitted while that call was in the air: assert those too
+                return
+        margin_ms = self.cfg.redis.reconnect_interval_s * 1000
+        # A gateway Redis forgot (its liveness expired during the outage) counts as not back.
+        rt.peers_back = (len(times) + 1 >= rt.live_before and all(t >= rt.back_ms + margin_ms for t in times.values())) \
+            or now - rt.back_since >= self.cfg.redis.lease_ttl_s
 
     async def _tick(self, rt: PoolRuntime) -> None:
         self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))

@@ -275,6 +275,13 @@ class PoolState:
         got = [_text(t) for t in await self._run("mine", *tickets)]
         return dict(zip(got[::2], got[1::2], strict=True))
 
+    async def sync_times(self) -> dict[str, float]:
+        """Gateway -> server time (ms) of its last `sync`, for gateways that share this
+        process's lease TTL (`gws` holds the time plus the TTL)."""
+        rows: list[Any] = await self.client.zrange(key(self.pool, "gws"), 0, -1, withscores=True)
+        ttl = float(self._ttl)
+        return {(g.decode() if isinstance(g, bytes) else str(g)): float(score) - ttl for g, score in rows}
+
     async def status(self, gateway: str = "") -> PoolStatus:
         """A read: never grants, reclaims or stores anything."""
         return PoolStatus.from_reply(await self._script(self.keys, ["status", self._ttl, gateway], read=True))

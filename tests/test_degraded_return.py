@@ -112,3 +112,60 @@ async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: L
         await slow.stop()
         for c in clients:
             await c.aclose()
+
+
+async def test_no_processor_switches_back_before_the_others_reasserted(stack: LocalStack) -> None:
+    """Redis frozen for longer than the lease TTL forgets every permit; each processor's
+    reconcile puts its own back. One that switched back before another had reconciled would
+    admit from a Redis that does not count the other's permits. So the fast one stays local
+    until the slow one (retrying every 2 s) has reconciled, with requests arriving all along."""
+    url = stack.start_redis()
+    clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
+    fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
+    slow = Admitter(_config(url, 2.0), clients[1], metrics=Metrics(), gateway_id="slow")
+    await fast.start()
+    await slow.start()
+    assert stack.redis_child is not None
+    rf, rs = fast.pools["a"], slow.pools["a"]
+    frozen = False
+    early: list[float] = []
+    held: list[tuple[Admitter, Permit]] = []
+
+    async def load() -> None:
+        # A request every 50 ms on each, held 300 ms: permits come and go across the return.
+        while True:
+            for a in (fast, slow):
+                r = await a.admit("a", 1, "")
+                if isinstance(r, Permit):
+                    held.append((a, r))
+            while len(held) > 6:
+                a, p = held.pop(0)
+                await a.release(p)
+            if not rf.degraded and rs.degraded and rs.back_since is None:
+                early.append(asyncio.get_running_loop().time())
+            if len(rf.held) + len(rs.held) > LIMIT:
+                early.append(-1.0)
+            await asyncio.sleep(0.05)
+
+    loader = asyncio.create_task(load())
+    try:
+        assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+        stack.redis_child.kill(signal.SIGSTOP)
+        frozen = True
+        assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+        await asyncio.sleep(3.5)  # past the 3 s TTL: Redis comes back holding nothing
+        stack.redis_child.kill(signal.SIGCONT)
+        frozen = False
+        assert await wait_until(lambda: not rf.degraded and not rs.degraded, 15)
+        assert not early, f"fast back on shared state before slow had reconciled ({len(early)} checks)"
+    finally:
+        loader.cancel()
+        if frozen:
+            stack.redis_child.kill(signal.SIGCONT)
+        for a, p in held:
+            await a.release(p)
+        await fast.stop()
+        await slow.stop()
+        for c in clients:
+            await c.aclose()
