@@ -391,9 +391,11 @@ class Admitter:
         waiting = {t: (w.cls, w.seq, max(0.001, w.deadline - now), w.tenant)
                    for t, w in rt.waiting.items() if w.enqueued and not _failed(w.future)}
         watermark = min(rt.pending.values(), default=self._next_seq)
-        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
         if reconcile:
+            # Set before the call: on the way back (`LocalBackend`) nothing is admitted beyond
+            # what this call asserts while it is in the air (the switch's call included).
             rt.asserted = len(held)
+        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
         rt.last_sync = res.status
         self.observe(rt, res.status)
         m = self.metrics.reconciled
@@ -684,7 +686,7 @@ class Admitter:
         """A clean reconcile while degraded (Redis is reachable). The first one starts the way
         back: from it on, this process admits locally no more than Redis counts of it
         (`LocalBackend`). It switches back only once every other gateway of the pool has synced
-        since then (plus a reconnect interval, past the calls that were sent during an
+        since then (plus half a reconnect interval, past the calls that were sent during an
         outage and ran when it ended), and as many gateways as were live before the outage are
         known again: each has then re-asserted its permits and stopped
         admitting beyond them, so the shared state counts everything held. A gateway that does
@@ -703,10 +705,12 @@ class Admitter:
             if len(rt.held) > rt.asserted and not await self._reconcile(rt, switch=False):
                 rt.back_since = None  # admitted while that call was in the air: assert those too
                 return
-        margin_ms = self.cfg.redis.reconnect_interval_s * 1000
+        margin_ms = self.cfg.redis.reconnect_interval_s * 500
         # A gateway Redis forgot (its liveness expired during the outage) counts as not back.
         rt.peers_back = (len(times) + 1 >= rt.live_before and all(t >= rt.back_ms + margin_ms for t in times.values())) \
             or now - rt.back_since >= self.cfg.redis.lease_ttl_s
+        if rt.peers_back and not await self._reconcile(rt, switch=True):  # at once: every round trip is a dip
+            rt.back_since, rt.peers_back = None, False
 
     async def _tick(self, rt: PoolRuntime) -> None:
         self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
