@@ -233,7 +233,7 @@ class RedisConfig(_Strict):
     url: RedisURL = Field(default="redis://127.0.0.1:6379/0", description="Redis URL: redis://, rediss:// (TLS), unix://, redis+sentinel://h1:26379,h2:26379/service or redis+cluster://h1:6379,h2:6379 (see docs/operations.md); password in the URL or below.")
     password: str | None = Field(default=None, description="Password, if not in the URL.")
     op_timeout_s: float = Field(default=0.25, gt=0, le=5, description="A Redis call slower than this counts as an outage.")
-    lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this.")
+    lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this. Give every processor of a pool the same value: the way back from degraded mode reads the others' last sync with it.")
     poll_interval_s: float = Field(default=0.25, gt=0, description="Waiters poll Redis this often in case a grant message is lost.")
     reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
     expected_gateways: int = Field(default=2, ge=1, description="Processors expected per pool: one that has never reached Redis admits limit.initial / this while degraded (afterwards it uses the last seen limit split over the live processors).")
