@@ -331,7 +331,9 @@ class Admitter:
         for rt in pools:
             rt.degraded = True
             rt.back_since, rt.peers_back = None, False
-            rt.live_before = rt.last_sync.live_gateways if rt.last_sync is not None else 0
+            # The freshest count of live gateways: a sync runs every TTL/3, a status every second
+            # (a processor that started since the last sync is in the status, not the sync).
+            rt.live_before = max((s.live_gateways for s in (rt.last_sync, rt.last_status) if s is not None), default=0)
             self.metrics.pool_degraded.labels(rt.cfg.name).set(1)
             self.metrics.degraded_transitions.labels(rt.cfg.name).inc()
             # Idle credits are leases nobody uses: forget them, they expire in Redis. The

@@ -71,7 +71,7 @@ def test_merge_section_replaces_only_the_rerun_faults() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["sigkill", "redis-sigstop", "partition"])
+@pytest.mark.parametrize("name", ["sigkill", "redis-sigstop", "redis-restart", "partition"])
 def test_fault_meets_targets(name: str, tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=SUITE_TTL_S, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
