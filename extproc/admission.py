@@ -113,7 +113,6 @@ class PoolRuntime:
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # permits this process asserted in Redis at its last reconcile
     back_ms: float = 0.0  # degraded, back_since set: Redis's time of that first clean reconcile
-    peers_back: bool = False  # degraded: every other gateway has synced since back_ms
     live_before: int = 0  # degraded: live gateways in the last sync before the outage
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
     credits: list[str] = field(default_factory=list)  # idle credit leases (Redis)
@@ -330,7 +329,7 @@ class Admitter:
                             if rt is not failed and not rt.degraded and self._server_of(rt) == server]
         for rt in pools:
             rt.degraded = True
-            rt.back_since, rt.peers_back = None, False
+            rt.back_since = None
             # The freshest count of live gateways: a sync runs every TTL/3, a status every second
             # (a processor that started since the last sync is in the status, not the sync).
             rt.live_before = max((s.live_gateways for s in (rt.last_sync, rt.last_status) if s is not None), default=0)
@@ -366,7 +365,7 @@ class Admitter:
         if not switch:
             return True
         rt.degraded = False
-        rt.back_since, rt.peers_back = None, False
+        rt.back_since = None
         self.metrics.pool_degraded.labels(rt.cfg.name).set(0)
         self.metrics.degraded.set(1 if self.degraded else 0)
         for w in rt.local_waiting.values():
@@ -666,11 +665,10 @@ class Admitter:
             if rt.degraded:
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
                 now = self.clock()
-                if not await self._reconcile(rt, switch=rt.back_since is not None and rt.peers_back):
-                    rt.back_since, rt.peers_back = None, False
-                elif rt.degraded:
-                    await self._await_peers(rt, now)
+                if not await self._reconcile(rt, switch=False):
+                    rt.back_since = None
                 else:
+                    await self._await_peers(rt, now)  # switches back once the peers are
                     last_sync = self.clock()
                 continue
             now = self.clock()
@@ -697,7 +695,7 @@ class Admitter:
         try:
             times = await self.call(rt, "gateways", rt.state.sync_times)
         except RedisDown:
-            rt.back_since, rt.peers_back = None, False
+            rt.back_since = None
             return
         mine = times.pop(self.gateway_id, None)
         if rt.back_since is None:
@@ -709,10 +707,10 @@ class Admitter:
                 return
         margin_ms = self.cfg.redis.reconnect_interval_s * 500
         # A gateway Redis forgot (its liveness expired during the outage) counts as not back.
-        rt.peers_back = (len(times) + 1 >= rt.live_before and all(t >= rt.back_ms + margin_ms for t in times.values())) \
+        peers_back = (len(times) + 1 >= rt.live_before and all(t >= rt.back_ms + margin_ms for t in times.values())) \
             or now - rt.back_since >= self.cfg.redis.lease_ttl_s
-        if rt.peers_back and not await self._reconcile(rt, switch=True):  # at once: every round trip is a dip
-            rt.back_since, rt.peers_back = None, False
+        if peers_back and not await self._reconcile(rt, switch=True):  # at once: every round trip is a dip
+            rt.back_since = None
 
     async def _tick(self, rt: PoolRuntime) -> None:
         self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))

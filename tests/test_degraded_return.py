@@ -13,7 +13,9 @@ At no moment may the two hold more than L permits together, and in the end no pe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import AsyncIterator
 
 from floodgate.extproc.admission import Admitter, PoolRuntime
 from floodgate.extproc.backends import Permit
@@ -35,83 +37,93 @@ def _config(url: str, reconnect_s: float) -> Config:
                    "limit": {"mode": "static", "initial": LIMIT}}]})
 
 
-async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: LocalStack) -> None:
+@contextlib.asynccontextmanager
+async def _fast_and_slow(stack: LocalStack) -> AsyncIterator[tuple[Admitter, Admitter]]:
+    """Two processors of one pool on a fresh Redis: `fast` retries Redis every 0.1 s while
+    degraded, `slow` every 2 s."""
     url = stack.start_redis()
     clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
     fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
     slow = Admitter(_config(url, 2.0), clients[1], metrics=Metrics(), gateway_id="slow")
     await fast.start()
     await slow.start()
-    assert stack.redis_child is not None
-    rf, rs = fast.pools["a"], slow.pools["a"]
-    peak = 0
-    frozen = False
-    tasks: list[asyncio.Task[Permit | Reject]] = []
-
-    def total() -> int:
-        nonlocal peak
-        n = len(rf.held) + len(rs.held)
-        peak = max(peak, n)
-        return n
-
-    async def watch() -> None:
-        while True:
-            total()
-            await asyncio.sleep(0)
-
-    watcher = asyncio.create_task(watch())
     try:
-        # Both sync once, so each knows the other is live (their local shares split L).
-        held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
-                "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
-        assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
-        assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
-
-        stack.redis_child.kill(signal.SIGSTOP)
-        frozen = True
-        assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-        stack.redis_child.kill(signal.SIGCONT)
-        frozen = False
-
-        def window(r: PoolRuntime) -> bool:
-            return not rf.degraded and r.degraded and r.back_since is not None
-        # The fast one is back on shared state; the slow one has reconciled once, not switched.
-        assert await wait_until(lambda: window(rs), 10), (rf.degraded, rs.degraded, rs.back_since)
-
-        # Requests on both at once: the fast one takes every permit Redis sees free, the slow
-        # one would admit from its local share (4, of which it holds 2).
-        tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
-        tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
-        await asyncio.sleep(0.3)
-        assert window(rs), "the slow processor switched before the test could look"
-        assert total() <= LIMIT, (len(rf.held), len(rs.held))
-        assert len(rs.held) == 2, "admitted locally beyond what its reconcile asserted"
-
-        # After the switch the slow one's requests queue in Redis; releases hand them permits.
-        assert await wait_until(lambda: not rs.degraded, 10)
-        for p in [*held["fast"], *held["slow"]]:
-            await (fast if p in held["fast"] else slow).release(p)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
-        assert all(isinstance(r, Permit) for r in results), results
-        assert peak <= LIMIT, f"{peak} permits held at once, L = {LIMIT}"
-        for t, r in zip(tasks[:2], results[:2], strict=True):
-            assert isinstance(r, Permit) and r.ticket in rs.held, t
-        for r in results:
-            assert isinstance(r, Permit)
-            await (slow if r.ticket in rs.held else fast).release(r)
-        st = await rf.state.status()
-        assert (st.inflight_total, st.queued_total) == (0, 0)
+        yield fast, slow
     finally:
-        watcher.cancel()
-        for t in tasks:
-            t.cancel()
-        if frozen:
-            stack.redis_child.kill(signal.SIGCONT)
         await fast.stop()
         await slow.stop()
         for c in clients:
             await c.aclose()
+
+
+async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: LocalStack) -> None:
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        peak = 0
+        frozen = False
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+
+        def total() -> int:
+            nonlocal peak
+            n = len(rf.held) + len(rs.held)
+            peak = max(peak, n)
+            return n
+
+        async def watch() -> None:
+            while True:
+                total()
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            # Both sync once, so each knows the other is live (their local shares split L).
+            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
+                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
+            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            stack.redis_child.kill(signal.SIGCONT)
+            frozen = False
+
+            def window(r: PoolRuntime) -> bool:
+                return not rf.degraded and r.degraded and r.back_since is not None
+            # The fast one is back on shared state; the slow one has reconciled once, not switched.
+            assert await wait_until(lambda: window(rs), 10), (rf.degraded, rs.degraded, rs.back_since)
+
+            # Requests on both at once: the fast one takes every permit Redis sees free, the slow
+            # one would admit from its local share (4, of which it holds 2).
+            tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
+            tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
+            await asyncio.sleep(0.3)
+            assert window(rs), "the slow processor switched before the test could look"
+            assert total() <= LIMIT, (len(rf.held), len(rs.held))
+            assert len(rs.held) == 2, "admitted locally beyond what its reconcile asserted"
+
+            # After the switch the slow one's requests queue in Redis; releases hand them permits.
+            assert await wait_until(lambda: not rs.degraded, 10)
+            for p in [*held["fast"], *held["slow"]]:
+                await (fast if p in held["fast"] else slow).release(p)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+            assert all(isinstance(r, Permit) for r in results), results
+            assert peak <= LIMIT, f"{peak} permits held at once, L = {LIMIT}"
+            for t, r in zip(tasks[:2], results[:2], strict=True):
+                assert isinstance(r, Permit) and r.ticket in rs.held, t
+            for r in results:
+                assert isinstance(r, Permit)
+                await (slow if r.ticket in rs.held else fast).release(r)
+            st = await rf.state.status()
+            assert (st.inflight_total, st.queued_total) == (0, 0)
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)
 
 
 async def test_no_processor_switches_back_before_the_others_reasserted(stack: LocalStack) -> None:
@@ -119,53 +131,44 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
     reconcile puts its own back. One that switched back before another had reconciled would
     admit from a Redis that does not count the other's permits. So the fast one stays local
     until the slow one (retrying every 2 s) has reconciled, with requests arriving all along."""
-    url = stack.start_redis()
-    clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
-    fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
-    slow = Admitter(_config(url, 2.0), clients[1], metrics=Metrics(), gateway_id="slow")
-    await fast.start()
-    await slow.start()
-    assert stack.redis_child is not None
-    rf, rs = fast.pools["a"], slow.pools["a"]
-    frozen = False
-    early: list[float] = []
-    held: list[tuple[Admitter, Permit]] = []
-
-    async def load() -> None:
-        # A request every 50 ms on each, held 300 ms: permits come and go across the return.
-        while True:
-            for a in (fast, slow):
-                r = await a.admit("a", 1, "")
-                if isinstance(r, Permit):
-                    held.append((a, r))
-            while len(held) > 6:
-                a, p = held.pop(0)
-                await a.release(p)
-            if not rf.degraded and rs.degraded and rs.back_since is None:
-                early.append(asyncio.get_running_loop().time())
-            if len(rf.held) + len(rs.held) > LIMIT:
-                early.append(-1.0)
-            await asyncio.sleep(0.05)
-
-    loader = asyncio.create_task(load())
-    try:
-        assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
-        stack.redis_child.kill(signal.SIGSTOP)
-        frozen = True
-        assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-        await asyncio.sleep(3.5)  # past the 3 s TTL: Redis comes back holding nothing
-        stack.redis_child.kill(signal.SIGCONT)
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
         frozen = False
-        assert await wait_until(lambda: not rf.degraded and not rs.degraded, 15)
-        assert not early, f"fast back on shared state before slow had reconciled ({len(early)} checks)"
-    finally:
-        loader.cancel()
-        if frozen:
+        early: list[float] = []
+        held: list[tuple[Admitter, Permit]] = []
+
+        async def load() -> None:
+            # A request every 50 ms on each, held 300 ms: permits come and go across the return.
+            while True:
+                for a in (fast, slow):
+                    r = await a.admit("a", 1, "")
+                    if isinstance(r, Permit):
+                        held.append((a, r))
+                while len(held) > 6:
+                    a, p = held.pop(0)
+                    await a.release(p)
+                if not rf.degraded and rs.degraded and rs.back_since is None:
+                    early.append(asyncio.get_running_loop().time())
+                if len(rf.held) + len(rs.held) > LIMIT:
+                    early.append(-1.0)
+                await asyncio.sleep(0.05)
+
+        loader = asyncio.create_task(load())
+        try:
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            await asyncio.sleep(3.5)  # past the 3 s TTL: Redis comes back holding nothing
             stack.redis_child.kill(signal.SIGCONT)
-        for a, p in held:
-            await a.release(p)
-        await fast.stop()
-        await slow.stop()
-        for c in clients:
-            await c.aclose()
+            frozen = False
+            assert await wait_until(lambda: not rf.degraded and not rs.degraded, 15)
+            assert not early, f"fast back on shared state before slow had reconciled ({len(early)} checks)"
+        finally:
+            loader.cancel()
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)
+            for a, p in held:
+                await a.release(p)
