@@ -132,22 +132,36 @@ async def test_priority_is_refused_under_fcfs_like_vllm(server: Server) -> None:
 
 
 async def test_priority_policy_serves_the_lower_value_first() -> None:
-    """One slot; four priority-0 requests queue, then a priority -1 one: it is served next."""
+    """One slot: a long low0 runs, low1..3 queue (in a known order), then a priority -1 request
+    arrives: it is served next, ahead of the three that waited longer (fcfs would serve it last).
+    Each request is sent only once the emulator's metrics show the previous one queued, so the
+    order does not depend on how concurrent connections race on a loaded box."""
     with Supervisor() as sup:
         srv = start(sup, "sim-prio", ["--cold-start", "0", "--max-num-seqs", "1",
                                       "--scheduling-policy", "priority"])
         client = srv.client()
         done: list[str] = []
 
-        async def one(name: str, prio: int) -> None:
-            await client.completions.create(model=MODEL, prompt="x", max_tokens=15, extra_body={"priority": prio})
+        async def one(name: str, prio: int, tokens: int) -> None:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=tokens, extra_body={"priority": prio})
             done.append(name)
 
-        tasks = [asyncio.create_task(one(f"low{i}", 0)) for i in range(4)]
-        await asyncio.sleep(0.03)  # low0 runs (15 steps of 5 ms), low1..3 wait
-        tasks.append(asyncio.create_task(one("high", -1)))
+        async def until_present(n: int) -> None:
+            while True:
+                m = await metrics(srv)
+                if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= n:
+                    return
+                await asyncio.sleep(0.005)
+
+        # low0 runs 600 steps of 5 ms (3 s): ample time to queue the rest behind it even on a loaded box.
+        plan = [("low0", 0, 600), ("low1", 0, 15), ("low2", 0, 15), ("low3", 0, 15), ("high", -1, 15)]
+        tasks = []
+        for i, (name, prio, tokens) in enumerate(plan):
+            tasks.append(asyncio.create_task(one(name, prio, tokens)))
+            await until_present(i + 1)
+        assert not done, "low0 finished before the queue formed"
         await asyncio.gather(*tasks)
-        assert done.index("high") <= 1 and done[-1] == "low3"
+        assert done == ["low0", "high", "low1", "low2", "low3"]
 
 
 async def test_metrics_names_and_monotonic_counters(server: Server) -> None:
