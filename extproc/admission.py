@@ -111,7 +111,9 @@ class PoolRuntime:
     pubsub_client: AnyRedis
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
-    asserted: int = 0  # permits this process asserted in Redis at its last reconcile
+    asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
+    reserve_seq: int = 0  # degraded: the ticket number of this outage's reserve leases (`_sync`)
+    reserved: set[str] = field(default_factory=set)  # reserve leases the last successful reconcile asserted
     back_ms: float = 0.0  # degraded, back_since set: Redis's time of that first clean reconcile
     live_before: int = 0  # degraded: live gateways in the last sync before the outage
     held: dict[str, Permit] = field(default_factory=dict)  # every live permit of this process
@@ -330,6 +332,8 @@ class Admitter:
         for rt in pools:
             rt.degraded = True
             rt.back_since = None
+            rt.reserve_seq = self.new_ticket()[0]
+            rt.reserved = set()
             # The freshest count of live gateways: a sync runs every TTL/3, a status every second
             # (a processor that started since the last sync is in the status, not the sync).
             rt.live_before = max((s.live_gateways for s in (rt.last_sync, rt.last_status) if s is not None), default=0)
@@ -359,7 +363,7 @@ class Admitter:
         try:
             if rt.state.stored is None:
                 await self._configure(rt)
-            await self._sync(rt, reconcile=True)
+            await self._sync(rt, reconcile=True, reserve=not switch)
         except RedisDown:
             return False
         if not switch:
@@ -382,11 +386,18 @@ class Admitter:
         with contextlib.suppress(RedisDown):
             await self._sync(rt)
 
-    async def _sync(self, rt: PoolRuntime, reconcile: bool = False) -> None:
+    async def _sync(self, rt: PoolRuntime, reconcile: bool = False, reserve: bool = False) -> None:
+        """Re-assert this process's permits, credits and waiters (a `reconcile` also sets
+        `asserted`, before the call). With `reserve` (a reconcile while degraded), the local
+        budget this process has not used yet is asserted too, as reserve leases: until its reply
+        arrives, and until it switches back, it admits locally up to that budget, and a peer
+        that is back on shared state must not hand out those permits meanwhile."""
         now = self.clock()
         held = {t: (p.priority, p.seq, p.endpoint) for t, p in rt.held.items()}
         for t in rt.credits:
             held[t] = (1, _seq_of(t), "")
+        spare = max(0, rt.local.limit - len(held)) if reserve else 0
+        reserves = {f"{self.gateway_id}/{rt.reserve_seq}:r{i}": (1, rt.reserve_seq, "") for i in range(spare)}
         # A waiter whose grant arrived but whose request has not taken the permit yet still
         # asserts its ticket (Redis keeps the lease); one switched to the local queue does not.
         waiting = {t: (w.cls, w.seq, max(0.001, w.deadline - now), w.tenant)
@@ -395,19 +406,23 @@ class Admitter:
         if reconcile:
             # Set before the call: on the way back (`LocalBackend`) nothing is admitted beyond
             # what this call asserts while it is in the air (the switch's call included).
-            rt.asserted = len(held)
-        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held, waiting))
+            rt.asserted = len(held) + len(reserves)
+        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held | reserves, waiting))
         rt.last_sync = res.status
         self.observe(rt, res.status)
+        # Reserve leases come and go as the local permits do: not corrections of lost state.
+        reasserted = max(0, res.reasserted - len(reserves.keys() - rt.reserved))
+        dropped = max(0, res.dropped - len(rt.reserved - reserves.keys()))
+        rt.reserved = set(reserves)
         m = self.metrics.reconciled
-        for kind, n in (("reasserted", res.reasserted), ("requeued", res.requeued), ("dropped", res.dropped)):
+        for kind, n in (("reasserted", reasserted), ("requeued", res.requeued), ("dropped", dropped)):
             if n:
                 m.labels(rt.cfg.name, kind).inc(n)
-        if res.reasserted:
-            self.metrics.lost_leases.labels(rt.cfg.name).inc(res.reasserted)
-        if res.reasserted and not reconcile:
+        if reasserted:
+            self.metrics.lost_leases.labels(rt.cfg.name).inc(reasserted)
+        if reasserted and not reconcile:
             log.warning("pool %s: Redis had lost %d permits live requests hold (restart, or this "
-                        "process stalled past the lease TTL): leased again", rt.cfg.name, res.reasserted)
+                        "process stalled past the lease TTL): leased again", rt.cfg.name, reasserted)
         # Released or cancelled while the sync was in flight: the sync may have put them back.
         gone = [t for t in held if t not in rt.held and t not in rt.credits]
         if gone:
@@ -683,15 +698,18 @@ class Admitter:
             await asyncio.sleep(min(1.0, interval))
 
     async def _await_peers(self, rt: PoolRuntime, now: float) -> None:
-        """A clean reconcile while degraded (Redis is reachable). The first one starts the way
-        back: from it on, this process admits locally no more than Redis counts of it
-        (`LocalBackend`). It switches back only once every other gateway of the pool has synced
-        since then (plus half a reconnect interval, past the calls that were sent during an
-        outage and ran when it ended), and as many gateways as were live before the outage are
-        known again: each has then re-asserted its permits and stopped
-        admitting beyond them, so the shared state counts everything held. A gateway that does
-        not sync within one lease TTL is dead or cut off (its leases expire; the partition bound
-        applies) and is not waited for."""
+        """A clean reconcile while degraded (Redis is reachable). Every reconcile while degraded
+        asserts this process's whole local budget (its permits, and reserve leases for the rest:
+        `_sync`), so from the moment one lands Redis counts at least what this process may admit
+        locally, whether or not its reply has arrived yet. The first clean one starts the way back.
+        It switches back only once every other gateway of the pool has synced since then (plus
+        half a reconnect interval, past the calls that were sent during an outage and ran when it
+        ended), and as many gateways as were live before the outage are known again: each has then
+        asserted its budget, so the shared state counts everything that can be held. The switch
+        asserts only the permits held (the reserve goes back); while that call is in the air
+        nothing more is admitted (`LocalBackend`). A gateway that does not sync within one lease
+        TTL is dead or cut off (its leases expire; the partition bound applies) and is not waited
+        for."""
         try:
             times = await self.call(rt, "gateways", rt.state.sync_times)
         except RedisDown:
@@ -702,9 +720,6 @@ class Admitter:
             if mine is None:
                 return
             rt.back_since, rt.back_ms = now, mine
-            if len(rt.held) > rt.asserted and not await self._reconcile(rt, switch=False):
-                rt.back_since = None  # admitted while that call was in the air: assert those too
-                return
         margin_ms = self.cfg.redis.reconnect_interval_s * 500
         # A gateway Redis forgot (its liveness expired during the outage) counts as not back.
         peers_back = (len(times) + 1 >= rt.live_before and all(t >= rt.back_ms + margin_ms for t in times.values())) \

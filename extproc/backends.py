@@ -277,8 +277,9 @@ class LocalBackend:
         now = a.clock()
         if rt.back_since is not None and len(rt.held) >= rt.asserted:
             # Redis is back and a processor that switched already admits from it, counting of
-            # this process's permits only the ones its last reconcile asserted: more would
-            # overshoot L. Wait for the switch instead (or for Redis to fail again).
+            # this process only the leases its last reconcile asserted (its local budget while
+            # degraded; the permits held once the switch's call is sent): more would overshoot
+            # L. Wait for the switch instead (or for Redis to fail again).
             return await self._await_switch(rt, req, seq, ticket)
         if rt.local.try_acquire(ticket, cls, now):
             return self._permit(rt, ticket, req)

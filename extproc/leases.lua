@@ -81,6 +81,7 @@ local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to wr
 local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
 local INF0, QUE0           -- as read (flush writes only what changed)
 local ALIVE         -- gateway -> alive, memo for this call
+local LIVE_UNTIL    -- gateway -> when its liveness ends (ms), where ALIVE was read or set
 local EDGE          -- class (1-based) -> {head deadline, tail deadline} (false: empty), memo for this call
 local LIVE, NACTIVE -- live gateway count, active endpoint count: memo for this call
 local RT            -- event rate name -> {rate, ts, t0, n}, parsed once per call (flush writes it back)
@@ -343,6 +344,7 @@ local function gateway_alive(gw)
   if ALIVE[gw] == nil then
     local exp = redis.call('ZSCORE', K.gws, gw)
     ALIVE[gw] = (exp and exp + 0 > now) or false  -- dead from the same ms its leases expire
+    LIVE_UNTIL[gw] = exp and exp + 0
   end
   return ALIVE[gw]
 end
@@ -390,9 +392,14 @@ local function lower_due(t)
 end
 
 -- c is 0-based here (as stored).
-local function put_lease(ticket, c, gw, seq, ep)
-  redis.call('ZADD', K.leases, EXPIRY_S, ticket)
-  lower_due(now + ttl)
+local function put_lease(ticket, c, gw, seq, ep, until_ms)
+  if until_ms and until_ms < now + ttl then
+    redis.call('ZADD', K.leases, intstr(until_ms), ticket)
+    lower_due(until_ms)
+  else
+    redis.call('ZADD', K.leases, EXPIRY_S, ticket)
+    lower_due(now + ttl)
+  end
   redis.call('HSET', K.lmeta, ticket, CLS[c + 1] .. '|' .. gw .. '|' .. seq)
   add_inflight(c + 1, 1)
   if ep ~= '' then
@@ -403,10 +410,11 @@ local function put_lease(ticket, c, gw, seq, ep)
 end
 
 -- A new grant to class c (1-based): leased, counted as a grant, routed when picking.
-local function lease(ticket, c, gw, seq)
+-- `until_ms`: the lease ends no later (a waiter's grant: its gateway's liveness).
+local function lease(ticket, c, gw, seq, until_ms)
   local ep = ''
   if S.picking then ep = pick() end
-  put_lease(ticket, c - 1, gw, seq, ep)
+  put_lease(ticket, c - 1, gw, seq, ep, until_ms)
   bump_rate(GRATE[c])
   ramp_take(1)
   return ep
@@ -525,7 +533,10 @@ local function grant_loop()
             local qc, deadline, gw, seq, tenant = parse_qmeta(meta)
             unqueue(head, meta, true, qc, tenant)
             if deadline >= now and gateway_alive(gw) then
-              local ep = lease(head, c, gw, seq)
+              -- No longer than the gateway's liveness: one that crashed with waiters queued is
+              -- known dead only one TTL after its last sync, and a grant to it must not hold
+              -- the permit a full TTL beyond that (a live gateway's next sync renews it).
+              local ep = lease(head, c, gw, seq, LIVE_UNTIL[gw])
               if gw == MY_GW then  -- the caller's own waiter: in the reply, no message
                 table.insert(MINE, head) table.insert(MINE, ep)
               else
@@ -735,7 +746,7 @@ local function try_queue(ticket, gw, seq, c, tenant, deadline, new)
   if ALIVE[gw] ~= true and redis.call('ZADD', K.gws, 'NX', EXPIRY_S, gw) == 1 then
     lower_due(now + ttl)
     LIVE = nil
-    ALIVE[gw] = true
+    ALIVE[gw], LIVE_UNTIL[gw] = true, now + ttl
   end
   put_waiter(ticket, c - 1, deadline, gw, seq, tenant)
   return nil
@@ -888,7 +899,7 @@ function OPS.sync(ARGV)
     end
   end
   lower_due(now + ttl)
-  ALIVE[gw] = true
+  ALIVE[gw], LIVE_UNTIL[gw] = true, now + ttl
   LIVE = nil
   is_new(gw, tostring(watermark - 1))  -- every entry it re-asserts is below its watermark
   local held, waiting = {}, {}
@@ -1024,7 +1035,7 @@ local function main(KEYS, ARGV)
     _G.tonumber, _G.tostring, _G.string, _G.table, _G.math, _G.pcall, _G.unpack, _G.ipairs, _G.pairs, _G.next, _G.type
   for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
   ttl = ARGV[2] + 0
-  S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, DUE = nil, nil, nil, nil, nil, false, {}, nil
+  S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, LIVE_UNTIL, DUE = nil, nil, nil, nil, nil, false, {}, {}, nil
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP = {}, false, false, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil

@@ -193,7 +193,9 @@ class PermitTable:
                         continue  # a model's pacer holds this class: it stays queued
                     w = self.queues[k].pop(0)
                     if w.deadline >= now and self._alive(w.gateway, now):
-                        self.leases[w.ticket] = Lease(k, w.gateway, w.seq, now + self.ttl)
+                        # no longer than its gateway's liveness (leases.lua: a crashed gateway's
+                        # grants must not outlive it by a TTL)
+                        self.leases[w.ticket] = Lease(k, w.gateway, w.seq, min(now + self.ttl, self.gateways[w.gateway]))
                         self._ramp_take()
                         self._pacer_granted(k, now, inflight)
                         granted.append(w.ticket)

@@ -2,12 +2,13 @@
 against a real Redis-protocol server.
 
 Two processors share a pool of L = 8 and both lose Redis (frozen). When it comes back they
-leave degraded mode at different times: each switches on its second clean reconcile in a row,
-and here the second processor retries far less often. Between its first clean reconcile and
-its switch it still admits locally, while the first already admits from Redis, which counts
-of the second's permits only those its reconcile asserted. So the second must admit no more
-than those until it switches; the requests beyond wait for the switch and then queue in Redis.
-At no moment may the two hold more than L permits together, and in the end no permit leaks.
+leave degraded mode at different times; here the second processor retries far less often.
+Until it switches it still admits locally, while the first already admits from Redis. So every
+reconcile of a degraded processor asserts its whole local budget (its permits plus reserve
+leases for the rest), and Redis counts the second at that budget whether or not the reply of
+its reconcile has reached it; the switch asserts just the permits held, and nothing more is
+admitted while that call is in the air. At no moment may the two hold more than L permits
+together, and in the end no permit leaks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 from floodgate.extproc.admission import Admitter, PoolRuntime
 from floodgate.extproc.backends import Permit
@@ -30,21 +32,21 @@ from tests.helpers import wait_until
 LIMIT = 8
 
 
-def _config(url: str, reconnect_s: float) -> Config:
+def _config(url: str, reconnect_s: float, op_timeout_s: float = 0.25) -> Config:
     return Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": reconnect_s},
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": op_timeout_s, "reconnect_interval_s": reconnect_s},
         "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
                    "limit": {"mode": "static", "initial": LIMIT}}]})
 
 
 @contextlib.asynccontextmanager
-async def _fast_and_slow(stack: LocalStack) -> AsyncIterator[tuple[Admitter, Admitter]]:
+async def _fast_and_slow(stack: LocalStack, slow_op_timeout_s: float = 0.25) -> AsyncIterator[tuple[Admitter, Admitter]]:
     """Two processors of one pool on a fresh Redis: `fast` retries Redis every 0.1 s while
     degraded, `slow` every 2 s."""
     url = stack.start_redis()
     clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
     fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
-    slow = Admitter(_config(url, 2.0), clients[1], metrics=Metrics(), gateway_id="slow")
+    slow = Admitter(_config(url, 2.0, slow_op_timeout_s), clients[1], metrics=Metrics(), gateway_id="slow")
     await fast.start()
     await slow.start()
     try:
@@ -56,7 +58,7 @@ async def _fast_and_slow(stack: LocalStack) -> AsyncIterator[tuple[Admitter, Adm
             await c.aclose()
 
 
-async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: LocalStack) -> None:
+async def test_a_processor_not_yet_back_admits_no_more_than_redis_counts_of_it(stack: LocalStack) -> None:
     async with _fast_and_slow(stack) as (fast, slow):
         assert stack.redis_child is not None
         rf, rs = fast.pools["a"], slow.pools["a"]
@@ -95,14 +97,15 @@ async def test_a_processor_not_yet_back_admits_no_more_than_it_asserted(stack: L
             # The fast one is back on shared state; the slow one has reconciled once, not switched.
             assert await wait_until(lambda: window(rs), 10), (rf.degraded, rs.degraded, rs.back_since)
 
-            # Requests on both at once: the fast one takes every permit Redis sees free, the slow
-            # one would admit from its local share (4, of which it holds 2).
+            # Requests on both at once: the slow one admits from its local share (4, or less if
+            # its last snapshot saw fewer free; it holds 2 and Redis counts all of it), the fast
+            # one takes what Redis sees free: the rest of L.
             tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
             tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
             await asyncio.sleep(0.3)
             assert window(rs), "the slow processor switched before the test could look"
             assert total() <= LIMIT, (len(rf.held), len(rs.held))
-            assert len(rs.held) == 2, "admitted locally beyond what its reconcile asserted"
+            assert len(rs.held) == rs.local.limit and total() == LIMIT, (len(rf.held), len(rs.held), rs.local.limit)
 
             # After the switch the slow one's requests queue in Redis; releases hand them permits.
             assert await wait_until(lambda: not rs.degraded, 10)
@@ -172,3 +175,57 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
                 stack.redis_child.kill(signal.SIGCONT)
             for a, p in held:
                 await a.release(p)
+
+
+async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: LocalStack) -> None:
+    """The first clean reconcile of the slow processor lands in Redis, and the fast one sees it
+    and switches back; the reply is still on its way to the slow one, which does not yet know
+    Redis is back and keeps admitting from its local share. Redis must already count those: the
+    fast one may take only what neither of them can use. (Fresh-clone CI once read 9 of L 8 at
+    the upstream a second after a Redis SIGSTOP; a reply delayed by a busy event loop is this
+    window.) Here the reply is held until the test has admitted on both."""
+    async with _fast_and_slow(stack, slow_op_timeout_s=1.0) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        frozen = False
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+        landed, go_on = asyncio.Event(), asyncio.Event()
+        sync = rs.state.sync
+
+        async def reply_late(*args: Any, **kwargs: Any) -> Any:
+            res = await sync(*args, **kwargs)  # ran in Redis
+            if rs.degraded and not landed.is_set():
+                landed.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(go_on.wait(), 1.5)  # within the slow one's 2 s call timeout
+            return res
+
+        try:
+            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
+                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
+            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            rs.state.sync = reply_late  # type: ignore[method-assign]
+            stack.redis_child.kill(signal.SIGCONT)
+            frozen = False
+            await asyncio.wait_for(landed.wait(), 10)
+            assert await wait_until(lambda: not rf.degraded, 5), "the fast one never switched back"
+            assert rs.degraded and rs.back_since is None  # the slow one has not seen its reply yet
+
+            tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
+            tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
+            await wait_until(lambda: len(rs.held) == 4, 2)  # its local share is 4
+            await asyncio.sleep(0.3)  # the fast one's acquires have run
+            total = len(rf.held) + len(rs.held)
+            go_on.set()
+            assert total <= LIMIT, f"{len(rf.held)} + {len(rs.held)} permits held, L = {LIMIT}"
+        finally:
+            go_on.set()
+            for t in tasks:
+                t.cancel()
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)

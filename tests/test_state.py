@@ -237,6 +237,34 @@ async def test_dead_gateways_waiters_are_never_granted_and_purged(client: aiored
     await check_invariants(client, "dead")
 
 
+async def test_a_grant_to_a_crashed_gateway_ends_with_its_liveness(client: aioredis.Redis) -> None:
+    """A gateway that crashed with a waiter queued is known dead only one TTL after its last
+    sync; a permit freed before then may be granted to that waiter. The lease ends with the
+    gateway's liveness, not a full TTL after the grant: the pool has every permit back one TTL
+    after the crash (`floodgate bench faults`, sigkill, read 15.59 s at TTL 15 s before)."""
+    pool = "crashgrant"
+    clock = key(pool, "testclock")
+    t0 = 1_000_000
+    await client.set(clock, t0)
+    st = await make(client, pool, ttl=3.0, limit=1, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    await st.sync("dead", 1, {}, {})  # its last sync: alive until t0 + 3 s
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    assert not (await st.enqueue("dead/1", "dead", 1, 0, "t", 30)).granted  # then it crashes
+    await client.set(clock, t0 + 2000)
+    await st.sync("a", 2, {"a/1": (1, 1, "")}, {})
+    assert await st.release("a/1") == 1  # the grant loop hands the permit to the dead one's waiter
+    assert await leased(client, pool) == {"dead/1"}
+    await client.set(clock, t0 + 2999)
+    await st.sync("a", 2, {}, {})
+    assert not (await st.acquire("a/2", "a", 2, 1, "t")).granted
+    await st.cancel("a/2")
+    await client.set(clock, t0 + 3001)  # one TTL after the crash (was: t0 + 5000, a TTL after the grant)
+    await st.sync("a", 3, {}, {})
+    assert (await st.acquire("a/3", "a", 3, 1, "t")).granted
+    await check_invariants(client, pool)
+
+
 async def test_ticket_hashes_are_hashtables_and_their_pad_is_no_ticket(client: aioredis.Redis) -> None:
     # As listpacks (up to 512 fields on Valkey 9) every ticket lookup scanned the whole hash;
     # sync keeps a pad field in them so the server stores hashtables. The pad is no ticket:
