@@ -86,9 +86,9 @@ class DeciderState:
     next_seq: int = 0
     demand: dm.DemandWindow = field(default_factory=dm.DemandWindow)  # recent counter reads
     service_s: float | None = None  # last measured seconds per admitted request (Little's law)
-    # The same, last measured on a tick when no request waited inside the replicas (admitted =
+    # The same, averaged over the ticks when no request waited inside the replicas (admitted =
     # started, so running / admitted rate is the time a request holds a slot); sizes the burst.
-    slot_s: float | None = None
+    slot: dm.SlotTime | None = None
     capacity: cap.CapacityState = field(default_factory=cap.CapacityState)  # learned per-replica capacity
 
 
@@ -118,7 +118,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     if key != state.forecast_key:
         fcast = fc.predict(history, now, cfg.forecast)
         pool_fcast = fc.predict(history, now, cfg.forecast, 0.0, cfg.warm_pool.forecast_horizon_s)
-    pool, dwin, service_s, slot_s, cstate, off = _measured(cfg, state, signals.pool, now)
+    pool, dwin, service_s, slot, cstate, off = _measured(cfg, state, signals.pool, now)
     tc = pool.capacity or cfg.policy.target_concurrency
     floor = fc.floor_replicas(fcast, tc, cfg.forecast.headroom)
     pool_floor = fc.floor_replicas(pool_fcast, tc, cfg.forecast.headroom)
@@ -151,18 +151,18 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         next_seq=pp.next_seq,
         demand=dwin,
         service_s=service_s,
-        slot_s=slot_s,
+        slot=slot,
         capacity=cstate,
     )
     return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
 
 
 def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: float
-              ) -> tuple[PoolSignals, dm.DemandWindow, float | None, float | None, cap.CapacityState,
+              ) -> tuple[PoolSignals, dm.DemandWindow, float | None, dm.SlotTime | None, cap.CapacityState,
                          dm.OfferedDemand | None]:
     """Offered demand (`controller.demand`) and learned capacity (`controller.capacity`) from
     this tick's raw inputs, folded into the signals the policy reads (`lacking`, `capacity`)."""
-    dwin, service_s, slot_s, off = state.demand, state.service_s, state.slot_s, None
+    dwin, service_s, slot, off = state.demand, state.service_s, state.slot, None
     lacking, lacking_stale, burst = pool.lacking, pool.lacking_stale, pool.burst
     wired = pool.counters is not None or pool.gateway is not None
     if cfg.demand.enabled and wired:
@@ -176,14 +176,15 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         waiting = sum(m.waiting for m in pool.replicas if m.ok and now - m.scraped_at <= cfg.demand.stale_after_s)
         # A burst that admission lets in waits inside vLLM: admitted counts it before it runs
         # (running is capped by the slots), so running / admitted reads short exactly while
-        # the step is sized. The step is sized with the slot time of the last tick nothing
-        # waited inside the replicas (admitted = started there).
+        # the step is sized. The step is sized with the slot time of the ticks nothing waited
+        # inside the replicas (admitted = started there), averaged (`demand.SlotTime`).
         if measured is not None and waiting == 0:
-            slot_s = measured
-        burst = dm.burst_concurrency(dwin, now, cfg.demand, slot_s or service_s, waiting)
+            slot = dm.update_slot(slot, now, running, off.admitted_total, cfg.demand)
+        slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else service_s
+        burst = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
     prior = cfg.policy.target_concurrency
     cstate = state.capacity
     if pool.latency is not None:
         cstate = cap.update(cstate, pool.latency, now, prior, cfg.capacity)
     per = cap.capacity(cstate, prior, cfg.capacity) if cstate.estimate is not None else pool.capacity
-    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, capacity=per), dwin, service_s, slot_s, cstate, off
+    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, capacity=per), dwin, service_s, slot, cstate, off
