@@ -163,7 +163,7 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
     """Offered demand (`controller.demand`) and learned capacity (`controller.capacity`) from
     this tick's raw inputs, folded into the signals the policy reads (`lacking`, `capacity`)."""
     dwin, service_s, slot, off = state.demand, state.service_s, state.slot, None
-    lacking, lacking_stale, burst = pool.lacking, pool.lacking_stale, pool.burst
+    lacking, lacking_stale, burst, burst_low = pool.lacking, pool.lacking_stale, pool.burst, pool.burst_low
     wired = pool.counters is not None or pool.gateway is not None
     if cfg.demand.enabled and wired:
         dwin = dm.observe(dwin, now, cfg.demand, pool.counters, pool.gateway)
@@ -181,10 +181,12 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         if measured is not None and waiting == 0:
             slot = dm.update_slot(slot, now, running, off.admitted_total, cfg.demand)
         slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else service_s
-        burst = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
+        est = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
+        burst, burst_low = est.size, est.low
     prior = cfg.policy.target_concurrency
     cstate = state.capacity
     if pool.latency is not None:
         cstate = cap.update(cstate, pool.latency, now, prior, cfg.capacity)
     per = cap.capacity(cstate, prior, cfg.capacity) if cstate.estimate is not None else pool.capacity
-    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, capacity=per), dwin, service_s, slot, cstate, off
+    return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, burst_low=burst_low,
+                   capacity=per), dwin, service_s, slot, cstate, off

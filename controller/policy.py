@@ -172,7 +172,8 @@ class ScalePlan:
     panic: bool
     lacking: float = 0.0  # turned-away demand counted in `demand` (concurrency)
     per_replica: float = 0.0  # capacity per replica the recommendation used
-    burst: float = 0.0  # the burst estimate (offered concurrency at the last tick's rate)
+    burst: float = 0.0  # the burst estimate (offered concurrency since a step: the size)
+    burst_low: float = 0.0  # its confident lower bound (what the policy acts on)
 
     @property
     def direction(self) -> str:
@@ -309,8 +310,11 @@ def decide(
     # on the first tick that sees it, outside the tolerance band. Scale-up only: it stays out
     # of the stabilization window, so it never holds the pool up once the step has passed
     # (panic holds it for `panic_window_s`, then the stable window decides).
+    # It acts on the confident bound (`burst_low`) and sizes on `burst` (a looser bound, at
+    # least as large): a clump of arrivals does not pass the first, and the first decision
+    # after a step is not left at the second's timid size (`demand.burst_concurrency`).
     burst = signals.burst
-    if burst > (1.0 + cfg.tolerance) * max(current, 1) * tc:
+    if signals.burst_low > (1.0 + cfg.tolerance) * max(current, 1) * tc:
         up = math.ceil(burst / tc - 1e-9)
         panic = True
         if up > rec:
@@ -364,6 +368,7 @@ def decide(
         lacking=lacking,
         per_replica=tc,
         burst=burst,
+        burst_low=signals.burst_low,
     )
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,

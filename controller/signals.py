@@ -84,9 +84,11 @@ class PoolSignals:
     # a stale offered-demand read adds nothing, so only served demand is counted.
     lacking: float = 0.0
     lacking_stale: bool = False  # offered demand was wired but its counters are stale
-    # Offered concurrency at the last tick's rate (`demand.burst_concurrency`), 0 when unknown
-    # or when the pool kept up: sizes scale-up only, never scale-down.
+    # Offered concurrency since a step (`demand.burst_concurrency`), 0 when unknown or when the
+    # pool kept up: sizes scale-up only, never scale-down. `burst` sizes; the policy acts on
+    # it only when `burst_low` (the confident lower bound) is beyond the current size.
     burst: float = 0.0
+    burst_low: float = 0.0
     # Learned per-replica capacity (`controller.capacity`); None: the configured
     # `target_concurrency` sizes the pool.
     capacity: float | None = None
