@@ -63,12 +63,13 @@ class DemandConfig(BaseModel):
     max_service_s: float = Field(default=600.0, gt=0, description="Upper bound on the measured seconds a request holds a slot.")
     burst: bool = Field(default=True, description="Also size scale-up from the offered rate of the last tick "
                         "(the burst estimate; `burst_concurrency`). Never used for scale-down.")
-    burst_ticks: int = Field(default=2, ge=1, description="The burst estimate needs this many consecutive "
-                             "ticks that are each a step (a step that persists, not a clump of arrivals).")
-    burst_sigma: float = Field(default=2.0, ge=0, description="A tick is a step when its arrivals exceed "
-                               "the rate before it by this many standard deviations; the estimate is the rate's lower "
-                               "confidence bound at this many deviations, and the policy acts on it only when that "
-                               "bound is beyond the current size.")
+    burst_ticks: int = Field(default=2, ge=1, description="The burst estimate needs a step that has lasted "
+                             "this many ticks, each bringing more arrivals than the rate before it (a step that "
+                             "persists, not a clump of arrivals).")
+    burst_sigma: float = Field(default=2.0, ge=0, description="A split of the rate window is a step when the "
+                               "arrivals since it exceed what the rate before it predicts by this many standard "
+                               "deviations; the policy acts on the burst estimate only when the rate's lower "
+                               "confidence bound at this many deviations is beyond the current size.")
     burst_size_sigma: float = Field(default=1.0, ge=0, description="The burst estimate sizes the pool on the "
                                     "rate's lower confidence bound at this many standard deviations (at most "
                                     "`burst_sigma`).")

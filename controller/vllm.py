@@ -151,12 +151,18 @@ def parse_metrics(
         return Histogram(tuple(sorted(buckets.get(name, {}).items())), sums.get(name, 0.0), counts.get(name, 0.0))
 
     ttft, itl = hist(TTFT), hist(ITL)
+    # Without a previous sample the cumulative histograms hold the replica's whole life, not
+    # this tick: a pool replica is not scraped while it sleeps, so when it is promoted again
+    # its first page still holds everything it served before — in the elastic benchmark the
+    # queued TTFTs of the first burst (5 s and more), which the learned capacity read as the
+    # SLO missed at light load (7 -> 5 per replica at the second burst's onset, which then
+    # sized 8 replicas for a load 5 carry). The first sample is a baseline.
     return VllmSample(
         metrics=ReplicaMetrics(replica_id, now, True, waiting, running, kv_usage),
         ttft=ttft,
         itl=itl,
-        ttft_delta=ttft.delta(prev.ttft if prev and prev.metrics.ok else None),
-        itl_delta=itl.delta(prev.itl if prev and prev.metrics.ok else None),
+        ttft_delta=Histogram() if prev is None else ttft.delta(prev.ttft if prev.metrics.ok else None),
+        itl_delta=Histogram() if prev is None else itl.delta(prev.itl if prev.metrics.ok else None),
         asleep=None if awake is None else awake < 0.5,
     )
 

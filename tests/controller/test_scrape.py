@@ -42,7 +42,10 @@ def test_parse_metrics_and_histogram_deltas() -> None:
     a = parse_metrics(PAGE % (2, 4, 4, 4, 1.0), "r", 10.0)
     m = a.metrics
     assert (m.ok, m.running, m.waiting, m.kv_cache_usage, a.asleep) == (True, 3, 5, 0.42, False)
-    assert a.ttft.count == 4 and a.ttft_delta.count == 4  # first scrape: everything is new
+    # First scrape: a baseline. The cumulative histogram holds the replica's whole life (a
+    # pool replica is not scraped while it sleeps: re-promoted, its page still holds what it
+    # served in the last burst), not this tick.
+    assert a.ttft.count == 4 and a.ttft_delta.count == 0 and a.itl_delta.count == 0
     b = parse_metrics(PAGE % (2, 9, 10, 10, 4.0), "r", 11.0, prev=a)
     d = b.ttft_delta
     assert (d.count, d.total, d.mean) == (6, 3.0, 0.5)
