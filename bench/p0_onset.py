@@ -9,6 +9,8 @@ the replicas' own engine model (`sim/engine.py`), Envoy's LEAST_REQUEST in betwe
 static limit (96: static-96; 115: about Vegas's burst limit), to test remedies before building:
 
 * `shipped-ramp`: the onset ramp as shipped (`PermitTable`'s token bucket, policy.ramp_refill);
+  `ramp-bucket-8` the same with the bucket of 8 shipped before (0.08 x L, at least 8),
+  `ramp-bucket-2` with a bucket of 2;
 * `ramp-B+R/s`  : an absolute bucket, B at once and R per second beyond what releases free,
                   applied whether or not a P0 is in flight (variants: `by_release_rate` scales
                   both with the pool's release rate, `grace` lets a paced waiter go near its
@@ -21,6 +23,8 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
 * `p0pick`      : P0 goes to the replica with the least prefill work queued (oracle).
 
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3
+    python -m floodgate.bench.p0_onset --limit 72 96 --seeds 1 2 3 4 5 6 --vegas-steps \
+        --only shipped-ramp ramp-bucket-8 ramp-bucket-2     # the limit climbing in the burst
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
     CLASSES,
+    RAMP_MIN_BURST,
     RAMP_MIN_RATE_S,
     DecayingMean,
     DecayingRate,
@@ -62,6 +67,7 @@ class Remedy:
     above_half: bool = False  # pace only grants made with in-flight at or above half the limit
     # the shipped rule itself: PermitTable's onset ramp (burst share, rate share of L per second)
     shipped: tuple[float, float] | None = None
+    ramp_min_burst: float = RAMP_MIN_BURST  # with `shipped`: the bucket's floor (policy.RAMP_MIN_BURST)
 
 
 @dataclass
@@ -139,7 +145,9 @@ class Result:
 
 
 def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 0,
-        slo_ttft: float = 2.0, slo_tpot: float = 0.1) -> Result:
+        slo_ttft: float = 2.0, slo_tpot: float = 0.1,
+        limit_steps: Sequence[tuple[float, int]] = ()) -> Result:
+    """`limit_steps`: (time, new limit) — the limit set at those times (a Vegas-like climb)."""
     import numpy as np
     from floodgate.bench.overload import build_plan
     from floodgate.sim.engine import Engine
@@ -155,7 +163,7 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     if remedy.shipped is not None:
         table = PermitTable(limit=limit, shares=shares, headroom=headroom,  # type: ignore[arg-type]
                             ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1],
-                            ramp_min_rate=RAMP_MIN_RATE_S)
+                            ramp_min_rate=RAMP_MIN_RATE_S, ramp_min_burst=remedy.ramp_min_burst)
     else:
         table = PermitTable(limit=limit, shares=shares, headroom=headroom, pacer=gate)  # type: ignore[arg-type]
     ecfg = w.engine_config()
@@ -205,12 +213,15 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
             grants[plan[i].priority].bump(now)
             route(i, now)
 
+    steps = sorted(limit_steps)
     while True:
         nexts = [t for t in (e.next_event_time() for e in engines) if t is not None]
-        cand = nexts + ([events[0][0]] if events else [])
+        cand = nexts + ([events[0][0]] if events else []) + ([steps[0][0]] if steps else [])
         if not cand:
             break
         now = max(now, min(cand))
+        while steps and steps[0][0] <= now:
+            granted(table.set_limit(steps.pop(0)[1], now), now)
         for k, e in enumerate(engines):
             for ev in e.advance(now):
                 i = int(ev.seq.request_id)
@@ -293,11 +304,14 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
                   pct(sparse), p0_ttft, p1_ok)
 
 
+_SHIPPED = (PoolConfig().onset_ramp_burst, PoolConfig().onset_ramp_rate)
 REMEDIES = (
     Remedy(),
-    Remedy("shipped-ramp", shipped=(0.08, 0.1)),
+    Remedy("shipped-ramp", shipped=_SHIPPED),
+    Remedy("ramp-bucket-8", shipped=(0.08, 0.1), ramp_min_burst=8.0),  # the shipped ramp before 4
+    Remedy("ramp-bucket-2", shipped=(0.0, _SHIPPED[1]), ramp_min_burst=2.0),
     Remedy("p0first", p0_first=True),
-    Remedy("ramp+p0first", shipped=(0.08, 0.1), p0_first=True),
+    Remedy("ramp+p0first", shipped=_SHIPPED, p0_first=True),
     Remedy("p0pick", p0_pick=True),
     Remedy("prefill-4", prefill_cap=4),
     Remedy("prefill-8", prefill_cap=8),
@@ -318,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--mix", type=float, nargs=3, default=None)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--vegas-steps", action="store_true",
+                    help="the limit climbs as Vegas did in the overload bench's burst: +12 (6 lg at a "
+                         "limit of 100+) every 2 s from 1 s into the burst, 4 times, from each --limit")
     args = ap.parse_args(argv)
     print("| remedy | limit | seed | P0 TTFT p99 burst ms | after 2 s | P0 queue p99 ms | burst goodput tok/s | "
           "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms |")
@@ -327,7 +344,11 @@ def main(argv: list[str] | None = None) -> None:
             for rem in REMEDIES:
                 if args.only and rem.name not in args.only:
                     continue
-                r = run(w, args.capacity, limit, rem, seed=seed)
+                steps: list[tuple[float, int]] = []
+                if args.vegas_steps:
+                    start = w.windows()["burst"][0]
+                    steps = [(start + 1.0 + 2.0 * k, limit + 12 * (k + 1)) for k in range(4)]
+                r = run(w, args.capacity, limit, rem, seed=seed, limit_steps=steps)
                 print(f"| {r.remedy} | {limit} | {seed} | {r.p0_ttft_p99_burst_s * 1000:.0f} | "
                       f"{r.p0_ttft_p99_after2_s * 1000:.0f} | {r.p0_queue_p99_burst_s * 1000:.0f} | "
                       f"{r.goodput_burst_tok_s:.0f} | "

@@ -51,6 +51,7 @@ from floodgate.extproc.limit import (
     WindowedLimit,
     follow_endpoints,
     limit_for,
+    sample_request,
 )
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
@@ -141,6 +142,7 @@ class PoolRuntime:
                                  DecayingRate(tau=ARRIVAL_FAST_TAU_S)))
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
+    sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
 
     def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
@@ -572,6 +574,23 @@ class Admitter:
     def measures(self, pool: str) -> bool:
         """Does the pool's limit use latency at all (a fixed one does not)?"""
         return self.pools[pool].limit.adaptive
+
+    def sample(self, pool: str) -> bool:
+        """Should the request just admitted stream its body to measure its latency
+        (limit.sample_request)? True takes one of the pool's sampling slots: the caller gives it
+        back with `sampled_done` when the request ends."""
+        rt = self.pools[pool]
+        if not rt.limit.adaptive:
+            return False
+        c = rt.cfg.limit
+        if not sample_request(self.rng(), c.sample_rate, rt.sampled, c.max_sampled):
+            return False
+        rt.sampled += 1
+        return True
+
+    def sampled_done(self, pool: str) -> None:
+        rt = self.pools[pool]
+        rt.sampled = max(0, rt.sampled - 1)
 
     async def _apply_sample(self, rt: PoolRuntime, sample: Sample) -> None:
         with contextlib.suppress(RedisDown):

@@ -26,6 +26,7 @@ from floodgate.extproc.policy import (
     Reject,
     Snapshot,
     certain_reject,
+    credit_admits,
     queue_decision,
     retry_after,
     timeout_reject,
@@ -120,12 +121,13 @@ class SharedBackend:
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
-        if rt.credits and rt.queue_clear:
+        last, age = rt.last_status, a.clock() - rt.last_status_at
+        by_credit = last is None or credit_admits(cls, last.inflight, rt.settings.ramp_rate > 0)
+        if rt.credits and rt.queue_clear and by_credit:
             # Fast path: a credit is a lease this process already holds; no round trip.
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last, age = rt.last_status, a.clock() - rt.last_status_at
         last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings.ramp_rate > 0) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
@@ -135,7 +137,8 @@ class SharedBackend:
                 a.child(a.metrics.local_rejections, (rt.cfg.name, str(cls))).inc()
                 return certain
         seq, ticket = a.new_ticket()
-        wanted = 0 if rt.cfg.endpoint_picking else max(0, rt.cfg.local_credits - len(rt.credits))
+        # (no new credits for a request that could not use one: they would idle until recalled)
+        wanted = 0 if rt.cfg.endpoint_picking or not by_credit else max(0, rt.cfg.local_credits - len(rt.credits))
         # One call per contended request: when the last snapshot showed a queue this request
         # would join, acquire and enqueue run as one script call (`admit`). The policy still
         # decides on the snapshot that call returns; a waiter it rejects is cancelled.

@@ -38,6 +38,18 @@ class Latency:
         return self.tpot if name == "tpot" else self.ttft + (COMBINED_TOKENS - 1) * self.tpot
 
 
+def sample_request(rand: float, rate: float, streaming: int, cap: int) -> bool:
+    """Should an admitted request stream its response body to measure its latency? With
+    probability `rate`, unless `cap` (> 0) sampled requests already stream: a sampled request
+    costs one ext_proc message per response chunk, so messages per second are the sampled
+    requests in flight over the time per token. Bounding how many stream at once bounds that
+    cost whatever the limit climbs to; the windows still fill, from finished requests that
+    stream one after another instead of all at once."""
+    if cap > 0 and streaming >= cap:
+        return False
+    return rand < rate
+
+
 @dataclass(frozen=True)
 class LimitState:
     """The limiter state shared by every processor of a pool (stored in Redis)."""

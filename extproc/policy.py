@@ -81,7 +81,13 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
 # replaces what completes freely, but the jump from the steady level to the limit at a burst's
 # onset is spread out instead of dozens of prompts landing in the engines' FIFO queues at once,
 # ahead of the P0s that arrive with them (bench/p0_onset.py: the model that chose it).
-RAMP_MIN_BURST = 8.0  # a small limit still lets a few lower-class requests in at once ...
+# A small limit still lets a few lower-class requests in at once ... (4, not 8: each prompt
+# let in at once sits in an engine's FIFO queue ahead of the next P0; a Vegas limit that rises
+# by 6 lg at once let a full bucket of waiters in together — in the overload bench 9 P1 prompts
+# in 0.1 s, and the P0s right after them waited 610-700 ms, the row's P0 TTFT p99. The model
+# (bench/p0_onset.py --vegas-steps, seeds 1-6): burst P0 TTFT p99 per-seed mean 725 ms with
+# a bucket of 8, 613 ms with 4, 626 ms with 2.)
+RAMP_MIN_BURST = 4.0
 # ... and grows at least this many per second: while Vegas climbs out of a small initial limit,
 # a share of it would pace an ordinary step in load (the overload bench's unloaded -> steady
 # step timed out P2s at 0.7x capacity with 0.1 x L alone)
@@ -108,6 +114,21 @@ def ramp_paces(cls: int, inflight: Sequence[int]) -> bool:
     """Is a grant to class `cls` subject to the ramp now? Lower classes, while P0 is in flight
     (without P0 traffic there is nothing to protect, and an idle pool's spike goes in at once)."""
     return cls > 0 and inflight[0] > 0
+
+
+def credit_admits(cls: int, inflight: Sequence[int], ramp: bool) -> bool:
+    """May a processor admit a class-`cls` request from an idle local credit (a lease it holds,
+    no Redis round trip), given the in-flight counts it last saw? Not a request the onset ramp
+    paces (`ramp` on, `ramp_paces`): a credit took its ramp token when it was leased, but a
+    released credit-admitted request hands the credit back to the processor, not to Redis, so
+    the bucket refills while the credits circulate, and at a burst's onset every idle credit
+    admitted a lower-class prompt on top of the bucket's burst, all landing in the engines'
+    FIFO queues ahead of the P0s arriving with them (the quiet overload run's static-96 row,
+    steady at about half full: 18 lower-class requests in the burst's first 0.4 s, against ~10
+    in bench/p0_onset.py's model of the same plan, which has no credits). Such a request asks
+    Redis instead, where the ramp applies; P0 uses credits freely."""
+    return not (ramp and ramp_paces(cls, inflight))
+
 
 @dataclass
 class DecayingRate:
@@ -483,14 +504,21 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     meanwhile are releases of that longer window, and the requests that arrived meanwhile are
     ahead of this one anyway. The same rule, the same confidence as queue_decision.
     "Full" for this class: no free permit it may take — the free ones may all be the headroom
-    of higher classes (a lower class above its floor may not take those)."""
+    of higher classes (a lower class above its floor may not take those) — or taken by the
+    waiters of a higher class, which the grant loop serves first: a snapshot with free permits
+    and an eligible higher class still waiting shows them held back (by the onset ramp), and
+    this request behind them (leases.lua `try_lease` refuses it); the wait estimate decides
+    (with the ramp pacing this class, the pessimistic reading counts no permit free)."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
     headroom = [classes[k].headroom for k in CLASSES]
     free = snap.limit - sum(snap.inflight)
     kept = kept_free(cls, snap.limit, headroom) if snap.inflight[cls] >= reservations(snap.limit, shares)[cls] else 0
     if free > kept:
-        return None
+        always = [classes[k].reserve == "always" for k in CLASSES]
+        if not any(snap.queued[k] > 0 and eligible(k, snap.limit, snap.inflight, snap.queued, shares, always, headroom)
+                   for k in CLASSES if k < cls):
+            return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast)
     if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))

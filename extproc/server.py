@@ -279,8 +279,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 time.perf_counter() - headers_in)
             yield reply
             return
-        limit_cfg = self.cfg.pool(pool).limit
-        ex = _Exchange(result, sampled=self.admitter.measures(pool) and self.admitter.rng() < limit_cfg.sample_rate)
+        ex = _Exchange(result, sampled=self.admitter.sample(pool))
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
@@ -335,6 +334,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         finally:
             if ex.status is not None and ex.status >= 500:
                 reason = "upstream_error"
+            if ex.sampled:
+                self.admitter.sampled_done(pool)
             self._finish(pool, ex, reason)
             self.admitter.release_soon(result, reason)
 

@@ -271,8 +271,11 @@ def test_certain_reject_from_the_last_snapshot() -> None:
     assert isinstance(d, Reject) and d.reason == "early_drop"
     assert certain_reject(2, s2, classes, ADM, 0.0, age_s=0.01) is not None
     assert certain_reject(2, s2, classes, ADM, 0.0, age_s=1.0) is None
-    # a pool with a free permit, or few releases behind the rate: never
-    assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
+    # a pool with a free permit this class may take (nothing eligible waits above it), or few
+    # releases behind the rate: never
+    assert certain_reject(2, Snapshot(10, (5, 3, 1), (0, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
+    # ... but a free permit that a waiting P0 takes first is not this request's
+    assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is not None
     assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=10), CLASSES, ADM, 0.0) is None
 
 
@@ -286,7 +289,28 @@ def test_certain_reject_when_only_the_headroom_of_a_higher_class_is_free() -> No
     s = Snapshot(100, (50, 40, 1), (0, 20, 0), 0, grant_rate=20.0, release_n=500, arrival_rates=(12.0, 30.0, 18.0))
     assert certain_reject(2, s, shipped, ADM, 0.0, age_s=0.2) is not None  # 9 free: P0's 10
     # one more free than the headroom: this P2 could be admitted, ask Redis
-    assert certain_reject(2, replace(s, inflight=(49, 40, 0)), shipped, ADM, 0.0) is None
+    assert certain_reject(2, replace(s, inflight=(49, 40, 0), queued=(0, 0, 0)), shipped, ADM, 0.0) is None
+
+
+def test_certain_reject_behind_higher_waiters_the_ramp_holds_back() -> None:
+    """Free permits beyond the headroom, but P1 waits for them (the onset ramp paces it while P0
+    runs): the grant loop serves those P1 waiters first and the script refuses a P2 at once, so
+    the last snapshot decides P2's rejection without a round trip (before: any permit free
+    beyond the headroom sent the P2 to Redis, which then rejected it — Vegas rows, whose limit
+    runs ahead of in-flight, decided 28 % of their P2 rejections that way)."""
+    from floodgate.extproc.config import PoolConfig
+
+    shipped = PoolConfig().classes
+    s = Snapshot(100, (40, 40, 0), (0, 20, 0), 0, grant_rate=20.0, release_n=500,
+                 arrival_rates=(12.0, 30.0, 18.0), ramp=True)  # 20 free, P0's headroom 10
+    r = certain_reject(2, s, shipped, ADM, 0.0, age_s=0.2)
+    assert r is not None and r.reason == "early_drop"
+    # nothing waits above it: the free permits may be its own, ask Redis
+    assert certain_reject(2, replace(s, queued=(0, 0, 0)), shipped, ADM, 0.0) is None
+    # no ramp (P1 waits for another reason): the estimate counts the free permits, ask Redis
+    assert certain_reject(2, replace(s, ramp=False), shipped, ADM, 0.0) is None
+    # P1 is not paced away by this rule: its own request asks Redis
+    assert certain_reject(1, s, shipped, ADM, 0.0) is None
     # P0 itself is never kept out by its own headroom
     assert certain_reject(0, s, shipped, ADM, 0.0) is None
 
