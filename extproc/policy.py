@@ -81,13 +81,7 @@ def eligible(cls: int, limit: int, inflight: Sequence[int], queued: Sequence[int
 # replaces what completes freely, but the jump from the steady level to the limit at a burst's
 # onset is spread out instead of dozens of prompts landing in the engines' FIFO queues at once,
 # ahead of the P0s that arrive with them (bench/p0_onset.py: the model that chose it).
-# A small limit still lets a few lower-class requests in at once ... (4, not 8: each prompt
-# let in at once sits in an engine's FIFO queue ahead of the next P0; a Vegas limit that rises
-# by 6 lg at once let a full bucket of waiters in together — in the overload bench 9 P1 prompts
-# in 0.1 s, and the P0s right after them waited 610-700 ms, the row's P0 TTFT p99. The model
-# (bench/p0_onset.py --vegas-steps, seeds 1-6): burst P0 TTFT p99 per-seed mean 725 ms with
-# a bucket of 8, 613 ms with 4, 626 ms with 2.)
-RAMP_MIN_BURST = 4.0
+RAMP_MIN_BURST = 8.0  # a small limit still lets a few lower-class requests in at once ...
 # ... and grows at least this many per second: while Vegas climbs out of a small initial limit,
 # a share of it would pace an ordinary step in load (the overload bench's unloaded -> steady
 # step timed out P2s at 0.7x capacity with 0.1 x L alone)
