@@ -17,11 +17,15 @@ network is left out): G gateways (synced, subscribed to their grant channels), a
 service: sync is where the script converts the pool's big ZSETs to skiplists); each `batch` call comes from one gateway picked at random and
 carries B `admit`s (each refused and queued behind the others, with its snapshot) and one
 `release` of B permits (each granting the queue's head: a SPUBLISH to its gateway, or in the
-reply). One decision = one admit + one release + the grant. With --batch 1 and --batch 6 the
-per-call and per-decision parts separate: instructions = a/B + b.
+reply). One decision = one admit + one release + the grant. `--settings shipped` runs the pool on the
+shipped defaults' classes and onset ramp (as `bench scale` does) instead of plain shares. With --batch 1 and --batch 6 the
+per-call and per-decision parts separate: instructions = a/B + b. `--order mixed` interleaves
+them instead (admit, release of one permit, admit, ...), as a processor's batch carries them in
+arrival order: each admit's snapshot then follows a grant (queue head, event rates changed).
 
   floodgate bench script-instr                          # this checkout vs HEAD~1, B = 1, 3, 6
   floodgate bench script-instr --base ef5dd4b --batch 3 # vs a given commit
+  floodgate bench script-instr --order mixed            # admits and releases interleaved
   floodgate bench script-instr --server-arg=--zset-max-listpack-entries --server-arg=16  # a server setting
 """
 
@@ -49,20 +53,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra server argument (repeat; e.g. --server-arg=--zset-max-listpack-entries --server-arg=16)")
     p.add_argument("--decisions", type=int, default=600, help="measured decisions per library and batch size (default 600)")
+    p.add_argument("--order", choices=("grouped", "mixed"), default="grouped",
+                   help="a call's ops: B admits then one release of B permits (grouped, default), or "
+                        "admit and release of one permit in turn (mixed)")
+    p.add_argument("--settings", choices=("plain", "shipped"), default="plain",
+                   help="the pool's settings: shares (0.5, 0.3, 0.1) and no onset ramp (plain, default), or the "
+                        "shipped defaults' classes and onset ramp (shipped: what `bench scale` runs)")
     p.add_argument("--keep", metavar="DIR", help="copy each measured callgrind dump here (cg.<base|here>.<B>: callgrind_annotate reads them)")
 
 
 class _Pool:
     """One pool driven through one library: setup unmeasured, then `go(n)` pipelined."""
 
-    def __init__(self, r: Any, function: str, gateways: int, batch: int) -> None:
+    def __init__(self, r: Any, function: str, gateways: int, batch: int, mixed: bool = False,
+                 shipped: bool = False) -> None:
+        import dataclasses
+
+        from floodgate.extproc.admission import pool_settings
+        from floodgate.extproc.config import PoolConfig
         from floodgate.extproc.schema import PoolSettings, script_keys
 
-        self.r, self.fn, self.batch = r, function, batch
+        self.r, self.fn, self.batch, self.mixed = r, function, batch, mixed
         self.pool = f"instr-{function}-{batch}"
         self.keys = script_keys(self.pool)
         big = (10**6,) * 3
-        settings = PoolSettings(8 * gateways, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields()
+        if shipped:  # the shipped classes and onset ramp, the limit and queue caps as below
+            settings = dataclasses.replace(pool_settings(PoolConfig()), initial_limit=8 * gateways, max_queue=big,
+                                           tenant_cap=big).fields()
+        else:
+            settings = PoolSettings(8 * gateways, (0.5, 0.3, 0.1), max_queue=big, tenant_cap=big).fields()
         self.call(r, "configure", self.pool, *[x for kv in settings.items() for x in kv])
         self.gws = [f"d{i % 2}g{i}" for i in range(gateways)]
         for g in self.gws:
@@ -98,9 +117,13 @@ class _Pool:
                 a = self.admit_args(g)
                 argv += ["admit", str(len(a)), *a]
                 self.waiting.append(a[0])
-            done = [self.held.popleft() for _ in range(self.batch)]
-            argv += ["release", str(len(done)), *done]
-            self.held.extend(self.waiting.popleft() for _ in range(self.batch))
+                if self.mixed:  # the release that grants the queue's head, in turn with the admits
+                    argv += ["release", "1", self.held.popleft()]
+                    self.held.append(self.waiting.popleft())
+            if not self.mixed:
+                done = [self.held.popleft() for _ in range(self.batch)]
+                argv += ["release", str(len(done)), *done]
+                self.held.extend(self.waiting.popleft() for _ in range(self.batch))
             self.call(p, "batch", *argv)
         for reply in p.execute():
             errors = [x for x in reply[0] if isinstance(x, list) and x and x[0] == b"err"]
@@ -168,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                             replace=True)
             libs[label] = name
         print(f"floodgate bench script-instr: leases.lua of {label_here} vs {base_rev}; {args.gateways} gateways, "
-              f"limit {8 * args.gateways}, {16 * args.gateways} waiters; {args.decisions} decisions per cell "
+              f"limit {8 * args.gateways}, {16 * args.gateways} waiters; ops {args.order}; {args.settings} settings; {args.decisions} decisions per cell "
               f"(valgrind callgrind: instructions of the shard, user space)\n", flush=True)
         head_line = f"{'admits per call':>15} {'base instr/dec':>15} {'here instr/dec':>15} {'here/base':>9}"
         print(head_line)
@@ -176,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         results: dict[tuple[str, int], float] = {}
         t0 = time.monotonic()
         for b in batches:
-            pools = {label: _Pool(r, fn, args.gateways, b) for label, fn in libs.items()}
+            pools = {label: _Pool(r, fn, args.gateways, b, args.order == "mixed", args.settings == "shipped") for label, fn in libs.items()}
             for pool in pools.values():
                 pool.go(60)  # warm: the library's caches, the hashes' encodings
             for label in ("base", "here", "base", "here"):  # alternate; keep the lower of two

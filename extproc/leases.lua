@@ -188,9 +188,14 @@ end
 -- A message to one gateway on its channel for this pool (schema.gateway_channel), which shares
 -- the pool's hash tag: SPUBLISH keeps it on this shard of a Cluster; a server without sharded
 -- pub/sub (Redis 6) gets PUBLISH, and the gateway's SUBSCRIBE fallback matches it.
+-- HAS_SPUBLISH: the server ran an SPUBLISH (kept for the library's life: no pcall per grant).
+-- A failure is not remembered: the fallback stays per message, as before.
+local HAS_SPUBLISH = false
 local function notify(gw, msg)
   local ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
-  if not pcall(redis.call, 'SPUBLISH', ch, msg) then redis.call('PUBLISH', ch, msg) end
+  if HAS_SPUBLISH then redis.call('SPUBLISH', ch, msg) return end
+  HAS_SPUBLISH = pcall(redis.call, 'SPUBLISH', ch, msg)
+  if not HAS_SPUBLISH then redis.call('PUBLISH', ch, msg) end
 end
 
 local function load_settings()
@@ -431,7 +436,7 @@ local function unqueue(ticket, meta, popped, c, tenant)
   end
   redis.call('ZREM', K.qdl, ticket)
   add_queued(c + 1, -1)
-  if EDGE then EDGE[c + 1] = nil end
+  if not popped and EDGE then EDGE[c + 1] = nil end  -- popped: the grant loop updates EDGE
   if tenant ~= '' then  -- no cap applies to a request without a tenant: nothing to count
     local field = 't' .. CLS[c + 1] .. ':' .. tenant
     if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
@@ -529,9 +534,14 @@ local function grant_loop()
           CNT_DIRTY = true
         else
           local meta = hgetdel(K.qmeta, head)
+          if not meta and EDGE then EDGE[c] = nil end
           if meta then
             local qc, deadline, gw, seq, tenant = parse_qmeta(meta)
             unqueue(head, meta, true, qc, tenant)
+            -- The head of class c left: the memo's tail stays (the newest waiter), the head is
+            -- read again when a snapshot needs it (edges_left).
+            local e = EDGE and EDGE[c]
+            if e and qc + 1 == c then e[1] = nil elseif EDGE then EDGE[c] = nil EDGE[qc + 1] = nil end
             if deadline >= now and gateway_alive(gw) then
               -- No longer than the gateway's liveness: one that crashed with waiters queued is
               -- known dead only one TTL after its last sync, and a grant to it must not hold
@@ -615,7 +625,8 @@ end
 
 -- Milliseconds until the deadline of class c's oldest and newest waiter (0 when none).
 -- Kept in EDGE for the rest of the call: a waiter queued later is the new tail (queue order
--- within a class is arrival order), a waiter leaving forgets the class's edges.
+-- within a class is arrival order), a granted head leaves the tail as it is (grant_loop), any
+-- other waiter leaving forgets the class's edges.
 local function edges_left(c)
   local e = EDGE[c]
   if e == nil then
@@ -633,6 +644,17 @@ local function edges_left(c)
       end
     end
     EDGE[c] = e
+  elseif e and e[1] == nil then  -- the head was granted in this call (grant_loop): read the new one
+    local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', '0', '1')[1]
+    if head then
+      local meta = redis.call('HGET', K.qmeta, head)
+      local _, deadline = 0, 0
+      if meta then _, deadline = parse_qmeta(meta) end
+      e[1] = deadline or 0
+    else
+      e = false
+      EDGE[c] = e
+    end
   end
   if not e then return 0, 0 end
   return math.max(0, e[1] - now), math.max(0, e[2] - now)
