@@ -2,7 +2,8 @@
 
 Instruction counts are the benchmark's point: the same leases.lua loaded twice (base = this
 checkout's HEAD) must count the same to within a few percent, and a decision must
-cost something.
+cost something: with a batch's ops grouped (admits, then the release) and in turn on the shipped
+settings (the onset ramp on).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ ROOT = Path(script_instr.__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(300)
-def test_script_instr_counts_the_same_library_the_same(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("workload", [[], ["--order", "mixed", "--settings", "shipped"]], ids=["grouped", "mixed-shipped"])
+def test_script_instr_counts_the_same_library_the_same(workload: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "extproc/leases.lua"]).returncode:
         pytest.skip("leases.lua differs from HEAD in this checkout")
     parser = argparse.ArgumentParser()
     script_instr.add_arguments(parser)
-    args = parser.parse_args(["--base", "HEAD", "--gateways", "2", "--batch", "1,2", "--decisions", "240"])
+    args = parser.parse_args(["--base", "HEAD", "--gateways", "2", "--batch", "1,2", "--decisions", "240", *workload])
     assert script_instr.run(args) == 0
     text = capsys.readouterr().out
     rows = re.findall(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$", text, re.M)
