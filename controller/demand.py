@@ -61,7 +61,7 @@ class DemandConfig(BaseModel):
     use_envoy: bool = Field(default=True, description="Reconcile with Envoy's gateway listener counters "
                             "(only correct when the listener serves this pool alone).")
     max_service_s: float = Field(default=600.0, gt=0, description="Upper bound on the measured seconds a request holds a slot.")
-    burst: bool = Field(default=True, description="Also size scale-up from the offered rate of the last tick "
+    burst: bool = Field(default=True, description="Also size scale-up from the offered rate since a step "
                         "(the burst estimate; `burst_concurrency`). Never used for scale-down.")
     burst_ticks: int = Field(default=2, ge=1, description="The burst estimate needs a step that has lasted "
                              "this many ticks, each bringing more arrivals than the rate before it (a step that "
@@ -71,8 +71,8 @@ class DemandConfig(BaseModel):
                                "deviations; the policy acts on the burst estimate only when the rate's lower "
                                "confidence bound at this many deviations is beyond the current size.")
     burst_size_sigma: float = Field(default=1.0, ge=0, description="The burst estimate sizes the pool on the "
-                                    "rate's lower confidence bound at this many standard deviations (at most "
-                                    "`burst_sigma`).")
+                                    "rate's lower confidence bound at this many standard deviations (never below "
+                                    "the `burst_sigma` bound).")
     slot_smoothing_s: float = Field(default=10.0, gt=0, description="Time constant over which running and "
                                     "the admitted rate are averaged before their ratio (Little's law) gives "
                                     "the slot time the burst estimate sizes with.")
