@@ -114,6 +114,9 @@ class PoolRuntime:
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
     reserve_seq: int = 0  # degraded: the ticket number of this outage's reserve leases (`_sync`)
+    budget: int = 0  # degraded: this process's local budget (its share of L, `_local_limit`)
+    budget_open: bool = False  # degraded: the local table may use the whole budget (`_open_budget`)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts the sync loop's sleep short
     reserved: set[str] = field(default_factory=set)  # reserve leases the last successful reconcile asserted
     back_ms: float = 0.0  # degraded, back_since set: Redis's time of that first clean reconcile
     live_before: int = 0  # degraded: live gateways in the last sync before the outage
@@ -129,7 +132,7 @@ class PoolRuntime:
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
-    held_seen: int = 0  # permits + credits this process held when last_status was read
+    held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
     arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
@@ -294,9 +297,11 @@ class Admitter:
         """This process's budget while Redis is unreachable (the permits it still holds count
         against it). A process that never reached Redis: `limit.initial / expected_gateways`.
         Otherwise its share of the last seen limit, split over the live gateways by rank (the
-        shares add up to L), but no more than what it holds plus its share of what was free:
-        processors hold unequal numbers of permits when Redis goes, and one holding fewer than
-        its share cannot know another holds more. Summed over processors this stays <= L."""
+        shares add up to L), but no more than what it held at the last status read and still
+        holds (`_held_fell`) plus its share of what was free: processors hold unequal numbers of
+        permits when Redis goes, and one holding fewer than its share cannot know another holds
+        more. Summed over processors this stays <= L when nothing was free (under load); free
+        permits another took since the read can be counted twice (docs/admission.md)."""
         st, sync = rt.last_status, rt.last_sync
         if st is None or sync is None:
             return rt.cfg.limit.initial // self.cfg.redis.expected_gateways
@@ -336,6 +341,8 @@ class Admitter:
             rt.back_since = None
             rt.reserve_seq = self.new_ticket()[0]
             rt.reserved = set()
+            rt.budget, rt.budget_open = self._local_limit(rt), False
+            rt.wake.set()  # the sync loop reconciles at once
             # The freshest count of live gateways: a sync runs every TTL/3, a status every second
             # (a processor that started since the last sync is in the status, not the sync).
             rt.live_before = max((s.live_gateways for s in (rt.last_sync, rt.last_status) if s is not None), default=0)
@@ -345,7 +352,10 @@ class Admitter:
             # permits live requests still hold count against the local share.
             rt.credits.clear()
             rt.queue_clear = False
-            rt.local = self.local.table(rt, self._local_limit(rt))
+            # Until the first reconcile is over, no more than Redis counts of this process: a
+            # call can time out with Redis well (a stalled process), and a peer then admits
+            # from it meanwhile (`_open_budget`).
+            rt.local = self.local.table(rt, min(rt.budget, len(rt.held)))
             for p in rt.held.values():
                 rt.local.adopt(p.ticket, p.priority, p.endpoint)
             self.metrics.limit.labels(rt.cfg.name).set(rt.local.limit)
@@ -356,7 +366,19 @@ class Admitter:
                     w.future.exception()  # retrieved: the waiter may have gone already
         self.metrics.degraded.set(1)
         log.warning("redis unreachable (%s): degraded to local limits %s", why,
-                    {rt.cfg.name: (rt.local.limit, len(rt.held)) for rt in pools})
+                    {rt.cfg.name: (rt.budget, len(rt.held)) for rt in pools})
+
+    def _open_budget(self, rt: PoolRuntime) -> None:
+        """The first reconcile since the pool degraded is over. It failed: Redis is unreachable
+        from here, and peers cannot admit from it either (unless this process alone is cut off:
+        the partition bound). Or it succeeded: Redis now counts this process at its whole
+        budget (the reserve, `_sync`). Either way the local table may use the budget now."""
+        if rt.budget_open or not rt.degraded:
+            return
+        rt.budget_open = True
+        rt.local.limit = rt.budget  # (set_limit would make a budget of 0 one)
+        self.local.wake(rt, rt.local.grant(self.clock()))
+        self.metrics.limit.labels(rt.cfg.name).set(rt.local.limit)
 
     async def _reconcile(self, rt: PoolRuntime, switch: bool) -> bool:
         """Re-assert every permit this process holds for the pool (shared and local) in Redis
@@ -367,7 +389,9 @@ class Admitter:
                 await self._configure(rt)
             await self._sync(rt, reconcile=True, reserve=not switch)
         except RedisDown:
+            self._open_budget(rt)
             return False
+        self._open_budget(rt)
         if not switch:
             return True
         rt.degraded = False
@@ -398,7 +422,7 @@ class Admitter:
         held = {t: (p.priority, p.seq, p.endpoint) for t, p in rt.held.items()}
         for t in rt.credits:
             held[t] = (1, _seq_of(t), "")
-        spare = max(0, rt.local.limit - len(held)) if reserve else 0
+        spare = max(0, rt.budget - len(held)) if reserve else 0
         reserves = {f"{self.gateway_id}/{rt.reserve_seq}:r{i}": (1, rt.reserve_seq, "") for i in range(spare)}
         # A waiter whose grant arrived but whose request has not taken the permit yet still
         # asserts its ticket (Redis keeps the lease); one switched to the local queue does not.
@@ -416,6 +440,13 @@ class Admitter:
         reasserted = max(0, res.reasserted - len(reserves.keys() - rt.reserved))
         dropped = max(0, res.dropped - len(rt.reserved - reserves.keys()))
         rt.reserved = set(reserves)
+        if reserve and not res.status.partial:
+            # The budget counts only permits Redis had room for: a peer still on shared state
+            # (this process stalled; Redis was fine) may have taken some since it was set.
+            others = res.status.inflight_total - len(held) - len(reserves)
+            rt.budget = min(rt.budget, max(0, int(res.status.limit) - others))
+            if rt.budget_open:
+                rt.local.limit = rt.budget
         m = self.metrics.reconciled
         for kind, n in (("reasserted", reasserted), ("requeued", res.requeued), ("dropped", dropped)):
             if n:
@@ -464,6 +495,7 @@ class Admitter:
         if not rt.credits or rt.degraded:
             return
         tickets, rt.credits = rt.credits, []
+        self._held_fell(rt)
         self.spawn(self._quietly(rt, "return_credits", lambda: rt.state.return_credits(*tickets)))
 
     async def _quietly(self, rt: PoolRuntime, op: str, fn: Callable[[], Awaitable[object]]) -> None:
@@ -554,7 +586,15 @@ class Admitter:
         rt = self.pools[permit.pool]
         self.child(self.metrics.releases, (permit.pool, reason)).inc()
         rt.held.pop(permit.ticket, None)  # stop asserting it first: if Redis is down now, it expires
-        return self.backend(rt).release(rt, permit)
+        pending = self.backend(rt).release(rt, permit)
+        self._held_fell(rt)
+        return pending
+
+    @staticmethod
+    def _held_fell(rt: PoolRuntime) -> None:
+        """A permit or credit went back to Redis, which may grant it to another processor at
+        once: the local budget (`_local_limit`) must not count it as this process's any more."""
+        rt.held_seen = min(rt.held_seen, len(rt.held) + len(rt.credits))
 
     # ---------------------------------------------------------------- latency feedback
 
@@ -697,7 +737,9 @@ class Admitter:
         last_tick = 0.0
         while not self._closing:
             if rt.degraded:
-                await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
+                if rt.budget_open:  # the first reconcile runs at once
+                    await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
+                rt.wake.clear()
                 now = self.clock()
                 if not await self._reconcile(rt, switch=False):
                     rt.back_since = None
@@ -714,7 +756,9 @@ class Admitter:
                 last_tick = now
                 with contextlib.suppress(RedisDown):
                     await self._tick(rt)
-            await asyncio.sleep(min(1.0, interval))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rt.wake.wait(), min(1.0, interval))
+            rt.wake.clear()
 
     async def _await_peers(self, rt: PoolRuntime, now: float) -> None:
         """A clean reconcile while degraded (Redis is reachable). Every reconcile while degraded

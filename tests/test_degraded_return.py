@@ -89,6 +89,8 @@ async def test_a_processor_not_yet_back_admits_no_more_than_redis_counts_of_it(s
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            # Once the reconcile each tried at once has failed, the slow one waits 2 s.
+            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
             stack.redis_child.kill(signal.SIGCONT)
             frozen = False
 
@@ -209,6 +211,9 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            # Each tried a reconcile at once when it degraded; once those failed, the slow one
+            # waits 2 s before the next, which runs after Redis is back (and replies late).
+            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
             rs.state.sync = reply_late  # type: ignore[method-assign]
             stack.redis_child.kill(signal.SIGCONT)
             frozen = False
@@ -229,3 +234,81 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
                 t.cancel()
             if frozen:
                 stack.redis_child.kill(signal.SIGCONT)
+
+
+async def test_a_stalled_processor_admits_no_more_than_redis_counts_of_it(stack: LocalStack) -> None:
+    """Redis is fine, but one processor's call times out (it stalled, or its network did) and
+    it degrades, while the other stays on shared state and admits from Redis. Until its first
+    reconcile is over, the degraded one admits no more than the permits Redis counts of it;
+    after it, no more than Redis had room for. (A loaded CI box read 9 of L 8 this way.)"""
+    async with _fast_and_slow(stack) as (fast, slow):
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+        go_on = asyncio.Event()
+        sync, status = rs.state.sync, rs.state.status
+
+        async def held_back(*args: Any, **kwargs: Any) -> Any:
+            if rs.degraded:
+                await go_on.wait()  # the first reconcile waits until the test says so
+            return await sync(*args, **kwargs)
+
+        async def stall(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(5)  # past the call's deadline: the slow one degrades
+            return await status(*args, **kwargs)
+
+        try:
+            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
+                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
+            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            rs.state.sync = held_back  # type: ignore[method-assign]
+            rs.state.status = stall  # type: ignore[method-assign]
+            assert await wait_until(lambda: rs.degraded, 10), "the stalled call never timed out"
+            assert not rf.degraded and not rs.budget_open
+
+            tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
+            tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
+            assert await wait_until(lambda: len(rf.held) == 6, 5), len(rf.held)  # Redis had 4 free
+            await asyncio.sleep(0.2)
+            assert len(rs.held) == 2, "admitted locally beyond what Redis counts of it"
+            go_on.set()  # the reconcile lands: Redis has no room left for the slow one's budget
+            assert await wait_until(lambda: rs.budget_open, 5)
+            await asyncio.sleep(0.2)
+            assert len(rf.held) + len(rs.held) <= LIMIT, (len(rf.held), len(rs.held), rs.budget)
+        finally:
+            go_on.set()
+            for t in tasks:
+                t.cancel()
+
+
+async def test_a_permit_released_just_before_redis_dies_is_not_admitted_again_locally(stack: LocalStack) -> None:
+    """The pool is full (4 + 4 of L 8) and the fast processor has a waiter queued. The slow one
+    releases a permit; Redis grants it to that waiter at once. Redis dies before the slow one's
+    next status read: its local budget must not count the permit it gave back (it did: 9 of L 8
+    at the upstream in `redis-restart` under load)."""
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+        try:
+            mine = {"fast": [await fast.admit("a", 0, "") for _ in range(4)],
+                    "slow": [await slow.admit("a", 0, "") for _ in range(4)]}
+            assert all(isinstance(p, Permit) for ps in mine.values() for p in ps)
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            assert await wait_until(lambda: rs.last_status is not None and rs.last_status.inflight_total == LIMIT, 5)
+            tasks.append(asyncio.create_task(fast.admit("a", 0, "")))
+            assert await wait_until(lambda: bool(rf.waiting), 5)
+            p = mine["slow"].pop()
+            assert isinstance(p, Permit)
+            await slow.release(p)
+            assert await wait_until(lambda: len(rf.held) == 5, 5)  # granted to the fast one's waiter
+            stack.redis_child.kill(signal.SIGKILL)
+            tasks.append(asyncio.create_task(slow.admit("a", 0, "")))
+            assert await wait_until(lambda: rs.degraded and rs.budget_open, 10)
+            await asyncio.sleep(0.3)
+            assert len(rf.held) + len(rs.held) <= LIMIT, (len(rf.held), len(rs.held), rs.budget)
+        finally:
+            for t in tasks:
+                t.cancel()
