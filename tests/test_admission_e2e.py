@@ -384,12 +384,16 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
 
         # Half of the 48 requests is plenty to learn from; on a loaded box a few may queue out.
         assert await wait_until(measured, 15)
+
+        async def learned() -> bool:  # the limit is written to Redis by a task of its own
+            m = await metrics(s, p.metrics_url)
+            return m.get('floodgate_limit_updates_total{pool="default"}', 0) >= 1 \
+                and (await pool_status(stack.redis_url)).limit > 4
+
+        assert await wait_until(learned, 15), (await pool_status(stack.redis_url)).limit
         m = await metrics(s, p.metrics_url)
     assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 24
     assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 24
-    assert m['floodgate_limit_updates_total{pool="default"}'] >= 1
-    st = await pool_status(stack.redis_url)
-    assert st.limit > 4
 
 
 def _json(b: bytes) -> Any:

@@ -303,14 +303,16 @@ async def test_sleep_wake_cycle(server: Server) -> None:
 
 async def test_cold_start_and_sleep_mode_disabled() -> None:
     with Supervisor() as sup:
-        srv = start(sup, "sim-cold", ["--cold-start", "1.0"])
+        # Counted from spawn: long enough that a loaded box has started it (and is listening)
+        # well before it ends (1.0 s was not always: /health already answered 200).
+        srv = start(sup, "sim-cold", ["--cold-start", "4.0"])
         async with aiohttp.ClientSession() as s:
             async with s.get(srv.base + "/health") as r:
                 assert r.status == 503
             async with s.post(srv.base + "/v1/completions",
                               json={"model": MODEL, "prompt": "x"}) as r:
                 assert r.status == 503
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 15
             while True:
                 async with s.get(srv.base + "/health") as r:
                     if r.status == 200:
