@@ -50,9 +50,10 @@ async def test_cold_start_passes_warmup_before_active(stack: LocalStack) -> None
         assert served >= 1
         pc = ctl.pools["default"]
         kinds = [(e["event"], e.get("to")) for e in pc.events]
-    assert seen[0] == "loading" and seen[-1] == "active" and "warm" in seen
-    assert seen.index("warm") < seen.index("active")
-    # loading -> warming (health) -> warm (warm-up ok) -> waking -> active, in this order
+    # The registry as polled (every 20 ms: a loaded box can miss the brief warm state there)...
+    assert seen[0] == "loading" and seen[-1] == "active"
+    # ...and every transition the controller made: loading -> warming (health) -> warm (warm-up
+    # ok) -> waking -> active, in this order
     tos = [to for ev, to in kinds if ev == "transition"]
     assert tos[:4] == ["warming", "warm", "waking", "active"]
 
