@@ -457,8 +457,12 @@ class Admitter:
             log.warning("pool %s: Redis had lost %d permits live requests hold (restart, or this "
                         "process stalled past the lease TTL): leased again", rt.cfg.name, reasserted)
         # Released or cancelled while the sync was in flight: the sync may have put them back.
+        # Not after a reconcile: a degraded process releases locally, and the permit it freed
+        # may already be held again by a request Redis does not count yet; the next sync
+        # (right after a switch, `_reconcile`) drops the old ticket and asserts the new one
+        # in one call. Releasing it here let a peer take it meanwhile (9 of L 8).
         gone = [t for t in held if t not in rt.held and t not in rt.credits]
-        if gone:
+        if gone and not reconcile:
             await self.call(rt, "release", lambda: rt.state.release(*gone))
         for t in waiting:
             if t not in rt.waiting and t not in rt.held and \

@@ -312,3 +312,61 @@ async def test_a_permit_released_just_before_redis_dies_is_not_admitted_again_lo
         finally:
             for t in tasks:
                 t.cancel()
+
+
+async def test_a_permit_freed_while_a_reconcile_is_in_the_air_stays_counted(stack: LocalStack) -> None:
+    """On the way back, while the slow processor's reconcile is in the air, one of its requests
+    ends and its local waiter takes the permit. Redis counts the old ticket, not the new one,
+    until the next sync swaps them in one call; releasing the old ticket in Redis as soon as the
+    reply came (as a sync in shared mode does) let the fast processor take the permit too."""
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        frozen = False
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+        sync, release = rs.state.sync, rs.state.release
+        done = asyncio.Event()
+        try:
+            mine = {"fast": [await fast.admit("a", 0, "") for _ in range(4)],
+                    "slow": [await slow.admit("a", 0, "") for _ in range(4)]}
+            assert all(isinstance(p, Permit) for ps in mine.values() for p in ps)
+            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
+                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            assert await wait_until(lambda: rs.last_status is not None and rs.last_status.inflight_total == LIMIT, 5)
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            assert await wait_until(lambda: rf.degraded and rs.degraded and rf.budget_open and rs.budget_open, 10)
+            tasks.append(asyncio.create_task(slow.admit("a", 0, "")))  # its table is full: waits locally
+            assert await wait_until(lambda: bool(rs.local_waiting), 5)
+            freed = mine["slow"][0]
+            assert isinstance(freed, Permit)
+
+            async def free_one_in_the_air(*args: Any, **kwargs: Any) -> Any:
+                res = await sync(*args, **kwargs)  # ran in Redis
+                if rs.degraded and rs.back_since is not None and not done.is_set():
+                    done.set()
+                    await slow.release(freed)  # local: the waiter takes the permit
+                    assert await wait_until(lambda: tasks[0].done(), 2)
+                return res
+
+            async def release_and_look(*tickets: str) -> Any:
+                n = await release(*tickets)
+                if freed.ticket in tickets:  # the old ticket went back to Redis: can it be taken?
+                    tasks.append(asyncio.create_task(fast.admit("a", 0, "")))
+                    await asyncio.sleep(0.2)
+                return n
+
+            rs.state.sync = free_one_in_the_air  # type: ignore[method-assign]
+            rs.state.release = release_and_look  # type: ignore[method-assign]
+            stack.redis_child.kill(signal.SIGCONT)
+            frozen = False
+            assert await wait_until(lambda: done.is_set() and not rs.degraded and not rf.degraded, 15)
+            tasks.append(asyncio.create_task(fast.admit("a", 0, "")))
+            await asyncio.sleep(0.5)
+            assert isinstance(tasks[0].result(), Permit)
+            assert len(rf.held) + len(rs.held) <= LIMIT, (len(rf.held), len(rs.held))
+        finally:
+            for t in tasks:
+                t.cancel()
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)
