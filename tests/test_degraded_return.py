@@ -58,6 +58,22 @@ async def _fast_and_slow(stack: LocalStack, slow_op_timeout_s: float = 0.25) -> 
             await c.aclose()
 
 
+def _both_live(rf: PoolRuntime, rs: PoolRuntime) -> bool:
+    """Each has synced since the other started: their local shares split L."""
+    return all(r.last_sync is not None and r.last_sync.live_gateways == 2 for r in (rf, rs))
+
+
+async def _hold_on_both(fast: Admitter, slow: Admitter, n: int) -> dict[str, list[Permit]]:
+    """`n` permits admitted on each processor, and both seen live by the other."""
+    held: dict[str, list[Permit]] = {}
+    for name, a in (("fast", fast), ("slow", slow)):
+        ps = [await a.admit("a", 0, "") for _ in range(n)]
+        assert all(isinstance(p, Permit) for p in ps), ps
+        held[name] = [p for p in ps if isinstance(p, Permit)]
+    assert await wait_until(lambda: _both_live(fast.pools["a"], slow.pools["a"]), 10)
+    return held
+
+
 async def test_a_processor_not_yet_back_admits_no_more_than_redis_counts_of_it(stack: LocalStack) -> None:
     async with _fast_and_slow(stack) as (fast, slow):
         assert stack.redis_child is not None
@@ -80,11 +96,7 @@ async def test_a_processor_not_yet_back_admits_no_more_than_redis_counts_of_it(s
         watcher = asyncio.create_task(watch())
         try:
             # Both sync once, so each knows the other is live (their local shares split L).
-            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
-                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
-            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            held = await _hold_on_both(fast, slow, 2)
 
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
@@ -161,8 +173,7 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
 
         loader = asyncio.create_task(load())
         try:
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            assert await wait_until(lambda: _both_live(rf, rs), 10)
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
@@ -203,11 +214,7 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
             return res
 
         try:
-            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
-                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
-            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            await _hold_on_both(fast, slow, 2)
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
@@ -257,11 +264,7 @@ async def test_a_stalled_processor_admits_no_more_than_redis_counts_of_it(stack:
             return await status(*args, **kwargs)
 
         try:
-            held = {"fast": [await fast.admit("a", 0, "") for _ in range(2)],
-                    "slow": [await slow.admit("a", 0, "") for _ in range(2)]}
-            assert all(isinstance(p, Permit) for ps in held.values() for p in ps)
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            await _hold_on_both(fast, slow, 2)
             rs.state.sync = held_back  # type: ignore[method-assign]
             rs.state.status = stall  # type: ignore[method-assign]
             assert await wait_until(lambda: rs.degraded, 10), "the stalled call never timed out"
@@ -292,11 +295,7 @@ async def test_a_permit_released_just_before_redis_dies_is_not_admitted_again_lo
         rf, rs = fast.pools["a"], slow.pools["a"]
         tasks: list[asyncio.Task[Permit | Reject]] = []
         try:
-            mine = {"fast": [await fast.admit("a", 0, "") for _ in range(4)],
-                    "slow": [await slow.admit("a", 0, "") for _ in range(4)]}
-            assert all(isinstance(p, Permit) for ps in mine.values() for p in ps)
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            mine = await _hold_on_both(fast, slow, 4)
             assert await wait_until(lambda: rs.last_status is not None and rs.last_status.inflight_total == LIMIT, 5)
             tasks.append(asyncio.create_task(fast.admit("a", 0, "")))
             assert await wait_until(lambda: bool(rf.waiting), 5)
@@ -327,11 +326,7 @@ async def test_a_permit_freed_while_a_reconcile_is_in_the_air_stays_counted(stac
         sync, release = rs.state.sync, rs.state.release
         done = asyncio.Event()
         try:
-            mine = {"fast": [await fast.admit("a", 0, "") for _ in range(4)],
-                    "slow": [await slow.admit("a", 0, "") for _ in range(4)]}
-            assert all(isinstance(p, Permit) for ps in mine.values() for p in ps)
-            assert await wait_until(lambda: rf.last_sync is not None and rs.last_sync is not None
-                                    and rf.last_sync.live_gateways == 2 and rs.last_sync.live_gateways == 2, 10)
+            mine = await _hold_on_both(fast, slow, 4)
             assert await wait_until(lambda: rs.last_status is not None and rs.last_status.inflight_total == LIMIT, 5)
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
