@@ -237,11 +237,12 @@ def controller_config(name: str, w: Workload, redis_url: str, envoy_admin: str, 
 
 
 def _optional_off() -> dict[str, Any]:
-    """Offered demand and learned capacity off, where this controller has them."""
+    """Offered demand, learned capacity and the admission ceiling off, where this controller
+    has them."""
     from floodgate.controller.config import PoolConfig
 
     fields = PoolConfig.model_fields
-    return {k: {"enabled": False} for k in ("demand", "capacity") if k in fields}
+    return {k: {"enabled": False} for k in ("demand", "capacity", "admission_ceiling") if k in fields}
 
 
 # --------------------------------------------------------------------------- running

@@ -148,6 +148,7 @@ class PoolController:
         self.envoy: EnvoySample | None = None
         self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
+        self._ceiling_set = True  # a previous leader's ceiling may be in Redis: the first tick clears it
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -284,6 +285,7 @@ class PoolController:
         todo = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
         for a in todo:
             await self._execute(a.kind, a.replica_id, a.reason, now)
+        await self._publish_ceiling(d)  # after the promotions: they count as coming within a wake
         await self._sync_registry(eps, {a.replica_id for a in todo})
         self.metrics.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
         return d.plan
@@ -328,6 +330,29 @@ class PoolController:
                       actions=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in actions])
         self.last_reason = plan.reason
         return d
+
+    async def _publish_ceiling(self, d: Decision) -> None:
+        """The admission ceiling per active endpoint (config.AdmissionCeilingConfig), published
+        while the pool waits for cold starts: more replicas are decided than are active or
+        waking (a promotion serves within a wake, a cold start only after its model load) and
+        the active ones cannot carry the offered demand. Taken back once that is over (the
+        processors then give the limit back its level from before the cap and Vegas moves it
+        alone again); it also expires with this controller. The processors read it with the
+        registry."""
+        c = self.cfg.admission_ceiling
+        p = d.plan
+        soon = sum(1 for r in self.replicas.values() if r.view.state in (S.ACTIVE, S.WAKING))
+        short = c.enabled and d.per_replica > 0 and p.desired > soon and p.demand > p.active * d.per_replica
+        if not short and not self._ceiling_set:
+            return
+        try:
+            if short:
+                await self.registry.set_ceiling(d.per_replica * c.headroom, c.ttl_s)
+            else:
+                await self.registry.clear_ceiling()
+            self._ceiling_set = short
+        except (RedisError, OSError, TimeoutError):
+            self.metrics.scrape_failures.labels(source="redis").inc()
 
     async def _persist(self, d: Decision, seq_before: int) -> None:
         """Write what must survive a restart: the replica id counter and the demand history."""

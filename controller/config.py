@@ -117,6 +117,12 @@ class TimeoutsConfig(_Strict):
     adopt_grace_s: float = Field(default=30.0, ge=0, description="A started replica may be missing from the actuator's list this long.")
 
 
+class AdmissionCeilingConfig(_Strict):
+    enabled: bool = Field(default=True, description="While the pool waits for cold starts (more replicas decided than are active or waking, and offered demand above what the active ones carry), publish an admission ceiling for its processors: the per-replica capacity the pool is sized with (learned, else `policy.target_concurrency`) x `headroom`, per active endpoint. Processors with `limit.controller_ceiling` (on by default) hold their Vegas limit at or below it x the active endpoints, so the part of a burst the active replicas cannot start waits in Floodgate's priority queue (or is turned away, which counts as demand), not in the engines' FIFO queues, until the cold-started replicas serve; a promotion from the warm pool (serving within a wake) does not publish it (docs/controller.md, \"Admission ceiling\").")
+    headroom: float = Field(default=1.5, ge=1.0, le=10.0, description="Ceiling per active endpoint as a multiple of the per-replica capacity: room above the sizing target for uneven picking and requests between slots.")
+    ttl_s: float = Field(default=10.0, gt=0, le=600, description="Lifetime of the published ceiling: a controller that stops (or loses leadership) stops capping this long after its last tick.")
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1, description="Pool name (as in the processor config).")
     model: str | None = Field(default=None, description="Model name for warm-up requests; unset: the replica's first /v1/models entry.")
@@ -125,6 +131,7 @@ class PoolConfig(_Strict):
     warm_pool: WarmPoolConfig = Field(default_factory=WarmPoolConfig)
     demand: DemandConfig = Field(default_factory=DemandConfig)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    admission_ceiling: AdmissionCeilingConfig = Field(default_factory=AdmissionCeilingConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     actuator: ActuatorConfig = Field(default_factory=lambda: ActuatorConfig(kind="process"))
     id_prefix: str | None = Field(default=None, description="Prefix of new replica ids (default: `<pool>-r`).")

@@ -46,10 +46,13 @@ from floodgate.extproc.config import ClassConfig, Config, PoolConfig
 from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.limit import (
     Latency,
+    LimitState,
     Outcome,
     Sample,
     WindowedLimit,
+    cap_to_ceiling,
     follow_endpoints,
+    lift_ceiling,
     limit_for,
     sample_request,
 )
@@ -66,7 +69,15 @@ from floodgate.extproc.policy import (
     retry_after,
 )
 from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
-from floodgate.extproc.schema import ACTIVE, PoolSettings, PoolStatus, gateway_channel, key
+from floodgate.extproc.registry import parse_ceiling
+from floodgate.extproc.schema import (
+    ACTIVE,
+    CTL_CEILING,
+    PoolSettings,
+    PoolStatus,
+    gateway_channel,
+    key,
+)
 from floodgate.extproc.state import PoolState
 from redis.exceptions import RedisError
 
@@ -146,6 +157,8 @@ class PoolRuntime:
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
+    ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
+    uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
 
     def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
@@ -154,6 +167,9 @@ class PoolRuntime:
 
     def follows_endpoints(self) -> bool:
         return self.cfg.endpoint_picking and self.cfg.limit.follow_endpoints and self.limit.adaptive
+
+    def follows_ceiling(self) -> bool:
+        return self.cfg.endpoint_picking and self.cfg.limit.controller_ceiling and self.limit.adaptive
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -640,7 +656,7 @@ class Admitter:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
                 rec = await self.call(rt, "get_limit", rt.state.get_limit)
-                new = rt.limit.update(rec.state, sample, self.rng())
+                new = self._capped(rt, rt.limit.update(rec.state, sample, self.rng()), len(rt.picker.active))
                 if new == rec.state:
                     return
                 if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
@@ -650,21 +666,35 @@ class Admitter:
                     return
 
     async def _follow_endpoints(self, rt: PoolRuntime, endpoints: int) -> None:
-        """Scale the shared limit to the active endpoint count (limit.follow_endpoints); every
-        processor sees the same count, the first compare-and-set wins, the rest find it done."""
+        """Scale the shared limit to the active endpoint count (limit.follow_endpoints) and hold
+        it under the controller's ceiling (limit.cap_to_ceiling); every processor sees the same
+        count, the first compare-and-set wins, the rest find it done."""
         c = rt.cfg.limit
         for _ in range(5):
             rec = await self.call(rt, "get_limit", rt.state.get_limit)
-            new = follow_endpoints(rec.state, endpoints, c.min, c.max)
+            new = follow_endpoints(rec.state, endpoints, c.min, c.max) if rt.follows_endpoints() else rec.state
+            lift = rt.ceiling is None and rt.uncapped is not None
+            new = lift_ceiling(new, rt.uncapped, endpoints, c.min, c.max) if lift else self._capped(rt, new, endpoints)
             if new == rec.state or await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
                 rt.endpoints_applied = endpoints
+                if lift:
+                    rt.uncapped = None
+                self._limit_seen(rt, new.limit)
                 if new.limit != rec.state.limit:
                     self.metrics.limit_updates.labels(rt.cfg.name).inc()
                     self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
-                    self._limit_seen(rt, new.limit)
-                    log.info("pool %s: %d active endpoints (was %d): limit %.1f -> %.1f", rt.cfg.name,
-                             endpoints, rec.state.endpoints, rec.state.limit, new.limit)
+                    log.info("pool %s: %d active endpoints (was %d), ceiling %s: limit %.1f -> %.1f", rt.cfg.name,
+                             endpoints, rec.state.endpoints, rt.ceiling, rec.state.limit, new.limit)
                 return
+
+    @staticmethod
+    def _capped(rt: PoolRuntime, st: LimitState, endpoints: int) -> LimitState:
+        """`st` under the controller's ceiling; the first cap of an episode remembers the level
+        per endpoint it lowered (given back by limit.lift_ceiling when the ceiling goes)."""
+        new = cap_to_ceiling(st, rt.ceiling, rt.cfg.limit.min)
+        if new.limit < st.limit and rt.uncapped is None and endpoints > 0:
+            rt.uncapped = st.limit / endpoints
+        return new
 
     async def _force_static_limit(self, rt: PoolRuntime) -> None:
         for _ in range(5):
@@ -804,7 +834,12 @@ class Admitter:
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
             n = len(rt.picker.active)
-            if rt.follows_endpoints() and n and n != rt.endpoints_applied:
+            if rt.follows_ceiling():
+                per = parse_ceiling(await self.call(rt, "ceiling", lambda: rt.client.get(key(rt.cfg.name, CTL_CEILING))))
+                rt.ceiling = per * n if per is not None and n else None
+            over = rt.ceiling is not None and rt.limit_seen is not None and rt.limit_seen > rt.ceiling
+            lifted = rt.ceiling is None and rt.uncapped is not None and n > 0
+            if (rt.follows_endpoints() and n and n != rt.endpoints_applied) or over or lifted:
                 await self._follow_endpoints(rt, n)
         if rt.demand:
             counts, rt.demand = dict(rt.demand), Counter()

@@ -240,6 +240,35 @@ def follow_endpoints(state: LimitState, endpoints: int, lo: int, hi: int) -> Lim
     return replace(state, limit=limit, endpoints=endpoints)
 
 
+def cap_to_ceiling(state: LimitState, ceiling: float | None, lo: int) -> LimitState:
+    """The limit held at or below `ceiling` (the controller's admission ceiling for the pool:
+    per-endpoint ceiling x active endpoints; None = no cap), never below `lo`.
+
+    Vegas reads latency, and an LLM engine's latency rises only after requests queue inside
+    it; with the latency of requests admitted before the queue built still arriving, a burst
+    raised the limit to 154 on 4 replicas of 8 slots (elastic bench, 20:31 UTC run) and ~100
+    requests waited in the engines' FIFO queues, where no priority applies and a replica that
+    comes up later cannot take them over. Above what the active replicas carry, requests wait
+    in Floodgate's priority queue instead (and the turned-away ones are demand the controller
+    scales for). Only lowers: below the ceiling Vegas moves the limit as before."""
+    if ceiling is None or state.limit <= ceiling:
+        return state
+    return replace(state, limit=max(float(lo), float(ceiling)))
+
+
+def lift_ceiling(state: LimitState, per_endpoint: float | None, endpoints: int, lo: int, hi: int) -> LimitState:
+    """The limit once the controller's ceiling is taken back: the level per endpoint it had
+    when the ceiling first lowered it (`per_endpoint`; None = it never did), times the active
+    `endpoints`, clamped to [lo, hi] — unless it is higher already. The ceiling is an override
+    while new replicas load, not something Vegas learnt: held near the replicas' capacity the
+    limit would also shrink everything sized from it (class shares, the onset ramp's bucket,
+    a share of L) once the pool has caught up."""
+    if per_endpoint is None or endpoints <= 0:
+        return state
+    target = max(float(lo), min(float(hi), per_endpoint * endpoints))
+    return state if state.limit >= target else replace(state, limit=target)
+
+
 def limit_for(pool: PoolConfig) -> WindowedLimit:
     """The pool's limit as configured: `static` holds `initial`, `vegas` adapts (vegas.py)."""
     from floodgate.extproc.vegas import VegasLimit

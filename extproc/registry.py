@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from floodgate.extproc.schema import ACTIVE, ENDPOINTS, EPINF, key
+from floodgate.extproc.schema import ACTIVE, CTL_CEILING, ENDPOINTS, EPINF, key
 
 STATES = ("loading", "warm", "active", "draining", "sleeping")
 
@@ -37,6 +37,7 @@ class Registry:
         self.k_endpoints = key(pool, ENDPOINTS)
         self.k_active = key(pool, ACTIVE)
         self.k_epinf = key(pool, EPINF)
+        self.k_ceiling = key(pool, CTL_CEILING)
 
     async def set(self, endpoint: str, state: str, replica_id: str, meta: dict[str, Any] | None = None) -> None:
         """Record an endpoint's state; only `active` endpoints receive new requests."""
@@ -74,3 +75,26 @@ class Registry:
             d = json.loads(raw_doc)
             out[ep] = Endpoint(ep, d["state"], d["replica"], int(d["since_ms"]), counts.get(ep, 0), d.get("meta", {}))
         return out
+
+    async def set_ceiling(self, per_endpoint: float, ttl_s: float) -> None:
+        """Publish the admission ceiling (concurrent requests per active endpoint) for `ttl_s`."""
+        await self.client.set(self.k_ceiling, repr(float(per_endpoint)), px=max(1, round(ttl_s * 1000)))
+
+    async def clear_ceiling(self) -> None:
+        await self.client.delete(self.k_ceiling)
+
+    async def ceiling(self) -> float | None:
+        """The published per-endpoint ceiling; None when no controller publishes one."""
+        return parse_ceiling(await self.client.get(self.k_ceiling))
+
+
+def parse_ceiling(raw: Any) -> float | None:
+    """A stored ceiling (bytes, str or None) as a positive number, else None (unreadable or
+    non-positive values cap nothing)."""
+    if raw is None:
+        return None
+    try:
+        v = float(raw.decode() if isinstance(raw, bytes) else raw)
+    except ValueError:
+        return None
+    return v if v > 0 and v == v and v != float("inf") else None

@@ -46,6 +46,11 @@ ENDPOINTS = "endpoints"  # HASH endpoint -> JSON {state, replica, since_ms, meta
 DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOMES)
 CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
 CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
+# STRING: the controller's admission ceiling, in concurrent requests per active endpoint (the
+# per-replica capacity it sizes the pool with x a headroom); written every tick with a TTL, so a
+# controller that stops stops capping. The processors hold their shared limit at or below this
+# times the registry's active endpoint count (limit.cap_to_ceiling).
+CTL_CEILING = "ctl:ceiling"
 
 # Per-class demand counters (cumulative, one hash per pool), written by every processor:
 #   admitted       permits handed out (at once, from a credit, or after waiting)

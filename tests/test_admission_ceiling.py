@@ -1,0 +1,189 @@
+"""The controller's admission ceiling: the controller publishes per-replica capacity x headroom,
+the processors hold their shared Vegas limit at or below it x the active endpoints, so a burst
+beyond the active replicas waits in Floodgate's priority queue instead of in the engines'."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+from floodgate.controller.actuators.static import StaticActuator
+from floodgate.controller.app import PoolController, Replica
+from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
+from floodgate.controller.decider import Signals
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import PolicyConfig
+from floodgate.extproc.limit import LimitState, Sample, cap_to_ceiling, lift_ceiling
+from floodgate.extproc.registry import Registry, parse_ceiling
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from tests.controller.conftest import FakeClock, signals, views
+
+
+def test_lift_gives_back_the_level_per_endpoint() -> None:
+    st = LimitState(limit=42.0, endpoints=4)
+    assert lift_ceiling(st, 20.0, 10, 1, 512).limit == 200.0  # 20 per endpoint, now 10 of them
+    assert lift_ceiling(st, 20.0, 10, 1, 150).limit == 150.0  # within [min, max]
+    assert lift_ceiling(st, 5.0, 4, 1, 512) is st  # higher already: Vegas keeps it
+    assert lift_ceiling(st, None, 4, 1, 512) is st  # never capped
+    assert lift_ceiling(st, 20.0, 0, 1, 512) is st  # no endpoints to size for
+
+
+def test_cap_only_lowers_and_keeps_the_rest_of_the_state() -> None:
+    st = LimitState(limit=154.0, rtt_noload=0.4, probe_count=7, endpoints=4)
+    capped = cap_to_ceiling(st, 42.0, 1)
+    assert capped == replace(st, limit=42.0)  # the baseline and bookkeeping stay
+    assert cap_to_ceiling(st, None, 1) is st  # no controller: no cap
+    low = LimitState(limit=20.0)
+    assert cap_to_ceiling(low, 42.0, 1) is low  # below the ceiling Vegas decides
+    assert cap_to_ceiling(st, 3.0, 8).limit == 8.0  # never below limit.min
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    (None, None), (b"10.5", 10.5), ("7", 7.0), (b"0", None), (b"-1", None), (b"nan", None),
+    (b"inf", None), (b"x", None)])
+def test_parse_ceiling(raw: Any, want: float | None) -> None:
+    assert parse_ceiling(raw) == want
+
+
+async def test_controller_ceiling_caps_the_processor_limit(stack: LocalStack) -> None:
+    """The live controller's tick publishes capacity x headroom per endpoint (with a TTL); the
+    processor's registry refresh caps the shared limit at that x the active endpoints, a
+    latency sample cannot raise it past, a new active endpoint raises the cap with the limit,
+    a request over the cap waits in Floodgate's queue, and once the controller takes the
+    ceiling back the limit returns to its level per endpoint before the cap."""
+    from floodgate.extproc.admission import Admitter, Permit
+    from floodgate.extproc.config import Config
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
+    metrics = ControllerMetrics()
+    session = aiohttp.ClientSession()
+    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+                                   admission_ceiling=AdmissionCeilingConfig(headroom=1.5, ttl_s=30)),
+                        StaticActuator(["127.0.0.1:1"]), c, session, metrics)
+    await reg.set_ceiling(99.0, 60)  # a previous leader's
+    clock = FakeClock()
+    reps = views(clock.now, active=2)
+    pc.replicas = {v.replica_id: Replica(v, None) for v in reps}
+    d = pc.step(Signals(signals(clock.now, reps, running=6.0), reps), clock.now)
+    await pc._publish_ceiling(d)  # a previous leader's ceiling is cleared; this pool is not short
+    assert d.plan.desired <= d.plan.active and await reg.ceiling() is None
+    d = pc.step(Signals(signals(clock.now, reps, running=6.0, waiting=12.0), reps), clock.now)
+    assert d.plan.desired > d.plan.active  # scaling up: short until the new replicas serve
+    await pc._publish_ceiling(d)
+    assert await reg.ceiling() == pytest.approx(4.5)  # 3 per replica x 1.5
+    assert 0 < await c.pttl(reg.k_ceiling) <= 30_000
+
+    cfg = Config.model_validate({
+        "redis": {"url": url, "poll_interval_s": 0.05},
+        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 40, "min": 1}}]})
+    a = Admitter(cfg, c, gateway_id="a")
+    waiter: asyncio.Task[Any] | None = None
+    held: list[Any] = []
+    try:
+        await reg.set("10.0.0.1:8000", "active", "r1")
+        await reg.set("10.0.0.2:8000", "active", "r2")
+        await a.start()
+        ra = a.pools["f"]
+        await a._tick(ra)
+        assert ra.ceiling == pytest.approx(9.0)
+        assert (await ra.state.get_limit()).state.limit == pytest.approx(9.0)
+        # Latency that would raise Vegas (a baseline, then the same latency at the limit).
+        await a._apply_sample(ra, Sample(rtt=0.5, inflight=9))
+        await a._apply_sample(ra, Sample(rtt=0.5, inflight=9))
+        assert (await ra.state.get_limit()).state.limit == pytest.approx(9.0)
+        held = [await a.admit("f", 1, "t") for _ in range(9)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiter = asyncio.create_task(a.admit("f", 0, "t"))  # over the cap: waits in Floodgate's queue
+        for _ in range(500):  # (the enqueue is a task: wait for Redis to show it, not for a time)
+            if (await ra.state.status()).queued_total == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert (await ra.state.status()).queued_total == 1 and not waiter.done()
+        await reg.set("10.0.0.3:8000", "active", "r3")  # a third replica: the cap and the limit follow
+        await a._tick(ra)
+        assert ra.ceiling == pytest.approx(13.5)
+        assert (await ra.state.get_limit()).state.limit == pytest.approx(13.5)
+        got = await asyncio.wait_for(waiter, 20)
+        assert isinstance(got, Permit)
+        held.append(got)
+        # The pool caught up (the decided replicas serve): the controller takes the ceiling
+        # back and Vegas decides alone again.
+        t = clock.advance(1.0)
+        caught_up = views(t, active=d.plan.desired)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in caught_up}
+        d2 = pc.step(Signals(signals(t, caught_up, running=6.0), caught_up), t)
+        assert d2.plan.desired <= d2.plan.active
+        await pc._publish_ceiling(d2)
+        assert await reg.ceiling() is None
+        await a._tick(ra)
+        assert ra.ceiling is None
+        # ... and the limit is back where the cap found it, per endpoint: 40 / 2 x 3.
+        before = (await ra.state.get_limit()).state.limit
+        assert before == pytest.approx(60.0) and ra.uncapped is None
+        await a._apply_sample(ra, Sample(rtt=0.5, inflight=int(before)))
+        assert (await ra.state.get_limit()).state.limit > before
+    finally:
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        for p in held:
+            await a.release(p)
+        await a.stop()
+        await session.close()
+        await c.aclose()
+
+
+async def test_disabled_ceiling_publishes_nothing_and_clears_a_left_one(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    async with aiohttp.ClientSession() as session:
+        pc = PoolController(PoolConfig(name="g", forecast=ForecastConfig(enabled=False),
+                                       admission_ceiling=AdmissionCeilingConfig(enabled=False)),
+                            StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+        await Registry(c, "g").set_ceiling(99.0, 60)  # left by an earlier controller
+        clock = FakeClock()
+        reps = views(clock.now, active=1)
+        d = pc.step(Signals(signals(clock.now, reps, running=7.0, waiting=14.0), reps), clock.now)
+        assert d.plan.desired > d.plan.active
+        await pc._publish_ceiling(d)
+    assert await Registry(c, "g").ceiling() is None
+    await c.aclose()
+
+
+async def test_only_a_wait_for_cold_starts_publishes(stack: LocalStack) -> None:
+    """A warm promotion serves within a wake: the engines may take a second of the burst, and
+    holding it in Floodgate's queue instead would read as queue pressure (a doubling) and turn
+    sheddable requests away. Cold starts take a model load: then the ceiling is published."""
+    from floodgate.controller.signals import ReplicaState
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "h")
+    policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
+    async with aiohttp.ClientSession() as session:
+        pc = PoolController(PoolConfig(name="h", policy=policy, forecast=ForecastConfig(enabled=False)),
+                            StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+        clock = FakeClock()
+        active = views(clock.now, active=2)
+        waking = tuple(replace(v, replica_id=f"k{i}", state=ReplicaState.WAKING) for i, v in enumerate(active))
+        pc.replicas = {v.replica_id: Replica(v, None) for v in (*active, *waking)}
+        # 2 active, 2 waking: demand 12 asks for 4 -> within a wake, nothing published.
+        d = pc.step(Signals(signals(clock.now, active + waking, running=6.0, waiting=6.0), active + waking), clock.now)
+        assert d.plan.desired == 4 and d.plan.demand > d.plan.active * 3.0
+        await pc._publish_ceiling(d)
+        assert await reg.ceiling() is None
+        # Demand for 6: two more than active + waking must cold-start -> published.
+        t = clock.advance(1.0)
+        d = pc.step(Signals(signals(t, active + waking, running=6.0, waiting=12.0), active + waking), t)
+        assert d.plan.desired == 6
+        await pc._publish_ceiling(d)
+        assert await reg.ceiling() == pytest.approx(4.5)
+    await c.aclose()
