@@ -22,7 +22,14 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
                   pool setting `engine_priority: {0: -1}` sends it); `ramp+p0first` with the ramp;
 * `p0pick`      : P0 goes to the replica with the least prefill work queued (oracle).
 
+With `--vegas` the limit is no longer fixed: the shipped Vegas (`limit_for`, from `limit.initial`)
+is fed every finished request as the processor feeds it (`sample_rate` of them with their latency
+from admission, at most `max_sampled` measured at once, the in-flight at the finish), so its
+climb, its burst and sparse-phase levels and their effect on P0 can be explored across seeds
+(`--trace` prints every limit change); JSON overrides LimitConfig fields.
+
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3
+    python -m floodgate.bench.p0_onset --vegas --only shipped-ramp --seeds 1 2 3 4
     python -m floodgate.bench.p0_onset --limit 72 96 --seeds 1 2 3 4 5 6 --vegas-steps \
         --only shipped-ramp ramp-bucket-4 ramp-bucket-2     # the limit climbing in the burst
 """
@@ -38,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from floodgate.extproc.config import AdmissionConfig, PoolConfig
+from floodgate.extproc.limit import Latency, limit_for, sample_request
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
@@ -142,18 +150,32 @@ class Result:
     p0_sparse_p99_s: float = 0.0
     p0_burst_ttft: list[float] = field(default_factory=list)
     p1_burst_ok: int = 0
+    limit_burst: float = 0.0  # time-weighted mean limit in the burst (static: the limit)
+    limit_sparse: float = 0.0  # ... in the sparse-P0 phase
+    limit_trace: list[tuple[float, int, int]] = field(default_factory=list)  # (t, limit, in-flight)
 
 
 def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 0,
         slo_ttft: float = 2.0, slo_tpot: float = 0.1,
-        limit_steps: Sequence[tuple[float, int]] = ()) -> Result:
-    """`limit_steps`: (time, new limit) — the limit set at those times (a Vegas-like climb)."""
+        limit_steps: Sequence[tuple[float, int]] = (), vegas: PoolConfig | None = None) -> Result:
+    """`limit_steps`: (time, new limit) — the limit set at those times (a Vegas-like climb).
+    `vegas`: the limit is that pool's (`limit_for`, shipped `LimitConfig` unless told otherwise),
+    starting at its `initial` (not `limit`), fed as the processor feeds it: every finished
+    request in a window, `sample_rate` of them with their latency from admission (at most
+    `max_sampled` measured at once), the peak in-flight the processor last saw."""
     import numpy as np
     from floodgate.bench.overload import build_plan
     from floodgate.sim.engine import Engine
 
     rng = random.Random(seed)
+    vrng = random.Random(seed * 31 + 7)
     plan = build_plan(w, capacity_rps)
+    lim = limit_for(vegas) if vegas is not None else None
+    vstate = lim.initial(vegas.limit.initial) if lim is not None and vegas is not None else None
+    if vegas is not None:
+        limit = vegas.limit.initial
+    sampled: set[int] = set()
+    limit_trace: list[tuple[float, int, int]] = []
     pool = PoolConfig()
     classes = pool.classes
     adm = AdmissionConfig()
@@ -211,7 +233,34 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
             admitted_at[i] = now
             outcome[i] = "admitted"
             grants[plan[i].priority].bump(now)
+            if vegas is not None and sample_request(vrng.random(), vegas.limit.sample_rate, len(sampled),
+                                                    vegas.limit.max_sampled):
+                sampled.add(i)
             route(i, now)
+
+    def feed(i: int, now: float) -> list[str]:
+        """A finished request's outcome to the Vegas limit (as Admitter.finish); the grants a
+        new limit makes."""
+        nonlocal vstate
+        if lim is None or vstate is None:
+            return []
+        rtt = None
+        if i in sampled:
+            sampled.discard(i)
+            n = count[i]
+            tpot = (last[i] - first[i]) / (n - 1) if n > 1 else None
+            assert vegas is not None
+            rtt = Latency(first[i] - admitted_at[i], tpot).signal(vegas.limit.signal)
+        sample = lim.record(now, "success", rtt, sum(table.inflight()), admitted_at[i])
+        if sample is None:
+            return []
+        new = lim.update(vstate, sample, vrng.random())
+        old, vstate = int(vstate.limit), new
+        if max(1, int(new.limit)) == max(1, old):
+            return []
+        lim.limit_changed(now)
+        limit_trace.append((now, int(new.limit), sum(table.inflight())))
+        return table.set_limit(max(1, int(new.limit)), now)
 
     steps = sorted(limit_steps)
     while True:
@@ -237,6 +286,7 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
                     released.bump(now)
                     gate.released(now)
                     granted(table.release_many([str(i)], now)[1], now)
+                    granted(feed(i, now), now)
         while events and events[0][0] <= now:
             _, kind, i = heapq.heappop(events)
             r = plan[i]
@@ -300,8 +350,19 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     pct = lambda v: float(np.percentile(v, 99)) if v else math.nan  # noqa: E731
     p1_ok = sum(1 for i, r in enumerate(plan) if a <= r.t_offset < b and r.priority == 1
                 and outcome.get(i) == "admitted")
+    def mean_limit(lo: float, hi: float) -> float:
+        """Time-weighted mean of the limit over [lo, hi)."""
+        if not limit_trace:
+            return float(limit)
+        pts = [(0.0, vegas.limit.initial if vegas is not None else limit)] + [(t, v) for t, v, _ in limit_trace]
+        total = 0.0
+        for k, (t0, v) in enumerate(pts):
+            t1 = pts[k + 1][0] if k + 1 < len(pts) else math.inf
+            total += v * max(0.0, min(hi, t1) - max(lo, t0))
+        return total / (hi - lo)
+
     return Result(remedy.name, limit, pct(p0_ttft), pct(p0_after), pct(p0_q), good / (b - a), rej, tmo,
-                  pct(sparse), p0_ttft, p1_ok)
+                  pct(sparse), p0_ttft, p1_ok, mean_limit(a, b), mean_limit(sa, sb), limit_trace)
 
 
 _SHIPPED = (PoolConfig().onset_ramp_burst, PoolConfig().onset_ramp_rate)
@@ -335,9 +396,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vegas-steps", action="store_true",
                     help="the limit climbs as Vegas did in the overload bench's burst: +12 (6 lg at a "
                          "limit of 100+) every 2 s from 1 s into the burst, 4 times, from each --limit")
+    ap.add_argument("--vegas", nargs="?", const="{}", default=None, metavar="JSON",
+                    help="the limit is the shipped Vegas (from limit.initial), fed as the processor feeds it; "
+                         "JSON: LimitConfig fields to override, e.g. '{\"slo_target\": 0.5}' (--limit is ignored)")
+    ap.add_argument("--trace", action="store_true", help="with --vegas: print each limit change")
     args = ap.parse_args(argv)
+    vegas = None
+    if args.vegas is not None:
+        import json
+
+        base = PoolConfig()
+        vegas = base.model_copy(update={"limit": base.limit.model_copy(update=json.loads(args.vegas))})
+        args.limit = [vegas.limit.initial]
     print("| remedy | limit | seed | P0 TTFT p99 burst ms | after 2 s | P0 queue p99 ms | burst goodput tok/s | "
-          "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms |")
+          "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms | limit burst / sparse |")
     for seed in args.seeds:
         w = Workload(seed=seed) if args.mix is None else Workload(seed=seed, priority_shares=tuple(args.mix))
         for limit in args.limit:
@@ -348,12 +420,16 @@ def main(argv: list[str] | None = None) -> None:
                 if args.vegas_steps:
                     start = w.windows()["burst"][0]
                     steps = [(start + 1.0 + 2.0 * k, limit + 12 * (k + 1)) for k in range(4)]
-                r = run(w, args.capacity, limit, rem, seed=seed, limit_steps=steps)
+                r = run(w, args.capacity, limit, rem, seed=seed, limit_steps=steps, vegas=vegas)
+                if args.trace:
+                    for t, v, n in r.limit_trace:
+                        print(f"  t={t:6.1f} limit {v:4d} in flight {n:4d}")
                 print(f"| {r.remedy} | {limit} | {seed} | {r.p0_ttft_p99_burst_s * 1000:.0f} | "
                       f"{r.p0_ttft_p99_after2_s * 1000:.0f} | {r.p0_queue_p99_burst_s * 1000:.0f} | "
                       f"{r.goodput_burst_tok_s:.0f} | "
                       + "/".join(f"{r.rejected_burst[k]}({r.timeouts_burst[k]})" for k in CLASSES)
-                      + f" | {r.p0_sparse_p99_s * 1000:.0f} |", flush=True)
+                      + f" | {r.p0_sparse_p99_s * 1000:.0f} | {r.limit_burst:.0f} / {r.limit_sparse:.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ class Metrics:
         self.tpot = Histogram(
             "floodgate_tpot_seconds", "Time per output token after the first (sampled requests).",
             ["pool", "priority"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.body_chunks = Counter(
+            "floodgate_sampled_body_chunks", "Response body chunks of sampled requests that reached the processor "
+            "(one ext_proc message each; streaming stops once the latency is measured).",
+            ["pool"], registry=r)
         self.releases = Counter(
             "floodgate_releases", "Permits released, by how the request ended.",
             ["pool", "reason"], registry=r)

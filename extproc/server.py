@@ -14,10 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import Config
-from floodgate.extproc.limit import Latency
+from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
 from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
@@ -39,7 +38,6 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PRIORITY_OUT = "x-floodgate-priority"
 QUEUE_MS_OUT = "x-floodgate-queue-ms"
 REASON_OUT = "x-floodgate-reject-reason"
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _PM = processing_mode_pb2.ProcessingMode
@@ -194,12 +192,8 @@ class _Exchange:
     permit: Permit
     sampled: bool
     status: int | None = None
-    first_body_at: float | None = None
-    last_body_at: float | None = None
-    chunks: int = 0
-    tokens: int | None = None
+    meter: LatencyMeter | None = None  # sampled: what its body chunks measured
     finished: bool = False
-    tail: bytes = field(default=b"")
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -279,7 +273,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 time.perf_counter() - headers_in)
             yield reply
             return
-        ex = _Exchange(result, sampled=self.admitter.sample(pool))
+        sampled = self.admitter.sample(pool)
+        ex = _Exchange(result, sampled=sampled, meter=LatencyMeter(result.admitted_at) if sampled else None)
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
@@ -316,6 +311,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     if msg.response_headers.end_of_stream:
                         ex.finished = True
                 elif kind == "response_body":
+                    child(m.body_chunks, (pool,)).inc()
                     self._on_body(ex, msg.response_body)
                     yield _BODY_REPLY
                 elif kind == "request_body" and engine_prio is not None:
@@ -353,18 +349,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             body_mutation=pb.BodyMutation(body=new))))
 
     def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> None:
-        now = self.admitter.clock()
-        if body.body:
-            if ex.first_body_at is None:
-                ex.first_body_at = now
-            ex.last_body_at = now
-            ex.chunks += body.body.count(b"data:") or 1
-            # `usage` arrives in the last SSE chunk; keep a short tail in case it straddles chunks.
-            data = ex.tail + body.body
-            found = _COMPLETION_TOKENS.findall(data)
-            if found:
-                ex.tokens = int(found[-1])
-            ex.tail = data[-256:]
+        """Count a streamed body chunk (LatencyMeter). The whole body comes through here, not
+        just the tokens the signal needs: Envoy 1.40 ignores a `mode_override` in the reply to a
+        body chunk (only the request- and response-headers replies may change the mode; checked
+        with the body switched off in the reply to the 32nd chunk: 101 of each 102 chunks still
+        came), and ending the stream early would end it before the request, where the permit is
+        released. `limit.max_sampled` bounds how many stream at once."""
+        if ex.meter is not None and body.body:
+            ex.meter.chunk(self.admitter.clock(), body.body)
         if body.end_of_stream:
             ex.finished = True
 
@@ -378,18 +370,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if reason != "stream_end" or ex.status is None:
             ex.permit.finish("ignored")
             return
-        if not ex.sampled or ex.first_body_at is None or not ex.finished:
+        latency = ex.meter.latency() if ex.meter is not None and ex.finished else None
+        if latency is None:
             ex.permit.finish("success")
             return
-        ttft = ex.first_body_at - ex.permit.admitted_at
-        tokens = ex.tokens if ex.tokens else max(1, ex.chunks - 1)  # minus [DONE]
-        tpot = ((ex.last_body_at or ex.first_body_at) - ex.first_body_at) / (tokens - 1) if tokens > 1 else None
         label = PRIORITY_LABELS[ex.permit.priority]
         m = self.admitter.metrics
-        m.ttft.labels(pool, label).observe(ttft)
-        if tpot is not None:
-            m.tpot.labels(pool, label).observe(tpot)
-        ex.permit.finish("success", Latency(ttft, tpot))
+        m.ttft.labels(pool, label).observe(latency.ttft)
+        if latency.tpot is not None:
+            m.tpot.labels(pool, label).observe(latency.tpot)
+        ex.permit.finish("success", latency)
 
 
 def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -394,6 +394,8 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
         m = await metrics(s, p.metrics_url)
     assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 24
     assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 24
+    # each measured request streamed its 5 token chunks (and the usage / [DONE] ones) through here
+    assert m['floodgate_sampled_body_chunks_total{pool="default"}'] >= 24 * 5
 
 
 def _json(b: bytes) -> Any:
@@ -538,3 +540,4 @@ async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: Loc
         assert m.get(f'floodgate_engine_priority_total{{outcome="{outcome}",pool="default",priority="0"}}') == n, m
     assert not any("priority=\"1\"" in k for k in m if k.startswith("floodgate_engine_priority_total"))
     assert (await drained(stack.redis_url)).inflight_total == 0
+

@@ -10,7 +10,14 @@ from dataclasses import replace
 
 import pytest
 from floodgate.extproc.config import LimitConfig, PoolConfig
-from floodgate.extproc.limit import FixedLimit, WindowedLimit, follow_endpoints, limit_for
+from floodgate.extproc.limit import (
+    FixedLimit,
+    LatencyMeter,
+    WindowedLimit,
+    follow_endpoints,
+    limit_for,
+    sse_tokens,
+)
 from floodgate.extproc.vegas import Sample, SampleWindow, VegasLimit, VegasState, log10_root
 
 V = VegasLimit(min_limit=1, max_limit=1000, smoothing=1.0, probe_multiplier=30)
@@ -423,3 +430,39 @@ def test_netflix_flavor_and_static_limits_keep_every_window() -> None:
     lim.limit_changed(5.0)
     got = [lim.record(6.0 + 0.12 * i, "success", 0.5, 20, admitted_at=0.0) for i in range(10)]
     assert got[9] is not None and got[9].fresh
+
+
+def _sse(*tokens: str, usage: bool = False) -> bytes:
+    out = b"".join(b'data: {"choices":[{"index":0,"text":"%s"}]}\n\n' % t.encode() for t in tokens)
+    if usage:
+        out += b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    return out
+
+
+def test_sse_tokens_counts_token_events_only() -> None:
+    assert sse_tokens(_sse("a")) == 1
+    assert sse_tokens(_sse("a", "b", "c")) == 3  # one chunk may carry several tokens
+    assert sse_tokens(_sse("z", usage=True)) == 1  # the usage event and [DONE] are not tokens
+    assert sse_tokens(b"data: [DONE]\n\n") == 0
+
+
+def test_a_short_answer_in_one_chunk_has_no_tpot() -> None:
+    """Two tokens that reach the processor in one chunk: TTFT is measured, TPOT is not (it read 0
+    before, and the `combined` signal then was the TTFT alone: a 2-token answer at 0.2 s in a
+    window of 3.4 s ones)."""
+    m = LatencyMeter(admitted_at=10.0)
+    m.chunk(10.2, _sse("a", "b", usage=True))
+    lat = m.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.2) and lat.tpot is None
+    assert lat.signal("combined") is None and lat.signal("ttft") == pytest.approx(0.2)
+
+
+def test_tpot_counts_the_tokens_after_the_first_chunk() -> None:
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(0.5, _sse("a", "b"))  # first chunk: two tokens (one engine step wrote both)
+    m.chunk(0.6, _sse("c"))
+    m.chunk(0.8, _sse("d", "e"))  # two more joined
+    lat = m.latency()
+    # 3 tokens in 0.3 s after the first chunk: 0.1 s each (dividing by 4 tokens read 0.075)
+    assert lat is not None and lat.ttft == 0.5 and lat.tpot == pytest.approx(0.1)
+
