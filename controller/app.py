@@ -52,7 +52,7 @@ from floodgate.controller.lifecycle import (
     apply_event,
 )
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import ScalePlan
+from floodgate.controller.policy import ScalePlan, admission_ceiling
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmSample
@@ -148,7 +148,7 @@ class PoolController:
         self.envoy: EnvoySample | None = None
         self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
-        self._ceiling_set = True  # a previous leader's ceiling may be in Redis: the first tick clears it
+        self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -333,26 +333,31 @@ class PoolController:
 
     async def _publish_ceiling(self, d: Decision) -> None:
         """The admission ceiling per active endpoint (config.AdmissionCeilingConfig), published
-        while the pool waits for cold starts: more replicas are decided than are active or
-        waking (a promotion serves within a wake, a cold start only after its model load) and
-        the active ones cannot carry the offered demand. Taken back once that is over (the
+        while the pool waits for cold starts and the active replicas are offered more than it
+        lets them hold (`policy.admission_ceiling`). Taken back once that is over (the
         processors then give the limit back its level from before the cap and Vegas moves it
         alone again); it also expires with this controller. The processors read it with the
         registry."""
         c = self.cfg.admission_ceiling
         p = d.plan
         soon = sum(1 for r in self.replicas.values() if r.view.state in (S.ACTIVE, S.WAKING))
-        short = c.enabled and d.per_replica > 0 and p.desired > soon and p.demand > p.active * d.per_replica
-        if not short and not self._ceiling_set:
+        value = admission_ceiling(bool(self._ceiling_set), p.desired, soon, p.active, p.demand, d.per_replica,
+                                  c.headroom) if c.enabled else None
+        short = value is not None
+        if not short and self._ceiling_set is False:
             return
         try:
-            if short:
-                await self.registry.set_ceiling(d.per_replica * c.headroom, c.ttl_s)
+            if value is not None:
+                await self.registry.set_ceiling(value, c.ttl_s)
             else:
                 await self.registry.clear_ceiling()
-            self._ceiling_set = short
         except (RedisError, OSError, TimeoutError):
             self.metrics.scrape_failures.labels(source="redis").inc()
+            return
+        if short != bool(self._ceiling_set):
+            self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2))
+        self._ceiling_set = short
+        self.metrics.ceiling.labels(pool=self.pool).set(float("nan") if value is None else value)
 
     async def _persist(self, d: Decision, seq_before: int) -> None:
         """Write what must survive a restart: the replica id counter and the demand history."""

@@ -49,6 +49,9 @@ class ControllerMetrics:
                                  "(learned from TTFT/ITL, else target_concurrency).", ["pool"], registry=r)
         self.scrape_failures = Counter("floodgate_scrape_failures_total", "Failed scrapes (marked, never read as zero).",
                                        ["source"], registry=r)
+        self.ceiling = Gauge("floodgate_admission_ceiling", "Admission ceiling published for the processors, per "
+                             "active endpoint, while cold starts are awaited; NaN when none is published.",
+                             ["pool"], registry=r)
         self.leader = Gauge("floodgate_controller_leader", "1 while this controller holds the leader lease.", registry=r)
         self.ticks = Counter("floodgate_controller_ticks_total", "Ticks run while leader.", registry=r)
 

@@ -375,3 +375,23 @@ def decide(
         sized_backlog=waiting if desired > current else sized,
     )
     return plan, new_state
+
+
+def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand: float, per_replica: float,
+                      headroom: float) -> float | None:
+    """The admission ceiling per active endpoint to publish for the processors, or None (pure;
+    docs/controller.md, "Admission ceiling").
+
+    Only while cold starts are awaited: more replicas decided (`desired`) than are active or
+    waking (`soon`: a promotion serves within a wake). It turns on when the offered `demand` is
+    above what the ceiling lets the `active` replicas hold (active x per_replica x headroom: below
+    that it would not bind, and a limit held near the replicas' capacity only shrinks what is
+    sized from it, such as the onset ramp's bucket), and stays on until demand is back within
+    active x per_replica: between the two it keeps its state. Without the band, demand
+    hovering around one threshold switched it every tick (elastic bench, burst 2, 23:35 run:
+    the processors' limit 52 <-> 115 each second)."""
+    if per_replica <= 0 or desired <= soon:
+        return None
+    carried = active * per_replica
+    on = demand > carried * headroom or (was_on and demand > carried)
+    return per_replica * headroom if on else None

@@ -16,13 +16,27 @@ from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import PolicyConfig
+from floodgate.controller.policy import PolicyConfig, admission_ceiling
 from floodgate.extproc.limit import LimitState, Sample, cap_to_ceiling, lift_ceiling
 from floodgate.extproc.registry import Registry, parse_ceiling
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
 from tests.controller.conftest import FakeClock, signals, views
+
+
+def test_ceiling_turns_on_above_what_it_lets_the_active_hold_and_off_within_their_capacity() -> None:
+    # 4 active of 7 decided (3 cold starts awaited), 7 per replica x 1.5: on above 42, off at 28.
+    def ceil(was_on: bool, demand: float, desired: int = 7, soon: int = 4) -> float | None:
+        return admission_ceiling(was_on, desired, soon, 4, demand, 7.0, 1.5)
+
+    assert ceil(False, 42.0) is None and ceil(False, 42.5) == 10.5
+    assert ceil(True, 35.0) == 10.5  # inside the band: stays on (no switching every tick) ...
+    assert ceil(False, 35.0) is None  # ... or off
+    assert ceil(True, 28.0) is None  # back within what the active replicas carry
+    assert ceil(True, 60.0, desired=4) is None  # nothing awaited: the decided replicas serve
+    assert ceil(True, 60.0, soon=7) is None  # the rest are waking: they serve within a wake
+    assert admission_ceiling(True, 7, 4, 4, 60.0, 0.0, 1.5) is None  # no capacity known
 
 
 def test_lift_gives_back_the_level_per_endpoint() -> None:
@@ -168,9 +182,10 @@ async def test_only_a_wait_for_cold_starts_publishes(stack: LocalStack) -> None:
     c = redis_client(url, op_timeout_s=5)
     reg = Registry(c, "h")
     policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
+    metrics = ControllerMetrics()
     async with aiohttp.ClientSession() as session:
         pc = PoolController(PoolConfig(name="h", policy=policy, forecast=ForecastConfig(enabled=False)),
-                            StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+                            StaticActuator(["127.0.0.1:1"]), c, session, metrics)
         clock = FakeClock()
         active = views(clock.now, active=2)
         waking = tuple(replace(v, replica_id=f"k{i}", state=ReplicaState.WAKING) for i, v in enumerate(active))
@@ -187,3 +202,6 @@ async def test_only_a_wait_for_cold_starts_publishes(stack: LocalStack) -> None:
         await pc._publish_ceiling(d)
         assert await reg.ceiling() == pytest.approx(4.5)
     await c.aclose()
+    # Operators see it: a gauge and one decision-log event when it turns on.
+    assert 'floodgate_admission_ceiling{pool="h"} 4.5' in metrics.render().decode()
+    assert [e["per_endpoint"] for e in pc.events if e["event"] == "ceiling"] == [4.5]
