@@ -163,6 +163,33 @@ def parse_fields(raw: Iterable[Any]) -> dict[str, str]:
     return out
 
 
+def expand_snapshots(replies: Iterable[Any]) -> list[Any]:
+    """A `batch` reply's per-op replies with every snapshot whole. In one call the script sends
+    the first snapshot whole (`snap`) and each later one as the op's own part only (`snapo`:
+    in-flight and queued per class at the op's turn, its tenant's waiters, its class's grant
+    rate; leases.lua `snapshot`): the rest is the call's whole snapshot's. A reply that is not
+    a list (a count) or carries no snapshot passes unchanged."""
+    out: list[Any] = []
+    whole: dict[str, str] | None = None
+    for r in replies:
+        if isinstance(r, list) and len(r) > 2:
+            items = [_text(x) for x in r]
+            names = items[::2]
+            if "snap" in names:
+                parts = items[2 * names.index("snap") + 1].split(" ")
+                whole = dict(zip(parts[::2], parts[1::2], strict=True))
+            elif "snapo" in names:
+                if whole is None:
+                    raise ValueError("a snapshot's own part with no whole snapshot before it in the call")
+                i = 2 * names.index("snapo") + 1
+                parts = items[i].split(" ")
+                merged = {**whole, **dict(zip(parts[::2], parts[1::2], strict=True))}
+                items[i - 1], items[i] = "snap", " ".join(f"{k} {v}" for k, v in merged.items())
+                r = items
+        out.append(r)
+    return out
+
+
 def _per_class(f: dict[str, str], prefix: str) -> tuple[float, float, float] | None:
     """Milliseconds per class in the reply (`hl0`..`hl2`) -> seconds, None when absent."""
     if f"{prefix}0" not in f:

@@ -38,6 +38,7 @@ from floodgate.extproc.schema import (
     PoolSettings,
     PoolStatus,
     demand_field,
+    expand_snapshots,
     gateway_channel,
     key,
     parse_fields,
@@ -194,6 +195,7 @@ class PoolState:
         try:
             async with asyncio.timeout(self.batch_timeout_s):
                 replies, grants = await self._run_configured(argv)
+            replies = expand_snapshots(replies)
         except asyncio.CancelledError:
             for _, _, fut in todo:
                 fut.cancel()

@@ -2,7 +2,9 @@
 as one `batch` script run) against a real Redis-protocol server.
 
 A batch must mean exactly what its ops mean one call at a time: the same replies and the same
-state afterwards (random histories run both ways on two pools with one clock); ops reach Redis
+state afterwards (random histories run both ways on two pools with one clock), except that a
+snapshot after the call's first is fresh only in the op's own part (in-flight, queued, its
+tenant's waiters, its class's rate) and shares the rest with the call's first; ops reach Redis
 in the order they were made even when one is made while the previous batch is in the air; a
 grant to the caller's own waiter comes back in the reply, not as a message; one failing op does
 not fail the others; and a batch lost in the air (Redis frozen) degrades its callers without
@@ -27,6 +29,7 @@ from floodgate.extproc.schema import (
     SCRIPT_KEYS,
     PoolSettings,
     PoolStatus,
+    expand_snapshots,
     gateway_channel,
     script_keys,
 )
@@ -100,12 +103,33 @@ def reply(r: object) -> object:
     return _norm(dataclasses.asdict(PoolStatus.from_reply(r)))  # type: ignore[arg-type]
 
 
+# What a snapshot after a batch's first one reports fresh (leases.lua `snapshot`, `snapo`), with
+# the reply's own fields; the rest is the call's first snapshot's.
+OWN = ("inflight", "queued", "tenant_queued", "class_rate",
+       "granted", "endpoint", "partial", "credits", "rejected", "enqueued")
+
+
+def as_one_batch(replies: list[object]) -> list[object]:
+    """The replies of ops sent one call at a time, as one batch of them reports them."""
+    first: dict[str, object] | None = None
+    out: list[object] = []
+    for r in replies:
+        if isinstance(r, dict) and not r["partial"]:
+            if first is None:
+                first = r
+            else:
+                r = {**{k: v for k, v in first.items() if k not in OWN}, **{k: r[k] for k in OWN}}
+        out.append(r)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, seed: int) -> None:
     """The same random history on two pools with one clock: one op per call on `one`, the ops
-    of each step made together (one batch) on `bat`. Every reply and the whole stored state
-    after every step must be identical: what a batch shares (the reads, the snapshot's queue
-    edges, the live-gateway count, the event rates) never goes stale between its ops."""
+    of each step made together (one batch) on `bat`. The whole stored state after every step
+    must be identical, and so must every reply: a snapshot after the batch's first with its
+    own part fresh and the rest the first's (what the ops share between them, the reads, the
+    counts, the event rates, never goes stale: the own parts and the state show it)."""
     rng = random.Random(seed)
     grants_one: dict[str, str] = {}
     grants_bat: dict[str, str] = {}
@@ -118,6 +142,7 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
         for g in ("ga", "gb"):
             await st.sync(g, 1, {}, {})
     seqs = {"ga": 0, "gb": 0}
+    seen_own_part = False
     for step in range(60):
         leases = [t.decode() for t in await client.zrange(one.keys[K["leases"]], 0, -1)]
         queued = [t.decode() for t in await client.zrange(one.keys[K["queue"]], 0, -1)]
@@ -144,7 +169,9 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
         batches = bat.batches
         r_bat = [reply(r) for r in await asyncio.gather(*(bat._run(op, *args) for op, args in ops))]
         assert bat.batches == batches + bool(ops)  # the step's ops went as one call
-        assert r_one == r_bat, (seed, step, ops)
+        assert as_one_batch(r_one) == r_bat, (seed, step, ops)
+        snaps = [r for r in r_bat if isinstance(r, dict) and not r["partial"]]
+        seen_own_part |= len(snaps) > 1 and snaps[0] != snaps[-1]
         d_one, d_bat = _norm(await dump(client, one.pool)), _norm(await dump(client, bat.pool))
         assert d_one == d_bat, (seed, step, ops)
         assert grants_one == grants_bat
@@ -162,6 +189,7 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
             for st in (one, bat):
                 await st.sync(g, seqs[g] + 1, mine, {})
     assert grants_bat  # the history granted some of ga's waiters in a reply
+    assert seen_own_part  # some batch carried snapshots after its first, and they differed
 
 
 async def test_own_grants_come_in_the_reply_and_others_by_message(client: aioredis.Redis) -> None:
@@ -309,9 +337,45 @@ async def test_a_batch_sent_twice_counts_once(client: aioredis.Redis) -> None:
     before = await dump(client, "twice")
     again = await st._script(st.keys, argv)
     assert await dump(client, "twice") == before
-    once, twice = ([PoolStatus.from_reply(r) for r in first[0]], [PoolStatus.from_reply(r) for r in again[0]])
+    once, twice = ([PoolStatus.from_reply(r) for r in expand_snapshots(first[0])],
+                   [PoolStatus.from_reply(r) for r in expand_snapshots(again[0])])
     assert [s.granted for s in once] == [s.granted for s in twice] == [True, False, False]
     assert [s.enqueued for s in once[1:]] == [True, True]
     status = await st.status()
     assert status.inflight_total == 1 and status.queued_total == 2
     assert await client.zrange(st.keys[K["queue"]], 0, -1) == [b"ga/2", b"ga/3"]
+
+
+async def test_an_op_that_fails_after_its_snapshot_leaves_the_next_one_whole(client: aioredis.Redis) -> None:
+    """A batch's snapshots after its first carry only their own part; when the op that built
+    the first whole one fails after building it, its reply is an error, so the next snapshot
+    must be whole again (the processor could not complete it otherwise)."""
+    st = await make(client, "snapfail", gateway="ga", limit=1)
+    await st.sync("ga", 1, {}, {})
+    ok1 = st.admit("ga/1", "ga", 1, 1, "", 0, 30)  # granted: a short reply, no snapshot
+    bad = st._run("admit", "ga/2", "ga", 2, 1, "", 0, "not-a-timeout")  # refused: snapshot, then fails
+    ok2 = st.admit("ga/3", "ga", 3, 1, "", 0, 30)
+    ok3 = st.admit("ga/4", "ga", 4, 1, "", 0, 30)
+    r1, rbad, r2, r3 = await asyncio.gather(ok1, bad, ok2, ok3, return_exceptions=True)
+    assert st.batches == 1
+    assert isinstance(rbad, ResponseError)
+    assert isinstance(r1, PoolStatus) and r1.granted
+    assert isinstance(r2, PoolStatus) and r2.enqueued and r2.limit == 1 and r2.queued == (0, 0, 0)
+    assert isinstance(r3, PoolStatus) and r3.enqueued and r3.limit == 1 and r3.queued == (0, 1, 0)
+    assert r3.tail_left == r2.tail_left  # shared with the call's whole snapshot (ga/3's)
+
+
+def test_expand_snapshots_completes_each_from_the_calls_whole_one() -> None:
+    whole = "limit 8 i0 0 i1 8 i2 0 q0 0 q1 3 q2 0 tenant_queued 0 rate 5 class_rate 2.5 gateways 2 rank -1 " \
+            "now 1000 active 0 epoch 0 rate_n 40 lvl 7.5 hl0 0 hl1 900 hl2 0 tl0 0 tl1 4900 tl2 0"
+    own = "i0 0 i1 8 i2 0 q0 0 q1 4 q2 0 tenant_queued 1 class_rate 2.6"
+    replies = [[b"granted", b"g", b"endpoint", b"", b"credits", b""], 1, [b"err", b"boom"],
+               [b"granted", b"0", b"snap", whole.encode(), b"queued", b"1"],
+               [b"granted", b"0", b"snapo", own.encode(), b"queued", b"1"]]
+    out = expand_snapshots(replies)
+    assert out[:4] == replies[:4]
+    st = PoolStatus.from_reply(out[4])
+    assert (st.queued, st.tenant_queued, st.class_rate, st.enqueued) == ((0, 4, 0), 1, 2.6, True)
+    assert (st.limit, st.grant_rate, st.release_n, st.inflight_avg, st.tail_left) == (8, 5.0, 40, 7.5, (0.0, 4.9, 0.0))
+    with pytest.raises(ValueError):
+        expand_snapshots([[b"granted", b"0", b"snapo", own.encode()]])
