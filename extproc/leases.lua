@@ -193,8 +193,15 @@ end
 -- HAS_SPUBLISH: the server ran an SPUBLISH (kept for the library's life: no pcall per grant).
 -- A failure is not remembered: the fallback stays per message, as before.
 local HAS_SPUBLISH = false
+local CHAN = {}  -- pool -> gateway -> channel name, kept for the library's life (one concat per grant less)
 local function notify(gw, msg)
-  local ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
+  local chans = CHAN[S.pool]
+  if not chans then chans = {} CHAN[S.pool] = chans end
+  local ch = chans[gw]
+  if not ch then
+    ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
+    chans[gw] = ch
+  end
   if HAS_SPUBLISH then redis.call('SPUBLISH', ch, msg) return end
   HAS_SPUBLISH = pcall(redis.call, 'SPUBLISH', ch, msg)
   if not HAS_SPUBLISH then redis.call('PUBLISH', ch, msg) end
@@ -1040,8 +1047,7 @@ function OPS.batch(ARGV)
   local i = 4
   while i <= #ARGV do
     local op, n = ARGV[i], ARGV[i + 1] + 0
-    local sub = {op, ARGV[2]}
-    for j = 1, n do sub[j + 2] = ARGV[i + 1 + j] end
+    local sub = {op, ARGV[2], unpack(ARGV, i + 2, i + 1 + n)}  -- sized once (no growth per argument)
     i = i + 2 + n
     local f = BATCHABLE[op]
     if not f then
