@@ -395,8 +395,9 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
     assert m['floodgate_ttft_seconds_count{pool="default",priority="1"}'] >= 24
     # TPOT needs tokens in two chunks or more; on a loaded box Envoy may join a response's chunks
     assert m['floodgate_tpot_seconds_count{pool="default",priority="1"}'] >= 12
-    # each measured request streamed its 5 token chunks (and the usage / [DONE] ones) through here
-    assert m['floodgate_sampled_body_chunks_total{pool="default"}'] >= 24 * 5
+    # the measured requests streamed their bodies through here: 5 token chunks and the usage /
+    # [DONE] one each, at least two each even where a loaded Envoy joins some of them
+    assert m['floodgate_sampled_body_chunks_total{pool="default"}'] >= 24 * 2
 
 
 def _json(b: bytes) -> Any:
