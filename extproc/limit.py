@@ -62,14 +62,13 @@ class LatencyMeter:
     admitted_at: float
     first_at: float | None = None
     last_at: float | None = None
-    first_tokens: int = 0
     later_tokens: int = 0
 
     def chunk(self, now: float, data: bytes) -> None:
         n = sse_tokens(data)
         if n > 0:
             if self.first_at is None:
-                self.first_at, self.first_tokens = now, n
+                self.first_at = now
             else:
                 self.later_tokens += n
                 self.last_at = now

@@ -10,6 +10,7 @@ the processor-side picking in `picking.py`.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,4 +98,4 @@ def parse_ceiling(raw: Any) -> float | None:
         v = float(raw.decode() if isinstance(raw, bytes) else raw)
     except ValueError:
         return None
-    return v if v > 0 and v == v and v != float("inf") else None
+    return v if v > 0 and math.isfinite(v) else None

@@ -190,7 +190,6 @@ class _Exchange:
     """What one admitted request has shown us so far."""
 
     permit: Permit
-    sampled: bool
     status: int | None = None
     meter: LatencyMeter | None = None  # sampled: what its body chunks measured
     finished: bool = False
@@ -274,7 +273,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             yield reply
             return
         sampled = self.admitter.sample(pool)
-        ex = _Exchange(result, sampled=sampled, meter=LatencyMeter(result.admitted_at) if sampled else None)
+        ex = _Exchange(result, meter=LatencyMeter(result.admitted_at) if sampled else None)
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
@@ -296,7 +295,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 return
             if engine_prio is not None and not buffer_body:
                 child(m.engine_priority, (pool, PRIORITY_LABELS[decision.priority], "no_body")).inc()
-            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, ex.sampled, info, buffer_body)
+            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, sampled, info, buffer_body)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "admitted",
                                     "queued" if result.queued else "immediate")).observe(time.perf_counter() - headers_in)
             yield reply
@@ -330,7 +329,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         finally:
             if ex.status is not None and ex.status >= 500:
                 reason = "upstream_error"
-            if ex.sampled:
+            if sampled:
                 self.admitter.sampled_done(pool)
             self._finish(pool, ex, reason)
             self.admitter.release_soon(result, reason)
