@@ -166,9 +166,10 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
     lacking, lacking_stale, burst, burst_low = pool.lacking, pool.lacking_stale, pool.burst, pool.burst_low
     wired = pool.counters is not None or pool.gateway is not None
     if cfg.demand.enabled and wired:
-        dwin = dm.observe(dwin, now, cfg.demand, pool.counters, pool.gateway)
-        off = dm.offered(dwin, now, cfg.demand)
         running = sum(m.running for m in pool.replicas if m.ok)
+        dwin = dm.observe(dwin, now, cfg.demand, pool.counters, pool.gateway)
+        dwin = dm.observe_running(dwin, now, running, cfg.demand)
+        off = dm.offered(dwin, now, cfg.demand)
         measured = dm.service_time(off, running, cfg.demand)
         service_s = measured or service_s
         lacking = dm.lacking_concurrency(off, running, cfg.demand, service_s)
@@ -178,9 +179,17 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         # (running is capped by the slots), so running / admitted reads short exactly while
         # the step is sized. The step is sized with the slot time of the ticks nothing waited
         # inside the replicas (admitted = started there), averaged (`demand.SlotTime`).
-        if measured is not None and waiting == 0:
-            slot = dm.update_slot(slot, now, running, off.admitted_total, cfg.demand)
-        slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else service_s
+        # Little's law holds for averages over one span: the admitted rate is over the rate
+        # window, so running is its mean over the same span, not this tick's count. At a plan's
+        # start the window still holds the idle seconds before the first arrivals: this tick's
+        # running over that diluted rate read 21 s per request at 1x (elastic bench, seed 3,
+        # 00:10 run) and the burst estimate, 24 concurrent at a demand of 11, sized 2 -> 4.
+        # Without a slot time measured that way there is no burst estimate (no baseline yet).
+        span = dm.rate_span(dwin, now, cfg.demand)
+        mean = dm.mean_running(dwin, *span) if span else None
+        if measured is not None and waiting == 0 and mean is not None:
+            slot = dm.update_slot(slot, now, mean, off.admitted_total, cfg.demand)
+        slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else None
         est = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
         burst, burst_low = est.size, est.low
     prior = cfg.policy.target_concurrency

@@ -38,7 +38,8 @@ chooses to shed under load) are left out of `lacking` but stay in `offered_rate`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
@@ -122,11 +123,22 @@ class GatewayCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class RunningRead:
+    """vLLM `num_requests_running` summed over the pool's fresh replicas at one tick."""
+
+    taken_at: float
+    running: float
+
+
+@dataclass(frozen=True, slots=True)
 class DemandWindow:
-    """Recent counter samples of both sources (oldest first), pruned to `window_s`."""
+    """Recent counter samples of both sources (oldest first), pruned to `window_s`, and the
+    running counts of the same ticks (`observe_running`), so that Little's law divides the
+    admitted rate over the window by the mean running over the same span."""
 
     floodgate: tuple[FloodgateCounters, ...] = ()
     gateway: tuple[GatewayCounters, ...] = ()
+    running: tuple[RunningRead, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +188,43 @@ def observe(w: DemandWindow, now: float, cfg: DemandConfig, fg: FloodgateCounter
         if g and (gw.rq_total < g[-1].rq_total or gw.rejected < g[-1].rejected):
             g = ()  # Envoy restarted
         g = _prune(g, gw, now, cfg.window_s)
-    return DemandWindow(f, g)
+    return DemandWindow(f, g, w.running)
+
+
+def observe_running(w: DemandWindow, now: float, running: float, cfg: DemandConfig) -> DemandWindow:
+    """Add this tick's running count (kept over the rate window plus one read before it)."""
+    return replace(w, running=_prune(w.running, RunningRead(now, running), now, cfg.window_s))
+
+
+def mean_running(w: DemandWindow, start: float, end: float) -> float | None:
+    """Time-weighted mean of the running reads over [start, end] (linear between reads, the
+    nearest read beyond them); None without reads or with an empty span."""
+    reads = w.running
+    if not reads or end <= start:
+        return None
+    pts = [(r.taken_at, r.running) for r in reads]
+
+    def at(t: float) -> float:
+        if t <= pts[0][0]:
+            return pts[0][1]
+        for (t0, v0), (t1, v1) in pairwise(pts):
+            if t <= t1:
+                return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+        return pts[-1][1]
+
+    knots = [start, *(t for t, _ in pts if start < t < end), end]
+    area = sum((b - a) * (at(a) + at(b)) / 2 for a, b in pairwise(knots))
+    return area / (end - start)
+
+
+def rate_span(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[float, float] | None:
+    """The span the admitted rate of `offered` is measured over (Floodgate's reads when fresh,
+    else Envoy's); None when stale."""
+    if _fresh(w.floodgate, now, cfg):
+        return w.floodgate[0].taken_at, w.floodgate[-1].taken_at
+    if cfg.use_envoy and _fresh(w.gateway, now, cfg):
+        return w.gateway[0].taken_at, w.gateway[-1].taken_at
+    return None
 
 
 def _fg_reset(a: FloodgateCounters, b: FloodgateCounters) -> bool:

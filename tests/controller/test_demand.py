@@ -11,7 +11,9 @@ from floodgate.controller.demand import (
     FloodgateCounters,
     GatewayCounters,
     lacking_concurrency,
+    mean_running,
     observe,
+    observe_running,
     offered,
 )
 
@@ -107,3 +109,16 @@ def test_no_admitted_requests_means_no_service_time() -> None:
     d = offered(feed([(100.0, a, None), (110.0, b, None)]), 110.0, CFG)
     assert d.lacking_rate() == pytest.approx(5.0) and lacking_concurrency(d, 10.0, CFG) == 0.0
     assert lacking_concurrency(d, 10.0, CFG, service_s_hint=2.0) == pytest.approx(10.0)
+
+
+def test_mean_running_is_over_the_rate_span() -> None:
+    # Idle until 100, then 8 running from 102 on: over [98, 108] the trapezoid of the reads
+    # (0 at 100, 8 at 102) is 8 (ramp) + 48 (flat) = 56 -> 5.6, the same dilution as the
+    # admitted rate over that span; reads older than the window are pruned (one kept before it).
+    w = DemandWindow()
+    for t, r in ((90.0, 0.0), (96.0, 0.0), (100.0, 0.0), (102.0, 8.0), (105.0, 8.0), (108.0, 8.0)):
+        w = observe_running(w, t, r, CFG)
+    assert [r.taken_at for r in w.running] == [96.0, 100.0, 102.0, 105.0, 108.0]
+    assert mean_running(w, 98.0, 108.0) == pytest.approx(5.6)
+    assert mean_running(w, 102.0, 108.0) == pytest.approx(8.0)
+    assert mean_running(w, 108.0, 108.0) is None and mean_running(DemandWindow(), 0.0, 1.0) is None

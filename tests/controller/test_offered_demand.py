@@ -5,6 +5,7 @@ counters hold scale-down; the forecaster records offered demand; sizing uses lea
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import aiohttp
@@ -387,3 +388,48 @@ def test_burst_slot_time_is_averaged(clock: FakeClock) -> None:
     for p in runs:
         assert p.burst == pytest.approx(lcb(84, 2) * 2, rel=0.08)
     assert abs(runs[0].desired - runs[1].desired) <= 1  # 11 / 12 (one tick's ratio: 8 / 14)
+
+
+def _plan_start(seed: int, idle_s: float = 10.0, load_s: float = 20.0) -> list[object]:
+    """The elastic bench's first seconds on a fake clock: the controller ticks (0.5 s, jittered)
+    over an idle pool of 2, then Poisson arrivals at one replica's capacity (4.5/s, ~1.6 s per
+    request: ~7 running, half of what 2 replicas carry). Envoy's listener counts live, the
+    processors flush Floodgate's counters about once a second; vLLM shows one waiting request
+    on a third of the ticks (a burst estimate needs the pool to look behind)."""
+    rng = random.Random(seed)
+    c = cfg()
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    clk = FakeClock()
+    reps = views(clk.now, active=2)
+    start = clk.now + idle_s
+    t_arr, arrivals, ends = start, [], []
+    while t_arr < start + load_s:
+        t_arr += rng.expovariate(4.5)
+        arrivals.append(t_arr)
+        ends.append(t_arr + rng.lognormvariate(math.log(1.6) - 0.125, 0.5))
+    flushed, next_flush = 0.0, clk.now + rng.random()
+    out: list[object] = []
+    while clk.now < start + load_s:
+        t = clk.advance(0.5 + rng.uniform(-0.1, 0.1))
+        total = float(sum(1 for a in arrivals if a <= t))
+        if t >= next_flush:
+            flushed, next_flush = total, next_flush + 1.0
+        running = float(sum(1 for a, e in zip(arrivals, ends, strict=True) if a <= t < e))
+        waiting = 1.0 if t > start and rng.random() < 1 / 3 else 0.0
+        fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=flushed)})
+        gw = GatewayCounters(t, True, rq_total=total, rejected=0.0)
+        ps = replace(signals(t, reps, running=running, waiting=waiting), counters=fc, gateway=gw)
+        st, d = decide(c, st, Signals(ps, reps), t)
+        out.append(d)
+    return out
+
+
+def test_no_burst_detected_at_a_plan_start() -> None:
+    # Seed 3's locked elastic run (00:10 UTC): 4.4 s into the plan the burst estimate read 24
+    # concurrent at a demand of 11 and sized 2 -> 4. The step from idle to 1x is a real step,
+    # but the slot time it was sized with divided this tick's running by an admitted rate
+    # diluted by the window's idle seconds (21 s per request on the first tick). Measured over
+    # one span (running averaged over the rate window), no start of 100 is taken for a burst.
+    false = [s for s in range(100)
+             if any(d.plan.reason == "burst_demand" for d in _plan_start(s))]  # type: ignore[attr-defined]
+    assert false == []
