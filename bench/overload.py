@@ -523,6 +523,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
         if cfg.floodgate and metrics_url:
             result.meta["decision_seconds"], result.meta["local_rejections_p2"] = decision_histogram(metrics_url)
             result.meta["engine_priority"] = engine_priority_counts(metrics_url)
+            result.meta["processor_health"] = processor_health(metrics_url)
         busy1 = _machine_busy()
         cpu = {n: (cpu_seconds(p) - cpu0[n]) / wall for n, p in pids.items()}
         cpu["client"] = (time.process_time() - self0) / wall
@@ -556,6 +557,37 @@ def decision_histogram(metrics_url: str) -> tuple[dict[str, list[list[float]]], 
     for v in out.values():
         v.sort()
     return out, local
+
+
+def processor_health(metrics_url: str) -> dict[str, Any]:
+    """What held the processor's event loop over the run: `floodgate_event_loop_lag_seconds`
+    (how late a 50 ms timer ran: the wait of a message arriving at a random moment) as
+    [[le, cumulative count], ...], every GC pause by generation (count, total seconds, and
+    buckets), and the sampled body chunks it handled (`floodgate_sampled_body_chunks_total`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    lag: list[list[float]] = []
+    gc: dict[str, dict[str, Any]] = {}
+    chunks = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "floodgate_event_loop_lag_seconds":
+            lag = sorted([float(x.labels["le"]), float(x.value)] for x in fam.samples if x.name.endswith("_bucket"))
+        elif fam.name == "floodgate_gc_pause_seconds":
+            for x in fam.samples:
+                g = gc.setdefault(x.labels.get("generation", "?"), {"count": 0.0, "sum_s": 0.0, "buckets": []})
+                if x.name.endswith("_bucket"):
+                    g["buckets"].append([float(x.labels["le"]), float(x.value)])
+                elif x.name.endswith("_count"):
+                    g["count"] = float(x.value)
+                elif x.name.endswith("_sum"):
+                    g["sum_s"] = float(x.value)
+        elif fam.name == "floodgate_sampled_body_chunks":
+            chunks += sum(float(x.value) for x in fam.samples if x.name.endswith("_total"))
+    for g in gc.values():
+        g["buckets"].sort()
+    return {"loop_lag": lag, "gc": gc, "body_chunks": chunks}
 
 
 def engine_priority_counts(metrics_url: str) -> dict[str, int]:

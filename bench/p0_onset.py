@@ -153,6 +153,10 @@ class Result:
     limit_burst: float = 0.0  # time-weighted mean limit in the burst (static: the limit)
     limit_sparse: float = 0.0  # ... in the sparse-P0 phase
     limit_trace: list[tuple[float, int, int]] = field(default_factory=list)  # (t, limit, in-flight)
+    limit_recovery: float = 0.0  # ... in the recovery phase
+    sparse_goodput_tok_s: float = 0.0  # output tokens/s of sparse-phase arrivals within the SLO
+    sparse_over_tpot: int = 0  # sparse-phase arrivals admitted whose TPOT was over the SLO
+    sparse_admitted: int = 0
 
 
 def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 0,
@@ -345,6 +349,15 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
         if ttft <= slo_ttft and tpot <= slo_tpot:
             good += n
     sa, sb = win["sparse-p0"]
+    sparse_good = sparse_over = sparse_adm = 0
+    for i, r in enumerate(plan):
+        if sa <= r.t_offset < sb and outcome.get(i) == "admitted" and i in first:
+            sparse_adm += 1
+            n = count[i]
+            tpot = (last[i] - first[i]) / (n - 1) if n > 1 else 0.0
+            sparse_over += tpot > slo_tpot
+            if first[i] - r.t_offset <= slo_ttft and tpot <= slo_tpot:
+                sparse_good += n
     sparse = [first[i] - r.t_offset for i, r in enumerate(plan)
               if r.priority == 0 and sa <= r.t_offset < sb and i in first]
     pct = lambda v: float(np.percentile(v, 99)) if v else math.nan  # noqa: E731
@@ -362,7 +375,8 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
         return total / (hi - lo)
 
     return Result(remedy.name, limit, pct(p0_ttft), pct(p0_after), pct(p0_q), good / (b - a), rej, tmo,
-                  pct(sparse), p0_ttft, p1_ok, mean_limit(a, b), mean_limit(sa, sb), limit_trace)
+                  pct(sparse), p0_ttft, p1_ok, mean_limit(a, b), mean_limit(sa, sb), limit_trace,
+                  mean_limit(*win["recovery"]), sparse_good / (sb - sa), sparse_over, sparse_adm)
 
 
 _SHIPPED = (PoolConfig().onset_ramp_burst, PoolConfig().onset_ramp_rate)

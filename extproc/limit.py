@@ -323,6 +323,7 @@ def limit_for(pool: PoolConfig) -> WindowedLimit:
         inner = FixedLimit(c.initial)
     else:
         inner = VegasLimit(c.min, c.max, c.smoothing, c.probe_multiplier, c.rtt_tolerance, c.flavor,
-                           pool.latency_target() if c.flavor == "floodgate" else 0.0)
+                           pool.latency_target() if c.flavor == "floodgate" else 0.0,
+                           decrease_gain=c.decrease_gain if c.flavor == "floodgate" else 0.0)
     return WindowedLimit(inner, SampleWindow(c.window_min_samples, c.window_s, c.window_max_s),
                          fresh_only=c.mode == "vegas" and c.flavor == "floodgate" and c.rise_once_per_rtt)

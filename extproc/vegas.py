@@ -1,4 +1,4 @@
-"""The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus four fixes.
+"""The Vegas concurrency limit (pure), Netflix concurrency-limits semantics plus five fixes.
 
 Per sample (docs/admission.md, Vegas): queue = ceil(L * (1 - ref / rtt)) with ref = rtt_noload in Netflix's
 formula; lg = log10 of the truncated integer limit (at least 1); alpha = 3 lg, beta = 6 lg,
@@ -24,6 +24,14 @@ pool under sustained load:
   but not raise it: increases at most once per round trip, as TCP Vegas. LLM requests report
   seconds after admission while windows close every second; without this a burst raised the
   limit window after window before any request admitted at the raised limit had reported.
+* Decrease. Netflix lowers the limit by lg (2 from 100 to 999) per window however far the
+  queue estimate is above beta, so a limit that rose while the pool was app-limited (in flight
+  at least half of it, no latency) comes back down at ~2 per second while every window reads
+  a queue of 20-40: in the overload bench the sparse phase began at 150-170 and held ~140 in
+  flight against a goodput plateau of 112-136. Here (`decrease_gain` g > 0) it comes down by
+  max(lg, g x (queue - beta)) (`limit.decrease_gain`, 0.25): in proportion to how far past
+  the target the pool is, and still by lg near it, so at the knee it moves as before (0.5
+  came down faster but let noisy windows dip it below 80 % of the knee with 5 % 5xx).
 * Reference. ref = `target`, the latency the pool's SLO allows for the signal (config
   `limit.slo_target`), when the no-load latency is below it; tolerance x rtt_noload
   otherwise. An LLM engine's TPOT grows with batch size long before anything queues, and
@@ -66,6 +74,9 @@ class VegasLimit:
     tolerance: float = 1.0
     flavor: Literal["floodgate", "netflix"] = "floodgate"
     target: float = 0.0  # SLO latency of the signal that counts as no queue (0 = none)
+    # floodgate flavor: a window whose queue estimate is above beta lowers the limit by
+    # max(lg, decrease_gain x (queue - beta)) instead of lg (0 = Netflix's lg step).
+    decrease_gain: float = 0.0
 
     @property
     def adaptive(self) -> bool:
@@ -155,5 +166,9 @@ class VegasLimit:
         if queue < alpha:
             return limit + lg
         if queue > beta:
+            if self.flavor == "floodgate" and self.decrease_gain > 0:
+                # The queue estimate says how far past the target the pool is: come down in
+                # proportion, not by lg = 2 per window from 170 to a knee near 120.
+                return limit - max(lg, self.decrease_gain * (queue - beta))
             return limit - lg
         return limit

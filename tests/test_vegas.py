@@ -83,6 +83,22 @@ def test_large_queue_decreases_by_lg() -> None:
     assert s.limit == 98
 
 
+def test_a_large_queue_lowers_the_limit_in_proportion_to_its_excess() -> None:
+    p = VegasLimit(max_limit=1000, decrease_gain=0.25)
+    # queue = ceil(100 x (1 - 0.1 / 0.2)) = 50, beta = 12: down by 0.25 x 38 = 9.5, not lg = 2
+    assert p.update(base(100), Sample(rtt=0.2, inflight=100), 0.5).limit == pytest.approx(90.5)
+    # just above beta (queue 14): the proportional part is under lg, so lg as Netflix
+    rtt = 0.1 / (1 - 0.135)
+    assert p.update(base(100), Sample(rtt=rtt, inflight=100), 0.5).limit == 98
+    # the other branches are Netflix's: no queue raises by beta, between alpha and beta holds
+    assert p.update(base(100), Sample(rtt=0.1, inflight=100), 0.5).limit == 112
+    assert p.update(base(100), Sample(rtt=0.1 / (1 - 0.085), inflight=100), 0.5).limit == 100
+    # app-limited still holds, however large the queue
+    assert p.update(base(100), Sample(rtt=0.5, inflight=40), 0.5).limit == 100
+    # the Netflix flavor ignores the gain: lg per window
+    assert replace(p, flavor="netflix").update(base(100), Sample(rtt=0.2, inflight=100), 0.5).limit == 98
+
+
 def test_clamped_to_bounds() -> None:
     tight = VegasLimit(min_limit=5, max_limit=20)
     assert tight.update(base(18, 0.1), Sample(rtt=0.1, inflight=18), 0.5).limit == 20
@@ -237,8 +253,9 @@ def test_limit_for_reads_the_mode_once() -> None:
     assert isinstance(v, VegasLimit) and v.flavor == "floodgate" and v.target == pytest.approx(2.7)
     t = limit_for(PoolConfig(limit=LimitConfig(signal="tpot"))).delegate
     assert isinstance(t, VegasLimit) and t.target == pytest.approx(0.075)
+    assert v.decrease_gain == LimitConfig().decrease_gain > 0
     n = limit_for(PoolConfig(limit=LimitConfig(flavor="netflix", rtt_tolerance=1.0))).delegate
-    assert isinstance(n, VegasLimit) and n.target == 0.0
+    assert isinstance(n, VegasLimit) and n.target == 0.0 and n.decrease_gain == 0.0
 
 
 def test_empty_window_gives_nothing() -> None:
