@@ -62,10 +62,12 @@ from floodgate.extproc.picking import Picker
 from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
+    RAMP_CREDIT_S,
     RAMP_MIN_BURST,
     RAMP_MIN_RATE_S,
     DecayingRate,
     Reject,
+    ramp_credit,
     retry_after,
 )
 from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
@@ -675,7 +677,11 @@ class Admitter:
             new = follow_endpoints(rec.state, endpoints, c.min, c.max) if rt.follows_endpoints() else rec.state
             lift = rt.ceiling is None and rt.uncapped is not None
             new = lift_ceiling(new, rt.uncapped, endpoints, c.min, c.max) if lift else self._capped(rt, new, endpoints)
-            if new == rec.state or await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
+            # The growth new endpoints bring may be taken at once (policy.ramp_credit).
+            credit = ramp_credit(rec.state.limit, new.limit, rec.state.endpoints, endpoints) \
+                if rt.settings.ramp_rate > 0 else 0
+            if new == rec.state or await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new,
+                                                                            credit, RAMP_CREDIT_S)):
                 rt.endpoints_applied = endpoints
                 if lift:
                     rt.uncapped = None

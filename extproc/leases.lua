@@ -65,7 +65,8 @@ local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive
 -- one field "rate|ts|t0|n" and the level one field "level|ts" (`:p`, packed: fewer fields to
 -- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
 -- vegas_x) are read only by get_limit.
-local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p'}
+local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p',
+                      'ramp:x'}
 
 -- Parsed settings kept between calls (a library's upvalues live until it is reloaded), per
 -- settings key, checked against the `stamp` that `configure` writes with each new version.
@@ -92,6 +93,7 @@ local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for t
 local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
 local CALL_SNAP     -- `batch`: this call's reply carries a whole snapshot (later ones send only their own part)
 local RAMP          -- the onset ramp's bucket {tokens, ts} once brought to `now` in this call (nil: not yet)
+local RAMPX         -- new endpoints' ramp credit {tokens, until_ms} read in this call (false: none; nil: not yet)
 -- Numbers parsed once per call (tonumber of a string runs strtod twice; these were read per op):
 local LIM, ILIM     -- the limit as stored, and int_limit's; nil = not read yet (set_state('limit') drops them)
 local QSEQ          -- the queue sequence (state `seq`) as a number, written back by flush
@@ -181,6 +183,7 @@ local function flush()
       if ST_DIRTY[name] then ST[name] = string.format('%.14g|%d|%d|%d', r[1], r[2], r[3], r[4]) end
     end
     if ST_DIRTY['ramp:p'] and RAMP then ST['ramp:p'] = string.format('%.17g|%d', RAMP[1], RAMP[2]) end
+    if ST_DIRTY['ramp:x'] then ST['ramp:x'] = RAMPX and string.format('%.17g|%d', RAMPX[1], RAMPX[2]) or '' end
     local args = {}
     for f in pairs(ST_DIRTY) do table.insert(args, f) table.insert(args, ST[f]) end
     redis.call('HSET', K.state, unpack(args))
@@ -316,14 +319,35 @@ local function ramp_refill()
   ST_DIRTY['ramp:p'] = true  -- flush formats it
 end
 
+-- The ramp credit of endpoints that just turned active (set_limit's `credit`, policy.py
+-- `ramp_credit`): their slots are empty, so lower-class prompts routed to them queue ahead of
+-- no P0, and the growth of the limit they bring may be taken at once instead of at the ramp's
+-- rate. Tokens beside the bucket (grants take them first), never given back, gone at `until`.
+local function ramp_extra()
+  if RAMPX == nil then
+    local tk, u = string.match(state()['ramp:x'] or '', '^([^|]*)|([^|]*)$')
+    RAMPX = false
+    if tk and tonumber(u) > now and tonumber(tk) >= 1 then RAMPX = {tonumber(tk), tonumber(u)} end
+  end
+  return RAMPX and RAMPX[1] or 0
+end
+
 -- May class c (1-based) take a permit now as far as the ramp goes? P0 always; lower classes
 -- freely while no P0 is in flight.
 local function ramp_open(c, inflight)
-  return S.ramp_rate_ms <= 0 or c == 1 or inflight[1] == 0 or not RAMP or RAMP[1] >= 1
+  return S.ramp_rate_ms <= 0 or c == 1 or inflight[1] == 0 or not RAMP or RAMP[1] >= 1 or ramp_extra() >= 1
 end
 
 local function ramp_take(n)
-  if RAMP then RAMP[1] = RAMP[1] - n end
+  if not RAMP then return end
+  local x = ramp_extra()
+  if x >= 1 then
+    local k = math.min(n, math.floor(x))
+    RAMPX[1] = x - k
+    ST_DIRTY['ramp:x'] = true
+    n = n - k
+  end
+  RAMP[1] = RAMP[1] - n
 end
 
 local function ramp_give()
@@ -1020,6 +1044,11 @@ function OPS.set_limit(ARGV)
   local version = num(state().version, 0)
   if version ~= tonumber(ARGV[3]) then return {'ok', '0', 'version', tostring(version)} end
   ramp_refill()  -- accrued at the old limit up to now
+  local credit, credit_ms = tonumber(ARGV[9] or '0'), tonumber(ARGV[10] or '0')
+  if credit >= 1 and credit_ms > 0 and S.ramp_rate_ms > 0 then  -- endpoints turned active (ramp_extra)
+    RAMPX = {ramp_extra() + credit, now + credit_ms}
+    set_state('ramp:x', '')  -- flush formats it
+  end
   set_state('limit', ARGV[4])
   set_state('rtt_noload', ARGV[5])
   set_state('probe_count', ARGV[6])
@@ -1089,7 +1118,7 @@ local function main(KEYS, ARGV)
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, LIVE_UNTIL, DUE = nil, nil, nil, nil, nil, false, {}, {}, nil
   REG, CALL_SNAP = {}, false
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
-  RT, LVL_DONE, NO_CREDITORS, RAMP = {}, false, false, nil
+  RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX = {}, false, false, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
   local fake = redis.call('GET', K.testclock)
   if fake then

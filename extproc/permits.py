@@ -74,6 +74,10 @@ class PermitTable:
     ramp_min_burst: float = RAMP_MIN_BURST
     tokens: float | None = None
     tokens_ts: float = 0.0
+    # New endpoints' credit beside the bucket (set_limit's `credit`; leases.lua `ramp_extra`):
+    # tokens taken first, never given back, gone at `extra_until` (the caller's clock).
+    extra: float = 0.0
+    extra_until: float = -math.inf
     ttl: float = math.inf  # lease and gateway-liveness lifetime
     waiter_grace: float = 0.0  # a waiter past its deadline is reaped this much later
     leases: dict[str, Lease] = field(default_factory=dict)
@@ -143,11 +147,19 @@ class PermitTable:
                                       self.ramp_min_rate, self.ramp_min_burst)
             self.tokens_ts = now
 
-    def _ramp_open(self, cls: int, inflight: list[int] | tuple[int, int, int]) -> bool:
-        return self.ramp_rate <= 0 or not ramp_paces(cls, inflight) or (self.tokens or 0.0) >= 1
+    def _extra(self, now: float) -> float:
+        return self.extra if self.extra >= 1 and now < self.extra_until else 0.0
 
-    def _ramp_take(self, n: int = 1) -> None:
+    def _ramp_open(self, cls: int, inflight: list[int] | tuple[int, int, int], now: float) -> bool:
+        return self.ramp_rate <= 0 or not ramp_paces(cls, inflight) or (self.tokens or 0.0) >= 1 \
+            or self._extra(now) >= 1
+
+    def _ramp_take(self, now: float, n: int = 1) -> None:
         if self.ramp_rate > 0 and self.tokens is not None:
+            x = self._extra(now)
+            if x >= 1:
+                k = min(n, math.floor(x))
+                self.extra, n = x - k, n - k
             self.tokens -= n
 
     def _paced(self, cls: int, now: float, inflight: Sequence[int], head_deadline: float | None) -> bool:
@@ -187,7 +199,7 @@ class PermitTable:
             inflight, queued = list(self.inflight()), self.queued()
             for k in CLASSES:
                 if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
-                    if not self._ramp_open(k, inflight):
+                    if not self._ramp_open(k, inflight, now):
                         return granted  # paced: a lower class waits for a token (P0 went first)
                     if self._paced(k, now, inflight, self.queues[k][0].deadline):
                         continue  # a model's pacer holds this class: it stays queued
@@ -196,7 +208,7 @@ class PermitTable:
                         # no longer than its gateway's liveness (leases.lua: a crashed gateway's
                         # grants must not outlive it by a TTL)
                         self.leases[w.ticket] = Lease(k, w.gateway, w.seq, min(now + self.ttl, self.gateways[w.gateway]))
-                        self._ramp_take()
+                        self._ramp_take(now)
                         self._pacer_granted(k, now, inflight)
                         granted.append(w.ticket)
                     break
@@ -219,19 +231,19 @@ class PermitTable:
         ok = eligible(cls, self.limit, inflight, queued, self.shares, self.always, self.headroom) and not any(
             queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom)
             and not self._paced(k, now, inflight, self.queues[k][0].deadline)
-            for k in CLASSES if k <= cls) and self._ramp_open(cls, inflight) and not self._paced(cls, now, inflight, None)
+            for k in CLASSES if k <= cls) and self._ramp_open(cls, inflight, now) and not self._paced(cls, now, inflight, None)
         if not ok:
             self.creditors.clear()
             return False, [], woken
         self.leases[ticket] = Lease(cls, gateway, seq, now + self.ttl)
-        self._ramp_take()
+        self._ramp_take(now)
         self._pacer_granted(cls, now, inflight)
         extra: list[str] = []
         if credits > 0 and sum(queued) == 0:
             n = min(credits, self.limit // 2 - (sum(inflight) + 1))
             if self.ramp_rate > 0 and ramp_paces(1, self.inflight()):  # credits admit any class later
                 n = min(n, math.floor(self.tokens or 0.0))
-            self._ramp_take(max(0, n))
+            self._ramp_take(now, max(0, n))
             for i in range(1, n + 1):
                 extra.append(f"{ticket}:c{i}")
                 self.leases[extra[-1]] = Lease(1, gateway, seq, now + self.ttl)
@@ -324,8 +336,11 @@ class PermitTable:
         self.reclaim(now)
         return self.grant(now)
 
-    def set_limit(self, limit: int, now: float) -> list[str]:
+    def set_limit(self, limit: int, now: float, credit: int = 0, credit_for: float = 0.0) -> list[str]:
+        """`credit` (policy.ramp_credit): growth lower classes may take at once for `credit_for`."""
         self._ramp(now)
+        if credit >= 1 and credit_for > 0 and self.ramp_rate > 0:
+            self.extra, self.extra_until = self._extra(now) + credit, now + credit_for
         self.limit = max(1, limit)
         return self.grant(now)
 

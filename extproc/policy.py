@@ -88,6 +88,24 @@ RAMP_MIN_BURST = 8.0  # a small limit still lets a few lower-class requests in a
 RAMP_MIN_RATE_S = 8.0
 
 
+# Endpoints that just turned active have empty slots: lower-class prompts routed to them
+# (the picker sends each request to the least-loaded endpoint) queue ahead of no P0, so the
+# growth of the limit they bring is a credit lower classes may take at once, beside the
+# bucket, for this long (leases.lua `ramp_extra`). Paced at the ramp's rate instead, the
+# elastic bench's pool took ~3 s to fill the replicas that came up after its first burst's cold
+# start (in-flight 38 -> 57 at ~8 per second with 13-29 permits free) while sheddable requests,
+# told at once when paced, were turned away.
+RAMP_CREDIT_S = 2.0
+
+
+def ramp_credit(old_limit: float, new_limit: float, old_endpoints: int, new_endpoints: int) -> int:
+    """The onset ramp's credit for a limit change: the permits it adds when the active endpoint
+    count grew (from a known count), else 0 (a limit Vegas raised is paced as before)."""
+    if old_endpoints <= 0 or new_endpoints <= old_endpoints:
+        return 0
+    return max(0, math.floor(new_limit) - math.floor(old_limit))
+
+
 def ramp_burst(limit: int, burst_share: float, min_burst: float = RAMP_MIN_BURST) -> float:
     """Most tokens the bucket holds: the growth allowed at once."""
     return max(min_burst, burst_share * limit)

@@ -299,10 +299,17 @@ class PoolState:
             st = replace(st, endpoints=int(x[3]))
         return LimitRecord(st, int(f["version"]))
 
-    async def set_limit(self, expected_version: int, st: VegasState) -> bool:
-        f = parse_fields(await self._run("set_limit", expected_version, repr(st.limit), repr(st.rtt_noload),
-                                         st.probe_count, repr(st.probe_jitter),
-                                         f"{st.noload_inflight},{st.epoch_rtt!r},{st.epoch_inflight},{st.endpoints}"))
+    async def set_limit(self, expected_version: int, st: VegasState, ramp_credit: int = 0,
+                        credit_s: float = 0.0) -> bool:
+        """Compare-and-set the limit. `ramp_credit` (with the onset ramp on): growth lower
+        classes may take at once for `credit_s`, beside the ramp's bucket (policy.ramp_credit:
+        endpoints that just turned active)."""
+        args: list[object] = [expected_version, repr(st.limit), repr(st.rtt_noload), st.probe_count,
+                              repr(st.probe_jitter),
+                              f"{st.noload_inflight},{st.epoch_rtt!r},{st.epoch_inflight},{st.endpoints}"]
+        if ramp_credit >= 1 and credit_s > 0:
+            args += [int(ramp_credit), max(1, round(credit_s * 1000))]
+        f = parse_fields(await self._run("set_limit", *args))
         return f["ok"] == "1"
 
     async def add_demand(self, counts: dict[tuple[int, str], int]) -> None:

@@ -175,9 +175,11 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
             limit = rng.choice([1, 2, 4, 8])
             rec = await st.get_limit()
             assert rec.version == version
-            assert await st.set_limit(version, VegasState(limit=float(limit)))
+            # now and then with the onset ramp's credit of endpoints that turned active
+            credit, credit_ms = (rng.choice([1, 2, 5]), rng.choice([1000, 3000])) if rng.random() < 0.3 else (0, 0)
+            assert await st.set_limit(version, VegasState(limit=float(limit)), credit, credit_ms / 1000)
             version += 1
-            model.set_limit(limit, now)
+            model.set_limit(limit, now, credit, credit_ms)
         elif op == "time":
             now += rng.choice([100, 900, 1500, 3500])
             await client.set(clock, now)
@@ -207,6 +209,7 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
             model.gateways.clear()
             model.creditors.clear()
             model.tokens = None  # the bucket went with the state: full again
+            model.extra = 0.0  # and the ramp's credit
             model.limit = limit = st.settings.initial_limit if st.settings else limit
             version = 0
             for g, (held, waiting) in holders.items():
