@@ -75,6 +75,7 @@ from floodgate.extproc.registry import parse_ceiling
 from floodgate.extproc.schema import (
     ACTIVE,
     CTL_CEILING,
+    REGISTRY_CHANGED,
     PoolSettings,
     PoolStatus,
     gateway_channel,
@@ -161,6 +162,7 @@ class PoolRuntime:
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
     ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
     uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
+    registry_due: bool = False  # the controller said the registry changed (schema.REGISTRY_CHANGED): read it now
 
     def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
@@ -732,6 +734,10 @@ class Admitter:
                             rt.queue_clear = False
                             self._return_credits(rt)
                             continue
+                        if ticket == REGISTRY_CHANGED:  # the sync loop reads the registry at once
+                            rt.registry_due = True
+                            rt.wake.set()
+                            continue
                         self._granted(rt, ticket, endpoint)
             except asyncio.CancelledError:
                 raise
@@ -796,6 +802,9 @@ class Admitter:
                 last_tick = now
                 with contextlib.suppress(RedisDown):
                     await self._tick(rt)
+            elif rt.registry_due:
+                with contextlib.suppress(RedisDown):
+                    await self._refresh_registry(rt)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rt.wake.wait(), min(1.0, interval))
             rt.wake.clear()
@@ -836,6 +845,18 @@ class Admitter:
             self._return_credits(rt)
         rt.credit_uses = 0
         self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
+        await self._refresh_registry(rt)
+        if rt.demand:
+            counts, rt.demand = dict(rt.demand), Counter()
+            try:
+                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
+            except RedisDown:
+                rt.demand.update(counts)
+
+    async def _refresh_registry(self, rt: PoolRuntime) -> None:
+        """The active endpoints and the controller's ceiling; the limit follows them. Every
+        status tick, and at once when the controller says they changed (`registry_due`)."""
+        rt.registry_due = False
         if rt.picker.enabled:
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
@@ -847,12 +868,6 @@ class Admitter:
             lifted = rt.ceiling is None and rt.uncapped is not None and n > 0
             if (rt.follows_endpoints() and n and n != rt.endpoints_applied) or over or lifted:
                 await self._follow_endpoints(rt, n)
-        if rt.demand:
-            counts, rt.demand = dict(rt.demand), Counter()
-            try:
-                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
-            except RedisDown:
-                rt.demand.update(counts)
 
 
 def _failed(fut: asyncio.Future[str]) -> bool:

@@ -10,13 +10,25 @@ the processor-side picking in `picking.py`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from floodgate.extproc.schema import ACTIVE, CTL_CEILING, ENDPOINTS, EPINF, key
+from floodgate.extproc.schema import (
+    ACTIVE,
+    CTL_CEILING,
+    ENDPOINTS,
+    EPINF,
+    REGISTRY_CHANGED,
+    gateway_channel,
+    key,
+)
+from redis.exceptions import RedisError, ResponseError
+
+log = logging.getLogger("floodgate.registry")
 
 STATES = ("loading", "warm", "active", "draining", "sleeping")
 
@@ -39,6 +51,7 @@ class Registry:
         self.k_active = key(pool, ACTIVE)
         self.k_epinf = key(pool, EPINF)
         self.k_ceiling = key(pool, CTL_CEILING)
+        self.k_gws = key(pool, "gws")
 
     async def set(self, endpoint: str, state: str, replica_id: str, meta: dict[str, Any] | None = None) -> None:
         """Record an endpoint's state; only `active` endpoints receive new requests."""
@@ -52,13 +65,37 @@ class Registry:
                 pipe.sadd(self.k_active, endpoint)
             else:
                 pipe.srem(self.k_active, endpoint)
-            await pipe.execute()
+            _, changed = await pipe.execute()
+        if changed:
+            await self.notify()
 
     async def remove(self, endpoint: str) -> None:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hdel(self.k_endpoints, endpoint)
             pipe.srem(self.k_active, endpoint)
-            await pipe.execute()
+            _, changed = await pipe.execute()
+        if changed:
+            await self.notify()
+
+    async def notify(self) -> int:
+        """Tell the pool's processors that the active set or the ceiling changed: `pool|!registry`
+        on each live gateway's channel (schema.gateway_channel, the channel its grants come on),
+        so they read the registry now instead of at their next once-a-second refresh. A new
+        active replica serves only once the processors route to it (and count it under the
+        ceiling): up to a second of its capacity was lost at every promotion. Best effort:
+        a message that does not arrive leaves the refresh. Returns the processors reached."""
+        msg = f"{self.pool}|{REGISTRY_CHANGED}"
+        reached = 0
+        try:
+            for gw in await self.client.zrange(self.k_gws, 0, -1):
+                ch = gateway_channel(gw.decode() if isinstance(gw, bytes) else str(gw), self.pool)
+                try:
+                    reached += int(await self.client.spublish(ch, msg))
+                except ResponseError:  # Redis 6: no sharded pub/sub (the processors SUBSCRIBE)
+                    reached += int(await self.client.publish(ch, msg))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("registry notify of pool %s failed: %s", self.pool, exc)
+        return reached
 
     async def inflight(self, endpoint: str) -> int:
         v = await self.client.hget(self.k_epinf, endpoint)
@@ -79,10 +116,13 @@ class Registry:
 
     async def set_ceiling(self, per_endpoint: float, ttl_s: float) -> None:
         """Publish the admission ceiling (concurrent requests per active endpoint) for `ttl_s`."""
-        await self.client.set(self.k_ceiling, repr(float(per_endpoint)), px=max(1, round(ttl_s * 1000)))
+        old = await self.client.set(self.k_ceiling, repr(float(per_endpoint)), px=max(1, round(ttl_s * 1000)), get=True)
+        if parse_ceiling(old) != parse_ceiling(repr(float(per_endpoint))):
+            await self.notify()
 
     async def clear_ceiling(self) -> None:
-        await self.client.delete(self.k_ceiling)
+        if await self.client.delete(self.k_ceiling):
+            await self.notify()
 
     async def ceiling(self) -> float | None:
         """The published per-endpoint ceiling; None when no controller publishes one."""

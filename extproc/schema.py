@@ -71,6 +71,11 @@ def script_keys(pool: str) -> list[str]:
     return [key(pool, name) for name in SCRIPT_KEYS]
 
 
+# The message a gateway's channel carries when the registry's active set or the controller's
+# ceiling changed (`pool|!registry`; registry.Registry.notify): refresh them now.
+REGISTRY_CHANGED = "!registry"
+
+
 def gateway_channel(gateway_id: str, pool: str) -> str:
     """Pub/sub channel of one processor for one pool: grants (`pool|ticket|endpoint`) and credit
     recalls. It carries the pool's hash tag, so on a Cluster it is in the pool's slot and the
