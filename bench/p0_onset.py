@@ -26,7 +26,8 @@ With `--vegas` the limit is no longer fixed: the shipped Vegas (`limit_for`, fro
 is fed every finished request as the processor feeds it (`sample_rate` of them with their latency
 from admission, at most `max_sampled` measured at once, the in-flight at the finish), so its
 climb, its burst and sparse-phase levels and their effect on P0 can be explored across seeds
-(`--trace` prints every limit change); JSON overrides LimitConfig fields.
+(`--trace` prints every limit change); JSON overrides LimitConfig fields, e.g.
+`--vegas '{"decrease_gain": 0}'` for Netflix's lg step instead of the proportional decrease.
 
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3
     python -m floodgate.bench.p0_onset --vegas --only shipped-ramp --seeds 1 2 3 4
@@ -423,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         vegas = base.model_copy(update={"limit": base.limit.model_copy(update=json.loads(args.vegas))})
         args.limit = [vegas.limit.initial]
     print("| remedy | limit | seed | P0 TTFT p99 burst ms | after 2 s | P0 queue p99 ms | burst goodput tok/s | "
-          "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms | limit burst / sparse |")
+          "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms | limit burst / recovery / sparse | "
+          "sparse goodput tok/s | sparse TPOT > SLO (of admitted) |")
     for seed in args.seeds:
         w = Workload(seed=seed) if args.mix is None else Workload(seed=seed, priority_shares=tuple(args.mix))
         for limit in args.limit:
@@ -442,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r.p0_ttft_p99_after2_s * 1000:.0f} | {r.p0_queue_p99_burst_s * 1000:.0f} | "
                       f"{r.goodput_burst_tok_s:.0f} | "
                       + "/".join(f"{r.rejected_burst[k]}({r.timeouts_burst[k]})" for k in CLASSES)
-                      + f" | {r.p0_sparse_p99_s * 1000:.0f} | {r.limit_burst:.0f} / {r.limit_sparse:.0f} |",
+                      + f" | {r.p0_sparse_p99_s * 1000:.0f} | {r.limit_burst:.0f} / {r.limit_recovery:.0f} / "
+                      f"{r.limit_sparse:.0f} | {r.sparse_goodput_tok_s:.0f} | {r.sparse_over_tpot} ({r.sparse_admitted}) |",
                       flush=True)
 
 
