@@ -7,7 +7,7 @@ here, so only the message can make it see a change."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,6 +26,23 @@ async def _until(cond: Callable[[], bool], what: str, tries: int = 1000) -> None
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"never: {what}")
+
+
+async def _until_async(cond: Callable[[], Awaitable[bool]], what: str, tries: int = 1000) -> None:
+    for _ in range(tries):
+        if await cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+async def _limit(rt: Any, *, endpoints: int | None = None, limit: float | None = None) -> bool:
+    st = (await rt.state.get_limit()).state
+    return (endpoints is None or st.endpoints == endpoints) and (limit is None or st.limit == limit)
+
+
+async def _reached(reg: Registry) -> bool:
+    return await reg.notify() == 1
 
 
 async def test_processors_read_the_registry_when_told(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,16 +71,14 @@ async def test_processors_read_the_registry_when_told(stack: LocalStack, monkeyp
         await _until(lambda: len(ticks) > 0, "the sync loop runs the patched tick")
         # The processor must be subscribed before a message can reach it: the gateway is in
         # `gws` once it synced, and its channel counts a subscriber once the pub/sub loop runs.
-        for _ in range(500):
-            if await reg.notify() == 1:
-                break
-            await asyncio.sleep(0.02)
+        await _until_async(lambda: _reached(reg), "the processor subscribed", tries=3000)
         await reg.set("10.0.0.3:8000", "active", "r3")  # a promotion
         await _until(lambda: len(ra.picker.active) == 3, "the promoted endpoint")
-        assert (await ra.state.get_limit()).state.endpoints == 3  # the limit followed it
+        # the limit follows it (the picker is updated first, the limit's compare-and-set after)
+        await _until_async(lambda: _limit(ra, endpoints=3), "the limit sized for 3 endpoints")
         await reg.set_ceiling(5.0, 30)  # under the limit (16 x 3 / 2 = 24): it caps
         await _until(lambda: ra.ceiling == pytest.approx(15.0), "the published ceiling")
-        assert (await ra.state.get_limit()).state.limit == pytest.approx(15.0)
+        await _until_async(lambda: _limit(ra, limit=15.0), "the limit capped at 5 x 3")
         await reg.set("10.0.0.1:8000", "draining", "r1")  # leaves the active set
         await _until(lambda: len(ra.picker.active) == 2, "the draining endpoint gone")
         await reg.clear_ceiling()
