@@ -7,11 +7,16 @@ import inspect
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from floodgate.extproc.state import PoolStatus, read_pool_status, redis_client
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from floodgate.extproc.admission import Admitter
+    from floodgate.extproc.redis_client import AnyRedis
+    from floodgate.extproc.registry import Registry
 
 
 @dataclass
@@ -86,3 +91,22 @@ async def drained(redis_url: str, timeout: float = 10.0) -> PoolStatus:
         return st.inflight_total == 0 and st.queued_total == 0
     await wait_until(idle, timeout)
     return await pool_status(redis_url)
+
+
+def picking_admitter(url: str, client: AnyRedis, initial: int, pool: str = "f") -> Admitter:
+    """A processor (gateway `a`) for one pool that picks endpoints and runs Vegas from `initial`,
+    reading the registry every 50 ms: the set-up of the tests where the limit follows the
+    active endpoints."""
+    from floodgate.extproc.admission import Admitter
+    from floodgate.extproc.config import Config
+
+    cfg = Config.model_validate({
+        "redis": {"url": url, "poll_interval_s": 0.05},
+        "pools": [{"name": pool, "endpoint_picking": True, "limit": {"mode": "vegas", "initial": initial, "min": 1}}]})
+    return Admitter(cfg, client, gateway_id="a")
+
+
+async def activate(reg: Registry, first: int, last: int) -> None:
+    """Endpoints 10.0.0.<i>:8000 (replica r<i>) for i in first..last turn active."""
+    for i in range(first, last + 1):
+        await reg.set(f"10.0.0.{i}:8000", "active", f"r{i}")

@@ -23,6 +23,7 @@ from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
 from tests.controller.conftest import FakeClock, signals, views
+from tests.helpers import activate, picking_admitter
 
 
 def test_ceiling_turns_on_above_what_it_lets_the_active_hold_and_off_within_their_capacity() -> None:
@@ -71,8 +72,7 @@ async def test_controller_ceiling_caps_the_processor_limit(stack: LocalStack) ->
     latency sample cannot raise it past, a new active endpoint raises the cap with the limit,
     a request over the cap waits in Floodgate's queue, and once the controller takes the
     ceiling back the limit returns to its level per endpoint before the cap."""
-    from floodgate.extproc.admission import Admitter, Permit
-    from floodgate.extproc.config import Config
+    from floodgate.extproc.admission import Permit
 
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
@@ -96,15 +96,11 @@ async def test_controller_ceiling_caps_the_processor_limit(stack: LocalStack) ->
     assert await reg.ceiling() == pytest.approx(4.5)  # 3 per replica x 1.5
     assert 0 < await c.pttl(reg.k_ceiling) <= 30_000
 
-    cfg = Config.model_validate({
-        "redis": {"url": url, "poll_interval_s": 0.05},
-        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 40, "min": 1}}]})
-    a = Admitter(cfg, c, gateway_id="a")
+    a = picking_admitter(url, c, 40)
     waiter: asyncio.Task[Any] | None = None
     held: list[Any] = []
     try:
-        await reg.set("10.0.0.1:8000", "active", "r1")
-        await reg.set("10.0.0.2:8000", "active", "r2")
+        await activate(reg, 1, 2)
         await a.start()
         ra = a.pools["f"]
         await a._tick(ra)

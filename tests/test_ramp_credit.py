@@ -15,6 +15,7 @@ from floodgate.extproc.schema import key
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
+from tests.helpers import activate, picking_admitter
 from tests.test_ramp import arrive
 
 
@@ -56,21 +57,16 @@ async def test_processor_credits_new_endpoints_to_the_ramp(stack: LocalStack) ->
     next one is turned away at once: paced, and it would rather be told than wait). Two more
     endpoints turn active: the processor scales the limit with them (16 -> 32) and the 16
     permits they bring are admitted at once, with no time passing on the script's clock."""
-    from floodgate.extproc.admission import Admitter, Permit
-    from floodgate.extproc.config import Config
+    from floodgate.extproc.admission import Permit
 
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     reg = Registry(c, "f")
     await c.set(key("f", "testclock"), 1_000_000)  # the ramp's bucket accrues nothing meanwhile
-    cfg = Config.model_validate({
-        "redis": {"url": url, "poll_interval_s": 0.05},
-        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 16, "min": 1}}]})
-    a = Admitter(cfg, c, gateway_id="a")
+    a = picking_admitter(url, c, 16)
     held: list[Any] = []
     try:
-        await reg.set("10.0.0.1:8000", "active", "r1")
-        await reg.set("10.0.0.2:8000", "active", "r2")
+        await activate(reg, 1, 2)
         await a.start()
         ra = a.pools["f"]
         await a._tick(ra)
@@ -79,8 +75,7 @@ async def test_processor_credits_new_endpoints_to_the_ramp(stack: LocalStack) ->
         got = [await a.admit("f", 2, "t") for _ in range(8)]
         held += [p for p in got if isinstance(p, Permit)]
         assert len(held) == 8 and isinstance(got[-1], Reject)  # 1 P0 + 7 of the bucket's 8
-        await reg.set("10.0.0.3:8000", "active", "r3")
-        await reg.set("10.0.0.4:8000", "active", "r4")
+        await activate(reg, 3, 4)
         await a._tick(ra)
         assert (await ra.state.get_limit()).state.limit == 32.0
         got = [await a.admit("f", 2, "t") for _ in range(20)]

@@ -16,6 +16,7 @@ from floodgate.extproc.state import redis_client
 
 from floodgate.redis_topology import ClusterTopology
 from floodgate.stack import LocalStack
+from tests.helpers import activate, picking_admitter
 from tests.redis_topologies import cluster  # noqa: F401 - fixture
 
 
@@ -46,19 +47,12 @@ async def _reached(reg: Registry) -> bool:
 
 
 async def test_processors_read_the_registry_when_told(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
-    from floodgate.extproc.admission import Admitter
-    from floodgate.extproc.config import Config
-
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     reg = Registry(c, "f")
-    cfg = Config.model_validate({
-        "redis": {"url": url, "poll_interval_s": 0.05},
-        "pools": [{"name": "f", "endpoint_picking": True, "limit": {"mode": "vegas", "initial": 16, "min": 1}}]})
-    a = Admitter(cfg, c, gateway_id="a")
+    a = picking_admitter(url, c, 16)
     try:
-        await reg.set("10.0.0.1:8000", "active", "r1")
-        await reg.set("10.0.0.2:8000", "active", "r2")
+        await activate(reg, 1, 2)
         await a.start()
         ra = a.pools["f"]
         await _until(lambda: len(ra.picker.active) == 2, "the first refresh")
