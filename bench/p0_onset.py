@@ -331,6 +331,11 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     good = 0
     rej: dict[int, int] = {0: 0, 1: 0, 2: 0}
     tmo: dict[int, int] = {0: 0, 1: 0, 2: 0}
+
+    def tpot_of(i: int) -> float:  # seconds per output token after the first
+        n = count[i]
+        return (last[i] - first[i]) / (n - 1) if n > 1 else 0.0
+
     for i, r in enumerate(plan):
         if not a <= r.t_offset < b:
             continue
@@ -345,20 +350,17 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
             p0_q.append(admitted_at[i] - r.t_offset)
             if r.t_offset >= a + 2:
                 p0_after.append(ttft)
-        n = count[i]
-        tpot = (last[i] - first[i]) / (n - 1) if n > 1 else 0.0
-        if ttft <= slo_ttft and tpot <= slo_tpot:
-            good += n
+        if ttft <= slo_ttft and tpot_of(i) <= slo_tpot:
+            good += count[i]
     sa, sb = win["sparse-p0"]
     sparse_good = sparse_over = sparse_adm = 0
     for i, r in enumerate(plan):
         if sa <= r.t_offset < sb and outcome.get(i) == "admitted" and i in first:
             sparse_adm += 1
-            n = count[i]
-            tpot = (last[i] - first[i]) / (n - 1) if n > 1 else 0.0
+            tpot = tpot_of(i)
             sparse_over += tpot > slo_tpot
             if first[i] - r.t_offset <= slo_ttft and tpot <= slo_tpot:
-                sparse_good += n
+                sparse_good += count[i]
     sparse = [first[i] - r.t_offset for i, r in enumerate(plan)
               if r.priority == 0 and sa <= r.t_offset < sb and i in first]
     pct = lambda v: float(np.percentile(v, 99)) if v else math.nan  # noqa: E731
