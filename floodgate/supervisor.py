@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,9 +23,36 @@ from pathlib import Path
 
 from floodgate.binaries import envoy_binary, redis_server_binary
 
+_HANDED_OUT: set[int] = set()  # ports free_port returned in this process (a child may not have bound one yet)
+_PORTS = random.SystemRandom()  # independent of any seeding of `random` by the caller
+
+
+def _ephemeral_low() -> int:
+    """Start of the kernel's range for the source ports of outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS starts at 49152
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on, for a child process to bind. Chosen below the ephemeral range:
+    a port that bind(0) hands out lies in it, where the kernel also picks the source port of
+    every outgoing connection, so a client socket could take it before the child bound it (a
+    fresh-clone CI run lost an Envoy to `Address already in use` that way)."""
+    lo, hi = 20000, min(_ephemeral_low(), 32768)
+    for _ in range(200 if hi - lo >= 1000 else 0):
+        port = _PORTS.randrange(lo, hi)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
