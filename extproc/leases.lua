@@ -1060,8 +1060,10 @@ function OPS.set_limit(ARGV)
 end
 
 -- The ops a processor may batch into one call (`batch`).
+-- `sync` too: a renewal made before a release must not reach Redis after it (it would lease
+-- the released permit again, for nobody, until its TTL).
 local BATCHABLE = {acquire = OPS.acquire, admit = OPS.admit, enqueue = OPS.enqueue, cancel = OPS.cancel,
-                   release = OPS.release, return_credits = OPS.return_credits}
+                   release = OPS.release, return_credits = OPS.return_credits, sync = OPS.sync}
 
 function OPS.batch(ARGV)
   -- The admission calls a processor made in one event-loop turn, run in order in one call:

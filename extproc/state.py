@@ -10,8 +10,8 @@ and persisted with the data, so a promoted replica has it. A server that answers
 found" (a restart without persistence, a new Cluster node, FUNCTION FLUSH) gets the library
 loaded again (on a Cluster: on every primary) and the call retried; a server without Functions
 (Redis 6) runs the same source as an EVALSHA script (redis-py's `Script` reloads it on
-NOSCRIPT). The admission calls of one pool (acquire, admit, enqueue, cancel, release,
-return_credits) that a processor makes while a call is in the air go together as one `batch`
+NOSCRIPT). The admission calls of one pool (acquire, admit, enqueue, cancel, release, the renewal
+`sync`, return_credits) that a processor makes while a call is in the air go together as one `batch`
 call, sent in order once the previous one has answered: one round trip and one read of the
 pool's state for all of them, and a grant to one of this processor's own waiters comes back in
 that reply instead of as a pub/sub message. The library's name carries a hash of the source, so processors of two versions
@@ -119,7 +119,10 @@ class SyncResult:
     dropped: int  # this gateway's leases/waiters nobody holds any more (abandoned calls, outages)
 
 
-BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits"})
+# `sync` rides with them so that one processor's writes to a pool reach Redis in the order it
+# made them: a renewal sent beside a batch could land after a release made later and lease the
+# released permit again (a phantom until its TTL).
+BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits", "sync"})
 
 _Pending = tuple[str, Sequence[Any], "asyncio.Future[Any]"]
 
