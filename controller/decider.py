@@ -191,6 +191,10 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
             slot = dm.update_slot(slot, now, mean, off.admitted_total, cfg.demand)
         slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else None
         est = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
+        # Up on the short window too (Knative's panic window), never down on it; sized with
+        # the averaged slot time where there is one (this tick's ratio scatters, and reads
+        # long while a lumpy admitted counter lags), as the burst estimate is.
+        lacking = max(lacking, dm.scale_up_lacking(dwin, now, cfg.demand, slot_s or service_s))
         burst, burst_low = est.size, est.low
     prior = cfg.policy.target_concurrency
     cstate = state.capacity

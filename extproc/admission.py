@@ -76,6 +76,7 @@ from floodgate.extproc.schema import (
     ACTIVE,
     CTL_CEILING,
     REGISTRY_CHANGED,
+    TURNED_AWAY,
     PoolSettings,
     PoolStatus,
     gateway_channel,
@@ -91,6 +92,10 @@ log = logging.getLogger("floodgate.admission")
 T = TypeVar("T")
 
 PRIORITY_LABELS = ("0", "1", "2")
+# While a processor turns requests away, its demand counters reach Redis within this (the
+# controller's scale-up reads them; controller/demand.py), instead of with the once-a-second
+# status tick: at most four extra pipelined HINCRBY writes per second per pool and process.
+DEMAND_FLUSH_S = 0.25
 
 
 def tenant_cap(c: ClassConfig) -> int:
@@ -146,6 +151,8 @@ class PoolRuntime:
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
+    demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
+    demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
     held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
@@ -563,6 +570,37 @@ class Admitter:
 
     def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
         rt.demand[(cls, outcome)] += 1
+        if outcome in TURNED_AWAY:
+            self._demand_soon(rt)
+
+    def _demand_soon(self, rt: PoolRuntime) -> None:
+        """A request was turned away: the controller sizes scale-up from these counters
+        (controller/demand.py), so they go to Redis within `DEMAND_FLUSH_S`, not with the next
+        status tick (up to a second later). At most one write per `DEMAND_FLUSH_S` per pool and
+        process, and none while nothing is turned away (the tick writes the rest)."""
+        if rt.demand_flush_due or rt.degraded or self._closing:
+            return
+        rt.demand_flush_due = True
+        self.spawn(self._flush_demand_soon(rt))
+
+    async def _flush_demand_soon(self, rt: PoolRuntime) -> None:
+        try:
+            await asyncio.sleep(max(0.0, min(DEMAND_FLUSH_S, rt.demand_flushed_at + DEMAND_FLUSH_S - self.clock())))
+            if not rt.degraded and not self._closing:
+                await self._flush_demand(rt)
+        finally:
+            rt.demand_flush_due = False
+
+    async def _flush_demand(self, rt: PoolRuntime) -> None:
+        """Add the counts since the last write to the pool's demand counters in Redis (kept for
+        the next write when Redis is down)."""
+        rt.demand_flushed_at = self.clock()
+        if rt.demand:
+            counts, rt.demand = dict(rt.demand), Counter()
+            try:
+                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
+            except RedisDown:
+                rt.demand.update(counts)
 
     def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject) -> None:
         # Label lookups cost more than the increments: keep the children.
@@ -575,6 +613,7 @@ class Admitter:
         else:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
             rt.demand[(priority, result.reason)] += 1
+            self._demand_soon(rt)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key_ = (id(metric), labels)
@@ -846,12 +885,7 @@ class Admitter:
         rt.credit_uses = 0
         self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
         await self._refresh_registry(rt)
-        if rt.demand:
-            counts, rt.demand = dict(rt.demand), Counter()
-            try:
-                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
-            except RedisDown:
-                rt.demand.update(counts)
+        await self._flush_demand(rt)
 
     async def _refresh_registry(self, rt: PoolRuntime) -> None:
         """The active endpoints and the controller's ceiling; the limit follows them. Every

@@ -28,10 +28,11 @@ from floodgate.extproc.policy import (
     certain_reject,
     credit_admits,
     queue_decision,
+    ramp_refill_rate,
     retry_after,
     timeout_reject,
 )
-from floodgate.extproc.schema import PoolStatus
+from floodgate.extproc.schema import PoolSettings, PoolStatus
 
 if TYPE_CHECKING:
     from floodgate.extproc.admission import Admitter, PoolRuntime
@@ -97,13 +98,15 @@ class Backend(Protocol):
 Rates = tuple[float, float, float]
 
 
-def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None, ramp: bool = False) -> Snapshot:
-    """`arrivals`: (the arrival rates per class, the fast-reacting ones); `ramp`: the onset
-    ramp is on."""
+def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
+              settings: PoolSettings | None = None) -> Snapshot:
+    """`arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
+    pool's (the onset ramp's)."""
+    refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
-                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=ramp)
+                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=refill > 0, ramp_refill=refill)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -128,7 +131,7 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings.ramp_rate > 0) if last is not None else None
+        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -182,7 +185,7 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings.ramp_rate > 0), rt.cfg.classes,
+            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings), rt.cfg.classes,
                                       a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             if st.enqueued:
@@ -225,7 +228,7 @@ class SharedBackend:
                 pass  # the queue entry goes with the next sync
             # Retry-After from the freshest state seen (the status loop's), not from enqueue time.
             fresh = rt.last_status or st
-            return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh), rt.settings.ramp_rate > 0), rt.cfg.classes,
+            return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh), rt.settings), rt.cfg.classes,
                                   a.cfg.admission, a.rng())
         except asyncio.CancelledError:
             # Client went away while queued (or shutdown): leave the queue, or hand back a

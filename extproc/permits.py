@@ -23,6 +23,7 @@ from floodgate.extproc.policy import (
     ramp_burst,
     ramp_paces,
     ramp_refill,
+    ramp_refill_rate,
 )
 
 
@@ -123,6 +124,7 @@ class PermitTable:
                         tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
                         release_n=release_n, inflight_avg=inflight_avg, arrival_rates=arrival_rates,
                         arrival_rates_fast=arrival_rates_fast, ramp=self.ramp_rate > 0,
+                        ramp_refill=ramp_refill_rate(self.limit, self.ramp_rate, self.ramp_min_rate),
                         class_rate=class_rates[cls] if class_rates else 0.0,
                         class_rates=class_rates or (0.0, 0.0, 0.0),
                         head_left=head, tail_left=tail)  # type: ignore[arg-type]

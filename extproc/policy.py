@@ -122,6 +122,11 @@ def ramp_refill(tokens: float | None, ts: float, now: float, limit: int, burst_s
     return min(burst, tokens + max(min_rate, limit * rate_share) * max(0.0, now - ts))
 
 
+def ramp_refill_rate(limit: float, rate_share: float, min_rate: float = RAMP_MIN_RATE_S) -> float:
+    """Tokens per second the bucket accrues at this limit (0 with the ramp off)."""
+    return max(min_rate, rate_share * limit) if rate_share > 0 else 0.0
+
+
 def ramp_paces(cls: int, inflight: Sequence[int]) -> bool:
     """Is a grant to class `cls` subject to the ramp now? Lower classes, while P0 is in flight
     (without P0 traffic there is nothing to protect, and an idle pool's spike goes in at once)."""
@@ -213,6 +218,9 @@ class Snapshot:
     # The onset ramp is on (`PoolConfig.onset_ramp_rate` > 0): while P0 is in flight a free
     # permit reaches a lower class only when the ramp's bucket has a token for it.
     ramp: bool = False
+    # Tokens per second the ramp's bucket accrues at this limit (`ramp_refill_rate`; 0 =
+    # unknown): a fixed rate of the pool's settings, not a measurement.
+    ramp_refill: float = 0.0
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -314,6 +322,9 @@ class WaitEstimate:
     # releases that must first refill the higher classes' headroom (free permits it may not
     # take) before the open path reaches it; higher arrivals take from that headroom meanwhile
     blocked: int = 0
+    # tokens per second the onset ramp's bucket accrues (counted only when the ramp's pacing is
+    # all that keeps a free permit from the class): a fixed rate, read without a margin or spread
+    refill: float = 0.0
 
     @property
     def open_ahead(self) -> int:
@@ -348,26 +359,28 @@ class WaitEstimate:
             return 1.0
         mean, need = self._reserved(t, scale)
         p_res = poisson_tail(mean, need)
+        ref = self.refill * t
         if self.higher_arrivals is None or self.rate <= 0:
-            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.open_ahead))
+            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.open_ahead - math.floor(ref)))
         lam = self.higher_arrivals / scale  # the higher arrivals at their lower bound, as the releases at their upper
         if lam <= 0 and self.higher_queued == 0:
             # nothing higher waits or arrives: every release reaches it (a count, no walk)
-            return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked))
+            return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked - math.floor(ref)))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
-            return max(p_res, reach_chance(r - lam, r + lam, t, n + self.open_ahead - 0.5))
+            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + self.open_ahead - 0.5))
         # Its reservation turns over while the higher classes take the other releases (and
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
         turn = self.class_rate * scale * t
         other = max(0.0, self.rate - self.class_rate) * scale
         if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
             tr = self.class_rate * scale
-            return max(p_res, reach_chance(other + tr - lam, other + tr + lam, t, n + self.open_ahead - 0.5))
+            return max(p_res, reach_chance(other + tr + self.refill - lam, other + tr + lam, t,
+                                           n + self.open_ahead - 0.5))
         p, term = 0.0, math.exp(-turn)
         # terms beyond ~12 standard deviations of the turnover count weigh nothing
         for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
-            p += term * reach_chance(other - lam, other + lam, t, n - j + self.open_ahead - 0.5)
+            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + self.open_ahead - 0.5)
             term *= turn / (j + 1)
         return min(1.0, p + poisson_tail(turn, n))
 
@@ -384,7 +397,8 @@ class WaitEstimate:
         n = self.releases
         if n <= 0:
             return 0.0
-        best = (n + self.open_ahead) / self.open_rate if self.open_rate > 0 else math.inf
+        opened = self.open_rate + self.refill
+        best = (n + self.open_ahead) / opened if opened > 0 else math.inf
         if self.excess > 0:
             if self.excess_rate > 0:
                 best = min(best, (n + self.excess) / self.excess_rate)
@@ -438,17 +452,30 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         kept = kept_free(cls, limit, headroom)
         blocked = max(0, kept - free)
         free = max(0, free - kept)
-    if reject_fast and snap.ramp and ramp_paces(cls, inflight):
-        # Paced by the onset ramp: a free permit is its only with a token, which the snapshot
-        # does not show; the pessimistic reading counts only releases (each gives a token back).
-        free = 0
     higher = [k for k in CLASSES if k < cls]
     higher_queued = sum(q[k] for k in higher)
+    paced = reject_fast and snap.ramp and ramp_paces(cls, inflight)
+    # Only the pacing in the way: the permits free for this class cover every waiter that goes
+    # before it (the higher classes' and its own) and it, so the grant loop would hand it one
+    # at once but for the ramp's tokens (`paced_only`).
+    only_pacing = paced and snap.ramp_refill > 0 and free >= higher_queued + q[cls] + 1
+    if paced:
+        # Paced by the onset ramp: a free permit is its only with a token, which the snapshot
+        # does not show; the pessimistic reading counts no token in the bucket now, only the
+        # ones that come: each release gives one back, and (with only the pacing in the way)
+        # the bucket's fixed refill, which needs no confidence margin.
+        free = 0
+    fast_ok = reject_fast and snap.arrival_rates_fast is not None and not only_pacing
     lam: float | None = None
+    refill = snap.ramp_refill if only_pacing else 0.0
     if snap.arrival_rates is None:
         open_rate = r if higher_queued == 0 else 0.0
     else:
-        fast = snap.arrival_rates_fast if reject_fast and snap.arrival_rates_fast is not None else snap.arrival_rates
+        # The fast-reacting arrival rates follow a burst's onset, when the permits run out
+        # within the wait. With only the pacing in the way, a clump of arrivals is read in the
+        # bucket it emptied (no token counted now): its fast rate would count it a second time
+        # as arrivals still to come, so the higher classes' arrivals are read at their 2 s rate.
+        fast = snap.arrival_rates_fast if fast_ok and snap.arrival_rates_fast is not None else snap.arrival_rates
         lam = sum(max(snap.arrival_rates[k], fast[k]) for k in higher)
         open_rate = max(0.0, r - lam)
     per_permit = r / total if total > 0 else 0.0
@@ -462,7 +489,7 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
-        excess_rate=per_permit * inflight[cls], blocked=blocked)
+        excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill)
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1),

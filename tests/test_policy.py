@@ -18,6 +18,7 @@ from floodgate.extproc.policy import (
     poisson_tail,
     predicted_wait,
     queue_decision,
+    ramp_refill_rate,
     reach_chance,
     reservations,
     retry_after,
@@ -502,3 +503,37 @@ def test_reject_fast_under_the_onset_ramp_does_not_count_on_free_permits() -> No
     assert isinstance(queue_decision(1, paced, shipped, ADM, 0.0), Enqueue)
     # without P0 in flight the ramp paces nothing
     assert isinstance(queue_decision(2, replace(paced, inflight=(0, 60, 20)), shipped, ADM, 0.0), Enqueue)
+
+
+def test_reject_fast_with_only_the_ramp_in_the_way_counts_its_refill() -> None:
+    """The elastic bench's seed 3 (02:42 run): P2 turned away at 99-100 s with 10 replicas
+    active, in-flight 30-49 of a limit of 170: a clump of arrivals had emptied the onset
+    ramp's bucket, and the pessimistic reading counted no permit free, releases at their lower
+    bound and the higher classes' arrivals at the clump's fast rate. With the free permits
+    covering every waiter ahead, only the pacing is in the way: the bucket's refill
+    (max(8, 0.1 x L) = 17/s, a setting, not a measurement) counts, and the clump is read in
+    the bucket it emptied, not a second time as the fast arrival rate."""
+    shipped = PoolConfig().classes
+    clump = Snapshot(170, (12, 28, 5), (0, 2, 0), 0, grant_rate=25.0, release_n=600, inflight_avg=40.0,
+                     arrival_rates=(6.0, 15.0, 9.0), arrival_rates_fast=(14.0, 36.0, 20.0), ramp=True)
+    # before (the refill unknown): turned away at once, from the last snapshot too
+    assert isinstance(queue_decision(2, clump, shipped, ADM, 0.0), Reject)
+    assert certain_reject(2, clump, shipped, ADM, 0.0, age_s=0.1) is not None
+    paced = replace(clump, ramp_refill=ramp_refill_rate(170, PoolConfig().onset_ramp_rate))
+    assert paced.ramp_refill == pytest.approx(17.0)
+    assert isinstance(queue_decision(2, paced, shipped, ADM, 0.0), Enqueue)
+    assert certain_reject(2, paced, shipped, ADM, 0.0, age_s=0.1) is None
+    # Really certain: 60 P2 waiters ahead are more than the bucket's refill and every release
+    # (at their upper bound) can bring in the 1 s timeout.
+    deep = replace(paced, queued=(0, 2, 60))
+    assert isinstance(queue_decision(2, deep, shipped, ADM, 0.0), Reject)
+    # Not only the pacing: the permits free (125) do not cover the waiters ahead (P1's 130):
+    # the pessimistic reading as before.
+    crowded = replace(paced, queued=(0, 130, 0))
+    assert isinstance(queue_decision(2, crowded, shipped, ADM, 0.0), Reject)
+    # A saturated pool (overload: no permit free) stays fast and local.
+    full = replace(paced, inflight=(40, 100, 30), queued=(0, 10, 0))
+    assert isinstance(queue_decision(2, full, shipped, ADM, 0.0), Reject)
+    assert certain_reject(2, full, shipped, ADM, 0.0, age_s=0.1) is not None
+    # P0 is never paced and never sees the refill.
+    assert wait_estimate(0, paced, [c.share for c in shipped.values()], reject_fast=True).refill == 0.0

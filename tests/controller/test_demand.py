@@ -3,6 +3,8 @@ rates over a sliding window, counter resets, staleness, and Little's-law concurr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from floodgate.controller.demand import (
     ClassCounters,
@@ -15,6 +17,8 @@ from floodgate.controller.demand import (
     observe,
     observe_running,
     offered,
+    recent,
+    scale_up_lacking,
 )
 
 CFG = DemandConfig(window_s=10.0, stale_after_s=5.0)
@@ -122,3 +126,44 @@ def test_mean_running_is_over_the_rate_span() -> None:
     assert mean_running(w, 98.0, 108.0) == pytest.approx(5.6)
     assert mean_running(w, 102.0, 108.0) == pytest.approx(8.0)
     assert mean_running(w, 108.0, 108.0) is None and mean_running(DemandWindow(), 0.0, 1.0) is None
+
+
+def test_scale_up_window_reads_a_step_in_turned_away_demand_sooner() -> None:
+    """A step from 0 to 14 turned away per second (2 s per request: 28 concurrent lacking),
+    counters read every 0.5 s. One second in, the 5 s rate window holds a fifth of the step
+    (5.6 concurrent), the 2 s scale-up window half of it at its 1-sigma lower bound; two seconds
+    in, the short window holds the whole step and the long one still two fifths."""
+    cfg = DemandConfig(window_s=5.0, stale_after_s=5.0, up_window_s=2.0, up_sigma=1.0)
+    w = DemandWindow()
+    away = 0.0
+    t = 100.0
+    for i in range(20):  # 10 s before the step: admitted only
+        t = 100.0 + 0.5 * i
+        w = observe(w, t, cfg, fg(t, {1: (7.0 * (t - 100.0), 0, away, 0)}))
+    start = t
+    reads = {}
+    for k in range(1, 5):
+        t = start + 0.5 * k
+        away = 14.0 * (t - start)
+        w = observe(w, t, cfg, fg(t, {1: (7.0 * (t - 100.0), 0, away, 0)}))
+        reads[t - start] = (lacking_concurrency(offered(w, t, cfg), 14.0, cfg), scale_up_lacking(w, t, cfg, 2.0))
+    long1, short1 = reads[1.0]
+    assert long1 == pytest.approx(14.0 / 5 * 2.0)
+    assert short1 == pytest.approx((14.0 - math.sqrt(14.0)) / 2.0 * 2.0)
+    long2, short2 = reads[2.0]
+    assert long2 == pytest.approx(28.0 / 5 * 2.0)
+    assert short2 == pytest.approx((28.0 - math.sqrt(28.0)) / 2.0 * 2.0) and short2 > 2 * long2
+    # off, stale, or without a slot time: nothing
+    assert scale_up_lacking(w, t, cfg.model_copy(update={"up_window_s": 0.0}), 2.0) == 0.0
+    assert scale_up_lacking(w, t + 5.1, cfg, 2.0) == 0.0
+    assert scale_up_lacking(w, t, cfg, None) == 0.0
+    # excluded classes stay out, as in `lacking`
+    assert scale_up_lacking(w, t, cfg.model_copy(update={"exclude_classes": (1,)}), 2.0) == 0.0
+
+
+def test_recent_keeps_one_read_at_or_before_the_short_window() -> None:
+    cfg = DemandConfig(window_s=5.0, stale_after_s=5.0)
+    w = feed([(float(t), fg(float(t), {1: (float(t), 0, 0, 0)}), None) for t in range(100, 106)], cfg)
+    assert [s.taken_at for s in recent(w, 105.0, 2.0).floodgate] == [103.0, 104.0, 105.0]
+    assert [s.taken_at for s in recent(w, 105.0, 1.5).floodgate] == [103.0, 104.0, 105.0]
+    assert [s.taken_at for s in recent(w, 105.0, 0.5).floodgate] == [104.0, 105.0]

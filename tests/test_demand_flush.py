@@ -1,0 +1,67 @@
+"""A processor writes its demand counters to Redis soon after it turns a request away, not with
+its next once-a-second status tick: the controller sizes scale-up from them (controller/demand.py).
+Real Redis, a real processor (`Admitter`) whose clock is held still, so no status tick runs
+after the first: every later write is the turned-away flush."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from floodgate.extproc.admission import DEMAND_FLUSH_S, Admitter, Permit
+from floodgate.extproc.config import Config
+from floodgate.extproc.policy import Reject
+from floodgate.extproc.state import read_demand, redis_client
+
+from floodgate.stack import LocalStack
+
+
+async def _hincrby_calls(c: object) -> int:
+    stats = await c.info("commandstats")  # type: ignore[attr-defined]
+    return int(stats.get("cmdstat_hincrby", {}).get("calls", 0))
+
+
+async def _wait_for(pred: object, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not await pred():  # type: ignore[operator]
+        assert time.monotonic() < end, "demand counters never reached Redis"
+        await asyncio.sleep(0.02)
+
+
+async def test_turned_away_demand_reaches_redis_without_a_status_tick(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    cfg = Config.model_validate({"redis": {"url": url}, "pools": [{"name": "d", "limit": {"mode": "static", "initial": 1}}]})
+    a = Admitter(cfg, c, gateway_id="a", clock=lambda: 1000.0)  # ticks only once, at start
+    held = None
+    try:
+        await a.start()
+        rt = a.pools["d"]
+        await _wait_for(lambda: asyncio.sleep(0, rt.last_status is not None))
+        held = await a.admit("d", 0, "t")  # the only permit
+        assert isinstance(held, Permit)
+        before = await _hincrby_calls(c)
+        r = await a.admit("d", 2, "t")
+        assert isinstance(r, Reject)
+
+        async def seen() -> bool:
+            d = await read_demand(c, "d")
+            return sum(d[2][o] for o in ("early_drop", "queue_full", "queue_timeout")) == 1 and d[0]["admitted"] == 1
+        await _wait_for(seen)  # the admission before it goes along
+        # Many turned away back to back: one write per DEMAND_FLUSH_S at most, not one each.
+        t0, calls0 = time.monotonic(), await _hincrby_calls(c)
+        for _ in range(50):
+            assert isinstance(await a.admit("d", 2, "t"), Reject)
+
+        async def all_seen() -> bool:
+            d = await read_demand(c, "d")
+            return sum(d[2][o] for o in ("early_drop", "queue_full", "queue_timeout")) == 51
+        await _wait_for(all_seen)
+        writes = await _hincrby_calls(c) - calls0  # one HINCRBY per (class, outcome) field written
+        assert 1 <= writes <= 2 * ((time.monotonic() - t0) / DEMAND_FLUSH_S + 2), writes
+        assert calls0 > before  # the first rejection's own write
+    finally:
+        if isinstance(held, Permit):
+            await a.release(held)
+        await a.stop()
+        await c.aclose()
