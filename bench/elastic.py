@@ -564,6 +564,38 @@ def settle_time(bins: Sequence[dict[str, float]], start: float, end: float, bad:
     return last_bad["t"] + BIN_S - start
 
 
+def rejection_settle(records: Sequence[Any], start: float, end: float, window: float = BIN_S,
+                     rate: float = REJECT_RATE_DONE) -> float | None:
+    """Seconds from `start` until the rejection rate stays below `rate` for good (up to `end`),
+    not rounded to a bin edge: the last rejection in [start, end) at which the arrivals of the
+    trailing `window` seconds (its own included) were rejected at `rate` or more. 0 when there is
+    none; None when it falls in the last `window` before `end` (the rate never shown to fall).
+    Fixed bins (`settle_time`) round a settle time up to the next bin edge, so a verdict read
+    from them is off by up to a bin either way; this is the moment itself."""
+    from floodgate.sim.loadgen import REJECTED
+
+    recs = sorted((r for r in records if start - window < r.t_planned < end), key=lambda r: r.t_planned)
+    times = [r.t_planned for r in recs]
+    rejected = [0]
+    for r in recs:
+        rejected.append(rejected[-1] + (r.outcome == REJECTED))
+    last_bad = None
+    lo = 0
+    for i, r in enumerate(recs):
+        if r.outcome != REJECTED or r.t_planned < start:
+            continue
+        while times[lo] <= r.t_planned - window:
+            lo += 1
+        n, k = i + 1 - lo, rejected[i + 1] - rejected[lo]
+        if k >= rate * n:
+            last_bad = r.t_planned
+    if last_bad is None:
+        return 0.0
+    if last_bad >= end - window:
+        return None
+    return last_bad - start
+
+
 def replica_seconds(samples: Sequence[ReplicaSample], t_end: float) -> tuple[float, float, float, float]:
     """(active, pooled, starting, peak active) replica-seconds over [0, t_end] from samples
     (each sample holds until the next)."""
@@ -617,7 +649,7 @@ def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
         fits = None if act is None else (act + (pooled or 0.0)) >= math.ceil(loads[bn] - 1e-9)
         bursts.append(BurstResult(
             name=bn, start=a, load=loads[bn], detection_s=det,
-            reject_stop_s=settle_time(bins, a, nxt, lambda x: x["rejected"] / x["offered"] >= REJECT_RATE_DONE),
+            reject_stop_s=rejection_settle(recs, a, nxt),
             slo_recover_s=settle_time(bins, a, nxt, lambda x: x["met"] / x["offered"] < TARGET_SLO),
             active_at_start=act, pooled_at_start=pooled,
             slo=summarize(recs, slo, window=(a, b)).overall.slo_attainment, fits_pool=fits))
@@ -668,6 +700,10 @@ def _secs1(v: float | None) -> str:
     return "–" if v is None else f"{v:.1f} s"
 
 
+def _secs1n(v: float | None) -> str:
+    return "never" if v is None else f"{v:.1f} s"
+
+
 def render_table(rows: Sequence[Row]) -> str:
     head = ("| config | offered | ok / 429 / err | P0 success | SLO P0 / P1 / P2 "
             "| SLO all (outside 1st cold start) | burst goodput tok/s "
@@ -681,13 +717,13 @@ def render_table(rows: Sequence[Row]) -> str:
         b2 = r.bursts[1] if len(r.bursts) > 1 else None
         b2s = "–" if b2 is None else (
             f"{_num(b2.active_at_start)} + {_num(b2.pooled_at_start)}, {_secs1(b2.detection_s)}, "
-            f"{_secs(b2.reject_stop_s)}, {_pct(b2.slo)}")
+            f"{_secs1n(b2.reject_stop_s)}, {_pct(b2.slo)}")
         win = "" if r.cold_window_s is None else f", {r.cold_window_s:.1f} s"
         lines.append(
             f"| {r.config} | {r.offered} | {r.admitted} / {r.rejected} / {r.errors} | {_pct(r.p0_success, 2)} "
             f"| {_pct(s.get('P0'))} / {_pct(s.get('P1'))} / {_pct(s.get('P2'))} "
             f"| {_pct(r.slo_overall)} ({_pct(r.slo_outside_cold_start)}{win}) | {_num(r.goodput_burst_tok_s)} "
-            f"| {_secs1(r.detection_s)} | {_secs(r.reject_stop_s)} | {_secs(r.slo_recover_s)} | {b2s} "
+            f"| {_secs1(r.detection_s)} | {_secs1n(r.reject_stop_s)} | {_secs(r.slo_recover_s)} | {b2s} "
             f"| {r.active_replica_s:.0f} / {r.pooled_replica_s:.0f} / {r.starting_replica_s:.0f} | {r.peak_active:.0f} |")
     return head + "\n".join(lines) + "\n"
 
@@ -728,12 +764,12 @@ def verdicts(rows: Sequence[Row], w: Workload) -> list[str]:
             if i == 0 and fg.measured_cold_start_s is not None:
                 mb = fg.measured_cold_start_s
                 measured = (f"; within the measured cold start ({mb:.1f} s incl. detection): "
-                            f"{mark(b.reject_stop_s is not None and b.reject_stop_s <= mb + BIN_S)}")
+                            f"{mark(b.reject_stop_s is not None and b.reject_stop_s <= mb)}")
         out.append(f"{name}: {b.name} ({b.load:g}×, pool {'holds' if b.fits_pool else 'does not hold'} it: "
                    f"{_num(b.active_at_start)} active + {_num(b.pooled_at_start)} pooled): rejections below 1 % "
-                   f"within {what}, {BIN_S:.0f} s bins: "
-                   f"{mark(b.reject_stop_s is not None and b.reject_stop_s <= bound + BIN_S)} "
-                   f"({_secs(b.reject_stop_s)}{measured})")
+                   f"within {what} = {bound:.1f} s: "
+                   f"{mark(b.reject_stop_s is not None and b.reject_stop_s <= bound)} "
+                   f"({_secs1(b.reject_stop_s)}{measured})")
     if sc is not None:
         cost_fg = fg.active_replica_s + fg.pooled_replica_s + fg.starting_replica_s
         cost_sc = sc.active_replica_s + sc.pooled_replica_s + sc.starting_replica_s
@@ -828,9 +864,12 @@ Columns: SLO = share of *offered* requests that succeeded within the SLO (a 429 
 detection = the first burst's start → the controller's first scale-up decision (decision
 log); "outside 1st cold start" leaves out arrivals from the first burst's start for
 detection + the configured cold start ({w['cold_start_s'] * w['ops_scale']:.0f} s; the window's length after the comma);
-burst goodput = output tokens/s of the first burst's requests that met the SLO; "429 < 1 % after" /
-"SLO ≥ 99 % after" = seconds from the burst's start until every later {BIN_S:.0f} s bin up to the
-next burst stays below 1 % rejected / at or above 99 % SLO (never: the last bin is still bad);
+burst goodput = output tokens/s of the first burst's requests that met the SLO; "429 < 1 % after"
+= seconds from the burst's start to its last rejection (up to the next burst) at which the
+arrivals of the {BIN_S:.0f} s before it were rejected at 1 % or more (the verdicts below compare
+this moment with their bounds, unrounded; never: it falls in the last {BIN_S:.0f} s before the next
+burst); "SLO ≥ 99 % after" = seconds from the burst's start until every later {BIN_S:.0f} s bin up
+to the next burst is at or above 99 % SLO (never: the last bin is still bad);
 burst 2: active and pooled replicas at its start, detection, rejection settle time and its
 SLO attainment; replica-seconds over the plan: active (incl. waking and draining), pooled
 (warm or asleep), starting (cold starts). offered = ok + 429 + errors holds for every row
