@@ -132,6 +132,12 @@ class PoolRuntime:
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
+    # degraded: a switch's call failed, and may still have landed (a reply lost or late, Redis
+    # fine): Redis may count only the permits it asserted, its reserve handed back to peers on
+    # shared state. Admit no more than that until a reconcile with the reserve is answered, or
+    # one lease TTL has passed (`unsure_until`; then the partition bound holds anyway).
+    unsure_cap: int | None = None
+    unsure_until: float = 0.0
     reserve_seq: int = 0  # degraded: the ticket number of this outage's reserve leases (`_sync`)
     budget: int = 0  # degraded: this process's local budget (its share of L, `_local_limit`)
     budget_open: bool = False  # degraded: the local table may use the whole budget (`_open_budget`)
@@ -366,6 +372,7 @@ class Admitter:
         for rt in pools:
             rt.degraded = True
             rt.back_since = None
+            rt.unsure_cap = None
             rt.reserve_seq = self.new_ticket()[0]
             rt.reserved = set()
             rt.budget, rt.budget_open = self._local_limit(rt), False
@@ -460,7 +467,17 @@ class Admitter:
             # Set before the call: on the way back (`LocalBackend`) nothing is admitted beyond
             # what this call asserts while it is in the air (the switch's call included).
             rt.asserted = len(held) + len(reserves)
-        res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held | reserves, waiting))
+        try:
+            res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held | reserves, waiting))
+        except RedisDown:
+            if reconcile and not reserve:
+                # A failed switch may have landed: Redis then counts of this process only what
+                # it asserted, and a peer on shared state may take the reserve it handed back.
+                cap = len(held) if rt.unsure_cap is None else min(rt.unsure_cap, len(held))
+                rt.unsure_cap, rt.unsure_until = cap, self.clock() + self.cfg.redis.lease_ttl_s
+            raise
+        if reconcile and reserve:
+            rt.unsure_cap = None  # answered: Redis counts this process's whole budget again
         rt.last_sync = res.status
         self.observe(rt, res.status)
         # Reserve leases come and go as the local permits do: not corrections of lost state.

@@ -281,11 +281,12 @@ class LocalBackend:
         a, cls = self.a, req.priority
         seq, ticket = a.new_ticket()
         now = a.clock()
-        if rt.back_since is not None and len(rt.held) >= rt.asserted:
+        if self._held_back(rt):
             # Redis is back and a processor that switched already admits from it, counting of
             # this process only the leases its last reconcile asserted (its local budget while
-            # degraded; the permits held once the switch's call is sent): more would overshoot
-            # L. Wait for the switch instead (or for Redis to fail again).
+            # degraded; the permits held once the switch's call is sent), or only the permits
+            # a failed switch asserted if it landed after all: more would overshoot L. Wait
+            # for the switch instead (or for Redis to fail again).
             return await self._await_switch(rt, req, seq, ticket)
         if rt.local.try_acquire(ticket, cls, now):
             return self._permit(rt, ticket, req)
@@ -329,6 +330,12 @@ class LocalBackend:
         finally:
             rt.local_waiting.pop(ticket, None)
 
+    def _held_back(self, rt: PoolRuntime) -> bool:
+        """May this process admit no more locally than Redis is sure to count of it?"""
+        if rt.back_since is not None and len(rt.held) >= rt.asserted:
+            return True
+        return rt.unsure_cap is not None and self.a.clock() < rt.unsure_until and len(rt.held) >= rt.unsure_cap
+
     async def _await_switch(self, rt: PoolRuntime, req: Request, seq: int, ticket: str) -> Permit | Reject | None:
         """Wait, outside the local table, until the pool switches back to shared admission
         (None: continue there), the reconcile fails again (admit locally after all), or the
@@ -350,7 +357,7 @@ class LocalBackend:
                     return None
                 if not rt.degraded:
                     return None
-                if rt.back_since is None or len(rt.held) < rt.asserted:
+                if not self._held_back(rt):
                     break
         finally:
             rt.local_waiting.pop(ticket, None)

@@ -365,3 +365,55 @@ async def test_a_permit_freed_while_a_reconcile_is_in_the_air_stays_counted(stac
                 t.cancel()
             if frozen:
                 stack.redis_child.kill(signal.SIGCONT)
+
+
+async def test_a_switch_whose_reply_is_lost_may_have_landed(stack: LocalStack) -> None:
+    """The slow processor's switch back to shared state runs in Redis (asserting only the
+    permits it holds: its reserve goes back to the pool), but its reply is lost, so the slow one
+    stays degraded. The fast one, already shared, may now take that reserve from Redis. The slow
+    one must count the failed switch as possibly landed: no more local admissions than the
+    permits it asserted, until a reconcile with its reserve is answered. (A loaded CI box read
+    9 of L 8 at the upstream 0.3 s after a Redis restart, in the faults suite.)"""
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        frozen = False
+        tasks: list[asyncio.Task[Permit | Reject]] = []
+        lost = asyncio.Event()
+        sync = rs.state.sync
+        peak = 0
+
+        async def lose_the_switch(gateway: str, watermark: int, held: dict[str, Any], waiting: dict[str, Any]) -> Any:
+            res = await sync(gateway, watermark, held, waiting)  # ran in Redis
+            is_switch = rs.degraded and not any(":r" in t for t in held)
+            if is_switch and not lost.is_set():
+                lost.set()
+                raise TimeoutError("the switch's reply was lost")
+            return res
+
+        try:
+            await _hold_on_both(fast, slow, 2)
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
+            rs.state.sync = lose_the_switch  # type: ignore[method-assign]
+            stack.redis_child.kill(signal.SIGCONT)
+            frozen = False
+            await asyncio.wait_for(lost.wait(), 15)
+            assert not rf.degraded and rs.degraded, (rf.degraded, rs.degraded)
+
+            tasks = [asyncio.create_task(slow.admit("a", 0, "")) for _ in range(2)]
+            tasks += [asyncio.create_task(fast.admit("a", 0, "")) for _ in range(6)]
+            # Over the slow one's next reconcile (2 s later, with its reserve): never above L.
+            deadline = asyncio.get_running_loop().time() + 3.0
+            while asyncio.get_running_loop().time() < deadline:
+                peak = max(peak, len(rf.held) + len(rs.held))
+                await asyncio.sleep(0.01)
+            assert len(rf.held) == 6, "the fast one did not take the reserve the switch handed back"
+            assert peak <= LIMIT, f"{peak} permits held at once ({len(rf.held)} + {len(rs.held)}), L = {LIMIT}"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)
