@@ -74,6 +74,20 @@ async def _hold_on_both(fast: Admitter, slow: Admitter, n: int) -> dict[str, lis
     return held
 
 
+async def _outage_then_sync_through(stack: LocalStack, rf: PoolRuntime, rs: PoolRuntime, sync: Any) -> None:
+    """Freeze Redis until both processors are degraded and the reconcile each tried at once has
+    failed (after that the slow one waits 2 s before its next, which runs after Redis is back);
+    then send the slow one's syncs through `sync` and thaw Redis."""
+    assert stack.redis_child is not None
+    stack.redis_child.kill(signal.SIGSTOP)
+    try:
+        assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+        assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
+        rs.state.sync = sync  # type: ignore[method-assign]
+    finally:
+        stack.redis_child.kill(signal.SIGCONT)
+
+
 async def test_a_processor_not_yet_back_admits_no_more_than_redis_counts_of_it(stack: LocalStack) -> None:
     async with _fast_and_slow(stack) as (fast, slow):
         assert stack.redis_child is not None
@@ -198,9 +212,7 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
     the upstream a second after a Redis SIGSTOP; a reply delayed by a busy event loop is this
     window.) Here the reply is held until the test has admitted on both."""
     async with _fast_and_slow(stack, slow_op_timeout_s=1.0) as (fast, slow):
-        assert stack.redis_child is not None
         rf, rs = fast.pools["a"], slow.pools["a"]
-        frozen = False
         tasks: list[asyncio.Task[Permit | Reject]] = []
         landed, go_on = asyncio.Event(), asyncio.Event()
         sync = rs.state.sync
@@ -215,15 +227,7 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
 
         try:
             await _hold_on_both(fast, slow, 2)
-            stack.redis_child.kill(signal.SIGSTOP)
-            frozen = True
-            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-            # Each tried a reconcile at once when it degraded; once those failed, the slow one
-            # waits 2 s before the next, which runs after Redis is back (and replies late).
-            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
-            rs.state.sync = reply_late  # type: ignore[method-assign]
-            stack.redis_child.kill(signal.SIGCONT)
-            frozen = False
+            await _outage_then_sync_through(stack, rf, rs, reply_late)  # (its next replies late)
             await asyncio.wait_for(landed.wait(), 10)
             assert await wait_until(lambda: not rf.degraded, 5), "the fast one never switched back"
             assert rs.degraded and rs.back_since is None  # the slow one has not seen its reply yet
@@ -239,8 +243,6 @@ async def test_admissions_while_a_reconcile_is_in_the_air_are_counted(stack: Loc
             go_on.set()
             for t in tasks:
                 t.cancel()
-            if frozen:
-                stack.redis_child.kill(signal.SIGCONT)
 
 
 async def test_a_stalled_processor_admits_no_more_than_redis_counts_of_it(stack: LocalStack) -> None:
@@ -375,9 +377,7 @@ async def test_a_switch_whose_reply_is_lost_may_have_landed(stack: LocalStack) -
     permits it asserted, until a reconcile with its reserve is answered. (A loaded CI box read
     9 of L 8 at the upstream 0.3 s after a Redis restart, in the faults suite.)"""
     async with _fast_and_slow(stack) as (fast, slow):
-        assert stack.redis_child is not None
         rf, rs = fast.pools["a"], slow.pools["a"]
-        frozen = False
         tasks: list[asyncio.Task[Permit | Reject]] = []
         lost = asyncio.Event()
         sync = rs.state.sync
@@ -393,13 +393,7 @@ async def test_a_switch_whose_reply_is_lost_may_have_landed(stack: LocalStack) -
 
         try:
             await _hold_on_both(fast, slow, 2)
-            stack.redis_child.kill(signal.SIGSTOP)
-            frozen = True
-            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
-            rs.state.sync = lose_the_switch  # type: ignore[method-assign]
-            stack.redis_child.kill(signal.SIGCONT)
-            frozen = False
+            await _outage_then_sync_through(stack, rf, rs, lose_the_switch)
             await asyncio.wait_for(lost.wait(), 15)
             assert not rf.degraded and rs.degraded, (rf.degraded, rs.degraded)
 
@@ -415,5 +409,3 @@ async def test_a_switch_whose_reply_is_lost_may_have_landed(stack: LocalStack) -
         finally:
             for t in tasks:
                 t.cancel()
-            if frozen:
-                stack.redis_child.kill(signal.SIGCONT)

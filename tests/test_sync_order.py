@@ -10,7 +10,8 @@ flaky `inflight_total == 2` after every permit was released in the frozen-shard 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from floodgate.extproc.admission import Admitter
@@ -22,18 +23,28 @@ from floodgate.extproc.state import redis_client
 from floodgate.stack import LocalStack
 
 
-async def test_a_release_made_after_a_sync_is_never_undone_by_it(stack: LocalStack) -> None:
+@contextlib.asynccontextmanager
+async def _one_processor(stack: LocalStack) -> AsyncIterator[Admitter]:
+    """One processor with one pool `a` (static limit 64, no credits) on a fresh Redis. Its
+    TTL is far longer than a test: a phantom lease would still be there at the end."""
     url = stack.start_redis()
     cfg = Config.model_validate({
-        # A TTL far longer than the test: a phantom lease would still be there at the end.
         "redis": {"url": url, "lease_ttl_s": 120, "op_timeout_s": 2, "poll_interval_s": 60},
         "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
                    "limit": {"mode": "static", "initial": 64}}]})
     client = redis_client(url, op_timeout_s=2)
     admitter = Admitter(cfg, client, metrics=Metrics(), gateway_id="gw")
     await admitter.start()
-    rt = admitter.pools["a"]
     try:
+        yield admitter
+    finally:
+        await admitter.stop()
+        await client.aclose()
+
+
+async def test_a_release_made_after_a_sync_is_never_undone_by_it(stack: LocalStack) -> None:
+    async with _one_processor(stack) as admitter:
+        rt = admitter.pools["a"]
         for rnd in range(60):
             permits = [await admitter.admit("a", 1, "t") for _ in range(4)]
             assert all(isinstance(p, Permit) for p in permits)
@@ -51,23 +62,17 @@ async def test_a_release_made_after_a_sync_is_never_undone_by_it(stack: LocalSta
                 await admitter.release(extra)
             st = await rt.state.status()
             assert st.inflight_total == 0, f"round {rnd}: {st.inflight_total} leases nobody holds"
-    finally:
-        await admitter.stop()
-        await client.aclose()
 
 
 async def test_one_pools_writes_are_in_the_air_one_call_at_a_time(stack: LocalStack) -> None:
     """The order is kept by construction: a sync made while a batch is in the air waits for
     it and goes out before anything made after it. Every call the pool's state sends is
     recorded at the real server's client (ops named, calls in the air counted)."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 120, "op_timeout_s": 2, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 64}}]})
-    client = redis_client(url, op_timeout_s=2)
-    admitter = Admitter(cfg, client, metrics=Metrics(), gateway_id="gw")
-    await admitter.start()
+    async with _one_processor(stack) as admitter:
+        await _writes_in_order(admitter)
+
+
+async def _writes_in_order(admitter: Admitter) -> None:
     rt = admitter.pools["a"]
     real = rt.state._script
     sent: list[list[str]] = []
@@ -108,5 +113,3 @@ async def test_one_pools_writes_are_in_the_air_one_call_at_a_time(stack: LocalSt
         assert (await rt.state.status()).inflight_total == 0
     finally:
         rt.state._script = real
-        await admitter.stop()
-        await client.aclose()
