@@ -472,18 +472,21 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             upstreams.append(("127.0.0.1", port))
         metrics_url: str | None = None
         metrics: tuple[str, ...] = ()
+        # Envoy's own timings of every request (envoy_config.ACCESS_LOG_FORMAT): where a probe's
+        # time went, Envoy or the processor.
+        access_log = sup.workdir / "envoy-access.log"
         if cfg.floodgate:
             stack.start_redis()
             proc = stack.start_processor(floodgate_config(cfg, classes))
-            envoy = stack.start_envoy(upstreams, processors=[proc])
+            envoy = stack.start_envoy(upstreams, processors=[proc], access_log=access_log)
             metrics_url, metrics = proc.metrics_url, FLOODGATE_METRICS
         elif cfg.kind == "adaptive":
             envoy = stack.start_envoy(upstreams, processors=[], admission=False,
-                                      extra_filters=[adaptive_concurrency_filter()])
+                                      extra_filters=[adaptive_concurrency_filter()], access_log=access_log)
             metrics_url = f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus"
             metrics = ADAPTIVE_METRICS
         else:
-            envoy = stack.start_envoy(upstreams, processors=[], admission=False)
+            envoy = stack.start_envoy(upstreams, processors=[], admission=False, access_log=access_log)
         pids = {c.name: c.proc.pid for c in sup.children}
         cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
         self0 = time.process_time()
@@ -515,10 +518,13 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
             data = json.loads(probe_out.read_text())
             probe_out.unlink()
             t0_unix = float(result.meta["unix_time_at_t0"])
+            envoy_lines = probe_access_lines(access_log, len(data["probes"]))
             result.meta["probe"] = {"rate": probe_rate, "nice": data.get("nice"), "probes": [
                 {"t_planned": p["t_unix_planned"] - t0_unix, "t_sent": p["t_unix_sent"] - t0_unix,
                  "lag_s": p["lag_s"], "latency_s": p["latency_s"], "status": p["status"],
-                 "reason": p["reason"], **({"error": p["error"]} if "error" in p else {})}
+                 "reason": p["reason"], **({"error": p["error"]} if "error" in p else {}),
+                 **({"envoy": envoy_side(envoy_lines[p["id"]], p["t_unix_sent"])}
+                    if p.get("id") in envoy_lines else {})}
                 for p in data["probes"]]}
         if cfg.floodgate and metrics_url:
             result.meta["decision_seconds"], result.meta["local_rejections_p2"] = decision_histogram(metrics_url)
@@ -533,6 +539,42 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
                 raise RuntimeError(f"{c.name} died during the {cfg.name} run:\n{c.log_tail()}")
     result.meta["config"] = cfg.name
     return RunOutput(cfg, result, cpu, machine)
+
+
+def probe_access_lines(path: Path, n: int, wait_s: float = 5.0) -> dict[int, dict[str, Any]]:
+    """Envoy's access-log lines of the probe's requests, by probe id. Envoy writes its access log
+    from a buffer flushed every second: wait (up to `wait_s`) for the last probe's line."""
+    deadline = time.monotonic() + wait_s
+    lines: dict[int, dict[str, Any]] = {}
+    while True:
+        lines = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    lines[int(rec["probe"])] = rec
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a probe's line ("probe": null) or a torn last line
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def envoy_side(rec: dict[str, Any], t_unix_sent: float) -> dict[str, Any]:
+    """One probe's time as Envoy saw it (ms): from the probe's send to Envoy's start of the
+    request (connection accept and the worker's read), Envoy's whole duration, and the
+    ext_proc filter's request-headers call (send to the processor's reply)."""
+    def num(v: Any) -> float | None:
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return None
+    start = num(rec.get("start"))
+    ext_us = num(rec.get("ext_proc_header_us"))
+    return {"to_start_ms": None if start is None else round((start - t_unix_sent) * 1000, 3),
+            "duration_ms": num(rec.get("duration_ms")),
+            "ext_proc_ms": None if ext_us is None else ext_us / 1000,
+            "code": rec.get("code"), "details": rec.get("details")}
 
 
 def decision_histogram(metrics_url: str) -> tuple[dict[str, list[list[float]]], int]:
@@ -686,6 +728,10 @@ class Row:
     probe_reject_burst_n: int = 0
     probe_send_lag_p99_ms: float | None = None
     probe_errors: int = 0  # probes answered neither 200 nor 429 (or not at all)
+    # Envoy's access log of the rejected probes: probe send -> Envoy starts the request, and the
+    # ext_proc filter's request-headers call (Envoy's send to the processor's reply), p99 ms
+    probe_to_envoy_p99_ms: float | None = None
+    probe_ext_proc_p99_ms: float | None = None
     # `@engine-priority` rows: admitted requests whose body got vLLM's priority, by outcome
     engine_priority: dict[str, int] = field(default_factory=dict)
 
@@ -756,6 +802,10 @@ def evaluate(out: RunOutput, w: Workload, slo: Any, best_goodput: float,
         probe_reject_burst_p99_ms=p_ms(p_rej_burst, 99), probe_reject_burst_n=len(p_rej_burst),
         probe_send_lag_p99_ms=p_ms(p_lag, 99),
         probe_errors=sum(1 for p in probes if p["status"] not in (200, 429)),
+        probe_to_envoy_p99_ms=percentile(
+            [v for p in p_rej if (v := (p.get("envoy") or {}).get("to_start_ms")) is not None], 99),
+        probe_ext_proc_p99_ms=percentile(
+            [v for p in p_rej if (v := (p.get("envoy") or {}).get("ext_proc_ms")) is not None], 99),
         config=out.config.name, offered=o.offered, admitted=o.admitted, rejected=o.rejected,
         errors=o.errors, consistent=o.offered == o.admitted + o.rejected + o.errors,
         p0_success=whole.per_priority[0].success_rate,
@@ -800,8 +850,9 @@ def render_table(rows: Sequence[Row]) -> str:
             "| P0 queue p99 burst ms | burst goodput tok/s (vs best) | P2 reject p50 / p99 ms (timeouts of rejects) "
             "| P2 reject in processor p50 / p99 ms (immediate only p99; local) "
             "| P2 probe: reject p50 / p99 ms (burst only p99; rejected of sent; probe send lag p99 ms) "
+            "| P2 probe in Envoy p99 ms: to Envoy / ext_proc call "
             "| limit in burst | sparse P0: admitted / early drops / TTFT p99 ms |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(
@@ -815,6 +866,7 @@ def render_table(rows: Sequence[Row]) -> str:
             f"| {_num(r.probe_reject_p50_ms, '.1f')} / {_num(r.probe_reject_p99_ms, '.1f')} "
             f"({_num(r.probe_reject_burst_p99_ms, '.1f')}; {r.probe_rejected}/{r.probe_sent}; "
             f"{_num(r.probe_send_lag_p99_ms, '.1f')}) "
+            f"| {_num(r.probe_to_envoy_p99_ms, '.1f')} / {_num(r.probe_ext_proc_p99_ms, '.1f')} "
             f"| {_num(r.limit_mean_burst)} "
             f"| {r.sparse_p0_admitted}/{r.sparse_p0_offered} / {r.sparse_p0_early_drops} / {_ms(r.sparse_p0_ttft_p99_s)} |")
     return head + "\n".join(lines) + "\n"
@@ -1007,7 +1059,11 @@ change {report.get('probe', {}).get('nice_change', '–')} (ahead of the box's o
 client on its own machine): send to the whole 429 read, monotonic clock, p50 / p99 of its
 rejections (in brackets the p99 of those sent in the burst, how many of its probes were
 rejected, and its own send lag p99: how late it sent; the adaptive row's probe meets Envoy's own
-429); the load generator's P2 figures above are kept: its lag lands in them; limit = mean concurrency
+429); P2 probe in Envoy = Envoy's access log of the same rejected probes (`x-probe-id`,
+`envoy_config.ACCESS_LOG_FORMAT`): p99 of the time from the probe's send to Envoy's start of the
+request (connection read by Envoy's worker) and of the ext_proc filter's request-headers call
+(Envoy's send to the processor's reply: the gRPC transport and the processor's event loop, with
+the decision inside); the load generator's P2 figures above are kept: its lag lands in them; limit = mean concurrency
 limit during the burst (static: the configured value); sparse P0 = the last phase, where P1/P2
 saturate the pool and P0 arrives rarely: P0 admitted of offered, P0 turned away by early drop
 (target 0), their TTFT p99. offered = admitted + rejected + errors holds for every row (checked).

@@ -47,15 +47,17 @@ def schedule(start_unix: float, duration_s: float, rate: float) -> list[float]:
 
 
 async def _one(session: Any, url: str, model: str, planned_mono: float, mono_to_unix: float,
-               timeout_s: float) -> dict[str, Any]:
+               timeout_s: float, probe_id: int = 0) -> dict[str, Any]:
     import aiohttp
 
     body = {"model": model, "prompt": "probe " * (PROBE_PROMPT_TOKENS - 1), "max_tokens": PROBE_OUTPUT_TOKENS,
             "stream": False}
     headers = {"x-request-priority": "2", "x-tenant-id": PROBE_TENANT,
-               "x-sim-prompt-tokens": str(PROBE_PROMPT_TOKENS), "x-sim-output-tokens": str(PROBE_OUTPUT_TOKENS)}
+               "x-sim-prompt-tokens": str(PROBE_PROMPT_TOKENS), "x-sim-output-tokens": str(PROBE_OUTPUT_TOKENS),
+               # joins the probe to Envoy's access-log line (envoy_config.ACCESS_LOG_FORMAT)
+               "x-probe-id": str(probe_id)}
     sent = time.monotonic()
-    out: dict[str, Any] = {"t_unix_planned": planned_mono + mono_to_unix, "t_unix_sent": sent + mono_to_unix,
+    out: dict[str, Any] = {"id": probe_id, "t_unix_planned": planned_mono + mono_to_unix, "t_unix_sent": sent + mono_to_unix,
                            "lag_s": sent - planned_mono, "latency_s": None, "status": None, "reason": None}
     try:
         async with session.post(url, json=body, headers=headers,
@@ -81,12 +83,12 @@ async def run_probe(url: str, start_unix: float, duration_s: float, rate: float,
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         model = await resolve_model(session, url)
-        for t_unix in schedule(start_unix, duration_s, rate):
+        for i, t_unix in enumerate(schedule(start_unix, duration_s, rate)):
             planned = t_unix - mono_to_unix
             delay = planned - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, target, model, planned, mono_to_unix, timeout_s)))
+            tasks.append(asyncio.create_task(_one(session, target, model, planned, mono_to_unix, timeout_s, i)))
         return list(await asyncio.gather(*tasks))
 
 

@@ -83,6 +83,27 @@ def _ext_proc_filter(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+# Where a request's time went inside Envoy: when it started (unix, µs), the whole duration
+# (first byte in to last byte out), when the last request byte arrived and the first response
+# byte left (ms from start), and the ext_proc filter's own view of its request-headers call
+# (Envoy's send to the processor's reply, µs). `x-probe-id` joins a line to the request the
+# overload bench's P2 probe sent (bench/reject_probe.py).
+_EXT_PROC = "envoy.filters.http.ext_proc"
+ACCESS_LOG_FORMAT: dict[str, str] = {
+    "start": "%START_TIME(%s.%6f)%",
+    "duration_ms": "%DURATION%",
+    "request_ms": "%REQUEST_DURATION%",
+    "response_ms": "%RESPONSE_DURATION%",
+    "code": "%RESPONSE_CODE%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "probe": "%REQ(X-PROBE-ID)%",
+    "priority": "%REQ(X-REQUEST-PRIORITY)%",
+    "conn": "%CONNECTION_ID%",
+    "ext_proc_header_us": f"%FILTER_STATE({_EXT_PROC}:FIELD:request_header_latency_us)%",
+    "ext_proc_header_status": f"%FILTER_STATE({_EXT_PROC}:FIELD:request_header_call_status)%",
+}
+
+
 def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  processors: Sequence[tuple[str, int]] = (("127.0.0.1", 50051),),
                  upstreams: Sequence[tuple[str, int]] = (("127.0.0.1", 8000),),
@@ -91,11 +112,14 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  extra_filters: Sequence[dict[str, Any]] = (),
                  picking: bool = False,
                  processor_tls: ProcessorTls | None = None,
+                 access_log: Path | None = None,
                  source: Path | None = None) -> dict[str, Any]:
     """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
     (the no-admission baseline of the benchmarks); `extra_filters` go before the router;
     `picking=True` routes `/v1/` to the ORIGINAL_DST cluster the processor steers;
-    `processor_tls` talks mTLS to the processors (envoy/floodgate-extproc-tls.yaml)."""
+    `processor_tls` talks mTLS to the processors (envoy/floodgate-extproc-tls.yaml);
+    `access_log` writes one JSON line per request there (`ACCESS_LOG_FORMAT`: Envoy's own timings
+    and the ext_proc filter's, for the benchmarks)."""
     cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
@@ -115,6 +139,10 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
         if message_timeout_s is not None:
             ext["message_timeout"] = f"{message_timeout_s}s"
     filters = hcm["http_filters"]
+    if access_log is not None:
+        hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(access_log), "log_format": {"json_format": ACCESS_LOG_FORMAT}}}]
     if not admission:
         filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
         for vh in hcm["route_config"]["virtual_hosts"]:

@@ -44,6 +44,7 @@ def test_local_bootstrap_variants_validate(tmp_path: Path) -> None:
     validate(render_local(failure_mode_allow=True, processors=[("127.0.0.1", 1), ("127.0.0.1", 2)]),
              tmp_path, "open.json")
     validate(render_local(picking=True), tmp_path, "picking.json")
+    validate(render_local(access_log=tmp_path / "access.log"), tmp_path, "access.json")
     pki = make_pki(tmp_path / "pki")
     client = pki.issue("envoy", client=True)
     tls = ProcessorTls(ca_file=str(pki.ca), cert_file=str(client.cert), key_file=str(client.key))

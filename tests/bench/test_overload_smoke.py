@@ -78,6 +78,20 @@ def test_overload_smoke(tmp_path: Path) -> None:
         # aligned with the plan's clock: each probe was sent inside its window, in order
         sent = [p["t_sent"] for p in probes]
         assert sent == sorted(sent) and a - 0.5 <= sent[0] and sent[-1] <= b + 0.5, name
+        # Envoy's access log has every probe's line (joined by x-probe-id): its status, a start
+        # after the probe's send, and, behind the admission filter, the ext_proc call's time
+        # inside Envoy's own duration, which is inside what the probe measured.
+        for p in probes:
+            e = p["envoy"]
+            assert int(e["code"]) == p["status"], (name, p)
+            assert e["to_start_ms"] > -5 and e["duration_ms"] <= p["latency_s"] * 1000 + 1, (name, p)
+            if name == "none":
+                assert e["ext_proc_ms"] is None
+            else:
+                assert 0 < e["ext_proc_ms"] <= e["duration_ms"] + 1, (name, p)
+        rejected = [p for p in probes if p["status"] == 429]
+        if rejected:
+            assert r["probe_ext_proc_p99_ms"] is not None and r["probe_to_envoy_p99_ms"] is not None, name
         if r["probe_rejected"]:
             assert r["probe_reject_p50_ms"] <= r["probe_reject_p99_ms"], name
     # At a fifth of capacity nothing is shed without admission control (the probes neither).
