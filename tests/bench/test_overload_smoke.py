@@ -141,15 +141,20 @@ def test_histogram_quantile_is_prometheus_like() -> None:
 
 
 def test_p0_bound_on_the_engine_model() -> None:
-    """The ideal policy's P0 TTFT grows with the batch it holds, and so does goodput; a loaded
-    engine never beats the unloaded one."""
-    from floodgate.bench.p0_bound import ideal_policy, p0_ttft_bound
+    """The engine-priority policy's P0 TTFT grows with the batch it holds, and so does goodput;
+    the FIFO bound's paragraph names the floor, the best point and every point's figures."""
+    import math
+
+    from floodgate.bench.p0_bound import ideal_policy, p0_fifo_bound
 
     w = overload.Workload()
     small = ideal_policy(w, 8, 5.0, 60.0, 2.0, 0.1, seed=1)
     big = ideal_policy(w, 64, 5.0, 60.0, 2.0, 0.1, seed=1)
     assert big.goodput_tok_s > 1.3 * small.goodput_tok_s
     assert big.p0_ttft_p50_s > small.p0_ttft_p50_s and small.p0_count > 100
-    b = p0_ttft_bound(w, 19.0, 1200.0, 2.0, 0.1, duration=60.0, seeds=1, ns=(8, 64))
-    assert b.unloaded_p0_ttft_p99_s > 0 and all(p.p0_ttft_p99_s >= 0.9 * b.unloaded_p0_ttft_p99_s for p in b.points)
-    assert b.to_dict()["points"][1]["n_per_replica"] == 64
+    b = p0_fifo_bound(w, 19.1, 1222.0, 2.0, 0.1, duration=40.0, seeds=(1,), ns=(8, 48), caps=(0, math.inf)).to_dict()
+    text = overload.render_bound(b, [])
+    assert b["best"] is not None and ("N = 48, K = 0" in text or "N = 48, no cap" in text)
+    assert f"{1000 * b['p0_alone']['p0_ttft_p99_s']:.0f} ms" in text
+    assert text.count("P0 TTFT p99 ms (goodput tok/s)") == 2
+    assert overload.render_bound(None, []) == ""
