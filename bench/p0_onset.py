@@ -21,6 +21,17 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
                   vLLM's `--scheduling-policy priority` and P0 carries `priority: -1`, as the
                   pool setting `engine_priority: {0: -1}` sends it); `ramp+p0first` with the ramp;
 * `p0pick`      : P0 goes to the replica with the least prefill work queued (oracle).
+* `backlog-K`, `max-backlog-K`, `est-K@R`, `max-est-K@R`: prefill pacing with Envoy choosing
+                  the replica: while P0 is in flight a lower class is granted only while the
+                  prefill work in the engines is at most K prompt tokens — the engines' true
+                  backlog summed (`backlog`, an oracle) or that of the most loaded replica
+                  (`max-`), or an estimate from the admissions alone (`est`: each admitted
+                  prompt's tokens on its replica, draining at R tokens/s per replica; what a
+                  processor could know, given each request's prompt size and endpoint);
+* `pick-backlog-K`, `pick-est-K@R`: the same with endpoint picking: every request goes to the
+                  replica with the least (true or estimated) prefill backlog and a lower class is
+                  granted while that least backlog is at most K (bench/p0_bound.py's FIFO oracle
+                  live; `pick-backlog-inf`: the picking without the pacing).
 
 With `--vegas` the limit is no longer fixed: the shipped Vegas (`limit_for`, from `limit.initial`)
 is fed every finished request as the processor feeds it (`sample_rate` of them with their latency
@@ -33,6 +44,8 @@ climb, its burst and sparse-phase levels and their effect on P0 can be explored 
     python -m floodgate.bench.p0_onset --vegas --only shipped-ramp --seeds 1 2 3 4
     python -m floodgate.bench.p0_onset --limit 72 96 --seeds 1 2 3 4 5 6 --vegas-steps \
         --only shipped-ramp ramp-bucket-4 ramp-bucket-2     # the limit climbing in the burst
+    python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3 4 5 \
+        --only shipped-ramp max-est-1024@6k pick-est-512@6k  # prefill pacing, without / with picking
 """
 
 from __future__ import annotations
@@ -77,6 +90,23 @@ class Remedy:
     # the shipped rule itself: PermitTable's onset ramp (burst share, rate share of L per second)
     shipped: tuple[float, float] | None = None
     ramp_min_burst: float = RAMP_MIN_BURST  # with `shipped`: the bucket's floor (policy.RAMP_MIN_BURST)
+    # prefill pacing: while P0 is in flight a lower class is granted only while the prefill work
+    # admitted and not yet done is at most `prefill_k` prompt tokens. `prefill_rate` (tokens/s
+    # per replica) > 0: that work is an estimate from the admissions alone (every admitted prompt's
+    # tokens in, draining at the rate: what a processor can know); 0: the engines' true backlog
+    # (an oracle)
+    prefill_k: float | None = None
+    prefill_rate: float = 0.0
+    # with `prefill_k` (oracle mode): every request goes to the replica with the least prefill
+    # backlog and a lower class is granted while that least backlog is at most K (endpoint
+    # picking that knows each engine's prefill queue: bench/p0_bound.py's FIFO policy, live)
+    per_replica: bool = False
+    # without picking (Envoy routes): the pool's level is the most loaded replica's backlog
+    # instead of the sum (the processor learns each request's endpoint from its response headers)
+    pool_max: bool = False
+
+
+MEAN_PROMPT = 512.0
 
 
 @dataclass
@@ -88,6 +118,34 @@ class Gate:
     ts: float = 0.0
     prefilling: int = 0  # lower-class admitted, no first token yet
     release_rate: Any = None  # () -> permits freed per second (0 = unknown)
+    backlog: float = 0.0  # prefill pacing: estimated prompt tokens admitted, not yet prefilled
+    backlog_ts: float = 0.0
+    replicas: int = 1
+    engine_backlog: Any = None  # () -> the engines' true prefill backlog (oracle)
+    est: list[float] = field(default_factory=list)  # per-replica estimates (per_replica, rate > 0)
+
+    def prefill_level(self, now: float) -> float:
+        r = self.remedy
+        if r.prefill_rate <= 0:
+            return float(self.engine_backlog(r.per_replica)) + self.backlog  # + granted in this loop
+        if len(self.est) != self.replicas:
+            self.est = [0.0] * self.replicas
+        self.est = [max(0.0, x - r.prefill_rate * (now - self.backlog_ts)) for x in self.est]
+        self.backlog_ts = now
+        # with picking the next request goes to the least; without, Envoy may send it to any
+        return (min(self.est) if r.per_replica else self._pool(self.est)) + self.backlog
+
+    def _pool(self, backlogs: list[float]) -> float:
+        return max(backlogs) if self.remedy.pool_max else sum(backlogs)
+
+    def admitted(self, tokens: float, now: float, replica: int = 0) -> None:
+        """A request's prompt reached the engines (estimate mode: its tokens join the backlog)."""
+        if self.remedy.prefill_k is not None and self.remedy.prefill_rate > 0:
+            self.prefill_level(now)
+            if len(self.est) != self.replicas:
+                self.est = [0.0] * self.replicas
+            self.est[replica] += tokens
+            self.backlog = max(0.0, self.backlog - MEAN_PROMPT)
 
     def params(self) -> tuple[float, float]:
         r = self.remedy
@@ -118,6 +176,8 @@ class Gate:
         ok = True
         if r.prefill_cap is not None and self.prefilling >= r.prefill_cap:
             ok = False
+        elif r.prefill_k is not None:
+            ok = inflight[0] == 0 or self.prefill_level(now) <= r.prefill_k
         elif r.ramp_burst is not None:
             self.refill(now)
             ok = self.tokens >= 1
@@ -125,6 +185,8 @@ class Gate:
         return ok or (head_deadline is not None and r.grace is not None and head_deadline - now <= r.grace)
 
     def granted(self, cls: int, now: float, inflight: Sequence[int], limit: int) -> None:
+        if self.remedy.prefill_k is not None:
+            self.backlog += MEAN_PROMPT  # until routed (the grant loop may grant several at once)
         if self.free_pass(inflight, limit):
             return
         if self.remedy.ramp_burst is not None:
@@ -197,6 +259,10 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     if remedy.p0_first:  # vLLM's --scheduling-policy priority, P0 sent with priority -1
         ecfg = replace(ecfg, scheduling_policy="priority")
     engines = [Engine(ecfg) for _ in range(w.replicas)]
+    from floodgate.bench.p0_bound import prefill_backlog
+    gate.replicas = len(engines)
+    gate.engine_backlog = lambda least: (min(prefill_backlog(e) for e in engines) if least
+                                         else gate._pool([prefill_backlog(e) for e in engines]))
     active = [0] * len(engines)
     where: dict[int, int] = {}
     released = DecayingRate()
@@ -218,7 +284,12 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
 
     def route(i: int, now: float) -> None:
         r = plan[i]
-        if remedy.p0_pick and r.priority == 0:
+        if remedy.per_replica and remedy.prefill_rate > 0:
+            gate.prefill_level(now)
+            k = min(range(len(engines)), key=lambda j: (gate.est[j], active[j]))
+        elif remedy.per_replica:
+            k = min(range(len(engines)), key=lambda j: (prefill_backlog(engines[j]), active[j]))
+        elif remedy.p0_pick and r.priority == 0:
             def work(e: Engine) -> int:
                 return sum(s.num_tokens - s.num_computed for s in e.waiting) + sum(
                     max(0, s.prompt_tokens - s.num_computed) for s in e.running)
@@ -229,6 +300,9 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
         e = engines[k]
         e.add_request(str(i), r.prompt_tokens, r.output_tokens, now,
                       priority=-1 if remedy.p0_first and r.priority == 0 else 0)
+        gate.admitted(r.prompt_tokens, now, k)
+        if remedy.prefill_k is not None and remedy.prefill_rate <= 0:
+            gate.backlog = max(0.0, gate.backlog - MEAN_PROMPT)  # now in the engines' own backlog
         active[k] += 1
         where[i] = k
 
@@ -394,6 +468,27 @@ REMEDIES = (
     Remedy("prefill-4", prefill_cap=4),
     Remedy("prefill-8", prefill_cap=8),
     Remedy("prefill-16", prefill_cap=16),
+    Remedy("backlog-0", prefill_k=0),
+    Remedy("backlog-1024", prefill_k=1024),
+    Remedy("backlog-2048", prefill_k=2048),
+    Remedy("backlog-4096", prefill_k=4096),
+    Remedy("pick-backlog-0", prefill_k=0, per_replica=True),
+    Remedy("pick-backlog-512", prefill_k=512, per_replica=True),
+    Remedy("pick-backlog-1024", prefill_k=1024, per_replica=True),
+    Remedy("pick-backlog-inf", prefill_k=math.inf, per_replica=True),
+    Remedy("pick-est-0@6k", prefill_k=0, prefill_rate=6000, per_replica=True),
+    Remedy("pick-est-512@6k", prefill_k=512, prefill_rate=6000, per_replica=True),
+    Remedy("pick-est-512@7k", prefill_k=512, prefill_rate=7000, per_replica=True),
+    Remedy("pick-est-512@5k", prefill_k=512, prefill_rate=5000, per_replica=True),
+    Remedy("pick-est-1024@6k", prefill_k=1024, prefill_rate=6000, per_replica=True),
+    Remedy("max-backlog-512", prefill_k=512, pool_max=True),
+    Remedy("max-backlog-1024", prefill_k=1024, pool_max=True),
+    Remedy("max-est-512@6k", prefill_k=512, prefill_rate=6000, pool_max=True),
+    Remedy("max-est-1024@6k", prefill_k=1024, prefill_rate=6000, pool_max=True),
+    Remedy("est-1024@6k", prefill_k=1024, prefill_rate=6000),
+    Remedy("est-2048@6k", prefill_k=2048, prefill_rate=6000),
+    Remedy("est-2048@7k", prefill_k=2048, prefill_rate=7000),
+    Remedy("est-4096@6k", prefill_k=4096, prefill_rate=6000),
     Remedy("ramp-8+10/s", ramp_burst=8, ramp_rate=10),
     Remedy("ramp-8+20/s", ramp_burst=8, ramp_rate=20),
     Remedy("ramp-16+20/s", ramp_burst=16, ramp_rate=20),
