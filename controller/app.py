@@ -52,7 +52,13 @@ from floodgate.controller.lifecycle import (
     apply_event,
 )
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import ScalePlan, admission_ceiling
+from floodgate.controller.policy import (
+    ScalePlan,
+    StartTimes,
+    admission_ceiling,
+    arriving_capacity,
+    replica_due,
+)
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmSample
@@ -112,6 +118,7 @@ class Replica:
     can_sleep: bool = True
     placeholder: bool = False  # started, but the platform names it: waiting for it in list()
     cold_for_demand: bool = False  # cold-started for a scale-up (a pool miss, not a later hit)
+    started_at: float | None = None  # clock() when this controller started it (None: adopted)
     sample: VllmSample | None = None
 
     @property
@@ -149,6 +156,8 @@ class PoolController:
         self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
+        self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
+        self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -286,6 +295,7 @@ class PoolController:
         for a in todo:
             await self._execute(a.kind, a.replica_id, a.reason, now)
         await self._publish_ceiling(d)  # after the promotions: they count as coming within a wake
+        await self._publish_arriving(d, now)
         await self._sync_registry(eps, {a.replica_id for a in todo})
         self.metrics.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
         return d.plan
@@ -358,6 +368,28 @@ class PoolController:
             self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2))
         self._ceiling_set = short
         self.metrics.ceiling.labels(pool=self.pool).set(float("nan") if value is None else value)
+
+    async def _publish_arriving(self, d: Decision, now: float) -> None:
+        """Announce the capacity on its way (`policy.arriving_capacity`: the replicas the plan
+        still needs that are cold-starting or waking, each due at the time this controller
+        measured such a start to take) for the processors' early drop (schema.CTL_ARRIVING);
+        taken back when there is none. It expires with this controller (`admission_ceiling.ttl_s`)."""
+        c = self.cfg.admission_ceiling
+        at: list[tuple[float, int]] = []
+        if c.announce_arrivals:
+            due = [replica_due(r.view, r.started_at, self.start_times) for r in self.replicas.values()
+                   if r.view.state in (S.LOADING, S.WARMING, S.WAKING)]
+            at = arriving_capacity(d.plan.desired, d.plan.active, due, now)
+        if not at and self._arriving_set is False:
+            return
+        try:
+            await self.registry.set_arriving(at, c.ttl_s)
+        except (RedisError, OSError, TimeoutError):
+            self.metrics.scrape_failures.labels(source="redis").inc()
+            return
+        if bool(at) != bool(self._arriving_set):
+            self.emit("arriving", at=at, active=d.plan.active, desired=d.plan.desired)
+        self._arriving_set = bool(at)
 
     async def _persist(self, d: Decision, seq_before: int) -> None:
         """Write what must survive a restart: the replica id counter and the demand history."""
@@ -444,7 +476,7 @@ class PoolController:
             if reason == "scale_up":
                 m.warm_misses.labels(pool=self.pool).inc()
             rep = Replica(apply_action(ReplicaView(rid, S.COLD, now), kind, now), None, placeholder=True,
-                          cold_for_demand=reason == "scale_up")
+                          cold_for_demand=reason == "scale_up", started_at=now)
             self.replicas[rid] = rep
             self._spawn(rep, self._start(rep))
             return
@@ -542,6 +574,8 @@ class PoolController:
             await client.wake(t.wake_s)  # adopted asleep (static endpoint, restart mid-recycle)
         await client.warmup(t.warmup_s)
         self._event(rep, Event.WARMUP_OK, asleep=False)
+        if rep.started_at is not None:
+            self.start_times = self.start_times.observe("cold", self.clock() - rep.started_at)
         await self._set_registry(rep)
         with contextlib.suppress(Exception):
             await self.actuator.set_role(rep.view.replica_id, "warm-pool")
@@ -550,11 +584,13 @@ class PoolController:
         async def run() -> None:
             t = self.cfg.timeouts
             client = self._client(rep)
-            t0 = time.monotonic()
-            if rep.view.asleep or await client.is_sleeping():
+            t0, c0 = time.monotonic(), self.clock()
+            asleep = rep.view.asleep or await client.is_sleeping()
+            if asleep:
                 await client.wake(t.wake_s)
             await client.warmup(t.warmup_s)
             self._event(rep, Event.WAKE_OK, asleep=False)
+            self.start_times = self.start_times.observe("wake_asleep" if asleep else "wake_awake", self.clock() - c0)
             await self._set_registry(rep)
             self.emit("promoted", replica=rep.view.replica_id, seconds=round(time.monotonic() - t0, 3))
             with contextlib.suppress(Exception):

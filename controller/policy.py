@@ -395,3 +395,59 @@ def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand
     carried = active * per_replica
     on = demand > carried * headroom or (was_on and demand > carried)
     return per_replica * headroom if on else None
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimes:
+    """How long the pool's replicas took to serve, as this controller measured them (the last
+    few of each; `due` reads the longest: a prediction late rather than early, since the
+    processors let requests wait for it until their deadlines)."""
+
+    cold: tuple[float, ...] = ()  # start -> warm (model load, /health, warm-up)
+    wake_awake: tuple[float, ...] = ()  # promotion -> active of a replica that was awake
+    wake_asleep: tuple[float, ...] = ()  # the same from sleep (wake_up + warm-up)
+
+    KEEP = 3
+
+    def observe(self, kind: str, seconds: float) -> StartTimes:
+        if seconds < 0 or not math.isfinite(seconds):
+            return self
+        kept = (*getattr(self, kind), seconds)[-self.KEEP:]
+        return replace(self, **{kind: kept})
+
+
+def replica_due(view: ReplicaView, started_at: float | None, times: StartTimes) -> float | None:
+    """When a replica on its way serves (controller clock), or None when unknown: a waking one
+    at its promotion + the measured wake (from sleep or awake, as it was); a loading or warming
+    one at its start + the measured cold start + the promotion of an awake replica (the plan
+    promotes a needed replica as soon as it is warm). None without a measurement, for a
+    replica this controller did not start, and in every other state."""
+    if view.state is ReplicaState.WAKING:
+        seen = times.wake_asleep if view.asleep else times.wake_awake
+        return view.state_since + max(seen) if seen else None
+    if view.state in (ReplicaState.LOADING, ReplicaState.WARMING):
+        if started_at is None or not times.cold or not times.wake_awake:
+            return None
+        return started_at + max(times.cold) + max(times.wake_awake)
+    return None
+
+
+def arriving_capacity(desired: int, active: int, due: list[float | None], now: float) -> list[tuple[float, int]]:
+    """The capacity on its way to announce to the processors (pure; docs/controller.md,
+    "Capacity on its way"): (seconds from now until it serves, replicas), earliest first.
+
+    `due`: when each replica that is cold-starting or waking serves (`replica_due`; None =
+    unknown). Only as many as the plan still needs (`desired` - `active`) are on their way to
+    the active set; the others refill the warm pool. Those taken are the earliest, an unknown
+    one counting as the latest; a prediction already past (a start slower than measured) is
+    taken but not announced: it holds its place without promising a time."""
+    need = max(0, desired - active)
+    if need == 0:
+        return []
+    order = sorted(due, key=lambda t: math.inf if t is None else t)[:need]
+    out: dict[float, int] = {}
+    for t in order:
+        if t is not None and t > now:
+            s = round(t - now, 3)
+            out[s] = out.get(s, 0) + 1
+    return sorted(out.items())

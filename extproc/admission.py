@@ -71,9 +71,10 @@ from floodgate.extproc.policy import (
     retry_after,
 )
 from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
-from floodgate.extproc.registry import parse_ceiling
+from floodgate.extproc.registry import parse_ceiling, read_arriving
 from floodgate.extproc.schema import (
     ACTIVE,
+    CTL_ARRIVING,
     CTL_CEILING,
     REGISTRY_CHANGED,
     TURNED_AWAY,
@@ -176,6 +177,9 @@ class PoolRuntime:
     ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
     uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
     registry_due: bool = False  # the controller said the registry changed (schema.REGISTRY_CHANGED): read it now
+    # Replicas the controller announced on their way (schema.CTL_ARRIVING): (clock() when each
+    # serves, replicas); early drop counts the permits they bring (policy.Snapshot.arriving).
+    arriving: tuple[tuple[float, int], ...] = ()
 
     def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
@@ -187,6 +191,19 @@ class PoolRuntime:
 
     def follows_ceiling(self) -> bool:
         return self.cfg.endpoint_picking and self.cfg.limit.controller_ceiling and self.limit.adaptive
+
+    def counts_arrivals(self) -> bool:
+        """Does early drop count the controller's announced capacity? Only where a new active
+        endpoint raises the limit (`follows_endpoints`): elsewhere it brings no permit."""
+        return self.follows_endpoints() and self.cfg.limit.controller_arrivals
+
+    def arriving_permits(self, now: float, limit: int, endpoints: int) -> tuple[tuple[float, int], ...]:
+        """The announced replicas still ahead as (seconds until each serves, permits it adds):
+        the limit follows the endpoint count, so each brings the limit's share per endpoint."""
+        if not self.arriving or endpoints <= 0 or not self.counts_arrivals():
+            return ()
+        per = limit // endpoints
+        return tuple((t - now, k * per) for t, k in self.arriving if t > now and per > 0)
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -915,6 +932,10 @@ class Admitter:
             if rt.follows_ceiling():
                 per = parse_ceiling(await self.call(rt, "ceiling", lambda: rt.client.get(key(rt.cfg.name, CTL_CEILING))))
                 rt.ceiling = per * n if per is not None and n else None
+            if rt.counts_arrivals():
+                at = await self.call(rt, "arriving", lambda: read_arriving(rt.client, key(rt.cfg.name, CTL_ARRIVING)))
+                now = self.clock()
+                rt.arriving = tuple((now + s, k) for s, k in at)
             over = rt.ceiling is not None and rt.limit_seen is not None and rt.limit_seen > rt.ceiling
             lifted = rt.ceiling is None and rt.uncapped is not None and n > 0
             if (rt.follows_endpoints() and n and n != rt.endpoints_applied) or over or lifted:

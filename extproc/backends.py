@@ -99,14 +99,16 @@ Rates = tuple[float, float, float]
 
 
 def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
-              settings: PoolSettings | None = None) -> Snapshot:
+              settings: PoolSettings | None = None, arriving: tuple[tuple[float, int], ...] = ()) -> Snapshot:
     """`arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
-    pool's (the onset ramp's)."""
+    pool's (the onset ramp's); `arriving`: the controller's capacity on its way (seconds,
+    permits)."""
     refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
-                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=refill > 0, ramp_refill=refill)
+                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=refill > 0, ramp_refill=refill,
+                    arriving=arriving)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -122,6 +124,10 @@ class SharedBackend:
         now = self.a.clock()
         return (rt.arrival_rates(now, st.live_gateways), rt.arrival_rates(now, st.live_gateways, fast=True))
 
+    def _arriving(self, rt: PoolRuntime, st: PoolStatus) -> tuple[tuple[float, int], ...]:
+        """The controller's capacity on its way, in permits at this snapshot's limit."""
+        return rt.arriving_permits(self.a.clock(), st.limit, st.active_endpoints)
+
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
         last, age = rt.last_status, a.clock() - rt.last_status_at
@@ -131,7 +137,8 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings) if last is not None else None
+        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings, self._arriving(rt, last)) \
+            if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -185,7 +192,8 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings), rt.cfg.classes,
+            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st)),
+                                      rt.cfg.classes,
                                       a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             if st.enqueued:

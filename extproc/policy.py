@@ -221,6 +221,9 @@ class Snapshot:
     # Tokens per second the ramp's bucket accrues at this limit (`ramp_refill_rate`; 0 =
     # unknown): a fixed rate of the pool's settings, not a measurement.
     ramp_refill: float = 0.0
+    # Capacity the scaling controller has on its way (`arriving_permits`): (seconds until it
+    # serves, permits it adds), earliest first; () = none announced (or not trusted).
+    arriving: tuple[tuple[float, int], ...] = ()
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -266,11 +269,13 @@ def poisson_tail(mean: float, n: int) -> float:
     return max(0.0, 1.0 - total)
 
 
-def reach_chance(drift: float, var: float, t: float, m: float) -> float:
+def reach_chance(drift: float, var: float, t: float, m: float, at_end: bool = False) -> float:
     """P(max over [0, t] of X >= m) for a Brownian motion X with this drift and variance per
     second (the reflection formula): the chance that releases minus higher-class arrivals
-    (a random walk) ever get `m` ahead within t. Its continuous stand-in for counts."""
-    if m <= 0:
+    (a random walk) ever get `m` ahead within t. Its continuous stand-in for counts.
+    `at_end`: P(X(t) >= m) instead (where it ends, not the most it reached: with a negative
+    drift it may end below 0, so m <= 0 is not certain)."""
+    if m <= 0 and not at_end:
         return 1.0
     if var <= 0 or t <= 0:
         return 1.0 if drift * t >= m else 0.0
@@ -280,6 +285,8 @@ def reach_chance(drift: float, var: float, t: float, m: float) -> float:
         return 0.5 * math.erfc(-x / math.sqrt(2))
 
     first = phi((drift * t - m) / sd)
+    if at_end:
+        return first
     expo = 2 * drift * m / var
     second = math.exp(expo) * phi((-m - drift * t) / sd) if expo < 700 else 0.0
     return min(1.0, first + second)
@@ -325,6 +332,9 @@ class WaitEstimate:
     # tokens per second the onset ramp's bucket accrues (counted only when the ramp's pacing is
     # all that keeps a free permit from the class): a fixed rate, read without a margin or spread
     refill: float = 0.0
+    # (seconds until it serves, permits it adds) of the capacity the controller has on its way
+    # (`Snapshot.arriving`): counted only by the time it arrives (see `chance`)
+    arriving: tuple[tuple[float, int], ...] = ()
 
     @property
     def open_ahead(self) -> int:
@@ -337,9 +347,8 @@ class WaitEstimate:
         """Permits its class must receive until this request holds one (every waiter served)."""
         return max(0, self.ahead + 1 - self.free)
 
-    def _reserved(self, t: float, scale: float) -> tuple[float, int]:
-        """(expected releases by t, releases needed) on the reservation path."""
-        n = self.releases
+    def _reserved(self, t: float, scale: float, n: int) -> tuple[float, int]:
+        """(expected releases by t, releases needed) on the reservation path, `n` of them its own."""
         if self.excess > 0:
             return self.excess_rate * scale * t, n + self.excess
         if self.gap > 0 and self.gap_rate > 0:
@@ -349,26 +358,54 @@ class WaitEstimate:
             return head * g + (t - head) * self.class_rate * scale, n + self.claim
         return t * self.class_rate * scale, n
 
+    def arrived_by(self, t: float) -> int:
+        """Permits of the capacity on its way (`arriving`) that serve within t seconds."""
+        return sum(p for s, p in self.arriving if s <= t)
+
     def chance(self, t: float, scale: float = 1.0) -> float:
         """Probability that the grant loop reaches this request within t seconds: releases are
         Poisson at the rates times `scale`; on the open path, releases minus higher-class
         arrivals are a random walk and the class is served whenever it is ahead (no higher
-        request waits) — the walk's running maximum, not its mean, decides."""
+        request waits) — the walk's running maximum, not its mean, decides.
+
+        Capacity the controller has on its way (`arriving`) that serves within t adds its
+        permits to what the grant loop hands out from then on, the higher classes' waiters
+        and arrivals first (as any release). The walk plus those permits need only be ahead
+        at one moment after they came, so the chance that it is at the moment they come (or
+        at t, with all that came by then) is a lower bound of it: the walk's value there, not
+        its running maximum, since a release count reached before the new permits exist
+        serves nobody. The best of these readings and the one without them stands. Without
+        capacity on its way, or with all of it due after t, the reading is the one before."""
+        best = self._chance(t, scale, 0)
+        for s in sorted({e for e, _ in self.arriving if 0 <= e <= t} | {t}):
+            extra = self.arrived_by(s)
+            if extra > 0:
+                best = max(best, self._chance(max(s, 1e-3), scale, extra))
+        return best
+
+    def _chance(self, t: float, scale: float, extra: int) -> float:
+        """`chance` with `extra` more permits granted by t (0: the release path alone)."""
         n = self.releases
         if n <= 0:
             return 1.0
-        mean, need = self._reserved(t, scale)
+        # The arriving permits are handed out like releases, to the highest class waiting: on
+        # the open path they count against the higher classes' waiters and arrivals first.
+        # The reservation path does not count them (a class's reservation grows by its share
+        # of them only).
+        mean, need = self._reserved(t, scale, n)
         p_res = poisson_tail(mean, need)
         ref = self.refill * t
+        ahead = self.open_ahead - extra
         if self.higher_arrivals is None or self.rate <= 0:
-            return max(p_res, poisson_tail(self.open_rate * scale * t, n + self.open_ahead - math.floor(ref)))
+            return max(p_res, poisson_tail(self.open_rate * scale * t, n + ahead - math.floor(ref)))
         lam = self.higher_arrivals / scale  # the higher arrivals at their lower bound, as the releases at their upper
+        at_end = extra > 0  # the walk's value at t (see `chance`)
         if lam <= 0 and self.higher_queued == 0:
             # nothing higher waits or arrives: every release reaches it (a count, no walk)
-            return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked - math.floor(ref)))
+            return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked - extra - math.floor(ref)))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
-            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + self.open_ahead - 0.5))
+            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + ahead - 0.5, at_end))
         # Its reservation turns over while the higher classes take the other releases (and
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
         turn = self.class_rate * scale * t
@@ -376,17 +413,17 @@ class WaitEstimate:
         if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
             tr = self.class_rate * scale
             return max(p_res, reach_chance(other + tr + self.refill - lam, other + tr + lam, t,
-                                           n + self.open_ahead - 0.5))
+                                           n + ahead - 0.5, at_end))
         p, term = 0.0, math.exp(-turn)
         # terms beyond ~12 standard deviations of the turnover count weigh nothing
         for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
-            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + self.open_ahead - 0.5)
+            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + ahead - 0.5, at_end)
             term *= turn / (j + 1)
         return min(1.0, p + poisson_tail(turn, n))
 
     def by(self, t: float, scale: float = 1.0) -> float:
         """Expected permits the class has received t seconds from now (rates times `scale`)."""
-        mean, need = self._reserved(t, scale)
+        mean, need = self._reserved(t, scale, self.releases)
         return self.free + max(0.0, self.open_rate * scale * t - self.open_ahead, mean - (need - self.releases))
 
     @property
@@ -489,7 +526,7 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
-        excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill)
+        excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill, arriving=snap.arriving)
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1),

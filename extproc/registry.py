@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from floodgate.extproc.schema import (
     ACTIVE,
+    CTL_ARRIVING,
     CTL_CEILING,
     ENDPOINTS,
     EPINF,
@@ -51,6 +52,7 @@ class Registry:
         self.k_active = key(pool, ACTIVE)
         self.k_epinf = key(pool, EPINF)
         self.k_ceiling = key(pool, CTL_CEILING)
+        self.k_arriving = key(pool, CTL_ARRIVING)
         self.k_gws = key(pool, "gws")
 
     async def set(self, endpoint: str, state: str, replica_id: str, meta: dict[str, Any] | None = None) -> None:
@@ -127,6 +129,62 @@ class Registry:
     async def ceiling(self) -> float | None:
         """The published per-endpoint ceiling; None when no controller publishes one."""
         return parse_ceiling(await self.client.get(self.k_ceiling))
+
+    async def set_arriving(self, at: list[tuple[float, int]], ttl_s: float) -> None:
+        """Announce capacity on its way: (seconds from now until it serves, replicas) for
+        `ttl_s` (schema.CTL_ARRIVING); an empty list takes the announcement back. The
+        processors are told at once when the announcement grows (a promotion serves within a
+        wake: their next refresh may come too late for it)."""
+        if not at:
+            await self.client.delete(self.k_arriving)
+            return
+        ttl_ms = max(1, round(ttl_s * 1000))
+        doc = json.dumps({"ttl_ms": ttl_ms, "at": [[max(0, round(s * 1000)), int(n)] for s, n in at]})
+        old = await self.client.set(self.k_arriving, doc, px=ttl_ms, get=True)
+        before = parse_arriving(old, ttl_ms)
+        if sum(n for _, n in before) < sum(n for _, n in at):
+            await self.notify()
+
+    async def arriving(self) -> list[tuple[float, int]]:
+        """The announced capacity on its way: (seconds from now, replicas), earliest first."""
+        return await read_arriving(self.client, self.k_arriving)
+
+
+ARRIVING_MAX_S = 3600.0  # an announcement further out than this is not believed
+ARRIVING_MAX_REPLICAS = 10_000
+
+
+async def read_arriving(client: Any, k: str) -> list[tuple[float, int]]:
+    """GET and PTTL of the announcement in one pipeline: the time since it was written is its
+    TTL minus what is left of it, on Redis's clock (no gateway clock is compared with the
+    controller's)."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.get(k)
+        pipe.pttl(k)
+        raw, pttl = await pipe.execute()
+    return parse_arriving(raw, pttl)
+
+
+def parse_arriving(raw: Any, pttl_ms: Any) -> list[tuple[float, int]]:
+    """A stored announcement (schema.CTL_ARRIVING) as (seconds from now, replicas) entries that
+    are still ahead, earliest first; [] when missing, unreadable, without a TTL, or out of
+    bounds (a missed or absurd ETA counts nothing: the early-drop reading of before)."""
+    if raw is None:
+        return []
+    try:
+        doc = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        ttl_ms, left = float(doc["ttl_ms"]), float(pttl_ms)
+        if left < 0 or left > ttl_ms:  # no TTL (-1), gone (-2): not an announcement
+            return []
+        elapsed = ttl_ms - left
+        out = []
+        for ms, n in doc["at"]:
+            s = (float(ms) - elapsed) / 1000
+            if 0 < s <= ARRIVING_MAX_S and 0 < int(n) <= ARRIVING_MAX_REPLICAS:
+                out.append((s, int(n)))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    return sorted(out)
 
 
 def parse_ceiling(raw: Any) -> float | None:

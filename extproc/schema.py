@@ -51,6 +51,14 @@ CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
 # controller that stops stops capping. The processors hold their shared limit at or below this
 # times the registry's active endpoint count (limit.cap_to_ceiling).
 CTL_CEILING = "ctl:ceiling"
+# STRING: capacity the controller has on its way (replicas cold-starting or waking that the
+# plan will make active), JSON {"ttl_ms": T, "at": [[ms, replicas], ...]}: each entry serves
+# `ms` after the write, which was made with a TTL of T (the key's remaining PTTL says how long
+# ago that was, on Redis's clock). Written every tick while there is any, with a TTL, so a
+# controller that stops stops announcing; only the controller may write `ctl:*` keys
+# (floodgate.redis_acl). The processors let a request wait for permits due before its
+# deadline (policy.Snapshot.arriving) instead of turning it away.
+CTL_ARRIVING = "ctl:arriving"
 
 # Per-class demand counters (cumulative, one hash per pool), written by every processor:
 #   admitted       permits handed out (at once, from a credit, or after waiting)

@@ -537,3 +537,55 @@ def test_reject_fast_with_only_the_ramp_in_the_way_counts_its_refill() -> None:
     assert certain_reject(2, full, shipped, ADM, 0.0, age_s=0.1) is not None
     # P0 is never paced and never sees the refill.
     assert wait_estimate(0, paced, [c.share for c in shipped.values()], reject_fast=True).refill == 0.0
+
+
+def test_capacity_on_its_way_lets_a_request_wait_for_it() -> None:
+    """The elastic bench's first burst (seed 1, 76-78.5 s): P2 early-dropped at a full pool
+    (limit 42 over 4 replicas, P0 + P1 holding 39, three P1 waiters, the higher classes
+    arriving about as fast as permits free) while replicas decided 15 s earlier were about to
+    serve. Announced by the controller, two replicas (10 permits each at this limit per
+    endpoint) serving in 0.2 s, inside P2's 1 s queue timeout, let P2 wait for them. One
+    replica does not: P2 waits only when 99 % sure, and the higher classes' arrivals (read
+    at their upper bound) may take its 10 permits; nor two due after the timeout, nor two
+    that the P1 waiters ahead take first."""
+    shipped = PoolConfig().classes
+    shares = [c.share for c in shipped.values()]
+    full = Snapshot(42, (9, 30, 3), (0, 3, 0), 0, grant_rate=23.0, release_n=400, inflight_avg=40.0,
+                    arrival_rates=(6.0, 14.0, 9.0), arrival_rates_fast=(6.0, 15.0, 9.0), ramp=True,
+                    ramp_refill=8.0)
+    assert isinstance(queue_decision(2, full, shipped, ADM, 0.0), Reject)
+    assert certain_reject(2, full, shipped, ADM, 0.0, age_s=0.1) is not None
+    soon = replace(full, arriving=((0.2, 20),))
+    assert isinstance(queue_decision(2, soon, shipped, ADM, 0.0), Enqueue)
+    assert certain_reject(2, soon, shipped, ADM, 0.0, age_s=0.1) is None
+    one = replace(full, arriving=((0.2, 10),))
+    assert isinstance(queue_decision(2, one, shipped, ADM, 0.0), Reject)
+    # ... though it raises the chance it reads
+    est = [wait_estimate(2, s, shares, [c.headroom for c in shipped.values()], reject_fast=True) for s in (full, one)]
+    assert est[0].chance(1.0) < est[1].chance(1.0) < 0.99
+    # due after P2's timeout (1 s): not counted
+    late = replace(full, arriving=((1.2, 20),))
+    assert isinstance(queue_decision(2, late, shipped, ADM, 0.0), Reject)
+    e = wait_estimate(1, late, shares, [c.headroom for c in shipped.values()])
+    assert e.arrived_by(1.5) == 20 and e.arrived_by(1.0) == 0  # P1's 1.5 s timeout counts it
+    # 25 P1 waiters ahead take the 20 permits (and more) first
+    crowded = replace(soon, queued=(0, 25, 0))
+    assert isinstance(queue_decision(2, crowded, shipped, ADM, 0.0), Reject)
+    # nothing announced, or an announcement that counts no permit: the reading before
+    for s in (full, replace(full, arriving=((0.5, 0),))):
+        e = wait_estimate(2, s, shares, reject_fast=True)
+        assert e.chance(1.0) == wait_estimate(2, replace(s, arriving=()), shares, reject_fast=True).chance(1.0)
+
+
+def test_arriving_permits_count_as_the_walk_ends_not_its_maximum() -> None:
+    """A permit that arrives at t counts against where the release walk is at t: a walk that
+    was ahead earlier and fell back does not find the new permits waiting for it. So the
+    reading with them is never above the chance that the walk ends within their reach, and
+    never below the reading without them."""
+    e = wait_estimate(2, Snapshot(20, (5, 14, 1), (0, 4, 0), 0, grant_rate=10.0, release_n=300,
+                                  arrival_rates=(2.0, 8.0, 3.0)), SHARES)
+    base = e.chance(1.0)
+    with_two = replace(e, arriving=((0.5, 2),))
+    assert base <= with_two.chance(1.0) <= 1.0
+    assert replace(e, arriving=((0.5, 100),)).chance(1.0) == 1.0
+    assert reach_chance(1.0, 4.0, 1.0, 2.0, at_end=True) < reach_chance(1.0, 4.0, 1.0, 2.0)

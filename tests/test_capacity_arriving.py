@@ -1,0 +1,147 @@
+"""Capacity on its way: the controller announces the replicas the plan still needs that are
+cold-starting or waking, each due at the start time it measured; the processors read the
+announcement with the registry and early drop counts the permits due before a request's
+deadline (the policy side: tests/test_policy.py::test_capacity_on_its_way_lets_a_request_wait_for_it)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+from floodgate.controller.actuators.static import StaticActuator
+from floodgate.controller.app import PoolController, Replica
+from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
+from floodgate.controller.decider import Signals
+from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import PolicyConfig, StartTimes, arriving_capacity, replica_due
+from floodgate.controller.signals import ReplicaState, ReplicaView
+from floodgate.extproc.registry import Registry, parse_arriving
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from tests.controller.conftest import FakeClock, signals, views
+from tests.helpers import activate, picking_admitter
+
+S = ReplicaState
+TIMES = StartTimes(cold=(15.1, 15.3), wake_awake=(0.05,), wake_asleep=(1.0, 1.2))
+
+
+def test_start_times_keep_the_last_three_and_predict_the_longest() -> None:
+    t = StartTimes()
+    for s in (14.0, 15.0, 16.0, 15.2):
+        t = t.observe("cold", s)
+    assert t.cold == (15.0, 16.0, 15.2)
+    assert t.observe("cold", -1.0) == t and t.observe("cold", float("nan")) == t
+    loading = ReplicaView("r", S.LOADING, 100.0)
+    warming = ReplicaView("r", S.WARMING, 110.0)  # state_since moved on: the start counts
+    assert replica_due(loading, 100.0, t.observe("wake_awake", 0.1)) == pytest.approx(116.1)
+    assert replica_due(warming, 100.0, t.observe("wake_awake", 0.1)) == pytest.approx(116.1)
+    assert replica_due(loading, 100.0, t) is None  # no promotion measured yet
+    assert replica_due(loading, None, TIMES) is None  # adopted: its start is unknown
+    assert replica_due(ReplicaView("r", S.WAKING, 50.0, asleep=True), None, TIMES) == pytest.approx(51.2)
+    assert replica_due(ReplicaView("r", S.WAKING, 50.0), None, TIMES) == pytest.approx(50.05)
+    assert replica_due(ReplicaView("r", S.WAKING, 50.0, asleep=True), None, StartTimes()) is None
+    for st in (S.WARM, S.ACTIVE, S.DRAINING, S.COLD):
+        assert replica_due(ReplicaView("r", st, 50.0), 40.0, TIMES) is None
+
+
+def test_only_the_replicas_the_plan_still_needs_are_announced() -> None:
+    now = 100.0
+    due: list[float | None] = [115.0, 101.0, 115.0, 130.0]
+    # 3 active, 6 decided: the three earliest (one waking, two loading together)
+    assert arriving_capacity(6, 3, due, now) == [(1.0, 1), (15.0, 2)]
+    assert arriving_capacity(3, 3, due, now) == []  # nothing needed: the rest refill the pool
+    assert arriving_capacity(2, 3, due, now) == []
+    # a start slower than measured (due already past) holds its place but promises no time
+    assert arriving_capacity(5, 3, [99.0, 101.0, 115.0], now) == [(1.0, 1)]
+    # unknown ones count last
+    assert arriving_capacity(5, 3, [None, 115.0, 101.0], now) == [(1.0, 1), (15.0, 1)]
+
+
+@pytest.mark.parametrize(("raw", "pttl", "want"), [
+    (None, -2, []),
+    (b'{"ttl_ms": 10000, "at": [[15000, 2], [1000, 1]]}', 10000, [(1.0, 1), (15.0, 2)]),
+    (b'{"ttl_ms": 10000, "at": [[15000, 2], [1000, 1]]}', 8000, [(13.0, 2)]),  # 2 s old: the wake is past
+    (b'{"ttl_ms": 10000, "at": [[15000, 2]]}', -1, []),  # no TTL: not the controller's write
+    (b'{"ttl_ms": 10000, "at": [[15000, 2]]}', 20000, []),  # more left than it was given
+    (b'{"ttl_ms": 10000, "at": [[15000, 0], [15000, -3]]}', 10000, []),
+    (b'{"ttl_ms": 10000, "at": [[9999999999, 1]]}', 10000, []),  # absurdly far out
+    (b'{"at": [[1000, 1]]}', 10000, []),
+    (b"garbage", 10000, []),
+    (b'{"ttl_ms": 10000, "at": [["x", 1]]}', 10000, []),
+])
+def test_parse_arriving(raw: Any, pttl: int, want: list[tuple[float, int]]) -> None:
+    assert parse_arriving(raw, pttl) == want
+
+
+async def test_controller_announces_and_processor_counts_capacity_on_its_way(stack: LocalStack) -> None:
+    """The live controller's announcement through a real Redis: a replica it cold-started for
+    a scale-up is due at its start + the measured cold start + promotion; the processor's
+    registry refresh reads it (with the key's TTL, on Redis's clock) and the snapshot early
+    drop decides on counts the permits it brings (the limit's share per endpoint). Taken back
+    when the pool has what it needs; an announcement nobody renews expires with its TTL."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
+    session = aiohttp.ClientSession()
+    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+                                   admission_ceiling=AdmissionCeilingConfig(ttl_s=30)),
+                        StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+    clock = FakeClock()
+    pc.clock = lambda: clock.now
+    pc.start_times = TIMES
+    a = picking_admitter(url, c, 40)
+    try:
+        reps = views(clock.now, active=2)
+        loading = ReplicaView("k0", S.LOADING, clock.now - 3.0)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in reps}
+        pc.replicas["k0"] = Replica(loading, None, started_at=clock.now - 3.0)
+        d = pc.step(Signals(signals(clock.now, reps, running=6.0, waiting=6.0), reps), clock.now)
+        assert d.plan.desired >= 3 and d.plan.active == 2
+        await pc._publish_arriving(d, clock.now)
+        assert 0 < await c.pttl(reg.k_arriving) <= 30_000
+        at = await reg.arriving()
+        assert len(at) == 1 and at[0][1] == 1 and 5.0 < at[0][0] <= 15.3 + 0.05 - 3.0 + 1e-6
+
+        await activate(reg, 1, 2)
+        await a.start()
+        ra = a.pools["f"]
+        await a._tick(ra)
+        assert len(ra.arriving) == 1 and ra.arriving[0][1] == 1
+        st = await ra.state.status()
+        perms = a.shared._arriving(ra, st)
+        # 2 endpoints at a limit of 40: each new one brings 20 permits, due in ~12 s
+        assert len(perms) == 1 and perms[0][1] == st.limit // 2 and 5.0 < perms[0][0] <= 12.35 + 1e-6
+
+        # the pool has what it needs: taken back, and the processor counts nothing
+        t = clock.advance(1.0)
+        caught_up = views(t, active=d.plan.desired)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in caught_up}
+        d2 = pc.step(Signals(signals(t, caught_up, running=3.0), caught_up), t)
+        await pc._publish_arriving(d2, t)
+        assert await reg.arriving() == [] and await c.exists(reg.k_arriving) == 0
+        await a._tick(ra)
+        assert ra.arriving == ()
+
+        # a write without a TTL (not the controller's way) counts nothing
+        await c.set(reg.k_arriving, '{"ttl_ms": 10000, "at": [[5000, 3]]}')
+        await a._tick(ra)
+        assert ra.arriving == ()
+        # off: nothing announced, a left announcement cleared
+        await reg.set_arriving([(5.0, 2)], 30)
+        off = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+                                        admission_ceiling=AdmissionCeilingConfig(announce_arrivals=False)),
+                             StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+        off.clock, off.start_times = (lambda: clock.now), TIMES
+        off.replicas = dict(pc.replicas)
+        off.replicas["k0"] = Replica(replace(loading, state_since=t), None, started_at=t)
+        await off._publish_arriving(d, t)
+        assert await c.exists(reg.k_arriving) == 0
+    finally:
+        await a.stop()
+        await session.close()
+        await c.aclose()
