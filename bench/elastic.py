@@ -421,7 +421,12 @@ def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:
         wait_healthy(f"http://127.0.0.1:{p}/health", timeout, interval=0.05)
 
 
-def _decisions(path: Path) -> list[dict[str, Any]]:  # decisions and promotions, in order
+# The controller's events the raw data keeps: its decisions and promotions (what the verdicts
+# read), and what it told the processors (the admission ceiling, the capacity on its way).
+KEPT_EVENTS = ("decision", "promoted", "ceiling", "arriving")
+
+
+def _decisions(path: Path) -> list[dict[str, Any]]:  # KEPT_EVENTS, in order
     out = []
     try:
         for line in path.read_text(errors="replace").splitlines():
@@ -430,7 +435,7 @@ def _decisions(path: Path) -> list[dict[str, Any]]:  # decisions and promotions,
                     d = json.loads(line)
                 except ValueError:
                     continue
-                if d.get("event") in ("decision", "promoted"):
+                if d.get("event") in KEPT_EVENTS:
                     out.append(d)
     except OSError:
         pass
