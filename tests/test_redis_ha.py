@@ -22,7 +22,7 @@ from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.redis_client import AnyRedis, make_client, publish, subscribe
-from floodgate.extproc.schema import PoolSettings, gateway_channel, script_keys
+from floodgate.extproc.schema import PoolSettings, gateway_channel, key, script_keys
 from floodgate.extproc.state import PoolState, redis_client
 from redis.exceptions import MovedError, RedisError
 
@@ -352,12 +352,22 @@ async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopo
         assert metrics.degraded._value.get() == 0
         st = await asyncio.wait_for(admitter.pools[a].state.status(), 2)
         assert st.inflight_total == 2  # the reconcile re-asserted exactly what is held
+        released = {n: [p.ticket for p in ps] for n, ps in held.items()}
         for ps in held.values():
             for p in ps:
                 await admitter.release(p)
         for n in (a, a2, b):
             st = await asyncio.wait_for(admitter.pools[n].state.status(), 2)
-            assert st.inflight_total == 0 and st.queued_total == 0, (n, st)
+            if st.inflight_total or st.queued_total:
+                # Seen once in a fresh-clone CI run (2 of L 2 left in `a` after both releases,
+                # one of them counted): what Redis holds, to tell a phantom lease from a stale
+                # queue entry the next time.
+                r = admitter.pools[n].state.client
+                leases = await r.zrange(key(n, "leases"), 0, -1, withscores=True)
+                lmeta = await r.hgetall(key(n, "lmeta"))
+                queue = await r.zrange(key(n, "queue"), 0, -1, withscores=True)
+                raise AssertionError((n, st, {"released": released.get(n), "held": list(admitter.pools[n].held),
+                                              "leases": leases, "lmeta": lmeta, "queue": queue}))
     finally:
         if frozen:
             for node in (shard.primary, *shard.replicas):
