@@ -220,21 +220,16 @@ def simulate_pool(w: Workload, rate: float, duration: float, slo_ttft: float, sl
     loops cost nothing. Statistics over arrivals after a 30 % warm-up."""
     import numpy as np
     from floodgate.sim.arrivals import constant_profile, synthetic_plan
-    from floodgate.sim.engine import Engine
+    from floodgate.sim.engine import Engine, TokenTimes
 
     plan = synthetic_plan(constant_profile(rate, duration), w.mix(), seed=w.seed + 1000)
     engines = [Engine(w.engine_config()) for _ in range(w.replicas)]
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
+    times = TokenTimes()
 
     def advance(t: float) -> None:
         for e in engines:
             for ev in e.advance(t):
-                rid = ev.seq.request_id
-                first.setdefault(rid, ev.time)
-                last[rid] = ev.time
-                count[rid] = ev.index + 1
+                times.record(ev)
 
     for i, p in enumerate(plan):
         advance(p.t_offset)
@@ -251,15 +246,15 @@ def simulate_pool(w: Workload, rate: float, duration: float, slo_ttft: float, sl
             continue
         n += 1
         rid = str(i)
-        if rid not in first:
+        if rid not in times.first:
             continue
-        a = first[rid] - p.t_offset
-        b = (last[rid] - first[rid]) / (count[rid] - 1) if count[rid] > 1 else 0.0
+        a = times.first[rid] - p.t_offset
+        b = times.tpot(rid)
         ttft.append(a)
         tpot.append(b)
         if a <= slo_ttft and b <= slo_tpot:
             met += 1
-            good_tokens += count[rid]
+            good_tokens += times.count[rid]
     return CapacityPoint(rate, good_tokens / (0.7 * duration), met / max(1, n),
                          float(np.percentile(ttft, 99)) if ttft else math.inf,
                          float(np.percentile(tpot, 50)) if tpot else math.inf)

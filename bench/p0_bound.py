@@ -39,6 +39,27 @@ def _percentile(vals: list[float], q: float) -> float:
     return float(np.percentile(vals, q)) if vals else math.inf
 
 
+def _point(n_per_replica: int, arrived: dict[str, tuple[float, int]], times: Any, duration: float,
+           slo_ttft: float, slo_tpot: float, *, arrived_by: float, done_by: float, samples: bool) -> Any:
+    """The BoundPoint of one run, over requests that arrived in [0.2 x duration, arrived_by):
+    goodput over the last 80 % of the run (tokens of requests within the SLO that finished by
+    `done_by`), P0's TTFT from arrival; with `samples`, (point, the P0 TTFTs)."""
+    start, span = 0.2 * duration, 0.8 * duration
+    good = 0
+    p0_ttft: list[float] = []
+    for rid, (t0, cls) in arrived.items():
+        if t0 < start or t0 >= arrived_by or rid not in times.first:
+            continue
+        ttft = times.first[rid] - t0
+        if cls == 0:
+            p0_ttft.append(ttft)
+        if ttft <= slo_ttft and times.tpot(rid) <= slo_tpot and times.last[rid] <= done_by:
+            good += times.count[rid]
+    point = BoundPoint(n_per_replica, good / span, _percentile(p0_ttft, 99), _percentile(p0_ttft, 50),
+                       len(p0_ttft))
+    return (point, p0_ttft) if samples else point
+
+
 def ideal_policy(w: Any, n_per_replica: int | None, p0_rate: float, duration: float,
                  slo_ttft: float, slo_tpot: float, *, background_rate: float = 0.0,
                  seed: int = 0, samples: bool = False) -> Any:
@@ -50,7 +71,7 @@ def ideal_policy(w: Any, n_per_replica: int | None, p0_rate: float, duration: fl
     for the unloaded reference). Statistics over the last 80 % of the run; with `samples`,
     returns (point, the P0 TTFTs)."""
     import numpy as np
-    from floodgate.sim.engine import Engine
+    from floodgate.sim.engine import Engine, TokenTimes
 
     rng = np.random.default_rng(seed)
     mix = w.mix()
@@ -68,9 +89,7 @@ def ideal_policy(w: Any, n_per_replica: int | None, p0_rate: float, duration: fl
     lengths = iter(zip(mix.prompt.sample(rng, 200_000),
                        mix.output.sample(rng, 200_000), strict=True))
     arrived: dict[str, tuple[float, int]] = {}  # request -> (arrival, class)
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
+    times = TokenTimes()
     seq_no = 0
 
     def add(e: Engine, cls: int, now: float) -> None:
@@ -97,10 +116,8 @@ def ideal_policy(w: Any, n_per_replica: int | None, p0_rate: float, duration: fl
         now = max(now, min(t_next, duration))
         for e in engines:
             for ev in e.advance(now):
+                times.record(ev)
                 rid = ev.seq.request_id
-                first.setdefault(rid, ev.time)
-                last[rid] = ev.time
-                count[rid] = ev.index + 1
                 if ev.finished and n_per_replica is not None and arrived[rid][1] != 0:
                     if e.num_running + e.num_waiting < n_per_replica:
                         add(e, 1, ev.time)
@@ -109,22 +126,8 @@ def ideal_policy(w: Any, n_per_replica: int | None, p0_rate: float, duration: fl
             add(min(engines, key=lambda e: e.num_running + e.num_waiting), cls, t)
         if not heap and not nexts:
             break
-    start, span = 0.2 * duration, 0.8 * duration
-    good = 0
-    p0_ttft: list[float] = []
-    for rid, (t0, cls) in arrived.items():
-        if t0 < start or rid not in first:
-            continue
-        ttft = first[rid] - t0
-        if cls == 0:
-            p0_ttft.append(ttft)
-        n = count[rid]
-        tpot = (last[rid] - first[rid]) / (n - 1) if n > 1 else 0.0
-        if ttft <= slo_ttft and tpot <= slo_tpot and last[rid] <= duration:
-            good += n
-    point = BoundPoint(n_per_replica or 0, good / span, _percentile(p0_ttft, 99), _percentile(p0_ttft, 50),
-                       len(p0_ttft))
-    return (point, p0_ttft) if samples else point
+    return _point(n_per_replica or 0, arrived, times, duration, slo_ttft, slo_tpot,
+                  arrived_by=math.inf, done_by=duration, samples=samples)
 
 
 FIFO_NOTE = """On a FIFO engine (vLLM's default `fcfs` policy, the shipped deployment) no admission
@@ -185,6 +188,7 @@ def fifo_policy(w: Any, n_per_replica: int, backlog_cap: float, p0_rate: float, 
     the lower bound). Statistics over the last 80 % of the run, as `ideal_policy`. `observe(engine,
     cls, backlog)` is told of every admission with the engine's prefill backlog just before it."""
     import numpy as np
+    from floodgate.sim.engine import TokenTimes
 
     rng = np.random.default_rng(seed)
     mix = w.mix()
@@ -195,9 +199,7 @@ def fifo_policy(w: Any, n_per_replica: int, backlog_cap: float, p0_rate: float, 
     lengths = (iter(zip(mix.prompt.sample(p0_rng, 100_000), mix.output.sample(p0_rng, 100_000), strict=True)),
                iter(zip(mix.prompt.sample(rng, 400_000), mix.output.sample(rng, 400_000), strict=True)))
     arrived: dict[str, tuple[float, int]] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
+    times = TokenTimes()
     seq_no = 0
 
     def add(e: Any, cls: int, now: float) -> None:
@@ -237,10 +239,7 @@ def fifo_policy(w: Any, n_per_replica: int, backlog_cap: float, p0_rate: float, 
             break
         for e in engines:
             for ev in e.advance(now):
-                rid = ev.seq.request_id
-                first.setdefault(rid, ev.time)
-                last[rid] = ev.time
-                count[rid] = ev.index + 1
+                times.record(ev)
         while k < len(p0_times) and p0_times[k] <= now:
             e = min(engines, key=lambda e: (prefill_backlog(e), len(e.running) + len(e.waiting)))
             add(e, 0, p0_times[k])
@@ -248,22 +247,8 @@ def fifo_policy(w: Any, n_per_replica: int, backlog_cap: float, p0_rate: float, 
         for e in engines:  # an idle engine starts no step: admit into it now
             if not e.step_in_flight:
                 fill(e, now)
-    start, span = 0.2 * duration, 0.8 * duration
-    good = 0
-    p0_ttft: list[float] = []
-    for rid, (t0, cls) in arrived.items():
-        if t0 < start or t0 >= duration or rid not in first:
-            continue
-        ttft = first[rid] - t0
-        if cls == 0:
-            p0_ttft.append(ttft)
-        n = count[rid]
-        tpot = (last[rid] - first[rid]) / (n - 1) if n > 1 else 0.0
-        if ttft <= slo_ttft and tpot <= slo_tpot:
-            good += n
-    point = BoundPoint(n_per_replica, good / span, _percentile(p0_ttft, 99), _percentile(p0_ttft, 50),
-                       len(p0_ttft))
-    return (point, p0_ttft) if samples else point
+    return _point(n_per_replica, arrived, times, duration, slo_ttft, slo_tpot,
+                  arrived_by=duration, done_by=math.inf, samples=samples)
 
 
 @dataclass(frozen=True)

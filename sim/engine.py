@@ -165,6 +165,27 @@ class TokenEvent:
     gap: float | None  # seconds since the previous token (inter-token latency); None on the first
 
 
+class TokenTimes:
+    """Per request, from an engine's token events: the first and last token's time and how many
+    tokens it has produced (what TTFT, TPOT and goodput are read from)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+
+    def record(self, ev: TokenEvent) -> None:
+        rid = ev.seq.request_id
+        self.first.setdefault(rid, ev.time)
+        self.last[rid] = ev.time
+        self.count[rid] = ev.index + 1
+
+    def tpot(self, rid: str) -> float:
+        """Mean seconds per output token after the first (0 with one token)."""
+        n = self.count[rid]
+        return (self.last[rid] - self.first[rid]) / (n - 1) if n > 1 else 0.0
+
+
 @dataclass
 class _Step:
     start: float
