@@ -356,6 +356,8 @@ def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0
         call(r, "admit", *a)
         (held if len(held) < 8 else waiting).append(a[0])
 
+    fence = dict.fromkeys(gws, 0)
+
     def run(count: int) -> None:
         step = 500 if batch == 0 else max(1, 500 // batch) * batch
         k = 0
@@ -372,7 +374,8 @@ def script_floor(redis_pid: int, redis_port: int, n: int = 20000, batch: int = 0
                 for _ in range(step // batch):
                     g = gws[k % 2]
                     k += 1
-                    argv = [g]
+                    fence[g] += 1
+                    argv = [g, str(fence[g])]  # with a fence, as a processor sends it (leases.lua OPS.batch)
                     for _ in range(batch):
                         a = admit_args(g)
                         argv += ["admit", str(len(a)), *a]

@@ -133,9 +133,10 @@ end
 local function state()
   if not ST then
     local fields = STATE_FIELDS
-    if MY_GW then  -- a batch: its gateway's ticket watermark in the same read
+    if MY_GW then  -- a batch: its gateway's ticket watermark and fence in the same read
       fields = {unpack(STATE_FIELDS)}
       table.insert(fields, 'hw:' .. MY_GW)
+      table.insert(fields, 'bx:' .. MY_GW)
     end
     local v = redis.call('HMGET', K.state, unpack(fields))
     ST, ST_DIRTY = {}, {}
@@ -623,8 +624,9 @@ local function reclaim()
     redis.call('ZREM', K.gws, unpack(dead))
     local st = state()
     for _, gw in ipairs(dead) do
-      redis.call('HDEL', K.state, 'hw:' .. gw)
+      redis.call('HDEL', K.state, 'hw:' .. gw, 'bx:' .. gw)
       st['hw:' .. gw], ST_DIRTY['hw:' .. gw] = nil, nil
+      st['bx:' .. gw], ST_DIRTY['bx:' .. gw] = nil, nil
     end
     LIVE = nil
     redis.call('SREM', K.creditors, unpack(dead))
@@ -1068,14 +1070,37 @@ local BATCHABLE = {acquire = OPS.acquire, admit = OPS.admit, enqueue = OPS.enque
 function OPS.batch(ARGV)
   -- The admission calls a processor made in one event-loop turn, run in order in one call:
   -- they share the call's cost and its reads (TIME, settings, state, counts, the snapshot's
-  -- queue edges), and the hashes are written back once. ARGV 3 the calling gateway, then per
-  -- op: name, argument count, arguments (as that op takes them after the TTL). Returns {replies,
-  -- grants}: each op's reply as a call of its own would return it ({'err', message} for one that
-  -- failed: the others still count), and the grants this call made to the calling gateway's own
-  -- waiters, as ticket, endpoint pairs (those are not published: the reply carries them).
+  -- queue edges), and the hashes are written back once. ARGV 3 the calling gateway, 4 (optional,
+  -- a number) the batch's fence, then per op: name, argument count, arguments (as that op takes
+  -- them after the TTL). Returns {replies, grants}: each op's reply as a call of its own would
+  -- return it ({'err', message} for one that failed: the others still count), and the grants this
+  -- call made to the calling gateway's own waiters, as ticket, endpoint pairs (those are not
+  -- published: the reply carries them).
+  --
+  -- The fence: a number that grows with every batch a gateway sends (state.py). A batch whose
+  -- caller gave up (a frozen or stalled server) still sits in that server's socket buffer and
+  -- runs whenever the server gets to it, possibly after a later batch of the same gateway that
+  -- went over another connection: a sync it carries would then lease again permits released
+  -- since and queue again waiters that left (phantoms until the next sync). So a batch older
+  -- than the newest one this gateway ran is refused whole ('FGSTALE' for each op), while the
+  -- gateway is alive; its fence `bx:<gateway>` goes with its liveness (reclaim).
   MY_GW, MINE = ARGV[3], {}
   local replies = {}
   local i = 4
+  local fence = tonumber(ARGV[4])
+  if fence then
+    i = 5
+    local fx = 'bx:' .. MY_GW
+    local last = state()[fx]
+    if last and fence < last + 0 and gateway_alive(MY_GW) then
+      while i <= #ARGV do
+        table.insert(replies, {'err', 'FGSTALE a later call of gateway ' .. MY_GW .. ' ran first'})
+        i = i + 2 + ARGV[i + 1]
+      end
+      return {replies, MINE}
+    end
+    if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
+  end
   while i <= #ARGV do
     local op, n = ARGV[i], ARGV[i + 1] + 0
     local sub = {op, ARGV[2], unpack(ARGV, i + 2, i + 1 + n)}  -- sized once (no growth per argument)

@@ -14,8 +14,10 @@ NOSCRIPT). The admission calls of one pool (acquire, admit, enqueue, cancel, rel
 `sync`, return_credits) that a processor makes while a call is in the air go together as one `batch`
 call, sent in order once the previous one has answered: one round trip and one read of the
 pool's state for all of them, and a grant to one of this processor's own waiters comes back in
-that reply instead of as a pub/sub message. The library's name carries a hash of the source, so processors of two versions
-sharing one Redis each call their own. A pool whose settings are missing (a fresh or restarted
+that reply instead of as a pub/sub message. Each batch carries a fence that only grows: a batch
+that reaches Redis after a later one of the same processor (its caller gave up while the server
+was frozen; the bytes ran when it thawed) is refused instead of undoing what the later one did.
+The library's name carries a hash of the source, so processors of two versions sharing one Redis each call their own. A pool whose settings are missing (a fresh or restarted
 Redis) is configured from this processor's settings and the call retried.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -151,6 +154,7 @@ class PoolState:
         self.batch_timeout_s = batch_timeout_s
         self._queue: list[_Pending] = []
         self._sender: asyncio.Task[None] | None = None  # sends batches while ops are queued
+        self._fence = 0  # the last batch's fence
         self.batches = 0  # batch calls sent, and the ops they carried (tests, metrics)
         self.batched_ops = 0
 
@@ -190,7 +194,10 @@ class PoolState:
             self._queue = []
 
     async def _send_batch(self, todo: list[_Pending]) -> None:
-        argv: list[Any] = ["batch", self._ttl, self.gateway]
+        # A fence that only grows (leases.lua `OPS.batch`): microseconds of the wall clock, so a
+        # restarted process with the same gateway id starts above its predecessor's last one.
+        self._fence = max(self._fence + 1, time.time_ns() // 1000)
+        argv: list[Any] = ["batch", self._ttl, self.gateway, self._fence]
         for op, args, _ in todo:
             argv += [op, len(args), *args]
         self.batches += 1

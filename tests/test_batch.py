@@ -33,7 +33,7 @@ from floodgate.extproc.schema import (
     gateway_channel,
     script_keys,
 )
-from floodgate.extproc.state import PoolState, redis_client
+from floodgate.extproc.state import FUNCTION, PoolState, redis_client
 from redis.exceptions import ResponseError
 
 from floodgate.stack import LocalStack
@@ -66,6 +66,8 @@ async def dump(c: aioredis.Redis, pool: str) -> dict[str, object]:
             h = await c.hgetall(k)
             if name == "settings":
                 h = {f: v for f, v in h.items() if f not in (b"stamp", b"pool")}
+            if name == "state":  # a batch's fence (`bx:<gateway>`) is the batch's own bookkeeping
+                h = {f: v for f, v in h.items() if not f.startswith(b"bx:")}
             if name == "counts":  # a count that went back to its start within a batch is not rewritten
                 h = {f: v for f, v in h.items() if v != b"0"}
             out[name] = h
@@ -322,6 +324,92 @@ async def test_a_batch_lost_in_the_air_degrades_and_leaks_no_permit(stack: Local
         await admitter.stop()
         await client.aclose()
 
+
+
+async def test_a_batch_that_runs_after_a_later_one_is_refused(stack: LocalStack) -> None:
+    """A batch whose caller gave up while the server was frozen still runs when the server gets
+    to its bytes, and may run after a later batch of the same processor that went over another
+    connection (seen once in CI: a sync from before a freeze, run after the switch back, leased
+    again a permit released during the freeze and queued again a waiter that had moved to the
+    local queue; 2 of L 2 held by nobody until their TTL). Here the old sync's bytes run late on
+    a connection of their own, as the frozen server would run them, against the real script: the
+    newer batches stand, the old one is refused whole, and the processor goes on unharmed. A
+    processor restarted with the same gateway id starts above its predecessor's fence."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "poll_interval_s": 60},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 2}}]})
+    client = redis_client(url, op_timeout_s=0.25)
+    raw = aioredis.Redis.from_url(url)  # the late bytes' own connection
+    admitter = Admitter(cfg, client, metrics=Metrics(), gateway_id="gw")
+    await admitter.start()
+    rt = admitter.pools["a"]
+    real = rt.state._script
+    syncs: list[list[object]] = []
+
+    class Recorded:
+        async def __call__(self, keys: list[str], args: list[object], *, read: bool = False) -> object:
+            if not read and args[0] == "batch" and "sync" in args:
+                syncs.append(list(args))
+            return await real(keys, args, read=read)
+
+    rt.state._script = Recorded()  # type: ignore[assignment]
+    try:
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
+        assert await wait_until(lambda: len(rt.waiting) == 1 and all(w.enqueued for w in rt.waiting.values()), 5)
+        await admitter._sync(rt)  # what the renewal sends: held 2, one waiter
+        stale = syncs[-1]
+        assert len(stale[stale.index("sync") + 2:]) >= 5  # (gateway, watermark, 2, both held, the waiter)
+        await admitter.release(held[0])  # grants the waiter
+        got = await asyncio.wait_for(waiter, 5)
+        assert isinstance(got, Permit)
+        for p in (held[1], got):
+            await admitter.release(p)
+        await admitter._sync(rt)  # a later sync: nothing held, nothing waiting
+        assert (await rt.state.status()).inflight_total == 0
+        keys = rt.state.keys
+        replies, grants = await raw.fcall(FUNCTION, len(keys), *keys, *stale)
+        assert [r[0] for r in replies] == [b"err"] and b"FGSTALE" in replies[0][1] and grants == []
+        st = await rt.state.status()
+        assert st.inflight_total == 0 and st.queued_total == 0  # no phantom lease, no phantom waiter
+        # The processor's own next calls are not refused.
+        again = await admitter.admit("a", 0, "t")
+        assert isinstance(again, Permit)
+        await admitter.release(again)
+        assert (await rt.state.status()).inflight_total == 0
+        # A restarted processor with the same id (a new PoolState) is above the old fence.
+        fresh = PoolState(client, "a", lease_ttl_s=3, settings=rt.settings, gateway="gw")
+        assert (await fresh.sync("gw", 1, {}, {})).status.inflight_total == 0
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
+
+
+async def test_an_older_fence_is_refused_only_while_its_gateway_lives(client: aioredis.Redis) -> None:
+    """The fence a processor's clock gave its batches can go backwards only when it restarts
+    after a clock step: its calls are refused while Redis thinks the gateway alive, and taken
+    again once its liveness (one lease TTL) has run out, so it is back on shared state by itself."""
+    st = await make(client, "fenced", gateway="ga", limit=2, ttl=3)
+    clock = st.keys[K["testclock"]]
+    await client.set(clock, 1_000_000)
+
+    async def batch(fence: int, *ops: object) -> list[object]:
+        replies, _ = await st._script(st.keys, ["batch", st._ttl, "ga", fence, *ops])
+        return list(replies)
+    sync = ["sync", 3, "ga", 1, 0]
+    assert (await batch(500, *sync))[0][0] == b"granted"  # (a sync's reply is a snapshot)
+    assert (await batch(500, *sync))[0][0] == b"granted"  # the same batch again (a client retry) runs
+    refused = await batch(499, *sync, "admit", 7, "ga/1", "ga", 1, 1, "", 0, 1000)
+    assert [r[0] for r in refused] == [b"err", b"err"] and all(b"FGSTALE" in r[1] for r in refused)
+    assert (await st.status()).inflight_total == 0  # the refused admit leased nothing
+    await client.set(clock, 1_000_000 + 3_001)  # the gateway's liveness ran out
+    taken = await batch(1, "admit", 7, "ga/2", "ga", 2, 1, "", 0, 1000)
+    assert taken[0][0] == b"granted" and (await st.status()).inflight_total == 1
+    assert (await batch(2, *sync))[0][0] == b"granted"  # its fence is the low one now
 
 
 async def test_a_batch_sent_twice_counts_once(client: aioredis.Redis) -> None:
