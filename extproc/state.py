@@ -194,10 +194,13 @@ class PoolState:
             self._queue = []
 
     async def _send_batch(self, todo: list[_Pending]) -> None:
-        # A fence that only grows (leases.lua `OPS.batch`): microseconds of the wall clock, so a
-        # restarted process with the same gateway id starts above its predecessor's last one.
-        self._fence = max(self._fence + 1, time.time_ns() // 1000)
-        argv: list[Any] = ["batch", self._ttl, self.gateway, self._fence]
+        argv: list[Any] = ["batch", self._ttl, self.gateway]
+        if self.gateway:
+            # A fence that only grows (leases.lua `OPS.batch`): microseconds of the wall clock,
+            # so a restarted process with the same gateway id starts above its predecessor's.
+            # (A state without a gateway, a tool's or a test's, is not one sender: no fence.)
+            self._fence = max(self._fence + 1, time.time_ns() // 1000)
+            argv.append(self._fence)
         for op, args, _ in todo:
             argv += [op, len(args), *args]
         self.batches += 1
