@@ -331,7 +331,8 @@ class PoolController:
                       running=round(plan.running, 2), kv_mean=plan.kv_mean, stale=plan.stale,
                       panic=plan.panic, recommendation=plan.recommendation, stabilized=plan.stabilized,
                       floor=d.floor, forecast=d.forecast.reason, warm_target=d.warm_target,
-                      lacking=round(plan.lacking, 2), burst=round(plan.burst, 2), burst_low=round(plan.burst_low, 2), per_replica=round(d.per_replica, 2),
+                      lacking=round(plan.lacking, 2), burst=round(plan.burst, 2), burst_low=round(plan.burst_low, 2),
+                      burst_mid=round(plan.burst_mid, 2), burst_high=round(plan.burst_high, 2), per_replica=round(d.per_replica, 2),
                       offered=None if d.offered is None else {
                           "source": d.offered.source, "stale": d.offered.stale,
                           "rate": round(d.offered.offered_total, 2),

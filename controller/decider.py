@@ -164,6 +164,7 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
     this tick's raw inputs, folded into the signals the policy reads (`lacking`, `capacity`)."""
     dwin, service_s, slot, off = state.demand, state.service_s, state.slot, None
     lacking, lacking_stale, burst, burst_low = pool.lacking, pool.lacking_stale, pool.burst, pool.burst_low
+    burst_mid, burst_high, burst_shed = pool.burst_mid, pool.burst_high, pool.burst_shed
     wired = pool.counters is not None or pool.gateway is not None
     if cfg.demand.enabled and wired:
         running = sum(m.running for m in pool.replicas if m.ok)
@@ -196,10 +197,11 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         # long while a lumpy admitted counter lags), as the burst estimate is.
         lacking = max(lacking, dm.scale_up_lacking(dwin, now, cfg.demand, slot_s or service_s))
         burst, burst_low = est.size, est.low
+        burst_mid, burst_high, burst_shed = est.mid, est.high, est.shed
     prior = cfg.policy.target_concurrency
     cstate = state.capacity
     if pool.latency is not None:
         cstate = cap.update(cstate, pool.latency, now, prior, cfg.capacity)
     per = cap.capacity(cstate, prior, cfg.capacity) if cstate.estimate is not None else pool.capacity
     return replace(pool, lacking=lacking, lacking_stale=lacking_stale, burst=burst, burst_low=burst_low,
-                   capacity=per), dwin, service_s, slot, cstate, off
+                   burst_mid=burst_mid, burst_high=burst_high, burst_shed=burst_shed, capacity=per), dwin, service_s, slot, cstate, off

@@ -81,6 +81,14 @@ class DemandConfig(BaseModel):
     burst_size_sigma: float = Field(default=1.0, ge=0, description="The burst estimate sizes the pool on the "
                                     "rate's lower confidence bound at this many standard deviations (never below "
                                     "the `burst_sigma` bound).")
+    burst_react: bool = Field(default=True, description="Also give the policy the step's point estimate and "
+                              "upper confidence bound, so that its first reaction to a confirmed step is sized "
+                              "for the whole step (docs/controller.md, \"First reaction\").")
+    burst_react_sigma: float = Field(default=2.0, ge=0, description="The first reaction to a confirmed step sizes "
+                                     "the pool on the step rate's upper confidence bound at this many standard "
+                                     "deviations.")
+    burst_react_max_ratio: float = Field(default=1.5, ge=1, description="...but on at most this multiple of the "
+                                         "step rate's point estimate (a step of few arrivals has a wide bound).")
     slot_smoothing_s: float = Field(default=10.0, gt=0, description="Time constant over which running and "
                                     "the admitted rate are averaged before their ratio (Little's law) gives "
                                     "the slot time the burst estimate sizes with.")
@@ -390,6 +398,13 @@ class BurstEstimate:
 
     size: float = 0.0
     low: float = 0.0
+    # For the policy's first reaction (`burst_react`; 0 when off): the concurrency at the step
+    # rate's point estimate (`mid`) and at its upper bound (`high`: `burst_react_sigma`, at most
+    # `burst_react_max_ratio` x mid), and whether requests were turned away since the step
+    # (`shed`: admission is already refusing part of it).
+    mid: float = 0.0
+    high: float = 0.0
+    shed: bool = False
 
 
 NO_BURST = BurstEstimate()
@@ -492,4 +507,9 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
     share = excluded / mix.offered_total if not mix.stale and mix.offered_total > 0 else 0.0
     size_rate = max(0.0, size_n - cfg.burst_size_sigma * math.sqrt(size_n)) / size_dt
     keep = (1.0 - min(1.0, share)) * service_s
-    return BurstEstimate(max(rate, size_rate) * keep, rate * keep)
+    mid = high = 0.0
+    if cfg.burst_react:
+        mid = size_n / size_dt
+        high = min(size_n + cfg.burst_react_sigma * math.sqrt(size_n), cfg.burst_react_max_ratio * size_n) / size_dt
+    return BurstEstimate(max(rate, size_rate) * keep, rate * keep, mid * keep, high * keep,
+                         turned_away(since, last) > 0)

@@ -32,6 +32,11 @@ Rules (docs/controller.md):
   than after the 5 s rate window catches up. Outside the tolerance band it raises the
   recommendation (reason `burst_demand`) and enters panic; it never enters the stabilization
   window, so it sizes scale-up only, never holds the pool up.
+* First reaction (`burst_reaction`): once per panic window, a confirmed step (its point
+  estimate beyond the current size, requests turned away since it, a backlog) is sized on the
+  upper confidence bound of its rate (capped at a multiple of the point estimate): a replica
+  decided now serves a cold start later, and a top-up decided later serves a cold start after
+  that, so the first decision is sized for the whole step.
 * Panic: a burst (any scale-up trigger, or demand ≥ `panic_threshold` × current capacity)
   forbids scale-down for `panic_window_s`.
 * Stale or failed scrapes are never read as zero: the policy computes everything from fresh
@@ -55,6 +60,7 @@ REASON_QUEUE = "queue_pressure"
 REASON_KV = "kv_pressure"
 REASON_DEMAND = "demand"
 REASON_BURST = "burst_demand"
+REASON_REACTION = "burst_reaction"
 REASON_FLOOR = "forecast_floor"
 REASON_DOWN = "stabilized_down"
 REASON_STEADY = "steady"
@@ -68,6 +74,7 @@ REASONS: tuple[str, ...] = (
     REASON_KV,
     REASON_DEMAND,
     REASON_BURST,
+    REASON_REACTION,
     REASON_FLOOR,
     REASON_DOWN,
     REASON_STEADY,
@@ -149,6 +156,7 @@ class PolicyState:
     panic_until: float = -math.inf
     last_scale_down_at: float = -math.inf
     sized_backlog: float = 0.0  # waiting at the last scale-up (0 once panic ends)
+    react_until: float = -math.inf  # no second first reaction (`burst_reaction`) before this
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +182,8 @@ class ScalePlan:
     per_replica: float = 0.0  # capacity per replica the recommendation used
     burst: float = 0.0  # the burst estimate (offered concurrency since a step: the size)
     burst_low: float = 0.0  # its confident lower bound (what the policy acts on)
+    burst_mid: float = 0.0  # the step at its rate's point estimate (the first reaction acts on it)
+    burst_high: float = 0.0  # ... and at its upper bound (the first reaction sizes on it)
 
     @property
     def direction(self) -> str:
@@ -195,6 +205,28 @@ def _push_window(
     kept = [(t, r) for (t, r) in window if now - t < span and r > rec]
     kept.append((now, rec))
     return tuple(kept)
+
+
+def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backlog: bool, current: int,
+                   per_replica: float) -> int | None:
+    """The first reaction to a confirmed step: the replicas to ask for, or None (pure;
+    docs/controller.md, "First reaction").
+
+    A replica decided now serves a cold start later, and every later decision adds replicas a
+    cold start after *it*: the first scale-up after a step is the only one that can end the
+    rejections within one cold start, so it is sized for the whole step, not for its lower
+    bound. Confirmed means: the step's point estimate (`mid`, offered concurrency at the rate
+    since the change point) is beyond what the current size carries (outside the tolerance
+    band), admission has turned requests away since the step (`shed`), and a backlog waits
+    (`backlog`: Floodgate's queue or vLLM's, or KV pressure). Then the size is
+    ceil(`high` / per_replica): the step rate's upper confidence bound, itself capped at a
+    multiple of the point estimate (`demand.burst_react_sigma`, `burst_react_max_ratio`), so
+    it is never more than the offered rate justifies; `max_replicas` bounds it as any rule."""
+    if per_replica <= 0 or high <= 0 or not (shed and backlog):
+        return None
+    if mid <= (1.0 + cfg.tolerance) * max(current, 1) * per_replica:
+        return None
+    return math.ceil(max(high, mid) / per_replica - 1e-9)
 
 
 def decide(
@@ -320,6 +352,18 @@ def decide(
         if up > rec:
             rec, cause = up, REASON_BURST
 
+    # First reaction: once per panic window, the first confirmed step sizes the pool on the
+    # upper bound of its rate (a later top-up would serve a whole cold start after this one).
+    react_until = state.react_until
+    if now >= react_until:
+        backlog = waiting > 0 or (kv_mean is not None and kv_mean > cfg.kv_pressure_threshold)
+        react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc)
+        if react is not None:
+            panic = True
+            react_until = now + cfg.panic_window_s
+            if react > rec:
+                rec, cause = react, REASON_REACTION
+
     panic_until = now + cfg.panic_window_s if panic else state.panic_until
     in_panic = now < panic_until
     last_down = state.last_scale_down_at
@@ -346,7 +390,8 @@ def decide(
             reason = REASON_BOUNDS if stabilized < cfg.min_replicas <= current else REASON_HOLD_WINDOW
         else:
             reason = REASON_STEADY
-    if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_BURST, REASON_FLOOR):
+    if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_BURST, REASON_REACTION,
+                      REASON_FLOOR):
         cause = reason
 
     plan = ScalePlan(
@@ -369,10 +414,12 @@ def decide(
         per_replica=tc,
         burst=burst,
         burst_low=signals.burst_low,
+        burst_mid=signals.burst_mid,
+        burst_high=signals.burst_high,
     )
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,
-        sized_backlog=waiting if desired > current else sized,
+        sized_backlog=waiting if desired > current else sized, react_until=react_until,
     )
     return plan, new_state
 

@@ -89,6 +89,11 @@ class PoolSignals:
     # it only when `burst_low` (the confident lower bound) is beyond the current size.
     burst: float = 0.0
     burst_low: float = 0.0
+    # The same step at its rate's point estimate and upper bound, and whether requests were
+    # turned away since it: the policy's first reaction to a confirmed step (`policy.burst_reaction`).
+    burst_mid: float = 0.0
+    burst_high: float = 0.0
+    burst_shed: bool = False
     # Learned per-replica capacity (`controller.capacity`); None: the configured
     # `target_concurrency` sizes the pool.
     capacity: float | None = None
