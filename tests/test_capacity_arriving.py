@@ -5,6 +5,7 @@ deadline (the policy side: tests/test_policy.py::test_capacity_on_its_way_lets_a
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -144,4 +145,60 @@ async def test_controller_announces_and_processor_counts_capacity_on_its_way(sta
     finally:
         await a.stop()
         await session.close()
+        await c.aclose()
+
+
+async def test_new_endpoints_void_the_snapshot_early_drop_decides_on(stack: LocalStack) -> None:
+    """A processor may turn a request away from its last status read (up to a second old)
+    without a Redis round trip (`certain_reject`). When the registry refresh brings new active
+    endpoints, that read describes the pool before them (the limit they raise, the capacity the
+    controller had announced for them and now takes back): the next request must decide on a
+    fresh read. Seen in the elastic bench (seed 2, burst 1): four replicas turned active at
+    75.9 s, the limit went 42 -> 164 with ~38 in flight, and P2 requests were still turned away
+    for 0.7 s while P1s were admitted at once."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    a = picking_admitter(url, c, 4)
+    held = []
+    waiter = None
+    try:
+        await activate(reg, 1, 2)
+        await a.start()
+        ra = a.pools["f"]
+        await a._tick(ra)
+        limit = int((await ra.state.status()).limit)
+        # The pool full of P1 and a P0 waiting: no release will reach a P2 within its 1 s.
+        for _ in range(limit):
+            p = await a.admit("f", 1, "")
+            assert not hasattr(p, "reason"), p
+            held.append(p)
+        waiter = asyncio.create_task(a.admit("f", 0, ""))
+        for _ in range(100):
+            if (await ra.state.status()).queued[0] == 1:
+                break
+            await asyncio.sleep(0.01)
+        first = await a.admit("f", 2, "")  # decided on Redis's reply: early drop
+        assert getattr(first, "reason", None) == "early_drop"
+        # ... and the next one from the snapshot that reply left (no round trip)
+        before = a.metrics.local_rejections.labels("f", "2")._value.get()
+        again = await a.admit("f", 2, "")
+        assert getattr(again, "reason", None) == "early_drop"
+        assert a.metrics.local_rejections.labels("f", "2")._value.get() == before + 1
+        # Six more endpoints turn active: the limit follows them (the P0 waiter is granted).
+        await activate(reg, 3, 8)
+        await a._refresh_registry(ra)
+        assert (await ra.state.status()).limit > 3 * limit
+        p2 = await a.admit("f", 2, "")
+        assert not hasattr(p2, "reason"), p2  # granted on a fresh read, not turned away from the old one
+        held.append(p2)
+        got = await asyncio.wait_for(waiter, 5)
+        assert not hasattr(got, "reason"), got
+        held.append(got)
+    finally:
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        for p in held:
+            await a.release(p)
+        await a.stop()
         await c.aclose()
