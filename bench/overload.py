@@ -10,7 +10,11 @@ arrival plan against each configuration in turn, every one on fresh processes:
 * `vegas-SIG`   Floodgate with the untuned Vegas limit fed by signal SIG (ttft, tpot, combined);
 * `X@tuned`     a Floodgate config with hand-tuned class settings instead of the shipped ones;
 * `X@engine-priority` a Floodgate config with the emulators on vLLM's `--scheduling-policy
-                priority` and the pool's `engine_priority` {0: -1} (a deployment choice).
+                priority` and the pool's `engine_priority` {0: -1} (a deployment choice);
+* `X@picking`   a Floodgate config with endpoint picking (the processor routes each request
+                through Envoy's ORIGINAL_DST cluster, as the shipped compose, Kubernetes and
+                `floodgate up` deployments do; the replicas are registered active in Redis),
+                with the shipped prefill-aware picking (`prefill_tokens_per_s`).
 
 Beside the load generator, a P2 probe in its own process (bench/reject_probe.py, `--probe-rate`)
 times P2 rejections from a client that has nothing else to do.
@@ -24,7 +28,7 @@ is derived first from the pure engine model (`sim/engine.py`, the same code the 
 and, by default, the pool's best steady goodput is then measured on the real pool with a short
 step sweep without admission control.
 
-    floodgate bench overload                                  # the headline, shipped defaults, ~14 min
+    floodgate bench overload                                  # the headline, shipped defaults, ~17 min
     floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
 
 Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,
@@ -301,6 +305,8 @@ class BenchConfig:
     # `@engine-priority`: the emulators run vLLM's `--scheduling-policy priority` and the pool
     # sets `engine_priority` (ENGINE_PRIORITY): a deployment choice matching the engines' flag
     engine_priority: bool = False
+    # `@picking`: endpoint picking (ORIGINAL_DST cluster, the replicas registered active)
+    picking: bool = False
 
     @property
     def floodgate(self) -> bool:
@@ -315,13 +321,14 @@ ENGINE_PRIORITY = {0: -1}
 def parse_config(name: str) -> BenchConfig:
     base, at, suffix = name.partition("@")
     if at:
-        if suffix not in ("tuned", "engine-priority"):
+        if suffix not in ("tuned", "engine-priority", "picking"):
             raise argparse.ArgumentTypeError(
-                f"unknown config suffix {suffix!r} in {name!r}: only @tuned or @engine-priority")
+                f"unknown config suffix {suffix!r} in {name!r}: only @tuned, @engine-priority or @picking")
         cfg = parse_config(base)
         if not cfg.floodgate:
             raise argparse.ArgumentTypeError(f"{name!r}: @{suffix} is for Floodgate configs only")
-        return replace(cfg, name=name, tuned=suffix == "tuned", engine_priority=suffix == "engine-priority")
+        return replace(cfg, name=name, tuned=suffix == "tuned", engine_priority=suffix == "engine-priority",
+                       picking=suffix == "picking")
     if name in ("none", "adaptive"):
         return BenchConfig(name, name)
     kind, _, arg = name.partition("-")
@@ -336,16 +343,18 @@ def parse_config(name: str) -> BenchConfig:
         return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
     raise argparse.ArgumentTypeError(
         f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined, "
-        "each Floodgate one optionally with @tuned or @engine-priority")
+        "each Floodgate one optionally with @tuned, @engine-priority or @picking")
 
 
 def default_configs() -> list[str]:
     """The headline: shipped defaults against Envoy alone, adaptive_concurrency and the best
     static limit found earlier; the hand-tuned class settings as a second Vegas row; and both
     Floodgate rows again with engine priority (a deployment choice: engines started with vLLM's
-    `--scheduling-policy priority`, pool setting `engine_priority`)."""
+    `--scheduling-policy priority`, pool setting `engine_priority`), and again with endpoint
+    picking (how the shipped compose, Kubernetes and `floodgate up` deployments route)."""
     return ["none", "adaptive", "static-96", "vegas-combined", "vegas-combined@tuned",
-            "static-96@engine-priority", "vegas-combined@engine-priority"]
+            "static-96@engine-priority", "vegas-combined@engine-priority",
+            "static-96@picking", "vegas-combined@picking"]
 
 
 def adaptive_concurrency_filter() -> dict[str, Any]:
@@ -412,6 +421,8 @@ def floodgate_config(cfg: BenchConfig, classes: dict[int, dict[str, Any]] | None
     pool: dict[str, Any] = {"name": "default", "limit": limit}
     if cfg.engine_priority:
         pool["engine_priority"] = dict(ENGINE_PRIORITY)
+    if cfg.picking:
+        pool["endpoint_picking"] = True
     if classes is not None:
         pool["classes"] = classes
     out["pools"] = [pool]
@@ -476,8 +487,10 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
         access_log = sup.workdir / "envoy-access.log"
         if cfg.floodgate:
             stack.start_redis()
+            if cfg.picking:
+                asyncio.run(register_active(stack.redis_url, "default", upstreams))
             proc = stack.start_processor(floodgate_config(cfg, classes))
-            envoy = stack.start_envoy(upstreams, processors=[proc], access_log=access_log)
+            envoy = stack.start_envoy(upstreams, processors=[proc], access_log=access_log, picking=cfg.picking)
             metrics_url, metrics = proc.metrics_url, FLOODGATE_METRICS
         elif cfg.kind == "adaptive":
             envoy = stack.start_envoy(upstreams, processors=[], admission=False,
@@ -538,6 +551,21 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
                 raise RuntimeError(f"{c.name} died during the {cfg.name} run:\n{c.log_tail()}")
     result.meta["config"] = cfg.name
     return RunOutput(cfg, result, cpu, machine)
+
+
+async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[str, int]]) -> None:
+    """`@picking` rows: the replicas in the pool's registry as active endpoints (what the scaling
+    controller writes in a deployment; this bench runs none)."""
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
+
+    client = redis_client(redis_url, op_timeout_s=5)
+    try:
+        reg = Registry(client, pool)
+        for i, (host, port) in enumerate(upstreams):
+            await reg.set(f"{host}:{port}", "active", f"sim{i}")
+    finally:
+        await client.aclose()
 
 
 def probe_access_lines(path: Path, n: int, wait_s: float = 5.0) -> dict[int, dict[str, Any]]:
@@ -1009,10 +1037,10 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 same emulated pool in several configurations, each on fresh processes, and prints the table
 below. Raw data (every request record and metric sample, gzipped JSON as written by
 `sim.report.write_json`) and `results.json` are in `{rel_out}/`.
-Reproduce: `floodgate bench overload` (about 14 minutes with the reference pass and the two `@engine-priority` rows; `--help` for a shorter run).
+Reproduce: `floodgate bench overload` (about 17 minutes with the reference pass, the two `@engine-priority` and the two `@picking` rows; `--help` for a shorter run).
 
 **Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
-{w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST).
+{w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST; `@picking` rows: ORIGINAL_DST, the processor picks).
 Prompts lognormal mean {w['prompt_mean']} tokens, outputs mean {w['output_mean']} tokens
 (sigma {w['length_sigma']}), two tenants, priority mix {w['priority_shares']} (P0/P1/P2).
 SLO for goodput: TTFT ≤ {report['slo']['ttft_s']} s and TPOT ≤ {report['slo']['tpot_s']} s
@@ -1031,7 +1059,12 @@ timeout derived from its SLO: `{json.dumps(report['classes'].get('shipped') if i
 `@engine-priority` rows are a deployment choice, not the default: the emulators run vLLM's
 `--scheduling-policy priority` (waiting queue by the body's `priority`, then arrival) and the pool
 sets `engine_priority: {json.dumps(ENGINE_PRIORITY)}` (the processor writes `"priority": -1` into each
-P0's body; P1/P2 untouched). `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
+P0's body; P1/P2 untouched). `@picking` rows route as the shipped compose, Kubernetes and
+`floodgate up` deployments do: `endpoint_picking: true`, the replicas registered active in Redis,
+Envoy's ORIGINAL_DST cluster steered by the processor (shipped prefill-aware picking:
+`prefill_tokens_per_s` {PoolConfig().prefill_tokens_per_s:.0f}, `prefill_request_tokens`
+{PoolConfig().prefill_request_tokens:.0f}, `prefill_pace_tokens` {PoolConfig().prefill_pace_tokens:.0f});
+the other rows leave the choice of replica to Envoy. `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
 Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG` row with another signal sets only `signal`.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
 

@@ -104,6 +104,14 @@ class Remedy:
     # without picking (Envoy routes): the pool's level is the most loaded replica's backlog
     # instead of the sum (the processor learns each request's endpoint from its response headers)
     pool_max: bool = False
+    # with `prefill_rate`: the estimate counts every admitted request as the mean prompt
+    # (MEAN_PROMPT) instead of its own size (a processor that does not read the request's size)
+    unit_size: bool = False
+    # with `prefill_rate`: one estimate for the pool, draining at the rate x replicas (what a
+    # processor that does not know each request's replica can keep) instead of one per replica
+    pooled: bool = False
+    # the shipped onset ramp as well as the remedy's pacing (both must let a grant through)
+    ramp_too: bool = False
 
 
 MEAN_PROMPT = 512.0
@@ -128,9 +136,11 @@ class Gate:
         r = self.remedy
         if r.prefill_rate <= 0:
             return float(self.engine_backlog(r.per_replica)) + self.backlog  # + granted in this loop
-        if len(self.est) != self.replicas:
-            self.est = [0.0] * self.replicas
-        self.est = [max(0.0, x - r.prefill_rate * (now - self.backlog_ts)) for x in self.est]
+        n = 1 if r.pooled else self.replicas
+        if len(self.est) != n:
+            self.est = [0.0] * n
+        drain = r.prefill_rate * (self.replicas if r.pooled else 1)
+        self.est = [max(0.0, x - drain * (now - self.backlog_ts)) for x in self.est]
         self.backlog_ts = now
         # with picking the next request goes to the least; without, Envoy may send it to any
         return (min(self.est) if r.per_replica else self._pool(self.est)) + self.backlog
@@ -142,9 +152,7 @@ class Gate:
         """A request's prompt reached the engines (estimate mode: its tokens join the backlog)."""
         if self.remedy.prefill_k is not None and self.remedy.prefill_rate > 0:
             self.prefill_level(now)
-            if len(self.est) != self.replicas:
-                self.est = [0.0] * self.replicas
-            self.est[replica] += tokens
+            self.est[0 if self.remedy.pooled else replica] += MEAN_PROMPT if self.remedy.unit_size else tokens
             self.backlog = max(0.0, self.backlog - MEAN_PROMPT)
 
     def params(self) -> tuple[float, float]:
@@ -254,7 +262,9 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
                             ramp_burst=remedy.shipped[0], ramp_rate=remedy.shipped[1],
                             ramp_min_rate=RAMP_MIN_RATE_S, ramp_min_burst=remedy.ramp_min_burst)
     else:
-        table = PermitTable(limit=limit, shares=shares, headroom=headroom, pacer=gate)  # type: ignore[arg-type]
+        ramp: dict[str, Any] = dict(ramp_burst=_SHIPPED[0], ramp_rate=_SHIPPED[1], ramp_min_rate=RAMP_MIN_RATE_S,
+                                    ramp_min_burst=remedy.ramp_min_burst) if remedy.ramp_too else {}
+        table = PermitTable(limit=limit, shares=shares, headroom=headroom, pacer=gate, **ramp)  # type: ignore[arg-type]
     ecfg = w.engine_config()
     if remedy.p0_first:  # vLLM's --scheduling-policy priority, P0 sent with priority -1
         ecfg = replace(ecfg, scheduling_policy="priority")
@@ -481,6 +491,10 @@ REMEDIES = (
     Remedy("pick-est-512@7k", prefill_k=512, prefill_rate=7000, per_replica=True),
     Remedy("pick-est-512@5k", prefill_k=512, prefill_rate=5000, per_replica=True),
     Remedy("pick-est-1024@6k", prefill_k=1024, prefill_rate=6000, per_replica=True),
+    Remedy("pick-estn-512@6k", prefill_k=512, prefill_rate=6000, per_replica=True, unit_size=True),
+    Remedy("pick-estn-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, unit_size=True,
+           ramp_too=True),
+    Remedy("pick-est-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True),
     Remedy("max-backlog-512", prefill_k=512, pool_max=True),
     Remedy("max-backlog-1024", prefill_k=1024, pool_max=True),
     Remedy("max-est-512@6k", prefill_k=512, prefill_rate=6000, pool_max=True),
@@ -489,6 +503,12 @@ REMEDIES = (
     Remedy("est-2048@6k", prefill_k=2048, prefill_rate=6000),
     Remedy("est-2048@7k", prefill_k=2048, prefill_rate=7000),
     Remedy("est-4096@6k", prefill_k=4096, prefill_rate=6000),
+    Remedy("estn-1024@6k", prefill_k=1024, prefill_rate=6000, unit_size=True),
+    Remedy("estn-2048@6k", prefill_k=2048, prefill_rate=6000, unit_size=True),
+    Remedy("pool-est-1024@6k", prefill_k=1024, prefill_rate=6000, pooled=True),
+    Remedy("pool-est-2048@6k", prefill_k=2048, prefill_rate=6000, pooled=True),
+    Remedy("pool-estn-1024@6k", prefill_k=1024, prefill_rate=6000, pooled=True, unit_size=True),
+    Remedy("pool-estn-2048@6k", prefill_k=2048, prefill_rate=6000, pooled=True, unit_size=True),
     Remedy("ramp-8+10/s", ramp_burst=8, ramp_rate=10),
     Remedy("ramp-8+20/s", ramp_burst=8, ramp_rate=20),
     Remedy("ramp-16+20/s", ramp_burst=16, ramp_rate=20),

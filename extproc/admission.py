@@ -117,7 +117,8 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         tenant_cap=(tenant_cap(cls[0]), tenant_cap(cls[1]), tenant_cap(cls[2])),
         epoch=p.settings_epoch,
         ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate,
-        ramp_min_burst=RAMP_MIN_BURST, ramp_min_rate=RAMP_MIN_RATE_S)
+        ramp_min_burst=RAMP_MIN_BURST, ramp_min_rate=RAMP_MIN_RATE_S,
+        pf_rate=p.prefill_tokens_per_s, pf_size=p.prefill_request_tokens, pf_k=p.prefill_pace_tokens)
 
 
 @dataclass

@@ -104,10 +104,16 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
     pool's (the onset ramp's); `arriving`: the controller's capacity on its way (seconds,
     permits)."""
     refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
+    # Prefill-aware picking paces lower classes too while a P0 runs, until the endpoints'
+    # prefill estimates drain, which the snapshot does not show: read as paced, and the ramp's
+    # refill is not counted (its tokens alone do not let a paced request in).
+    prefill = settings is not None and settings.picking and settings.pf_rate > 0
+    paced = refill > 0 or prefill
+    refill = 0.0 if prefill else refill
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
-                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=refill > 0, ramp_refill=refill,
+                    arrival_rates_fast=arrivals[1] if arrivals else None, ramp=paced, ramp_refill=refill,
                     arriving=arriving)
 
 

@@ -155,6 +155,15 @@ class PoolConfig(_Strict):
     onset_ramp_burst: float = Field(
         default=0.08, ge=0, le=1,
         description="With `onset_ramp_rate`: the growth lower classes may take at once, as a share of the limit (at least 8 permits).")
+    prefill_tokens_per_s: float = Field(
+        default=6000.0, ge=0,
+        description="With endpoint picking: prompt tokens one endpoint prefills per second. The grant script keeps an estimate per active endpoint of the prompt tokens routed to it and not yet prefilled (each request adds `prefill_request_tokens`, draining at this rate), routes every grant to the least estimate (then the fewest permits) and, while a critical (P0) request is in flight, grants lower classes only while that least estimate is at most `prefill_pace_tokens`: on engines that prefill first come, first served (vLLM's default), the next P0 then waits behind little prefill. Too low a rate holds lower classes longer than needed while P0 runs; too high a rate is harmless but helps less. 0 = off: the least permits routed, no pacing (docs/admission.md, \"Prefill-aware picking\").")
+    prefill_request_tokens: float = Field(
+        default=512.0, gt=0,
+        description="With `prefill_tokens_per_s`: the prompt tokens each routed request adds to its endpoint's estimate (the request's own size is not read: the mean prompt of the pool's traffic).")
+    prefill_pace_tokens: float = Field(
+        default=512.0, ge=0,
+        description="With `prefill_tokens_per_s`: while a P0 is in flight, lower classes are granted only while the least endpoint estimate is at most this many prompt tokens (paced requests wait in the queue, and may time out there).")
     engine_priority: dict[Priority, int] = Field(
         default_factory=dict,
         description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")

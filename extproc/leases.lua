@@ -32,7 +32,7 @@
 --  * reads (`status`, `get_limit`) never write.
 
 local KEY_NAMES = {'leases', 'lmeta', 'queue', 'qmeta', 'qdl', 'counts', 'state', 'gws', 'active',
-                   'epinf', 'lep', 'creditors', 'settings', 'testclock'}
+                   'epinf', 'lep', 'creditors', 'epfill', 'settings', 'testclock'}
 local CLASS_SPAN = 4294967296
 local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
@@ -94,6 +94,7 @@ local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, end
 local CALL_SNAP     -- `batch`: this call's reply carries a whole snapshot (later ones send only their own part)
 local RAMP          -- the onset ramp's bucket {tokens, ts} once brought to `now` in this call (nil: not yet)
 local RAMPX         -- new endpoints' ramp credit {tokens, until_ms} read in this call (false: none; nil: not yet)
+local PF            -- prefill estimates {eps = active endpoints sorted, lv = endpoint -> level now} (nil: not read)
 -- Numbers parsed once per call (tonumber of a string runs strtod twice; these were read per op):
 local LIM, ILIM     -- the limit as stored, and int_limit's; nil = not read yet (set_state('limit') drops them)
 local QSEQ          -- the queue sequence (state `seq`) as a number, written back by flush
@@ -223,7 +224,10 @@ local function load_settings()
        pool = f.pool or '', shares = {}, always = {}, headroom = {}, maxq = {}, tcap = {},
        -- the onset ramp (absent in older settings: off); the rate per ms of the script's clock
        ramp_burst = tonumber(f.ramp_burst or '0'), ramp_rate_ms = tonumber(f.ramp_rate or '0') / 1000,
-       ramp_min_burst = tonumber(f.ramp_min_burst or '8'), ramp_min_rate_ms = tonumber(f.ramp_min_rate or '8') / 1000}
+       ramp_min_burst = tonumber(f.ramp_min_burst or '8'), ramp_min_rate_ms = tonumber(f.ramp_min_rate or '8') / 1000,
+       -- prefill-aware picking (absent in older settings: off); tokens per ms of the script's clock
+       pf_rate_ms = tonumber(f.pf_rate or '0') / 1000, pf_size = tonumber(f.pf_size or '512'),
+       pf_k = tonumber(f.pf_k or '512')}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
@@ -388,22 +392,74 @@ local function gateway_alive(gw)
   return ALIVE[gw]
 end
 
--- The least-loaded active endpoint (fewest permits routed to it); ties rotate so that an
--- idle pool still spreads requests. '' when the pool has no active endpoint.
-local function pick()
+-- Prefill-aware picking, mirrored from extproc/prefill.py (PrefillEstimate): with picking and
+-- `pf_rate`, each active endpoint has an estimate of the prompt tokens routed to it and not yet
+-- prefilled, `epfill` endpoint -> "level|ms": every request routed there adds `pf_size`, and it
+-- drains at `pf_rate` tokens per second, never below 0. Grants go to the least estimate, and
+-- while a P0 is in flight a lower class is granted only while the least is at most `pf_k`.
+local function pf_on() return S.picking and S.pf_rate_ms > 0 end
+
+-- The active endpoints (sorted) and their estimates at `now`, read once per call (the registry
+-- is written outside the script, so neither changes within a call but by this call's picks).
+local function pf_read()
+  if PF then return PF end
   local eps = redis.call('SMEMBERS', K.active)
+  table.sort(eps)
+  local lv = {}
+  if #eps > 0 and pf_on() then
+    local raw = redis.call('HMGET', K.epfill, unpack(eps))
+    for i, ep in ipairs(eps) do
+      local l, ts = string.match(raw[i] or '', '^([^|]*)|([^|]*)$')
+      local v = 0
+      if l then v = math.max(0, tonumber(l) - S.pf_rate_ms * math.max(0, now - tonumber(ts))) end
+      lv[ep] = v
+    end
+  end
+  PF = {eps = eps, lv = lv}
+  return PF
+end
+
+-- May class c (1-based) take a permit now as far as prefill pacing goes? P0 always; lower
+-- classes freely while no P0 is in flight (or no endpoint is active: the caller answers 503).
+local function pf_open(c, inflight)
+  if c == 1 or inflight[1] == 0 or not pf_on() then return true end
+  local pf = pf_read()
+  if #pf.eps == 0 then return true end
+  local least = math.huge
+  for _, ep in ipairs(pf.eps) do least = math.min(least, pf.lv[ep]) end
+  return least <= S.pf_k
+end
+
+-- The least-loaded active endpoint: with prefill-aware picking the least estimate first, then
+-- the fewest permits routed to it; ties rotate so that an idle pool still spreads requests.
+-- '' when the pool has no active endpoint.
+local function pick()
+  local pf = pf_read()
+  local eps = pf.eps
   local n = #eps
   if n == 0 then return '' end
-  table.sort(eps)
   local rr = num(state().rr, 0) + 1
   set_state('rr', tostring(rr))
   local start = rr % n
   local loads = redis.call('HMGET', K.epinf, unpack(eps))
-  local best, best_load = '', math.huge
+  local on = pf_on()
+  local best, best_lv, best_load = '', math.huge, math.huge
   for i = 0, n - 1 do
     local j = (start + i) % n + 1
     local load = num(loads[j], 0)
-    if load < best_load then best, best_load = eps[j], load end
+    local lv = on and pf.lv[eps[j]] or 0
+    if lv < best_lv or (lv == best_lv and load < best_load) then best, best_lv, best_load = eps[j], lv, load end
+  end
+  if on then
+    local v = best_lv + S.pf_size
+    pf.lv[best] = v
+    redis.call('HSET', K.epfill, best, string.format('%.17g|%d', v, now))
+    -- endpoints that left the active set keep a field until there are many of them
+    if redis.call('HLEN', K.epfill) > n + 16 then
+      for _, ep in ipairs(redis.call('HKEYS', K.epfill)) do
+        if pf.lv[ep] == nil then redis.call('HDEL', K.epfill, ep) end
+      end
+    end
   end
   return best
 end
@@ -561,7 +617,8 @@ local function grant_loop()
     local progressed = false
     for c = 1, 3 do
       if queued[c] > 0 and eligible(c, L, inflight, queued) then
-        if not ramp_open(c, inflight) then return granted end  -- paced: waits for a token
+        -- paced: waits for a token of the onset ramp, or for the engines' prefill estimate
+        if not ramp_open(c, inflight) or not pf_open(c, inflight) then return granted end
         local head = pop_head(c, queued)
         if not head then
           queued[c] = 0  -- repair a drifted counter
@@ -784,7 +841,7 @@ local function try_lease(ticket, gw, seq, c, wanted)
       if queued[k] > 0 and eligible(k, L, inflight, queued) then ok = false end
     end
   end
-  if ok then ok = ramp_open(c, inflight) end
+  if ok then ok = ramp_open(c, inflight) and pf_open(c, inflight) end
   if not ok then
     recall_credits()  -- a request could not be admitted: idle credits elsewhere must come back
     return nil
@@ -1145,7 +1202,7 @@ local function main(KEYS, ARGV)
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, LIVE_UNTIL, DUE = nil, nil, nil, nil, nil, false, {}, {}, nil
   REG, CALL_SNAP = {}, false
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
-  RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX = {}, false, false, nil, nil
+  RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
   local fake = redis.call('GET', K.testclock)
   if fake then

@@ -30,6 +30,7 @@ SCRIPT_KEYS = (
     "epinf",      # HASH endpoint -> permits held by requests routed to it
     "lep",        # HASH ticket -> endpoint it was routed to
     "creditors",  # SET  gateways holding local credits (told to return them when a queue forms)
+    "epfill",     # HASH endpoint -> "tokens|ms": prefill estimate (prefill-aware picking, extproc/prefill.py)
     "settings",   # HASH the pool's admission settings, written once (see PoolSettings)
     "testclock",  # STRING ms; when present the script uses it instead of TIME (tests only)
 )
@@ -125,12 +126,18 @@ class PoolSettings:
     # the ramp's floors (policy.RAMP_MIN_BURST, RAMP_MIN_RATE_S): permits at once, per second
     ramp_min_burst: float = 8.0
     ramp_min_rate: float = 8.0
+    # prefill-aware picking (extproc/prefill.py): tokens per second an endpoint prefills (0 = off),
+    # tokens each routed request adds, least estimate above which lower classes wait while P0 runs
+    pf_rate: float = 0.0
+    pf_size: float = 512.0
+    pf_k: float = 512.0
 
     def fields(self) -> dict[str, str]:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
                "epoch": str(self.epoch), "ramp_burst": repr(float(self.ramp_burst)),
                "ramp_rate": repr(float(self.ramp_rate)), "ramp_min_burst": repr(float(self.ramp_min_burst)),
-               "ramp_min_rate": repr(float(self.ramp_min_rate))}
+               "ramp_min_rate": repr(float(self.ramp_min_rate)), "pf_rate": repr(float(self.pf_rate)),
+               "pf_size": repr(float(self.pf_size)), "pf_k": repr(float(self.pf_k))}
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
             out[f"always{c}"] = "1" if self.always[c] else "0"
@@ -153,7 +160,10 @@ class PoolSettings:
             epoch=int(f.get("epoch", "0")),
             # settings stored by a version without the ramp have none
             ramp_burst=float(f.get("ramp_burst", "0")), ramp_rate=float(f.get("ramp_rate", "0")),
-            ramp_min_burst=float(f.get("ramp_min_burst", "8")), ramp_min_rate=float(f.get("ramp_min_rate", "8")))
+            ramp_min_burst=float(f.get("ramp_min_burst", "8")), ramp_min_rate=float(f.get("ramp_min_rate", "8")),
+            # settings stored by a version without prefill-aware picking have it off
+            pf_rate=float(f.get("pf_rate", "0")), pf_size=float(f.get("pf_size", "512")),
+            pf_k=float(f.get("pf_k", "512")))
 
     def differences(self, other: PoolSettings) -> list[str]:
         mine, theirs = self.fields(), other.fields()

@@ -93,16 +93,19 @@ async def drained(redis_url: str, timeout: float = 10.0) -> PoolStatus:
     return await pool_status(redis_url)
 
 
-def picking_admitter(url: str, client: AnyRedis, initial: int, pool: str = "f") -> Admitter:
+def picking_admitter(url: str, client: AnyRedis, initial: int, pool: str = "f",
+                     prefill_tokens_per_s: float = 0.0) -> Admitter:
     """A processor (gateway `a`) for one pool that picks endpoints and runs Vegas from `initial`,
     reading the registry every 50 ms: the set-up of the tests where the limit follows the
-    active endpoints."""
+    active endpoints. Prefill-aware picking is off unless asked for: these tests count grants
+    on a frozen script clock, where its estimates never drain (tests/test_prefill.py has it)."""
     from floodgate.extproc.admission import Admitter
     from floodgate.extproc.config import Config
 
     cfg = Config.model_validate({
         "redis": {"url": url, "poll_interval_s": 0.05},
-        "pools": [{"name": pool, "endpoint_picking": True, "limit": {"mode": "vegas", "initial": initial, "min": 1}}]})
+        "pools": [{"name": pool, "endpoint_picking": True, "prefill_tokens_per_s": prefill_tokens_per_s,
+                   "limit": {"mode": "vegas", "initial": initial, "min": 1}}]})
     return Admitter(cfg, client, gateway_id="a")
 
 

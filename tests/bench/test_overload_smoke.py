@@ -24,20 +24,29 @@ def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
                               "--quiet", *extra])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_overload_smoke(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Admission overhead\n\nsomeone else's section\n")
     # ~5 s of arrivals per config; capacity given so the engine-model search is skipped.
     # The unloaded reference pass: its minimum (10 s) at this scale; a priority mix of our own.
-    args = _args(tmp_path, "--configs", "none", "vegas", "static-24@engine-priority", "--scale", "0.1", "--capacity", "15",
+    args = _args(tmp_path, "--configs", "none", "vegas", "static-24@engine-priority", "static-24@picking", "--scale", "0.1", "--capacity", "15",
                  "--no-calibrate", "--timeout", "15", "--mix", "0.3", "0.4", "0.3")
     assert overload.run(args) == 0
 
     out = tmp_path / "out"
     report = json.loads((out / "results.json").read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert set(rows) == {"none", f"vegas-{overload.parse_config('vegas').signal}", "static-24@engine-priority"}
+    assert set(rows) == {"none", f"vegas-{overload.parse_config('vegas').signal}", "static-24@engine-priority",
+                         "static-24@picking"}
+    # endpoint picking: the processor routed every admitted request to a registered replica
+    # (none registered, or the ORIGINAL_DST cluster not steered, would be 503 no_endpoints / errors)
+    assert report["floodgate_configs"]["static-24@picking"]["pools"][0]["endpoint_picking"] is True
+    pick = rows["static-24@picking"]
+    assert pick["errors"] == 0 and pick["admitted"] > 0
+    with gzip.open(out / "static-24@picking.json.gz", "rt") as f:
+        recs = json.load(f)["records"]
+    assert not [r for r in recs if r["reject_reason"] == "no_endpoints" or r["status"] == 503]
     # engine priority: the emulators ran the priority policy (a P0 body without its priority, or
     # with one under fcfs, would be an error) and the processor wrote it into every admitted P0
     prio = rows["static-24@engine-priority"]
@@ -118,6 +127,7 @@ def test_update_doc_replaces_only_its_section(tmp_path: Path) -> None:
 def test_config_names() -> None:
     assert overload.parse_config("static-96").limit == 96
     assert overload.parse_config("vegas-ttft").signal == "ttft"
+    assert overload.parse_config("static-96@picking").picking and not overload.parse_config("static-96").picking
     with pytest.raises(argparse.ArgumentTypeError):
         overload.parse_config("static-x")
 

@@ -1,0 +1,89 @@
+"""Prefill-aware endpoint picking: the reference model that leases.lua's `pick` mirrors.
+
+vLLM's default scheduler is first come, first served: a request routed to an engine waits for
+every prompt routed there before it to be prefilled. A critical (P0) request therefore wants
+the endpoint with the least prefill work queued, and lower classes should not pile prompts
+onto the engines while a P0 is in flight (docs/admission.md, "Prefill-aware picking").
+
+The processor does not see the engines' queues, so the grant script keeps an **estimate** per
+active endpoint: every request routed there adds `request_tokens` prompt tokens (its size is not
+read: one mean prompt per request), and the estimate drains at `rate` tokens per second, never
+below zero. With it, when endpoint picking is on:
+
+* every grant goes to the active endpoint with the least estimate (then the fewest permits
+  routed to it, then the rotation that spreads an idle pool: `Picker` order before this);
+* while a P0 is in flight, a lower-class request is granted only while that least estimate is
+  at most `pace_tokens`: its prompt would queue ahead of the next P0 for no longer than that.
+
+Pure: times are integer milliseconds of the script's clock (Redis `TIME`), passed in. The
+arithmetic is the script's (doubles), so tests compare the script's choices with this model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """`rate`: prompt tokens one endpoint prefills per second (0 = off: pick by permits only, no
+    pacing); `request_tokens`: what each routed request adds; `pace_tokens`: the least estimate
+    above which lower classes wait while a P0 is in flight."""
+
+    rate: float = 0.0
+    request_tokens: float = 512.0
+    pace_tokens: float = 512.0
+
+    @property
+    def on(self) -> bool:
+        return self.rate > 0
+
+    @property
+    def rate_ms(self) -> float:
+        return self.rate / 1000.0
+
+
+def drained(level: float, ts_ms: int, now_ms: int, rate_ms: float) -> float:
+    """An estimate stored at `ts_ms`, brought to `now_ms`."""
+    return max(0.0, level - rate_ms * max(0, now_ms - ts_ms))
+
+
+@dataclass
+class PrefillEstimate:
+    """Per-endpoint estimates of prompt tokens routed and not yet prefilled: endpoint ->
+    (level, ms it was stored at), as the script keeps them in `fg:{pool}:epfill`."""
+
+    settings: PrefillSettings
+    levels: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    def level(self, endpoint: str, now_ms: int) -> float:
+        rec = self.levels.get(endpoint)
+        return 0.0 if rec is None else drained(rec[0], rec[1], now_ms, self.settings.rate_ms)
+
+    def least(self, endpoints: Sequence[str], now_ms: int) -> float:
+        return min((self.level(ep, now_ms) for ep in endpoints), default=0.0)
+
+    def pick(self, endpoints: Sequence[str], loads: Mapping[str, int], start: int, now_ms: int) -> str:
+        """The endpoint a grant goes to: least estimate, then fewest permits, ties to the first
+        from `start` in the sorted list (the script's rotation). '' with no endpoint."""
+        eps = sorted(endpoints)
+        n = len(eps)
+        best, key = "", (float("inf"), float("inf"))
+        for i in range(n):
+            ep = eps[(start + i) % n]
+            k = (self.level(ep, now_ms), float(loads.get(ep, 0)))
+            if k < key:
+                best, key = ep, k
+        return best
+
+    def routed(self, endpoint: str, now_ms: int) -> None:
+        """A request was routed to `endpoint`: its prompt joins the estimate."""
+        self.levels[endpoint] = (self.level(endpoint, now_ms) + self.settings.request_tokens, now_ms)
+
+    def open(self, cls: int, p0_inflight: int, endpoints: Sequence[str], now_ms: int) -> bool:
+        """May a grant to class `cls` (0-based) go ahead as far as prefill pacing goes? P0
+        always, lower classes freely while no P0 is in flight or with no endpoint known."""
+        if not self.settings.on or cls == 0 or p0_inflight == 0 or not endpoints:
+            return True
+        return self.least(endpoints, now_ms) <= self.settings.pace_tokens
