@@ -32,6 +32,11 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
                   replica with the least (true or estimated) prefill backlog and a lower class is
                   granted while that least backlog is at most K (bench/p0_bound.py's FIFO oracle
                   live; `pick-backlog-inf`: the picking without the pacing).
+* `estn-…`, `pick-estn-…`: the estimate counts every request as the mean prompt (MEAN_PROMPT)
+                  instead of its own size; `pool-est…`: one estimate for the whole pool draining at
+                  R x replicas (a processor that does not know each request's replica); `…+ramp`:
+                  the shipped onset ramp as well. `pick-estn-512@6k+ramp` is what ships
+                  (`prefill_tokens_per_s`, extproc/prefill.py) with endpoint picking.
 
 With `--vegas` the limit is no longer fixed: the shipped Vegas (`limit_for`, from `limit.initial`)
 is fed every finished request as the processor feeds it (`sample_rate` of them with their latency
@@ -46,6 +51,8 @@ climb, its burst and sparse-phase levels and their effect on P0 can be explored 
         --only shipped-ramp ramp-bucket-4 ramp-bucket-2     # the limit climbing in the burst
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3 4 5 \
         --only shipped-ramp max-est-1024@6k pick-est-512@6k  # prefill pacing, without / with picking
+    python -m floodgate.bench.p0_onset --limit 96 --seeds 1 2 3 4 \
+        --only shipped-ramp pick-est-512@6k pick-estn-512@6k pick-estn-512@6k+ramp  # what ships
 """
 
 from __future__ import annotations
@@ -495,6 +502,8 @@ REMEDIES = (
     Remedy("pick-estn-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, unit_size=True,
            ramp_too=True),
     Remedy("pick-est-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True),
+    Remedy("pick-estn-512@7.5k+ramp", prefill_k=512, prefill_rate=7500, per_replica=True, unit_size=True,
+           ramp_too=True),
     Remedy("max-backlog-512", prefill_k=512, pool_max=True),
     Remedy("max-backlog-1024", prefill_k=1024, pool_max=True),
     Remedy("max-est-512@6k", prefill_k=512, prefill_rate=6000, pool_max=True),
