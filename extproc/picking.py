@@ -1,7 +1,8 @@
 """Endpoint picking on the processor side.
 
 With `endpoint_picking`, the shared grant (leases.lua `pick`) routes each admitted request to
-the least-loaded active endpoint atomically with the grant. This module holds the rest: the
+the least-loaded active endpoint atomically with the grant (the least estimated prefill queued,
+then the fewest permits: extproc/prefill.py). This module holds the rest: the
 processor's cached view of the active endpoints (refreshed from the registry every second),
 the pick while Redis is unreachable (least of this process's own requests), the endpoint for
 requests admitted without a permit, and `accept`, the hook through which an endpoint may be
