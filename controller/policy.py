@@ -208,7 +208,7 @@ def _push_window(
 
 
 def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backlog: bool, current: int,
-                   per_replica: float) -> int | None:
+                   per_replica: float, reachable: int | None = None) -> int | None:
     """The first reaction to a confirmed step: the replicas to ask for, or None (pure;
     docs/controller.md, "First reaction").
 
@@ -221,10 +221,18 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     (`backlog`: Floodgate's queue or vLLM's, or KV pressure). Then the size is
     ceil(`high` / per_replica): the step rate's upper confidence bound, itself capped at a
     multiple of the point estimate (`demand.burst_react_sigma`, `burst_react_max_ratio`), so
-    it is never more than the offered rate justifies; `max_replicas` bounds it as any rule."""
+    it is never more than the offered rate justifies; `max_replicas` bounds it as any rule.
+
+    Only when the point estimate needs more replicas than the pool reaches without a cold
+    start (`reachable`: the current size plus the warm pool): a shortfall the warm pool can
+    fill is made up within a wake by the next decision, so the costs are no longer lopsided
+    and the lower-bound rules size it (the elastic bench's burst 2, which its pool holds: the
+    reaction asked 4 -> 7, 3 -> 7, 3 -> 6 where 4-5 carried it, with cold starts)."""
     if per_replica <= 0 or high <= 0 or not (shed and backlog):
         return None
     if mid <= (1.0 + cfg.tolerance) * max(current, 1) * per_replica:
+        return None
+    if reachable is not None and math.ceil(mid / per_replica - 1e-9) <= reachable:
         return None
     return math.ceil(max(high, mid) / per_replica - 1e-9)
 
@@ -246,6 +254,7 @@ def decide(
     active_ids: set[str] = set()
     draining_ids: set[str] = set()
     incoming = 0
+    warm = 0  # the warm pool: promoted within a wake, no cold start
     for r in replicas:
         if r.state is ReplicaState.ACTIVE:
             active_ids.add(r.replica_id)
@@ -253,6 +262,8 @@ def decide(
             draining_ids.add(r.replica_id)
         elif r.state in INCOMING_STATES:
             incoming += 1
+        elif r.state is ReplicaState.WARM:
+            warm += 1
     active = len(active_ids)
     capacity = active + incoming
     current = state.desired if state.desired is not None else capacity
@@ -357,7 +368,8 @@ def decide(
     react_until = state.react_until
     if now >= react_until:
         backlog = waiting > 0 or (kv_mean is not None and kv_mean > cfg.kv_pressure_threshold)
-        react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc)
+        react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
+                               max(current, capacity) + warm)
         if react is not None:
             panic = True
             react_until = now + cfg.panic_window_s

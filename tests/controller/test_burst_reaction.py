@@ -69,6 +69,14 @@ def test_rule_sizes_a_confirmed_step_on_its_upper_bound() -> None:
     assert burst_reaction(POLICY, 60.0, 10.0, True, True, 4, 7.0) == 9
 
 
+def test_rule_leaves_a_step_the_warm_pool_holds_to_the_other_rules() -> None:
+    # Point estimate 60 concurrent: 9 replicas. 4 active + 5 warm reach 9 within a wake: a
+    # shortfall there is made up by the next decision in seconds, not a cold start later.
+    assert burst_reaction(POLICY, 60.0, 75.0, True, True, 4, 7.0, reachable=9) is None
+    # 4 active + 4 warm do not: the whole step on its upper bound.
+    assert burst_reaction(POLICY, 60.0, 75.0, True, True, 4, 7.0, reachable=8) == 11
+
+
 @pytest.mark.parametrize("mid,high,shed,backlog", [
     (60.0, 75.0, False, True),   # nothing turned away since the step: admission carries it
     (60.0, 75.0, True, False),   # no backlog anywhere: the pool keeps up
@@ -166,3 +174,29 @@ def test_stale_or_empty_windows_do_not_react() -> None:
     # The step in the controller's first ticks: not enough reads for a change point.
     ds = run(cfg(), [42.0, 42.0], 14.0, 28.0, [6.0, 6.0], active=4)
     assert all(d.plan.reason != "burst_reaction" and d.plan.burst_high == 0 for d in ds)
+
+
+def test_a_step_the_warm_pool_holds_is_not_a_reaction() -> None:
+    # The 3x step of `test_a_3x_step_is_sized_in_one_decision` (84 concurrent at its point
+    # estimate: 12 replicas) with 4 active and a warm pool of 8: the pool reaches 12 without a
+    # cold start, so the other rules size it (promotions); with a pool of 4 it reacts. (The
+    # views stay as given here: the first step tick's 4 -> 7 promotes nobody in this test.)
+    def step(warm: int) -> list[Decision]:
+        clk = FakeClock()
+        st = DeciderState(history=DemandHistory.empty(8 * 1440))
+        reps = views(clk.now, active=4, warm=warm)
+        total = adm = away = 0.0
+        out: list[Decision] = []
+        for i, n in enumerate([*BASE, 42.0, 42.0, 42.0]):
+            t = clk.advance(1.0)
+            a = min(n, 30.0)
+            total, adm, away = total + n, adm + a, away + n - a
+            fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away)})
+            gw = GatewayCounters(t, True, rq_total=total, rejected=away)
+            ps = replace(signals(t, reps, running=28.0, waiting=6.0 if i >= 10 else 0.0), counters=fc, gateway=gw)
+            st, d = decide(cfg(), st, Signals(ps, reps), t)
+            out.append(d)
+        return out
+
+    assert all(d.plan.reason != "burst_reaction" for d in step(8))
+    assert any(d.plan.reason == "burst_reaction" and d.plan.desired == 15 for d in step(4))
