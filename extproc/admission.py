@@ -162,6 +162,7 @@ class PoolRuntime:
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
     held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
+    resyncing: bool = False  # a sync after Redis lost acknowledged writes is under way (`_lost_writes`)
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
     arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
@@ -250,6 +251,7 @@ class Admitter:
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
                 client=pc, pubsub_client=ps)
             rt.state.on_grant = partial(self._granted, rt)
+            rt.state.on_lost = partial(self._lost_writes, rt)
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
             self.metrics.pool_degraded.labels(p.name).set(0)
@@ -822,6 +824,27 @@ class Admitter:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
+
+    def _lost_writes(self, rt: PoolRuntime) -> None:
+        """A batch's reply shows that Redis lost writes of this processor it had acknowledged (a
+        failover to a replica that had not received them, a restart without persistence): it
+        may hold leases released since (phantoms: fewer admitted than L) and miss permits live
+        requests hold (more than L elsewhere). Re-assert everything now rather than at the next
+        renewal (up to `lease_ttl_s / 3` away). While degraded every reconcile does that anyway."""
+        self.metrics.state_rollbacks.labels(rt.cfg.name).inc()
+        if rt.degraded or rt.resyncing or self._closing:
+            return
+        log.warning("pool %s: Redis lost writes of this processor it had acknowledged (a failover to a "
+                    "replica that missed them, or a restart): re-asserting its permits and waiters now",
+                    rt.cfg.name)
+        rt.resyncing = True
+        self.spawn(self._resync(rt))
+
+    async def _resync(self, rt: PoolRuntime) -> None:
+        try:
+            await self._quietly_sync(rt)
+        finally:
+            rt.resyncing = False
 
     def _granted(self, rt: PoolRuntime, ticket: str, endpoint: str) -> None:
         """A grant to one of this processor's waiters (by pub/sub, or in a batch's reply)."""

@@ -1141,20 +1141,26 @@ function OPS.batch(ARGV)
   -- since and queue again waiters that left (phantoms until the next sync). So a batch older
   -- than the newest one this gateway ran is refused whole ('FGSTALE' for each op), while the
   -- gateway is alive; its fence `bx:<gateway>` goes with its liveness (reclaim).
+  --
+  -- The reply's third element is the fence stored before this batch ('' when none): a processor
+  -- that finds it below the fence of a batch whose reply it already had knows that Redis lost
+  -- writes it acknowledged (a failover to a replica that had not received them, a restart) and
+  -- re-asserts its permits and waiters at once instead of at its next renewal.
   MY_GW, MINE = ARGV[3], {}
   local replies = {}
   local i = 4
   local fence = tonumber(ARGV[4])
+  local last
   if fence then
     i = 5
     local fx = 'bx:' .. MY_GW
-    local last = state()[fx]
+    last = state()[fx]
     if last and fence < last + 0 and gateway_alive(MY_GW) then
       while i <= #ARGV do
         table.insert(replies, {'err', 'FGSTALE a later call of gateway ' .. MY_GW .. ' ran first'})
         i = i + 2 + ARGV[i + 1]
       end
-      return {replies, MINE}
+      return {replies, MINE, last}
     end
     if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
   end
@@ -1175,7 +1181,7 @@ function OPS.batch(ARGV)
       end
     end
   end
-  return {replies, MINE}
+  return {replies, MINE, last or ''}
 end
 
 -- Reads: never reclaim, grant or store anything.

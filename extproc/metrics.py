@@ -81,6 +81,11 @@ class Metrics:
         self.lost_leases = Counter(
             "floodgate_lost_leases", "Leases Redis had lost while a live request held them (process paused "
             "past the TTL, Redis restarted); the next sync leased them again.", ["pool"], registry=r)
+        self.state_rollbacks = Counter(
+            "floodgate_state_rollbacks",
+            "Times Redis answered without writes of this processor it had already acknowledged (a "
+            "failover to a replica that had not received them, a restart): it re-asserted its "
+            "permits and waiters at once.", ["pool"], registry=r)
         self.reconciled = Counter(
             "floodgate_reconciled",
             "Corrections a sync made in Redis: reasserted (permits live requests hold that Redis had "

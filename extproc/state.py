@@ -137,7 +137,9 @@ class PoolState:
     `gateway` and `on_grant(ticket, endpoint)`: a batch that grants a permit to one of this
     gateway's waiters reports it in its reply, and `on_grant` is told before the batch's
     callers get their replies (other gateways' waiters get a pub/sub message, as before).
-    `batch_timeout_s` bounds one batch call (a caller's own timeout may be shorter)."""
+    `batch_timeout_s` bounds one batch call (a caller's own timeout may be shorter).
+    `on_lost()`: a batch's reply shows that Redis lost writes of this processor it had
+    acknowledged (the fence it held was below one already answered)."""
 
     def __init__(self, client: aioredis.Redis, pool: str, *, lease_ttl_s: float,
                  settings: PoolSettings | None = None, gateway: str = "",
@@ -155,6 +157,8 @@ class PoolState:
         self._queue: list[_Pending] = []
         self._sender: asyncio.Task[None] | None = None  # sends batches while ops are queued
         self._fence = 0  # the last batch's fence
+        self._acked = 0  # the highest fence of a batch whose reply arrived
+        self.on_lost: Callable[[], None] | None = None
         self.batches = 0  # batch calls sent, and the ops they carried (tests, metrics)
         self.batched_ops = 0
 
@@ -195,20 +199,21 @@ class PoolState:
 
     async def _send_batch(self, todo: list[_Pending]) -> None:
         argv: list[Any] = ["batch", self._ttl, self.gateway]
+        fence = 0
         if self.gateway:
             # A fence that only grows (leases.lua `OPS.batch`): microseconds of the wall clock,
             # so a restarted process with the same gateway id starts above its predecessor's.
             # (A state without a gateway, a tool's or a test's, is not one sender: no fence.)
-            self._fence = max(self._fence + 1, time.time_ns() // 1000)
-            argv.append(self._fence)
+            fence = self._fence = max(self._fence + 1, time.time_ns() // 1000)
+            argv.append(fence)
         for op, args, _ in todo:
             argv += [op, len(args), *args]
         self.batches += 1
         self.batched_ops += len(todo)
         try:
             async with asyncio.timeout(self.batch_timeout_s):
-                replies, grants = await self._run_configured(argv)
-            replies = expand_snapshots(replies)
+                reply = await self._run_configured(argv)
+            replies, grants = expand_snapshots(reply[0]), reply[1]
         except asyncio.CancelledError:
             for _, _, fut in todo:
                 fut.cancel()
@@ -218,6 +223,15 @@ class PoolState:
                 if not fut.done():
                     fut.set_exception(exc)
             return
+        if fence:
+            # The fence Redis held before this batch, below one it acknowledged already: Redis
+            # lost acknowledged writes of this processor (a failover, a restart, or it was
+            # declared dead). Told before the callers get their replies.
+            before = _text(reply[2]) if len(reply) > 2 else ""
+            if self._acked and (not before.isdigit() or int(before) < self._acked) and self.on_lost is not None:
+                with contextlib.suppress(Exception):
+                    self.on_lost()
+            self._acked = max(self._acked, fence)
         if self.on_grant is not None:
             it = iter(grants)
             for ticket, endpoint in zip(it, it, strict=True):

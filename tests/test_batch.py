@@ -371,7 +371,7 @@ async def test_a_batch_that_runs_after_a_later_one_is_refused(stack: LocalStack)
         await admitter._sync(rt)  # a later sync: nothing held, nothing waiting
         assert (await rt.state.status()).inflight_total == 0
         keys = rt.state.keys
-        replies, grants = await raw.fcall(FUNCTION, len(keys), *keys, *stale)
+        replies, grants, _ = await raw.fcall(FUNCTION, len(keys), *keys, *stale)
         assert [r[0] for r in replies] == [b"err"] and b"FGSTALE" in replies[0][1] and grants == []
         st = await rt.state.status()
         assert st.inflight_total == 0 and st.queued_total == 0  # no phantom lease, no phantom waiter
@@ -398,7 +398,7 @@ async def test_an_older_fence_is_refused_only_while_its_gateway_lives(client: ai
     await client.set(clock, 1_000_000)
 
     async def batch(fence: int, *ops: object) -> list[object]:
-        replies, _ = await st._script(st.keys, ["batch", st._ttl, "ga", fence, *ops])
+        replies, _, _ = await st._script(st.keys, ["batch", st._ttl, "ga", fence, *ops])
         return list(replies)
     sync = ["sync", 3, "ga", 1, 0]
     assert (await batch(500, *sync))[0][0] == b"granted"  # (a sync's reply is a snapshot)

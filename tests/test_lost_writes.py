@@ -1,0 +1,126 @@
+"""Redis answering without writes it had acknowledged, against a real server and the real script.
+
+Replication is asynchronous: a replica promoted by a failover may lack the last writes its
+primary acknowledged, and a Redis restarted without persistence lacks all of them. A processor
+that notices no error (a Cluster client follows the MOVED to the promoted replica by itself)
+used to go on until its next renewal (`lease_ttl_s / 3`) with Redis holding leases it had
+released (fewer admitted than L) and missing permits its requests hold (more than L
+elsewhere). Each batch's reply now carries the fence Redis held for the processor before it;
+one below a fence already answered proves the loss, and the processor re-asserts at once.
+
+The loss is made here with DUMP/RESTORE of the pool's keys (Redis rolled back to a moment in
+the past, as a promoted replica is); tests/test_redis_ha.py has the real Sentinel failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from floodgate.extproc.admission import Admitter
+from floodgate.extproc.backends import Permit
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.schema import script_keys
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+async def snapshot(r: aioredis.Redis, pool: str) -> dict[str, bytes]:
+    return {k: d for k in script_keys(pool) if (d := await r.dump(k)) is not None}
+
+
+async def roll_back(r: aioredis.Redis, pool: str, snap: dict[str, bytes]) -> None:
+    """The pool's keys as they were at `snap` (what a replica that missed the writes since holds)."""
+    await r.delete(*script_keys(pool))
+    for k, d in snap.items():
+        await r.restore(k, 0, d, replace=True)
+    # A restored key keeps no TTL here, as a replica's copy would keep its own: none of the
+    # pool's script keys carries one.
+
+
+async def leased(r: aioredis.Redis, pool: str) -> list[str]:
+    return sorted(t.decode() for t in await r.zrange(script_keys(pool)[0], 0, -1))
+
+
+async def test_a_rolled_back_redis_is_corrected_at_the_next_call(stack: LocalStack) -> None:
+    """Two permits held and a waiter queued; then a release grants the waiter and a new request
+    is admitted; Redis rolls back to before them. The next call this processor makes (here a
+    release) finds the loss in its reply, and by the time the release after it has returned,
+    Redis holds exactly the permits live requests hold: the released one is not leased by
+    nobody, the admitted one is counted again. The renewal is 10 s away (TTL 30 s), so only
+    the loss detection can have done it."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 3}}]})
+    client = redis_client(url, op_timeout_s=0.5)
+    raw = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    rt = admitter.pools["a"]
+    try:
+        p1, p2, p3 = [await admitter.admit("a", 1, "t") for _ in range(3)]
+        assert isinstance(p1, Permit) and isinstance(p2, Permit) and isinstance(p3, Permit)
+        waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
+        assert await wait_until(lambda: len(rt.waiting) == 1 and all(w.enqueued for w in rt.waiting.values()), 5)
+        before = await snapshot(raw, "a")  # p1, p2, p3 leased, the waiter queued
+        await admitter.release(p3)  # grants the waiter
+        got = await asyncio.wait_for(waiter, 5)
+        assert isinstance(got, Permit)
+        await admitter.release(p2)
+        p4 = await admitter.admit("a", 1, "t")  # leased in the writes about to be lost
+        assert isinstance(p4, Permit)
+        assert await leased(raw, "a") == sorted([p1.ticket, got.ticket, p4.ticket])
+        await roll_back(raw, "a", before)
+        assert await leased(raw, "a") == sorted([p1.ticket, p2.ticket, p3.ticket])  # the loss
+        await admitter.release(p1)  # the next call: its reply shows the loss
+        await admitter.release(got)
+        # Exactly what is held: p4 (its lease was lost) and nothing released or abandoned.
+        assert await leased(raw, "a") == [p4.ticket]
+        st = await rt.state.status()
+        assert st.inflight_total == 1 and st.queued_total == 0
+        assert metrics.state_rollbacks.labels("a")._value.get() == 1
+        await admitter.release(p4)
+        assert (await rt.state.status()).inflight_total == 0
+        assert metrics.state_rollbacks.labels("a")._value.get() == 1  # no loss: no second resync
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
+
+
+async def test_an_emptied_redis_is_corrected_at_the_next_call(stack: LocalStack) -> None:
+    """A restart without persistence (FLUSHALL here): the settings, leases and the processor's
+    fence are gone. The next call configures the pool again, its reply shows no fence, and the
+    processor re-asserts the permits its requests hold at once."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 3}}]})
+    client = redis_client(url, op_timeout_s=0.5)
+    raw = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    rt = admitter.pools["a"]
+    try:
+        held = [await admitter.admit("a", 1, "t") for _ in range(3)]
+        assert all(isinstance(p, Permit) for p in held)
+        await raw.flushall()
+        await admitter.release(held[0])  # the next call
+        assert await wait_until(lambda: not rt.resyncing, 5)
+        assert await leased(raw, "a") == sorted(p.ticket for p in held[1:])
+        assert metrics.state_rollbacks.labels("a")._value.get() == 1
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
