@@ -207,6 +207,11 @@ class PoolRuntime:
         per = limit // endpoints
         return tuple((t - now, k * per) for t, k in self.arriving if t > now and per > 0)
 
+    def capacity_view(self) -> tuple[int, float | None, int]:
+        """What early drop reads of the pool's capacity besides the status snapshot: active
+        endpoints, the controller's ceiling, the permits announced on their way."""
+        return len(self.picker.active), self.ceiling, sum(k for _, k in self.arriving)
+
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
 
@@ -950,7 +955,7 @@ class Admitter:
         status tick, and at once when the controller says they changed (`registry_due`)."""
         rt.registry_due = False
         if rt.picker.enabled:
-            seen = (len(rt.picker.active), rt.ceiling, sum(k for _, k in rt.arriving))
+            seen = rt.capacity_view()
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
             n = len(rt.picker.active)
@@ -965,7 +970,7 @@ class Admitter:
             lifted = rt.ceiling is None and rt.uncapped is not None and n > 0
             if (rt.follows_endpoints() and n and n != rt.endpoints_applied) or over or lifted:
                 await self._follow_endpoints(rt, n)
-            if (n, rt.ceiling, sum(k for _, k in rt.arriving)) != seen:
+            if rt.capacity_view() != seen:
                 # The last status read, which early drop may decide on without a round trip
                 # (`certain_reject`), described the pool before this change (the limit new
                 # endpoints raise, the capacity announced for them and now taken back): the

@@ -17,8 +17,9 @@ pool's state for all of them, and a grant to one of this processor's own waiters
 that reply instead of as a pub/sub message. Each batch carries a fence that only grows: a batch
 that reaches Redis after a later one of the same processor (its caller gave up while the server
 was frozen; the bytes ran when it thawed) is refused instead of undoing what the later one did.
-The library's name carries a hash of the source, so processors of two versions sharing one Redis each call their own. A pool whose settings are missing (a fresh or restarted
-Redis) is configured from this processor's settings and the call retried.
+The library's name carries a hash of the source, so processors of two versions sharing one
+Redis each call their own. A pool whose settings are missing (a fresh or restarted Redis) is
+configured from this processor's settings and the call retried.
 """
 
 from __future__ import annotations

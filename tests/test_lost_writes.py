@@ -15,6 +15,8 @@ the past, as a promoted replica is); tests/test_redis_ha.py has the real Sentine
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
@@ -48,79 +50,80 @@ async def leased(r: aioredis.Redis, pool: str) -> list[str]:
     return sorted(t.decode() for t in await r.zrange(script_keys(pool)[0], 0, -1))
 
 
-async def test_a_rolled_back_redis_is_corrected_at_the_next_call(stack: LocalStack) -> None:
+@dataclass
+class Gateway:
+    admitter: Admitter
+    raw: aioredis.Redis  # a connection of its own to the same server (the test's hand)
+    metrics: Metrics
+
+
+@pytest.fixture
+async def gw(stack: LocalStack) -> AsyncIterator[Gateway]:
+    """A processor with pool `a` (L 3, no credits) on a fresh server; TTL 30 s, so its next
+    renewal is 10 s away and only the loss detection can repair Redis within a test."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": 3}}]})
+    client = redis_client(url, op_timeout_s=0.5)
+    raw = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    try:
+        yield Gateway(admitter, raw, metrics)
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
+
+
+async def test_a_rolled_back_redis_is_corrected_at_the_next_call(gw: Gateway) -> None:
     """Two permits held and a waiter queued; then a release grants the waiter and a new request
     is admitted; Redis rolls back to before them. The next call this processor makes (here a
     release) finds the loss in its reply, and by the time the release after it has returned,
     Redis holds exactly the permits live requests hold: the released one is not leased by
     nobody, the admitted one is counted again. The renewal is 10 s away (TTL 30 s), so only
     the loss detection can have done it."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 3}}]})
-    client = redis_client(url, op_timeout_s=0.5)
-    raw = aioredis.Redis.from_url(url)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
+    admitter, raw, metrics = gw.admitter, gw.raw, gw.metrics
     rt = admitter.pools["a"]
-    try:
-        p1, p2, p3 = [await admitter.admit("a", 1, "t") for _ in range(3)]
-        assert isinstance(p1, Permit) and isinstance(p2, Permit) and isinstance(p3, Permit)
-        waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
-        assert await wait_until(lambda: len(rt.waiting) == 1 and all(w.enqueued for w in rt.waiting.values()), 5)
-        before = await snapshot(raw, "a")  # p1, p2, p3 leased, the waiter queued
-        await admitter.release(p3)  # grants the waiter
-        got = await asyncio.wait_for(waiter, 5)
-        assert isinstance(got, Permit)
-        await admitter.release(p2)
-        p4 = await admitter.admit("a", 1, "t")  # leased in the writes about to be lost
-        assert isinstance(p4, Permit)
-        assert await leased(raw, "a") == sorted([p1.ticket, got.ticket, p4.ticket])
-        await roll_back(raw, "a", before)
-        assert await leased(raw, "a") == sorted([p1.ticket, p2.ticket, p3.ticket])  # the loss
-        await admitter.release(p1)  # the next call: its reply shows the loss
-        await admitter.release(got)
-        # Exactly what is held: p4 (its lease was lost) and nothing released or abandoned.
-        assert await leased(raw, "a") == [p4.ticket]
-        st = await rt.state.status()
-        assert st.inflight_total == 1 and st.queued_total == 0
-        assert metrics.state_rollbacks.labels("a")._value.get() == 1
-        await admitter.release(p4)
-        assert (await rt.state.status()).inflight_total == 0
-        assert metrics.state_rollbacks.labels("a")._value.get() == 1  # no loss: no second resync
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await raw.aclose()
+    p1, p2, p3 = [await admitter.admit("a", 1, "t") for _ in range(3)]
+    assert isinstance(p1, Permit) and isinstance(p2, Permit) and isinstance(p3, Permit)
+    waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
+    assert await wait_until(lambda: len(rt.waiting) == 1 and all(w.enqueued for w in rt.waiting.values()), 5)
+    before = await snapshot(raw, "a")  # p1, p2, p3 leased, the waiter queued
+    await admitter.release(p3)  # grants the waiter
+    got = await asyncio.wait_for(waiter, 5)
+    assert isinstance(got, Permit)
+    await admitter.release(p2)
+    p4 = await admitter.admit("a", 1, "t")  # leased in the writes about to be lost
+    assert isinstance(p4, Permit)
+    assert await leased(raw, "a") == sorted([p1.ticket, got.ticket, p4.ticket])
+    await roll_back(raw, "a", before)
+    assert await leased(raw, "a") == sorted([p1.ticket, p2.ticket, p3.ticket])  # the loss
+    await admitter.release(p1)  # the next call: its reply shows the loss
+    await admitter.release(got)
+    # Exactly what is held: p4 (its lease was lost) and nothing released or abandoned.
+    assert await leased(raw, "a") == [p4.ticket]
+    st = await rt.state.status()
+    assert st.inflight_total == 1 and st.queued_total == 0
+    assert metrics.state_rollbacks.labels("a")._value.get() == 1
+    await admitter.release(p4)
+    assert (await rt.state.status()).inflight_total == 0
+    assert metrics.state_rollbacks.labels("a")._value.get() == 1  # no loss: no second resync
 
 
-async def test_an_emptied_redis_is_corrected_at_the_next_call(stack: LocalStack) -> None:
+async def test_an_emptied_redis_is_corrected_at_the_next_call(gw: Gateway) -> None:
     """A restart without persistence (FLUSHALL here): the settings, leases and the processor's
     fence are gone. The next call configures the pool again, its reply shows no fence, and the
     processor re-asserts the permits its requests hold at once."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 3}}]})
-    client = redis_client(url, op_timeout_s=0.5)
-    raw = aioredis.Redis.from_url(url)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
+    admitter, raw, metrics = gw.admitter, gw.raw, gw.metrics
     rt = admitter.pools["a"]
-    try:
-        held = [await admitter.admit("a", 1, "t") for _ in range(3)]
-        assert all(isinstance(p, Permit) for p in held)
-        await raw.flushall()
-        await admitter.release(held[0])  # the next call
-        assert await wait_until(lambda: not rt.resyncing, 5)
-        assert await leased(raw, "a") == sorted(p.ticket for p in held[1:])
-        assert metrics.state_rollbacks.labels("a")._value.get() == 1
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await raw.aclose()
+    held = [await admitter.admit("a", 1, "t") for _ in range(3)]
+    assert all(isinstance(p, Permit) for p in held)
+    await raw.flushall()
+    await admitter.release(held[0])  # the next call
+    assert await wait_until(lambda: not rt.resyncing, 5)
+    assert await leased(raw, "a") == sorted(p.ticket for p in held[1:])
+    assert metrics.state_rollbacks.labels("a")._value.get() == 1
