@@ -35,8 +35,11 @@ static limit (96: static-96; 115: about Vegas's burst limit), to test remedies b
 * `estn-…`, `pick-estn-…`: the estimate counts every request as the mean prompt (MEAN_PROMPT)
                   instead of its own size; `pool-est…`: one estimate for the whole pool draining at
                   R x replicas (a processor that does not know each request's replica); `…+ramp`:
-                  the shipped onset ramp as well. `pick-estn-512@6k+ramp` is what ships
-                  (`prefill_tokens_per_s`, extproc/prefill.py) with endpoint picking.
+                  the shipped onset ramp as well. `pick-estn-512@6k+ramp` is what shipped before
+                  each request's size was read; `pick-cl4-512@6k+ramp` is what ships
+                  (`prefill_tokens_per_s`, `prefill_bytes_per_token` 4: the size from the request's
+                  content-length, extproc/prefill.py) with endpoint picking; `pick-cl6-…` the same
+                  at 6 bytes per token (about the bench's own prompts' ratio).
 
 With `--vegas` the limit is no longer fixed: the shipped Vegas (`limit_for`, from `limit.initial`)
 is fed every finished request as the processor feeds it (`sample_rate` of them with their latency
@@ -52,7 +55,9 @@ climb, its burst and sparse-phase levels and their effect on P0 can be explored 
     python -m floodgate.bench.p0_onset --limit 96 115 --seeds 1 2 3 4 5 \
         --only shipped-ramp max-est-1024@6k pick-est-512@6k  # prefill pacing, without / with picking
     python -m floodgate.bench.p0_onset --limit 96 --seeds 1 2 3 4 \
-        --only shipped-ramp pick-est-512@6k pick-estn-512@6k pick-estn-512@6k+ramp  # what ships
+        --only shipped-ramp pick-est-512@6k pick-estn-512@6k pick-estn-512@6k+ramp
+    python -m floodgate.bench.p0_onset --limit 96 --seeds 1 2 3 4 \
+        --only pick-estn-512@6k+ramp pick-est-512@6k+ramp pick-cl4-512@6k+ramp  # what ships
 """
 
 from __future__ import annotations
@@ -119,6 +124,11 @@ class Remedy:
     pooled: bool = False
     # the shipped onset ramp as well as the remedy's pacing (both must let a grant through)
     ramp_too: bool = False
+    # with `prefill_rate`: each request's size as the processor estimates it from the request's
+    # `content-length` (extproc.prefill.prompt_tokens: body bytes / this, clamped to [1,
+    # MAX_REQUEST_TOKENS]; the body the load generator sends, sim.loadgen.request_body) instead of
+    # its true prompt tokens (an oracle of the engine's tokenizer)
+    body_bytes_per_token: float = 0.0
 
 
 MEAN_PROMPT = 512.0
@@ -298,6 +308,17 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
     events: list[tuple[float, int, int]] = []  # (time, kind, index): kind 1 deadline, 2 arrival
     for i, r in enumerate(plan):
         heapq.heappush(events, (r.t_offset, 2, i))
+    sizes: list[float] = []
+    if remedy.body_bytes_per_token > 0:
+        import json
+
+        from floodgate.extproc.prefill import MAX_REQUEST_TOKENS, prompt_tokens
+        from floodgate.sim.loadgen import request_body
+
+        # the bench's requests: completions API, the emulator's model name, ids in arrival order
+        sizes = [prompt_tokens([str(len(json.dumps(request_body(r, i, "floodgate-sim-8b", "completions")[1])))],
+                               None, bytes_per_token=remedy.body_bytes_per_token, default=MEAN_PROMPT,
+                               max_tokens=MAX_REQUEST_TOKENS) for i, r in enumerate(plan)]
 
     def route(i: int, now: float) -> None:
         r = plan[i]
@@ -317,7 +338,7 @@ def run(w: Any, capacity_rps: float, limit: int, remedy: Remedy, *, seed: int = 
         e = engines[k]
         e.add_request(str(i), r.prompt_tokens, r.output_tokens, now,
                       priority=-1 if remedy.p0_first and r.priority == 0 else 0)
-        gate.admitted(r.prompt_tokens, now, k)
+        gate.admitted(sizes[i] if sizes else r.prompt_tokens, now, k)
         if remedy.prefill_k is not None and remedy.prefill_rate <= 0:
             gate.backlog = max(0.0, gate.backlog - MEAN_PROMPT)  # now in the engines' own backlog
         active[k] += 1
@@ -502,6 +523,15 @@ REMEDIES = (
     Remedy("pick-estn-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, unit_size=True,
            ramp_too=True),
     Remedy("pick-est-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True),
+    # what ships: each request's content-length / 4 (extproc.prefill.prompt_tokens), with the ramp
+    Remedy("pick-cl4-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True,
+           body_bytes_per_token=4.0),
+    Remedy("pick-cl6-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True,
+           body_bytes_per_token=6.0),
+    Remedy("pick-cl5-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True,
+           body_bytes_per_token=5.0),
+    Remedy("pick-cl8-512@6k+ramp", prefill_k=512, prefill_rate=6000, per_replica=True, ramp_too=True,
+           body_bytes_per_token=8.0),
     Remedy("pick-estn-512@7.5k+ramp", prefill_k=512, prefill_rate=7500, per_replica=True, unit_size=True,
            ramp_too=True),
     Remedy("max-backlog-512", prefill_k=512, pool_max=True),

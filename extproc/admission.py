@@ -577,12 +577,14 @@ class Admitter:
 
     # ---------------------------------------------------------------- admission
 
-    async def admit(self, pool: str, priority: int, tenant: str) -> Permit | Reject:
+    async def admit(self, pool: str, priority: int, tenant: str, tokens: float | None = None) -> Permit | Reject:
+        """`tokens`: the request's prompt tokens for the prefill estimate (`prompt_tokens`;
+        None: the pool's `prefill_request_tokens`)."""
         rt = self.pools[pool]
         started = self.clock()
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
             tenant = "(anonymous)"  # tenant-less requests share one tenant cap only when configured
-        req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s)
+        req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s, tokens)
         rt.arrivals[priority].bump(started)
         rt.arrivals_fast[priority].bump(started)
         result: Permit | Reject | None = None

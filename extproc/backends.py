@@ -75,6 +75,7 @@ class Request:
     tenant: str
     started: float
     deadline: float
+    tokens: float | None = None  # prompt tokens for the prefill estimate (None: the pool's pf_size)
 
 
 @dataclass
@@ -169,10 +170,10 @@ class SharedBackend:
                 rt.waiting[ticket] = w  # from here a grant message may arrive
                 remaining = max(0.001, req.deadline - a.clock())
                 st = await a.call(rt, "admit", lambda: rt.state.admit(ticket, a.gateway_id, seq, cls, req.tenant,
-                                                                  wanted, remaining))
+                                                                  wanted, remaining, req.tokens))
             else:
                 st = await a.call(rt, "acquire", lambda: rt.state.acquire(ticket, a.gateway_id, seq, cls, req.tenant,
-                                                                      wanted))
+                                                                      wanted, req.tokens))
         except RedisDown:
             rt.waiting.pop(ticket, None)  # a waiter queued by a call whose reply was lost: the next sync drops it
             return None
@@ -213,7 +214,7 @@ class SharedBackend:
                 try:
                     remaining = max(0.001, req.deadline - a.clock())
                     st = await a.call(rt, "enqueue", lambda: rt.state.enqueue(ticket, a.gateway_id, seq, cls, req.tenant,
-                                                                          remaining))
+                                                                          remaining, req.tokens))
                 except RedisDown:
                     return None
                 finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from floodgate.extproc.endpoint_guard import parse_rule
+from floodgate.extproc.prefill import BYTES_PER_TOKEN, MAX_REQUEST_TOKENS
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -157,13 +158,19 @@ class PoolConfig(_Strict):
         description="With `onset_ramp_rate`: the growth lower classes may take at once, as a share of the limit (at least 8 permits).")
     prefill_tokens_per_s: float = Field(
         default=6000.0, ge=0,
-        description="With endpoint picking: prompt tokens one endpoint prefills per second. The grant script keeps an estimate per active endpoint of the prompt tokens routed to it and not yet prefilled (each request adds `prefill_request_tokens`, draining at this rate), routes every grant to the least estimate (then the fewest permits) and, while a critical (P0) request is in flight, grants lower classes only while that least estimate is at most `prefill_pace_tokens`: on engines that prefill first come, first served (vLLM's default), the next P0 then waits behind little prefill. Too low a rate holds lower classes longer than needed while P0 runs; too high a rate is harmless but helps less. 0 = off: the least permits routed, no pacing (docs/admission.md, \"Prefill-aware picking\").")
+        description="With endpoint picking: prompt tokens one endpoint prefills per second. The grant script keeps an estimate per active endpoint of the prompt tokens routed to it and not yet prefilled (each request adds its own prompt size, estimated from its `content-length`: see `prefill_bytes_per_token`; draining at this rate), routes every grant to the least estimate (then the fewest permits) and, while a critical (P0) request is in flight, grants lower classes only while that least estimate is at most `prefill_pace_tokens`: on engines that prefill first come, first served (vLLM's default), the next P0 then waits behind little prefill. Too low a rate holds lower classes longer than needed while P0 runs; too high a rate is harmless but helps less. 0 = off: the least permits routed, no pacing (docs/admission.md, \"Prefill-aware picking\").")
     prefill_request_tokens: float = Field(
         default=512.0, gt=0,
-        description="With `prefill_tokens_per_s`: the prompt tokens each routed request adds to its endpoint's estimate (the request's own size is not read: the mean prompt of the pool's traffic).")
+        description="With `prefill_tokens_per_s`: the prompt tokens a routed request adds to its endpoint's estimate when its own size is not known (no or a malformed `content-length`, an encoded body, `prefill_bytes_per_token` 0, a request of an older processor): the mean prompt of the pool's traffic.")
     prefill_pace_tokens: float = Field(
         default=512.0, ge=0,
         description="With `prefill_tokens_per_s`: while a P0 is in flight, lower classes are granted only while the least endpoint estimate is at most this many prompt tokens (paced requests wait in the queue, and may time out there).")
+    prefill_bytes_per_token: float = Field(
+        default=BYTES_PER_TOKEN, ge=0,
+        description="With `prefill_tokens_per_s`: a request's prompt size is estimated as its `content-length` (read from the request headers; the body is not buffered) divided by this, clamped to [1, `prefill_max_request_tokens`]. English text runs ~4 characters per token with Llama-style tokenizers and a JSON body adds its keys and escapes; the shipped 6 errs toward counting fewer tokens than a request has (counting more paces lower classes harder than `prefill_pace_tokens` and the rate intend, and costs goodput). A client sets its estimate within the clamp by the size of the body it sends (docs/admission.md, \"Prefill-aware picking\"). 0 = every request counts as `prefill_request_tokens`.")
+    prefill_max_request_tokens: float = Field(
+        default=MAX_REQUEST_TOKENS, ge=1,
+        description="With `prefill_bytes_per_token`: the most prompt tokens one request counts for, whatever its body's size (a base64 image, padding): bounds how far one request can push its endpoint's estimate, and so how long it can hold lower classes back while a P0 is in flight.")
     engine_priority: dict[Priority, int] = Field(
         default_factory=dict,
         description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")

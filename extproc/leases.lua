@@ -32,7 +32,7 @@
 --  * reads (`status`, `get_limit`) never write.
 
 local KEY_NAMES = {'leases', 'lmeta', 'queue', 'qmeta', 'qdl', 'counts', 'state', 'gws', 'active',
-                   'epinf', 'lep', 'creditors', 'epfill', 'settings', 'testclock'}
+                   'epinf', 'lep', 'creditors', 'epfill', 'settings', 'testclock', 'qsize'}
 local CLASS_SPAN = 4294967296
 local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
@@ -394,10 +394,19 @@ end
 
 -- Prefill-aware picking, mirrored from extproc/prefill.py (PrefillEstimate): with picking and
 -- `pf_rate`, each active endpoint has an estimate of the prompt tokens routed to it and not yet
--- prefilled, `epfill` endpoint -> "level|ms": every request routed there adds `pf_size`, and it
--- drains at `pf_rate` tokens per second, never below 0. Grants go to the least estimate, and
--- while a P0 is in flight a lower class is granted only while the least is at most `pf_k`.
+-- prefilled, `epfill` endpoint -> "level|ms": every request routed there adds its prompt size
+-- (the op's `size` argument: the processor's estimate from its content-length; `pf_size` when the
+-- op has none, as an older processor sends it), and it drains at `pf_rate` tokens per second,
+-- never below 0. Grants go to the least estimate, and while a P0 is in flight a lower class is
+-- granted only while the least is at most `pf_k`. A waiter's size waits with it in `qsize`.
 local function pf_on() return S.picking and S.pf_rate_ms > 0 end
+
+-- An op's size argument: a finite number >= 0, else nil (not given: pf_size).
+local function size_arg(v)
+  local n = tonumber(v or '')
+  if n and n >= 0 and n < math.huge then return n end
+  return nil
+end
 
 -- The active endpoints (sorted) and their estimates at `now`, read once per call (the registry
 -- is written outside the script, so neither changes within a call but by this call's picks).
@@ -433,7 +442,7 @@ end
 -- The least-loaded active endpoint: with prefill-aware picking the least estimate first, then
 -- the fewest permits routed to it; ties rotate so that an idle pool still spreads requests.
 -- '' when the pool has no active endpoint.
-local function pick()
+local function pick(size)
   local pf = pf_read()
   local eps = pf.eps
   local n = #eps
@@ -451,7 +460,7 @@ local function pick()
     if lv < best_lv or (lv == best_lv and load < best_load) then best, best_lv, best_load = eps[j], lv, load end
   end
   if on then
-    local v = best_lv + S.pf_size
+    local v = best_lv + (size or S.pf_size)
     pf.lv[best] = v
     redis.call('HSET', K.epfill, best, string.format('%.17g|%d', v, now))
     -- endpoints that left the active set keep a field until there are many of them
@@ -505,10 +514,11 @@ local function put_lease(ticket, c, gw, seq, ep, until_ms)
 end
 
 -- A new grant to class c (1-based): leased, counted as a grant, routed when picking.
--- `until_ms`: the lease ends no later (a waiter's grant: its gateway's liveness).
-local function lease(ticket, c, gw, seq, until_ms)
+-- `until_ms`: the lease ends no later (a waiter's grant: its gateway's liveness); `size`: its
+-- prompt tokens for the prefill estimate (nil: pf_size).
+local function lease(ticket, c, gw, seq, until_ms, size)
   local ep = ''
-  if S.picking then ep = pick() end
+  if S.picking then ep = pick(size) end
   put_lease(ticket, c - 1, gw, seq, ep, until_ms)
   bump_rate(GRATE[c])
   ramp_take(1)
@@ -523,6 +533,7 @@ local function unqueue(ticket, meta, popped, c, tenant)
     c, _, _, _, tenant = parse_qmeta(meta)
     redis.call('ZREM', K.queue, ticket)
     redis.call('HDEL', K.qmeta, ticket)
+    if pf_on() then redis.call('HDEL', K.qsize, ticket) end  -- popped: the grant loop took it
   end
   redis.call('ZREM', K.qdl, ticket)
   add_queued(c + 1, -1)
@@ -535,8 +546,8 @@ local function unqueue(ticket, meta, popped, c, tenant)
   end
 end
 
--- c is 0-based here (as stored).
-local function put_waiter(ticket, c, deadline, gw, seq, tenant)
+-- c is 0-based here (as stored). `size`: its prompt tokens (nil: pf_size, nothing stored).
+local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   if not QSEQ then QSEQ = num(state().seq, 0) end
   QSEQ = QSEQ + 1
   ST_DIRTY.seq = true  -- flush writes it
@@ -546,6 +557,9 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant)
   redis.call('ZADD', K.qdl, dl, ticket)
   lower_due(deadline + WAITER_GRACE_MS)
   redis.call('HSET', K.qmeta, ticket, CLS[c + 1] .. '|' .. dl .. '|' .. gw .. '|' .. seq .. '|' .. tenant)
+  -- (a separate hash, not a qmeta field: processors of an older version share the queue and
+  -- parse qmeta as they wrote it)
+  if size and pf_on() then redis.call('HSET', K.qsize, ticket, size) end
   add_queued(c + 1, 1)
   local e = EDGE and EDGE[c + 1]
   if e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
@@ -625,6 +639,7 @@ local function grant_loop()
           CNT_DIRTY = true
         else
           local meta = hgetdel(K.qmeta, head)
+          local size = pf_on() and size_arg(hgetdel(K.qsize, head)) or nil
           if not meta and EDGE then EDGE[c] = nil end
           if meta then
             local qc, deadline, gw, seq, tenant = parse_qmeta(meta)
@@ -637,7 +652,7 @@ local function grant_loop()
               -- No longer than the gateway's liveness: one that crashed with waiters queued is
               -- known dead only one TTL after its last sync, and a grant to it must not hold
               -- the permit a full TTL beyond that (a live gateway's next sync renews it).
-              local ep = lease(head, c, gw, seq, LIVE_UNTIL[gw])
+              local ep = lease(head, c, gw, seq, LIVE_UNTIL[gw], size)
               if gw == MY_GW then  -- the caller's own waiter: in the reply, no message
                 table.insert(MINE, head) table.insert(MINE, ep)
               else
@@ -830,7 +845,7 @@ end
 -- to `wanted` extra leases the gateway admits later requests with, without a round trip.
 -- They are ordinary leases (counted in-flight, renewed, reclaimed), so in-flight never
 -- exceeds the limit; a queue forming tells every creditor to return its idle ones.
-local function try_lease(ticket, gw, seq, c, wanted)
+local function try_lease(ticket, gw, seq, c, wanted, size)
   reclaim()
   grant_loop()
   local L = int_limit(true)
@@ -847,7 +862,7 @@ local function try_lease(ticket, gw, seq, c, wanted)
     return nil
   end
   local before = inflight[1] + inflight[2] + inflight[3]
-  local ep = lease(ticket, c, gw, seq)
+  local ep = lease(ticket, c, gw, seq, nil, size)
   local credits = {}
   if wanted > 0 and not S.picking and queued[1] + queued[2] + queued[3] == 0 then
     local n = math.min(wanted, math.floor(L / 2) - (before + 1))
@@ -866,7 +881,7 @@ end
 -- enqueue's cap check and insertion (c 1-based); returns the cap that refused it, or nil.
 -- A gateway that has not synced yet (first call after a Redis restart) is registered; a
 -- registered one is not refreshed here: only `sync` proves a gateway alive.
-local function try_queue(ticket, gw, seq, c, tenant, deadline, new)
+local function try_queue(ticket, gw, seq, c, tenant, deadline, new, size)
   if not new and redis.call('HEXISTS', K.qmeta, ticket) == 1 then return nil end
   local _, queued = counts()
   if queued[c] >= S.maxq[c] then return 'queue_full' end
@@ -882,7 +897,7 @@ local function try_queue(ticket, gw, seq, c, tenant, deadline, new)
     end
     REG[gw] = true  -- registered (alive or not): the next waiter of this call needs no ZADD NX
   end
-  put_waiter(ticket, c - 1, deadline, gw, seq, tenant)
+  put_waiter(ticket, c - 1, deadline, gw, seq, tenant, size)
   return nil
 end
 
@@ -926,21 +941,24 @@ function OPS.configure(ARGV)
 end
 
 function OPS.acquire(ARGV)
-  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted: lease now if the
-  -- grant loop would. The hot path: a short reply {granted=g, endpoint, credits} on a grant,
-  -- the full snapshot only when the policy has to decide. Idempotent: a retried acquire of a
-  -- ticket already leased returns that lease.
+  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted, 9 (optional) the
+  -- request's prompt tokens (prefill estimate; absent: pf_size): lease now if the grant loop
+  -- would. The hot path: a short reply {granted=g, endpoint, credits} on a grant, the full
+  -- snapshot only when the policy has to decide. Idempotent: a retried acquire of a ticket
+  -- already leased returns that lease.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
-  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0)
+  local got = (not new and short_if_leased(ticket)) or
+    try_lease(ticket, gw, seq, c, tonumber(ARGV[8] or '0') or 0, size_arg(ARGV[9]))
   if got then return got end
   return snapshot({'granted', '0'}, c, tenant, nil)
 end
 
 function OPS.admit(ARGV)
   -- acquire, and when refused, enqueue in the same call: one call per contended request.
-  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted, 9 timeout (ms).
+  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 credits wanted, 9 timeout (ms), 10
+  -- (optional) the request's prompt tokens (as `acquire`; kept with the waiter).
   -- Refused: the snapshot as `acquire` returns it (the state the policy decides on, before
   -- this waiter joined), and `queued` 1 when it was queued, or `rejected` with the cap that
   -- refused it. The caller whose policy then rejects the request cancels the waiter. With
@@ -950,23 +968,25 @@ function OPS.admit(ARGV)
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
-  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, (ARGV[8] or 0) + 0)
+  local size = size_arg(ARGV[10])
+  local got = (not new and short_if_leased(ticket)) or try_lease(ticket, gw, seq, c, (ARGV[8] or 0) + 0, size)
   if got then return got end
   local out = snapshot({'granted', '0'}, c, tenant, nil)
   if S.picking and NACTIVE == 0 then
     table.insert(out, 'queued') table.insert(out, '0')
     return out
   end
-  local why = try_queue(ticket, gw, seq, c, tenant, now + ARGV[9], new)
+  local why = try_queue(ticket, gw, seq, c, tenant, now + ARGV[9], new, size)
   table.insert(out, why and 'rejected' or 'queued')
   table.insert(out, why or '1')
   return out
 end
 
 function OPS.enqueue(ARGV)
-  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 timeout (ms). The class's
-  -- max_queue and the tenant cap are checked here, atomically (`rejected`). Idempotent: a
-  -- ticket already queued or leased is not added again.
+  -- ARGV 3 ticket, 4 gateway, 5 seq, 6 class, 7 tenant, 8 timeout (ms), 9 (optional) the
+  -- request's prompt tokens (as `acquire`). The class's max_queue and the tenant cap are
+  -- checked here, atomically (`rejected`). Idempotent: a ticket already queued or leased is not
+  -- added again.
   local ticket, gw, seq, c, tenant = ARGV[3], ARGV[4], ARGV[5], (CLASS0[ARGV[6]] or tonumber(ARGV[6])) + 1, ARGV[7]
   local new = is_new(gw, seq)
   ramp_refill()
@@ -974,7 +994,7 @@ function OPS.enqueue(ARGV)
   if not new and redis.call('ZSCORE', K.leases, ticket) then
     return snapshot({'granted', '1', 'endpoint', redis.call('HGET', K.lep, ticket) or ''}, c, tenant, nil)
   end
-  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[8]), new)
+  local why = try_queue(ticket, gw, seq, c, tenant, now + tonumber(ARGV[8]), new, size_arg(ARGV[9]))
   if why then return snapshot({'granted', '0', 'rejected', why}, c, tenant, nil) end
   recall_credits()
   grant_loop()
@@ -1072,6 +1092,14 @@ function OPS.sync(ARGV)
     if t ~= PAD_FIELD and qgw == gw and tonumber(seq) < watermark and not waiting[t] then
       unqueue(t, all[i + 1])
       dropped = dropped + 1
+    end
+  end
+  -- Sizes of waiters that left without taking theirs (popped by an older version's grant loop,
+  -- or queued while the estimate was on and gone after it was turned off): more sizes than
+  -- waiters means some are stale.
+  if redis.call('HLEN', K.qsize) > redis.call('ZCARD', K.queue) then
+    for _, t in ipairs(redis.call('HKEYS', K.qsize)) do
+      if redis.call('HEXISTS', K.qmeta, t) == 0 then redis.call('HDEL', K.qsize, t) end
     end
   end
   reclaim()

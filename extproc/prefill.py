@@ -6,9 +6,12 @@ the endpoint with the least prefill work queued, and lower classes should not pi
 onto the engines while a P0 is in flight (docs/admission.md, "Prefill-aware picking").
 
 The processor does not see the engines' queues, so the grant script keeps an **estimate** per
-active endpoint: every request routed there adds `request_tokens` prompt tokens (its size is not
-read: one mean prompt per request), and the estimate drains at `rate` tokens per second, never
-below zero. With it, when endpoint picking is on:
+active endpoint: every request routed there adds its own prompt size, estimated from its
+`content-length` header (`prompt_tokens`: bytes / `bytes_per_token`, clamped to [1,
+`max_request_tokens`]; `request_tokens`, the pool's mean prompt, when the header is absent,
+malformed or the body is encoded, and for requests of older processors, which send no size), and
+the estimate drains at `rate` tokens per second, never below zero. With it, when endpoint picking
+is on:
 
 * every grant goes to the active endpoint with the least estimate (then the fewest permits
   routed to it, then the rotation that spreads an idle pool: `Picker` order before this);
@@ -24,12 +27,45 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+# Bytes of request body per prompt token the shipped estimate assumes (`prefill_bytes_per_token`).
+# English prose runs ~4 characters per token with Llama-style tokenizers (the emulator counts a
+# body without its trace header so: sim/emulator.py `_estimate_tokens`), a JSON body adds its keys
+# and escapes, and the overload bench's bodies carry ~6.1 bytes per prompt token. 6 errs toward
+# counting fewer tokens than a request has, on purpose: counting more paces lower classes harder
+# than `prefill_pace_tokens` and the rate were chosen for (on the bench's model, 4 bytes per token
+# cost a fifth of the burst goodput and tripled P1's queue timeouts), counting fewer only protects
+# P0 less (8 still beat the fixed mean prompt). docs/admission.md, "Prefill-aware picking".
+BYTES_PER_TOKEN = 6.0
+# The most prompt tokens one request counts for (`prefill_max_request_tokens`): 16 mean prompts.
+MAX_REQUEST_TOKENS = 8192.0
+
+
+def prompt_tokens(content_length: Sequence[str] | None, content_encoding: Sequence[str] | None, *,
+                  bytes_per_token: float, default: float, max_tokens: float) -> float:
+    """The prompt tokens a request counts for in its endpoint's estimate, from its request
+    headers alone (the body is not buffered): `content-length` / `bytes_per_token`, rounded,
+    clamped to [1, `max_tokens`]. `default` (the pool's mean prompt) when the size cannot be
+    read: no header (HTTP/2 without it, chunked), several or malformed values, an encoded body
+    (`content-encoding` other than identity: compressed bytes say little about tokens), or
+    `bytes_per_token` 0 (reading it is off). Never raises: a bad header only loses the estimate.
+
+    A client controls this number (within the clamp) by the size of the body it sends, not by
+    the header alone: Envoy frames the body by it (HTTP/1.1) or rejects a mismatch (HTTP/2)."""
+    if bytes_per_token <= 0 or not content_length or len(set(content_length)) != 1:
+        return default
+    if content_encoding and any(v.strip().lower() not in ("", "identity") for v in content_encoding):
+        return default
+    raw = content_length[0].strip()
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:
+        return default
+    return float(min(max(1.0, max_tokens), max(1, round(int(raw) / bytes_per_token))))
+
 
 @dataclass(frozen=True)
 class PrefillSettings:
     """`rate`: prompt tokens one endpoint prefills per second (0 = off: pick by permits only, no
-    pacing); `request_tokens`: what each routed request adds; `pace_tokens`: the least estimate
-    above which lower classes wait while a P0 is in flight."""
+    pacing); `request_tokens`: what a routed request adds when its own size is not known;
+    `pace_tokens`: the least estimate above which lower classes wait while a P0 is in flight."""
 
     rate: float = 0.0
     request_tokens: float = 512.0
@@ -77,9 +113,11 @@ class PrefillEstimate:
                 best, key = ep, k
         return best
 
-    def routed(self, endpoint: str, now_ms: int) -> None:
-        """A request was routed to `endpoint`: its prompt joins the estimate."""
-        self.levels[endpoint] = (self.level(endpoint, now_ms) + self.settings.request_tokens, now_ms)
+    def routed(self, endpoint: str, now_ms: int, tokens: float | None = None) -> None:
+        """A request was routed to `endpoint`: its prompt (`tokens`; None: not known, the pool's
+        `request_tokens`) joins the estimate."""
+        size = self.settings.request_tokens if tokens is None else tokens
+        self.levels[endpoint] = (self.level(endpoint, now_ms) + size, now_ms)
 
     def open(self, cls: int, p0_inflight: int, endpoints: Sequence[str], now_ms: int) -> bool:
         """May a grant to class `cls` (0-based) go ahead as far as prefill pacing goes? P0

@@ -33,6 +33,7 @@ SCRIPT_KEYS = (
     "epfill",     # HASH endpoint -> "tokens|ms": prefill estimate (prefill-aware picking, extproc/prefill.py)
     "settings",   # HASH the pool's admission settings, written once (see PoolSettings)
     "testclock",  # STRING ms; when present the script uses it instead of TIME (tests only)
+    "qsize",      # HASH ticket -> a waiter's prompt tokens for the prefill estimate (with epfill)
 )
 
 # A field `sync` keeps in lmeta, qmeta and state so that the server stores them as hashtables

@@ -29,6 +29,7 @@ from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
+from floodgate.extproc.prefill import prompt_tokens
 from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
 log = logging.getLogger("floodgate.server")
@@ -205,7 +206,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
         self._wanted = frozenset({":authority", ":path", DESTINATION_HEADER, cfg.admission.priority_header.lower(),
-                                  cfg.admission.tenant_header.lower(), "content-length"})
+                                  cfg.admission.tenant_header.lower(), "content-length", "content-encoding"})
+        # Pools whose grants count each request's own prompt size (prefill-aware picking on and
+        # the size read): its content-length as prompt tokens (prefill.prompt_tokens).
+        self._sized = {p.name: functools.partial(prompt_tokens, bytes_per_token=p.prefill_bytes_per_token,
+                                                 default=p.prefill_request_tokens,
+                                                 max_tokens=p.prefill_max_request_tokens)
+                       for p in cfg.pools
+                       if p.endpoint_picking and p.prefill_tokens_per_s > 0 and p.prefill_bytes_per_token > 0}
 
     def _route_only(self, pool: str) -> pb.ProcessingResponse:
         """No permit: with endpoint picking, send it to any active endpoint; never let the
@@ -265,7 +273,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             child(m.invalid_priority, (pool,)).inc()
         if decision.untrusted_header:
             child(m.untrusted_priority, (pool,)).inc()
-        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "")
+        sized = self._sized.get(pool)
+        tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
+        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens)
         if isinstance(result, Reject):
             reply = reject_response(result, decision.priority)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", result.reason)).observe(

@@ -123,6 +123,11 @@ class SyncResult:
     dropped: int  # this gateway's leases/waiters nobody holds any more (abandoned calls, outages)
 
 
+def _size(tokens: float | None) -> tuple[str, ...]:
+    """An op's optional last argument, the request's prompt tokens (absent: the pool's pf_size)."""
+    return () if tokens is None else (repr(float(tokens)),)
+
+
 # `sync` rides with them so that one processor's writes to a pool reach Redis in the order it
 # made them: a renewal sent beside a batch could land after a release made later and lease the
 # released permit again (a phantom until its TTL).
@@ -257,26 +262,29 @@ class PoolState:
         return self.stored
 
     async def acquire(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str,
-                      credits: int = 0) -> PoolStatus:
-        return PoolStatus.from_reply(await self._run("acquire", ticket, gateway, seq, cls, tenant, credits))
+                      credits: int = 0, tokens: float | None = None) -> PoolStatus:
+        """`tokens`: the request's prompt tokens for the prefill estimate (prefill.prompt_tokens;
+        None: the pool's `pf_size`), here and in `admit` / `enqueue`."""
+        return PoolStatus.from_reply(await self._run("acquire", ticket, gateway, seq, cls, tenant, credits,
+                                                     *_size(tokens)))
 
     async def admit(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str, credits: int,
-                    timeout_s: float) -> PoolStatus:
+                    timeout_s: float, tokens: float | None = None) -> PoolStatus:
         """`acquire`, and when refused, `enqueue` in the same call (one call per contended
         request). Refused: the snapshot `acquire` returns (the state before this waiter joined),
         `enqueued` when it was queued, or `rejected` with the cap that refused it. A caller whose
         policy rejects the request on that snapshot must `cancel` the waiter."""
         return PoolStatus.from_reply(await self._run("admit", ticket, gateway, seq, cls, tenant, credits,
-                                                     max(1, round(timeout_s * 1000))))
+                                                     max(1, round(timeout_s * 1000)), *_size(tokens)))
 
     async def return_credits(self, *tickets: str) -> None:
         if tickets:
             await self._run("return_credits", *tickets)
 
     async def enqueue(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str,
-                      timeout_s: float) -> PoolStatus:
+                      timeout_s: float, tokens: float | None = None) -> PoolStatus:
         return PoolStatus.from_reply(await self._run("enqueue", ticket, gateway, seq, cls, tenant,
-                                                     max(1, round(timeout_s * 1000))))
+                                                     max(1, round(timeout_s * 1000)), *_size(tokens)))
 
     async def cancel(self, ticket: str) -> int:
         """0: removed from the queue; 1: it had been granted (the caller owns a permit); 2: gone."""

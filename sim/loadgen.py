@@ -111,6 +111,26 @@ def make_prompt(n_words: int, request_id: int) -> str:
     return f"req{request_id}: " + " ".join(words)
 
 
+def request_body(req: PlannedRequest, request_id: int, model: str, api: Api) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body `send_one` posts for `req` (aiohttp serializes it with json.dumps:
+    its `content-length` is len(json.dumps(body)))."""
+    prompt = make_prompt(req.prompt_tokens, request_id)
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # The emulator takes lengths from the headers; a real server stops on its own EOS,
+        # so ask it not to, keeping output lengths as planned.
+        "ignore_eos": True,
+    }
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        return "/v1/chat/completions", body
+    body["prompt"] = prompt
+    return "/v1/completions", body
+
+
 def _float_header(headers: Any, name: str) -> float | None:
     v = headers.get(name)
     if v is None:
@@ -289,22 +309,8 @@ async def send_one(
     loop: asyncio.AbstractEventLoop,
     t0: float,
 ) -> Record:
-    prompt = make_prompt(req.prompt_tokens, rec.id)
-    body: dict[str, Any] = {
-        "model": model,
-        "max_tokens": req.output_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # The emulator takes lengths from the headers; a real server stops on its own EOS,
-        # so ask it not to, keeping output lengths as planned.
-        "ignore_eos": True,
-    }
-    if api == "chat":
-        url = target.rstrip("/") + "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        url = target.rstrip("/") + "/v1/completions"
-        body["prompt"] = prompt
+    path, body = request_body(req, rec.id, model, api)
+    url = target.rstrip("/") + path
     headers = {
         "x-request-priority": str(req.priority),
         "x-tenant-id": req.tenant,

@@ -3,14 +3,28 @@
 
 from __future__ import annotations
 
+import gzip
 import random
+import sys
+from typing import Any
 
-from floodgate.extproc.prefill import PrefillEstimate, PrefillSettings, drained
+import aiohttp
+import pytest
+from floodgate.extproc.prefill import (
+    MAX_REQUEST_TOKENS,
+    PrefillEstimate,
+    PrefillSettings,
+    drained,
+    prompt_tokens,
+)
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.schema import PoolSettings, key
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.conftest import ROOT
+from tests.helpers import wait_until
 
 ON = PrefillSettings(rate=6000.0, request_tokens=512.0, pace_tokens=512.0)
 EPS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -25,6 +39,38 @@ def test_estimate_drains_at_the_rate_and_never_below_zero() -> None:
     assert est.level("a", 5000) == 0.0
     assert est.level("never", 5000) == 0.0
     assert drained(100.0, 10, 5, 1.0) == 100.0  # a clock behind the stored time drains nothing
+
+
+def test_routed_adds_the_requests_own_size_or_the_pools_mean() -> None:
+    est = PrefillEstimate(ON)
+    est.routed("a", 0, 100.0)
+    est.routed("a", 0)  # no size: the pool's request_tokens (a request of an older processor)
+    est.routed("b", 0, 0.0)
+    assert est.level("a", 0) == 612.0 and est.level("b", 0) == 0.0
+    assert est.pick(["a", "b"], {}, start=0, now_ms=0) == "b"
+
+
+def _tokens(cl: list[str] | None, ce: list[str] | None = None, bpt: float = 4.0) -> float:
+    return prompt_tokens(cl, ce, bytes_per_token=bpt, default=512.0, max_tokens=MAX_REQUEST_TOKENS)
+
+
+def test_prompt_tokens_from_content_length_with_fallback_and_clamp() -> None:
+    assert _tokens(["4000"]) == 1000.0
+    assert _tokens([" 3002 "]) == 750.0  # rounded; whitespace tolerated
+    assert _tokens(["6000"], bpt=6.0) == 1000.0
+    assert _tokens(["4000", "4000"]) == 1000.0  # a repeated, identical value
+    # clamped: at least one token (an empty body), at most MAX_REQUEST_TOKENS (a base64 image)
+    assert _tokens(["0"]) == 1.0 and _tokens(["1"]) == 1.0
+    assert _tokens([str(4 * 8192 + 4)]) == MAX_REQUEST_TOKENS == 8192.0
+    assert _tokens(["99999999999999"]) == MAX_REQUEST_TOKENS
+    assert prompt_tokens(["4000"], None, bytes_per_token=4.0, default=512.0, max_tokens=0.5) == 1.0
+    # unreadable: the pool's mean prompt, never an error
+    for bad in (None, [], ["-5"], ["12abc"], ["1e9"], ["0x10"], ["4000", "8"], [""], ["  "], ["٣٠٠٠"],
+                ["9" * 40], ["+400"], ["40.5"]):
+        assert _tokens(bad) == 512.0, bad
+    # an encoded body: its compressed bytes say little about its tokens
+    assert _tokens(["4000"], ["gzip"]) == 512.0 and _tokens(["4000"], ["identity"]) == 1000.0
+    assert _tokens(["4000"], bpt=0.0) == 512.0  # reading the size is off
 
 
 def test_pick_least_estimate_then_fewest_permits_then_rotation() -> None:
@@ -109,6 +155,147 @@ async def test_script_picks_and_paces_as_the_model(stack: LocalStack) -> None:
         await c.aclose()
 
 
+async def test_script_counts_each_requests_own_size_as_the_model(stack: LocalStack) -> None:
+    """Random histories with a size per request (none for some: an older processor's op):
+    arrivals by `admit` (granted or queued with their size), `acquire` (refused: not queued) and
+    `acquire` + `enqueue`, releases and cancels, at random script times. Every grant — the
+    request's own and each waiter the grant loop lets in later, with the size it queued with —
+    goes to the endpoint the model picks, in the model's order (highest class first, FIFO, the
+    loop stops at the first paced head), and `qsize` holds exactly the sizes of the waiters."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    pool = "ps"
+    try:
+        reg = Registry(c, pool)
+        for i, ep in enumerate(EPS):
+            await reg.set(ep, "active", f"r{i}")
+        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
+                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
+        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        model = PrefillEstimate(ON)
+        rng = random.Random(11)
+        now = 1_000_000
+        rr = 0
+        held: dict[str, tuple[int, str]] = {}  # ticket -> class, endpoint
+        queues: dict[int, list[tuple[str, float | None]]] = {0: [], 1: [], 2: []}  # class -> FIFO
+        stats = {"own": 0, "waiter": 0, "queued": 0, "refused": 0, "cancelled": 0, "none": 0}
+
+        def grant(t: str, cls: int, size: float | None) -> str:
+            nonlocal rr
+            rr += 1
+            loads = {ep: sum(1 for _, e in held.values() if e == ep) for ep in EPS}
+            ep = model.pick(EPS, loads, rr % len(EPS), now)
+            model.routed(ep, now, size)
+            held[t] = (cls, ep)
+            return ep
+
+        def p0() -> int:
+            return sum(1 for k, _ in held.values() if k == 0)
+
+        def loop() -> dict[str, str]:
+            """The script's grant loop: what it grants now, ticket -> endpoint."""
+            out: dict[str, str] = {}
+            while True:
+                cls = next((k for k in (0, 1, 2) if queues[k]), None)
+                if cls is None or not model.open(cls, p0(), EPS, now):
+                    return out
+                t, size = queues[cls].pop(0)
+                out[t] = grant(t, cls, size)
+
+        async def check_waiters(expected: dict[str, str]) -> None:
+            waiting = [t for q in queues.values() for t, _ in q] + list(expected)
+            assert await st.granted_among(waiting) == expected
+            stats["waiter"] += len(expected)
+            sizes = {k.decode(): float(v) for k, v in (await c.hgetall(key(pool, "qsize"))).items()}
+            assert sizes == {t: z for q in queues.values() for t, z in q if z is not None}
+
+        for i in range(500):
+            now += rng.choice((0, 0, 1, 5, 20, 60, 150))
+            await _clock(c, pool, now)
+            r = rng.random()
+            waiting = [(k, t) for k, q in queues.items() for t, _ in q]
+            if held and r < 0.3:
+                t = rng.choice(sorted(held))
+                await st.release(t)
+                del held[t]
+                await check_waiters(loop())
+                continue
+            if waiting and r < 0.38:
+                k, t = rng.choice(waiting)
+                assert await st.cancel(t) == 0
+                queues[k] = [w for w in queues[k] if w[0] != t]
+                stats["cancelled"] += 1
+                await check_waiters({})
+                continue
+            cls = rng.choices((0, 1, 2), (0.2, 0.5, 0.3))[0]
+            size = rng.choice((None, 1.0, 8192.0, float(rng.randint(1, 3000)), float(rng.randint(1, 3000))))
+            stats["none"] += size is None
+            t = f"g:{i}"
+            how = rng.choice(("admit", "admit", "acquire", "enqueue"))
+            before = loop()  # the call's grant loop runs before its own request is decided
+            own_open = not any(queues[k] for k in range(cls + 1)) and model.open(cls, p0(), EPS, now)
+            if how == "admit":
+                got = await st.admit(t, "g", i + 1, cls, "", 0, 600.0, size)
+            else:
+                got = await st.acquire(t, "g", i + 1, cls, "", 0, size)
+            assert got.granted == own_open, (i, how, cls, p0(), model.least(EPS, now))
+            if own_open:
+                assert got.endpoint == grant(t, cls, size), (i, {e: model.level(e, now) for e in EPS})
+                stats["own"] += 1
+                await check_waiters(before)
+                continue
+            if how == "acquire":
+                stats["refused"] += 1
+                await check_waiters(before)
+                continue
+            if how == "enqueue":
+                await check_waiters(before)
+                got = await st.enqueue(t, "g", i + 1, cls, "", 600.0, size)
+                queues[cls].append((t, size))
+                later = loop()
+                assert got.granted == (t in later)
+                if t in later:
+                    assert got.endpoint == later.pop(t)
+                await check_waiters(later)
+            else:
+                assert got.enqueued
+                queues[cls].append((t, size))
+                await check_waiters(before)
+            stats["queued"] += 1
+        # every path was exercised
+        assert stats["own"] > 50 and stats["waiter"] > 20 and stats["queued"] > 30, stats
+        assert stats["refused"] > 5 and stats["cancelled"] > 5 and stats["none"] > 20, stats
+    finally:
+        await c.aclose()
+
+
+async def test_sync_drops_sizes_whose_waiter_left_without_them(stack: LocalStack) -> None:
+    """A waiter popped by an older version's grant loop leaves its size in `qsize`: the next
+    renewal (`sync`) of any gateway drops sizes with no waiter, and keeps the others."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    pool = "pq"
+    try:
+        await Registry(c, pool).set(EPS[0], "active", "r0")
+        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
+                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
+        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        await _clock(c, pool, 1_000_000)
+        assert (await st.acquire("g:1", "g", 1, 0, "", 0, 2000.0)).granted  # P0: 2000 queued
+        assert (await st.admit("g:2", "g", 2, 1, "", 0, 30.0, 700.0)).enqueued  # paced, queued
+        await c.hset(key(pool, "qsize"), "g:gone", "900.0")  # an older version popped it
+        await st.sync("h", 1, {}, {})
+        assert {k: float(v) for k, v in (await c.hgetall(key(pool, "qsize"))).items()} == {b"g:2": 700.0}
+        await _clock(c, pool, 1_000_300)  # 2000 - 1800 = 200 <= 512: the P1 goes, with its size
+        await st.release("g:1")
+        assert await st.granted_among(["g:2"]) == {"g:2": EPS[0]}
+        level, _ = (await c.hget(key(pool, "epfill"), EPS[0])).decode().split("|")
+        assert float(level) == 200.0 + 700.0
+        assert await c.exists(key(pool, "qsize")) == 0
+    finally:
+        await c.aclose()
+
+
 async def test_paced_waiter_is_granted_once_the_estimate_drains(stack: LocalStack) -> None:
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
@@ -171,3 +358,53 @@ def test_snapshot_reads_prefill_pacing_as_paced_without_the_ramps_refill() -> No
     assert _snapshot(st, settings=only).ramp
     no_picking = PoolSettings(100, (0.5, 0.1, 0.0), pf_rate=6000.0)  # the estimate needs picking
     assert not _snapshot(st, settings=no_picking).ramp
+
+
+@pytest.mark.integration
+async def test_processor_counts_the_content_length_of_requests_through_envoy(stack: LocalStack) -> None:
+    """Real Envoy, processor, Redis and upstream, picking with the estimate on, the script's
+    clock frozen (nothing drains): each request adds its content-length / 6 to its endpoint's
+    estimate, clamped to the pool's max; an encoded body adds the pool's mean prompt; every
+    request is served."""
+    url = stack.start_redis()
+    port = free_port()
+    stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
+                         name="up", port=port)
+    stack.start_processor({"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+                           "pools": [{"name": "default", "endpoint_picking": True,
+                                      "prefill_max_request_tokens": 2000,
+                                      "limit": {"mode": "static", "initial": 50}}]})
+    envoy = stack.start_envoy([], picking=True)
+    c = redis_client(url, op_timeout_s=5)
+    ep = f"127.0.0.1:{port}"
+    try:
+        await Registry(c, "default").set(ep, "active", "r0")
+        await _clock(c, "default", 1_000_000)
+
+        async def level() -> float:
+            raw = await c.hget(key("default", "epfill"), ep)
+            return 0.0 if raw is None else float(raw.decode().split("|")[0])
+
+        async with aiohttp.ClientSession() as s:
+            async def send(body: bytes, **headers: str) -> int:
+                async with s.post(envoy.url + "/v1/completions", data=body,
+                                  headers={"content-type": "application/json", **headers}) as r:
+                    await r.read()
+                    return r.status
+
+            assert await wait_until(lambda: _served(send), 5)  # the processor sees the endpoint
+            base = await level()
+            assert base > 0 and base % 100.0 == 0  # each probe served: 600 bytes
+            assert await send(b" " * 6000) == 200
+            assert await level() == base + 1000.0
+            assert await send(b" " * 60_000) == 200  # a huge body counts at most the max
+            assert await level() == base + 3000.0
+            # an encoded body (~60 bytes for 40,000 of text) counts as the pool's mean prompt
+            assert await send(gzip.compress(b" " * 40_000), **{"content-encoding": "gzip"}) == 200
+            assert await level() == base + 3512.0
+    finally:
+        await c.aclose()
+
+
+async def _served(send: Any) -> bool:
+    return bool(await send(b" " * 600) == 200)
