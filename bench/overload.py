@@ -1063,7 +1063,9 @@ P0's body; P1/P2 untouched). `@picking` rows route as the shipped compose, Kuber
 `floodgate up` deployments do: `endpoint_picking: true`, the replicas registered active in Redis,
 Envoy's ORIGINAL_DST cluster steered by the processor (shipped prefill-aware picking:
 `prefill_tokens_per_s` {PoolConfig().prefill_tokens_per_s:.0f}, `prefill_request_tokens`
-{PoolConfig().prefill_request_tokens:.0f}, `prefill_pace_tokens` {PoolConfig().prefill_pace_tokens:.0f});
+{PoolConfig().prefill_request_tokens:.0f}, `prefill_pace_tokens` {PoolConfig().prefill_pace_tokens:.0f},
+`prefill_bytes_per_token` {PoolConfig().prefill_bytes_per_token:g}, `prefill_max_request_tokens`
+{PoolConfig().prefill_max_request_tokens:.0f}: each request counts its content-length / bytes per token);
 the other rows leave the choice of replica to Envoy. `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
 Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG` row with another signal sets only `signal`.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
