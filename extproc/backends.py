@@ -106,16 +106,18 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
     permits)."""
     refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
     # Prefill-aware picking paces lower classes too while a P0 runs, until the endpoints'
-    # prefill estimates drain, which the snapshot does not show: read as paced, and the ramp's
-    # refill is not counted (its tokens alone do not let a paced request in).
-    prefill = settings is not None and settings.picking and settings.pf_rate > 0
+    # prefill estimates drain: each active endpoint lets one paced request in per
+    # `pf_size / pf_rate` seconds, from when its estimate is down to the pace level (the
+    # script reports when the least one is, `pf_wait`, and the tokens above it, `pf_backlog`).
+    prefill = settings is not None and settings.picking and settings.pf_rate > 0 and settings.pf_size > 0
+    pf_rate = st.active_endpoints * settings.pf_rate / settings.pf_size if settings and prefill else 0.0
     paced = refill > 0 or prefill
-    refill = 0.0 if prefill else refill
     return Snapshot(st.limit, st.inflight, st.queued, st.tenant_queued, st.grant_rate, st.class_rate,
                     release_n=st.release_n, inflight_avg=st.inflight_avg, head_left=st.head_left,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
                     arrival_rates_fast=arrivals[1] if arrivals else None, ramp=paced, ramp_refill=refill,
-                    arriving=arriving)
+                    arriving=arriving, pf_rate=pf_rate, pf_wait=st.pf_wait,
+                    pf_backlog=st.pf_backlog / settings.pf_size if settings and prefill else 0.0)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection

@@ -822,6 +822,24 @@ local function snapshot(out, c, tenant, gw)
   -- reply of 60 elements costs more to build than the commands above.
   table.insert(out, 'snap')
   local rate, epoch = read_rate('rate:p'), S and S.epoch or -1
+  -- Prefill pacing (while a P0 is in flight): ms until the least endpoint estimate is down to
+  -- `pf_k`, when a paced request may be granted (policy.wait_estimate counts the wait from it).
+  -- `pfb`: the tokens above the pace level summed over the endpoints (what must drain before
+  -- each endpoint's first paced grant: fewer grants than the least's wait alone suggests).
+  local pfw, pfb = 0, 0
+  if inflight[1] > 0 and S and pf_on() then
+    local pf = pf_read()
+    if #pf.eps > 0 then
+      local least = math.huge
+      for _, ep in ipairs(pf.eps) do
+        local v = pf.lv[ep]
+        least = math.min(least, v)
+        if v > S.pf_k then pfb = pfb + v - S.pf_k end
+      end
+      pfw = math.max(0, math.ceil((least - S.pf_k) / S.pf_rate_ms))
+      pfb = math.ceil(pfb)
+    end
+  end
   -- One concatenation (a single VM instruction); numbers as strings (`..` of a number is a sprintf).
   -- `%d` of each field before: the integer part (the fields are integers; rates keep 14 digits).
   table.insert(out, 'limit ' .. (ISTR[L] or istr(L)) .. ' i0 ' .. (ISTR[inflight[1]] or istr(inflight[1])) ..
@@ -834,7 +852,8 @@ local function snapshot(out, c, tenant, gw)
     ' active ' .. (ISTR[NACTIVE] or istr(NACTIVE)) .. ' epoch ' .. (ISTR[epoch] or istr(epoch)) ..
     ' rate_n ' .. (ISTR[rate_n] or istr(rate_n)) .. ' lvl ' .. lvl ..
     ' hl0 ' .. (ISTR[e[1]] or istr(e[1])) .. ' hl1 ' .. (ISTR[e[3]] or istr(e[3])) .. ' hl2 ' .. (ISTR[e[5]] or istr(e[5])) ..
-    ' tl0 ' .. (ISTR[e[2]] or istr(e[2])) .. ' tl1 ' .. (ISTR[e[4]] or istr(e[4])) .. ' tl2 ' .. (ISTR[e[6]] or istr(e[6])))
+    ' tl0 ' .. (ISTR[e[2]] or istr(e[2])) .. ' tl1 ' .. (ISTR[e[4]] or istr(e[4])) .. ' tl2 ' .. (ISTR[e[6]] or istr(e[6])) ..
+    ' pfw ' .. (ISTR[pfw] or istr(pfw)) .. ' pfb ' .. (ISTR[pfb] or istr(pfb)))
   return out
 end
 

@@ -224,6 +224,14 @@ class Snapshot:
     # Capacity the scaling controller has on its way (`arriving_permits`): (seconds until it
     # serves, permits it adds), earliest first; () = none announced (or not trusted).
     arriving: tuple[tuple[float, int], ...] = ()
+    # Prefill pacing (prefill-aware picking, extproc/prefill.py), while a P0 is in flight:
+    # lower-class grants per second the endpoints' prefill lets through, pool-wide (active
+    # endpoints x tokens per second / tokens per request; 0 = no such pacing), and seconds
+    # until the least endpoint estimate is down to the pace level (the first one may go), and
+    # the requests' worth of prompt tokens above the pace level summed over the endpoints.
+    pf_rate: float = 0.0
+    pf_wait: float = 0.0
+    pf_backlog: float = 0.0
 
     def release_rate(self) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -335,6 +343,12 @@ class WaitEstimate:
     # (seconds until it serves, permits it adds) of the capacity the controller has on its way
     # (`Snapshot.arriving`): counted only by the time it arrives (see `chance`)
     arriving: tuple[tuple[float, int], ...] = ()
+    # prefill pacing (`Snapshot.pf_rate`, `pf_wait`; counted only when pacing is all that keeps
+    # a free permit from the class): paced grants per second, seconds before the first, and the
+    # grants' worth of prefill above the pace level that must drain first
+    pf_rate: float = 0.0
+    pf_wait: float = 0.0
+    pf_backlog: float = 0.0
 
     @property
     def open_ahead(self) -> int:
@@ -381,7 +395,30 @@ class WaitEstimate:
             extra = self.arrived_by(s)
             if extra > 0:
                 best = max(best, self._chance(max(s, 1e-3), scale, extra))
-        return best
+        # Both gates must open: the permits (and the onset ramp's tokens) above, and the prefill
+        # pacing; read as independent (they are not: many higher arrivals close both, so the
+        # product is the lower of the two readings of the joint chance).
+        return best * self.prefill_chance(t, scale) if self.pf_rate > 0 else best
+
+    def prefill_chance(self, t: float, scale: float = 1.0) -> float:
+        """P(prefill pacing lets this request in within t). The paced grants by t — one at
+        `pf_wait`, when the least estimate is down to the pace level, and in all
+        `pf_rate * t - pf_backlog` once the prefill above the pace level has drained (a fixed
+        drain: no margin or spread; the balanced estimates the picker keeps let more in, never
+        fewer) — must cover the higher classes' waiters, its own class's ahead of it, it, and
+        the higher arrivals meanwhile: a P1 is paced ahead of a P2, and a P0, never paced, fills
+        the endpoint it goes to as much as a paced grant (Poisson at their rate, its upper bound
+        as `_chance` reads it for a class that would rather be told at once)."""
+        if self.pf_rate <= 0:
+            return 1.0
+        if t < self.pf_wait:
+            return 0.0
+        grants = max(1, math.floor(self.pf_rate * t - self.pf_backlog) + 1)
+        room = grants - (self.higher_queued + self.ahead + 1)
+        if room < 0:
+            return 0.0
+        lam = (self.higher_arrivals or 0.0) / scale
+        return 1.0 - poisson_tail(lam * t, room + 1)
 
     def _chance(self, t: float, scale: float, extra: int) -> float:
         """`chance` with `extra` more permits granted by t (0: the release path alone)."""
@@ -444,6 +481,8 @@ class WaitEstimate:
         elif self.class_rate > 0:
             head = (self.gap + self.claim) / self.gap_rate if self.gap > 0 and self.gap_rate > 0 else 0.0
             best = min(best, head + (n - (self.gap if head > 0 else 0)) / self.class_rate)
+        if self.pf_rate > 0:
+            best = max(best, self.pf_wait, (self.pf_backlog + self.higher_queued + self.ahead) / self.pf_rate)
         return best
 
     def certainly_over(self, deadline_s: float, min_chance: float = 0.5, *, reject_fast: bool = False) -> bool:
@@ -494,13 +533,14 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     paced = reject_fast and snap.ramp and ramp_paces(cls, inflight)
     # Only the pacing in the way: the permits free for this class cover every waiter that goes
     # before it (the higher classes' and its own) and it, so the grant loop would hand it one
-    # at once but for the ramp's tokens (`paced_only`).
-    only_pacing = paced and snap.ramp_refill > 0 and free >= higher_queued + q[cls] + 1
-    if paced:
+    # at once but for the onset ramp's tokens or the prefill pacing (`paced_only`).
+    only_pacing = paced and (snap.ramp_refill > 0 or snap.pf_rate > 0) and free >= higher_queued + q[cls] + 1
+    if paced and (snap.ramp_refill > 0 or not only_pacing):
         # Paced by the onset ramp: a free permit is its only with a token, which the snapshot
         # does not show; the pessimistic reading counts no token in the bucket now, only the
         # ones that come: each release gives one back, and (with only the pacing in the way)
-        # the bucket's fixed refill, which needs no confidence margin.
+        # the bucket's fixed refill, which needs no confidence margin. (Paced by prefill alone,
+        # the free permits stand and `WaitEstimate.prefill_chance` reads the pacing.)
         free = 0
     fast_ok = reject_fast and snap.arrival_rates_fast is not None and not only_pacing
     lam: float | None = None
@@ -526,7 +566,8 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
-        excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill, arriving=snap.arriving)
+        excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill, arriving=snap.arriving,
+        pf_rate=snap.pf_rate if only_pacing else 0.0, pf_wait=snap.pf_wait, pf_backlog=snap.pf_backlog)
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1),

@@ -246,6 +246,8 @@ class PoolStatus:
     inflight_avg: float = 0.0  # mean in-flight at recent releases (0 = unknown)
     head_left: tuple[float, float, float] | None = None  # s to each class's oldest waiter's deadline
     tail_left: tuple[float, float, float] | None = None  # s to each class's newest waiter's deadline
+    pf_wait: float = 0.0  # s until prefill pacing lets a lower class in (while a P0 runs; leases.lua `pfw`)
+    pf_backlog: float = 0.0  # prompt tokens above the pace level, summed over the endpoints (`pfb`)
 
     @property
     def inflight_total(self) -> int:
@@ -281,4 +283,6 @@ class PoolStatus:
             inflight_avg=float(f.get("lvl", 0)),
             head_left=_per_class(f, "hl"),
             tail_left=_per_class(f, "tl"),
+            pf_wait=float(f.get("pfw", 0)) / 1000,
+            pf_backlog=float(f.get("pfb", 0)),
         )

@@ -343,19 +343,24 @@ async def test_prefill_off_picks_by_permits_alone(stack: LocalStack) -> None:
         await c.aclose()
 
 
-def test_snapshot_reads_prefill_pacing_as_paced_without_the_ramps_refill() -> None:
+def test_snapshot_reads_prefill_pacing_beside_the_ramp() -> None:
     """Early drop's view (backends._snapshot): with prefill-aware picking a lower class is paced
-    while a P0 runs even with the ramp off, and the ramp's refill is not counted as a way in."""
+    while a P0 runs even with the ramp off; the ramp's refill stays what it is, and the prefill
+    pacing lets one request per endpoint in every `pf_size / pf_rate` s from `pf_wait` on."""
     from floodgate.extproc.backends import _snapshot
     from floodgate.extproc.schema import PoolStatus
 
-    st = PoolStatus(granted=False, limit=100, inflight=(1, 50, 0), queued=(0, 0, 0))
+    st = PoolStatus(granted=False, limit=100, inflight=(1, 50, 0), queued=(0, 0, 0), active_endpoints=4,
+                    pf_wait=0.25)
     ramp = PoolSettings(100, (0.5, 0.1, 0.0), ramp_burst=0.08, ramp_rate=0.1)
     assert _snapshot(st, settings=ramp).ramp and _snapshot(st, settings=ramp).ramp_refill == 10.0
+    assert _snapshot(st, settings=ramp).pf_rate == 0.0  # no picking: no prefill pacing
     both = PoolSettings(100, (0.5, 0.1, 0.0), picking=True, ramp_burst=0.08, ramp_rate=0.1, pf_rate=6000.0)
-    assert _snapshot(st, settings=both).ramp and _snapshot(st, settings=both).ramp_refill == 0.0
+    snap = _snapshot(st, settings=both)
+    assert snap.ramp and snap.ramp_refill == 10.0
+    assert snap.pf_rate == 4 * 6000.0 / 512.0 and snap.pf_wait == 0.25
     only = PoolSettings(100, (0.5, 0.1, 0.0), picking=True, pf_rate=6000.0)
-    assert _snapshot(st, settings=only).ramp
+    assert _snapshot(st, settings=only).ramp and _snapshot(st, settings=only).ramp_refill == 0.0
     no_picking = PoolSettings(100, (0.5, 0.1, 0.0), pf_rate=6000.0)  # the estimate needs picking
     assert not _snapshot(st, settings=no_picking).ramp
 
@@ -408,3 +413,31 @@ async def test_processor_counts_the_content_length_of_requests_through_envoy(sta
 
 async def _served(send: Any) -> bool:
     return bool(await send(b" " * 600) == 200)
+
+
+async def test_script_reports_when_prefill_pacing_opens(stack: LocalStack) -> None:
+    """A refused lower-class request's snapshot carries `pf_wait`: the time until the least
+    estimate is down to the pace level (0 with no P0 in flight: nothing is paced)."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    pool = "pfw"
+    try:
+        reg = Registry(c, pool)
+        await reg.set(EPS[0], "active", "r0")
+        await reg.set(EPS[1], "active", "r1")
+        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
+                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
+        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        await _clock(c, pool, 1_000_000)
+        assert (await st.acquire("g:1", "g", 1, 0, "")).granted  # P0 on one endpoint: 512
+        for i in range(2, 6):  # 1024 on both, then 1536 on one
+            assert (await st.acquire(f"g:{i}", "g", i, 0, "")).granted
+        await _clock(c, pool, 1_000_030)  # 1024 - 180 = 844 (332 above the pace level), 1356 (844)
+        got = await st.acquire("g:6", "g", 6, 2, "")
+        assert not got.granted and got.pf_wait == 0.056  # ceil(332 / 6) ms
+        assert got.pf_backlog == 332 + 844
+        await st.release("g:1", "g:2", "g:3", "g:4", "g:5")
+        got = await st.acquire("g:7", "g", 7, 2, "")
+        assert got.granted  # no P0 in flight: not paced
+    finally:
+        await c.aclose()
