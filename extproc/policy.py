@@ -636,6 +636,14 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         if not any(snap.queued[k] > 0 and eligible(k, snap.limit, snap.inflight, snap.queued, shares, always, headroom)
                    for k in CLASSES if k < cls):
             return None
+        # Permits free but held back from the higher waiters by pacing: that shows only until
+        # the pacing's next way in (a release or the ramp's refill gives a token, the prefill
+        # estimates drain), on average 1 / (their rates) away. An older snapshot does not prove
+        # the request would wait behind them: new endpoints' credit, a token, a drained
+        # estimate may all have come since (the elastic bench turned P2 away for up to 0.94 s
+        # on one such snapshot while the replicas of a burst's cold start came up).
+        if age_s * (snap.grant_rate + snap.ramp_refill + snap.pf_rate) > 1.0:
+            return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast)
     if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))

@@ -304,8 +304,16 @@ def test_certain_reject_behind_higher_waiters_the_ramp_holds_back() -> None:
     shipped = PoolConfig().classes
     s = Snapshot(100, (40, 40, 0), (0, 20, 0), 0, grant_rate=20.0, release_n=500,
                  arrival_rates=(12.0, 30.0, 18.0), ramp=True)  # 20 free, P0's headroom 10
-    r = certain_reject(2, s, shipped, ADM, 0.0, age_s=0.2)
+    r = certain_reject(2, s, shipped, ADM, 0.0, age_s=0.02)
     assert r is not None and r.reason == "early_drop"
+    # ... only while the snapshot is younger than the pacing's next way in (1 / 20 releases per
+    # s here; with the ramp's refill and the prefill drain counted, sooner): older, ask Redis
+    assert certain_reject(2, s, shipped, ADM, 0.0, age_s=0.06) is None
+    assert certain_reject(2, replace(s, ramp_refill=10.0), shipped, ADM, 0.0, age_s=0.04) is None
+    assert certain_reject(2, replace(s, pf_rate=80.0), shipped, ADM, 0.0, age_s=0.02) is None
+    # a full pool is decided from an older snapshot as before (the pacing does not hold it)
+    full = replace(s, inflight=(45, 45, 1))
+    assert certain_reject(2, full, shipped, ADM, 0.0, age_s=0.5) is not None
     # nothing waits above it: the free permits may be its own, ask Redis
     assert certain_reject(2, replace(s, queued=(0, 0, 0)), shipped, ADM, 0.0) is None
     # no ramp (P1 waits for another reason): the estimate counts the free permits, ask Redis
@@ -518,7 +526,7 @@ def test_reject_fast_with_only_the_ramp_in_the_way_counts_its_refill() -> None:
                      arrival_rates=(6.0, 15.0, 9.0), arrival_rates_fast=(14.0, 36.0, 20.0), ramp=True)
     # before (the refill unknown): turned away at once, from the last snapshot too
     assert isinstance(queue_decision(2, clump, shipped, ADM, 0.0), Reject)
-    assert certain_reject(2, clump, shipped, ADM, 0.0, age_s=0.1) is not None
+    assert certain_reject(2, clump, shipped, ADM, 0.0, age_s=0.03) is not None
     paced = replace(clump, ramp_refill=ramp_refill_rate(170, PoolConfig().onset_ramp_rate))
     assert paced.ramp_refill == pytest.approx(17.0)
     assert isinstance(queue_decision(2, paced, shipped, ADM, 0.0), Enqueue)
