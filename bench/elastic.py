@@ -176,8 +176,10 @@ def processor_config(name: str, w: Workload, slo_ttft_s: float) -> dict[str, Any
 
     pool: dict[str, Any] = {"name": "default"}
     if name == "scaling":
-        # No admission: every request is let through at once; the processor only picks endpoints.
+        # No admission: every request is let through at once; the processor only picks endpoints
+        # (by the fewest permits routed: prefill pacing would hold lower classes while a P0 runs).
         pool["limit"] = {"mode": "static", "initial": 100000, "min": 1, "max": 100000}
+        pool["prefill_tokens_per_s"] = 0
     elif name == "floodgate-tuned":
         pool["classes"] = slo_classes(slo_ttft_s)
     if name != "admission":
@@ -845,7 +847,7 @@ Reproduce: `{report['command']}` ({report['elapsed_s'] / 60:.0f} min here).
 
 **Configurations.** *admission*: Floodgate (Vegas, shipped limiter defaults) in front of a
 fixed pool of {w['replicas']}. *scaling*: the controller and warm pool, no admission (the
-processor admits everything and only picks endpoints), HPA-like rule (replicas ∝ running +
+processor admits everything and only picks endpoints, by the fewest permits routed: no prefill pacing), HPA-like rule (replicas ∝ running +
 waiting, ±10 %, stabilized scale-down, no queue/KV triggers, no offered demand, no learned
 capacity). *floodgate*: both, on the controller's shipped policy and the processor's shipped
 defaults (limiter and classes; nothing is tuned here). *floodgate-tuned* (only when asked

@@ -74,3 +74,17 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_scaling_only_processor_admits_everything_without_pacing() -> None:
+    """The `scaling` configuration is the no-admission baseline: a limit nothing reaches and no
+    prefill pacing (which would hold P1/P2 in Floodgate's queue while a P0 runs); `floodgate`
+    keeps the shipped picking with its pacing. Both load as the processor loads them."""
+    from floodgate.extproc.config import Config
+
+    w = elastic.Workload()
+    scaling = Config.model_validate(elastic.processor_config("scaling", w, 2.0)).pools[0]
+    assert scaling.endpoint_picking and scaling.prefill_tokens_per_s == 0
+    assert scaling.limit.mode == "static" and scaling.limit.initial >= 100000
+    floodgate = Config.model_validate(elastic.processor_config("floodgate", w, 2.0)).pools[0]
+    assert floodgate.endpoint_picking and floodgate.prefill_tokens_per_s > 0
