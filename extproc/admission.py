@@ -65,8 +65,10 @@ from floodgate.extproc.policy import (
     RAMP_CREDIT_S,
     RAMP_MIN_BURST,
     RAMP_MIN_RATE_S,
+    SLOW_TAU_S,
     DecayingRate,
     Reject,
+    min_chance,
     ramp_credit,
     retry_after,
 )
@@ -173,6 +175,14 @@ class PoolRuntime:
     arrivals_fast: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
         default_factory=lambda: (DecayingRate(tau=ARRIVAL_FAST_TAU_S), DecayingRate(tau=ARRIVAL_FAST_TAU_S),
                                  DecayingRate(tau=ARRIVAL_FAST_TAU_S)))
+    # Rejections per class and the slow ones among them (queue timeouts), decayed: the budget
+    # early drop spends for a class that would rather be told at once (policy.min_chance).
+    rejections: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
+        default_factory=lambda: (DecayingRate(tau=SLOW_TAU_S), DecayingRate(tau=SLOW_TAU_S),
+                                 DecayingRate(tau=SLOW_TAU_S)))
+    slow_rejections: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
+        default_factory=lambda: (DecayingRate(tau=SLOW_TAU_S), DecayingRate(tau=SLOW_TAU_S),
+                                 DecayingRate(tau=SLOW_TAU_S)))
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
@@ -187,6 +197,10 @@ class PoolRuntime:
         n = max(1, processors)
         a = self.arrivals_fast if fast else self.arrivals
         return a[0].read(now) * n, a[1].read(now) * n, a[2].read(now) * n
+
+    def min_chance(self, cls: int, now: float) -> float:
+        """The chance a request of class `cls` needs to wait now (policy.min_chance)."""
+        return min_chance(self.cfg.classes[cls], self.rejections[cls].level(now), self.slow_rejections[cls].level(now))
 
     def follows_endpoints(self) -> bool:
         return self.cfg.endpoint_picking and self.cfg.limit.follow_endpoints and self.limit.adaptive
@@ -656,6 +670,10 @@ class Admitter:
             rt.demand[(priority, "admitted")] += 1
         else:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
+            now = self.clock()
+            rt.rejections[priority].bump(now)
+            if result.reason == "queue_timeout":
+                rt.slow_rejections[priority].bump(now)
             rt.demand[(priority, result.reason)] += 1
             self._demand_soon(rt)
 

@@ -151,7 +151,8 @@ class SharedBackend:
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
-            certain = certain_reject(cls, last_snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age)
+            certain = certain_reject(cls, last_snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age,
+                                     chance=rt.min_chance(cls, a.clock()))
             if certain is not None:
                 a.child(a.metrics.local_rejections, (rt.cfg.name, str(cls))).inc()
                 return certain
@@ -164,7 +165,7 @@ class SharedBackend:
         one_call = last is not None and last_snap is not None and age <= SNAPSHOT_FRESH_S and \
             last.queued_total > 0 and isinstance(
                 queue_decision(cls, last_snap, rt.cfg.classes, a.cfg.admission, 0.5,
-                               named_tenant=bool(req.tenant)), Enqueue)
+                               named_tenant=bool(req.tenant), chance=rt.min_chance(cls, a.clock())), Enqueue)
         w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
         rt.pending[ticket] = seq
         try:
@@ -202,8 +203,8 @@ class SharedBackend:
             decision = a.no_endpoints(rt, cls)
         else:
             decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st)),
-                                      rt.cfg.classes,
-                                      a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
+                                      rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant),
+                                      chance=rt.min_chance(cls, a.clock()))
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)
@@ -313,7 +314,8 @@ class LocalBackend:
                                  inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0,
                                  arrival_rates=rt.arrival_rates(now),
                                  arrival_rates_fast=rt.arrival_rates(now, fast=True))
-        decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant))
+        decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant),
+                                  chance=rt.min_chance(cls, now))
         if isinstance(decision, Reject):
             return decision
         if req.deadline <= now:

@@ -78,6 +78,12 @@ class ClassConfig(_Strict):
         return self
 
     @property
+    def spends_reject_budget(self) -> bool:
+        """Does early drop spend this class's slow-rejection budget (policy.min_chance)? A class
+        that would rather be told at once, whose `early_drop_min_chance` is derived, not set."""
+        return self.rejects_fast and "early_drop_min_chance" not in self.model_fields_set
+
+    @property
     def rejects_fast(self) -> bool:
         """Would this class rather be told at once than wait and fail? (Its time-to-429 target
         is shorter than its queue timeout, so any rejection after a wait misses it.)"""

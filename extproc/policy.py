@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from floodgate.extproc.config import AdmissionConfig, ClassConfig
+from floodgate.extproc.config import REJECT_SLO_QUANTILE, AdmissionConfig, ClassConfig
 
 CLASSES = (0, 1, 2)
 RATE_TAU_S = 10.0  # decay time of the event rates (leases.lua RATE_TAU_MS)
@@ -166,6 +166,11 @@ class DecayingRate:
         self.rate = self.rate * math.exp(-(now - self.ts) / self.tau) + 1 / self.tau
         self.ts = now
         self.n += 1
+
+    def level(self, now: float) -> float:
+        """The decayed count at `now` (events, each weighing 1 / tau when it came), with no
+        warm-up: for comparing two counts of the same decay."""
+        return 0.0 if self.ts is None else self.rate * math.exp(-max(0.0, now - self.ts) / self.tau)
 
     def read(self, now: float) -> float:
         """0 (unknown) until 5 events over at least 1 s, like `read_rate` in leases.lua."""
@@ -592,12 +597,41 @@ def retry_after(wait_s: float | None, cls_cfg: ClassConfig, cfg: AdmissionConfig
     return int(min(math.ceil(hi_s), max(math.floor(lo_s), whole)))
 
 
+# A class that would rather be told at once states a time-to-429 target at p99 (`slo_reject_s`):
+# 1 % of its rejections may come late, after a wait that timed out. Early drop spends half of
+# that on requests likely to be served: while the slow rejections seen are at most this share of
+# all of them, such a request waits at `SPEND_CHANCE` instead of the strict 99 %.
+SLOW_REJECT_SHARE = 0.5 * (1 - REJECT_SLO_QUANTILE)
+SPEND_CHANCE = 0.9
+SLOW_TAU_S = 120.0  # decay of the counts of rejections and slow rejections (policy.DecayingRate)
+
+
+def min_chance(c: ClassConfig, rejected: float, slow: float) -> float:
+    """The chance of being served in time a request of class `c` needs to wait, given the
+    class's recent rejections and how many of them were slow (queue timeouts; decayed counts).
+
+    For a class that would rather be told at once, with its chance derived (not set), the
+    budget rule: at `SPEND_CHANCE` while `slow <= SLOW_REJECT_SHARE * rejected` (none slow yet
+    included), else strictly at 99 %. A wait at 90 % times out at most one time in ten, so after
+    each slow rejection the class returns to 99 % until 200 rejections dilute it: its rejections
+    stay fast at p99 while the requests that would be served mostly are. Any other class: its
+    `early_drop_min_chance` as configured."""
+    if not c.spends_reject_budget:
+        return c.early_drop_min_chance
+    if slow <= SLOW_REJECT_SHARE * rejected:
+        return min(c.early_drop_min_chance, SPEND_CHANCE)
+    return c.early_drop_min_chance
+
+
 def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-                   cfg: AdmissionConfig, rand: float, *, named_tenant: bool = True) -> Enqueue | Reject:
+                   cfg: AdmissionConfig, rand: float, *, named_tenant: bool = True,
+                   chance: float | None = None) -> Enqueue | Reject:
     """A request that could not be admitted at once: may it wait, or is it rejected now?
 
     `named_tenant` is False for a request without a tenant header: such requests are not one
-    tenant (unless `admission.anonymous_tenant_cap` says so), so no tenant cap applies."""
+    tenant (unless `admission.anonymous_tenant_cap` says so), so no tenant cap applies.
+    `chance`: the chance it needs to wait (`min_chance`; None: the class's
+    `early_drop_min_chance`)."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast)
@@ -608,13 +642,15 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
             return Reject("tenant_cap", retry_after(wait, c, cfg, rand))
-    if est.certainly_over(c.queue_timeout_s, c.early_drop_min_chance, reject_fast=c.rejects_fast):
+    need = c.early_drop_min_chance if chance is None else chance
+    if est.certainly_over(c.queue_timeout_s, need, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(wait, c, cfg, rand))
     return Enqueue(wait)
 
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-                   cfg: AdmissionConfig, rand: float, age_s: float = 0.0) -> Reject | None:
+                   cfg: AdmissionConfig, rand: float, age_s: float = 0.0,
+                   chance: float | None = None) -> Reject | None:
     """A rejection the last seen snapshot (`age_s` old) already decides, without a Redis round
     trip: the pool was full, and the grant loop would not reach the request in time even
     counting the `age_s` since the snapshot — the waiters it showed ahead that were served
@@ -645,7 +681,8 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         if age_s * (snap.grant_rate + snap.ramp_refill + snap.pf_rate) > 1.0:
             return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast)
-    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), c.early_drop_min_chance, reject_fast=c.rejects_fast):
+    need = c.early_drop_min_chance if chance is None else chance
+    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), need, reject_fast=c.rejects_fast):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 

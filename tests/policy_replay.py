@@ -22,11 +22,13 @@ from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
     CLASSES,
+    SLOW_TAU_S,
     DecayingMean,
     DecayingRate,
     Enqueue,
     Reject,
     Snapshot,
+    min_chance,
     queue_decision,
 )
 
@@ -54,10 +56,14 @@ class Outcome:
 
 def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival], *,
            force_enqueue: frozenset[int] = frozenset(), adm: AdmissionConfig | None = None,
-           warm_rate: tuple[float, float] | None = None, ramp: tuple[float, float] | None = None) -> Outcome:
+           warm_rate: tuple[float, float] | None = None, ramp: tuple[float, float] | None = None,
+           budget: bool = True) -> Outcome:
     """`warm_rate` = (rate, since): the release-rate estimator starts as if `rate` permits per
     second had been freed for `since` seconds (a pool that has been busy before the history).
-    `ramp` = (burst, rate): the onset ramp on (shares of the limit; rate per second)."""
+    `ramp` = (burst, rate): the onset ramp on (shares of the limit; rate per second).
+    `budget`: early drop spends the slow-rejection budget as the processor does
+    (`policy.min_chance` over each class's rejections and queue timeouts); False: the class's
+    `early_drop_min_chance` always."""
     adm = adm or AdmissionConfig()
     shares = (classes[0].share, classes[1].share, classes[2].share)
     table = PermitTable(limit=limit, shares=shares,
@@ -69,6 +75,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     # requests arriving per class, as the processor counts them
     arrivals = [DecayingRate(tau=ARRIVAL_TAU_S) for _ in CLASSES]
     arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
+    rejections = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
+    slow = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -100,6 +108,9 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             granted(got, now)
         elif kind == 1:
             table.cancel(str(i))  # gone from the queue, or granted already (then nothing)
+            if i not in out.granted_at:  # a queue timeout: a slow rejection
+                rejections[a.cls].bump(now)
+                slow[a.cls].bump(now)
         else:
             arrivals[a.cls].bump(now)
             arrivals_fast[a.cls].bump(now)
@@ -112,12 +123,15 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
-            decision = queue_decision(a.cls, snap, classes, adm, rand=0.5)
+            chance = min_chance(classes[a.cls], rejections[a.cls].level(now), slow[a.cls].level(now)) if budget \
+                else None
+            decision = queue_decision(a.cls, snap, classes, adm, rand=0.5, chance=chance)
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)
             if isinstance(decision, Reject) and decision.reason == "early_drop":
                 out.drop_states.append((i, clone(table), snap, now))
             if isinstance(decision, Reject):
+                rejections[a.cls].bump(now)
                 out.decisions[i] = decision.reason
                 out.retry_after[i] = decision.retry_after_s
                 continue

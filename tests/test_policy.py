@@ -597,3 +597,42 @@ def test_arriving_permits_count_as_the_walk_ends_not_its_maximum() -> None:
     assert base <= with_two.chance(1.0) <= 1.0
     assert replace(e, arriving=((0.5, 100),)).chance(1.0) == 1.0
     assert reach_chance(1.0, 4.0, 1.0, 2.0, at_end=True) < reach_chance(1.0, 4.0, 1.0, 2.0)
+
+
+def test_the_slow_rejection_budget() -> None:
+    """A class that would rather be told at once states its time-to-429 at p99: 1 % of its
+    rejections may be slow (a wait that timed out). Early drop spends half of that: such a
+    request waits at 90 % while the slow rejections are at most 0.5 % of all, else at 99 %."""
+    from floodgate.extproc.config import PoolConfig
+    from floodgate.extproc.policy import SLOW_REJECT_SHARE, SPEND_CHANCE, min_chance
+
+    shipped = PoolConfig().classes
+    p2 = shipped[2]
+    assert p2.spends_reject_budget and SLOW_REJECT_SHARE == pytest.approx(0.005)
+    assert min_chance(p2, 0.0, 0.0) == SPEND_CHANCE  # nothing slow yet
+    assert min_chance(p2, 300.0, 1.0) == SPEND_CHANCE  # 1 of 300: within the budget
+    assert min_chance(p2, 100.0, 1.0) == 0.99  # 1 of 100: spent
+    assert min_chance(p2, 1.0, 1.0) == 0.99
+    # a chance the user set is theirs, and classes that wait are not affected
+    set_by_user = ClassConfig(queue_timeout_s=1.0, max_queue=10, share=0.0, slo_reject_s=0.01,
+                              early_drop_min_chance=0.97)
+    assert not set_by_user.spends_reject_budget and min_chance(set_by_user, 0.0, 0.0) == 0.97
+    assert min_chance(shipped[1], 0.0, 0.0) == shipped[1].early_drop_min_chance == 0.5
+    assert min_chance(shipped[0], 0.0, 0.0) == 0.5
+
+
+def test_the_budget_lets_a_likely_p2_wait_under_the_ramp() -> None:
+    """The elastic bench's burst 2 (seed 1, 169.5 s, a fresh Redis reply): 40 of 114 in flight,
+    one P1 held back by the onset ramp, P0 + P1 arriving at 14.6/s against 12.3 releases and
+    11.4 ramp tokens per second. At the rates' pessimistic bounds the chance is ~0.9 (~0.97 at
+    the measured rates): dropped at 99 %, waits while the budget is unspent."""
+    from floodgate.extproc.config import PoolConfig
+    from floodgate.extproc.policy import min_chance
+
+    shipped = PoolConfig().classes
+    snap = Snapshot(114, (10, 18, 12), (0, 1, 0), 0, grant_rate=12.3, release_n=1908, inflight_avg=40.0,
+                    arrival_rates=(5.3, 9.3, 7.7), arrival_rates_fast=(9.9, 11.5, 10.0), ramp=True,
+                    ramp_refill=11.4, pf_rate=70.3)
+    assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0), Reject)
+    assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0, chance=min_chance(shipped[2], 0.0, 0.0)), Enqueue)
+    assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0, chance=min_chance(shipped[2], 100.0, 1.0)), Reject)

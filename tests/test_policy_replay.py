@@ -21,7 +21,13 @@ import random
 import pytest
 from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
 from floodgate.extproc.permits import PermitTable
-from floodgate.extproc.policy import Enqueue, Snapshot, queue_decision, wait_estimate
+from floodgate.extproc.policy import (
+    SLOW_REJECT_SHARE,
+    Enqueue,
+    Snapshot,
+    queue_decision,
+    wait_estimate,
+)
 
 from tests.policy_replay import (
     Arrival,
@@ -169,7 +175,8 @@ def test_p2_waiters_in_the_bench_rarely_time_out() -> None:
     queue timeouts (26 in the burst, 61 in the sparse phase), each a 429 a whole second late.
     The shipped P2 has a 10 ms reject target (`slo_reject_s`): it waits only when 99 % sure at
     the rates' pessimistic bounds — 0 timeouts of 4,538, for 832 P2s served in time instead of
-    851 (-2.2 %)."""
+    851 (-2.2 %); spending half of the p99's slow-rejection budget (`policy.min_chance`, the
+    processor's rule, which `replay` follows), 0 of 4,537 and 833."""
     timeouts, drops, served = p2_outcomes(SHIPPED)
     assert drops > 4000 and served > 780
     assert timeouts * 100 <= timeouts + drops, f"{timeouts} timeouts of {timeouts + drops} P2 rejections"
@@ -184,7 +191,9 @@ def test_p2_waiters_rarely_time_out_under_the_onset_ramp() -> None:
     """With the shipped onset ramp a free permit reaches P2 only with a token of the ramp (while
     P0 is in flight), so P2 waited at 0.5 for permits that the ramp then handed to P1 first:
     182 queue timeouts of 4,752 P2 rejections (3.8 %) over the same 8 replays, 618 served in
-    time. Counting only releases when the ramp paces it: 0 of 4,669, and 701 served in time."""
+    time. Counting only releases when the ramp paces it: 0 of 4,669, and 701 served in time
+    (when this test was written; 1 of 4,676 and 694 now); with the slow-rejection budget, 7 of
+    4,673 (0.15 %) and 697."""
     ramp = (PoolConfig().onset_ramp_burst, PoolConfig().onset_ramp_rate)
     timeouts, drops, served = p2_outcomes(SHIPPED, ramp=ramp)
     assert drops > 4000 and served > 600
@@ -327,9 +336,10 @@ def test_p2_inside_its_reservation_gets_the_next_release() -> None:
 def test_degraded_local_table_same_rule() -> None:
     """Degraded mode runs the same policy on the local permit table with this process's share
     of the last seen rate: the replay with a small local limit keeps the property (P0/P1: no
-    drop of a request served in time; P2, which would rather be told at once: no queue
-    timeout)."""
-    wrong_total = drops = p2_timeouts = 0
+    drop of a request served in time; P2, which would rather be told at once: queue timeouts
+    within the half of its p99 budget early drop spends, `policy.SLOW_REJECT_SHARE` of its
+    rejections: 2 of 2,476 here, none when it always waits at 99 %)."""
+    wrong_total = drops = p2_timeouts = p2_rejected = 0
     for seed in range(6):
         limit, history = random_history(100 + seed)
         local = max(1, limit // 3)  # one of three gateways' share
@@ -338,9 +348,11 @@ def test_degraded_local_table_same_rule() -> None:
         wrong_total += len(wrong_drops_at_current_rate(base, SHIPPED, history, only=(0, 1)))
         p2_timeouts += sum(1 for i, d in base.decisions.items() if history[i].cls == 2 and d == "queued"
                            and not (i in base.granted_at and base.granted_at[i] <= base.deadline[i]))
+        p2_rejected += sum(1 for i, d in base.decisions.items() if history[i].cls == 2
+                           and d not in ("queued", "immediate"))
     assert drops > 0
     assert wrong_total == 0
-    assert p2_timeouts == 0
+    assert p2_rejected > 1000 and p2_timeouts <= SLOW_REJECT_SHARE * (p2_rejected + p2_timeouts)
 
 
 def test_few_releases_never_drop() -> None:
