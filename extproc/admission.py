@@ -123,6 +123,14 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         pf_rate=p.prefill_tokens_per_s, pf_size=p.prefill_request_tokens, pf_k=p.prefill_pace_tokens)
 
 
+ClassRates = tuple[DecayingRate, DecayingRate, DecayingRate]
+
+
+def per_class_rates(tau: float) -> ClassRates:
+    """One decayed event rate per priority class."""
+    return DecayingRate(tau=tau), DecayingRate(tau=tau), DecayingRate(tau=tau)
+
+
 @dataclass
 class PoolRuntime:
     cfg: PoolConfig
@@ -167,22 +175,14 @@ class PoolRuntime:
     resyncing: bool = False  # a sync after Redis lost acknowledged writes is under way (`_lost_writes`)
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
-    arrivals: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
-        default_factory=lambda: (DecayingRate(tau=ARRIVAL_TAU_S), DecayingRate(tau=ARRIVAL_TAU_S),
-                                 DecayingRate(tau=ARRIVAL_TAU_S)))
+    arrivals: ClassRates = field(default_factory=lambda: per_class_rates(ARRIVAL_TAU_S))
     # The same with a short decay: a class that would rather be told at once reads the faster of
     # the two, which follows a burst's onset (policy.wait_estimate, reject_fast).
-    arrivals_fast: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
-        default_factory=lambda: (DecayingRate(tau=ARRIVAL_FAST_TAU_S), DecayingRate(tau=ARRIVAL_FAST_TAU_S),
-                                 DecayingRate(tau=ARRIVAL_FAST_TAU_S)))
+    arrivals_fast: ClassRates = field(default_factory=lambda: per_class_rates(ARRIVAL_FAST_TAU_S))
     # Rejections per class and the slow ones among them (queue timeouts), decayed: the budget
     # early drop spends for a class that would rather be told at once (policy.min_chance).
-    rejections: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
-        default_factory=lambda: (DecayingRate(tau=SLOW_TAU_S), DecayingRate(tau=SLOW_TAU_S),
-                                 DecayingRate(tau=SLOW_TAU_S)))
-    slow_rejections: tuple[DecayingRate, DecayingRate, DecayingRate] = field(
-        default_factory=lambda: (DecayingRate(tau=SLOW_TAU_S), DecayingRate(tau=SLOW_TAU_S),
-                                 DecayingRate(tau=SLOW_TAU_S)))
+    rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
+    slow_rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now

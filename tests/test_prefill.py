@@ -107,6 +107,20 @@ async def _clock(client: object, pool: str, ms: int) -> None:
     await client.set(key(pool, "testclock"), ms)  # type: ignore[attr-defined]
 
 
+# a pool whose limit and partitions never refuse (limit 1000, no shares, ramp off), picking with
+# the estimate on, and a lease TTL no test outlives
+PACED = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate, pf_size=ON.request_tokens,
+                     pf_k=ON.pace_tokens)
+
+
+async def _picking_pool(c: Any, pool: str, endpoints: list[str], settings: PoolSettings = PACED) -> PoolState:
+    """The endpoints registered active (replica names r0, r1, ...) and the pool's state layer."""
+    reg = Registry(c, pool)
+    for i, ep in enumerate(endpoints):
+        await reg.set(ep, "active", f"r{i}")
+    return PoolState(c, pool, lease_ttl_s=600, settings=settings)
+
+
 async def test_script_picks_and_paces_as_the_model(stack: LocalStack) -> None:
     """Random acquires (all classes) and releases at random script times: every grant goes to
     the endpoint the model picks, and a request is refused exactly when the model paces it (the
@@ -115,12 +129,7 @@ async def test_script_picks_and_paces_as_the_model(stack: LocalStack) -> None:
     c = redis_client(url, op_timeout_s=5)
     pool = "pf"
     try:
-        reg = Registry(c, pool)
-        for i, ep in enumerate(EPS):
-            await reg.set(ep, "active", f"r{i}")
-        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
-                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
-        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        st = await _picking_pool(c, pool, EPS)
         model = PrefillEstimate(ON)
         rng = random.Random(7)
         now = 1_000_000
@@ -166,12 +175,7 @@ async def test_script_counts_each_requests_own_size_as_the_model(stack: LocalSta
     c = redis_client(url, op_timeout_s=5)
     pool = "ps"
     try:
-        reg = Registry(c, pool)
-        for i, ep in enumerate(EPS):
-            await reg.set(ep, "active", f"r{i}")
-        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
-                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
-        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        st = await _picking_pool(c, pool, EPS)
         model = PrefillEstimate(ON)
         rng = random.Random(11)
         now = 1_000_000
@@ -276,10 +280,7 @@ async def test_sync_drops_sizes_whose_waiter_left_without_them(stack: LocalStack
     c = redis_client(url, op_timeout_s=5)
     pool = "pq"
     try:
-        await Registry(c, pool).set(EPS[0], "active", "r0")
-        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
-                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
-        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        st = await _picking_pool(c, pool, EPS[:1])
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:1", "g", 1, 0, "", 0, 2000.0)).granted  # P0: 2000 queued
         assert (await st.admit("g:2", "g", 2, 1, "", 0, 30.0, 700.0)).enqueued  # paced, queued
@@ -301,11 +302,7 @@ async def test_paced_waiter_is_granted_once_the_estimate_drains(stack: LocalStac
     c = redis_client(url, op_timeout_s=5)
     pool = "pw"
     try:
-        reg = Registry(c, pool)
-        await reg.set(EPS[0], "active", "r0")
-        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
-                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
-        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        st = await _picking_pool(c, pool, EPS[:1])
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:1", "g", 1, 0, "")).endpoint == EPS[0]  # P0: 512 queued
         assert (await st.acquire("g:2", "g", 2, 1, "")).granted  # 512 <= 512: granted, 1024 now
@@ -330,10 +327,7 @@ async def test_prefill_off_picks_by_permits_alone(stack: LocalStack) -> None:
     c = redis_client(url, op_timeout_s=5)
     pool = "po"
     try:
-        reg = Registry(c, pool)
-        await reg.set(EPS[0], "active", "r0")
-        await reg.set(EPS[1], "active", "r1")
-        st = PoolState(c, pool, lease_ttl_s=600, settings=PoolSettings(1000, (0.0, 0.0, 0.0), picking=True))
+        st = await _picking_pool(c, pool, EPS[:2], PoolSettings(1000, (0.0, 0.0, 0.0), picking=True))
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:0", "g", 1, 0, "")).granted
         eps = [(await st.acquire(f"g:{i}", "g", i + 1, 1, "")).endpoint for i in range(1, 9)]
@@ -422,12 +416,7 @@ async def test_script_reports_when_prefill_pacing_opens(stack: LocalStack) -> No
     c = redis_client(url, op_timeout_s=5)
     pool = "pfw"
     try:
-        reg = Registry(c, pool)
-        await reg.set(EPS[0], "active", "r0")
-        await reg.set(EPS[1], "active", "r1")
-        settings = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=ON.rate,
-                                pf_size=ON.request_tokens, pf_k=ON.pace_tokens)
-        st = PoolState(c, pool, lease_ttl_s=600, settings=settings)
+        st = await _picking_pool(c, pool, EPS[:2])
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:1", "g", 1, 0, "")).granted  # P0 on one endpoint: 512
         for i in range(2, 6):  # 1024 on both, then 1536 on one
