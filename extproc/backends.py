@@ -140,6 +140,7 @@ class SharedBackend:
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
         last, age = rt.last_status, a.clock() - rt.last_status_at
+        need = rt.min_chance(cls, a.clock())  # the chance early drop asks of it (its class's reject budget)
         by_credit = last is None or credit_admits(cls, last.inflight, rt.settings.ramp_rate > 0)
         if rt.credits and rt.queue_clear and by_credit:
             # Fast path: a credit is a lease this process already holds; no round trip.
@@ -152,7 +153,7 @@ class SharedBackend:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
             certain = certain_reject(cls, last_snap, rt.cfg.classes, a.cfg.admission, a.rng(), age_s=age,
-                                     chance=rt.min_chance(cls, a.clock()))
+                                     chance=need)
             if certain is not None:
                 a.child(a.metrics.local_rejections, (rt.cfg.name, str(cls))).inc()
                 return certain
@@ -165,7 +166,7 @@ class SharedBackend:
         one_call = last is not None and last_snap is not None and age <= SNAPSHOT_FRESH_S and \
             last.queued_total > 0 and isinstance(
                 queue_decision(cls, last_snap, rt.cfg.classes, a.cfg.admission, 0.5,
-                               named_tenant=bool(req.tenant), chance=rt.min_chance(cls, a.clock())), Enqueue)
+                               named_tenant=bool(req.tenant), chance=need), Enqueue)
         w = Waiter(cls, seq, req.deadline, req.tenant, asyncio.get_running_loop().create_future())
         rt.pending[ticket] = seq
         try:
@@ -204,7 +205,7 @@ class SharedBackend:
         else:
             decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st)),
                                       rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant),
-                                      chance=rt.min_chance(cls, a.clock()))
+                                      chance=need)
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)
