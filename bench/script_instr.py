@@ -7,9 +7,16 @@ and the same workload is run against this checkout's leases.lua and against the 
 revision (`--base`), loaded side by side as two Function libraries
 in the same server, alternating. Instruction counts do not depend on the box's load, so the
 ratio does not move with the box (it is no time: a cache miss costs more than an instruction).
-What still varies between runs of the same code (within about 1 %; the server runs with
-`--hz 1` to keep it small): the server's timer housekeeping falling inside a measured window,
-and where the Lua garbage collector's steps land.
+The pools run on a clock of their own (the script's `testclock`, 2 ms per call), not the
+server's: under valgrind a call takes ~100x its real time, and on the real clock what the
+script does (the rates' decay, every time-driven branch) would follow the box's speed.
+What still varies between runs of the same code: by default every instruction of the shard
+is counted while the calls run, including reading commands, writing replies and the event
+loop, whose iterations follow the box's timing (the server runs with `--hz 1` to keep its timer
+housekeeping small); a fresh-clone CI run on a busy box once read the same library 3.1 % apart.
+`--count script` counts only inside FCALL (the library, the commands it calls, its publishes):
+the same code then reads within about 1 % (skiplist levels are random and the server's hash
+seed differs per start), the figure to compare two versions of leases.lua with.
 
 Workload (the contended decision of the scale bench's direct drive, pipelined so that the
 network is left out): G gateways (synced, subscribed to their grant channels), a pool of limit
@@ -26,6 +33,7 @@ arrival order: each admit's snapshot then follows a grant (queue head, event rat
   floodgate bench script-instr                          # this checkout vs HEAD~1, B = 1, 3, 6
   floodgate bench script-instr --base ef5dd4b --batch 3 # vs a given commit
   floodgate bench script-instr --order mixed            # admits and releases interleaved
+  floodgate bench script-instr --count script           # only the instructions inside FCALL
   floodgate bench script-instr --server-arg=--zset-max-listpack-entries --server-arg=16  # a server setting
 """
 
@@ -59,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settings", choices=("plain", "shipped"), default="plain",
                    help="the pool's settings: shares (0.5, 0.3, 0.1) and no onset ramp (plain, default), or the "
                         "shipped defaults' classes and onset ramp (shipped: what `bench scale` runs)")
+    p.add_argument("--count", choices=("shard", "script"), default="shard",
+                   help="what is counted: every instruction of the shard while the calls run (shard, default: "
+                        "includes reading commands, writing replies and the event loop, whose iterations follow "
+                        "the box's timing), or only those inside FCALL (script: the library, the commands it "
+                        "calls and its publishes; the same on every run of the same code)")
     p.add_argument("--keep", metavar="DIR", help="copy each measured callgrind dump here (cg.<base|here>.<B>: callgrind_annotate reads them)")
 
 
@@ -71,11 +84,17 @@ class _Pool:
 
         from floodgate.extproc.admission import pool_settings
         from floodgate.extproc.config import PoolConfig
-        from floodgate.extproc.schema import PoolSettings, script_keys
+        from floodgate.extproc.schema import PoolSettings, key, script_keys
 
         self.r, self.fn, self.batch, self.mixed = r, function, batch, mixed
         self.pool = f"instr-{function}-{batch}"
         self.keys = script_keys(self.pool)
+        # The pool runs on a clock of its own that advances 2 ms per call (the script reads
+        # `testclock` instead of TIME when it is set): under valgrind a call takes ~100x its
+        # real time, and on the real clock the rates' decay and every time-driven branch
+        # would follow the box's speed instead of the workload.
+        self.clock_key, self.clock = key(self.pool, "testclock"), 1_700_000_000_000
+        r.set(self.clock_key, self.clock)
         big = (10**6,) * 3
         if shipped:  # the shipped classes and onset ramp, the limit and queue caps as below
             settings = dataclasses.replace(pool_settings(PoolConfig()), initial_limit=8 * gateways, max_queue=big,
@@ -101,7 +120,9 @@ class _Pool:
             self.call(r, "sync", g, "0", "0")
 
     def call(self, p: Any, op: str, *args: str) -> Any:
-        # TTL and timeouts far above the run's length: nothing expires while valgrind is slow
+        self.clock += 2
+        p.set(self.clock_key, self.clock)
+        # TTL and timeouts far above the run's length: nothing expires on the pool's clock
         return p.fcall(self.fn, len(self.keys), *self.keys, op, "3600000", *args)
 
     def admit_args(self, g: str) -> list[str]:
@@ -125,7 +146,7 @@ class _Pool:
                 argv += ["release", str(len(done)), *done]
                 self.held.extend(self.waiting.popleft() for _ in range(self.batch))
             self.call(p, "batch", *argv)
-        for reply in p.execute():
+        for reply in p.execute()[1::2]:  # the SETs of the clock in between
             errors = [x for x in reply[0] if isinstance(x, list) and x and x[0] == b"err"]
             if errors:
                 raise RuntimeError(f"{self.fn}: {errors[0]}")
@@ -157,8 +178,10 @@ def run(args: argparse.Namespace) -> int:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"fg-script-instr-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    # `script`: collect only while FCALL runs, whatever the event loop did around it
+    collect = ["--toggle-collect=fcallCommand"] if args.count == "script" else []
     server = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={work}/cg.%p",
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", *collect, f"--callgrind-out-file={work}/cg.%p",
          redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(work), "--hz", "1", *args.server_arg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -192,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             libs[label] = name
         print(f"floodgate bench script-instr: leases.lua of {label_here} vs {base_rev}; {args.gateways} gateways, "
               f"limit {8 * args.gateways}, {16 * args.gateways} waiters; ops {args.order}; {args.settings} settings; {args.decisions} decisions per cell "
-              f"(valgrind callgrind: instructions of the shard, user space)\n", flush=True)
+              f"(valgrind callgrind: instructions {'inside FCALL' if args.count == 'script' else 'of the shard'}, user space)\n", flush=True)
         head_line = f"{'admits per call':>15} {'base instr/dec':>15} {'here instr/dec':>15} {'here/base':>9}"
         print(head_line)
         print("-" * len(head_line))
