@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +16,13 @@ from floodgate.extproc.state import PoolStatus, read_pool_status, redis_client
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
     from floodgate.extproc.admission import Admitter
+    from floodgate.extproc.metrics import Metrics
     from floodgate.extproc.redis_client import AnyRedis
     from floodgate.extproc.registry import Registry
+
+    from floodgate.stack import LocalStack
 
 
 @dataclass
@@ -107,6 +113,47 @@ def picking_admitter(url: str, client: AnyRedis, initial: int, pool: str = "f",
         "pools": [{"name": pool, "endpoint_picking": True, "prefill_tokens_per_s": prefill_tokens_per_s,
                    "limit": {"mode": "vegas", "initial": initial, "min": 1}}]})
     return Admitter(cfg, client, gateway_id="a")
+
+
+@dataclass
+class Gateway:
+    """One processor on a fresh server (`one_processor`), and what a test reaches it with."""
+
+    admitter: Admitter
+    client: AnyRedis  # the processor's own client
+    raw: aioredis.Redis  # a connection of the test's own to the same server (the test's hand)
+    metrics: Metrics
+
+
+@contextlib.asynccontextmanager
+async def one_processor(stack: LocalStack, *, limit: int, lease_ttl_s: float, op_timeout_s: float,
+                        **redis: float) -> AsyncIterator[Gateway]:
+    """A started processor (gateway `gw`) with one pool `a` (static `limit`, no local credits)
+    on a fresh Redis-protocol server, with `redis.*` settings besides the URL and TTL (the poll
+    interval 60 s unless given: only the test's calls and the renewal touch Redis). Stopped and
+    its connections closed on exit."""
+    import redis.asyncio as aioredis
+    from floodgate.extproc.admission import Admitter
+    from floodgate.extproc.config import Config
+    from floodgate.extproc.metrics import Metrics
+
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": lease_ttl_s, "op_timeout_s": op_timeout_s,
+                  "poll_interval_s": 60, **redis},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": limit}}]})
+    client = redis_client(url, op_timeout_s=op_timeout_s)
+    raw = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    try:
+        yield Gateway(admitter, client, raw, metrics)
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
 
 
 async def activate(reg: Registry, first: int, last: int) -> None:

@@ -20,10 +20,7 @@ import signal
 
 import pytest
 import redis.asyncio as aioredis
-from floodgate.extproc.admission import Admitter
 from floodgate.extproc.backends import Permit
-from floodgate.extproc.config import Config
-from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.redis_client import subscribe
 from floodgate.extproc.schema import (
     SCRIPT_KEYS,
@@ -33,11 +30,11 @@ from floodgate.extproc.schema import (
     gateway_channel,
     script_keys,
 )
-from floodgate.extproc.state import FUNCTION, PoolState, redis_client
+from floodgate.extproc.state import FUNCTION, PoolState
 from redis.exceptions import ResponseError
 
 from floodgate.stack import LocalStack
-from tests.helpers import wait_until
+from tests.helpers import one_processor, wait_until
 
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
 SHARES = (0.5, 0.3, 0.1)
@@ -272,58 +269,49 @@ async def test_a_batch_lost_in_the_air_degrades_and_leaks_no_permit(stack: Local
     in the air. Every caller of that batch degrades (nobody hangs past its timeout); when Redis
     is back the processor re-asserts what it holds, and once everything is released Redis
     holds no lease and no waiter."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 2}}]})
-    client = redis_client(url, op_timeout_s=0.25)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
-    assert stack.redis_child is not None
-    rt = admitter.pools["a"]
-    frozen = False
-    results: list[Permit | object] = []
-
-    def degraded() -> float:
-        return float(metrics.pool_degraded.labels("a")._value.get())
-
-    async def status_is(inflight: int, queued: int) -> bool:
-        try:
-            st = await asyncio.wait_for(rt.state.status(), 1)
-        except (TimeoutError, OSError, Exception):
-            return False
-        return st.inflight_total == inflight and st.queued_total == queued
-
-    try:
-        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
-        assert all(isinstance(p, Permit) for p in held)
-        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(3)]
-        assert await wait_until(lambda: status_is(2, 3), 10)
-        stack.redis_child.kill(signal.SIGSTOP)
-        frozen = True
-        batches = rt.state.batches
-        release = asyncio.create_task(admitter.release(held[0]))  # grants a waiter: the reply is lost
-        late = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
-        assert await wait_until(lambda: degraded() == 1, 10)
-        assert rt.state.batches > batches
-        stack.redis_child.kill(signal.SIGCONT)
+    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
+                             poll_interval_s=0.25) as g:
+        admitter, metrics = g.admitter, g.metrics
+        assert stack.redis_child is not None
+        rt = admitter.pools["a"]
         frozen = False
-        await release
-        results = list(await asyncio.gather(*waiters, *late))
-        assert await wait_until(lambda: degraded() == 0, 20)
-        permits = [r for r in [held[1], *results] if isinstance(r, Permit)]
-        for p in permits:
-            await admitter.release(p)
-        assert not rt.held
-        assert await wait_until(lambda: status_is(0, 0), 10)  # within a few sync periods
-    finally:
-        if frozen:
-            stack.redis_child.kill(signal.SIGCONT)
-        await admitter.stop()
-        await client.aclose()
+        results: list[Permit | object] = []
 
+        def degraded() -> float:
+            return float(metrics.pool_degraded.labels("a")._value.get())
+
+        async def status_is(inflight: int, queued: int) -> bool:
+            try:
+                st = await asyncio.wait_for(rt.state.status(), 1)
+            except (TimeoutError, OSError, Exception):
+                return False
+            return st.inflight_total == inflight and st.queued_total == queued
+
+        try:
+            held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+            assert all(isinstance(p, Permit) for p in held)
+            waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(3)]
+            assert await wait_until(lambda: status_is(2, 3), 10)
+            stack.redis_child.kill(signal.SIGSTOP)
+            frozen = True
+            batches = rt.state.batches
+            release = asyncio.create_task(admitter.release(held[0]))  # grants a waiter: the reply is lost
+            late = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
+            assert await wait_until(lambda: degraded() == 1, 10)
+            assert rt.state.batches > batches
+            stack.redis_child.kill(signal.SIGCONT)
+            frozen = False
+            await release
+            results = list(await asyncio.gather(*waiters, *late))
+            assert await wait_until(lambda: degraded() == 0, 20)
+            permits = [r for r in [held[1], *results] if isinstance(r, Permit)]
+            for p in permits:
+                await admitter.release(p)
+            assert not rt.held
+            assert await wait_until(lambda: status_is(0, 0), 10)  # within a few sync periods
+        finally:
+            if frozen:
+                stack.redis_child.kill(signal.SIGCONT)
 
 
 async def test_a_batch_that_runs_after_a_later_one_is_refused(stack: LocalStack) -> None:
@@ -335,27 +323,19 @@ async def test_a_batch_that_runs_after_a_later_one_is_refused(stack: LocalStack)
     a connection of their own, as the frozen server would run them, against the real script: the
     newer batches stand, the old one is refused whole, and the processor goes on unharmed. A
     processor restarted with the same gateway id starts above its predecessor's fence."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 2}}]})
-    client = redis_client(url, op_timeout_s=0.25)
-    raw = aioredis.Redis.from_url(url)  # the late bytes' own connection
-    admitter = Admitter(cfg, client, metrics=Metrics(), gateway_id="gw")
-    await admitter.start()
-    rt = admitter.pools["a"]
-    real = rt.state._script
-    syncs: list[list[object]] = []
+    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25) as g:
+        admitter, client, raw = g.admitter, g.client, g.raw  # raw: the late bytes' own connection
+        rt = admitter.pools["a"]
+        real = rt.state._script
+        syncs: list[list[object]] = []
 
-    class Recorded:
-        async def __call__(self, keys: list[str], args: list[object], *, read: bool = False) -> object:
-            if not read and args[0] == "batch" and "sync" in args:
-                syncs.append(list(args))
-            return await real(keys, args, read=read)
+        class Recorded:
+            async def __call__(self, keys: list[str], args: list[object], *, read: bool = False) -> object:
+                if not read and args[0] == "batch" and "sync" in args:
+                    syncs.append(list(args))
+                return await real(keys, args, read=read)
 
-    rt.state._script = Recorded()  # type: ignore[assignment]
-    try:
+        rt.state._script = Recorded()  # type: ignore[assignment]
         held = [await admitter.admit("a", 1, "t") for _ in range(2)]
         assert all(isinstance(p, Permit) for p in held)
         waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
@@ -383,10 +363,6 @@ async def test_a_batch_that_runs_after_a_later_one_is_refused(stack: LocalStack)
         # A restarted processor with the same id (a new PoolState) is above the old fence.
         fresh = PoolState(client, "a", lease_ttl_s=3, settings=rt.settings, gateway="gw")
         assert (await fresh.sync("gw", 1, {}, {})).status.inflight_total == 0
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await raw.aclose()
 
 
 async def test_an_older_fence_is_refused_only_while_its_gateway_lives(client: aioredis.Redis) -> None:

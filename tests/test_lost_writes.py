@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
-from floodgate.extproc.admission import Admitter
 from floodgate.extproc.backends import Permit
-from floodgate.extproc.config import Config
-from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.schema import script_keys
-from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
-from tests.helpers import wait_until
+from tests.helpers import Gateway, one_processor, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,33 +45,12 @@ async def leased(r: aioredis.Redis, pool: str) -> list[str]:
     return sorted(t.decode() for t in await r.zrange(script_keys(pool)[0], 0, -1))
 
 
-@dataclass
-class Gateway:
-    admitter: Admitter
-    raw: aioredis.Redis  # a connection of its own to the same server (the test's hand)
-    metrics: Metrics
-
-
 @pytest.fixture
 async def gw(stack: LocalStack) -> AsyncIterator[Gateway]:
     """A processor with pool `a` (L 3, no credits) on a fresh server; TTL 30 s, so its next
     renewal is 10 s away and only the loss detection can repair Redis within a test."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 3}}]})
-    client = redis_client(url, op_timeout_s=0.5)
-    raw = aioredis.Redis.from_url(url)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
-    try:
-        yield Gateway(admitter, raw, metrics)
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await raw.aclose()
+    async with one_processor(stack, limit=3, lease_ttl_s=30, op_timeout_s=0.5) as g:
+        yield g
 
 
 async def test_a_rolled_back_redis_is_corrected_at_the_next_call(gw: Gateway) -> None:

@@ -16,30 +16,17 @@ from typing import Any
 
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.backends import Permit
-from floodgate.extproc.config import Config
-from floodgate.extproc.metrics import Metrics
-from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
+from tests.helpers import one_processor
 
 
 @contextlib.asynccontextmanager
 async def _one_processor(stack: LocalStack) -> AsyncIterator[Admitter]:
     """One processor with one pool `a` (static limit 64, no credits) on a fresh Redis. Its
     TTL is far longer than a test: a phantom lease would still be there at the end."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 120, "op_timeout_s": 2, "poll_interval_s": 60},
-        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": 64}}]})
-    client = redis_client(url, op_timeout_s=2)
-    admitter = Admitter(cfg, client, metrics=Metrics(), gateway_id="gw")
-    await admitter.start()
-    try:
-        yield admitter
-    finally:
-        await admitter.stop()
-        await client.aclose()
+    async with one_processor(stack, limit=64, lease_ttl_s=120, op_timeout_s=2) as g:
+        yield g.admitter
 
 
 async def test_a_release_made_after_a_sync_is_never_undone_by_it(stack: LocalStack) -> None:
