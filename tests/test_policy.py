@@ -636,3 +636,41 @@ def test_the_budget_lets_a_likely_p2_wait_under_the_ramp() -> None:
     assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0), Reject)
     assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0, chance=min_chance(shipped[2], 0.0, 0.0)), Enqueue)
     assert isinstance(queue_decision(2, snap, shipped, ADM, 0.0, chance=min_chance(shipped[2], 100.0, 1.0)), Reject)
+
+
+def test_a_p2_spending_the_budget_is_read_at_the_point_estimates() -> None:
+    """Two snapshots the processor decided on in the elastic bench (seed 1, 2026-12-02 21:21
+    UTC), each a P2 it turned away at the rates' pessimistic bounds:
+
+    * the last second of burst 1's cold start (77.8 s, a local snapshot 35 ms old): 59 of 63 in
+      flight, the 4 free kept for P0/P1, two P1 waiting, 20 permits due in 0.7 s. Chance 0.89 at
+      the bounds, 0.98 at the measured rates; 11 of the 12 P2 of the next second were served in
+      time (waits 0.2-0.5 s);
+    * burst 2's onset (160.9 s, a fresh reply): 18 of 51, the onset ramp holding lower classes.
+      0.80 at the bounds, 0.95 at the measured rates.
+
+    Spending the budget (chance 0.9) they wait now; with the budget spent (0.99) the reading is
+    the strict one, at the bounds, and both are still turned away."""
+    from floodgate.extproc.policy import SPEND_CHANCE, spends_budget
+
+    shipped = PoolConfig().classes
+    tail = Snapshot(63, (13, 38, 8), (0, 2, 1), 1, grant_rate=17.23, class_rate=12.63, release_n=667,
+                    inflight_avg=33.79, head_left=(0.0, 1.453, 0.968), tail_left=(0.0, 1.453, 0.968),
+                    arrival_rates=(6.87, 13.37, 10.74), arrival_rates_fast=(9.17, 13.08, 14.82), ramp=True,
+                    ramp_refill=8.0, arriving=((0.709, 20), (5.725, 10), (10.235, 10)), pf_rate=70.3)
+    onset = Snapshot(51, (3, 10, 5), (0, 1, 1), 0, grant_rate=6.79, class_rate=2.19, release_n=1769,
+                     inflight_avg=10.89, head_left=(0.0, 1.315, 0.969), tail_left=(0.0, 1.315, 0.969),
+                     arrival_rates=(2.85, 5.08, 3.51), arrival_rates_fast=(5.59, 7.93, 6.53), ramp=True,
+                     ramp_refill=8.0, pf_rate=35.2)
+    assert spends_budget(shipped[2], SPEND_CHANCE) and not spends_budget(shipped[2], 0.99)
+    assert not spends_budget(shipped[1], 0.5)  # a class that waits reads as before
+    assert certain_reject(2, tail, shipped, ADM, 0.0, age_s=0.035, chance=SPEND_CHANCE) is None
+    assert isinstance(certain_reject(2, tail, shipped, ADM, 0.0, age_s=0.035, chance=0.99), Reject)
+    assert isinstance(queue_decision(2, onset, shipped, ADM, 0.0, chance=SPEND_CHANCE), Enqueue)
+    assert isinstance(queue_decision(2, onset, shipped, ADM, 0.0, chance=0.99), Reject)
+    # the chances themselves, at the bounds and at the point estimates
+    shares = [shipped[k].share for k in (0, 1, 2)]
+    headroom = [shipped[k].headroom for k in (0, 1, 2)]
+    est = wait_estimate(2, onset, shares, headroom, reject_fast=True)
+    assert est.certainly_over(1.0, SPEND_CHANCE, reject_fast=True)
+    assert not est.certainly_over(1.0, SPEND_CHANCE, reject_fast=True, margin=False)
