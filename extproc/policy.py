@@ -639,6 +639,14 @@ def spends_budget(c: ClassConfig, need: float) -> bool:
     return c.spends_reject_budget and need < c.early_drop_min_chance
 
 
+def _drops(est: WaitEstimate, c: ClassConfig, deadline_s: float, chance: float | None) -> bool:
+    """Early drop's test, the same for a fresh reply and a remembered snapshot: is the grant
+    loop's chance of reaching the request by `deadline_s` below the chance it needs (`chance`,
+    or its class's own), read at the bounds unless it spends the budget (`spends_budget`)?"""
+    need = c.early_drop_min_chance if chance is None else chance
+    return est.certainly_over(deadline_s, need, reject_fast=c.rejects_fast, margin=not spends_budget(c, need))
+
+
 def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
                    cfg: AdmissionConfig, rand: float, *, named_tenant: bool = True,
                    chance: float | None = None) -> Enqueue | Reject:
@@ -658,8 +666,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
             return Reject("tenant_cap", retry_after(wait, c, cfg, rand))
-    need = c.early_drop_min_chance if chance is None else chance
-    if est.certainly_over(c.queue_timeout_s, need, reject_fast=c.rejects_fast, margin=not spends_budget(c, need)):
+    if _drops(est, c, c.queue_timeout_s, chance):
         return Reject("early_drop", retry_after(wait, c, cfg, rand))
     return Enqueue(wait)
 
@@ -697,9 +704,7 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         if age_s * (snap.grant_rate + snap.ramp_refill + snap.pf_rate) > 1.0:
             return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast)
-    need = c.early_drop_min_chance if chance is None else chance
-    if est.certainly_over(c.queue_timeout_s + max(0.0, age_s), need, reject_fast=c.rejects_fast,
-                          margin=not spends_budget(c, need)):
+    if _drops(est, c, c.queue_timeout_s + max(0.0, age_s), chance):
         return Reject("early_drop", retry_after(est.seconds, c, cfg, rand))
     return None
 
