@@ -491,21 +491,27 @@ def replica_due(view: ReplicaView, started_at: float | None, times: StartTimes) 
     return None
 
 
-def arriving_capacity(desired: int, active: int, due: list[float | None], now: float) -> list[tuple[float, int]]:
+def arriving_capacity(desired: int, active: int, due: list[float | None], now: float,
+                      grace_s: float = 0.0) -> list[tuple[float, int]]:
     """The capacity on its way to announce to the processors (pure; docs/controller.md,
     "Capacity on its way"): (seconds from now until it serves, replicas), earliest first.
 
     `due`: when each replica that is cold-starting or waking serves (`replica_due`; None =
     unknown). Only as many as the plan still needs (`desired` - `active`) are on their way to
     the active set; the others refill the warm pool. Those taken are the earliest, an unknown
-    one counting as the latest; a prediction already past (a start slower than measured) is
-    taken but not announced: it holds its place without promising a time."""
+    one counting as the latest. A prediction already past is announced until `grace_s` after
+    it, as due at its end: the prediction leaves out the wait for the controller's next look
+    (a replica warm during a tick is promoted by the one after it), so one a tick late is on
+    time, and announcing nothing in that gap turned requests away in the moment before it
+    served. Later still, a start slower than measured holds its place but promises no time."""
     need = max(0, desired - active)
     if need == 0:
         return []
     order = sorted(due, key=lambda t: math.inf if t is None else t)[:need]
     out: dict[float, int] = {}
     for t in order:
+        if t is not None and t <= now < t + grace_s:
+            t += grace_s
         if t is not None and t > now:
             s = round(t - now, 3)
             out[s] = out.get(s, 0) + 1

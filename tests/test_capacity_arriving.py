@@ -58,6 +58,12 @@ def test_only_the_replicas_the_plan_still_needs_are_announced() -> None:
     assert arriving_capacity(2, 3, due, now) == []
     # a start slower than measured (due already past) holds its place but promises no time
     assert arriving_capacity(5, 3, [99.0, 101.0, 115.0], now) == [(1.0, 1)]
+    # ... unless it is within the grace (the controller's next look): due at the grace's end
+    assert arriving_capacity(5, 3, [99.6, 101.0, 115.0], now, grace_s=1.0) == [(0.6, 1), (1.0, 1)]
+    assert arriving_capacity(5, 3, [99.0, 101.0, 115.0], now, grace_s=1.0) == [(1.0, 1)]  # its end: past
+    assert arriving_capacity(5, 3, [98.0, 101.0, 115.0], now, grace_s=1.0) == [(1.0, 1)]
+    # the grace only moves a past prediction; one still ahead is announced as measured
+    assert arriving_capacity(6, 3, due, now, grace_s=1.0) == [(1.0, 1), (15.0, 2)]
     # unknown ones count last
     assert arriving_capacity(5, 3, [None, 115.0, 101.0], now) == [(1.0, 1), (15.0, 1)]
 
@@ -202,3 +208,40 @@ async def test_new_endpoints_void_the_snapshot_early_drop_decides_on(stack: Loca
             await a.release(p)
         await a.stop()
         await c.aclose()
+
+
+async def test_a_kick_during_a_tick_starts_the_next_tick_at_once() -> None:
+    """A replica that turns warm (or any operation that ends) while a tick runs kicks the
+    controller; the loop used to clear that kick after the tick, so the replica waited a whole
+    interval for its promotion (the elastic bench: 0.67 s, past the time announced for it, while
+    P2s were turned away). With a 60 s interval only the kick can bring the second tick."""
+    from floodgate.controller.app import Controller
+    from floodgate.controller.config import parse_config
+
+    cfg = parse_config({"redis": {"url": "redis://127.0.0.1:1"}, "tick_interval_s": 60, "metrics_listen": None,
+                        "leader": {"enabled": False},
+                        "pools": [{"name": "p", "actuator": {"kind": "static", "endpoints": ["127.0.0.1:1"]}}]},
+                       env={})
+    ctl = Controller(cfg)
+    ticks = 0
+    second = asyncio.Event()
+
+    async def tick_once() -> None:
+        nonlocal ticks
+        ticks += 1
+        if ticks == 1:
+            await asyncio.sleep(0)
+            ctl.kick()  # mid-tick: a bring-up's warm-up just finished
+            await asyncio.sleep(0.01)
+        else:
+            second.set()
+
+    ctl._tick_once = tick_once  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    try:
+        await asyncio.wait_for(second.wait(), 20)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    assert ticks == 2
