@@ -57,6 +57,7 @@ from floodgate.controller.policy import (
     StartTimes,
     admission_ceiling,
     arriving_capacity,
+    later_than_announced,
     replica_due,
 )
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
@@ -160,6 +161,7 @@ class PoolController:
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
+        self._arriving_due: list[float] = []  # the times announced last, one per replica (controller clock)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -385,11 +387,19 @@ class PoolController:
             at = arriving_capacity(d.plan.desired, d.plan.active, due, now, grace_s=self.tick_interval_s)
         if not at and self._arriving_set is False:
             return
+        announced = sorted(now + s for s, k in at for _ in range(k))
         try:
             await self.registry.set_arriving(at, c.ttl_s)
+            if later_than_announced(self._arriving_due, announced):
+                # A late replica's time moved (`arriving_capacity`'s grace): the processors hold
+                # the time they read, which is passing, until their next refresh (up to a second)
+                # and count nothing for it meanwhile; tell them now. (A growing announcement
+                # tells them itself.)
+                await self.registry.notify()
         except (RedisError, OSError, TimeoutError):
             self.metrics.scrape_failures.labels(source="redis").inc()
             return
+        self._arriving_due = announced
         if bool(at) != bool(self._arriving_set):
             self.emit("arriving", at=at, active=d.plan.active, desired=d.plan.desired)
         self._arriving_set = bool(at)

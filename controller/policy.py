@@ -516,3 +516,13 @@ def arriving_capacity(desired: int, active: int, due: list[float | None], now: f
             s = round(t - now, 3)
             out[s] = out.get(s, 0) + 1
     return sorted(out.items())
+
+
+def later_than_announced(before: list[float], now_due: list[float]) -> bool:
+    """Did a replica's announced time move later (pure)? `before` and `now_due`: the times
+    announced (one per replica, sorted) at the last tick and now. Replicas leave the
+    announcement earliest first (promoted), so the ones still announced are compared with the
+    latest of `before`; a longer announcement is a new replica (told anyway)."""
+    if not now_due or len(now_due) > len(before):
+        return False
+    return any(new > old + 1e-3 for new, old in zip(now_due, before[len(before) - len(now_due):], strict=True))

@@ -17,7 +17,13 @@ from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import PolicyConfig, StartTimes, arriving_capacity, replica_due
+from floodgate.controller.policy import (
+    PolicyConfig,
+    StartTimes,
+    arriving_capacity,
+    later_than_announced,
+    replica_due,
+)
 from floodgate.controller.signals import ReplicaState, ReplicaView
 from floodgate.extproc.registry import Registry, parse_arriving
 from floodgate.extproc.state import redis_client
@@ -245,3 +251,73 @@ async def test_a_kick_during_a_tick_starts_the_next_tick_at_once() -> None:
         stop.set()
         await asyncio.wait_for(task, 20)
     assert ticks == 2
+
+
+def test_later_than_announced() -> None:
+    assert not later_than_announced([], [])
+    assert not later_than_announced([10.0, 12.0], [10.0, 12.0])  # the same times: nothing moved
+    assert later_than_announced([10.0, 12.0], [10.5, 12.0])  # the first one is late
+    assert not later_than_announced([10.0, 12.0], [12.0])  # the first was promoted
+    assert later_than_announced([10.0, 12.0], [12.5])  # ... and the other one is late
+    assert not later_than_announced([10.0], [10.0, 12.0])  # a new replica (the announcement grows)
+    assert not later_than_announced([10.0, 12.0], [9.0, 12.0])  # earlier: processors would wait less
+
+
+async def test_a_late_replica_moves_its_time_and_tells_the_processors(stack: LocalStack) -> None:
+    """A replica past its predicted time (a tick late) stays announced, due at the grace's end,
+    and the processors are told at once: they hold the time they read until their next
+    refresh, and it would pass before the replica serves. On a real Redis: the controller's
+    announcement moves, and a message reaches the gateway's channel only then."""
+    from floodgate.extproc.schema import gateway_channel
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    await c.zadd(reg.k_gws, {"g": 1e12})  # a live gateway to tell
+    pubsub = c.pubsub()
+    await pubsub.ssubscribe(gateway_channel("g", "f"))
+    policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
+    session = aiohttp.ClientSession()
+    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+                                   admission_ceiling=AdmissionCeilingConfig(ttl_s=30)),
+                        StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics(), tick_interval_s=0.5)
+    clock = FakeClock()
+    pc.clock = lambda: clock.now
+    pc.start_times = TIMES
+
+    async def told() -> bool:
+        msgs = []
+        for _ in range(3):  # (a None may be the subscription's confirmation, ignored)
+            m = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            if m is not None:
+                msgs.append(m["data"])
+        return b"f|!registry" in msgs
+
+    try:
+        reps = views(clock.now, active=2)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in reps}
+        start = clock.now - 3.0
+        pc.replicas["k0"] = Replica(ReplicaView("k0", S.LOADING, start), None, started_at=start)
+        due = start + 15.3 + 0.05  # TIMES: the longest cold start + the longest awake promotion
+
+        def plan() -> Any:
+            return pc.step(Signals(signals(clock.now, reps, running=6.0, waiting=6.0), reps), clock.now)
+
+        await pc._publish_arriving(plan(), clock.now)
+        assert await told()  # a new announcement (it grew from nothing)
+        clock.advance(1.0)
+        await pc._publish_arriving(plan(), clock.now)
+        at = await reg.arriving()
+        assert at[0][0] == pytest.approx(due - clock.now, abs=0.05)
+        assert not await told()  # the same time, a tick on: nothing to tell
+        clock.now = due + 0.2  # a tick late, still loading
+        await pc._publish_arriving(plan(), clock.now)
+        assert await reg.arriving() == [(pytest.approx(0.3, abs=0.05), 1)]  # due at the grace's end
+        assert await told()
+        clock.now = due + 0.6  # later than the grace: no time promised, nothing to tell
+        await pc._publish_arriving(plan(), clock.now)
+        assert await reg.arriving() == [] and not await told()
+    finally:
+        await pubsub.aclose()
+        await session.close()
+        await c.aclose()

@@ -674,3 +674,38 @@ def test_a_p2_spending_the_budget_is_read_at_the_point_estimates() -> None:
     est = wait_estimate(2, onset, shares, headroom, reject_fast=True)
     assert est.certainly_over(1.0, SPEND_CHANCE, reject_fast=True)
     assert not est.certainly_over(1.0, SPEND_CHANCE, reject_fast=True, margin=False)
+
+
+def test_a_p2_spending_the_budget_reads_the_release_rate_of_the_pool_as_it_is_now() -> None:
+    """Two snapshots the processor turned a P2 away on in the elastic bench (seed 4,
+    2026-12-03 00:02 UTC), 1.5 s after burst 1's cold-started replicas turned active (4 -> 7,
+    the limit 42 -> 73): 66 in flight (7 kept for P0), the release rate still the decayed one
+    of the 4 replicas before (18.3 per second at a mean 37 in flight; 32 at 66 by Little's
+    law). Every P1 and P2 let in during those 1.5 s waited at most 85 ms. Read at the measured
+    release rate, the chance was 0.81 (the call) and 0.32 (a local snapshot 18 ms old); at the
+    rate scaled to the in-flight now (the point estimate, as for any class that does not reject
+    fast), 0.98 and 0.91: spending the budget, they wait. With the budget spent (0.99) the
+    strict reading stands and both are turned away."""
+    from floodgate.extproc.policy import SPEND_CHANCE
+
+    shipped = PoolConfig().classes
+    call = Snapshot(73, (14, 36, 16), (0, 0, 0), 0, grant_rate=18.199, class_rate=3.063, release_n=678,
+                    inflight_avg=36.986, head_left=(0.0, 0.0, 0.0), tail_left=(0.0, 0.0, 0.0),
+                    arrival_rates=(7.514, 14.188, 8.736), arrival_rates_fast=(11.183, 16.169, 12.276), ramp=True,
+                    ramp_refill=8.0, arriving=((1.134, 10), (10.149, 10), (13.657, 10)), pf_rate=82.031)
+    local = Snapshot(73, (16, 36, 14), (0, 2, 0), 1, grant_rate=18.3, class_rate=11.938, release_n=682,
+                     inflight_avg=37.379, head_left=(0.0, 1.486, 0.0), tail_left=(0.0, 1.486, 0.0),
+                     arrival_rates=(8.293, 14.414, 8.475), arrival_rates_fast=(12.793, 16.661, 10.524), ramp=True,
+                     ramp_refill=8.0, arriving=((0.952, 10), (9.967, 10), (13.475, 10)), pf_rate=82.031)
+    assert isinstance(queue_decision(2, call, shipped, ADM, 0.0, chance=SPEND_CHANCE), Enqueue)
+    assert certain_reject(2, local, shipped, ADM, 0.0, age_s=0.018, chance=SPEND_CHANCE) is None
+    assert isinstance(queue_decision(2, call, shipped, ADM, 0.0, chance=0.99), Reject)
+    assert isinstance(certain_reject(2, local, shipped, ADM, 0.0, age_s=0.018, chance=0.99), Reject)
+    shares = [shipped[k].share for k in (0, 1, 2)]
+    headroom = [shipped[k].headroom for k in (0, 1, 2)]
+    for snap, age in ((call, 0.0), (local, 0.018)):
+        measured = wait_estimate(2, snap, shares, headroom, reject_fast=True)
+        now = wait_estimate(2, snap, shares, headroom, reject_fast=True, point=True)
+        assert measured.rate == pytest.approx(snap.grant_rate)
+        assert now.rate == pytest.approx(snap.release_rate()) and now.rate > 1.7 * measured.rate
+        assert measured.chance(1.0 + age) < SPEND_CHANCE <= now.chance(1.0 + age)
