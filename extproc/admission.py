@@ -66,8 +66,10 @@ from floodgate.extproc.policy import (
     RAMP_MIN_BURST,
     RAMP_MIN_RATE_S,
     SLOW_TAU_S,
+    DecayingMean,
     DecayingRate,
     Reject,
+    level_growth,
     min_chance,
     ramp_credit,
     retry_after,
@@ -192,6 +194,21 @@ class PoolRuntime:
     # Replicas the controller announced on their way (schema.CTL_ARRIVING): (clock() when each
     # serves, replicas); early drop counts the permits they bring (policy.Snapshot.arriving).
     arriving: tuple[tuple[float, int], ...] = ()
+    # The active endpoint count (registry refreshes) and its time-weighted mean over the
+    # release rate's window: how much the capacity behind the measured rate grew
+    # (policy.Snapshot.capacity_growth).
+    endpoints_seen: int = 0
+    endpoints_mean: DecayingMean = field(default_factory=DecayingMean)
+
+    def see_endpoints(self, now: float, n: int) -> None:
+        """A registry refresh read `n` active endpoints; the count seen before held until now."""
+        if self.endpoints_mean.ts is not None or self.endpoints_seen > 0:
+            self.endpoints_mean.add(now, self.endpoints_seen)
+        self.endpoints_seen = n
+
+    def capacity_growth(self, now: float) -> float:
+        """policy.level_growth of the active endpoints (1 without endpoint picking)."""
+        return level_growth(self.endpoints_mean, self.endpoints_seen, now)
 
     def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
         n = max(1, processors)
@@ -979,6 +996,7 @@ class Admitter:
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
             n = len(rt.picker.active)
+            rt.see_endpoints(self.clock(), n)
             if rt.follows_ceiling():
                 per = parse_ceiling(await self.call(rt, "ceiling", lambda: rt.client.get(key(rt.cfg.name, CTL_CEILING))))
                 rt.ceiling = per * n if per is not None and n else None

@@ -100,10 +100,11 @@ Rates = tuple[float, float, float]
 
 
 def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
-              settings: PoolSettings | None = None, arriving: tuple[tuple[float, int], ...] = ()) -> Snapshot:
+              settings: PoolSettings | None = None, arriving: tuple[tuple[float, int], ...] = (),
+              growth: float = 1.0) -> Snapshot:
     """`arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
     pool's (the onset ramp's); `arriving`: the controller's capacity on its way (seconds,
-    permits)."""
+    permits); `growth`: the active endpoints over their recent mean (`capacity_growth`)."""
     refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
     # Prefill-aware picking paces lower classes too while a P0 runs, until the endpoints'
     # prefill estimates drain: each active endpoint lets one paced request in per
@@ -117,7 +118,8 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
                     tail_left=st.tail_left, arrival_rates=arrivals[0] if arrivals else None,
                     arrival_rates_fast=arrivals[1] if arrivals else None, ramp=paced, ramp_refill=refill,
                     arriving=arriving, pf_rate=pf_rate, pf_wait=st.pf_wait,
-                    pf_backlog=st.pf_backlog / settings.pf_size if settings and prefill else 0.0)
+                    pf_backlog=st.pf_backlog / settings.pf_size if settings and prefill else 0.0,
+                    capacity_growth=growth)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -147,8 +149,8 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings, self._arriving(rt, last)) \
-            if last is not None else None
+        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings, self._arriving(rt, last),
+                              rt.capacity_growth(a.clock())) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -203,9 +205,9 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st)),
-                                      rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant),
-                                      chance=need)
+            snap = _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st), rt.capacity_growth(a.clock()))
+            decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(),
+                                      named_tenant=bool(req.tenant), chance=need)
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)

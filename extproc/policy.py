@@ -197,6 +197,18 @@ class DecayingMean:
         self.ts = now
 
 
+def level_growth(mean: DecayingMean, level: int, now: float) -> float:
+    """A level now (`level`, held since `mean` was last fed) over its time-weighted mean with
+    the release rate's decay (`RATE_TAU_S`), at least 1; 1 when nothing is known. `mean` is fed
+    the level that held until each change (`DecayingMean.add(t, old level)`), so a step from 4
+    to 7 endpoints reads 7 / 4 at once and falls back to 1 as the rate's window fills with it."""
+    if mean.ts is None or level <= 0:
+        return 1.0
+    w = math.exp(-max(0.0, now - mean.ts) / RATE_TAU_S)
+    m = mean.value * w + (1 - w) * level
+    return max(1.0, level / m) if m > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What the shared state looked like when a request could not be admitted at once."""
@@ -237,15 +249,20 @@ class Snapshot:
     pf_rate: float = 0.0
     pf_wait: float = 0.0
     pf_backlog: float = 0.0
+    # The pool's active endpoints now over their time-weighted mean over the release rate's
+    # window (`RATE_TAU_S`; 1 = unknown or unchanged): how much the capacity behind the measured
+    # rate grew, e.g. the replicas a scale-up just added (the processor's registry view).
+    capacity_growth: float = 1.0
 
-    def release_rate(self) -> float:
+    def release_rate(self, cap: float = math.inf) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
         it measured throughput at the old in-flight. Each permit is held about
         inflight_avg / rate seconds (Little's law), so with more in flight now, more free per
-        second; scaled up only, never down (an optimistic rate never drops early)."""
+        second; scaled up only, never down (an optimistic rate never drops early), and by at
+        most `cap`."""
         r = self.grant_rate
         if r > 0 and self.inflight_avg > 0:
-            r *= max(1.0, sum(self.inflight) / self.inflight_avg)
+            r *= max(1.0, min(cap, sum(self.inflight) / self.inflight_avg))
         return r
 
 
@@ -525,16 +542,24 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     and each higher class's arrivals at the faster-reacting of its two rates (the 2 s one lags
     a burst's onset).
 
-    `point` (a class spending its slow-rejection budget, `spends_budget`): the release rate at
-    its point estimate, the Little's-law one, for `reject_fast` too. Without the scale-up, a
-    pool whose replicas a scale-up had just multiplied was read at the release rate of the
-    replicas it had before: in the elastic bench (seed 4) 18 releases per second where 32
-    came, and six P2s were turned away in the 1.5 s after the new replicas served while every
-    P1 and P2 let in then waited at most 85 ms."""
+    `point` (a class spending its slow-rejection budget, `spends_budget`) with `reject_fast`:
+    the Little's-law scale-up only as far as the pool's capacity grew (`capacity_growth`: the
+    replicas a scale-up added free more per second; a fixed pool filled past its knee does not,
+    so there it reads as before). Without it, a pool whose replicas a scale-up had just
+    multiplied was read at the release rate of the replicas it had before: in the elastic bench
+    (seed 4) 18 releases per second where 32 came, and six P2s were turned away in the 1.5 s
+    after the new replicas served while every P1 and P2 let in then waited at most 85 ms.
+    Scaled by in-flight alone (no cap), the overload bench's fixed pool had P2 wait and time out
+    beyond the slow-rejection budget (7 queue timeouts of 550 P2 rejections, p99 1 s)."""
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
-    r = snap.grant_rate if reject_fast and not point else snap.release_rate()
+    if not reject_fast:
+        r = snap.release_rate()
+    elif point:
+        r = snap.release_rate(cap=snap.capacity_growth)
+    else:
+        r = snap.grant_rate
     samples = min(float(snap.release_n), snap.grant_rate * RATE_TAU_S) if snap.grant_rate > 0 else 0.0
     total = sum(inflight)
     free = max(0, limit - total)
@@ -639,8 +664,8 @@ def spends_budget(c: ClassConfig, need: float) -> bool:
     """Is a request of class `c` asked for less than its class's own chance, i.e. spending the
     slow-rejection budget (`min_chance`)? Then early drop reads the rates at their point
     estimates, not at the pessimistic bound (no confidence margin, and the release rate scaled
-    to the in-flight now by Little's law, `Snapshot.release_rate`, as for any class that does
-    not reject fast): the budget already bounds, by what it measures,
+    to the in-flight now by Little's law as far as the pool's capacity grew, `wait_estimate`'s
+    `point`): the budget already bounds, by what it measures,
     how often a wait it allows ends in a slow rejection (after one too many the class is back
     at the strict chance, read at the bound). Read at the bound as well, a request spending the
     budget was turned away where it would have been served: in the elastic bench, single P2s

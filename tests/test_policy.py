@@ -676,36 +676,69 @@ def test_a_p2_spending_the_budget_is_read_at_the_point_estimates() -> None:
     assert not est.certainly_over(1.0, SPEND_CHANCE, reject_fast=True, margin=False)
 
 
-def test_a_p2_spending_the_budget_reads_the_release_rate_of_the_pool_as_it_is_now() -> None:
+def test_a_p2_spending_the_budget_reads_the_release_rate_of_the_capacity_that_came() -> None:
     """Two snapshots the processor turned a P2 away on in the elastic bench (seed 4,
     2026-12-03 00:02 UTC), 1.5 s after burst 1's cold-started replicas turned active (4 -> 7,
     the limit 42 -> 73): 66 in flight (7 kept for P0), the release rate still the decayed one
     of the 4 replicas before (18.3 per second at a mean 37 in flight; 32 at 66 by Little's
     law). Every P1 and P2 let in during those 1.5 s waited at most 85 ms. Read at the measured
-    release rate, the chance was 0.81 (the call) and 0.32 (a local snapshot 18 ms old); at the
-    rate scaled to the in-flight now (the point estimate, as for any class that does not reject
-    fast), 0.98 and 0.91: spending the budget, they wait. With the budget spent (0.99) the
-    strict reading stands and both are turned away."""
+    rate, the chance was 0.81 (the call) and 0.32 (a local snapshot 18 ms old).
+
+    Spending the budget, the rate is scaled to the in-flight now, but only as far as the
+    capacity grew: 7 endpoints over their mean of the rate's window (~4.4: 1.58 / 1.57). The
+    call waits now; the local snapshot (0.83) is still turned away. A fixed pool (growth 1)
+    reads the measured rate, as before: there more in flight need not free more per second
+    (the overload bench, scaled without the cap: 7 P2 queue timeouts in 550 rejections). With
+    the budget spent (0.99) the strict reading stands and both are turned away."""
+    from dataclasses import replace as with_
+
     from floodgate.extproc.policy import SPEND_CHANCE
 
     shipped = PoolConfig().classes
     call = Snapshot(73, (14, 36, 16), (0, 0, 0), 0, grant_rate=18.199, class_rate=3.063, release_n=678,
                     inflight_avg=36.986, head_left=(0.0, 0.0, 0.0), tail_left=(0.0, 0.0, 0.0),
                     arrival_rates=(7.514, 14.188, 8.736), arrival_rates_fast=(11.183, 16.169, 12.276), ramp=True,
-                    ramp_refill=8.0, arriving=((1.134, 10), (10.149, 10), (13.657, 10)), pf_rate=82.031)
+                    ramp_refill=8.0, arriving=((1.134, 10), (10.149, 10), (13.657, 10)), pf_rate=82.031,
+                    capacity_growth=1.58)
     local = Snapshot(73, (16, 36, 14), (0, 2, 0), 1, grant_rate=18.3, class_rate=11.938, release_n=682,
                      inflight_avg=37.379, head_left=(0.0, 1.486, 0.0), tail_left=(0.0, 1.486, 0.0),
                      arrival_rates=(8.293, 14.414, 8.475), arrival_rates_fast=(12.793, 16.661, 10.524), ramp=True,
-                     ramp_refill=8.0, arriving=((0.952, 10), (9.967, 10), (13.475, 10)), pf_rate=82.031)
+                     ramp_refill=8.0, arriving=((0.952, 10), (9.967, 10), (13.475, 10)), pf_rate=82.031,
+                     capacity_growth=1.57)
     assert isinstance(queue_decision(2, call, shipped, ADM, 0.0, chance=SPEND_CHANCE), Enqueue)
-    assert certain_reject(2, local, shipped, ADM, 0.0, age_s=0.018, chance=SPEND_CHANCE) is None
+    assert isinstance(certain_reject(2, local, shipped, ADM, 0.0, age_s=0.018, chance=SPEND_CHANCE), Reject)
     assert isinstance(queue_decision(2, call, shipped, ADM, 0.0, chance=0.99), Reject)
-    assert isinstance(certain_reject(2, local, shipped, ADM, 0.0, age_s=0.018, chance=0.99), Reject)
+    assert isinstance(queue_decision(2, with_(call, capacity_growth=1.0), shipped, ADM, 0.0, chance=SPEND_CHANCE),
+                      Reject)
     shares = [shipped[k].share for k in (0, 1, 2)]
     headroom = [shipped[k].headroom for k in (0, 1, 2)]
-    for snap, age in ((call, 0.0), (local, 0.018)):
+    for snap, growth in ((call, 1.58), (local, 1.57)):
         measured = wait_estimate(2, snap, shares, headroom, reject_fast=True)
-        now = wait_estimate(2, snap, shares, headroom, reject_fast=True, point=True)
-        assert measured.rate == pytest.approx(snap.grant_rate)
-        assert now.rate == pytest.approx(snap.release_rate()) and now.rate > 1.7 * measured.rate
-        assert measured.chance(1.0 + age) < SPEND_CHANCE <= now.chance(1.0 + age)
+        point = wait_estimate(2, snap, shares, headroom, reject_fast=True, point=True)
+        fixed = wait_estimate(2, with_(snap, capacity_growth=1.0), shares, headroom, reject_fast=True, point=True)
+        assert measured.rate == pytest.approx(snap.grant_rate) == pytest.approx(fixed.rate)
+        assert point.rate == pytest.approx(snap.grant_rate * growth)  # growth < in-flight's 1.77
+        assert point.rate < snap.release_rate()  # the uncapped Little's-law rate
+        # a class that waits reads the Little's-law rate, uncapped, as before
+        assert wait_estimate(2, snap, shares, headroom).rate == pytest.approx(snap.release_rate())
+    assert wait_estimate(2, call, shares, headroom, reject_fast=True).chance(1.0) < SPEND_CHANCE \
+        <= wait_estimate(2, call, shares, headroom, reject_fast=True, point=True).chance(1.0)
+
+
+def test_level_growth_reads_a_step_at_once_and_fades_with_the_rates_window() -> None:
+    """The endpoints a scale-up adds over their mean with the release rate's decay: the
+    measured rate is of the replicas before, so it may be scaled up by at most this."""
+    from floodgate.extproc.policy import RATE_TAU_S, DecayingMean, level_growth
+
+    m = DecayingMean()
+    assert level_growth(m, 4, 0.0) == 1.0  # nothing known
+    m.add(0.0, 4)
+    assert level_growth(m, 4, 30.0) == pytest.approx(1.0)  # unchanged
+    m.add(30.0, 4)  # 4 held until 30 s, then 7
+    assert level_growth(m, 7, 30.0) == pytest.approx(7 / 4)
+    later = level_growth(m, 7, 30.0 + RATE_TAU_S)
+    assert later == pytest.approx(7 / (4 * math.exp(-1) + 7 * (1 - math.exp(-1))))
+    assert 1.0 < later < 7 / 4 and level_growth(m, 7, 30.0 + 10 * RATE_TAU_S) == pytest.approx(1.0, abs=1e-3)
+    m.add(40.0, 7)  # then down to 3: never below 1 (a rate is never scaled down)
+    assert level_growth(m, 3, 40.0) == 1.0
+    assert level_growth(m, 0, 40.0) == 1.0
