@@ -391,7 +391,7 @@ class PoolController:
             return
         announced = sorted(now + s for s, k in at for _ in range(k))
         try:
-            await self.registry.set_arriving(at, c.ttl_s)
+            await self.registry.set_arriving(at, c.ttl_s, grace_s=self.tick_interval_s)
             if later_than_announced(self._arriving_due, announced):
                 # A late replica's time moved (`arriving_capacity`'s grace): the processors hold
                 # the time they read, which is passing, until their next refresh (up to a second)

@@ -130,16 +130,21 @@ class Registry:
         """The published per-endpoint ceiling; None when no controller publishes one."""
         return parse_ceiling(await self.client.get(self.k_ceiling))
 
-    async def set_arriving(self, at: list[tuple[float, int]], ttl_s: float) -> None:
+    async def set_arriving(self, at: list[tuple[float, int]], ttl_s: float, grace_s: float = 0.0) -> None:
         """Announce capacity on its way: (seconds from now until it serves, replicas) for
-        `ttl_s` (schema.CTL_ARRIVING); an empty list takes the announcement back. The
+        `ttl_s` (schema.CTL_ARRIVING); an empty list takes the announcement back. `grace_s`:
+        how late past its time a replica may still come (the controller's tick: it promotes
+        on its next look); the processors count it until then (`parse_arriving_entries`). The
         processors are told at once when the announcement grows (a promotion serves within a
         wake: their next refresh may come too late for it)."""
         if not at:
             await self.client.delete(self.k_arriving)
             return
         ttl_ms = max(1, round(ttl_s * 1000))
-        doc = json.dumps({"ttl_ms": ttl_ms, "at": [[max(0, round(s * 1000)), int(n)] for s, n in at]})
+        body: dict[str, Any] = {"ttl_ms": ttl_ms, "at": [[max(0, round(s * 1000)), int(n)] for s, n in at]}
+        if grace_s > 0:
+            body["grace_ms"] = round(min(grace_s, ARRIVING_MAX_GRACE_S) * 1000)  # older processors ignore it
+        doc = json.dumps(body)
         old = await self.client.set(self.k_arriving, doc, px=ttl_ms, get=True)
         before = parse_arriving(old, ttl_ms)
         if sum(n for _, n in before) < sum(n for _, n in at):
@@ -147,28 +152,31 @@ class Registry:
 
     async def arriving(self) -> list[tuple[float, int]]:
         """The announced capacity on its way: (seconds from now, replicas), earliest first."""
-        return await read_arriving(self.client, self.k_arriving)
+        return [(s, n) for s, n, _ in await read_arriving(self.client, self.k_arriving)]
 
 
 ARRIVING_MAX_S = 3600.0  # an announcement further out than this is not believed
 ARRIVING_MAX_REPLICAS = 10_000
+ARRIVING_MAX_GRACE_S = 10.0  # a longer grace is read as this
 
 
-async def read_arriving(client: Any, k: str) -> list[tuple[float, int]]:
+async def read_arriving(client: Any, k: str, *, late: bool = False) -> list[tuple[float, int, float]]:
     """GET and PTTL of the announcement in one pipeline: the time since it was written is its
     TTL minus what is left of it, on Redis's clock (no gateway clock is compared with the
-    controller's)."""
+    controller's). `parse_arriving_entries`: (seconds from now, replicas, grace); with `late`
+    also the entries whose time passed within their grace (negative seconds)."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(k)
         pipe.pttl(k)
         raw, pttl = await pipe.execute()
-    return parse_arriving(raw, pttl)
+    return [e for e in parse_arriving_entries(raw, pttl) if late or e[0] > 0]
 
 
-def parse_arriving(raw: Any, pttl_ms: Any) -> list[tuple[float, int]]:
-    """A stored announcement (schema.CTL_ARRIVING) as (seconds from now, replicas) entries that
-    are still ahead, earliest first; [] when missing, unreadable, without a TTL, or out of
-    bounds (a missed or absurd ETA counts nothing: the early-drop reading of before)."""
+def parse_arriving_entries(raw: Any, pttl_ms: Any) -> list[tuple[float, int, float]]:
+    """A stored announcement (schema.CTL_ARRIVING) as (seconds from now, replicas, grace
+    seconds) entries not yet past their time plus the grace (`grace_ms`, 0 when absent: an older
+    controller's), earliest first; [] when missing, unreadable, without a TTL, or out of bounds
+    (a missed or absurd ETA counts nothing: the early-drop reading of before)."""
     if raw is None:
         return []
     try:
@@ -176,15 +184,21 @@ def parse_arriving(raw: Any, pttl_ms: Any) -> list[tuple[float, int]]:
         ttl_ms, left = float(doc["ttl_ms"]), float(pttl_ms)
         if left < 0 or left > ttl_ms:  # no TTL (-1), gone (-2): not an announcement
             return []
+        grace = min(ARRIVING_MAX_GRACE_S, max(0.0, float(doc.get("grace_ms", 0)) / 1000))
         elapsed = ttl_ms - left
         out = []
         for ms, n in doc["at"]:
             s = (float(ms) - elapsed) / 1000
-            if 0 < s <= ARRIVING_MAX_S and 0 < int(n) <= ARRIVING_MAX_REPLICAS:
-                out.append((s, int(n)))
+            if -grace < s <= ARRIVING_MAX_S and s + grace > 0 and 0 < int(n) <= ARRIVING_MAX_REPLICAS:
+                out.append((s, int(n), grace))
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
     return sorted(out)
+
+
+def parse_arriving(raw: Any, pttl_ms: Any) -> list[tuple[float, int]]:
+    """The entries of `parse_arriving_entries` still ahead: (seconds from now, replicas)."""
+    return [(s, n) for s, n, _ in parse_arriving_entries(raw, pttl_ms) if s > 0]
 
 
 def parse_ceiling(raw: Any) -> float | None:

@@ -6,6 +6,7 @@ deadline (the policy side: tests/test_policy.py::test_capacity_on_its_way_lets_a
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +26,7 @@ from floodgate.controller.policy import (
     replica_due,
 )
 from floodgate.controller.signals import ReplicaState, ReplicaView
-from floodgate.extproc.registry import Registry, parse_arriving
+from floodgate.extproc.registry import Registry, parse_arriving, parse_arriving_entries
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
@@ -90,6 +91,22 @@ def test_parse_arriving(raw: Any, pttl: int, want: list[tuple[float, int]]) -> N
     assert parse_arriving(raw, pttl) == want
 
 
+@pytest.mark.parametrize(("raw", "pttl", "want"), [
+    (b'{"ttl_ms": 10000, "grace_ms": 500, "at": [[1000, 2]]}', 10000, [(1.0, 2, 0.5)]),
+    (b'{"ttl_ms": 10000, "grace_ms": 500, "at": [[1000, 2]]}', 8800, [(-0.2, 2, 0.5)]),  # late, within it
+    (b'{"ttl_ms": 10000, "grace_ms": 500, "at": [[1000, 2]]}', 8400, []),  # past the grace
+    (b'{"ttl_ms": 10000, "at": [[1000, 2]]}', 8800, []),  # an older controller's: no grace
+    (b'{"ttl_ms": 10000, "grace_ms": -5, "at": [[1000, 2]]}', 8800, []),
+    (b'{"ttl_ms": 10000, "grace_ms": 999999, "at": [[1000, 2]]}', 1000, [(-8.0, 2, 10.0)]),  # capped at 10 s
+    (b'{"ttl_ms": 10000, "grace_ms": "x", "at": [[1000, 2]]}', 10000, []),
+])
+def test_parse_arriving_entries_with_the_controllers_grace(raw: Any, pttl: int,
+                                                          want: list[tuple[float, int, float]]) -> None:
+    got = parse_arriving_entries(raw, pttl)
+    assert [(pytest.approx(s), n, pytest.approx(g)) for s, n, g in want] == got
+    assert parse_arriving(raw, pttl) == [(s, n) for s, n, _ in got if s > 0]  # ahead only, as before
+
+
 async def test_controller_announces_and_processor_counts_capacity_on_its_way(stack: LocalStack) -> None:
     """The live controller's announcement through a real Redis: a replica it cold-started for
     a scale-up is due at its start + the measured cold start + promotion; the processor's
@@ -129,6 +146,19 @@ async def test_controller_announces_and_processor_counts_capacity_on_its_way(sta
         perms = a.shared._arriving(ra, st)
         # 2 endpoints at a limit of 40: each new one brings 20 permits, due in ~12 s
         assert len(perms) == 1 and perms[0][1] == st.limit // 2 and 5.0 < perms[0][0] <= 12.35 + 1e-6
+        # The announcement carries the controller's grace (its tick, 1 s here): a replica past
+        # its time within it is still coming, due at the grace's end; past the grace, nothing
+        assert json.loads(await c.get(reg.k_arriving))["grace_ms"] == 1000
+        await c.set(reg.k_arriving, '{"ttl_ms": 10000, "grace_ms": 500, "at": [[1000, 1]]}', px=8800)  # 0.2 s late
+        await a._tick(ra)
+        late = a.shared._arriving(ra, st)
+        assert len(late) == 1 and late[0][1] == st.limit // 2 and 0.0 < late[0][0] <= 0.3 + 1e-6
+        now = a.clock()
+        ra.arriving = ((now - 0.6, 1, now - 0.1),)  # late beyond its grace
+        assert a.shared._arriving(ra, st) == ()
+        await c.set(reg.k_arriving, '{"ttl_ms": 10000, "grace_ms": 500, "at": [[1000, 1]]}', px=8400)  # 0.6 s late
+        await a._tick(ra)
+        assert ra.arriving == () and a.shared._arriving(ra, st) == ()
 
         # the pool has what it needs: taken back, and the processor counts nothing
         t = clock.advance(1.0)
