@@ -139,6 +139,12 @@ class SharedBackend:
         """The controller's capacity on its way, in permits at this snapshot's limit."""
         return rt.arriving_permits(self.a.clock(), st.limit, st.active_endpoints)
 
+    def _view(self, rt: PoolRuntime, st: PoolStatus) -> Snapshot:
+        """The snapshot early drop decides on: `st` with this process's arrival rates, the
+        controller's capacity on its way and the growth of the active endpoints."""
+        return _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st),
+                         rt.capacity_growth(self.a.clock()))
+
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
         last, age = rt.last_status, a.clock() - rt.last_status_at
@@ -149,8 +155,7 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last_snap = _snapshot(last, self._arrivals(rt, last), rt.settings, self._arriving(rt, last),
-                              rt.capacity_growth(a.clock())) if last is not None else None
+        last_snap = self._view(rt, last) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -205,8 +210,7 @@ class SharedBackend:
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            snap = _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st), rt.capacity_growth(a.clock()))
-            decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(),
+            decision = queue_decision(cls, self._view(rt, st), rt.cfg.classes, a.cfg.admission, a.rng(),
                                       named_tenant=bool(req.tenant), chance=need)
         if isinstance(decision, Reject):
             if st.enqueued:
