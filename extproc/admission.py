@@ -62,6 +62,7 @@ from floodgate.extproc.picking import Picker
 from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
+    CLASSES,
     RAMP_CREDIT_S,
     RAMP_MIN_BURST,
     RAMP_MIN_RATE_S,
@@ -185,6 +186,9 @@ class PoolRuntime:
     # early drop spends for a class that would rather be told at once (policy.min_chance).
     rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
     slow_rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
+    # Requests per class waiting now on that budget (let in where the strict chance would have
+    # turned them away): they count against it until they end (policy.min_chance's `waiting`).
+    budget_waiting: list[int] = field(default_factory=lambda: [0 for _ in CLASSES])
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
@@ -218,7 +222,8 @@ class PoolRuntime:
 
     def min_chance(self, cls: int, now: float) -> float:
         """The chance a request of class `cls` needs to wait now (policy.min_chance)."""
-        return min_chance(self.cfg.classes[cls], self.rejections[cls].level(now), self.slow_rejections[cls].level(now))
+        return min_chance(self.cfg.classes[cls], self.rejections[cls].level(now), self.slow_rejections[cls].level(now),
+                          self.budget_waiting[cls])
 
     def follows_endpoints(self) -> bool:
         return self.cfg.endpoint_picking and self.cfg.limit.follow_endpoints and self.limit.adaptive

@@ -30,6 +30,7 @@ from floodgate.extproc.policy import (
     queue_decision,
     ramp_refill_rate,
     retry_after,
+    spends_budget,
     timeout_reject,
 )
 from floodgate.extproc.schema import PoolSettings, PoolStatus
@@ -207,17 +208,26 @@ class SharedBackend:
                 rt.queue_clear = True
             return a.permit(rt, ticket, req, st.endpoint)
         decision: Enqueue | Reject
+        on_budget = False  # waits on its class's slow-rejection budget (policy.min_chance)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
-            decision = queue_decision(cls, self._view(rt, st), rt.cfg.classes, a.cfg.admission, a.rng(),
+            view = self._view(rt, st)
+            decision = queue_decision(cls, view, rt.cfg.classes, a.cfg.admission, a.rng(),
                                       named_tenant=bool(req.tenant), chance=need)
+            if isinstance(decision, Enqueue) and spends_budget(rt.cfg.classes[cls], need):
+                # Let in at the budget's chance: would the class's own have turned it away?
+                on_budget = isinstance(queue_decision(cls, view, rt.cfg.classes, a.cfg.admission, 0.5,
+                                                      named_tenant=bool(req.tenant)), Reject)
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)
                 a.spawn(self._abandon(rt, ticket))
             return decision
         rt.waiting[ticket] = w
+        outcome = "gone"  # the budget wait's end, for its metric: served, timed out, or gone
+        if on_budget:
+            rt.budget_waiting[cls] += 1
         try:
             if not st.enqueued and not st.rejected:
                 rt.pending[ticket] = seq
@@ -235,10 +245,12 @@ class SharedBackend:
                 return Reject(st.rejected, retry_after(None, c, a.cfg.admission, a.rng()))
             a.count(rt, cls, "queued")
             if st.granted:
+                outcome = "served"
                 return a.permit(rt, ticket, req, st.endpoint, queued=True)
             w.enqueued = True
             try:
                 endpoint = await asyncio.wait_for(asyncio.shield(w.future), max(0.0, req.deadline - a.clock()))
+                outcome = "served"
                 return a.permit(rt, ticket, req, endpoint, queued=True)
             except TimeoutError:
                 pass
@@ -248,9 +260,11 @@ class SharedBackend:
             try:
                 if await a.call(rt, "cancel", lambda: rt.state.cancel(ticket)) == 1:
                     granted = await a.call(rt, "mine", lambda: rt.state.granted_among([ticket]))
+                    outcome = "served"
                     return a.permit(rt, ticket, req, granted.get(ticket, ""), queued=True)
             except RedisDown:
                 pass  # the queue entry goes with the next sync
+            outcome = "timed_out"
             # Retry-After from the freshest state seen (the status loop's), not from enqueue time.
             fresh = rt.last_status or st
             return timeout_reject(cls, _snapshot(fresh, self._arrivals(rt, fresh), rt.settings), rt.cfg.classes,
@@ -263,6 +277,9 @@ class SharedBackend:
             raise
         finally:
             rt.waiting.pop(ticket, None)
+            if on_budget:
+                rt.budget_waiting[cls] -= 1
+                a.child(a.metrics.budget_waits, (rt.cfg.name, str(cls), outcome)).inc()
 
     async def _abandon(self, rt: PoolRuntime, ticket: str) -> None:
         a = self.a

@@ -32,6 +32,12 @@ class Metrics:
             "floodgate_local_rejections",
             "Early drops decided from the last seen pool state, without a Redis round trip (also "
             "counted in floodgate_decisions_total).", ["pool", "priority"], registry=r)
+        self.budget_waits = Counter(
+            "floodgate_budget_waits",
+            "Requests of a class with a time-to-429 target (slo_reject_s) that waited on its slow-rejection "
+            "budget: let in at the budget's chance where the class's own would have turned them away, by how "
+            "the wait ended (served, timed_out: a slow 429; gone: the client left or Redis failed).",
+            ["pool", "priority", "outcome"], registry=r)
         self.queue_depth = Gauge(
             "floodgate_queue_depth", "Requests waiting in the cluster-wide queue (last seen by this process).",
             ["pool", "priority"], registry=r)

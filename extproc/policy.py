@@ -643,19 +643,29 @@ SPEND_CHANCE = 0.9
 SLOW_TAU_S = 120.0  # decay of the counts of rejections and slow rejections (policy.DecayingRate)
 
 
-def min_chance(c: ClassConfig, rejected: float, slow: float) -> float:
+def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: int = 0) -> float:
     """The chance of being served in time a request of class `c` needs to wait, given the
-    class's recent rejections and how many of them were slow (queue timeouts; decayed counts).
+    class's recent rejections, how many of them were slow (queue timeouts; decayed counts) and
+    how many of its requests wait now on the budget (`waiting`: let in at `SPEND_CHANCE` where
+    the class's own chance would have turned them away; the processor counts them).
 
     For a class that would rather be told at once, with its chance derived (not set), the
-    budget rule: at `SPEND_CHANCE` while `slow <= SLOW_REJECT_SHARE * rejected` (none slow yet
-    included), else strictly at 99 %. A wait at 90 % times out at most one time in ten, so after
-    each slow rejection the class returns to 99 % until 200 rejections dilute it: its rejections
-    stay fast at p99 while the requests that would be served mostly are. Any other class: its
-    `early_drop_min_chance` as configured."""
+    budget rule: at `SPEND_CHANCE` while the slow rejections and the waits the budget has in
+    the air together are at most `SLOW_REJECT_SHARE` of the rejections (`slow + waiting <=
+    SLOW_REJECT_SHARE * rejected`; with none of either, always), else strictly at 99 %: had
+    every wait in the air timed out, the budget would not be overspent by more than this one.
+    The waits in the air count
+    because their misses come together: at a load step every request of the class reads the
+    same stale rates, and a budget that counted only the timeouts it had seen let a whole
+    second of them wait on the same wrong estimate (the overload bench's step into its sparse
+    phase: 2-7 P2 queue timeouts within a second of each other, each a 429 a whole timeout
+    late, enough to move the p99 of ~400 probe rejections from 6 ms to 1 s). A wait at 90 %
+    times out at most one time in ten, and after each slow rejection the class returns to 99 %
+    until 200 rejections dilute it: its rejections stay fast at p99 while the requests that
+    would be served mostly are. Any other class: its `early_drop_min_chance` as configured."""
     if not c.spends_reject_budget:
         return c.early_drop_min_chance
-    if slow <= SLOW_REJECT_SHARE * rejected:
+    if slow + waiting <= SLOW_REJECT_SHARE * rejected:
         return min(c.early_drop_min_chance, SPEND_CHANCE)
     return c.early_drop_min_chance
 

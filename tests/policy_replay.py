@@ -30,6 +30,7 @@ from floodgate.extproc.policy import (
     Snapshot,
     min_chance,
     queue_decision,
+    spends_budget,
 )
 
 
@@ -57,13 +58,15 @@ class Outcome:
 def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival], *,
            force_enqueue: frozenset[int] = frozenset(), adm: AdmissionConfig | None = None,
            warm_rate: tuple[float, float] | None = None, ramp: tuple[float, float] | None = None,
-           budget: bool = True) -> Outcome:
+           budget: bool = True, budget_in_air: bool = True) -> Outcome:
     """`warm_rate` = (rate, since): the release-rate estimator starts as if `rate` permits per
     second had been freed for `since` seconds (a pool that has been busy before the history).
     `ramp` = (burst, rate): the onset ramp on (shares of the limit; rate per second).
     `budget`: early drop spends the slow-rejection budget as the processor does
     (`policy.min_chance` over each class's rejections and queue timeouts); False: the class's
-    `early_drop_min_chance` always."""
+    `early_drop_min_chance` always. `budget_in_air`: the waits the budget let in count against
+    it while they wait (`min_chance`'s `waiting`), as the processor counts them; False: only
+    the timeouts seen (the rule before)."""
     adm = adm or AdmissionConfig()
     shares = (classes[0].share, classes[1].share, classes[2].share)
     table = PermitTable(limit=limit, shares=shares,
@@ -77,6 +80,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
     rejections = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
     slow = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
+    on_budget: list[set[int]] = [set() for _ in CLASSES]  # waits the budget let in, still waiting
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -94,6 +98,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
         for t in tickets:
             i = int(t)
             out.granted_at[i] = now
+            on_budget[history[i].cls].discard(i)
             grants[history[i].cls].bump(now)
             seq += 1
             heapq.heappush(events, (now + history[i].service_s, 0, seq, i))
@@ -108,6 +113,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             granted(got, now)
         elif kind == 1:
             table.cancel(str(i))  # gone from the queue, or granted already (then nothing)
+            on_budget[a.cls].discard(i)
             if i not in out.granted_at:  # a queue timeout: a slow rejection
                 rejections[a.cls].bump(now)
                 slow[a.cls].bump(now)
@@ -123,8 +129,9 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
-            chance = min_chance(classes[a.cls], rejections[a.cls].level(now), slow[a.cls].level(now)) if budget \
-                else None
+            waiting = len(on_budget[a.cls]) if budget_in_air else 0
+            chance = min_chance(classes[a.cls], rejections[a.cls].level(now), slow[a.cls].level(now), waiting) \
+                if budget else None
             decision = queue_decision(a.cls, snap, classes, adm, rand=0.5, chance=chance)
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)
@@ -136,6 +143,9 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 out.retry_after[i] = decision.retry_after_s
                 continue
             out.decisions[i] = "queued"
+            if chance is not None and spends_budget(classes[a.cls], chance) and isinstance(
+                    queue_decision(a.cls, snap, classes, adm, rand=0.5), Reject):
+                on_budget[a.cls].add(i)
             deadline = now + classes[a.cls].queue_timeout_s
             out.deadline[i] = deadline
             seq += 1

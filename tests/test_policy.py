@@ -613,6 +613,12 @@ def test_the_slow_rejection_budget() -> None:
     assert min_chance(p2, 300.0, 1.0) == SPEND_CHANCE  # 1 of 300: within the budget
     assert min_chance(p2, 100.0, 1.0) == 0.99  # 1 of 100: spent
     assert min_chance(p2, 1.0, 1.0) == 0.99
+    # waits the budget let in count while they wait: had they all timed out, it would be spent
+    assert min_chance(p2, 0.0, 0.0, waiting=1) == 0.99  # one in the air, nothing rejected yet
+    assert min_chance(p2, 600.0, 0.0, waiting=3) == SPEND_CHANCE  # 3 of 600 at worst: within
+    assert min_chance(p2, 600.0, 0.0, waiting=4) == 0.99
+    assert min_chance(p2, 600.0, 2.0, waiting=1) == SPEND_CHANCE
+    assert min_chance(p2, 600.0, 2.0, waiting=2) == 0.99
     # a chance the user set is theirs, and classes that wait are not affected
     set_by_user = ClassConfig(queue_timeout_s=1.0, max_queue=10, share=0.0, slo_reject_s=0.01,
                               early_drop_min_chance=0.97)

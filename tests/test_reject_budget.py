@@ -4,6 +4,7 @@ chance early drop asks of a reject-fast class follows them. Real Redis, a real A
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,6 +13,7 @@ from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.policy import SPEND_CHANCE, Reject
+from floodgate.extproc.schema import SCRIPT_KEYS
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
@@ -51,4 +53,41 @@ async def test_rejections_and_timeouts_set_the_chance_a_p2_needs(admitter: Admit
     assert rt.min_chance(2, a.clock()) == 0.99
     # P0 and P1 do not spend a budget: their chance is their configured one
     assert rt.min_chance(0, a.clock()) == rt.min_chance(1, a.clock()) == 0.5
+    await a.release(held)
+
+
+async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Admitter) -> None:
+    """A P2 let in at the budget's 90 % where the strict 99 % would have turned it away counts
+    against the budget while it waits (policy.min_chance's `waiting`): a second P2 arriving
+    meanwhile is asked the strict 99 % and told at once, as it would be had the first already
+    timed out. The wait's end is counted by outcome (`floodgate_budget_waits_total`)."""
+    a, rt = admitter, admitter.pools["p"]
+    # The pool's clock (leases.lua's testclock, ms): 36 releases over 12 s, ~3 per second, a
+    # rate measured on enough releases. One permit in flight then frees within the P2's 1 s
+    # with ~95 % chance at that rate, under 99 % at its lower bound: a budget wait.
+    clock, now = rt.state.keys[SCRIPT_KEYS.index("testclock")], 1_000_000
+    for _ in range(36):
+        await a.client.set(clock, now)
+        p = await a.admit("p", 1, "t")
+        assert isinstance(p, Permit)
+        now += 333
+        await a.client.set(clock, now)
+        await a.release(p)
+    await asyncio.sleep(0.05)  # the release's call
+    held = await a.admit("p", 0, "t")
+    assert isinstance(held, Permit)
+    first = asyncio.ensure_future(a.admit("p", 2, "t"))
+    for _ in range(200):  # until it waits (a Redis round trip)
+        await asyncio.sleep(0.005)
+        if rt.budget_waiting[2] or first.done():
+            break
+    assert not first.done() and rt.budget_waiting[2] == 1, "the first P2 waits on the budget"
+    assert rt.min_chance(2, a.clock()) == 0.99  # its wait is in the air: the budget holds no more
+    second = await a.admit("p", 2, "t")
+    assert isinstance(second, Reject) and second.reason == "early_drop"
+    result = await first  # the permit is held: it times out
+    assert isinstance(result, Reject) and result.reason == "queue_timeout"
+    assert rt.budget_waiting[2] == 0
+    assert a.metrics.budget_waits.labels("p", "2", "timed_out")._value.get() == 1
+    assert rt.min_chance(2, a.clock()) == 0.99  # a slow rejection now: spent
     await a.release(held)
