@@ -643,31 +643,48 @@ SPEND_CHANCE = 0.9
 SLOW_TAU_S = 120.0  # decay of the counts of rejections and slow rejections (policy.DecayingRate)
 
 
-def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: int = 0) -> float:
+def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: float = 0.0) -> float:
     """The chance of being served in time a request of class `c` needs to wait, given the
     class's recent rejections, how many of them were slow (queue timeouts; decayed counts) and
-    how many of its requests wait now on the budget (`waiting`: let in at `SPEND_CHANCE` where
-    the class's own chance would have turned them away; the processor counts them).
+    what its requests waiting now on the budget hold of it (`waiting`: the sum of their
+    `budget_weight`s; the processor keeps it).
 
     For a class that would rather be told at once, with its chance derived (not set), the
     budget rule: at `SPEND_CHANCE` while the slow rejections and the waits the budget has in
     the air together are at most `SLOW_REJECT_SHARE` of the rejections (`slow + waiting <=
-    SLOW_REJECT_SHARE * rejected`; with none of either, always), else strictly at 99 %: had
-    every wait in the air timed out, the budget would not be overspent by more than this one.
-    The waits in the air count
-    because their misses come together: at a load step every request of the class reads the
-    same stale rates, and a budget that counted only the timeouts it had seen let a whole
-    second of them wait on the same wrong estimate (the overload bench's step into its sparse
-    phase: 2-7 P2 queue timeouts within a second of each other, each a 429 a whole timeout
-    late, enough to move the p99 of ~400 probe rejections from 6 ms to 1 s). A wait at 90 %
-    times out at most one time in ten, and after each slow rejection the class returns to 99 %
-    until 200 rejections dilute it: its rejections stay fast at p99 while the requests that
-    would be served mostly are. Any other class: its `early_drop_min_chance` as configured."""
+    SLOW_REJECT_SHARE * rejected`; with neither, always), else strictly at 99 %. The waits in
+    the air count because their misses come together: at a load step every request of the
+    class reads the same stale rates, and a budget that counted only the timeouts it had seen
+    let a whole second of them wait on the same wrong estimate (the overload bench's step into
+    its sparse phase: 2-6 P2 queue timeouts within a second of each other, each a 429 a whole
+    timeout late). A wait at 90 % times out at most one time in ten, and after each slow
+    rejection the class returns to 99 % until 200 rejections dilute it: its rejections stay
+    fast at p99 while the requests that would be served mostly are. Any other class: its
+    `early_drop_min_chance` as configured."""
     if not c.spends_reject_budget:
         return c.early_drop_min_chance
     if slow + waiting <= SLOW_REJECT_SHARE * rejected:
         return min(c.early_drop_min_chance, SPEND_CHANCE)
     return c.early_drop_min_chance
+
+
+def budget_weight(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> float:
+    """What a request of class `cls`, let in on its class's slow-rejection budget (at
+    `SPEND_CHANCE` where its own chance turned it away), holds of the budget while it waits:
+    its chance of timing out at the rates' point estimates, as a share of the most a wait on
+    the budget may have (1 - `SPEND_CHANCE`): 1 for a wait at 90 %, 0.1 at 99 %, 0 for one the
+    point estimates call certain. A near-certain wait held back only by the strict reading's
+    confidence margin is not what fails together at a load step; counted as a whole wait, it
+    turned away the next P2s that were as certain (the elastic bench, seed 1: four P2 at point
+    chances 0.999-1.0 in the last second of burst 1's cold start, behind one such wait)."""
+    c = classes[cls]
+    shares = [classes[k].share for k in CLASSES]
+    est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
+                        point=True)
+    if est.rate <= 0:
+        return 1.0
+    miss = 1.0 - est.chance(c.queue_timeout_s)
+    return min(1.0, max(0.0, miss / (1.0 - SPEND_CHANCE)))
 
 
 def spends_budget(c: ClassConfig, need: float) -> bool:

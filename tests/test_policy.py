@@ -627,6 +627,45 @@ def test_the_slow_rejection_budget() -> None:
     assert min_chance(shipped[0], 0.0, 0.0) == 0.5
 
 
+def test_a_wait_on_the_budget_holds_its_chance_of_timing_out() -> None:
+    """What a P2 waiting on the budget holds of it (policy.budget_weight): its chance of timing
+    out at the point estimates over the most a budget wait may have (10 %). Snapshots the
+    processor decided on in the elastic bench (seed 1, 2026-12-03 04:06 UTC): at 62.05 s
+    (point 0.917, bound 0.741: a wait the budget takes a real risk on) it holds most of a wait;
+    at 77.64 s (point 1.000, bound 0.989: held back only by the strict reading's margin) next to
+    nothing, so the P2s behind it that were as certain (77.71-77.91 s, point 0.999-1.0) wait
+    too instead of being turned away as they were when every budget wait counted whole."""
+    from floodgate.extproc.policy import SLOW_REJECT_SHARE, SPEND_CHANCE, budget_weight, min_chance
+
+    shipped = PoolConfig().classes
+    risky = Snapshot(31, (5, 18, 5), (0, 0, 2), 0, grant_rate=7.779, class_rate=2.283, release_n=362,
+                     inflight_avg=12.82, head_left=(0.0, 0.0, 0.645), tail_left=(0.0, 0.0, 0.818),
+                     arrival_rates=(2.654, 9.233, 5.194), arrival_rates_fast=(3.629, 11.028, 10.217), ramp=True,
+                     ramp_refill=8.0, arriving=((0.458, 10), (14.587, 10), (15.084, 10)), pf_rate=35.16,
+                     capacity_growth=1.031)
+    sure = Snapshot(63, (12, 35, 10), (0, 0, 0), 0, grant_rate=17.348, class_rate=1.81, release_n=668,
+                    inflight_avg=33.77, arrival_rates=(6.613, 13.347, 10.627),
+                    arrival_rates_fast=(8.474, 12.972, 14.877), ramp=True, ramp_refill=8.0,
+                    arriving=((0.714, 20), (5.722, 10)), pf_rate=70.31, capacity_growth=1.547)
+    behind = Snapshot(63, (13, 35, 10), (0, 1, 1), 0, grant_rate=17.287, class_rate=12.537, release_n=668,
+                      inflight_avg=33.77, head_left=(0.0, 0.0, 0.964), tail_left=(0.0, 0.0, 0.964),
+                      arrival_rates=(6.856, 13.345, 10.736), arrival_rates_fast=(9.079, 13.004, 14.802), ramp=True,
+                      ramp_refill=8.0, arriving=((0.639, 20), (5.647, 10)), pf_rate=70.31, capacity_growth=1.540)
+    for snap in (risky, sure, behind):  # each waits on the budget: the strict reading turns it away
+        assert isinstance(queue_decision(2, snap, shipped, ADM, 0.5), Reject)
+        assert isinstance(queue_decision(2, snap, shipped, ADM, 0.5, chance=SPEND_CHANCE), Enqueue)
+    w_risky, w_sure = budget_weight(2, risky, shipped), budget_weight(2, sure, shipped)
+    assert 0.6 < w_risky <= 1.0 and 0.0 <= w_sure < 0.01
+    # ~130 P2 rejections in the last 120 s (the elastic bench): 0.65 of a slow one to spend
+    rejected = 130.0
+    assert SLOW_REJECT_SHARE * rejected < 1
+    assert min_chance(shipped[2], rejected, 0.0, waiting=w_sure) == SPEND_CHANCE  # the next one waits
+    assert isinstance(queue_decision(2, behind, shipped, ADM, 0.5, chance=min_chance(shipped[2], rejected, 0.0,
+                                                                                    waiting=w_sure)), Enqueue)
+    assert min_chance(shipped[2], rejected, 0.0, waiting=w_risky) == 0.99  # a real risk in the air: strict
+    assert budget_weight(0, sure, shipped) >= 0.0  # defined for any class (only P2 spends a budget)
+
+
 def test_the_budget_lets_a_likely_p2_wait_under_the_ramp() -> None:
     """The elastic bench's burst 2 (seed 1, 169.5 s, a fresh Redis reply): 40 of 114 in flight,
     one P1 held back by the onset ramp, P0 + P1 arriving at 14.6/s against 12.3 releases and
