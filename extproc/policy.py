@@ -645,7 +645,8 @@ SLOW_TAU_S = 120.0  # decay of the counts of rejections and slow rejections (pol
 
 def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: float = 0.0) -> float:
     """The chance of being served in time a request of class `c` needs to wait, given the
-    class's recent rejections, how many of them were slow (queue timeouts; decayed counts) and
+    class's recent rejections, how many of them were slow (queue timeouts; decayed counts, in
+    requests: `DecayingRate.level` x its tau) and
     what its requests waiting now on the budget hold of it (`waiting`: the sum of their
     `budget_weight`s; the processor keeps it).
 

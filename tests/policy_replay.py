@@ -131,8 +131,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
             waiting = sum(on_budget[a.cls].values()) if budget_in_air else 0.0
-            chance = min_chance(classes[a.cls], rejections[a.cls].level(now), slow[a.cls].level(now), waiting) \
-                if budget else None
+            chance = min_chance(classes[a.cls], rejections[a.cls].level(now) * SLOW_TAU_S,
+                                slow[a.cls].level(now) * SLOW_TAU_S, waiting) if budget else None
             decision = queue_decision(a.cls, snap, classes, adm, rand=0.5, chance=chance)
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)

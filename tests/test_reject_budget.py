@@ -92,3 +92,23 @@ async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Ad
     assert a.metrics.budget_waits.labels("p", "2", "timed_out")._value.get() == 1
     assert rt.min_chance(2, a.clock()) == 0.99  # a slow rejection now: spent
     await a.release(held)
+
+
+async def test_the_waits_in_the_air_and_the_counted_rejections_are_in_one_unit(admitter: Admitter) -> None:
+    """PoolRuntime.min_chance hands policy.min_chance the rejections and timeouts as counts of
+    requests (its decayed levels times their tau), the unit of the waits in the air: with 600
+    P2 rejections just counted and none slow, up to 3 waits' worth may be in the air (0.5 %)."""
+    a, rt = admitter, admitter.pools["p"]
+    now = a.clock()
+    for _ in range(600):
+        rt.rejections[2].bump(now)
+    rt.budget_waiting[2] = 2.9
+    assert rt.min_chance(2, now) == SPEND_CHANCE
+    rt.budget_waiting[2] = 3.1
+    assert rt.min_chance(2, now) == 0.99
+    rt.budget_waiting[2] = 0.0
+    for _ in range(3):
+        rt.slow_rejections[2].bump(now)
+    assert rt.min_chance(2, now) == SPEND_CHANCE  # 3 of 600: within
+    rt.budget_waiting[2] = 0.5
+    assert rt.min_chance(2, now) == 0.99  # with half a wait more in the air: not
