@@ -186,10 +186,10 @@ class PoolRuntime:
     # early drop spends for a class that would rather be told at once (policy.min_chance).
     rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
     slow_rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
-    # What the requests per class waiting now on that budget (let in where the strict chance
-    # would have turned them away) hold of it until they end (policy.budget_weight, summed;
-    # policy.min_chance's `waiting`).
-    budget_waiting: list[float] = field(default_factory=lambda: [0.0 for _ in CLASSES])
+    # Requests per class waiting now on that budget (let in where the strict reading would have
+    # turned them away, and short of the class's own chance at the point estimates,
+    # policy.budget_risk): they hold it until they end (policy.min_chance's `waiting`).
+    budget_waiting: list[int] = field(default_factory=lambda: [0 for _ in CLASSES])
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now

@@ -25,7 +25,7 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
-    budget_weight,
+    budget_risk,
     certain_reject,
     credit_admits,
     queue_decision,
@@ -209,8 +209,7 @@ class SharedBackend:
                 rt.queue_clear = True
             return a.permit(rt, ticket, req, st.endpoint)
         decision: Enqueue | Reject
-        on_budget = False  # waits on its class's slow-rejection budget (policy.min_chance)
-        weight = 0.0  # ... holding this much of it (policy.budget_weight)
+        on_budget = False  # waits on its class's slow-rejection budget (policy.min_chance, budget_risk)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
@@ -220,9 +219,8 @@ class SharedBackend:
             if isinstance(decision, Enqueue) and spends_budget(rt.cfg.classes[cls], need):
                 # Let in at the budget's chance: would the class's own have turned it away?
                 on_budget = isinstance(queue_decision(cls, view, rt.cfg.classes, a.cfg.admission, 0.5,
-                                                      named_tenant=bool(req.tenant)), Reject)
-                if on_budget:
-                    weight = budget_weight(cls, view, rt.cfg.classes)
+                                                      named_tenant=bool(req.tenant)), Reject) \
+                    and budget_risk(cls, view, rt.cfg.classes)
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)
@@ -231,7 +229,7 @@ class SharedBackend:
         rt.waiting[ticket] = w
         outcome = "gone"  # the budget wait's end, for its metric: served, timed out, or gone
         if on_budget:
-            rt.budget_waiting[cls] += weight
+            rt.budget_waiting[cls] += 1
         try:
             if not st.enqueued and not st.rejected:
                 rt.pending[ticket] = seq
@@ -282,8 +280,7 @@ class SharedBackend:
         finally:
             rt.waiting.pop(ticket, None)
             if on_budget:
-                left = rt.budget_waiting[cls] - weight
-                rt.budget_waiting[cls] = left if left > 1e-9 else 0.0  # (no float residue holds it)
+                rt.budget_waiting[cls] -= 1
                 a.child(a.metrics.budget_waits, (rt.cfg.name, str(cls), outcome)).inc()
 
     async def _abandon(self, rt: PoolRuntime, ticket: str) -> None:

@@ -641,51 +641,50 @@ def retry_after(wait_s: float | None, cls_cfg: ClassConfig, cfg: AdmissionConfig
 SLOW_REJECT_SHARE = 0.5 * (1 - REJECT_SLO_QUANTILE)
 SPEND_CHANCE = 0.9
 SLOW_TAU_S = 120.0  # decay of the counts of rejections and slow rejections (policy.DecayingRate)
+BUDGET_IN_AIR = 1  # waits on the slow-rejection budget in the air at once, at most (min_chance)
 
 
-def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: float = 0.0) -> float:
+def min_chance(c: ClassConfig, rejected: float, slow: float, waiting: int = 0) -> float:
     """The chance of being served in time a request of class `c` needs to wait, given the
     class's recent rejections, how many of them were slow (queue timeouts; decayed counts, in
-    requests: `DecayingRate.level` x its tau) and
-    what its requests waiting now on the budget hold of it (`waiting`: the sum of their
-    `budget_weight`s; the processor keeps it).
+    requests: `DecayingRate.level` x its tau) and how many of its requests wait now on the
+    budget (`waiting`: let in at `SPEND_CHANCE` and short of the class's own chance even at
+    the point estimates, `budget_risk`; the processor counts them).
 
     For a class that would rather be told at once, with its chance derived (not set), the
-    budget rule: at `SPEND_CHANCE` while the slow rejections and the waits the budget has in
-    the air together are at most `SLOW_REJECT_SHARE` of the rejections (`slow + waiting <=
-    SLOW_REJECT_SHARE * rejected`; with neither, always), else strictly at 99 %. The waits in
-    the air count because their misses come together: at a load step every request of the
-    class reads the same stale rates, and a budget that counted only the timeouts it had seen
-    let a whole second of them wait on the same wrong estimate (the overload bench's step into
-    its sparse phase: 2-6 P2 queue timeouts within a second of each other, each a 429 a whole
-    timeout late). A wait at 90 % times out at most one time in ten, and after each slow
-    rejection the class returns to 99 % until 200 rejections dilute it: its rejections stay
-    fast at p99 while the requests that would be served mostly are. Any other class: its
+    budget rule: at `SPEND_CHANCE` while the slow rejections are at most `SLOW_REJECT_SHARE` of
+    the rejections (none slow yet included) and no other wait on the budget is in the air
+    (`BUDGET_IN_AIR`), else strictly at 99 %. A wait at 90 % times out at most one time in ten,
+    and after each slow rejection the class returns to 99 % until 200 rejections dilute it: its
+    rejections stay fast at p99 while the requests that would be served mostly are.
+
+    One wait at a time, because the budget's waits fail together when they fail: at a load step
+    every request of the class reads the same stale rates. Counting only the timeouts seen, a
+    whole second of P2s waited on the same wrong estimate at the overload bench's step into its
+    sparse phase (2-6 probe timeouts within a second or two, each a 429 a whole timeout late);
+    letting the waits in the air take the share's worth (3 waits at 600 rejections) brought the
+    clump back (5 at the step in one row); one at a time, 0-2 a run. Any other class: its
     `early_drop_min_chance` as configured."""
     if not c.spends_reject_budget:
         return c.early_drop_min_chance
-    if slow + waiting <= SLOW_REJECT_SHARE * rejected:
+    if slow <= SLOW_REJECT_SHARE * rejected and waiting < BUDGET_IN_AIR:
         return min(c.early_drop_min_chance, SPEND_CHANCE)
     return c.early_drop_min_chance
 
 
-def budget_weight(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> float:
-    """What a request of class `cls`, let in on its class's slow-rejection budget (at
-    `SPEND_CHANCE` where its own chance turned it away), holds of the budget while it waits:
-    its chance of timing out at the rates' point estimates, as a share of the most a wait on
-    the budget may have (1 - `SPEND_CHANCE`): 1 for a wait at 90 %, 0.1 at 99 %, 0 for one the
-    point estimates call certain. A near-certain wait held back only by the strict reading's
-    confidence margin is not what fails together at a load step; counted as a whole wait, it
-    turned away the next P2s that were as certain (the elastic bench, seed 1: four P2 at point
-    chances 0.999-1.0 in the last second of burst 1's cold start, behind one such wait)."""
+def budget_risk(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> bool:
+    """Is a request of class `cls`, let in on its class's slow-rejection budget (at
+    `SPEND_CHANCE` where the strict reading turned it away), short of the class's own chance
+    even at the rates' point estimates? Only such a wait takes a risk the budget must carry
+    (`min_chance`'s `waiting`). One held back only by the strict reading's confidence margin
+    does not: counted, one at a point chance of 1.000 (bound 0.989) turned away the next four
+    P2s, as certain, in the last second of the elastic bench's first cold start (seed 1,
+    77.7-77.9 s), and the burst missed its goal."""
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
                         point=True)
-    if est.rate <= 0:
-        return 1.0
-    miss = 1.0 - est.chance(c.queue_timeout_s)
-    return min(1.0, max(0.0, miss / (1.0 - SPEND_CHANCE)))
+    return est.rate <= 0 or est.chance(c.queue_timeout_s) < c.early_drop_min_chance
 
 
 def spends_budget(c: ClassConfig, need: float) -> bool:

@@ -28,7 +28,7 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
-    budget_weight,
+    budget_risk,
     min_chance,
     queue_decision,
     spends_budget,
@@ -81,7 +81,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
     rejections = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
     slow = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
-    on_budget: list[dict[int, float]] = [{} for _ in CLASSES]  # waits the budget let in, still waiting: weight
+    on_budget: list[set[int]] = [set() for _ in CLASSES]  # waits on the budget (`budget_risk`), still waiting
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -99,7 +99,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
         for t in tickets:
             i = int(t)
             out.granted_at[i] = now
-            on_budget[history[i].cls].pop(i, None)
+            on_budget[history[i].cls].discard(i)
             grants[history[i].cls].bump(now)
             seq += 1
             heapq.heappush(events, (now + history[i].service_s, 0, seq, i))
@@ -114,7 +114,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
             granted(got, now)
         elif kind == 1:
             table.cancel(str(i))  # gone from the queue, or granted already (then nothing)
-            on_budget[a.cls].pop(i, None)
+            on_budget[a.cls].discard(i)
             if i not in out.granted_at:  # a queue timeout: a slow rejection
                 rejections[a.cls].bump(now)
                 slow[a.cls].bump(now)
@@ -130,7 +130,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 arrival_rates=(arrivals[0].read(now), arrivals[1].read(now), arrivals[2].read(now)),
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
-            waiting = sum(on_budget[a.cls].values()) if budget_in_air else 0.0
+            waiting = len(on_budget[a.cls]) if budget_in_air else 0
             chance = min_chance(classes[a.cls], rejections[a.cls].level(now) * SLOW_TAU_S,
                                 slow[a.cls].level(now) * SLOW_TAU_S, waiting) if budget else None
             decision = queue_decision(a.cls, snap, classes, adm, rand=0.5, chance=chance)
@@ -145,8 +145,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 continue
             out.decisions[i] = "queued"
             if chance is not None and spends_budget(classes[a.cls], chance) and isinstance(
-                    queue_decision(a.cls, snap, classes, adm, rand=0.5), Reject):
-                on_budget[a.cls][i] = budget_weight(a.cls, snap, classes)
+                    queue_decision(a.cls, snap, classes, adm, rand=0.5), Reject) and budget_risk(a.cls, snap, classes):
+                on_budget[a.cls].add(i)
             deadline = now + classes[a.cls].queue_timeout_s
             out.deadline[i] = deadline
             seq += 1

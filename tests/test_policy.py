@@ -613,12 +613,11 @@ def test_the_slow_rejection_budget() -> None:
     assert min_chance(p2, 300.0, 1.0) == SPEND_CHANCE  # 1 of 300: within the budget
     assert min_chance(p2, 100.0, 1.0) == 0.99  # 1 of 100: spent
     assert min_chance(p2, 1.0, 1.0) == 0.99
-    # waits the budget let in count while they wait: had they all timed out, it would be spent
-    assert min_chance(p2, 0.0, 0.0, waiting=1) == 0.99  # one in the air, nothing rejected yet
-    assert min_chance(p2, 600.0, 0.0, waiting=3) == SPEND_CHANCE  # 3 of 600 at worst: within
-    assert min_chance(p2, 600.0, 0.0, waiting=4) == 0.99
-    assert min_chance(p2, 600.0, 2.0, waiting=1) == SPEND_CHANCE
-    assert min_chance(p2, 600.0, 2.0, waiting=2) == 0.99
+    # one wait on the budget at a time: its waits fail together when they fail
+    assert min_chance(p2, 0.0, 0.0, waiting=1) == 0.99
+    assert min_chance(p2, 600.0, 0.0, waiting=1) == 0.99
+    assert min_chance(p2, 600.0, 3.0, waiting=0) == SPEND_CHANCE  # 3 of 600 slow: within
+    assert min_chance(p2, 600.0, 4.0, waiting=0) == 0.99
     # a chance the user set is theirs, and classes that wait are not affected
     set_by_user = ClassConfig(queue_timeout_s=1.0, max_queue=10, share=0.0, slo_reject_s=0.01,
                               early_drop_min_chance=0.97)
@@ -627,15 +626,15 @@ def test_the_slow_rejection_budget() -> None:
     assert min_chance(shipped[0], 0.0, 0.0) == 0.5
 
 
-def test_a_wait_on_the_budget_holds_its_chance_of_timing_out() -> None:
-    """What a P2 waiting on the budget holds of it (policy.budget_weight): its chance of timing
-    out at the point estimates over the most a budget wait may have (10 %). Snapshots the
-    processor decided on in the elastic bench (seed 1, 2026-12-03 04:06 UTC): at 62.05 s
-    (point 0.917, bound 0.741: a wait the budget takes a real risk on) it holds most of a wait;
-    at 77.64 s (point 1.000, bound 0.989: held back only by the strict reading's margin) next to
-    nothing, so the P2s behind it that were as certain (77.71-77.91 s, point 0.999-1.0) wait
-    too instead of being turned away as they were when every budget wait counted whole."""
-    from floodgate.extproc.policy import SLOW_REJECT_SHARE, SPEND_CHANCE, budget_weight, min_chance
+def test_only_a_risky_wait_holds_the_budget() -> None:
+    """A P2 the budget lets in holds it (one at a time, policy.min_chance) only when it is short
+    of its class's own 99 % even at the point estimates (policy.budget_risk). Snapshots the
+    processor decided on in the elastic bench (seed 1, 2026-12-03 04:06 UTC): at 62.05 s (point
+    0.917, bound 0.741) a real risk: the next P2 is read strictly; at 77.64 s (point 1.000, bound
+    0.989: held back only by the strict reading's margin) none, so the P2s behind it that were
+    as certain (77.71-77.91 s, point 0.999-1.0) wait too, where they were turned away when every
+    budget wait held it."""
+    from floodgate.extproc.policy import SPEND_CHANCE, budget_risk, min_chance
 
     shipped = PoolConfig().classes
     risky = Snapshot(31, (5, 18, 5), (0, 0, 2), 0, grant_rate=7.779, class_rate=2.283, release_n=362,
@@ -654,16 +653,13 @@ def test_a_wait_on_the_budget_holds_its_chance_of_timing_out() -> None:
     for snap in (risky, sure, behind):  # each waits on the budget: the strict reading turns it away
         assert isinstance(queue_decision(2, snap, shipped, ADM, 0.5), Reject)
         assert isinstance(queue_decision(2, snap, shipped, ADM, 0.5, chance=SPEND_CHANCE), Enqueue)
-    w_risky, w_sure = budget_weight(2, risky, shipped), budget_weight(2, sure, shipped)
-    assert 0.6 < w_risky <= 1.0 and 0.0 <= w_sure < 0.01
-    # ~130 P2 rejections in the last 120 s (the elastic bench): 0.65 of a slow one to spend
-    rejected = 130.0
-    assert SLOW_REJECT_SHARE * rejected < 1
-    assert min_chance(shipped[2], rejected, 0.0, waiting=w_sure) == SPEND_CHANCE  # the next one waits
+    assert budget_risk(2, risky, shipped) and not budget_risk(2, sure, shipped)
+    rejected = 130.0  # P2 rejections in the last 120 s (the elastic bench), none slow
+    assert min_chance(shipped[2], rejected, 0.0, waiting=0) == SPEND_CHANCE
+    # the sure one in the air holds nothing: the next, as sure, waits
     assert isinstance(queue_decision(2, behind, shipped, ADM, 0.5, chance=min_chance(shipped[2], rejected, 0.0,
-                                                                                    waiting=w_sure)), Enqueue)
-    assert min_chance(shipped[2], rejected, 0.0, waiting=w_risky) == 0.99  # a real risk in the air: strict
-    assert budget_weight(0, sure, shipped) >= 0.0  # defined for any class (only P2 spends a budget)
+                                                                                    waiting=0)), Enqueue)
+    assert min_chance(shipped[2], rejected, 0.0, waiting=1) == 0.99  # the risky one in the air: strict
 
 
 def test_the_budget_lets_a_likely_p2_wait_under_the_ramp() -> None:

@@ -58,8 +58,8 @@ async def test_rejections_and_timeouts_set_the_chance_a_p2_needs(admitter: Admit
 
 async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Admitter) -> None:
     """A P2 let in at the budget's 90 % where the strict 99 % would have turned it away counts
-    against the budget while it waits (policy.min_chance's `waiting`, its chance of timing out
-    at the point estimates as a share of 10 %, policy.budget_weight): a second P2 arriving
+    against the budget while it waits (policy.min_chance's `waiting`; short of 99 % at the
+    point estimates too, policy.budget_risk): a second P2 arriving
     meanwhile is asked the strict 99 % and told at once, as it would be had the first already
     timed out. The wait's end is counted by outcome (`floodgate_budget_waits_total`)."""
     a, rt = admitter, admitter.pools["p"]
@@ -82,7 +82,7 @@ async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Ad
         await asyncio.sleep(0.005)
         if rt.budget_waiting[2] > 0 or first.done():
             break
-    assert not first.done() and rt.budget_waiting[2] > 0.1, "the first P2 waits on the budget"
+    assert not first.done() and rt.budget_waiting[2] == 1, "the first P2 waits on the budget"
     assert rt.min_chance(2, a.clock()) == 0.99  # its wait is in the air: the budget holds no more
     second = await a.admit("p", 2, "t")
     assert isinstance(second, Reject) and second.reason == "early_drop"
@@ -94,21 +94,19 @@ async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Ad
     await a.release(held)
 
 
-async def test_the_waits_in_the_air_and_the_counted_rejections_are_in_one_unit(admitter: Admitter) -> None:
+async def test_the_counted_rejections_reach_the_rule_as_requests(admitter: Admitter) -> None:
     """PoolRuntime.min_chance hands policy.min_chance the rejections and timeouts as counts of
-    requests (its decayed levels times their tau), the unit of the waits in the air: with 600
-    P2 rejections just counted and none slow, up to 3 waits' worth may be in the air (0.5 %)."""
+    requests (its decayed levels times their tau), the unit the budget's share is stated in and
+    the one of the waits in the air: 3 timeouts of 600 rejections are within it, 4 are not."""
     a, rt = admitter, admitter.pools["p"]
     now = a.clock()
     for _ in range(600):
         rt.rejections[2].bump(now)
-    rt.budget_waiting[2] = 2.9
-    assert rt.min_chance(2, now) == SPEND_CHANCE
-    rt.budget_waiting[2] = 3.1
-    assert rt.min_chance(2, now) == 0.99
-    rt.budget_waiting[2] = 0.0
     for _ in range(3):
         rt.slow_rejections[2].bump(now)
-    assert rt.min_chance(2, now) == SPEND_CHANCE  # 3 of 600: within
-    rt.budget_waiting[2] = 0.5
-    assert rt.min_chance(2, now) == 0.99  # with half a wait more in the air: not
+    assert rt.min_chance(2, now) == SPEND_CHANCE
+    rt.budget_waiting[2] = 1
+    assert rt.min_chance(2, now) == 0.99  # a wait on the budget in the air: one at a time
+    rt.budget_waiting[2] = 0
+    rt.slow_rejections[2].bump(now)
+    assert rt.min_chance(2, now) == 0.99
