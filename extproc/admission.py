@@ -223,9 +223,8 @@ class PoolRuntime:
 
     def min_chance(self, cls: int, now: float) -> float:
         """The chance a request of class `cls` needs to wait now (policy.min_chance)."""
-        # (levels are decayed counts over tau: back to counts, the unit of the waits in the air)
-        return min_chance(self.cfg.classes[cls], self.rejections[cls].level(now) * SLOW_TAU_S,
-                          self.slow_rejections[cls].level(now) * SLOW_TAU_S, self.budget_waiting[cls])
+        return min_chance(self.cfg.classes[cls], self.rejections[cls].count(now), self.slow_rejections[cls].count(now),
+                          self.budget_waiting[cls])
 
     def follows_endpoints(self) -> bool:
         return self.cfg.endpoint_picking and self.cfg.limit.follow_endpoints and self.limit.adaptive

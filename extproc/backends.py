@@ -25,14 +25,13 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
-    budget_risk,
     certain_reject,
     credit_admits,
     queue_decision,
     ramp_refill_rate,
     retry_after,
-    spends_budget,
     timeout_reject,
+    waits_on_budget,
 )
 from floodgate.extproc.schema import PoolSettings, PoolStatus
 
@@ -209,18 +208,15 @@ class SharedBackend:
                 rt.queue_clear = True
             return a.permit(rt, ticket, req, st.endpoint)
         decision: Enqueue | Reject
-        on_budget = False  # waits on its class's slow-rejection budget (policy.min_chance, budget_risk)
+        on_budget = False  # waits on its class's slow-rejection budget (policy.waits_on_budget)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
             decision = a.no_endpoints(rt, cls)
         else:
             view = self._view(rt, st)
             decision = queue_decision(cls, view, rt.cfg.classes, a.cfg.admission, a.rng(),
                                       named_tenant=bool(req.tenant), chance=need)
-            if isinstance(decision, Enqueue) and spends_budget(rt.cfg.classes[cls], need):
-                # Let in at the budget's chance: would the class's own have turned it away?
-                on_budget = isinstance(queue_decision(cls, view, rt.cfg.classes, a.cfg.admission, 0.5,
-                                                      named_tenant=bool(req.tenant)), Reject) \
-                    and budget_risk(cls, view, rt.cfg.classes)
+            on_budget = isinstance(decision, Enqueue) and waits_on_budget(
+                cls, view, rt.cfg.classes, a.cfg.admission, need, named_tenant=bool(req.tenant))
         if isinstance(decision, Reject):
             if st.enqueued:
                 rt.waiting.pop(ticket, None)

@@ -172,6 +172,10 @@ class DecayingRate:
         warm-up: for comparing two counts of the same decay."""
         return 0.0 if self.ts is None else self.rate * math.exp(-max(0.0, now - self.ts) / self.tau)
 
+    def count(self, now: float) -> float:
+        """The decayed count at `now` in events (`level` x tau): each event weighs 1 when it came."""
+        return self.level(now) * self.tau
+
     def read(self, now: float) -> float:
         """0 (unknown) until 5 events over at least 1 s, like `read_rate` in leases.lua."""
         if self.ts is None or self.t0 is None or self.n < 5 or now - self.t0 < 1.0:
@@ -685,6 +689,17 @@ def budget_risk(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) ->
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
                         point=True)
     return est.rate <= 0 or est.chance(c.queue_timeout_s) < c.early_drop_min_chance
+
+
+def waits_on_budget(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig], cfg: AdmissionConfig,
+                    need: float, *, named_tenant: bool = True) -> bool:
+    """Does a request of class `cls` that `queue_decision` let wait at `need` wait on its class's
+    slow-rejection budget, holding it while it waits (`min_chance`'s `waiting`)? It was asked
+    for less than its class's own chance (`spends_budget`), the strict reading would have
+    turned it away, and it is short of that chance at the point estimates too (`budget_risk`)."""
+    return spends_budget(classes[cls], need) and isinstance(
+        queue_decision(cls, snap, classes, cfg, 0.5, named_tenant=named_tenant), Reject) \
+        and budget_risk(cls, snap, classes)
 
 
 def spends_budget(c: ClassConfig, need: float) -> bool:

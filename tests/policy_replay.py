@@ -28,10 +28,9 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
-    budget_risk,
     min_chance,
     queue_decision,
-    spends_budget,
+    waits_on_budget,
 )
 
 
@@ -81,7 +80,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
     arrivals_fast = [DecayingRate(tau=ARRIVAL_FAST_TAU_S) for _ in CLASSES]
     rejections = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
     slow = [DecayingRate(tau=SLOW_TAU_S) for _ in CLASSES]
-    on_budget: list[set[int]] = [set() for _ in CLASSES]  # waits on the budget (`budget_risk`), still waiting
+    on_budget: list[set[int]] = [set() for _ in CLASSES]  # waits on the budget (`waits_on_budget`), still waiting
     if warm_rate is not None:
         rate, since = warm_rate
         n = int(rate * since)
@@ -131,8 +130,8 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 arrival_rates_fast=(arrivals_fast[0].read(now), arrivals_fast[1].read(now), arrivals_fast[2].read(now)),
                 class_rates=(grants[0].read(now), grants[1].read(now), grants[2].read(now)))
             waiting = len(on_budget[a.cls]) if budget_in_air else 0
-            chance = min_chance(classes[a.cls], rejections[a.cls].level(now) * SLOW_TAU_S,
-                                slow[a.cls].level(now) * SLOW_TAU_S, waiting) if budget else None
+            chance = min_chance(classes[a.cls], rejections[a.cls].count(now), slow[a.cls].count(now), waiting) \
+                if budget else None
             decision = queue_decision(a.cls, snap, classes, adm, rand=0.5, chance=chance)
             if isinstance(decision, Reject) and decision.reason == "early_drop" and i in force_enqueue:
                 decision = Enqueue(None)
@@ -144,8 +143,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 out.retry_after[i] = decision.retry_after_s
                 continue
             out.decisions[i] = "queued"
-            if chance is not None and spends_budget(classes[a.cls], chance) and isinstance(
-                    queue_decision(a.cls, snap, classes, adm, rand=0.5), Reject) and budget_risk(a.cls, snap, classes):
+            if chance is not None and waits_on_budget(a.cls, snap, classes, adm, chance):
                 on_budget[a.cls].add(i)
             deadline = now + classes[a.cls].queue_timeout_s
             out.deadline[i] = deadline
