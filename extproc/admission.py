@@ -65,6 +65,8 @@ from floodgate.extproc.policy import (
     CLASSES,
     RAMP_CREDIT_S,
     RAMP_MIN_BURST,
+    RAMP_MIN_BURST_PER_ENDPOINT,
+    RAMP_MIN_RATE_PER_ENDPOINT_S,
     RAMP_MIN_RATE_S,
     SLOW_TAU_S,
     DecayingMean,
@@ -123,6 +125,7 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         epoch=p.settings_epoch,
         ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate,
         ramp_min_burst=RAMP_MIN_BURST, ramp_min_rate=RAMP_MIN_RATE_S,
+        ramp_ep_burst=RAMP_MIN_BURST_PER_ENDPOINT, ramp_ep_rate=RAMP_MIN_RATE_PER_ENDPOINT_S,
         pf_rate=p.prefill_tokens_per_s, pf_size=p.prefill_request_tokens, pf_k=p.prefill_pace_tokens)
 
 

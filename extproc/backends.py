@@ -28,6 +28,7 @@ from floodgate.extproc.policy import (
     certain_reject,
     credit_admits,
     queue_decision,
+    ramp_floors,
     ramp_refill_rate,
     retry_after,
     timeout_reject,
@@ -106,7 +107,11 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
     """`arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
     pool's (the onset ramp's); `arriving`: the controller's capacity on its way (seconds,
     permits); `growth`: the active endpoints over their recent mean (`capacity_growth`)."""
-    refill = ramp_refill_rate(st.limit, settings.ramp_rate, settings.ramp_min_rate) if settings else 0.0
+    refill = 0.0
+    if settings:
+        _, floor = ramp_floors(st.active_endpoints, settings.ramp_min_burst, settings.ramp_min_rate,
+                               settings.ramp_ep_burst, settings.ramp_ep_rate)
+        refill = ramp_refill_rate(st.limit, settings.ramp_rate, floor)
     # Prefill-aware picking paces lower classes too while a P0 runs, until the endpoints'
     # prefill estimates drain: each active endpoint lets one paced request in per
     # `pf_size / pf_rate` seconds, from when its estimate is down to the pace level (the

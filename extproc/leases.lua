@@ -225,6 +225,8 @@ local function load_settings()
        -- the onset ramp (absent in older settings: off); the rate per ms of the script's clock
        ramp_burst = tonumber(f.ramp_burst or '0'), ramp_rate_ms = tonumber(f.ramp_rate or '0') / 1000,
        ramp_min_burst = tonumber(f.ramp_min_burst or '8'), ramp_min_rate_ms = tonumber(f.ramp_min_rate or '8') / 1000,
+       -- the floors per active endpoint (absent in older settings: none)
+       ramp_ep_burst = tonumber(f.ramp_ep_burst or '0'), ramp_ep_rate_ms = tonumber(f.ramp_ep_rate or '0') / 1000,
        -- prefill-aware picking (absent in older settings: off); tokens per ms of the script's clock
        pf_rate_ms = tonumber(f.pf_rate or '0') / 1000, pf_size = tonumber(f.pf_size or '512'),
        pf_k = tonumber(f.pf_k or '512')}
@@ -302,11 +304,25 @@ end
 
 -- The onset ramp, mirrored from policy.py (ramp_refill, ramp_paces) and permits.py: while a P0
 -- is in flight, a lower-class grant needs a token; every grant takes one (credits too), every
--- lease that ends gives one back, and tokens accrue at max(ramp_min_rate, ramp_rate x L) per
--- second up to max(ramp_min_burst, ramp_burst x L) (the floors: policy.RAMP_MIN_*). The bucket is brought to `now` once at the start of each op that
--- grants or frees (as the reference model does), in the same float arithmetic, and stored with
--- 17 digits so the model and the script compare the same numbers.
-local function ramp_cap(L) return math.max(S.ramp_min_burst, S.ramp_burst * L) end
+-- lease that ends gives one back, and tokens accrue at max(floor rate, ramp_rate x L) per
+-- second up to max(floor burst, ramp_burst x L). The floors (policy.ramp_floors) are the
+-- pool-wide ones, or the per-endpoint ones times the registry's active endpoints when more. The
+-- bucket is brought to `now` once at the start of each op that grants or frees (as the
+-- reference model does), in the same float arithmetic, and stored with 17 digits so the model
+-- and the script compare the same numbers.
+local function n_active()
+  if not NACTIVE then NACTIVE = redis.call('SCARD', K.active) end
+  return NACTIVE
+end
+local function ramp_floor_burst()
+  if S.ramp_ep_burst <= 0 then return S.ramp_min_burst end
+  return math.max(S.ramp_min_burst, S.ramp_ep_burst * n_active())
+end
+local function ramp_floor_rate()
+  if S.ramp_ep_rate_ms <= 0 then return S.ramp_min_rate_ms end
+  return math.max(S.ramp_min_rate_ms, S.ramp_ep_rate_ms * n_active())
+end
+local function ramp_cap(L) return math.max(ramp_floor_burst(), S.ramp_burst * L) end
 
 local function ramp_refill()
   if S.ramp_rate_ms <= 0 then return end
@@ -318,7 +334,7 @@ local function ramp_refill()
   if not RAMP then
     RAMP = {ramp_cap(L), now}
   else
-    RAMP[1] = math.min(ramp_cap(L), RAMP[1] + math.max(S.ramp_min_rate_ms, L * S.ramp_rate_ms) * math.max(0, now - RAMP[2]))
+    RAMP[1] = math.min(ramp_cap(L), RAMP[1] + math.max(ramp_floor_rate(), L * S.ramp_rate_ms) * math.max(0, now - RAMP[2]))
     RAMP[2] = now
   end
   ST_DIRTY['ramp:p'] = true  -- flush formats it
@@ -808,7 +824,7 @@ local function snapshot(out, c, tenant, gw)
     if not LIVE then LIVE = redis.call('ZCOUNT', K.gws, NOW_EXCL_S, '+inf') end
     live = LIVE
   end
-  if not NACTIVE then NACTIVE = redis.call('SCARD', K.active) end
+  n_active()
   local _, _, _, rate_n = unpack_rate('rate:p')
   if not LVL_S then LVL_S = string.match(state()['lvl:p'] or '', '^([^|]*)|') or '0' end
   local lvl = LVL_S

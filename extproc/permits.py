@@ -21,6 +21,7 @@ from floodgate.extproc.policy import (
     Snapshot,
     eligible,
     ramp_burst,
+    ramp_floors,
     ramp_paces,
     ramp_refill,
     ramp_refill_rate,
@@ -73,6 +74,11 @@ class PermitTable:
     ramp_rate: float = 0.0
     ramp_min_rate: float = 0.0  # tokens per unit of the caller's clock at least (policy.RAMP_MIN_RATE_S)
     ramp_min_burst: float = RAMP_MIN_BURST
+    # per active endpoint (policy.ramp_floors; the rate per unit of the caller's clock), and the
+    # active endpoints (leases.lua counts the registry's active set; 0 here: the floors above)
+    ramp_ep_burst: float = 0.0
+    ramp_ep_rate: float = 0.0
+    endpoints: int = 0
     tokens: float | None = None
     tokens_ts: float = 0.0
     # New endpoints' credit beside the bucket (set_limit's `credit`; leases.lua `ramp_extra`):
@@ -124,7 +130,7 @@ class PermitTable:
                         tenant_queued=self.tenant_queued(cls, tenant), grant_rate=grant_rate,
                         release_n=release_n, inflight_avg=inflight_avg, arrival_rates=arrival_rates,
                         arrival_rates_fast=arrival_rates_fast, ramp=self.ramp_rate > 0,
-                        ramp_refill=ramp_refill_rate(self.limit, self.ramp_rate, self.ramp_min_rate),
+                        ramp_refill=ramp_refill_rate(self.limit, self.ramp_rate, self._ramp_floors()[1]),
                         class_rate=class_rates[cls] if class_rates else 0.0,
                         class_rates=class_rates or (0.0, 0.0, 0.0),
                         head_left=head, tail_left=tail)  # type: ignore[arg-type]
@@ -142,11 +148,16 @@ class PermitTable:
 
     # ------------------------------------------------------------------ the onset ramp
 
+    def _ramp_floors(self) -> tuple[float, float]:
+        return ramp_floors(self.endpoints, self.ramp_min_burst, self.ramp_min_rate, self.ramp_ep_burst,
+                           self.ramp_ep_rate)
+
     def _ramp(self, now: float) -> None:
         """Bring the bucket to `now` (leases.lua does it once per mutating call, at its start)."""
         if self.ramp_rate > 0:
+            min_burst, min_rate = self._ramp_floors()
             self.tokens = ramp_refill(self.tokens, self.tokens_ts, now, self.limit, self.ramp_burst, self.ramp_rate,
-                                      self.ramp_min_rate, self.ramp_min_burst)
+                                      min_rate, min_burst)
             self.tokens_ts = now
 
     def _extra(self, now: float) -> float:
@@ -173,7 +184,7 @@ class PermitTable:
 
     def _ramp_give(self) -> None:
         if self.ramp_rate > 0 and self.tokens is not None:
-            self.tokens = min(ramp_burst(self.limit, self.ramp_burst, self.ramp_min_burst), self.tokens + 1)
+            self.tokens = min(ramp_burst(self.limit, self.ramp_burst, self._ramp_floors()[0]), self.tokens + 1)
 
     # ------------------------------------------------------------------ mechanism
 

@@ -86,6 +86,14 @@ RAMP_MIN_BURST = 8.0  # a small limit still lets a few lower-class requests in a
 # a share of it would pace an ordinary step in load (the overload bench's unloaded -> steady
 # step timed out P2s at 0.7x capacity with 0.1 x L alone)
 RAMP_MIN_RATE_S = 8.0
+# ... and per active endpoint (the registry's active set) at least this many at once and per
+# second: each engine prefills on its own, so the growth a pool takes without queueing prompts
+# ahead of a P0 grows with its engines, not with its limit. The floors above were chosen on the
+# overload bench's 2 replicas, 4 each; a pool of many small replicas (the elastic bench: 6-10
+# replicas of 8 sequences, L 80-140, so 0.1 x L is ~1 per replica per second) was paced at 8 per
+# second with 40-64 permits free and turned away P2s it would have served (`ramp_floors`).
+RAMP_MIN_BURST_PER_ENDPOINT = 4.0
+RAMP_MIN_RATE_PER_ENDPOINT_S = 4.0
 
 
 # Endpoints that just turned active have empty slots: lower-class prompts routed to them
@@ -104,6 +112,16 @@ def ramp_credit(old_limit: float, new_limit: float, old_endpoints: int, new_endp
     if old_endpoints <= 0 or new_endpoints <= old_endpoints:
         return 0
     return max(0, math.floor(new_limit) - math.floor(old_limit))
+
+
+def ramp_floors(endpoints: int, min_burst: float = RAMP_MIN_BURST, min_rate: float = RAMP_MIN_RATE_S,
+                per_endpoint_burst: float = RAMP_MIN_BURST_PER_ENDPOINT,
+                per_endpoint_rate: float = RAMP_MIN_RATE_PER_ENDPOINT_S) -> tuple[float, float]:
+    """The ramp's floors (tokens at once, tokens per unit of the caller's clock) for a pool with
+    `endpoints` active endpoints: the pool-wide floors, or the per-endpoint ones times the
+    endpoints when more (0 endpoints, unknown: the pool-wide floors alone)."""
+    n = max(0, endpoints)
+    return max(min_burst, per_endpoint_burst * n), max(min_rate, per_endpoint_rate * n)
 
 
 def ramp_burst(limit: int, burst_share: float, min_burst: float = RAMP_MIN_BURST) -> float:

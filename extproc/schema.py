@@ -127,6 +127,9 @@ class PoolSettings:
     # the ramp's floors (policy.RAMP_MIN_BURST, RAMP_MIN_RATE_S): permits at once, per second
     ramp_min_burst: float = 8.0
     ramp_min_rate: float = 8.0
+    # per active endpoint (policy.ramp_floors, RAMP_MIN_*_PER_ENDPOINT); 0 = none (older settings)
+    ramp_ep_burst: float = 0.0
+    ramp_ep_rate: float = 0.0
     # prefill-aware picking (extproc/prefill.py): tokens per second an endpoint prefills (0 = off),
     # tokens each routed request adds, least estimate above which lower classes wait while P0 runs
     pf_rate: float = 0.0
@@ -137,7 +140,8 @@ class PoolSettings:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
                "epoch": str(self.epoch), "ramp_burst": repr(float(self.ramp_burst)),
                "ramp_rate": repr(float(self.ramp_rate)), "ramp_min_burst": repr(float(self.ramp_min_burst)),
-               "ramp_min_rate": repr(float(self.ramp_min_rate)), "pf_rate": repr(float(self.pf_rate)),
+               "ramp_min_rate": repr(float(self.ramp_min_rate)), "ramp_ep_burst": repr(float(self.ramp_ep_burst)),
+               "ramp_ep_rate": repr(float(self.ramp_ep_rate)), "pf_rate": repr(float(self.pf_rate)),
                "pf_size": repr(float(self.pf_size)), "pf_k": repr(float(self.pf_k))}
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
@@ -162,6 +166,7 @@ class PoolSettings:
             # settings stored by a version without the ramp have none
             ramp_burst=float(f.get("ramp_burst", "0")), ramp_rate=float(f.get("ramp_rate", "0")),
             ramp_min_burst=float(f.get("ramp_min_burst", "8")), ramp_min_rate=float(f.get("ramp_min_rate", "8")),
+            ramp_ep_burst=float(f.get("ramp_ep_burst", "0")), ramp_ep_rate=float(f.get("ramp_ep_rate", "0")),
             # settings stored by a version without prefill-aware picking have it off
             pf_rate=float(f.get("pf_rate", "0")), pf_size=float(f.get("pf_size", "512")),
             pf_k=float(f.get("pf_k", "512")))

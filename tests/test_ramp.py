@@ -9,8 +9,11 @@ from floodgate.extproc.config import PoolConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
     RAMP_MIN_BURST,
+    RAMP_MIN_BURST_PER_ENDPOINT,
+    RAMP_MIN_RATE_PER_ENDPOINT_S,
     RAMP_MIN_RATE_S,
     ramp_burst,
+    ramp_floors,
     ramp_paces,
     ramp_refill,
 )
@@ -46,6 +49,29 @@ def test_bucket_arithmetic() -> None:
     # a small limit still grows at the floor rate, not at 0.1 x L (2 per second here)
     assert math.isclose(ramp_refill(0.0, 0.0, 0.5, 20, 0.08, 0.1, RAMP_MIN_RATE_S), 0.5 * RAMP_MIN_RATE_S)
     assert ramp_refill(0.0, 0.0, 0.5, 20, 0.08, 0.1, RAMP_MIN_RATE_S, min_burst=2.0) == 2.0
+
+
+def test_the_floors_grow_with_the_active_endpoints() -> None:
+    # The pool-wide floors were chosen on 2 replicas: 4 each at once and per second.
+    assert RAMP_MIN_BURST_PER_ENDPOINT * 2 == RAMP_MIN_BURST and RAMP_MIN_RATE_PER_ENDPOINT_S * 2 == RAMP_MIN_RATE_S
+    assert ramp_floors(0) == (RAMP_MIN_BURST, RAMP_MIN_RATE_S)  # unknown (nothing registered)
+    assert ramp_floors(2) == (RAMP_MIN_BURST, RAMP_MIN_RATE_S)  # the overload bench's pool: as before
+    assert ramp_floors(6) == (24.0, 24.0)
+    assert ramp_floors(-1) == (RAMP_MIN_BURST, RAMP_MIN_RATE_S)
+    assert ramp_floors(6, per_endpoint_burst=0.0, per_endpoint_rate=0.0) == (RAMP_MIN_BURST, RAMP_MIN_RATE_S)
+
+
+def test_a_pool_of_many_endpoints_paces_at_its_endpoints_floor() -> None:
+    # The elastic bench's burst 2 (limit 80, six replicas): 0.08 x L at once (6.4) and 0.1 x L per
+    # second (8) gave a clump of P2 8 at once and 8 per second with 40 permits free.
+    t = PermitTable(limit=80, shares=(0.5, 0.1, 0.0), ramp_burst=0.08, ramp_rate=0.1, ramp_min_rate=RAMP_MIN_RATE_S,
+                    ramp_ep_burst=RAMP_MIN_BURST_PER_ENDPOINT, ramp_ep_rate=RAMP_MIN_RATE_PER_ENDPOINT_S, endpoints=6)
+    assert arrive(t, 1, 0, 0.0, "p0-") == ["p0-0"]
+    assert len(arrive(t, 40, 2, 0.0, "a")) == 23  # 24 at once, the P0 took one
+    assert len(t.mine([], 0.5)[1]) == 12  # 24 per second
+    assert t.snapshot(2, "", 10.0).ramp_refill == 24.0  # what early drop reads the pacing at
+    t.endpoints = 0  # none registered: the pool-wide floors
+    assert t.snapshot(2, "", 10.0).ramp_refill == RAMP_MIN_RATE_S
 
 
 def test_lower_classes_grow_by_the_burst_then_at_the_rate_while_p0_runs() -> None:

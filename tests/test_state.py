@@ -37,11 +37,13 @@ async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
                max_queue: tuple[int, int, int] = (100, 100, 100),
                tenant_cap: tuple[int, int, int] = (100, 100, 100),
                headroom: tuple[float, float, float] = (0.0, 0.0, 0.0),
-               ramp: tuple[float, float, float, float] = (0.0, 0.0, 8.0, 8.0)) -> PoolState:
+               ramp: tuple[float, float, float, float] = (0.0, 0.0, 8.0, 8.0),
+               ramp_ep: tuple[float, float] = (0.0, 0.0)) -> PoolState:
     st = PoolState(c, pool, lease_ttl_s=ttl, settings=PoolSettings(limit, shares, always, picking, max_queue, tenant_cap,
                                                                      headroom=headroom, ramp_burst=ramp[0],
                                                                      ramp_rate=ramp[1], ramp_min_burst=ramp[2],
-                                                                     ramp_min_rate=ramp[3]))
+                                                                     ramp_min_rate=ramp[3], ramp_ep_burst=ramp_ep[0],
+                                                                     ramp_ep_rate=ramp_ep[1]))
     await st.configure()
     return st
 
@@ -97,18 +99,25 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) ->
     # lower classes are paced while P0 runs
     ramp = ((rng.choice([0.0, 0.5]), rng.choice([0.1, 0.5, 2.0]), rng.choice([1.0, 4.0]), rng.choice([0.0, 0.5, 2.0]))
             if seed % 4 != 3 else (0.0, 0.0, 8.0, 8.0))
+    # the ramp's floors per active endpoint (at once, per second) with 0-3 endpoints registered
+    # active on some seeds: the script counts the registry's set, the model is told the count
+    ramp_ep = (rng.choice([0.5, 1.0, 2.0]), rng.choice([0.5, 1.0, 3.0])) if seed % 3 == 1 else (0.0, 0.0)
+    n_ep = (1, 3)[seed % 2] if seed % 3 == 1 else 0
     ttl_ms = 3000
     clock = key(pool, "testclock")
     now = 1_000_000
     await client.set(clock, now)
     st = await make(client, pool, ttl=ttl_ms / 1000, limit=limit, shares=shares, always=always, max_queue=maxq,
-                    tenant_cap=tcap, headroom=headroom, ramp=ramp)
+                    tenant_cap=tcap, headroom=headroom, ramp=ramp, ramp_ep=ramp_ep)
+    for i in range(n_ep):
+        await client.sadd(script_keys(pool)[K["active"]], f"10.0.0.{i}:8000")
     if seed % 3 == 2:
         st._script.functions = False  # the EVALSHA fallback (a server without Functions) runs the same source
     model = PermitTable(limit=limit, shares=shares, always=always, headroom=headroom, max_queue=maxq,
                         tenant_cap=tcap, ttl=ttl_ms, waiter_grace=1000, ramp_burst=ramp[0],
                         ramp_rate=ramp[1] / 1000, ramp_min_burst=ramp[2],
-                        ramp_min_rate=ramp[3] / 1000)  # the script's clock is in ms
+                        ramp_min_rate=ramp[3] / 1000,  # the script's clock is in ms
+                        ramp_ep_burst=ramp_ep[0], ramp_ep_rate=ramp_ep[1] / 1000, endpoints=n_ep)
     seqs = dict.fromkeys(GATEWAYS, 0)
     dead: set[str] = set()
     version = 0
@@ -522,3 +531,28 @@ async def test_event_rates_count_releases_and_grants(client: aioredis.Redis) -> 
     assert (await st.acquire("g/33", "g", 33, 0, "", 0)).granted
     refused = await st.acquire("g/34", "g", 34, 0, "", 0)
     assert not refused.granted and 8 < refused.class_rate < 14  # class 0's grants
+
+
+@pytest.mark.parametrize("endpoints, burst", [(0, 8), (2, 8), (6, 24)])
+async def test_the_onset_ramp_lets_each_active_endpoint_take_its_floor(client: aioredis.Redis, endpoints: int,
+                                                                      burst: int) -> None:
+    # The elastic bench's burst 2: limit 80, a P0 in flight, half the permits free, a clump of
+    # P2. With the shipped ramp (0.08 x L at once, at least 8, and 4 per active endpoint) six
+    # active endpoints let 24 in at once where the pool-wide floor alone let 8; two endpoints
+    # (the overload bench's pool) or none registered read as before.
+    pool = f"rampep{endpoints}"
+    clock = key(pool, "testclock")
+    await client.set(clock, 1_000_000)
+    st = await make(client, pool, limit=80, shares=(0.5, 0.1, 0.0), ramp=(0.08, 0.1, 8.0, 8.0),
+                    ramp_ep=(4.0, 4.0))
+    for i in range(endpoints):
+        await client.sadd(script_keys(pool)[K["active"]], f"10.0.0.{i}:8000")
+    assert (await st.acquire("p0/1", "a", 1, 0, "t")).granted
+    granted = 0
+    for i in range(40):
+        granted += bool((await st.acquire(f"p2/{i}", "a", 2 + i, 2, "t")).granted)
+    assert granted == burst - 1  # the P0 took a token too
+    # and the bucket refills at the floor: 4 per endpoint per second (8 at least)
+    await client.set(clock, 1_000_000 + 500)
+    more = sum([bool((await st.acquire(f"p2/b{i}", "a", 100 + i, 2, "t")).granted) for i in range(40)])
+    assert more == int(0.5 * max(8.0, 4.0 * endpoints))
