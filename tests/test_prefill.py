@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import random
 import sys
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -357,6 +358,10 @@ def test_snapshot_reads_prefill_pacing_beside_the_ramp() -> None:
     assert _snapshot(st, settings=only).ramp and _snapshot(st, settings=only).ramp_refill == 0.0
     no_picking = PoolSettings(100, (0.5, 0.1, 0.0), pf_rate=6000.0)  # the estimate needs picking
     assert not _snapshot(st, settings=no_picking).ramp
+    # the ramp's floor per active endpoint (4 per second each): 4 endpoints read 16, over 0.1 x L
+    per_ep = PoolSettings(100, (0.5, 0.1, 0.0), ramp_burst=0.08, ramp_rate=0.1, ramp_ep_burst=4.0, ramp_ep_rate=4.0)
+    assert _snapshot(st, settings=per_ep).ramp_refill == 16.0
+    assert _snapshot(replace(st, active_endpoints=2), settings=per_ep).ramp_refill == 10.0
 
 
 @pytest.mark.integration
