@@ -681,6 +681,10 @@ class Admitter:
                 await self._flush_demand(rt)
         finally:
             rt.demand_flush_due = False
+        # Turned away while the write was in the air (the flush was already due, so no new one
+        # was scheduled): those go with the next write, not with the next status tick.
+        if any(n and outcome in TURNED_AWAY for (_, outcome), n in rt.demand.items()):
+            self._demand_soon(rt)
 
     async def _flush_demand(self, rt: PoolRuntime) -> None:
         """Add the counts since the last write to the pool's demand counters in Redis (kept for

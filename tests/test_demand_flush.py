@@ -65,3 +65,40 @@ async def test_turned_away_demand_reaches_redis_without_a_status_tick(stack: Loc
             await a.release(held)
         await a.stop()
         await c.aclose()
+
+
+async def test_turned_away_during_a_write_goes_with_the_next_write(stack: LocalStack) -> None:
+    # A request turned away while the flush's write is in the air found the flush already due
+    # and scheduled none: with the status tick held still it was never written (a CI run of
+    # the test above: 51 turned away, the last few stranded). Now the end of a write schedules
+    # the next one when more were turned away meanwhile.
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    cfg = Config.model_validate({"redis": {"url": url}, "pools": [{"name": "w", "limit": {"mode": "static", "initial": 1}}]})
+    a = Admitter(cfg, c, gateway_id="a", clock=lambda: 1000.0)  # no status tick after the first
+    try:
+        await a.start()
+        rt = a.pools["w"]
+        # the first (and only) status tick's own write is done: it set the time of the last write
+        await _wait_for(lambda: asyncio.sleep(0, rt.demand_flushed_at == 1000.0))
+        real = rt.state.add_demand
+        interleaved = False
+
+        async def add_demand(counts: dict[tuple[int, str], int]) -> None:
+            nonlocal interleaved
+            if not interleaved:  # one more turned away while this write is in the air
+                interleaved = True
+                a.count(rt, 2, "early_drop")
+            await real(counts)
+
+        rt.state.add_demand = add_demand  # type: ignore[method-assign]
+        a.count(rt, 2, "queue_full")
+
+        async def both() -> bool:
+            d = await read_demand(c, "w")
+            return d[2]["queue_full"] == 1 and d[2]["early_drop"] == 1
+        await _wait_for(both, timeout_s=5.0)
+        assert interleaved
+    finally:
+        await a.stop()
+        await c.aclose()
