@@ -1,6 +1,7 @@
 """The live controller: the imperative shell around the pure policy and lifecycle.
 
-Each tick, per pool (only while holding the leader lease):
+Each tick, per pool (only while holding the leader lease; every pool ticks in its own loop, so
+a pool with slow scrapes or actions never delays another's decisions):
 
     reconcile  actuator.list() + registry  -> adopt unknown replicas, mark vanished ones failed
     scrape     vLLM /metrics per serving replica, Floodgate queue (Redis), Envoy admin
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -697,12 +699,21 @@ class Controller:
             LeaderLease(self.redis, cfg.leader.key, holder=holder, ttl_s=cfg.leader.ttl_s)
             if cfg.leader.enabled else None)
         self.pools: dict[str, PoolController] = {}
-        self._kick = asyncio.Event()
+        self._kick = asyncio.Event()  # the main loop: leadership, Envoy
+        self._kicks: dict[str, asyncio.Event] = {p.name: asyncio.Event() for p in cfg.pools}
+        self._loops: dict[str, asyncio.Task[None]] = {}  # one tick loop per pool while leader
+        self._ticked: set[str] = set()  # pools that have ticked since this leadership began
+        self.envoy: EnvoySample | None = None  # the last Envoy scrape, shared by the pools
         self.session: aiohttp.ClientSession | None = None
-        self.ready = asyncio.Event()  # set after the first tick as leader
+        self.ready = asyncio.Event()  # set once every pool has ticked as leader
 
-    def kick(self) -> None:
-        self._kick.set()
+    def kick(self, pool: str | None = None) -> None:
+        """Tick `pool` (every pool and the main loop: None) now instead of at its interval."""
+        if pool is None:
+            self._kick.set()
+        for name, ev in self._kicks.items():
+            if pool is None or name == pool:
+                ev.set()
 
     @property
     def is_leader(self) -> bool:
@@ -713,15 +724,58 @@ class Controller:
         self.pools = {}
         for p in self.cfg.pools:
             pc = PoolController(p, self.actuators[p.name], self.redis, self.session, self.metrics,
-                                kick=self.kick, clock=self.clock, tick_interval_s=self.cfg.tick_interval_s)
+                                kick=functools.partial(self.kick, p.name), clock=self.clock,
+                                tick_interval_s=self.cfg.tick_interval_s)
             await pc.rebuild()
             self.pools[p.name] = pc
+        self._ticked = set()
+        for name, pc in self.pools.items():
+            self._loops[name] = asyncio.create_task(self._pool_loop(pc), name=f"floodgate-pool-{name}")
 
     async def _step_down(self) -> None:
+        loops, self._loops = list(self._loops.values()), {}
+        for t in loops:
+            t.cancel()
+        for t in loops:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         for pc in self.pools.values():
             await pc.shutdown()
         self.pools = {}
         self.ready.clear()
+
+    async def _pool_loop(self, pc: PoolController) -> None:
+        """One pool's ticks, at the tick interval or at once when kicked. Each pool has its own
+        loop, so a pool whose scrapes are slow (replicas that answer late, up to the scrape
+        timeout) or whose actions take long never delays another pool's decisions."""
+        kick = self._kicks[pc.pool]
+        while True:
+            t0 = time.monotonic()
+            # Cleared before the tick, not after: a replica that turns warm (or any
+            # operation that ends) during a tick kicks the next one at once; cleared after,
+            # that kick was lost and the replica waited a whole interval to be promoted
+            # (0.67 s in the elastic bench, while its announced time ran out).
+            kick.clear()
+            if self.is_leader:  # lost between two rounds of the main loop: it steps down
+                try:
+                    await self.tick_pool(pc)
+                except (RedisError, OSError, TimeoutError) as exc:
+                    # Redis down: act on nothing (the registry is the routing truth); retry.
+                    self.metrics.scrape_failures.labels(source="redis").inc()
+                    log.warning("pool %s: tick skipped: %s", pc.pool, exc)
+                finally:
+                    self.metrics.tick_seconds.labels(pool=pc.pool).observe(time.monotonic() - t0)
+            wait = max(0.0, self.cfg.tick_interval_s - (time.monotonic() - t0))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(kick.wait(), wait)
+
+    async def tick_pool(self, pc: PoolController) -> None:
+        """One tick of one pool, on the last Envoy sample."""
+        await pc.tick(self.envoy)
+        self.metrics.ticks.inc()
+        self._ticked.add(pc.pool)
+        if self._ticked >= self.pools.keys():
+            self.ready.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         runner = None
@@ -735,10 +789,6 @@ class Controller:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
             while not stop.is_set():
                 t0 = time.monotonic()
-                # Cleared before the tick, not after: a replica that turns warm (or any
-                # operation that ends) during a tick kicks the next one at once; cleared after,
-                # that kick was lost and the replica waited a whole interval to be promoted
-                # (0.67 s in the elastic bench, while its announced time ran out).
                 self._kick.clear()
                 await self._tick_once()
                 wait = max(0.0, self.cfg.tick_interval_s - (time.monotonic() - t0))
@@ -770,6 +820,8 @@ class Controller:
                 w.cancel()
 
     async def _tick_once(self) -> None:
+        """The main loop's round: leadership (start or stop the pools' loops) and Envoy's stats
+        (shared by the pools; each pool ticks in its own loop, `_pool_loop`)."""
         leader = self.is_leader
         self.metrics.leader.set(1 if leader else 0)
         if not leader:
@@ -777,22 +829,22 @@ class Controller:
                 log.warning("lost the leader lease: standing by")
                 await self._step_down()
             return
-        try:
-            if not self.pools:
+        for t in list(self._loops.values()):
+            exc = t.exception() if t.done() and not t.cancelled() else None
+            if exc is not None:
+                raise exc  # a bug in a pool's tick: the controller stops, as it did before
+        if self.cfg.envoy.admin_url and self.session is not None:
+            clusters = frozenset(self.cfg.envoy.clusters) if self.cfg.envoy.clusters else None
+            envoy = await scrape_envoy(self.session, self.cfg.envoy.admin_url, clusters, self.clock(),
+                                       gateway_prefix=self.cfg.envoy.gateway_stat_prefix)
+            if not envoy.ok:
+                self.metrics.scrape_failures.labels(source="envoy").inc()
+            self.envoy = envoy
+        if not self.pools:
+            try:
                 await self._become_leader()
-            envoy = None
-            if self.cfg.envoy.admin_url and self.session is not None:
-                clusters = frozenset(self.cfg.envoy.clusters) if self.cfg.envoy.clusters else None
-                envoy = await scrape_envoy(self.session, self.cfg.envoy.admin_url, clusters, self.clock(),
-                                           gateway_prefix=self.cfg.envoy.gateway_stat_prefix)
-                if not envoy.ok:
-                    self.metrics.scrape_failures.labels(source="envoy").inc()
-            for pc in self.pools.values():
-                await pc.tick(envoy)
-            self.metrics.ticks.inc()
-            self.ready.set()
-        except (RedisError, OSError, TimeoutError) as exc:
-            # Redis down: act on nothing (the registry is the routing truth); retry next tick.
-            self.metrics.scrape_failures.labels(source="redis").inc()
-            log.warning("tick skipped: %s", exc)
-
+            except (RedisError, OSError, TimeoutError) as exc:
+                # Redis down: act on nothing (the registry is the routing truth); retry.
+                self.metrics.scrape_failures.labels(source="redis").inc()
+                log.warning("could not take over the pools yet: %s", exc)
+                await self._step_down()

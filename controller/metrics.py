@@ -53,7 +53,12 @@ class ControllerMetrics:
                              "active endpoint, while cold starts are awaited; NaN when none is published.",
                              ["pool"], registry=r)
         self.leader = Gauge("floodgate_controller_leader", "1 while this controller holds the leader lease.", registry=r)
-        self.ticks = Counter("floodgate_controller_ticks_total", "Ticks run while leader.", registry=r)
+        self.ticks = Counter("floodgate_controller_ticks_total", "Pool ticks run while leader (all pools).",
+                             registry=r)
+        self.tick_seconds = Histogram("floodgate_controller_tick_seconds", "One pool's tick: reconcile, scrapes, "
+                                      "decision and actions (each pool ticks in its own loop).", ["pool"],
+                                      buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+                                      registry=r)
 
     def set_states(self, pool: str, counts: dict[ReplicaState, int]) -> None:
         for st, n in counts.items():

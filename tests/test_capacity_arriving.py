@@ -246,15 +246,15 @@ async def test_new_endpoints_void_the_snapshot_early_drop_decides_on(stack: Loca
         await c.aclose()
 
 
-async def test_a_kick_during_a_tick_starts_the_next_tick_at_once() -> None:
-    """A replica that turns warm (or any operation that ends) while a tick runs kicks the
-    controller; the loop used to clear that kick after the tick, so the replica waited a whole
+async def test_a_kick_during_a_tick_starts_the_next_tick_at_once(stack: LocalStack) -> None:
+    """A replica that turns warm (or any operation that ends) while a tick runs kicks its
+    pool; the loop used to clear that kick after the tick, so the replica waited a whole
     interval for its promotion (the elastic bench: 0.67 s, past the time announced for it, while
     P2s were turned away). With a 60 s interval only the kick can bring the second tick."""
     from floodgate.controller.app import Controller
     from floodgate.controller.config import parse_config
 
-    cfg = parse_config({"redis": {"url": "redis://127.0.0.1:1"}, "tick_interval_s": 60, "metrics_listen": None,
+    cfg = parse_config({"redis": {"url": stack.start_redis()}, "tick_interval_s": 60, "metrics_listen": None,
                         "leader": {"enabled": False},
                         "pools": [{"name": "p", "actuator": {"kind": "static", "endpoints": ["127.0.0.1:1"]}}]},
                        env={})
@@ -262,17 +262,17 @@ async def test_a_kick_during_a_tick_starts_the_next_tick_at_once() -> None:
     ticks = 0
     second = asyncio.Event()
 
-    async def tick_once() -> None:
+    async def tick_pool(pc: Any) -> None:
         nonlocal ticks
         ticks += 1
         if ticks == 1:
             await asyncio.sleep(0)
-            ctl.kick()  # mid-tick: a bring-up's warm-up just finished
+            pc.kick()  # mid-tick: a bring-up's warm-up just finished
             await asyncio.sleep(0.01)
         else:
             second.set()
 
-    ctl._tick_once = tick_once  # type: ignore[method-assign]
+    ctl.tick_pool = tick_pool  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     try:
