@@ -7,9 +7,12 @@ plus the new policy state to feed into the next call. The warm-pool planner
 
 Rules (docs/controller.md):
 
-* Demand = vLLM running + vLLM waiting + Floodgate's queue for the pool + `signals.lacking`:
-  pressure held in Floodgate's queue never reaches vLLM's waiting queue, so both are counted,
-  and demand admission turned away (`controller.demand`, as concurrency) is counted too.
+* Demand = vLLM running + the larger of (vLLM waiting + Floodgate's queue for the pool) and
+  `signals.lacking`: pressure held in Floodgate's queue never reaches vLLM's waiting queue, so
+  both queues are counted; demand admission turned away (`controller.demand`, as concurrency)
+  is the same excess seen from the other side while admission sheds (what runs plus what is
+  turned away is the offered concurrency; a queue that stays meanwhile is a backlog admission
+  bounds), so the larger of the two counts, not their sum.
 * Recommendation = ceil(demand / per-replica capacity) — `signals.capacity` when learned
   (`controller.capacity`), else `target_concurrency` — unless within the tolerance band of the
   current size (no flapping on noise); demand above the current size with requests turned
@@ -300,7 +303,16 @@ def decide(
     # Offered demand: what runs and waits, plus what admission turned away (as concurrency,
     # `controller.demand`); sized with the learned per-replica capacity when there is one.
     lacking = signals.lacking
-    demand = running + waiting + lacking
+    # While admission turns requests away, the requests the pool cannot start now leave as
+    # turned away or wait in a queue (Floodgate's or vLLM's): two views of one excess. What
+    # runs plus what is turned away, at the measured slot time, is the offered concurrency
+    # (Little's law); a queue that stays while requests are shed is a standing backlog that
+    # admission bounds, not more offered work. So the larger of the two is counted, not their
+    # sum: the sum asked for replicas a step never needed (elastic bench, seed 1, the first
+    # burst: 8 -> 9 -> 10 at demand 57 = running 32 + waiting 12 + turned away 13, cold starts
+    # that arrived after the rejections had ended on the replicas already coming). Without
+    # requests turned away, the queue is the whole excess and counts in full, as before.
+    demand = running + max(waiting, lacking)
     tc = signals.capacity or cfg.target_concurrency
 
     # Proportional recommendation with a tolerance band around the current size.

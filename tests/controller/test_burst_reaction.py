@@ -111,11 +111,11 @@ def test_a_3x_step_is_sized_in_one_decision() -> None:
     # keeps what was asked (the lower-bound rules ask for less).
     assert all(d.plan.reason != "burst_reaction" for d in ds[first + 1:])
     assert all(d.plan.desired == 15 for d in ds[first:])
-    # Without it (`burst_react: false`) the same ticks ask for 7 (the demand rule), then 11
+    # Without it (`burst_react: false`) the same ticks ask for 6 (the demand rule), then 11
     # (the burst rule, on the step's lower bound: 75 concurrent) and stay there, one short of
     # the 12 the step needs: the top-up comes later, and serves a cold start after it.
     ds = run(cfg(burst_react=False), step, 30.0, 28.0, waiting, active=4)
-    assert [d.plan.desired for d in ds[10:]] == [7, 11, 11, 11]
+    assert [d.plan.desired for d in ds[10:]] == [6, 11, 11, 11]
 
 
 def test_a_second_step_within_the_panic_window_does_not_react_again() -> None:

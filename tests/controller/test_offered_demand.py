@@ -70,6 +70,27 @@ def test_turned_away_demand_drives_scale_up(clock: FakeClock) -> None:
     assert d.plan.desired == 4 and d.offered.source == "floodgate"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("waiting,queue,lacking,demand", [
+    (0.0, 0.0, 0.0, 28.0),   # nothing waits, nothing turned away: what runs
+    (3.0, 2.0, 0.0, 33.0),   # nothing turned away: both queues are the excess, in full
+    (3.0, 2.0, 14.0, 42.0),  # shedding: turned away 14 > queued 5 -> running + 14, not 47
+    (5.0, 3.0, 6.0, 36.0),   # a queue above what is turned away -> running + the queue
+])
+def test_a_queue_and_what_is_turned_away_count_once(waiting: float, queue: float, lacking: float,
+                                                    demand: float, clock: FakeClock) -> None:
+    """What runs plus what admission turns away is the offered concurrency; a queue that
+    stays while requests are shed is the same excess seen from the other side, so the larger
+    of the two counts, not their sum (policy.decide)."""
+    from floodgate.controller.policy import PolicyState
+    from floodgate.controller.policy import decide as policy_decide
+
+    reps = views(clock.now, active=4)
+    ps = replace(signals(clock.now, reps, running=28.0, waiting=waiting, queue=queue), lacking=lacking)
+    plan, _ = policy_decide(POLICY, ps, reps, PolicyState(), clock.now)
+    assert plan.demand == pytest.approx(demand)
+    assert plan.desired == max(4, math.ceil(demand / 7.0))
+
+
 def test_p2_shed_excluded_by_configuration(clock: FakeClock) -> None:
     _, d = run(cfg(), clock, 10, {2: 7.0})
     assert d.plan.desired == 4  # type: ignore[attr-defined]  # default: every class counts
