@@ -23,6 +23,7 @@ capacity) are added as fields here, with defaults, so both callers keep working.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from floodgate.controller import capacity as cap
@@ -39,7 +40,7 @@ from floodgate.controller.lifecycle import (
 )
 from floodgate.controller.policy import PolicyConfig, PolicyState, ScalePlan
 from floodgate.controller.policy import decide as policy_decide
-from floodgate.controller.signals import PoolSignals, ReplicaView
+from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,8 @@ class DeciderState:
     # started, so running / admitted rate is the time a request holds a slot); sizes the burst.
     slot: dm.SlotTime | None = None
     capacity: cap.CapacityState = field(default_factory=cap.CapacityState)  # learned per-replica capacity
+    active: int = 0  # active replicas at the last tick
+    grown_at: float = -math.inf  # when the active set last grew (`_measured`: turned-away demand since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +121,9 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     if key != state.forecast_key:
         fcast = fc.predict(history, now, cfg.forecast)
         pool_fcast = fc.predict(history, now, cfg.forecast, 0.0, cfg.warm_pool.forecast_horizon_s)
-    pool, dwin, service_s, slot, cstate, off = _measured(cfg, state, signals.pool, now)
+    active = sum(1 for r in signals.replicas if r.state is ReplicaState.ACTIVE)
+    grown_at = now if active > state.active and state.policy.desired is not None else state.grown_at
+    pool, dwin, service_s, slot, cstate, off = _measured(cfg, state, signals.pool, now, grown_at)
     tc = pool.capacity or cfg.policy.target_concurrency
     floor = fc.floor_replicas(fcast, tc, cfg.forecast.headroom)
     pool_floor = fc.floor_replicas(pool_fcast, tc, cfg.forecast.headroom)
@@ -153,11 +158,13 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         service_s=service_s,
         slot=slot,
         capacity=cstate,
+        active=active,
+        grown_at=grown_at,
     )
     return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
 
 
-def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: float
+def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: float, grown_at: float = -math.inf
               ) -> tuple[PoolSignals, dm.DemandWindow, float | None, dm.SlotTime | None, cap.CapacityState,
                          dm.OfferedDemand | None]:
     """Offered demand (`controller.demand`) and learned capacity (`controller.capacity`) from
@@ -196,6 +203,16 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         # the averaged slot time where there is one (this tick's ratio scatters, and reads
         # long while a lumpy admitted counter lags), as the burst estimate is.
         lacking = max(lacking, dm.scale_up_lacking(dwin, now, cfg.demand, slot_s or service_s))
+        if now - grown_at < cfg.demand.window_s:
+            # The active set grew within the rate window: what was turned away before it grew
+            # is what the smaller pool lacked, and the replicas that joined now run (part of)
+            # it, so `running` counts it already. Read only the reads since, at the short
+            # window's lower confidence bound (0 until two reads span some time): a window
+            # reaching back across the promotion asked for replicas the new ones had already
+            # covered (the elastic bench, seed 1, first burst: 8 -> 10 at 77.9 s, demand 65 =
+            # running 47 on 6 replicas, 2 of them active for under a second, + turned away
+            # 18 from the 5 s before, when 4 were; both cold starts arrived near the burst's end).
+            lacking = dm.scale_up_lacking(dm.since(dwin, grown_at), now, cfg.demand, slot_s or service_s)
         burst, burst_low = est.size, est.low
         burst_mid, burst_high, burst_shed = est.mid, est.high, est.shed
     prior = cfg.policy.target_concurrency

@@ -313,6 +313,13 @@ def recent(w: DemandWindow, now: float, span_s: float) -> DemandWindow:
     return DemandWindow(cut(w.floodgate), cut(w.gateway), cut(w.running))
 
 
+def since(w: DemandWindow, start: float) -> DemandWindow:
+    """The reads taken at or after `start` (`start`: when the pool's active set last grew)."""
+    def cut(samples: tuple) -> tuple:
+        return tuple(s for s in samples if s.taken_at >= start)
+    return DemandWindow(cut(w.floodgate), cut(w.gateway), cut(w.running))
+
+
 def scale_up_lacking(w: DemandWindow, now: float, cfg: DemandConfig, service_s: float | None) -> float:
     """Turned-away demand as concurrency over the short window (`up_window_s`), for scale-up.
 

@@ -91,6 +91,41 @@ def test_a_queue_and_what_is_turned_away_count_once(waiting: float, queue: float
     assert plan.desired == max(4, math.ceil(demand / 7.0))
 
 
+def test_turned_away_before_the_pool_grew_is_not_counted_again(clock: FakeClock) -> None:
+    """Requests turned away while the pool was short are what the promoted replicas now run:
+    once the active set grows, only what is turned away since counts (at the short window's
+    lower bound), not the 5 s window reaching back before the growth."""
+    def phase(st: DeciderState, seconds: int, active: int, running: float, admitted: float,
+              away: float, adm0: float, away0: float, t0: float) -> tuple[DeciderState, list[object]]:
+        reps = views(clock.now, active=active)
+        out = []
+        for _ in range(seconds):
+            t = clock.advance(0.5)
+            fc = counters(t, adm0 + admitted * (t - t0), {1: away0 + away * (t - t0)})
+            ps = replace(signals(t, reps, running=running), counters=fc)
+            st, d = decide(cfg(), st, Signals(ps, reps), t)
+            out.append(d)
+        return st, out
+
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    t0 = clock.now
+    # 4 replicas full (28 running, 14 admitted/s at 2 s each), 7/s turned away: 14 lacking -> 6.
+    st, ds = phase(st, 20, 4, 28.0, 14.0, 7.0, 0.0, 0.0, t0)
+    assert ds[-1].plan.lacking == pytest.approx(14.0) and ds[-1].plan.desired == 6  # type: ignore[attr-defined]
+    adm0, away0, t1 = 14.0 * (clock.now - t0), 7.0 * (clock.now - t0), clock.now
+    # Two replicas turn active and run what was turned away: 42 running, 21 admitted/s, none
+    # turned away. The 5 s window still holds 7/s turned away: counted again, 42 + 14 = 56
+    # would ask for 8. Counted since the growth: nothing lacking, 6 stays.
+    st2, ds = phase(st, 8, 6, 42.0, 21.0, 0.0, adm0, away0, t1)
+    assert all(d.plan.lacking == 0 and d.plan.desired == 6 for d in ds)  # type: ignore[attr-defined]
+    # Turned away after the growth too (the step is larger than the 6 carry): it counts again
+    # within the window, read at its lower bound, and the pool grows.
+    clock.now = t1
+    _, ds = phase(st, 8, 6, 42.0, 21.0, 14.0, adm0, away0, t1)
+    assert ds[0].plan.lacking == 0  # type: ignore[attr-defined]  # one read since: no rate yet
+    assert ds[-1].plan.lacking > 14.0 and ds[-1].plan.desired >= 8  # type: ignore[attr-defined]
+
+
 def test_p2_shed_excluded_by_configuration(clock: FakeClock) -> None:
     _, d = run(cfg(), clock, 10, {2: 7.0})
     assert d.plan.desired == 4  # type: ignore[attr-defined]  # default: every class counts
