@@ -116,7 +116,7 @@ def test_turned_away_before_the_pool_grew_is_not_counted_again(clock: FakeClock)
     # Two replicas turn active and run what was turned away: 42 running, 21 admitted/s, none
     # turned away. The 5 s window still holds 7/s turned away: counted again, 42 + 14 = 56
     # would ask for 8. Counted since the growth: nothing lacking, 6 stays.
-    st2, ds = phase(st, 8, 6, 42.0, 21.0, 0.0, adm0, away0, t1)
+    _, ds = phase(st, 8, 6, 42.0, 21.0, 0.0, adm0, away0, t1)
     assert all(d.plan.lacking == 0 and d.plan.desired == 6 for d in ds)  # type: ignore[attr-defined]
     # Turned away after the growth too (the step is larger than the 6 carry): it counts again
     # within the window, read at its lower bound, and the pool grows.
