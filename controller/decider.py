@@ -202,8 +202,9 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         # Up on the short window too (Knative's panic window), never down on it; sized with
         # the averaged slot time where there is one (this tick's ratio scatters, and reads
         # long while a lumpy admitted counter lags), as the burst estimate is.
-        lacking = max(lacking, dm.scale_up_lacking(dwin, now, cfg.demand, slot_s or service_s))
-        if now - grown_at < cfg.demand.window_s:
+        if now - grown_at >= cfg.demand.window_s:
+            lacking = max(lacking, dm.scale_up_lacking(dwin, now, cfg.demand, slot_s or service_s))
+        else:
             # The active set grew within the rate window: what was turned away before it grew
             # is what the smaller pool lacked, and the replicas that joined now run (part of)
             # it, so `running` counts it already. Read only the reads since, at the short
