@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.config import Config, TlsConfig
+from floodgate.extproc.drain import Drain, drain_step
 from floodgate.extproc.loopwatch import GcPauses, LoopLagProbe, tune_runtime
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.redis_client import AnyRedis, make_client, parse_redis_url
@@ -68,6 +70,29 @@ def make_pool_clients(cfg: Config) -> dict[str, tuple[aioredis.Redis, AnyRedis]]
             for p in cfg.pools}
 
 
+async def drain(processor: Processor, stop: asyncio.Event, grace_s: float, quiet_s: float) -> None:
+    """Keep serving after SIGTERM until the drain rule says stop (extproc/drain.py): health
+    already reads NOT_SERVING, so Envoy moves new requests elsewhere while the streams in
+    flight finish. A second SIGTERM (or Ctrl-C) cuts at once."""
+    since = time.monotonic()
+    stop.clear()
+    log.info("shutting down: health NOT_SERVING, draining %d streams (at most %.0f s)", processor.streams, grace_s)
+    while True:
+        step = drain_step(time.monotonic(), since, processor.streams, processor.last_stream_at, grace_s, quiet_s)
+        if step is Drain.DONE:
+            log.info("drained in %.1f s", time.monotonic() - since)
+            return
+        if step is Drain.CUT:
+            log.warning("shutdown grace of %.0f s over: cutting %d streams", grace_s, processor.streams)
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except TimeoutError:
+            continue
+        log.warning("second signal: cutting %d streams", processor.streams)
+        return
+
+
 async def serve(cfg: Config, stop: asyncio.Event) -> None:
     for warning in security_warnings(cfg):
         log.warning("%s", warning)
@@ -84,7 +109,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         ("grpc.max_concurrent_streams", 100000),
         ("grpc.keepalive_permit_without_calls", 1),
     ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(Processor(cfg, admitter), server)
+    processor = Processor(cfg, admitter)
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if cfg.server.tls is None:
@@ -118,10 +144,11 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     await stop.wait()
     lag_task.cancel()
     gc_pauses.uninstall()
-    log.info("shutting down: draining streams, releasing permits")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=2)
+    await drain(processor, stop, cfg.server.shutdown_grace_s, cfg.server.shutdown_quiet_s)
+    log.info("shutting down: releasing permits")
+    await server.stop(grace=0)
     if health_server is not None:
         await health_server.stop(grace=0)
     await admitter.stop()

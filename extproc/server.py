@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -203,6 +204,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.resolver = PriorityResolver(cfg.admission)
         self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
+        self.streams = 0  # ext_proc streams open now
+        self.last_stream_at = -math.inf  # time.monotonic() when the last one opened
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
         self._wanted = frozenset({":authority", ":path", DESTINATION_HEADER, cfg.admission.priority_header.lower(),
@@ -246,6 +249,17 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
+        # Open streams and when the last one opened: a graceful stop waits for both (extproc/drain.py).
+        self.streams += 1
+        self.last_stream_at = time.monotonic()
+        try:
+            async for reply in self._process(request_iterator):
+                yield reply
+        finally:
+            self.streams -= 1
+
+    async def _process(self, request_iterator: AsyncIterator[pb.ProcessingRequest]
+                       ) -> AsyncIterator[pb.ProcessingResponse]:
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()

@@ -411,9 +411,12 @@ def _json(b: bytes) -> Any:
 
 
 async def test_processor_shutdown_returns_its_permits_at_once(stack: LocalStack, upstream: int) -> None:
+    # When the shutdown grace runs out, what is still in flight is cut and its permits come
+    # back at once, not a lease TTL later.
     stack.start_redis()
     cfg = static(4)
     cfg["redis"] = {"lease_ttl_s": 60}  # so only an explicit release can explain a quick return
+    cfg["server"] = {"shutdown_grace_s": 1}
     p = stack.start_processor(cfg)
     envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
     async with aiohttp.ClientSession() as s:
@@ -424,9 +427,44 @@ async def test_processor_shutdown_returns_its_permits_at_once(stack: LocalStack,
         assert await wait_until(lambda: _inflight_is(stack.redis_url, 0), 8)
         p.child.proc.wait(10)
         assert p.child.proc.returncode == 0
-        assert "releasing permits" in p.child.log_tail()
+        log = p.child.log_tail()
+        assert "cutting 2 streams" in log and "releasing permits" in log, log
         for t in held:
             t.cancel()
+
+
+async def test_processor_stop_lets_streams_in_flight_finish(stack: LocalStack, upstream: int) -> None:
+    # A rolling restart with responses streaming through both processors (shipped shutdown
+    # settings): SIGTERM to one of them. Its streams run to their end (every chunk and [DONE]),
+    # requests sent meanwhile are served, and it exits once nothing is in flight.
+    stack.start_redis()
+    p0 = stack.start_processor(static(20))
+    p1 = stack.start_processor(static(20))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p0, p1])
+    async with aiohttp.ClientSession() as s:
+        long = [asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="40", delay_ms="100"), timeout=60))
+                for _ in range(6)]  # ~4 s each, round-robin over both processors
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 6), 10)
+        await asyncio.sleep(0.5)
+        p0.child.kill(signal.SIGTERM)
+        during = []
+        for _ in range(10):  # new requests while p0 drains
+            during.append(await post(s, envoy.url, headers=hdr(1, chunks="2", delay_ms="5")))
+            await asyncio.sleep(0.2)
+        assert p0.child.proc.poll() is None  # still serving its streams
+        replies = await asyncio.gather(*long)
+        for r in replies:
+            assert r.status == 200 and r.body.count(b"data: ") == 42 and r.body.endswith(b"data: [DONE]\n\n"), \
+                (r.status, r.error, r.body[-120:])
+        assert [r.status for r in during] == [200] * 10, [(r.status, r.error) for r in during]
+        assert await wait_until(lambda: _exited(p0.child.proc), 10)
+    assert p0.child.proc.returncode == 0
+    assert "drained in" in p0.child.log_tail() and "cutting" not in p0.child.log_tail()
+    assert (await drained(stack.redis_url)).inflight_total == 0
+
+
+async def _exited(proc: Any) -> bool:
+    return proc.poll() is not None
 
 
 async def test_local_credits_skip_redis_and_come_back_when_a_queue_forms(stack: LocalStack, upstream: int) -> None:

@@ -303,6 +303,9 @@ def test_processor_config_validates_as_the_containers_load_it() -> None:
         assert cfg.redis.password == services()["redis"]["environment"]["REDIS_PROCESSOR_PASSWORD"]
         assert services()["redis"]["image"].startswith("redis:")
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        # docker's SIGKILL must not cut the drain after SIGTERM (streams in flight finish).
+        grace = svc["stop_grace_period"]
+        assert grace.endswith("s") and float(grace[:-1]) >= cfg.server.shutdown_grace_s + cfg.server.shutdown_quiet_s + 2
 
 
 def test_controller_config_validates_as_the_container_loads_it() -> None:

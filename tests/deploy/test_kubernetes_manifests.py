@@ -220,6 +220,10 @@ def test_embedded_processor_config_is_valid(tmp_path: Path) -> None:
     svc = find("Service", "floodgate-extproc")
     assert svc["spec"]["clusterIP"] == "None"
     assert {x["port"] for x in svc["spec"]["ports"]} == {p["grpc"], p["metrics"]}
+    # The kubelet's SIGKILL must not cut the drain after SIGTERM (streams in flight finish).
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= \
+        pre_stop + cfg.server.shutdown_grace_s + cfg.server.shutdown_quiet_s + 2
 
 
 def test_embedded_controller_config_is_valid(tmp_path: Path) -> None:
