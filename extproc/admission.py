@@ -941,6 +941,8 @@ class Admitter:
         last_sync = self.clock()
         last_tick = 0.0
         while not self._closing:
+            # Local knowledge: kept current while Redis is down too (the tick's status read fails then).
+            self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
             if rt.degraded:
                 if rt.budget_open:  # the first reconcile runs at once
                     await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
@@ -1003,7 +1005,6 @@ class Admitter:
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)
         rt.credit_uses = 0
-        self.metrics.local_inflight.labels(rt.cfg.name).set(len(rt.held))
         await self._refresh_registry(rt)
         await self._flush_demand(rt)
 

@@ -288,6 +288,12 @@ async def test_degraded_mode_when_redis_dies_and_recovers(stack: LocalStack, ups
         assert stats["max_inflight"] <= 2  # the local share of the limit
         m = await metrics(s, p.metrics_url)
         assert m["floodgate_degraded"] == 1
+        # What this process holds is its own knowledge: its gauge follows it while Redis is down.
+        gauge = 'floodgate_process_inflight{pool="default"}'
+        held = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="2500"), timeout=10))
+        assert await wait_until(lambda: _metric_is(s, p.metrics_url, gauge, 1), 5)
+        assert (await held).status == 200
+        assert await wait_until(lambda: _metric_is(s, p.metrics_url, gauge, 0), 5)
         # Redis comes back on the same port: shared state resumes.
         stack.sup.start_redis(port, name="redis2")
         assert await wait_until(lambda: _metric_is(s, p.metrics_url, "floodgate_degraded", 0), 10)
