@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
-from floodgate.controller.actuators.base import Actuator, ReplicaHandle
+from floodgate.controller.actuators.base import Actuator, ReplicaHandle, Role
 from floodgate.controller.capacity import tick_latency
 from floodgate.controller.config import ControllerConfig, PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
@@ -64,7 +64,7 @@ from floodgate.controller.policy import (
 )
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
-from floodgate.controller.vllm import VllmClient, VllmSample
+from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
@@ -88,13 +88,25 @@ def registry_state(view: ReplicaView) -> str | None:
     return _REGISTRY_STATE.get(view.state)
 
 
-def adopted_view(rid: str, entry: Endpoint | None, now: float) -> ReplicaView:
+def adopted_view(rid: str, entry: Endpoint | None, now: float, role: Role | None = None,
+                 probe: tuple[bool, bool | None] | None = None) -> ReplicaView:
     """The lifecycle state of a replica found running, from its registry entry (pure).
 
     Anything not known to have passed its warm-up (no entry, `loading`) restarts the
     bring-up; a `waking` promotion that was cut off shows as `warm` and is simply re-promoted.
+
+    Without a registry entry (Redis came back empty, or lost the entry), the role the actuator
+    last recorded (`ReplicaHandle.role`) and a look at the replica (`probe`: healthy, asleep)
+    tell what it was: a healthy `active` one serves on, a healthy `warm-pool` one stays in the
+    pool as it is (asleep or not). Restarting the bring-up instead woke every sleeping pool
+    replica, and the first plan then promoted them all (the current size counted them as
+    arriving) and cold-started a new warm pool beside them.
     """
     if entry is None:
+        if role is not None and probe is not None and probe[0]:
+            if role == "active":
+                return ReplicaView(rid, S.ACTIVE, now)
+            return ReplicaView(rid, S.WARM, now, asleep=bool(probe[1]))
         return ReplicaView(rid, S.LOADING, now)
     since = entry.since_ms / 1000.0
     if entry.state == "active":
@@ -182,11 +194,16 @@ class PoolController:
         eps = await self.registry.endpoints()
         by_rid = {e.replica_id: e for e in eps.values()}
         seen_eps: set[str] = set()
+        entries = {h.replica_id: by_rid.get(h.replica_id) or (eps.get(h.endpoint) if h.endpoint else None)
+                   for h in handles if h.running}
+        # A replica with a recorded role but no registry entry: look before deciding (adopted_view).
+        unknown = [h for h in handles if h.running and entries[h.replica_id] is None and h.role and h.endpoint]
+        looks = await asyncio.gather(*(self._probe(h) for h in unknown))
+        probes = {h.replica_id: look for h, look in zip(unknown, looks, strict=True)}
         for h in handles:
             if not h.running:
                 continue
-            entry = by_rid.get(h.replica_id) or (eps.get(h.endpoint) if h.endpoint else None)
-            self._adopt(h, entry, now)
+            self._adopt(h, entries[h.replica_id], now, probes.get(h.replica_id))
             if h.endpoint:
                 seen_eps.add(h.endpoint)
         for ep, e in eps.items():
@@ -205,12 +222,22 @@ class PoolController:
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
                   next_seq=self.state.next_seq, history_end=self.state.history.end_minute)
 
-    def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float) -> Replica:
-        view = adopted_view(h.replica_id, entry, now)
+    async def _probe(self, h: ReplicaHandle) -> tuple[bool, bool | None]:
+        """(healthy, asleep) of a running replica; (False, None) when it does not answer."""
+        assert h.endpoint is not None
+        client = VllmClient(self.session, h.endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
+        try:
+            return await client.health(), await client.is_sleeping()
+        except (VllmError, aiohttp.ClientError, TimeoutError, ValueError):
+            return False, None
+
+    def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float,
+               probe: tuple[bool, bool | None] | None = None) -> Replica:
+        view = adopted_view(h.replica_id, entry, now, h.role, probe)
         rep = Replica(view, h.endpoint)
         self.replicas[h.replica_id] = rep
         self.emit("adopt", replica=h.replica_id, endpoint=h.endpoint, state=view.state.value,
-                  registry=entry.state if entry else None)
+                  registry=entry.state if entry else None, role=h.role)
         if view.state is S.LOADING and h.endpoint:
             self._spawn(rep, self._bring_up(rep))
         return rep

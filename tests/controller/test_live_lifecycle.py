@@ -176,3 +176,41 @@ def _since(pc: object, ev: dict[str, object]) -> float:
     act = [e for e in pc.events if e["event"] == "transition" and e["to"] == "active"  # type: ignore[attr-defined]
            and float(e["ts"]) >= float(ev["ts"])]  # type: ignore[arg-type]
     return float(act[0]["ts"]) - float(ev["ts"]) if act else float("nan")  # type: ignore[arg-type]
+
+
+async def test_redis_back_empty_keeps_the_pool_as_it_was(stack: LocalStack) -> None:
+    # Redis comes back empty (no registry): the next leader finds the replicas through its
+    # actuator with their recorded roles. The active one serves on, the sleeping pool replica
+    # stays asleep, nothing is woken, promoted or cold-started (before: both were brought up
+    # again, the sleeper woken, both promoted, and a new warm pool cold-started beside them).
+    url = stack.start_redis()
+    stack.start_processor(picking_config())
+    envoy = stack.start_envoy([], picking=True)
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"min_size": 1, "max_total": 2})
+    async with running(cfg, process_actuator(stack, state_dir), holder="a"):
+        await wait_for(lambda: _states_are(url, active=1, sleeping=1), 40)
+    before = {h.replica_id: h.labels["pid"] for h in await process_actuator(stack, state_dir).list()}
+    was = await registry_states(url)
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        await r.flushall()
+    finally:
+        await r.aclose()
+    act = process_actuator(stack, state_dir)
+    async with running(cfg, act, holder="b") as ctl, aiohttp.ClientSession() as s:
+        await wait_for(lambda: _states_are(url, active=1, sleeping=1), 20)
+        assert await registry_states(url) == was
+        stats = StreamStats()
+        await asyncio.gather(*(stream_once(s, envoy.url, 4, stats) for _ in range(3)))
+        assert stats.failed == [] and stats.ok == 3
+        await asyncio.sleep(1.0)  # a few more ticks: nothing moves
+        pc = ctl.pools["default"]
+        adopted = {e["replica"]: e["state"] for e in pc.events if e["event"] == "adopt"}
+        assert sorted(adopted.values()) == ["active", "warm"], adopted
+        moves = [e for e in pc.events if e["event"] == "transition"]
+        assert moves == [], moves
+        assert await registry_states(url) == was
+    assert {h.replica_id: h.labels["pid"] for h in await act.list()} == before  # none started or stopped

@@ -1,0 +1,34 @@
+"""What a (re)started controller makes of a replica it finds running (`app.adopted_view`, pure)."""
+
+from __future__ import annotations
+
+from floodgate.controller.app import adopted_view
+from floodgate.controller.signals import ReplicaState as S
+from floodgate.extproc.registry import Endpoint
+
+
+def _entry(state: str) -> Endpoint:
+    return Endpoint(endpoint="h:1", state=state, replica_id="r1", since_ms=5000, inflight=2)
+
+
+def test_the_registry_entry_decides_when_there_is_one() -> None:
+    assert adopted_view("r1", _entry("active"), 9.0, "warm-pool", (True, True)).state is S.ACTIVE
+    v = adopted_view("r1", _entry("sleeping"), 9.0)
+    assert v.state is S.WARM and v.asleep and v.state_since == 5.0
+    assert adopted_view("r1", _entry("draining"), 9.0).state is S.DRAINING
+    assert adopted_view("r1", _entry("loading"), 9.0, "active", (True, False)).state is S.LOADING
+
+
+def test_without_an_entry_the_recorded_role_and_a_look_decide() -> None:
+    assert adopted_view("r1", None, 9.0, "active", (True, False)).state is S.ACTIVE
+    v = adopted_view("r1", None, 9.0, "warm-pool", (True, True))
+    assert v.state is S.WARM and v.asleep
+    v = adopted_view("r1", None, 9.0, "warm-pool", (True, None))  # no sleep mode
+    assert v.state is S.WARM and not v.asleep
+
+
+def test_unknown_role_or_an_unhealthy_replica_is_brought_up_again() -> None:
+    assert adopted_view("r1", None, 9.0).state is S.LOADING
+    assert adopted_view("r1", None, 9.0, None, (True, False)).state is S.LOADING
+    assert adopted_view("r1", None, 9.0, "active", (False, None)).state is S.LOADING
+    assert adopted_view("r1", None, 9.0, "warm-pool", None).state is S.LOADING
