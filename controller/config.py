@@ -143,7 +143,7 @@ class ControllerConfig(_Strict):
     envoy: EnvoyConfig = Field(default_factory=EnvoyConfig)
     leader: LeaderConfig = Field(default_factory=LeaderConfig)
     tick_interval_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between ticks.")
-    metrics_listen: OptionalListenAddress = Field(default="127.0.0.1:9464", description="HOST:PORT of /metrics (IPv6 in brackets); null: none.")
+    metrics_listen: OptionalListenAddress = Field(default="127.0.0.1:9465", description="HOST:PORT of /metrics (IPv6 in brackets); null: none. The default port is one above the processor's (9464), so both run on one host with their defaults.")
     pools: list[PoolConfig] = Field(min_length=1, description="The pools this controller scales.")
 
     @model_validator(mode="after")

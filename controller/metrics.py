@@ -13,6 +13,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from floodgate.runtime import ListenError
+
 
 class ControllerMetrics:
     def __init__(self) -> None:
@@ -77,5 +79,9 @@ class ControllerMetrics:
         app.router.add_get("/metrics", handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+        try:
+            await web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port)).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ListenError(f"metrics_listen {listen}: cannot listen: {exc.strerror or exc}") from None
         return runner

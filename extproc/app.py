@@ -20,6 +20,8 @@ from floodgate.extproc.state import redis_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from floodgate.runtime import ListenError
+
 log = logging.getLogger("floodgate.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -113,23 +115,38 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if cfg.server.tls is None:
-        server.add_insecure_port(cfg.server.listen)
-    else:
-        server.add_secure_port(cfg.server.listen, server_credentials(cfg.server.tls))
+    try:
+        if cfg.server.tls is None:
+            server.add_insecure_port(cfg.server.listen)
+        else:
+            server.add_secure_port(cfg.server.listen, server_credentials(cfg.server.tls))
+    except RuntimeError:
+        await admitter.stop()
+        raise ListenError(f"server.listen {cfg.server.listen}: cannot listen (in use, or not an address of "
+                          "this host)") from None
     health_server = None
     if cfg.server.health_listen:
         # Health only: nothing on this port can open an ext_proc stream.
         health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_server.add_insecure_port(cfg.server.health_listen)
+        try:
+            health_server.add_insecure_port(cfg.server.health_listen)
+        except RuntimeError:
+            await admitter.stop()
+            raise ListenError(f"server.health_listen {cfg.server.health_listen}: cannot listen (in use, or not an "
+                              "address of this host)") from None
         await health_server.start()
+    if cfg.server.metrics_listen:
+        host, port = _split(cfg.server.metrics_listen)
+        try:
+            start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as exc:
+            await admitter.stop()
+            raise ListenError(f"server.metrics_listen {cfg.server.metrics_listen}: cannot listen: "
+                              f"{exc.strerror or exc}") from None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if cfg.server.metrics_listen:
-        host, port = _split(cfg.server.metrics_listen)
-        start_http_server(port, addr=host, registry=metrics.registry)
     log.info("floodgate extproc %s listening on %s (%s; metrics %s, redis %s, pools %s)",
              admitter.gateway_id, cfg.server.listen,
              "plaintext" if cfg.server.tls is None else "mTLS" if cfg.server.tls.client_ca_file else "TLS",

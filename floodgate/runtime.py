@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class ListenError(Exception):
+    """A server could not open one of its configured addresses (in use, not this host's, no
+    permission): said in one line naming the setting, exit 2 like a config error."""
 
 
 def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]], *,
@@ -31,5 +37,9 @@ def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]],
             import uvloop
 
             factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main())
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main())
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -115,3 +115,32 @@ def test_cli_rejects_bad_values_at_check_and_at_start(tmp_path: Path, command: s
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert field in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("command", "raw", "field"), [
+    ("extproc", {"server": {"metrics_listen": "127.0.0.1:{busy}", "listen": "127.0.0.1:{free}"}}, "server.metrics_listen"),
+    ("extproc", {"server": {"listen": "127.0.0.1:{busy}", "metrics_listen": ""}}, "server.listen"),
+    ("extproc", {"server": {"health_listen": "127.0.0.1:{busy}", "listen": "127.0.0.1:{free}", "metrics_listen": ""}},
+     "server.health_listen"),
+    ("controller", {"pools": [{"name": "a", "actuator": {"kind": "static", "endpoints": ["127.0.0.1:1"]}}],
+                    "metrics_listen": "127.0.0.1:{busy}"}, "metrics_listen"),
+])
+def test_a_busy_address_stops_start_up_naming_the_setting(tmp_path: Path, command: str, raw: dict,
+                                                          field: str) -> None:
+    import socket
+
+    from floodgate.supervisor import free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        # No Redis on this port: the processor starts degraded, the controller stands by; neither
+        # needs one to find its address taken.
+        raw = {**raw, "redis": {"url": f"redis://127.0.0.1:{free_port()}/0"}}
+        text = yaml.safe_dump(raw).replace("{busy}", str(busy.getsockname()[1])).replace("{free}", str(free_port()))
+        p = tmp_path / "c.yaml"
+        p.write_text(text)
+        argv = [sys.executable, "-m", "floodgate", command, "--config", str(p)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert f"error: {field} " in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
