@@ -110,6 +110,13 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Envoy pings each connection every 10 s (envoy/floodgate-cluster.yaml), and an admitted
+        # request's stream sends nothing until its response starts, or for a whole response when
+        # the body is not streamed here. gRPC's defaults (one ping per 5 min without data, 2
+        # strikes) then closed the connection at the third ping, with every stream on it
+        # ("too many pings"), cutting responses mid-stream. Accept pings this often, never strike.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
     ])
     processor = Processor(cfg, admitter)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)

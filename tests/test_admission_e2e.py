@@ -593,3 +593,19 @@ async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: Loc
     assert not any("priority=\"1\"" in k for k in m if k.startswith("floodgate_engine_priority_total"))
     assert (await drained(stack.redis_url)).inflight_total == 0
 
+
+
+async def test_envoy_keepalive_pings_never_end_quiet_streams(stack: LocalStack, upstream: int) -> None:
+    # Envoy pings every processor connection (envoy/floodgate-cluster.yaml: 10 s; 0.5 s here).
+    # An admitted request's stream carries nothing between the request-headers reply and the
+    # response's first message: gRPC's default policy counted those pings as abuse and, at the
+    # third, closed the connection with every stream on it ("too many pings"), cutting responses.
+    stack.start_redis()
+    p = stack.start_processor(static(20))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p], processor_keepalive_s=0.5)
+    async with aiohttp.ClientSession() as s:
+        replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="4000"), timeout=30)
+                                         for _ in range(3)))
+    assert [r.status for r in replies] == [200] * 3, [(r.status, r.error, r.body[:200]) for r in replies]
+    assert all(r.body.endswith(b"data: [DONE]\n\n") for r in replies)
+    assert "Too many pings" not in envoy.child.log_tail(200)
