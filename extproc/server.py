@@ -41,6 +41,13 @@ PRIORITY_OUT = "x-floodgate-priority"
 QUEUE_MS_OUT = "x-floodgate-queue-ms"
 REASON_OUT = "x-floodgate-reject-reason"
 
+# Upstream answers that say the model servers are overloaded or unreachable, the drops a
+# limit backs off on: 502/503 (Envoy: connect failure, reset, overflow; a replica that refuses
+# work), 504 (a timeout). Another 5xx (500: a request the server failed on, often one a client
+# can provoke at will, e.g. a malformed body) says nothing about load either way: it finishes
+# as `ignored`, so one client cannot drive the shared limit down for every class.
+OVERLOAD_STATUSES = frozenset({502, 503, 504})
+
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _PM = processing_mode_pb2.ProcessingMode
 
@@ -384,11 +391,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             ex.finished = True
 
     def _finish(self, pool: str, ex: _Exchange, reason: str) -> None:
-        """Every admitted request finishes its permit once: a 5xx is a drop, a completed one a
-        success (with its latency when its body was streamed), a cancelled one says nothing.
+        """Every admitted request finishes its permit once: an overload 5xx (`OVERLOAD_STATUSES`)
+        is a drop, a completed one a success (with its latency when its body was streamed), a
+        cancelled one or another 5xx says nothing.
         Which latency signal the limit uses is the limit's business (`limit.signal`)."""
         if ex.status is not None and ex.status >= 500:
-            ex.permit.finish("dropped")
+            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES else "ignored")
             return
         if reason != "stream_end" or ex.status is None:
             ex.permit.finish("ignored")

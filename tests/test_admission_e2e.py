@@ -609,3 +609,33 @@ async def test_envoy_keepalive_pings_never_end_quiet_streams(stack: LocalStack, 
     assert [r.status for r in replies] == [200] * 3, [(r.status, r.error, r.body[:200]) for r in replies]
     assert all(r.body.endswith(b"data: [DONE]\n\n") for r in replies)
     assert "Too many pings" not in envoy.child.log_tail(200)
+
+
+async def test_only_overload_5xx_lower_the_vegas_limit(stack: LocalStack, upstream: int) -> None:
+    # A client that makes the model server fail its own requests (a 500 on a malformed body)
+    # must not drive the shared limit down for everyone; 502/503/504 (overloaded, unreachable,
+    # timing out) are what a limit backs off on.
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 40, "min": 1, "max": 100,
+                                                   "window_min_samples": 5, "window_s": 0.2}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+
+    async def wave(status: str) -> None:
+        for _ in range(6):
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, status=status)) for _ in range(8)))
+            assert {r.status for r in replies} == {int(status)}
+            await asyncio.sleep(0.25)
+
+    async with aiohttp.ClientSession() as s:
+        await wave("500")
+        await asyncio.sleep(0.5)
+        assert (await pool_status(stack.redis_url)).limit == 40
+        m = await metrics(s, p.metrics_url)
+        assert m.get('floodgate_limit_updates_total{pool="default"}', 0) == 0
+        await wave("503")
+        assert await wait_until(lambda: _limit_below(stack.redis_url, 40), 5)
+
+
+async def _limit_below(redis_url: str, n: int) -> bool:
+    return (await pool_status(redis_url)).limit < n
