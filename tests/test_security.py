@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,13 @@ import redis.asyncio as aioredis
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import get_json, metrics
+from tests.helpers import get_json, metrics, pool_status
 
 pytestmark = pytest.mark.integration
 
 ADMIN_PATHS = ["/sleep?level=1", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
-               "/metrics", "/sleep/", "/SLEEP"]
+               "/metrics", "/sleep/", "/SLEEP", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/server_info",
+               "/pause"]
 # Sent byte-for-byte (an HTTP client library would normalize them before sending).
 RAW_PATHS = ["/v1/../sleep", "/v1/%2e%2e/sleep", "//sleep", "/v1/..%2fsleep", "/%73leep", "/v1/completions/../../wake_up"]
 
@@ -211,6 +213,55 @@ def test_admin_listens_on_loopback_in_every_shipped_bootstrap() -> None:
     from floodgate.envoy_config import COMPOSE_BOOTSTRAP, render_local
     for name, boot in [("local", render_local()), ("compose", yaml.safe_load(COMPOSE_BOOTSTRAP.read_text()))]:
         assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1", name
+
+
+def test_every_shipped_gateway_bounds_a_requests_arrival() -> None:
+    # A permit is taken at the request headers: without a bound on the request's arrival, a body
+    # trickled a byte at a time holds it for as long as the client likes.
+    import yaml
+
+    from floodgate.envoy_config import COMPOSE_BOOTSTRAP, render_local
+
+    def seconds(v: str) -> float:
+        return float(v.rstrip("s"))
+
+    for name, boot in [("local", render_local()), ("compose", yaml.safe_load(COMPOSE_BOOTSTRAP.read_text()))]:
+        hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+        # above the longest queue wait, which holds the request headers
+        assert seconds(hcm["request_timeout"]) >= seconds(ext["message_timeout"]) + 20, name
+        assert seconds(hcm["request_headers_timeout"]) <= 10, name
+    istio = (ROOT / "deploy" / "istio" / "envoyfilter.yaml").read_text()
+    assert "request_timeout: 60s" in istio and "request_headers_timeout: 10s" in istio
+
+
+async def test_a_trickled_body_holds_its_permit_no_longer_than_the_request_timeout(
+        stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 4}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], request_timeout_s=3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", envoy.port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n{\"prompt\": \"")
+        await writer.drain()
+        t0 = time.monotonic()
+        held = False
+        while time.monotonic() - t0 < 8:
+            writer.write(b"a")  # one byte every 0.25 s: never idle, never done
+            await writer.drain()
+            st = await pool_status(stack.redis_url)
+            held = held or st.inflight_total == 1
+            if held and st.inflight_total == 0:
+                break
+            await asyncio.sleep(0.25)
+        assert held, "the request never took a permit"
+        assert st.inflight_total == 0, "the permit was still held 8 s into a 3 s request timeout"
+        assert time.monotonic() - t0 < 6
+        status = await asyncio.wait_for(reader.readline(), 5)
+        assert b" 408 " in status, status
+    finally:
+        writer.close()
 
 
 # --- the Envoy -> processor channel is authenticated -------------------------------------------

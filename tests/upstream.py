@@ -99,7 +99,8 @@ def main() -> None:
     app.router.add_post("/stats/reset", up.reset)
     app.router.add_get("/health", up.health)
     app.router.add_get("/v1/models", up.models)
-    for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache", "/metrics"):
+    for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache", "/metrics",
+                  "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/server_info", "/pause"):
         app.router.add_route("*", admin, up.health)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 

@@ -198,8 +198,26 @@ def test_admin_paths_policy_covers_the_gateways_blocked_paths() -> None:
     assert pol["spec"]["action"] == "DENY"
     assert pol["spec"]["selector"]["matchLabels"] == envoyfilter()["spec"]["workloadSelector"]["labels"]
     paths = {p for r in pol["spec"]["rules"] for t in r["to"] for p in t["operation"]["paths"]}
-    for admin in ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache"):
-        assert admin in paths
+    from floodgate.envoy_config import ENVOY_DIR, load_yaml
+
+    # Every path the gateway blocks (envoy/local.yaml's admin route) is denied here too.
+    local = load_yaml(ENVOY_DIR / "local.yaml")
+    routes = local["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    blocked = []
+    for route in routes:
+        regex = route["match"].get("safe_regex", {}).get("regex", "")
+        if route.get("direct_response", {}).get("status") == 404 and regex.startswith("^/"):
+            head, names = regex[2:].split("(", 1)
+            names = names.split(")", 1)[0]
+            if names == "load|unload":  # ^/v1/(load|unload)_lora_adapter
+                blocked += [f"{head}{n}_lora_adapter" for n in names.split("|")]
+            else:
+                blocked += [head + n for n in names.split("|")]
+    assert "v1/load_lora_adapter" in blocked and "server_info" in blocked
+    for admin in blocked:
+        if admin != "metrics":  # Prometheus scrapes the replicas' /metrics in the mesh
+            assert f"/{admin}" in paths, admin
 
 
 # --- live: the sidecar filter in a real Envoy -----------------------------------------------
