@@ -182,7 +182,7 @@ class PoolConfig(_Strict):
         description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
     engine_priority_max_body_bytes: int = Field(
         default=1 << 20, ge=0,
-        description="With `engine_priority`: larger request bodies pass unchanged (bounds the JSON parse on the processor's event loop).")
+        description="With `engine_priority`: a listed class's request body larger than this (or than Envoy's buffer, `per_connection_buffer_limit_bytes`, 1 MiB by default) is refused with 413: it cannot be rewritten, and passed unchanged it would keep a priority its client wrote. Bounds the JSON parse on the processor's event loop.")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
 

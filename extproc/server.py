@@ -67,9 +67,10 @@ _REQUEST_BODY_PASS = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool) -> tuple[bytes | None, str]:
     """vLLM's `priority` written into a JSON request body (pure). Returns (the new body, "set"),
-    or (None, why) when the body must pass unchanged: `partial` (Envoy sent only part of it: over
-    its buffer), `too_large`, `not_json`, `not_object`. Never raises: a body we cannot rewrite is
-    the upstream's to judge, not a reason to fail the request."""
+    or (None, why): `partial` (Envoy sent only part of it: over its buffer) and `too_large` are
+    refused by the caller (413: passed unchanged, a padded body would keep a priority its client
+    wrote, ahead of P0); `not_json` and `not_object` pass unchanged (no engine reads a priority
+    from them; the upstream answers 400). Never raises."""
     if not complete:
         return None, "partial"
     if len(body) > max_bytes:
@@ -81,7 +82,10 @@ def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool)
     if not isinstance(doc, dict):
         return None, "not_object"
     doc["priority"] = priority
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(), "set"
+    try:
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(), "set"
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800" parses, UTF-8 cannot hold it)
+        return json.dumps(doc, separators=(",", ":")).encode(), "set"
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, list[str]]:
@@ -178,6 +182,9 @@ def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
         message, etype = "No model endpoints are available for this pool.", "service_unavailable"
     elif reject.status == 431:
         message, etype = "The request has too many headers for Floodgate to route it.", "invalid_request_error"
+    elif reject.status == 413:
+        message, etype = ("The request body is too large for this pool to set its engine priority "
+                          "(engine_priority_max_body_bytes, or Envoy's buffer limit)."), "invalid_request_error"
     else:
         message = (f"The model pool is at capacity for priority {priority} ({reject.reason}); "
                    f"retry after {reject.retry_after_s} s.")
@@ -373,6 +380,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                                         body.end_of_stream)
         m = self.admitter.metrics
         self.admitter.child(m.engine_priority, (pool, PRIORITY_LABELS[cls], outcome)).inc()
+        if outcome in ("partial", "too_large"):
+            return reject_response(Reject("body_too_large", 0, status=413), cls)
         if new is None:
             return _REQUEST_BODY_PASS
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(

@@ -561,7 +561,8 @@ async def _raw_post(session: aiohttp.ClientSession, url: str, body: bytes, prio:
 async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: LocalStack, upstream: int) -> None:
     """`engine_priority` {0: -1}: a P0's JSON body reaches the upstream with `"priority": -1` and a
     matching content-length (real Envoy, mode override to BUFFERED); P1's is not touched; bodies
-    that cannot be rewritten pass unchanged and are counted, never failed."""
+    no engine can read pass unchanged and are counted; a body too large to rewrite is refused
+    with 413 (passed unchanged it kept the priority its client wrote)."""
     stack.start_redis()
     proc = stack.start_processor(static(8, engine_priority={0: -1}, engine_priority_max_body_bytes=4096))
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
@@ -571,11 +572,13 @@ async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: Loc
         (1, json.dumps(doc).encode(), doc),
         (0, b"not json {", None),
         (0, b"[1, 2]", None),
-        (0, json.dumps({**doc, "prompt": "x" * 5000}).encode(), None),  # over the 4096 bytes set above
+        (0, json.dumps({**doc, "prompt": "\ud800"}).encode(), {**doc, "prompt": "\ud800", "priority": -1}),
     ]
     async with aiohttp.ClientSession() as s:
         for prio, body, _ in cases:
             assert await _raw_post(s, envoy.url, body, prio) == 200
+        # over the 4096 bytes set above, with a priority of its own
+        assert await _raw_post(s, envoy.url, json.dumps({**doc, "prompt": "x" * 5000}).encode(), 0) == 413
         # a P0 without a body (GET) is not held for one
         async with s.get(envoy.url + "/v1/completions", headers={"x-request-priority": "0"}) as r:
             assert r.status in (200, 405)
@@ -588,7 +591,7 @@ async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: Loc
             assert seen["text"].encode()[:200] == sent[:200], (prio, seen)  # unchanged
         else:
             assert json.loads(seen["text"]) == want, (prio, seen)
-    for outcome, n in (("set", 1), ("not_json", 1), ("not_object", 1), ("too_large", 1)):
+    for outcome, n in (("set", 2), ("not_json", 1), ("not_object", 1), ("too_large", 1)):
         assert m.get(f'floodgate_engine_priority_total{{outcome="{outcome}",pool="default",priority="0"}}') == n, m
     assert not any("priority=\"1\"" in k for k in m if k.startswith("floodgate_engine_priority_total"))
     assert (await drained(stack.redis_url)).inflight_total == 0

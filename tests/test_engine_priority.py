@@ -30,11 +30,18 @@ def test_a_client_priority_is_overwritten() -> None:
     (b'"a string"', True, "not_object"),
     (b"", True, "not_json"),
     (b"[" * 100_000 + b"]" * 100_000, True, "not_json"),  # too deep for the parser: passes, never raises
-    (b'{"prompt": "x"}', False, "partial"),  # Envoy's buffer held only part of it
-    (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', True, "too_large"),
+    (b'{"prompt": "x"}', False, "partial"),  # Envoy's buffer held only part of it (refused: 413)
+    (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', True, "too_large"),  # (refused: 413)
 ])
-def test_bodies_that_cannot_be_rewritten_pass_unchanged(body: bytes, complete: bool, outcome: str) -> None:
+def test_bodies_that_cannot_be_rewritten(body: bytes, complete: bool, outcome: str) -> None:
     assert rewrite_priority(body, -1, 1 << 20, complete) == (None, outcome)
+
+
+def test_a_lone_surrogate_is_rewritten_not_raised() -> None:
+    # JSON may escape a lone surrogate, which UTF-8 cannot encode: written back as an escape.
+    new, outcome = rewrite_priority(b'{"prompt": "\\ud800", "priority": -100}', 2, 1 << 20, True)
+    assert outcome == "set" and new is not None
+    assert json.loads(new) == {"prompt": "\ud800", "priority": 2}
 
 
 def test_buffered_partial_only_for_requests_that_need_it() -> None:
