@@ -146,7 +146,7 @@ class LimitConfig(_Strict):
 
 class PoolConfig(_Strict):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
-    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this go to this pool (first pool is the default).")
+    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include): the least estimated prefill queued (`prefill_tokens_per_s`), then the fewest permits routed there.")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
     allowed_endpoints: list[str] = Field(

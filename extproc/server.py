@@ -216,7 +216,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.cfg = cfg
         self.admitter = admitter
         self.resolver = PriorityResolver(cfg.admission)
-        self._by_authority = {p.match_authority: p.name for p in cfg.pools if p.match_authority}
+        self._by_authority = {p.match_authority.lower(): p.name for p in cfg.pools if p.match_authority}
         self._default_pool = cfg.pools[0].name
         self.streams = 0  # ext_proc streams open now
         self.last_stream_at = -math.inf  # time.monotonic() when the last one opened
@@ -232,22 +232,32 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                        for p in cfg.pools
                        if p.endpoint_picking and p.prefill_tokens_per_s > 0 and p.prefill_bytes_per_token > 0}
 
-    def _route_only(self, pool: str) -> pb.ProcessingResponse:
+    def _route_only(self, pool: str, count: int, dest_present: bool) -> pb.ProcessingResponse:
         """No permit: with endpoint picking, send it to any active endpoint; never let the
-        client's own destination header through."""
+        client's own destination header through. `count`: the request's headers, `dest_present`:
+        a client sent the destination header (Envoy answers 500 to a mutation past its header
+        limit, so such a request gets 431, as an admitted one does)."""
         mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
         if self.cfg.pool(pool).endpoint_picking:
             endpoint = self.admitter.any_active_endpoint(pool)
             if endpoint is None:
                 return reject_response(Reject("no_endpoints", 1, status=503), self.cfg.admission.default_priority)
+            if not admit_mutation(count, self.cfg.server.max_headers, endpoint, (), dest_present)[0]:
+                return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority)
             mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)])
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
+        """The pool whose `match_authority` the request's :authority equals (case-insensitive),
+        with or without a numeric port; else the first pool."""
         authority = (headers.get(":authority") or [""])[0].lower()
-        return self._by_authority.get(authority) or self._by_authority.get(
-            authority.rsplit(":", 1)[0]) or self._default_pool
+        pool = self._by_authority.get(authority)
+        if pool is None:
+            host, sep, port = authority.rpartition(":")
+            if sep and port.isdigit() and not authority.endswith("]"):  # ("[::1]" has no port)
+                pool = self._by_authority.get(host)
+        return pool or self._default_pool
 
     def _caller(self, req: pb.ProcessingRequest, headers: dict[str, list[str]]) -> Caller:
         attrs = req.attributes[ATTR_NS] if ATTR_NS in req.attributes else None
@@ -290,7 +300,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         pool = self._pool_for(headers)
         path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
         if path in self._unadmitted[pool]:
-            yield self._route_only(pool)
+            yield self._route_only(pool, len(first.request_headers.headers.headers), DESTINATION_HEADER in headers)
             async for msg in it:
                 yield _passthrough(msg)
             return
