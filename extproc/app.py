@@ -52,6 +52,16 @@ def security_warnings(cfg: Config) -> list[str]:
     if cfg.server.tls is None and host not in ("127.0.0.1", "::1", "localhost"):
         out.append(f"server.listen {cfg.server.listen} is beyond loopback without server.tls: whoever reaches "
                    "it can open ext_proc streams claiming any caller (restrict it with a NetworkPolicy or mesh mTLS)")
+    elif cfg.server.tls is not None and not cfg.server.tls.client_ca_file and host not in ("127.0.0.1", "::1",
+                                                                                            "localhost"):
+        out.append(f"server.listen {cfg.server.listen} is beyond loopback with server.tls but no client_ca_file: "
+                   "the channel is encrypted, yet any client that reaches it can open ext_proc streams claiming "
+                   "any caller (set client_ca_file to Envoy's CA, or restrict the port)")
+    p0 = sorted(t for t, prio in cfg.admission.tenant_priorities.items() if prio == 0)
+    if p0:
+        out.append(f"admission.tenant_priorities maps {', '.join(p0)} to P0 from the {cfg.admission.tenant_header} "
+                   "header: without an authentication filter that overwrites that header before the ext_proc "
+                   "filter, any client can claim it (docs/operations.md, threat model)")
     for p in cfg.pools:
         if p.endpoint_picking and not p.allowed_endpoints:
             out.append(f"pool {p.name}: endpoint picking without allowed_endpoints routes wherever the Redis "

@@ -69,6 +69,9 @@ class PortBusy(RuntimeError):
 
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
+        # As the servers bind (SO_REUSEADDR): a port whose last stack stopped seconds ago, with
+        # connections still in TIME_WAIT, is free to them.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

@@ -79,3 +79,10 @@ def test_startup_names_what_the_config_leaves_open() -> None:
     closed = load_config(None, overrides={("pools",): [{"name": "p", "endpoint_picking": True,
                                                         "allowed_endpoints": ["10.0.0.0/8:8000"]}]}, env={})
     assert security_warnings(closed) == []
+    one_way = load_config(None, overrides={("server", "listen"): "0.0.0.0:50051",
+                                           ("server", "tls"): {"cert_file": __file__, "key_file": __file__}}, env={})
+    (w,) = security_warnings(one_way)
+    assert "client_ca_file" in w
+    gold = load_config(None, overrides={("admission", "tenant_priorities"): {"gold": 0, "silver": 1}}, env={})
+    (w,) = security_warnings(gold)
+    assert "gold to P0" in w and "x-tenant-id" in w

@@ -140,7 +140,9 @@ async def test_forwarded_for_does_not_make_a_caller_trusted(stack: LocalStack, u
 
 FORGED = {"x-gateway-destination-endpoint": "127.0.0.1:1", "x-floodgate-priority": "0",
           "x-floodgate-queue-ms": "0", "x-floodgate-reject-reason": "none", "x-floodgate-anything": "x",
-          "x-request-priority": "0"}
+          "x-request-priority": "0",
+          # a hop behind the gateway that reads '_' as '-' would see these as the names above
+          "x_gateway_destination_endpoint": "127.0.0.1:1", "x_request_priority": "0", "x_floodgate_priority": "0"}
 
 
 @pytest.mark.parametrize("picking", [False, True], ids=["admission", "picking"])
@@ -171,6 +173,7 @@ async def test_forged_internal_headers_never_reach_the_model(stack: LocalStack, 
         assert "x-request-priority" not in h, (path, h)
         assert "x-floodgate-anything" not in h and "x-floodgate-reject-reason" not in h, (path, h)
         assert h.get("x-gateway-destination-endpoint") in (None, f"127.0.0.1:{upstream}"), (path, h)
+        assert not any("_" in k for k in h), (path, h)  # headers with underscores are dropped at the edge
         if path == "/v1/completions":  # the processor's own values, not the client's
             assert h["x-floodgate-priority"] == "1", h
         else:

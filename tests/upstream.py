@@ -33,7 +33,7 @@ class Upstream:
             self.paths.append(request.path_qs)
             del self.paths[:-500]
             # The x- headers every request arrived with (security tests check what got through).
-            self.seen.append({k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-")})
+            self.seen.append({k.lower(): v for k, v in request.headers.items() if k.lower().startswith(("x-", "x_"))})
             del self.seen[:-200]
         return await handler(request)
 
