@@ -30,7 +30,7 @@ from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
 from floodgate.extproc.schema import controller_leader_key
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
@@ -134,7 +134,7 @@ class PoolConfig(_Strict):
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     admission_ceiling: AdmissionCeilingConfig = Field(default_factory=AdmissionCeilingConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
-    actuator: ActuatorConfig = Field(default_factory=lambda: ActuatorConfig(kind="process"))
+    actuator: ActuatorConfig = Field(description="Where the replicas run (required: a forgotten section would otherwise start emulated `floodgate sim` replicas). `kind: process` with no `command` runs the emulator, for local tries.")
     id_prefix: str | None = Field(default=None, description="Prefix of new replica ids (default: `<pool>-r`).")
 
 
@@ -146,12 +146,13 @@ class ControllerConfig(_Strict):
     metrics_listen: OptionalListenAddress = Field(default="127.0.0.1:9465", description="HOST:PORT of /metrics (IPv6 in brackets); null: none. The default port is one above the processor's (9464), so both run on one host with their defaults.")
     pools: list[PoolConfig] = Field(min_length=1, description="The pools this controller scales.")
 
-    @model_validator(mode="after")
-    def _unique(self) -> ControllerConfig:
-        names = [p.name for p in self.pools]
+    @field_validator("pools")
+    @classmethod
+    def _unique(cls, pools: list[PoolConfig]) -> list[PoolConfig]:
+        names = [p.name for p in pools]
         if len(set(names)) != len(names):
-            raise ValueError("pool names must be unique")
-        return self
+            raise ValueError(f"pool names must be unique, got {names}")
+        return pools
 
 
 ENV_OVERRIDES: dict[str, tuple[str, ...]] = {

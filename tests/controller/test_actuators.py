@@ -89,18 +89,22 @@ async def test_static_actuator_sleeps_and_wakes(stack: LocalStack) -> None:
 
 def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
-    p.write_text("pools:\n  - name: a\n    policy: {min_replicas: -1}\n")
+    p.write_text("pools:\n  - name: a\n    actuator: {kind: process}\n    policy: {min_replicas: -1}\n")
     with pytest.raises(ConfigError, match=r"pools\.0\.policy\.min_replicas"):
         load_config(p, env={})
     p.write_text("pools:\n  - name: a\n    actuator: {kind: static}\n")
     with pytest.raises(ConfigError, match=r"pools\.0\.actuator"):
         load_config(p, env={})
-    p.write_text("pools: [{name: a}]\ntick_interval: 1\n")
+    p.write_text("pools: [{name: a, actuator: {kind: process}}]\ntick_interval: 1\n")
     with pytest.raises(ConfigError, match="tick_interval"):
         load_config(p, env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
-    cfg = parse_config({"pools": [{"name": "a"}], "redis": {"url": "redis://file:1/0"}},
+    with pytest.raises(ConfigError, match=r"pools: .*unique, got \['a', 'a'\]"):
+        parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"}}] * 2}, env={})
+    with pytest.raises(ConfigError, match=r"pools\.0\.actuator"):  # a forgotten section is an error
+        parse_config({"pools": [{"name": "a"}]}, env={})
+    cfg = parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"}}], "redis": {"url": "redis://file:1/0"}},
                        env={"FLOODGATE_REDIS_URL": "redis://127.0.0.1:7/0",
                             "FLOODGATE_CONTROLLER_METRICS_LISTEN": "127.0.0.1:1234"})
     assert cfg.redis.url == "redis://127.0.0.1:7/0" and cfg.metrics_listen == "127.0.0.1:1234"

@@ -11,7 +11,7 @@ import numpy as np
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import PoolController
 from floodgate.controller.backtest import engine, report, workload
-from floodgate.controller.config import PoolConfig
+from floodgate.controller.config import ActuatorConfig, PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import Action, ActionKind, WarmPoolConfig
@@ -63,7 +63,8 @@ async def test_live_shell_and_backtest_take_identical_actions() -> None:
     assert {ActionKind.START, ActionKind.PROMOTE, ActionKind.DRAIN, ActionKind.SLEEP} <= kinds
     assert rec.inner.forecast_reasons.get("ok", 0) > 0  # the forecast floor took part
 
-    cfg = PoolConfig(name="p", id_prefix="r", policy=pol, forecast=fc_cfg, warm_pool=pool)
+    cfg = PoolConfig(name="p", id_prefix="r", policy=pol, forecast=fc_cfg, warm_pool=pool,
+                     actuator=ActuatorConfig(kind="process"))
     client = redis_client("redis://127.0.0.1:1/0")  # never contacted: step() does no I/O
     async with aiohttp.ClientSession() as session:
         pc = PoolController(cfg, StaticActuator(["127.0.0.1:1"]), client, session, ControllerMetrics())

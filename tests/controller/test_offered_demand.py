@@ -13,7 +13,7 @@ import pytest
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import PoolController
 from floodgate.controller.capacity import CapacityConfig, TickLatency
-from floodgate.controller.config import PoolConfig
+from floodgate.controller.config import ActuatorConfig, PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
 from floodgate.controller.demand import (
     ClassCounters,
@@ -193,7 +193,8 @@ async def test_live_step_exports_offered_demand_and_capacity() -> None:
     metrics = ControllerMetrics()
     client = redis_client("redis://127.0.0.1:1/0")  # never contacted: step() does no I/O
     async with aiohttp.ClientSession() as session:
-        pc = PoolController(PoolConfig(name="p", policy=POLICY, forecast=ForecastConfig(enabled=False)),
+        pc = PoolController(PoolConfig(name="p", policy=POLICY, forecast=ForecastConfig(enabled=False),
+                                       actuator=ActuatorConfig(kind="process")),
                             StaticActuator(["127.0.0.1:1"]), client, session, metrics)
         clock = FakeClock()
         reps = views(clock.now, active=2)
