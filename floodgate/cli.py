@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("floodgate.sim.load_cli", "open-loop streaming load generator (synthetic shapes or trace replay)"),
     "up": ("floodgate.up", "run the whole local stack (and a demo load)"),
     "status": ("floodgate.status", "show the shared state: pools, limits, queues, leases, replicas"),
-    "bench": ("floodgate.bench.cli", "run a benchmark (overhead, overload)"),
+    "bench": ("floodgate.bench.cli", "run a benchmark (overhead, overload, elastic, faults, scale, ...)"),
 }
 
 
@@ -67,6 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return closed_stdout()
+
+
+def closed_stdout() -> int:
+    """The reader went away (`floodgate status | head`): stop quietly, as Unix tools do. stdout
+    is pointed at /dev/null so the interpreter's final flush does not raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, like a shell tool killed by it
 
 
 if __name__ == "__main__":

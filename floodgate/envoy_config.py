@@ -253,10 +253,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compose", action="store_true",
                         help="the docker compose bootstrap (deploy/compose/envoy.yaml) instead of the local one")
     args = parser.parse_args(argv)
-    if args.compose:
-        sys.stdout.write(dump_yaml(render_compose(), COMPOSE_HEADER))
-    else:
-        yaml.safe_dump(render_local(), sys.stdout, sort_keys=False)
+    try:
+        if args.compose:
+            sys.stdout.write(dump_yaml(render_compose(), COMPOSE_HEADER))
+        else:
+            yaml.safe_dump(render_local(), sys.stdout, sort_keys=False)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        from floodgate.cli import closed_stdout
+
+        return closed_stdout()
     return 0
 
 

@@ -22,3 +22,21 @@ def test_every_subpackage_is_listed_under_the_floodgate_namespace() -> None:
     listed -= data_only
     assert found == listed, f"pyproject [tool.setuptools] packages differ: missing {found - listed}, extra {listed - found}"
     assert all(p == "floodgate" or p.startswith("floodgate.") for p in listed)
+
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    # `... | head -1` where the reader has gone before the first write: no traceback on stderr.
+    import subprocess
+    import sys
+
+    ctl = tmp_path / "c.yaml"
+    ctl.write_text("pools: [{name: a, actuator: {kind: process}}]\n")
+    for argv in (["-m", "floodgate", "extproc", "--check-config"], ["-m", "floodgate.envoy_config"],
+                 ["-m", "floodgate", "controller", "--config", str(ctl), "--check-config"]):
+        p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # before the child has written anything
+        err = p.stderr.read().decode()
+        p.wait(60)
+        assert "Traceback" not in err and "BrokenPipe" not in err, (argv, err)
