@@ -20,9 +20,12 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "controller",
         help="scaling controller (and its backtest: `controller simulate`)",
-        description="The Floodgate scaling controller. `simulate` backtests the policy on a trace.",
+        description="The Floodgate scaling controller. `simulate` backtests the policy on a trace. "
+                    "FLOODGATE_REDIS_URL, FLOODGATE_REDIS_PASSWORD, FLOODGATE_CONTROLLER_METRICS_LISTEN and "
+                    "FLOODGATE_ENVOY_ADMIN_URL override the config file.",
     )
-    parser.add_argument("--config", type=Path, help="controller YAML (see docs/controller.md); runs the live controller")
+    parser.add_argument("--config", "-c", type=Path,
+                        help="controller YAML (docs/configuration.md, docs/controller.md); runs the live controller")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config (and that its actuator's client is installed), print it, and exit")

@@ -91,10 +91,12 @@ def section(title: str, intro: str, root: type[BaseModel]) -> str:
 
 
 def render() -> str:
+    from floodgate.controller.config import ENV_OVERRIDES as CONTROLLER_ENV
     from floodgate.controller.config import ControllerConfig
     from floodgate.extproc.config import ENV_OVERRIDES, Config
 
     env = ", ".join(f"`{k}` (`{'.'.join(v)}`)" for k, v in ENV_OVERRIDES.items())
+    ctl_env = ", ".join(f"`{k}` (`{'.'.join(v)}`)" for k, v in CONTROLLER_ENV.items())
     parts = [
         "# Configuration reference",
         "",
@@ -105,7 +107,8 @@ def render() -> str:
         section("Processor (`floodgate extproc --config FILE`)",
                 f"Environment overrides: {env}. Command-line flags win over both.", Config),
         section("Controller (`floodgate controller --config FILE`)",
-                "See docs/controller.md for what each policy setting does.", ControllerConfig),
+                "See docs/controller.md for what each policy setting does. "
+                f"Environment overrides: {ctl_env}.", ControllerConfig),
     ]
     return "\n".join(parts).rstrip() + "\n"
 

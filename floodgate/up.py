@@ -43,13 +43,13 @@ http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="run the whole local stack (and a demo load)", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (busy: an error, unless --any-port)")
-    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (busy: an error, unless --any-port)")
+    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (default: %(default)s; busy: an error, unless --any-port)")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (default: %(default)s; busy: an error, unless --any-port)")
     p.add_argument("--any-port", action="store_true", help="take free ports when --port or --admin-port is busy")
-    p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas at rest (the controller's min_replicas)")
+    p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas at rest (the controller's min_replicas; default: %(default)s)")
     p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 3 x --replicas)")
-    p.add_argument("--warm-pool", type=int, default=2, help="warm-pool size (sleeping replicas ready to promote)")
-    p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes")
+    p.add_argument("--warm-pool", type=int, default=2, help="warm-pool size (sleeping replicas ready to promote; default: %(default)s)")
+    p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes (default: %(default)s)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
@@ -57,9 +57,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--demo-rate", type=float, default=0.0,
                    help="steady demo rate in req/s (default: 70%% of the pool's estimated capacity)")
     p.add_argument("--demo-duration", type=float, default=90.0,
-                   help="demo length in seconds: steady for the first quarter, burst in the second, recovery after")
-    p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes")
-    p.add_argument("--sim-cold-start", type=float, default=1.0, help="emulator cold-start delay (s)")
+                   help="demo length in seconds (default: %(default)s): steady for the first quarter, burst in the second, recovery after")
+    p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes (default: %(default)s)")
+    p.add_argument("--sim-cold-start", type=float, default=1.0, help="emulator cold-start delay in seconds (default: %(default)s)")
     p.set_defaults(handler=run)
 
 

@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--max-model-len", type=_positive_int, default=_D.max_model_len,
                      help="context window; longer prompt+output requests get 400")
     eng.add_argument("--prefill-ms-per-token", type=_non_negative,
-                     default=_D.prefill_per_token_s * 1000,
+                     default=round(_D.prefill_per_token_s * 1000, 6),
                      help="prefill time per prompt token, milliseconds")
     eng.add_argument("--decode-base-ms", type=_non_negative, default=_D.decode_base_s * 1000,
                      help="fixed time per engine step, milliseconds")
