@@ -79,9 +79,10 @@ def section(title: str, intro: str, root: type[BaseModel]) -> str:
             continue
         seen.add((prefix, model))
         lines += [f"### `{prefix.rstrip('.') or '(top level)'}` — {model.__name__}", ""]
-        doc = (model.__doc__ or "").strip().splitlines()
-        if doc and not doc[0].startswith("!!!") and "Usage docs" not in doc[0]:
-            lines += [doc[0], ""]
+        # The docstring's first paragraph, whole (its first line alone may stop mid-sentence).
+        doc = (model.__doc__ or "").strip().split("\n\n", 1)[0].split()
+        if doc and doc[0] != "!!!" and "Usage docs" not in " ".join(doc):
+            lines += [" ".join(doc), ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
         nested: list[tuple[str, type[BaseModel]]] = []
         _rows(model, prefix, lines, nested)
