@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
+# The trace shipped with the package (floodgate/sim/data); a light import.
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "AzureLLMInferenceTrace_conv.csv.gz"
+
+
+def trace_path(value: str) -> Path:
+    """`--trace`: a CSV path, or `azure` for the Azure trace shipped with the package."""
+    return DEFAULT_TRACE if value == "azure" else Path(value)
 
 
 def register(subparsers: Any) -> None:
@@ -105,7 +111,7 @@ def _add_simulate(sub: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--trace", type=Path, default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); none: synthetic tokens")
+    p.add_argument("--trace", type=trace_path, default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens; plain or .gz), or `azure` for the one shipped with Floodgate; none: synthetic tokens")
     p.add_argument(
         "--mode",
         choices=("tile", "synthetic", "replay"),
@@ -267,7 +273,7 @@ def _add_suite(sub: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure conversation trace CSV (scenarios azure-*)")
+    p.add_argument("--trace", type=trace_path, default=DEFAULT_TRACE, help="Azure conversation trace CSV (scenarios azure-*; default: the one shipped with Floodgate, floodgate/sim/data)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
     p.add_argument("--eval-hours", type=float, default=24.0, help="hours of the evaluated day")

@@ -18,21 +18,29 @@ from __future__ import annotations
 
 import csv
 import functools
+import gzip
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import numpy as np
 
 Process = Literal["poisson", "uniform"]
 
-# The repo sits next to the shared data directory (/work/main and /work/shared).
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
-)
+# The Azure LLM inference trace 2023 (conversation), shipped with the package (CC-BY 4.0,
+# attribution in data/README.md).
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "AzureLLMInferenceTrace_conv.csv.gz"
+
+
+def open_trace(path: str | Path) -> IO[str]:
+    """A trace CSV for reading, plain or gzip-compressed (by its `.gz` suffix)."""
+    p = Path(path)
+    if p.suffix == ".gz":
+        return gzip.open(p, "rt", newline="")
+    return p.open(newline="")
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +256,7 @@ def load_trace(path: str | Path = DEFAULT_TRACE) -> Trace:
     ts: list[float] = []
     ctx: list[int] = []
     gen: list[int] = []
-    with Path(path).open(newline="") as f:
+    with open_trace(path) as f:
         reader = csv.DictReader(f)
         missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
         if missing:

@@ -54,7 +54,9 @@ def load_trace(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ts: list[float] = []
     ctx: list[int] = []
     gen: list[int] = []
-    with open(path, newline="") as fh:
+    from floodgate.sim.arrivals import open_trace
+
+    with open_trace(path) as fh:
         for row in csv.DictReader(fh):
             # Timestamps carry 7 fractional digits; fromisoformat takes 6.
             raw = row["TIMESTAMP"].strip()

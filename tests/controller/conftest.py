@@ -12,9 +12,9 @@ from floodgate.controller.signals import (
     ReplicaState,
     ReplicaView,
 )
+from floodgate.sim.arrivals import DEFAULT_TRACE
 
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-TRACE = DATA_DIR / "AzureLLMInferenceTrace_conv.csv"
+TRACE = DEFAULT_TRACE  # the Azure trace shipped with the package (floodgate/sim/data)
 
 
 class FakeClock:
@@ -75,5 +75,5 @@ def signals(
 
 def trace_or_skip() -> Path:
     if not TRACE.is_file():
-        pytest.skip(f"Azure trace not found at {TRACE} (see ../shared/data/README.md)")
+        pytest.skip(f"Azure trace not found at {TRACE} (floodgate/sim/data/README.md)")
     return TRACE

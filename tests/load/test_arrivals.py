@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from floodgate.sim.arrivals import (
+    DEFAULT_TRACE,
     LengthDist,
     Mix,
     PlannedRequest,
@@ -20,8 +21,16 @@ from floodgate.sim.arrivals import (
     trace_plan,
 )
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
-TRACE = DATA / "AzureLLMInferenceTrace_conv.csv"
+TRACE = DEFAULT_TRACE  # shipped with the package (floodgate/sim/data)
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def test_the_bundled_trace_is_the_published_one() -> None:
+    if not SHARED.exists():
+        pytest.skip(f"{SHARED} not present (the project's shared data directory)")
+    a, b = load_trace(TRACE), load_trace(SHARED)
+    assert np.array_equal(a.t, b.t) and np.array_equal(a.prompt_tokens, b.prompt_tokens) and \
+        np.array_equal(a.output_tokens, b.output_tokens)
 
 
 def counts(times: np.ndarray, t0: float, t1: float) -> int:
