@@ -356,9 +356,15 @@ class Admitter:
             if rt.degraded:
                 continue
             tickets = [*rt.held, *rt.credits]
+            released = True
             if tickets:
-                with contextlib.suppress(RedisDown):
+                try:
                     await self.call(rt, "release", partial(rt.state.release, *tickets))
+                except RedisDown:
+                    released = False
+            if released:  # else its leases must expire with its liveness, as after a crash
+                with contextlib.suppress(RedisDown):
+                    await self.call(rt, "leave", partial(rt.state.leave, self.gateway_id))
             rt.held.clear()
             rt.credits.clear()
         if self._background:

@@ -320,6 +320,11 @@ class PoolState:
         ttl = float(self._ttl)
         return {(g.decode() if isinstance(g, bytes) else str(g)): float(score) - ttl for g, score in rows}
 
+    async def leave(self, gateway: str) -> None:
+        """A gateway that stopped cleanly (its permits released) says so: it no longer counts as
+        live (`floodgate status`, the local shares of a Redis outage) for its last TTL."""
+        await self.client.zrem(key(self.pool, "gws"), gateway)
+
     async def status(self, gateway: str = "") -> PoolStatus:
         """A read: never grants, reclaims or stores anything."""
         return PoolStatus.from_reply(await self._script(self.keys, ["status", self._ttl, gateway], read=True))
