@@ -19,13 +19,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from floodgate.stack import LocalStack
-from floodgate.supervisor import Supervisor, free_port
+from floodgate.supervisor import Child, Supervisor, free_port
 
 HELP = """\
 Bring up Floodgate locally: Redis (embedded Valkey), M Floodgate processors, Envoy on
@@ -105,11 +106,24 @@ BURST_MULTIPLIER = 3.0 / 0.7  # the burst offers ~3x the pool's capacity at rest
 class StatusLine:
     """One line a second: queue per priority, in-flight vs limit, admit/reject rates."""
 
-    def __init__(self, metrics_urls: list[str], controller_url: str | None = None) -> None:
+    def __init__(self, metrics_urls: list[str], controller_url: str | None = None,
+                 children: Sequence[Child] = ()) -> None:
         self.urls = metrics_urls
         self.controller_url = controller_url
         self.last: dict[str, float] = {}
         self.last_t = time.monotonic()
+        self.children = list(children)  # the stack's own processes, watched for an exit
+        self.reported: set[str] = set()
+
+    def deaths(self) -> list[str]:
+        """One line for each of the stack's processes that exited since the last look."""
+        out = []
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and c.name not in self.reported:
+                self.reported.add(c.name)
+                out.append(f"floodgate up: {c.name} exited (code {code}); its log: {c.log_path}")
+        return out
 
     async def sample(self, session: aiohttp.ClientSession) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -185,6 +199,8 @@ class StatusLine:
 async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float) -> None:
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
+            for death in status.deaths():
+                print(death, file=sys.stderr, flush=True)
             line = await status.line(session)
             print(f"[{time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
             with contextlib.suppress(TimeoutError):
@@ -293,8 +309,10 @@ def run(args: argparse.Namespace) -> int:
                   f"  redis        {stack.redis_url}\n"
                   f"  replicas     {', '.join(eps)} active (more, and a warm pool, managed by the controller)",
                   file=sys.stderr, flush=True)
+            watched = [c for c in (stack.redis_child, envoy.child, ctl, *(p.child for p in stack.processors))
+                       if c is not None]
             status = StatusLine([p.metrics_url for p in stack.processors],
-                                f"http://127.0.0.1:{ctl_metrics}/metrics")
+                                f"http://127.0.0.1:{ctl_metrics}/metrics", watched)
             if args.no_demo:
                 asyncio.run(_wait_forever(status))
                 return 0

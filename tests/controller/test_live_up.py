@@ -189,3 +189,21 @@ def test_demo_controller_config_shows_promote_drain_and_recycle() -> None:
     assert seen.get("recycle"), "a drained replica goes back into the warm pool"
     final = [r.state for r in reps.values()]
     assert final.count(S.ACTIVE) == 2 and final.count(S.WARM) == 2
+
+
+def test_status_line_reports_a_stack_process_that_exited_once() -> None:
+    import subprocess as sp
+    import sys as _sys
+
+    from floodgate.supervisor import Supervisor
+    from floodgate.up import StatusLine
+
+    with Supervisor() as sup:
+        dead = sup.start("extproc0", [_sys.executable, "-c", "import sys; sys.exit(3)"])
+        alive = sup.start("envoy", [_sys.executable, "-c", "import time; time.sleep(30)"])
+        dead.proc.wait(20)
+        status = StatusLine([], None, [dead, alive])
+        (line,) = status.deaths()
+        assert "extproc0 exited (code 3)" in line and str(dead.log_path) in line
+        assert status.deaths() == []  # said once
+        assert isinstance(alive.proc, sp.Popen) and alive.proc.poll() is None
