@@ -812,8 +812,8 @@ class Controller:
             if self.cfg.metrics_listen:
                 runner = await self.metrics.serve(self.cfg.metrics_listen)
             if self.lease is not None:
-                lease_task = asyncio.create_task(self.lease.run(stop))
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
+                lease_task = asyncio.create_task(self.lease.run(stop))
             while not stop.is_set():
                 t0 = time.monotonic()
                 self._kick.clear()
