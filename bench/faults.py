@@ -646,7 +646,15 @@ FAULT_NAMES = [f.name for f in FAULTS]
 # --------------------------------------------------------------------------- load
 
 
-CLASS_TIMEOUTS = (20.0, 10.0, 5.0)  # the shipped queue timeouts
+def _shipped_timeouts() -> tuple[float, float, float]:
+    """The shipped queue timeouts per class (the processors here run the shipped classes)."""
+    from floodgate.extproc.config import PoolConfig
+
+    c = PoolConfig().classes
+    return (c[0].queue_timeout_s, c[1].queue_timeout_s, c[2].queue_timeout_s)
+
+
+CLASS_TIMEOUTS = _shipped_timeouts()  # 20 / 1.5 / 1 s; was hard-coded 20 / 10 / 5, an old default
 
 
 async def _one(session: Any, h: Harness, rec: Rec, rng: random.Random) -> None:
@@ -774,7 +782,7 @@ def table(results: list[Result], opts: Options) -> str:
         f"L = {opts.limit}, lease TTL {opts.ttl_s:g} s (renewal every {opts.ttl_s / 3:.3g} s), "
         f"reconnect interval {opts.reconnect_s:g} s, "
         f"offered load {opts.load:g}x capacity ({opts.capacity_rps * opts.load:.0f} req/s per loaded pool), "
-        f"priority mix 20/50/30, shipped class timeouts 20/10/5 s.",
+        f"priority mix 20/50/30, shipped class timeouts {'/'.join(f'{t:g}' for t in CLASS_TIMEOUTS)} s.",
         "",
         "| fault | max concurrency (bound) | requests | 200 | 429/503 | 5xx | 5xx on a killed processor's streams "
         "| waited > timeout+1 s | phantom leases / waiters | serving at L again (target) "

@@ -1082,7 +1082,7 @@ samples, so an underestimate of the unloaded p99, kept for comparison with earli
 goodput = output tokens/s of burst arrivals that met the SLO, vs the best steady goodput;
 P2 reject p50 / p99 = time from send to the 429 for rejected P2 requests (in brackets: how many
 of them waited out their queue timeout, of all P2 rejections; the adaptive row's is Envoy's own
-local 429, the floor for client-observed times on this box); P2 reject in processor = the
+local 429, measured in the same invocation: a reference for client-observed times on this box, not a floor, since Floodgate rows have read below it); P2 reject in processor = the
 processor's `floodgate_decision_seconds` for P2 rejections, request headers in to the 429 out
 (p50 / p99 of all; in brackets p99 of those that did not wait out a timeout, histogram buckets
 so interpolated within a bucket; and how many were decided from the last seen state without a
@@ -1171,8 +1171,8 @@ def render_bound(bound: dict[str, Any] | None, rows: Sequence[Row]) -> str:
 own engine model on a virtual clock, the burst's P0 rate, seeds {", ".join(str(x) for x in BOUND_SEEDS)}
 pooled, {alone['p0_count']} P0s per point; the engines' unloaded P0 TTFT p99 {1000 * unl:.0f} ms, every
 request a P0 at the unloaded phase's load). vLLM's default `fcfs` engine queue cannot be
-reordered: a P0 waits for every prompt admitted before it. **Floor** (no policy beats it, under
-the assumptions in `p0_bound.FIFO_NOTE`): the burst's P0s alone, {1000 * alone['p0_ttft_p99_s']:.0f} ms =
+reordered: a P0 waits for every prompt admitted before it. **Floor estimate** (no policy beats it on the
+engine model, under the assumptions in `p0_bound.FIFO_NOTE`; an estimate for this run: other arrivals, and the model rather than the live pool): the burst's P0s alone, {1000 * alone['p0_ttft_p99_s']:.0f} ms =
 **{vs(alone['p0_ttft_p99_s'])}**. **Achievable** (an oracle that knows each engine's queue: P0 at once
 to the replica with the least prefill left; a lower-class request enters a replica only at a
 step's start, while it runs fewer than N sequences and has at most K prompt tokens left to

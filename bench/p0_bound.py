@@ -140,7 +140,9 @@ comes, and how big the batch is.
   assuming (a) a lower-class request never makes a P0's first token earlier on this engine (it
   only adds prefill ahead of or beside the P0 and decodes to every step; checked on the model
   by tests/bench/test_p0_fifo_bound.py with the same P0s) and (b) least-prefill routing is as
-  good for P0 alone as any other.
+  good for P0 alone as any other (asserted, not proven: a clairvoyant router could beat greedy
+  routing at the p99). It is a bound on the engine model for these arrivals; for a live run
+  with other arrivals it is an estimate.
 * Achievable (`fifo_policy` with N, K): an oracle that knows each engine's queue admits every P0
   at once to the replica with the least prefill left, and lets a lower-class request (the
   burst's backlog: one always waits) into a replica only at the start of one of its steps, only
