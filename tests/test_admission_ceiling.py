@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import PoolController, Replica
-from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
+from floodgate.controller.config import ActuatorConfig, AdmissionCeilingConfig, PoolConfig
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
@@ -24,6 +24,8 @@ from floodgate.extproc.state import redis_client
 from floodgate.stack import LocalStack
 from tests.controller.conftest import FakeClock, signals, views
 from tests.helpers import activate, picking_admitter
+
+STATIC = ActuatorConfig(kind="static", endpoints=["127.0.0.1:1"])  # as the StaticActuator below
 
 
 def test_ceiling_turns_on_above_what_it_lets_the_active_hold_and_off_within_their_capacity() -> None:
@@ -80,7 +82,7 @@ async def test_controller_ceiling_caps_the_processor_limit(stack: LocalStack) ->
     policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
     metrics = ControllerMetrics()
     session = aiohttp.ClientSession()
-    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+    pc = PoolController(PoolConfig(name="f", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False),
                                    admission_ceiling=AdmissionCeilingConfig(headroom=1.5, ttl_s=30)),
                         StaticActuator(["127.0.0.1:1"]), c, session, metrics)
     await reg.set_ceiling(99.0, 60)  # a previous leader's
@@ -155,7 +157,7 @@ async def test_disabled_ceiling_publishes_nothing_and_clears_a_left_one(stack: L
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     async with aiohttp.ClientSession() as session:
-        pc = PoolController(PoolConfig(name="g", forecast=ForecastConfig(enabled=False),
+        pc = PoolController(PoolConfig(name="g", actuator=STATIC, forecast=ForecastConfig(enabled=False),
                                        admission_ceiling=AdmissionCeilingConfig(enabled=False)),
                             StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
         await Registry(c, "g").set_ceiling(99.0, 60)  # left by an earlier controller
@@ -180,7 +182,7 @@ async def test_only_a_wait_for_cold_starts_publishes(stack: LocalStack) -> None:
     policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
     metrics = ControllerMetrics()
     async with aiohttp.ClientSession() as session:
-        pc = PoolController(PoolConfig(name="h", policy=policy, forecast=ForecastConfig(enabled=False)),
+        pc = PoolController(PoolConfig(name="h", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False)),
                             StaticActuator(["127.0.0.1:1"]), c, session, metrics)
         clock = FakeClock()
         active = views(clock.now, active=2)

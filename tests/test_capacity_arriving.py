@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import PoolController, Replica
-from floodgate.controller.config import AdmissionCeilingConfig, PoolConfig
+from floodgate.controller.config import ActuatorConfig, AdmissionCeilingConfig, PoolConfig
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
@@ -35,6 +35,8 @@ from tests.helpers import activate, picking_admitter
 
 S = ReplicaState
 TIMES = StartTimes(cold=(15.1, 15.3), wake_awake=(0.05,), wake_asleep=(1.0, 1.2))
+
+STATIC = ActuatorConfig(kind="static", endpoints=["127.0.0.1:1"])  # as the StaticActuator below
 
 
 def test_start_times_keep_the_last_three_and_predict_the_longest() -> None:
@@ -118,7 +120,7 @@ async def test_controller_announces_and_processor_counts_capacity_on_its_way(sta
     reg = Registry(c, "f")
     policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
     session = aiohttp.ClientSession()
-    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+    pc = PoolController(PoolConfig(name="f", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False),
                                    admission_ceiling=AdmissionCeilingConfig(ttl_s=30)),
                         StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
     clock = FakeClock()
@@ -176,7 +178,7 @@ async def test_controller_announces_and_processor_counts_capacity_on_its_way(sta
         assert ra.arriving == ()
         # off: nothing announced, a left announcement cleared
         await reg.set_arriving([(5.0, 2)], 30)
-        off = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+        off = PoolController(PoolConfig(name="f", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False),
                                         admission_ceiling=AdmissionCeilingConfig(announce_arrivals=False)),
                              StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
         off.clock, off.start_times = (lambda: clock.now), TIMES
@@ -308,7 +310,7 @@ async def test_a_late_replica_moves_its_time_and_tells_the_processors(stack: Loc
     await pubsub.ssubscribe(gateway_channel("g", "f"))
     policy = PolicyConfig(min_replicas=1, max_replicas=8, target_concurrency=3.0)
     session = aiohttp.ClientSession()
-    pc = PoolController(PoolConfig(name="f", policy=policy, forecast=ForecastConfig(enabled=False),
+    pc = PoolController(PoolConfig(name="f", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False),
                                    admission_ceiling=AdmissionCeilingConfig(ttl_s=30)),
                         StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics(), tick_interval_s=0.5)
     clock = FakeClock()
