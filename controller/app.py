@@ -162,6 +162,7 @@ class PoolController:
         self.clock = clock
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
+        self._forgotten: set[str] = set()  # dead replicas already dropped from the actuator's books
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
@@ -202,6 +203,7 @@ class PoolController:
         probes = {h.replica_id: look for h, look in zip(unknown, looks, strict=True)}
         for h in handles:
             if not h.running:
+                await self._forget(h)
                 continue
             self._adopt(h, entries[h.replica_id], now, probes.get(h.replica_id))
             if h.endpoint:
@@ -221,6 +223,21 @@ class PoolController:
         assert self.state.history is not None
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
                   next_seq=self.state.next_seq, history_end=self.state.history.end_minute)
+
+    async def _forget(self, h: ReplicaHandle) -> None:
+        """A replica the actuator lists but that no longer runs, and that this controller never
+        knew (it died while no controller ran): drop it from the actuator's books (for the
+        process actuator its table entry, whose pid might otherwise be another process's one
+        day) and say so. Once per replica: an actuator may keep listing a stopped one (static)."""
+        if h.replica_id in self._forgotten:
+            return
+        self._forgotten.add(h.replica_id)
+        try:
+            await self.actuator.stop(h.replica_id)
+        except Exception as exc:  # the next rebuild or reconcile tries again
+            log.warning("%s: could not forget dead replica %s: %s", self.pool, h.replica_id, exc)
+            return
+        self.emit("forgotten", replica=h.replica_id, endpoint=h.endpoint, role=h.role)
 
     async def _probe(self, h: ReplicaHandle) -> tuple[bool, bool | None]:
         """(healthy, asleep) of a running replica; (False, None) when it does not answer."""
@@ -250,6 +267,7 @@ class PoolController:
             rep = self.replicas.get(rid)
             if rep is None:
                 if not h.running:
+                    await self._forget(h)
                     continue
                 # A replica the platform named itself (start returned None): it replaces one
                 # placeholder, so it is not counted twice.

@@ -31,14 +31,26 @@ def sim_command(*extra: str) -> list[str]:
             "--enable-sleep-mode", *extra]
 
 
-def _pid_alive(pid: int) -> bool:
-    # A zombie still has a pid but is dead.
+def _pid_alive(pid: int, created: float | None = None) -> bool:
+    """Is the process we started still running under `pid`? A zombie still has a pid but is
+    dead; a pid the system handed to another process since (its start time differs from the
+    `created` we recorded) is not ours: killing its group would hit a stranger."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        p = psutil.Process(pid)
+        if created is not None and abs(p.create_time() - created) > 0.02:  # clock ticks, 10 ms
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # exists, but we may not look at it
         return True
+
+
+def _created(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 class ProcessActuator:
@@ -79,7 +91,8 @@ class ProcessActuator:
         p = self._procs.get(rid)
         if p is not None:
             return p.poll() is None
-        return _pid_alive(int(self._table[rid]["pid"]))
+        e = self._table[rid]
+        return _pid_alive(int(e["pid"]), e.get("created"))
 
     def _handle(self, rid: str) -> ReplicaHandle:
         e = self._table[rid]
@@ -97,7 +110,8 @@ class ProcessActuator:
         child = await asyncio.to_thread(self.sup.start, f"replica-{replica_id}", argv, self.env or None)
         self._procs[replica_id] = child.proc
         self._table[replica_id] = {"pid": child.proc.pid, "port": port, "endpoint": f"{self.host}:{port}",
-                                   "log": str(child.log_path), "started": time.time(), "role": None}
+                                   "log": str(child.log_path), "started": time.time(), "role": None,
+                                   "created": _created(child.proc.pid)}
         self._save()
         return self._handle(replica_id)
 
@@ -107,6 +121,11 @@ class ProcessActuator:
             return
         pid = int(e["pid"])
         proc = self._procs.pop(replica_id, None)
+        if proc is None and not self._alive(replica_id):
+            # Dead already (or its pid now belongs to another process): only forget it.
+            del self._table[replica_id]
+            self._save()
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s

@@ -155,3 +155,60 @@ async def test_actuator_that_names_replicas_itself_is_adopted_once(stack: LocalS
 
 async def _active(url: str) -> bool:
     return list((await registry_states(url)).values()) == ["active"]
+
+
+async def test_a_reused_pid_is_not_the_replica(stack: LocalStack) -> None:
+    # A replica that died while no controller ran leaves its pid in the table; the system may
+    # hand that pid to another process. That process is not the replica: not listed as
+    # running, and stopping the replica never signals it.
+    import json
+    import subprocess
+    import sys
+
+    state = stack.sup.workdir / "replicas-reuse"
+    act = ProcessActuator([sys.executable, "-c", "import time; time.sleep(60)", "{port}"], state,
+                          supervisor=stack.sup)
+    h = await act.start("r0")
+    assert h is not None and h.running
+    await asyncio.sleep(0.2)  # start times are kept to the clock tick (10 ms)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        os.killpg(int(h.labels["pid"]), 9)
+        table = json.loads((state / "replicas.json").read_text())
+        table["r0"]["pid"] = stranger.pid  # as if the pid had been reused
+        (state / "replicas.json").write_text(json.dumps(table))
+        act2 = ProcessActuator([sys.executable, "-c", "import time; time.sleep(60)", "{port}"], state,
+                               supervisor=stack.sup)
+        (h2,) = await act2.list()
+        assert not h2.running
+        await act2.stop("r0")
+        assert stranger.poll() is None  # untouched
+        assert await act2.list() == []  # forgotten
+    finally:
+        stranger.kill()
+        stranger.wait(5)
+
+
+async def test_a_replica_that_died_while_no_controller_ran_is_forgotten(stack: LocalStack) -> None:
+    from floodgate.controller.app import Controller
+    from tests.controller.live import controller_config
+
+    url = stack.start_redis()
+    state = stack.sup.workdir / "replicas-dead"
+    act = process_actuator(stack, state)
+    h = await act.start("default-r7")
+    assert h is not None
+    os.killpg(int(h.labels["pid"]), 9)
+    assert await wait_for(lambda: _not_running(act, "default-r7"), 5)
+    cfg = controller_config(url, policy={"min_replicas": 0}, warm_pool={"enabled": False})
+    ctl = Controller(cfg, {"default": process_actuator(stack, state)}, holder="t")
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    try:
+        await asyncio.wait_for(ctl.ready.wait(), 15)
+        events = [e for e in ctl.pools["default"].events if e["event"] == "forgotten"]
+        assert [e["replica"] for e in events] == ["default-r7"]
+        assert await process_actuator(stack, state).list() == []
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
