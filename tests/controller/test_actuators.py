@@ -171,7 +171,8 @@ async def test_a_reused_pid_is_not_the_replica(stack: LocalStack) -> None:
     h = await act.start("r0")
     assert h is not None and h.running
     await asyncio.sleep(0.2)  # start times are kept to the clock tick (10 ms)
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    stranger = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-c", "import time; time.sleep(60)"],
+                                       start_new_session=True)
     try:
         os.killpg(int(h.labels["pid"]), 9)
         table = json.loads((state / "replicas.json").read_text())
@@ -191,6 +192,7 @@ async def test_a_reused_pid_is_not_the_replica(stack: LocalStack) -> None:
 
 async def test_a_replica_that_died_while_no_controller_ran_is_forgotten(stack: LocalStack) -> None:
     from floodgate.controller.app import Controller
+
     from tests.controller.live import controller_config
 
     url = stack.start_redis()
