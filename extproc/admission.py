@@ -902,9 +902,9 @@ class Admitter:
         self.metrics.state_rollbacks.labels(rt.cfg.name).inc()
         if rt.degraded or rt.resyncing or self._closing:
             return
-        log.warning("pool %s: Redis lost writes of this processor it had acknowledged (a failover to a "
-                    "replica that missed them, or a restart): re-asserting its permits and waiters now",
-                    rt.cfg.name)
+        log.warning("pool %s: Redis lacks writes of this processor it had acknowledged (a failover to a "
+                    "replica that missed them, a restart, or this process stalled past the lease TTL): "
+                    "re-asserting its permits and waiters now", rt.cfg.name)
         rt.resyncing = True
         self.spawn(self._resync(rt))
 
