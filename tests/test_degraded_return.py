@@ -32,21 +32,22 @@ from tests.helpers import wait_until
 LIMIT = 8
 
 
-def _config(url: str, reconnect_s: float, op_timeout_s: float = 0.25) -> Config:
+def _config(url: str, reconnect_s: float, op_timeout_s: float = 0.25, ttl_s: float = 3) -> Config:
     return Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": op_timeout_s, "reconnect_interval_s": reconnect_s},
+        "redis": {"url": url, "lease_ttl_s": ttl_s, "op_timeout_s": op_timeout_s, "reconnect_interval_s": reconnect_s},
         "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
                    "limit": {"mode": "static", "initial": LIMIT}}]})
 
 
 @contextlib.asynccontextmanager
-async def _fast_and_slow(stack: LocalStack, slow_op_timeout_s: float = 0.25) -> AsyncIterator[tuple[Admitter, Admitter]]:
+async def _fast_and_slow(stack: LocalStack, slow_op_timeout_s: float = 0.25,
+                         ttl_s: float = 3) -> AsyncIterator[tuple[Admitter, Admitter]]:
     """Two processors of one pool on a fresh Redis: `fast` retries Redis every 0.1 s while
     degraded, `slow` every 2 s."""
     url = stack.start_redis()
     clients = [redis_client(url, op_timeout_s=0.25) for _ in range(2)]
-    fast = Admitter(_config(url, 0.1), clients[0], metrics=Metrics(), gateway_id="fast")
-    slow = Admitter(_config(url, 2.0, slow_op_timeout_s), clients[1], metrics=Metrics(), gateway_id="slow")
+    fast = Admitter(_config(url, 0.1, ttl_s=ttl_s), clients[0], metrics=Metrics(), gateway_id="fast")
+    slow = Admitter(_config(url, 2.0, slow_op_timeout_s, ttl_s), clients[1], metrics=Metrics(), gateway_id="slow")
     await fast.start()
     await slow.start()
     try:
@@ -161,8 +162,12 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
     """Redis frozen for longer than the lease TTL forgets every permit; each processor's
     reconcile puts its own back. One that switched back before another had reconciled would
     admit from a Redis that does not count the other's permits. So the fast one stays local
-    until the slow one (retrying every 2 s) has reconciled, with requests arriving all along."""
-    async with _fast_and_slow(stack) as (fast, slow):
+    until the slow one (retrying every 2 s) has reconciled, with requests arriving all along.
+    (A TTL after its own return the fast one goes back anyway: a peer that never reconciles
+    must not hold it local for ever. The 6 s TTL leaves the slow one three tries before that;
+    with 3 s, one failed try on a loaded box, at a 0.25 s call timeout, was enough to read as
+    "early".)"""
+    async with _fast_and_slow(stack, ttl_s=6) as (fast, slow):
         assert stack.redis_child is not None
         rf, rs = fast.pools["a"], slow.pools["a"]
         frozen = False
@@ -191,7 +196,7 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-            await asyncio.sleep(3.5)  # past the 3 s TTL: Redis comes back holding nothing
+            await asyncio.sleep(6.5)  # past the 6 s TTL: Redis comes back holding nothing
             stack.redis_child.kill(signal.SIGCONT)
             frozen = False
             assert await wait_until(lambda: not rf.degraded and not rs.degraded, 15)
