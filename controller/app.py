@@ -242,7 +242,7 @@ class PoolController:
     async def _probe(self, h: ReplicaHandle) -> tuple[bool, bool | None]:
         """(healthy, asleep) of a running replica; (False, None) when it does not answer."""
         assert h.endpoint is not None
-        client = VllmClient(self.session, h.endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
+        client = self._client_at(h.endpoint)
         try:
             return await client.health(), await client.is_sleeping()
         except (VllmError, aiohttp.ClientError, TimeoutError, ValueError):
@@ -507,7 +507,10 @@ class PoolController:
 
     def _client(self, rep: Replica) -> VllmClient:
         assert rep.endpoint is not None
-        return VllmClient(self.session, rep.endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
+        return self._client_at(rep.endpoint)
+
+    def _client_at(self, endpoint: str) -> VllmClient:
+        return VllmClient(self.session, endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
 
     async def _set_registry(self, rep: Replica) -> None:
         st = registry_state(rep.view)

@@ -49,11 +49,11 @@ def security_warnings(cfg: Config) -> list[str]:
     """What a config leaves open that docs/operations.md's threat model says to close."""
     out = []
     host = _split(cfg.server.listen)[0]
-    if cfg.server.tls is None and host not in ("127.0.0.1", "::1", "localhost"):
+    beyond_loopback = host not in ("127.0.0.1", "::1", "localhost")
+    if cfg.server.tls is None and beyond_loopback:
         out.append(f"server.listen {cfg.server.listen} is beyond loopback without server.tls: whoever reaches "
                    "it can open ext_proc streams claiming any caller (restrict it with a NetworkPolicy or mesh mTLS)")
-    elif cfg.server.tls is not None and not cfg.server.tls.client_ca_file and host not in ("127.0.0.1", "::1",
-                                                                                            "localhost"):
+    elif cfg.server.tls is not None and not cfg.server.tls.client_ca_file and beyond_loopback:
         out.append(f"server.listen {cfg.server.listen} is beyond loopback with server.tls but no client_ca_file: "
                    "the channel is encrypted, yet any client that reaches it can open ext_proc streams claiming "
                    "any caller (set client_ca_file to Envoy's CA, or restrict the port)")
