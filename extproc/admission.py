@@ -43,6 +43,7 @@ from floodgate.extproc.backends import (
     Waiter,
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
+from floodgate.extproc.ejection import EjectionSettings, Ejector
 from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.limit import (
     Latency,
@@ -147,6 +148,7 @@ class PoolRuntime:
     picker: Picker
     client: aioredis.Redis  # this pool's Redis client (on a Cluster, one per pool)
     pubsub_client: AnyRedis
+    ejector: Ejector  # endpoints that refused connections (endpoint picking): extproc/ejection.py
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
@@ -301,7 +303,9 @@ class Admitter:
                 local=PermitTable(limit=p.limit.initial, shares=settings.shares),
                 limit=limit_for(p),
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
-                client=pc, pubsub_client=ps)
+                client=pc, pubsub_client=ps,
+                ejector=Ejector(EjectionSettings(p.eject_after_failures if p.endpoint_picking else 0,
+                                                 p.eject_base_s, p.eject_max_s)))
             rt.state.on_grant = partial(self._granted, rt)
             rt.state.on_lost = partial(self._lost_writes, rt)
             self.pools[p.name] = rt
@@ -729,7 +733,31 @@ class Admitter:
 
     def any_active_endpoint(self, pool: str) -> str | None:
         """An active endpoint for a request that is routed without admission (e.g. /v1/models)."""
-        return self.pools[pool].picker.any_active(self.rng())
+        rt = self.pools[pool]
+        return rt.picker.any_active(self.rng(), rt.ejector.ejected(self.clock()))
+
+    def endpoint_outcome(self, pool: str, endpoint: str, connect_failed: bool) -> None:
+        """A request routed to `endpoint` got its response headers: from the endpoint, or from
+        Envoy because it could not connect (response flag UF). Enough failures in a row eject
+        the endpoint from every processor's picks (extproc/ejection.py)."""
+        rt = self.pools.get(pool)
+        if rt is None or not endpoint or not rt.ejector.settings.on:
+            return
+        if not connect_failed:
+            rt.ejector.answered(endpoint)
+            return
+        length = rt.ejector.failed(endpoint, self.clock())
+        if length is None:
+            return
+        self.child(self.metrics.ejections, (pool,)).inc()
+        log.warning("pool %s: endpoint %s refused connections: every processor's picks avoid it for %.0f s",
+                    pool, endpoint, length)
+        if not rt.degraded:
+            self.spawn(self._eject(rt, endpoint, length))
+
+    async def _eject(self, rt: PoolRuntime, endpoint: str, length: float) -> None:
+        with contextlib.suppress(RedisDown):  # degraded: this process's own picks still avoid it
+            await self.call(rt, "eject", lambda: rt.state.eject(endpoint, length))
 
     # ---------------------------------------------------------------- release
 
@@ -1022,6 +1050,7 @@ class Admitter:
             seen = rt.capacity_view()
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            rt.ejector.forget(set(rt.picker.active))
             n = len(rt.picker.active)
             rt.see_endpoints(self.clock(), n)
             if rt.follows_ceiling():

@@ -177,6 +177,11 @@ class PoolConfig(_Strict):
     prefill_max_request_tokens: float = Field(
         default=MAX_REQUEST_TOKENS, ge=1,
         description="With `prefill_bytes_per_token`: the most prompt tokens one request counts for, whatever its body's size (a base64 image, padding): bounds how far one request can push its endpoint's estimate, and so how long it can hold lower classes back while a P0 is in flight.")
+    eject_after_failures: int = Field(
+        default=3, ge=0, le=1000,
+        description="With endpoint picking: after this many requests in a row that could not connect to an endpoint (Envoy's response flag UF: refused or timed-out connect), no other request answered by it in between, the processor ejects it: every processor's picks avoid it for `eject_base_s` (doubled at each further ejection without an answered request, up to `eject_max_s`), unless every active endpoint is ejected. Needs `response.flags` in the filter's `response_attributes` (the shipped include sends it). Without it a dead replica draws most requests until the controller removes it from the registry: its requests fail at once, so it always has the fewest permits. 0 = off (docs/admission.md, \"Dead endpoints\").")
+    eject_base_s: float = Field(default=10.0, gt=0, le=3600, description="With `eject_after_failures`: how long the first ejection of an endpoint lasts.")
+    eject_max_s: float = Field(default=120.0, gt=0, le=3600, description="With `eject_after_failures`: the longest an ejection lasts (each further one doubles the one before).")
     engine_priority: dict[Priority, int] = Field(
         default_factory=dict,
         description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
@@ -192,6 +197,12 @@ class PoolConfig(_Strict):
         for entry in v:
             parse_rule(entry)
         return v
+
+    @model_validator(mode="after")
+    def _eject_times(self) -> PoolConfig:
+        if self.eject_max_s < self.eject_base_s:
+            raise ValueError(f"eject_max_s ({self.eject_max_s}) is below eject_base_s ({self.eject_base_s})")
+        return self
 
     @field_validator("classes")
     @classmethod

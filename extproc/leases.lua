@@ -66,7 +66,9 @@ local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive
 -- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
 -- vegas_x) are read only by get_limit.
 local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p',
-                      'ramp:x'}
+                      'ramp:x', 'ej'}
+-- Ejected endpoints (`eject`) kept in the state field `ej`: at most this many, the latest-ending.
+local EJECT_MAX = 64
 
 -- Parsed settings kept between calls (a library's upvalues live until it is reloaded), per
 -- settings key, checked against the `stamp` that `configure` writes with each new version.
@@ -424,11 +426,39 @@ local function size_arg(v)
   return nil
 end
 
--- The active endpoints (sorted) and their estimates at `now`, read once per call (the registry
--- is written outside the script, so neither changes within a call but by this call's picks).
+-- The ejected endpoints (extproc/ejection.py): state `ej` = "endpoint|until_ms ..." (space
+-- separated; an endpoint holds neither '|' nor a space). {endpoint, until} of those not ended.
+local function ejections()
+  local out = {}
+  local raw = state().ej
+  if raw and raw ~= '' then
+    for ep, u in string.gmatch(raw, '([^|%s]+)|(%d+)') do
+      u = u + 0
+      if u > now then out[#out + 1] = {ep, u} end
+    end
+  end
+  return out
+end
+
+-- The active endpoints a grant may go to: without the ejected ones, unless every one is.
+local function unejected(eps)
+  local ej = ejections()
+  if #ej == 0 then return eps end
+  local out, gone = {}, {}
+  for _, x in ipairs(ej) do gone[x[1]] = true end
+  for _, ep in ipairs(eps) do
+    if not gone[ep] then out[#out + 1] = ep end
+  end
+  if #out == 0 then return eps end
+  return out
+end
+
+-- The active endpoints (sorted, ejected ones left out: `unejected`) and their estimates at `now`,
+-- read once per call (the registry is written outside the script, so neither changes within a
+-- call but by this call's picks).
 local function pf_read()
   if PF then return PF end
-  local eps = redis.call('SMEMBERS', K.active)
+  local eps = unejected(redis.call('SMEMBERS', K.active))
   table.sort(eps)
   local lv = {}
   if #eps > 0 and pf_on() then
@@ -1179,6 +1209,29 @@ function OPS.set_limit(ARGV)
   set_state('version', tostring(version + 1))
   grant_loop()
   return {'ok', '1', 'version', tostring(version + 1)}
+end
+
+function OPS.eject(ARGV)
+  -- ARGV 3 endpoint, 4 milliseconds: the pick and the prefill pacing leave the endpoint out
+  -- until then (a longer ejection already stored stands). Ended ones are dropped here.
+  local ep, dur = ARGV[3] or '', tonumber(ARGV[4] or '')
+  if ep == '' or string.find(ep, '[|%s]') or not dur or dur <= 0 or dur ~= dur or dur == math.huge then
+    return redis.error_reply('ERR eject: bad endpoint or duration')
+  end
+  local until_ms = now + math.floor(dur)
+  local keep = {}
+  for _, x in ipairs(ejections()) do
+    if x[1] == ep then until_ms = math.max(until_ms, x[2]) else keep[#keep + 1] = x end
+  end
+  keep[#keep + 1] = {ep, until_ms}
+  if #keep > EJECT_MAX then
+    table.sort(keep, function(a, b) return a[2] > b[2] end)
+    for i = #keep, EJECT_MAX + 1, -1 do keep[i] = nil end
+  end
+  local parts = {}
+  for i, x in ipairs(keep) do parts[i] = x[1] .. '|' .. intstr(x[2]) end
+  set_state('ej', table.concat(parts, ' '))
+  return intstr(until_ms - now)
 end
 
 -- The ops a processor may batch into one call (`batch`).

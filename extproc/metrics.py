@@ -61,6 +61,9 @@ class Metrics:
             "floodgate_sampled_body_chunks", "Response body chunks of sampled requests that reached the processor "
             "(one ext_proc message each; streaming stops once the latency is measured).",
             ["pool"], registry=r)
+        self.ejections = Counter(
+            "floodgate_endpoint_ejections", "Endpoints this processor ejected from the pool's picks after connection "
+            "failures (pool.eject_after_failures).", ["pool"], registry=r)
         self.releases = Counter(
             "floodgate_releases", "Permits released, by how the request ended.",
             ["pool", "reason"], registry=r)

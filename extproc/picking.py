@@ -4,7 +4,8 @@ With `endpoint_picking`, the shared grant (leases.lua `pick`) routes each admitt
 the least-loaded active endpoint atomically with the grant (the least estimated prefill queued,
 then the fewest permits: extproc/prefill.py). This module holds the rest: the
 processor's cached view of the active endpoints (refreshed from the registry every second),
-the pick while Redis is unreachable (least of this process's own requests), the endpoint for
+the pick while Redis is unreachable (least of this process's own requests, not an endpoint it
+ejected: extproc/ejection.py), the endpoint for
 requests admitted without a permit, and `accept`, the hook through which an endpoint may be
 refused (e.g. an address allowlist) — a refused or missing endpoint makes the permit go back
 and the request get 503 `no_endpoints`.
@@ -13,7 +14,7 @@ and the request get 503 `no_endpoints`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 
 class Picker:
@@ -31,14 +32,24 @@ class Picker:
             return True
         return bool(endpoint) and (self._accept is None or self._accept(endpoint))
 
-    def pick_local(self, routed: Iterable[str]) -> str:
-        """Degraded pick: the active endpoint with the fewest of this process's requests
-        (`routed`: the endpoints of the permits it holds). '' if picking is off or none is known."""
-        if not self.enabled or not self.active:
-            return ""
-        load = Counter(ep for ep in routed if ep in self.active)
-        return min(self.active, key=lambda ep: load[ep])
+    def usable(self, avoid: Collection[str] = ()) -> list[str]:
+        """The active endpoints without those in `avoid` (ejected: extproc/ejection.py), unless
+        that leaves none."""
+        if not avoid:
+            return self.active
+        return [ep for ep in self.active if ep not in avoid] or self.active
 
-    def any_active(self, rand: float) -> str | None:
+    def pick_local(self, routed: Iterable[str], avoid: Collection[str] = ()) -> str:
+        """Degraded pick: the active endpoint with the fewest of this process's requests
+        (`routed`: the endpoints of the permits it holds), not one in `avoid` unless all are.
+        '' if picking is off or none is known."""
+        eps = self.usable(avoid)
+        if not self.enabled or not eps:
+            return ""
+        load = Counter(ep for ep in routed if ep in eps)
+        return min(eps, key=lambda ep: load[ep])
+
+    def any_active(self, rand: float, avoid: Collection[str] = ()) -> str | None:
         """An active endpoint for a request routed without admission (e.g. /v1/models)."""
-        return self.active[int(rand * len(self.active)) % len(self.active)] if self.active else None
+        eps = self.usable(avoid)
+        return eps[int(rand * len(eps)) % len(eps)] if eps else None

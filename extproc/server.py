@@ -28,6 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import Config
+from floodgate.extproc.ejection import connect_failed
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
 from floodgate.extproc.prefill import prompt_tokens
@@ -209,6 +210,7 @@ class _Exchange:
     status: int | None = None
     meter: LatencyMeter | None = None  # sampled: what its body chunks measured
     finished: bool = False
+    connect_failed: bool = False  # Envoy could not connect to the upstream (response flag UF)
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -351,6 +353,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":
                     ex.status = status_of(msg.response_headers)
+                    if result.endpoint:
+                        attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
+                        ex.connect_failed = connect_failed(_attr(attrs, "response.flags"))
+                        self.admitter.endpoint_outcome(pool, result.endpoint, ex.connect_failed)
                     if len(msg.response_headers.headers.headers) + INFO_HEADERS <= self.cfg.server.max_headers:
                         yield _response_headers_reply(decision.priority, queue_ms)
                     else:
@@ -415,7 +421,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         cancelled one or another 5xx says nothing.
         Which latency signal the limit uses is the limit's business (`limit.signal`)."""
         if ex.status is not None and ex.status >= 500:
-            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES else "ignored")
+            # A replica that refuses connections is dead, not overloaded (ejection handles it).
+            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES and not ex.connect_failed else "ignored")
             return
         if reason != "stream_end" or ex.status is None:
             ex.permit.finish("ignored")

@@ -340,6 +340,11 @@ class PoolState:
             st = replace(st, endpoints=int(x[3]))
         return LimitRecord(st, int(f["version"]))
 
+    async def eject(self, endpoint: str, seconds: float) -> float:
+        """Leave `endpoint` out of every processor's picks for `seconds` (extproc/ejection.py;
+        a longer ejection already stored stands). Returns the seconds it is ejected for."""
+        return int(await self._run("eject", endpoint, max(1, round(seconds * 1000)))) / 1000.0
+
     async def set_limit(self, expected_version: int, st: VegasState, ramp_credit: int = 0,
                         credit_s: float = 0.0) -> bool:
         """Compare-and-set the limit. `ramp_credit` (with the onset ramp on): growth lower

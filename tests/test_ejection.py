@@ -1,0 +1,262 @@
+"""Dead endpoints: the ejection rule (extproc/ejection.py, fake clock), the grant script's
+`eject` and the picks that avoid an ejected endpoint (real Redis, the script's clock set), and
+the whole path through the real Envoy: a replica killed while requests are in flight, with the
+controller not running (nothing removes it from the registry)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from floodgate.extproc.config import PoolConfig
+from floodgate.extproc.ejection import EjectionSettings, Ejector, connect_failed
+from floodgate.extproc.picking import Picker
+from floodgate.extproc.prefill import PrefillEstimate, PrefillSettings
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.schema import PoolSettings, key
+from floodgate.extproc.state import PoolState, redis_client
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.conftest import ROOT
+from tests.helpers import get_json, metrics, post, wait_until
+
+EPS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+
+
+# ------------------------------------------------------------------ the rule (pure)
+
+def test_connect_failed_reads_envoys_uf_flag_only() -> None:
+    assert connect_failed(32) and connect_failed(32.0) and connect_failed(0x20 | 0x10)
+    assert not connect_failed(0) and not connect_failed(None) and not connect_failed(0x10)  # UR: not UF
+    assert not connect_failed("x") and not connect_failed(float("nan")) and not connect_failed(float("inf"))  # type: ignore[arg-type]
+
+
+def test_ejected_after_consecutive_failures_and_an_answer_starts_over() -> None:
+    e = Ejector(EjectionSettings(consecutive_failures=3, base_s=10, max_s=120))
+    assert e.failed("a", 0.0) is None and e.failed("a", 0.1) is None
+    e.answered("a")  # an answered request in between: the count starts over
+    assert e.failed("a", 0.2) is None and e.failed("a", 0.3) is None
+    assert e.failed("a", 0.4) == 10  # third in a row
+    assert e.ejected(0.5) == {"a"} and e.ejected(10.39) == {"a"} and e.ejected(10.41) == set()
+    # requests in flight when it was ejected fail too: they do not lengthen the ejection
+    assert e.failed("a", 1.0) is None and e.ejected(10.41) == set()
+    # after it ends, one failure ejects it again, for twice as long (nothing answered since)
+    assert e.failed("a", 11.0) == 20 and e.failed("a", 31.5) == 40 and e.failed("a", 72.0) == 80
+    assert e.failed("a", 153.0) == 120 and e.failed("a", 274.0) == 120  # capped at max_s
+    e.answered("a")  # it came back: the first ejection is short again, after three failures
+    assert [e.failed("a", 400.0 + i) for i in range(3)] == [None, None, 10]
+    # endpoints are independent; an endpoint left the registry: its record goes
+    assert e.failed("b", 500.0) is None
+    e.forget({"a"})
+    assert [e.failed("b", 501.0 + i) for i in range(3)] == [None, None, 10]
+
+
+def test_ejection_off() -> None:
+    e = Ejector(EjectionSettings(consecutive_failures=0))
+    assert all(e.failed("a", float(i)) is None for i in range(10)) and not e.ejected(5.0)
+    assert Ejector(EjectionSettings()).failed("", 0.0) is None  # no endpoint picked: nothing to eject
+
+
+def test_local_picks_avoid_ejected_endpoints_unless_all_are() -> None:
+    p = Picker(True)
+    p.update(EPS)
+    assert p.pick_local([EPS[1], EPS[2]], avoid={EPS[0]}) in (EPS[1], EPS[2])
+    assert p.pick_local([EPS[1]], avoid={EPS[0]}) == EPS[2]
+    assert p.pick_local([], avoid=set(EPS)) == EPS[0]  # all ejected: all usable
+    assert {p.any_active(r / 10, avoid={EPS[1]}) for r in range(10)} == {EPS[0], EPS[2]}
+    assert p.any_active(0.5, avoid=set(EPS)) in EPS
+
+
+def test_config_rejects_a_max_below_the_base() -> None:
+    with pytest.raises(ValidationError, match="eject_max_s"):
+        PoolConfig.model_validate({"eject_base_s": 30, "eject_max_s": 10})
+    assert PoolConfig().eject_after_failures == 3
+
+
+# ------------------------------------------------------------------ the script
+
+PICK = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True)
+PACED = PoolSettings(1000, (0.0, 0.0, 0.0), picking=True, pf_rate=6000.0, pf_size=512.0, pf_k=512.0)
+
+
+async def _pool(c: Any, pool: str, settings: PoolSettings) -> PoolState:
+    reg = Registry(c, pool)
+    for i, ep in enumerate(EPS):
+        await reg.set(ep, "active", f"r{i}")
+    return PoolState(c, pool, lease_ttl_s=600, settings=settings)
+
+
+async def test_script_picks_avoid_an_ejected_endpoint_until_it_ends(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    clock = key("ej", "testclock")
+    try:
+        st = await _pool(c, "ej", PICK)
+        await c.set(clock, 1_000_000)
+        assert await st.eject(EPS[0], 10) == 10.0
+        eps = [(await st.acquire(f"g:{i}", "g", i + 1, 1, "")).endpoint for i in range(6)]
+        assert sorted(eps) == [EPS[1]] * 3 + [EPS[2]] * 3
+        # a shorter ejection does not cut a longer one short; a longer one extends it
+        assert await st.eject(EPS[0], 2) == 10.0
+        await c.set(clock, 1_009_000)
+        assert await st.eject(EPS[0], 5) == 5.0  # 1 s left < 5 s asked
+        await c.set(clock, 1_014_001)  # ended: the least-loaded endpoint again
+        assert (await st.acquire("g:7", "g", 7, 1, "")).endpoint == EPS[0]
+        # every active endpoint ejected: picks go on among all of them
+        for ep in EPS:
+            await st.eject(ep, 30)
+        assert (await st.acquire("g:8", "g", 8, 1, "")).endpoint == EPS[0]
+        # bad arguments are refused and change nothing
+        for ep, ms in (("a b:1", 10), ("a|b", 10), ("", 10), (EPS[1], 0), (EPS[1], -5)):
+            with pytest.raises(ResponseError, match="eject"):
+                await st._run("eject", ep, ms)
+        with pytest.raises(ResponseError, match="eject"):
+            await st._run("eject", EPS[1], "nan")
+        # at most 64 ejections are kept: the latest-ending ones
+        for i in range(80):
+            await st.eject(f"10.1.0.{i}:8000", 100 + i)
+        raw = (await c.hget(key("ej", "state"), "ej")).decode()
+        kept = dict(x.split("|") for x in raw.split())
+        assert len(kept) == 64 and "10.1.0.79:8000" in kept and "10.1.0.0:8000" not in kept
+    finally:
+        await c.aclose()
+
+
+async def test_script_pacing_ignores_an_ejected_endpoints_empty_estimate(stack: LocalStack) -> None:
+    """A dead endpoint's estimate drains to 0 (its requests fail at once), which would open the
+    prefill pacing for lower classes while a P0 runs however full the live endpoints are. Ejected,
+    it is left out of the pacing as of the pick (the model with the live endpoints only)."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    clock = key("ejp", "testclock")
+    try:
+        st = await _pool(c, "ejp", PACED)
+        model = PrefillEstimate(PrefillSettings(rate=6000.0, request_tokens=512.0, pace_tokens=512.0))
+        now = 2_000_000
+        await c.set(clock, now)
+        await st.eject(EPS[2], 60)
+        live = EPS[:2]
+        p0 = await st.acquire("g:0", "g", 1, 0, "", tokens=4000)  # a P0 in flight, 4000 tokens routed
+        model.routed(p0.endpoint, now, 4000)
+        assert p0.endpoint in live
+        other = await st.acquire("g:1", "g", 2, 0, "", tokens=4000)
+        model.routed(other.endpoint, now, 4000)
+        assert {p0.endpoint, other.endpoint} == set(live)
+        # both live endpoints hold 4000 tokens: a P2 is paced although EPS[2] holds none
+        assert model.open(2, 2, live, now) is False
+        assert not (await st.acquire("g:2", "g", 3, 2, "", tokens=100)).granted
+        now += 700  # 4200 tokens drained on each: the least is 0, the pacing opens
+        await c.set(clock, now)
+        assert model.open(2, 2, live, now) is True
+        assert (await st.acquire("g:3", "g", 4, 2, "", tokens=100)).endpoint in live
+    finally:
+        await c.aclose()
+
+
+# ------------------------------------------------------------------ end to end
+
+def _cfg(**pool: Any) -> dict[str, Any]:
+    return {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+            "pools": [{"name": "default", "endpoint_picking": True, "limit": {"mode": "static", "initial": 50},
+                       **pool}]}
+
+
+@pytest.mark.integration
+async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: LocalStack) -> None:
+    """Three replicas behind two processors and the real Envoy, no controller: one is killed
+    while streams are in flight and requests keep coming. Before ejection it drew most requests
+    (each failed at once, so it had the fewest permits: 67 % of requests failed in an operator's
+    test). Now the failures stop after a few; the other processor's picks avoid it too; a
+    connect failure does not lower the limit; once it is back and its ejection ends it is
+    picked again."""
+    stack.start_redis()
+    ports, ups = [], []
+    for i in range(3):
+        port = free_port()
+        ups.append(stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
+                                        name=f"up{i}", port=port))
+        ports.append(port)
+    cfg = _cfg(eject_base_s=4, eject_max_s=8)
+    a = stack.start_processor(cfg)
+    b = stack.start_processor(cfg)
+    env_a = stack.start_envoy([], picking=True, processors=[a])
+    env_b = stack.start_envoy([], picking=True, processors=[b])
+    c = redis_client(stack.redis_url, op_timeout_s=5)
+    reg = Registry(c, "default")
+    dead = f"127.0.0.1:{ports[2]}"
+    try:
+        for i, p in enumerate(ports):
+            await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+        slow = {"x-test-chunks": "20", "x-test-delay-ms": "100"}  # 2 s streams
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            in_flight = [asyncio.create_task(post(s, (env_a if i % 2 else env_b).url, headers=slow))
+                         for i in range(9)]
+            await asyncio.sleep(0.5)
+            ups[2].kill()  # SIGKILL mid-stream: its three streams are cut
+            await asyncio.sleep(0.2)
+            results = []
+            for _ in range(20):  # keep sending through both gateways
+                results += await asyncio.gather(*(post(s, env.url) for env in (env_a, env_b) for _ in range(3)))
+            failed = [r for r in results if r.status != 200]
+            assert len(results) == 120
+            # each processor: at most `eject_after_failures` (3) plus what was in the air at once (3)
+            assert len(failed) <= 12, [(r.status, r.body[:80]) for r in failed]
+            assert all(r.status == 503 for r in failed)
+            cut = await asyncio.gather(*in_flight)
+            assert sum(1 for r in cut if r.status == 200) >= 6  # the live replicas' streams completed
+            ma = await metrics(s, a.metrics_url)
+            mb = await metrics(s, b.metrics_url)
+            assert ma.get('floodgate_endpoint_ejections_total{pool="default"}', 0) + \
+                mb.get('floodgate_endpoint_ejections_total{pool="default"}', 0) >= 1
+            # a connection failure says nothing about overload: no drop reached the limit
+            assert all(m.get('floodgate_limit{pool="default"}') == 50 for m in (ma, mb))
+            raw = await c.hget(key("default", "state"), "ej")
+            assert raw is not None and dead in raw.decode()
+            # the replica comes back on the same port; after its ejection it is picked again
+            stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(ports[2])],
+                                 name="up2b", port=ports[2])
+
+            async def served_again() -> bool:
+                replies = await asyncio.gather(*(post(s, env_a.url) for _ in range(6)))
+                assert all(r.status == 200 for r in replies), [r.status for r in replies]
+                stats = await get_json(s, f"http://127.0.0.1:{ports[2]}/stats")
+                return bool(stats["total"] > 0)
+            assert await wait_until(served_again, 20, interval=0.5)
+    finally:
+        await c.aclose()
+
+
+@pytest.mark.integration
+async def test_without_ejection_a_dead_replica_draws_most_requests(stack: LocalStack) -> None:
+    """The failure the ejection fixes, reproduced with it off (`eject_after_failures: 0`): the
+    dead endpoint always has the fewest permits, so most requests go there and fail. Keeps the
+    end-to-end test above honest: its setup does produce the failure."""
+    stack.start_redis()
+    ports = []
+    for i in range(2):
+        port = free_port()
+        stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
+                             name=f"up{i}", port=port)
+        ports.append(port)
+    stack.start_processor(_cfg(eject_after_failures=0))
+    envoy = stack.start_envoy([], picking=True)
+    c = redis_client(stack.redis_url, op_timeout_s=5)
+    reg = Registry(c, "default")
+    try:
+        for i, p in enumerate([*ports, free_port()]):  # the third: nothing listens there
+            await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+        slow = {"x-test-chunks": "4", "x-test-delay-ms": "50"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            results = []
+            for _ in range(10):
+                results += await asyncio.gather(*(post(s, envoy.url, headers=slow) for _ in range(6)))
+        failed = sum(1 for r in results if r.status == 503)
+        assert failed >= len(results) // 3, failed
+    finally:
+        await c.aclose()
