@@ -103,6 +103,20 @@ def lease_gateway(lmeta: str) -> str:
     return parts[1] if len(parts) == 3 else ""
 
 
+EJECTED_FIELD = "ej"  # in the pool's `state` hash: ejected endpoints (leases.lua `eject`)
+
+
+def parse_ejections(raw: str | bytes | None) -> dict[str, int]:
+    """The `ej` field of a pool's state: endpoint -> until (ms of the script's clock), ended ones
+    included (the script drops them at its next `eject`). A malformed entry is skipped."""
+    out: dict[str, int] = {}
+    for item in _text(raw or "").split():
+        ep, sep, until = item.rpartition("|")
+        if sep and ep and until.isdigit():
+            out[ep] = int(until)
+    return out
+
+
 def demand_field(cls: int, outcome: str) -> str:
     return f"{cls}:{outcome}"
 

@@ -54,6 +54,7 @@ class EndpointStatus:
     replica: str
     inflight: int
     since_s: float
+    ejected_s: float = 0.0  # seconds its ejection from the picks has left (docs/admission.md, "Dead endpoints")
 
 
 @dataclass
@@ -109,9 +110,11 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
         # Unexpired leases and no liveness record yet (it is written on the first renewal).
         gateways.setdefault(gw, GatewayStatus(gw, True, 0.0, n))
     registry: dict[str, list[EndpointStatus]] = {s: [] for s in STATES}
+    ejected = schema.parse_ejections(await client.hget(schema.key(pool, "state"), schema.EJECTED_FIELD))
     for ep in (await Registry(client, pool).endpoints()).values():
         registry.setdefault(ep.state, []).append(
-            EndpointStatus(ep.endpoint, ep.state, ep.replica_id, ep.inflight, max(0.0, (now_ms - ep.since_ms) / 1000)))
+            EndpointStatus(ep.endpoint, ep.state, ep.replica_id, ep.inflight, max(0.0, (now_ms - ep.since_ms) / 1000),
+                           max(0.0, (ejected.get(ep.endpoint, 0) - now_ms) / 1000)))
     for eps in registry.values():
         eps.sort(key=lambda e: e.endpoint)
     return PoolReport(pool, st.limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
@@ -153,7 +156,8 @@ def render(reports: list[PoolReport]) -> str:
         for state, eps in r.registry.items():
             for e in eps:
                 lines.append(f"    {state:<9} {e.endpoint:<22} {e.replica:<24} in-flight {e.inflight:>3}  "
-                             f"for {e.since_s:.0f} s")
+                             f"for {e.since_s:.0f} s"
+                             + (f"  EJECTED (refused connections) for {e.ejected_s:.0f} s more" if e.ejected_s else ""))
     return "\n".join(lines)
 
 

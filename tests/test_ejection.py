@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Any
 
 import aiohttp
@@ -16,12 +17,13 @@ from floodgate.extproc.ejection import EjectionSettings, Ejector, connect_failed
 from floodgate.extproc.picking import Picker
 from floodgate.extproc.prefill import PrefillEstimate, PrefillSettings
 from floodgate.extproc.registry import Registry
-from floodgate.extproc.schema import PoolSettings, key
+from floodgate.extproc.schema import PoolSettings, key, parse_ejections
 from floodgate.extproc.state import PoolState, redis_client
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from floodgate.stack import LocalStack
+from floodgate.status import read_pool, render
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
 from tests.helpers import get_json, metrics, post, wait_until
@@ -73,6 +75,11 @@ def test_local_picks_avoid_ejected_endpoints_unless_all_are() -> None:
     assert p.any_active(0.5, avoid=set(EPS)) in EPS
 
 
+def test_parse_ejections_skips_malformed_entries() -> None:
+    assert parse_ejections(b"10.0.0.1:80|123 [fd00::1]:80|456 bad |7 x|y z|") == {"10.0.0.1:80": 123, "[fd00::1]:80": 456}
+    assert parse_ejections(None) == {} and parse_ejections("") == {}
+
+
 def test_config_rejects_a_max_below_the_base() -> None:
     with pytest.raises(ValidationError, match="eject_max_s"):
         PoolConfig.model_validate({"eject_base_s": 30, "eject_max_s": 10})
@@ -102,6 +109,13 @@ async def test_script_picks_avoid_an_ejected_endpoint_until_it_ends(stack: Local
         assert await st.eject(EPS[0], 10) == 10.0
         eps = [(await st.acquire(f"g:{i}", "g", i + 1, 1, "")).endpoint for i in range(6)]
         assert sorted(eps) == [EPS[1]] * 3 + [EPS[2]] * 3
+        # `floodgate status` shows it (against the server's clock: the test clock is far behind it)
+        await c.hset(key("ej", "state"), "ej", f"{EPS[0]}|{int(time.time() * 1000) + 9_000}")
+        report = await read_pool(c, "ej")
+        shown = {e.endpoint: e.ejected_s for e in report.registry["active"]}
+        assert 8 < shown[EPS[0]] <= 9 and shown[EPS[1]] == shown[EPS[2]] == 0
+        assert "EJECTED (refused connections) for 9 s more" in render([report])
+        await c.hset(key("ej", "state"), "ej", f"{EPS[0]}|1010000")
         # a shorter ejection does not cut a longer one short; a longer one extends it
         assert await st.eject(EPS[0], 2) == 10.0
         await c.set(clock, 1_009_000)
