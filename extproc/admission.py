@@ -149,6 +149,7 @@ class PoolRuntime:
     client: aioredis.Redis  # this pool's Redis client (on a Cluster, one per pool)
     pubsub_client: AnyRedis
     ejector: Ejector  # endpoints that refused connections (endpoint picking): extproc/ejection.py
+    registry_seen: bool = False  # the active endpoints were read at least once
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
@@ -759,6 +760,10 @@ class Admitter:
         with contextlib.suppress(RedisDown):  # degraded: this process's own picks still avoid it
             await self.call(rt, "eject", lambda: rt.state.eject(endpoint, length))
 
+    async def _uneject(self, rt: PoolRuntime, endpoints: list[str]) -> None:
+        with contextlib.suppress(RedisDown):
+            await self.call(rt, "uneject", lambda: rt.state.uneject(*endpoints))
+
     # ---------------------------------------------------------------- release
 
     async def release(self, permit: Permit, reason: str = "completed") -> None:
@@ -1049,8 +1054,16 @@ class Admitter:
         if rt.picker.enabled:
             seen = rt.capacity_view()
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
+            before = set(rt.picker.active)
             rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
             rt.ejector.forget(set(rt.picker.active))
+            back = set(rt.picker.active) - before
+            if back and rt.registry_seen and rt.ejector.settings.on:
+                # A replica brought up at the address of an ejected one (the controller removed
+                # the dead one, then registered the new one active) is not dead: end the
+                # ejection. Not at this process's first read, which would end every ejection.
+                self.spawn(self._uneject(rt, sorted(back)))
+            rt.registry_seen = True
             n = len(rt.picker.active)
             rt.see_endpoints(self.clock(), n)
             if rt.follows_ceiling():

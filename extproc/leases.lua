@@ -1234,6 +1234,19 @@ function OPS.eject(ARGV)
   return intstr(until_ms - now)
 end
 
+function OPS.uneject(ARGV)
+  -- ARGV 3.. endpoints that (re)turned active in the registry: a replica brought up again at
+  -- the address of one that was ejected is not dead. Returns how many ejections were dropped.
+  local drop = {}
+  for i = 3, #ARGV do drop[ARGV[i]] = true end
+  local keep, parts, n = ejections(), {}, 0
+  for _, x in ipairs(keep) do
+    if drop[x[1]] then n = n + 1 else parts[#parts + 1] = x[1] .. '|' .. intstr(x[2]) end
+  end
+  if n > 0 then set_state('ej', table.concat(parts, ' ')) end
+  return n
+end
+
 -- The ops a processor may batch into one call (`batch`).
 -- `sync` too: a renewal made before a release must not reach Redis after it (it would lease
 -- the released permit again, for nobody, until its TTL).

@@ -345,6 +345,10 @@ class PoolState:
         a longer ejection already stored stands). Returns the seconds it is ejected for."""
         return int(await self._run("eject", endpoint, max(1, round(seconds * 1000)))) / 1000.0
 
+    async def uneject(self, *endpoints: str) -> int:
+        """End the ejections of `endpoints` (they turned active again in the registry)."""
+        return int(await self._run("uneject", *endpoints)) if endpoints else 0
+
     async def set_limit(self, expected_version: int, st: VegasState, ramp_credit: int = 0,
                         credit_s: float = 0.0) -> bool:
         """Compare-and-set the limit. `ramp_credit` (with the onset ramp on): growth lower

@@ -132,6 +132,11 @@ async def test_script_picks_avoid_an_ejected_endpoint_until_it_ends(stack: Local
                 await st._run("eject", ep, ms)
         with pytest.raises(ResponseError, match="eject"):
             await st._run("eject", EPS[1], "nan")
+        # `uneject` ends the named ejections only
+        await st.eject(EPS[1], 30)
+        assert await st.uneject(EPS[1], "10.9.9.9:1") == 1
+        assert set(parse_ejections(await c.hget(key("ej", "state"), "ej"))) == {EPS[0], EPS[2]}
+        assert await st.uneject(EPS[1]) == 0
         # at most 64 ejections are kept: the latest-ending ones
         for i in range(80):
             await st.eject(f"10.1.0.{i}:8000", 100 + i)
@@ -171,6 +176,65 @@ async def test_script_pacing_ignores_an_ejected_endpoints_empty_estimate(stack: 
         assert (await st.acquire("g:3", "g", 4, 2, "", tokens=100)).endpoint in live
     finally:
         await c.aclose()
+
+
+async def test_processor_ejects_after_failures_and_a_replica_back_at_the_address_is_not_ejected(
+        stack: LocalStack) -> None:
+    """The processor's side (Admitter, real Redis): three connection failures write the ejection
+    every processor's grants read; another processor starting later keeps it; when the
+    registry takes the endpoint out and puts it back (the controller replacing a dead replica
+    at the same address), the ejection ends at once instead of after up to `eject_max_s`."""
+    from floodgate.extproc.admission import Admitter, Permit
+    from floodgate.extproc.config import Config
+
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url},
+        "pools": [{"name": "f", "endpoint_picking": True, "eject_base_s": 60, "eject_max_s": 600,
+                   "limit": {"mode": "static", "initial": 100}}]})
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    a, b = Admitter(cfg, c, gateway_id="a"), Admitter(cfg, c, gateway_id="b")
+    ej = key("f", "state")
+    try:
+        for ep in EPS[:2]:
+            await reg.set(ep, "active", ep)
+        await a.start()
+        await a._refresh_registry(a.pools["f"])
+        for _ in range(2):
+            a.endpoint_outcome("f", EPS[0], True)
+        a.endpoint_outcome("f", EPS[0], False)  # answered in between: starts over
+        for _ in range(3):
+            a.endpoint_outcome("f", EPS[0], True)
+        assert await wait_until(lambda: _has(c, ej, EPS[0]), 5)
+        held = [await a.admit("f", 1, "t") for _ in range(4)]
+        assert all(isinstance(p, Permit) and p.endpoint == EPS[1] for p in held)
+        await b.start()  # a processor that starts later: its first read ends no ejection
+        await b._refresh_registry(b.pools["f"])
+        await asyncio.sleep(0.2)
+        assert await _has(c, ej, EPS[0])
+        # the controller marks the dead replica failed, then a new one at its address active
+        await reg.remove(EPS[0])
+        await a._refresh_registry(a.pools["f"])
+        await reg.set(EPS[0], "active", "new")
+        await a._refresh_registry(a.pools["f"])
+        assert await wait_until(lambda: _gone(c, ej, EPS[0]), 5)
+        p = await a.admit("f", 1, "t")
+        assert isinstance(p, Permit) and p.endpoint == EPS[0]  # the least loaded again
+        for x in [*held, p]:
+            await a.release(x)
+    finally:
+        await a.stop()
+        await b.stop()
+        await c.aclose()
+
+
+async def _has(c: Any, k: str, ep: str) -> bool:
+    return ep in parse_ejections(await c.hget(k, "ej"))
+
+
+async def _gone(c: Any, k: str, ep: str) -> bool:
+    return not await _has(c, k, ep)
 
 
 # ------------------------------------------------------------------ end to end
