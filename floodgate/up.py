@@ -395,12 +395,12 @@ def _kill_leftover_replicas(replica_dir: Path) -> None:
         table = json.loads((replica_dir / "replicas.json").read_text())
     except (OSError, ValueError):
         return
-    from floodgate.controller.actuators.process import _pid_alive
+    from floodgate.controller.actuators.process import pid_alive
 
     for entry in table.values():
         with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError, TypeError):
             pid = int(entry["pid"])
-            if _pid_alive(pid, entry.get("created")):  # never a stranger that reused the pid
+            if pid_alive(pid, entry.get("created")):  # never a stranger that reused the pid
                 os.killpg(pid, signal.SIGKILL)
 
 

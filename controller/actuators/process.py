@@ -31,7 +31,7 @@ def sim_command(*extra: str) -> list[str]:
             "--enable-sleep-mode", *extra]
 
 
-def _pid_alive(pid: int, created: float | None = None) -> bool:
+def pid_alive(pid: int, created: float | None = None) -> bool:
     """Is the process we started still running under `pid`? A zombie still has a pid but is
     dead; a pid the system handed to another process since (its start time differs from the
     `created` we recorded) is not ours: killing its group would hit a stranger."""
@@ -92,7 +92,7 @@ class ProcessActuator:
         if p is not None:
             return p.poll() is None
         e = self._table[rid]
-        return _pid_alive(int(e["pid"]), e.get("created"))
+        return pid_alive(int(e["pid"]), e.get("created"))
 
     def _handle(self, rid: str) -> ReplicaHandle:
         e = self._table[rid]
@@ -130,7 +130,7 @@ class ProcessActuator:
             os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
         while time.monotonic() < deadline:
-            if (proc.poll() is not None) if proc is not None else not _pid_alive(pid):
+            if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
                 break
             await asyncio.sleep(0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):

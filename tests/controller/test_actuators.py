@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from floodgate.controller.actuators.base import ReplicaHandle, Role
-from floodgate.controller.actuators.process import ProcessActuator, _pid_alive
+from floodgate.controller.actuators.process import ProcessActuator, pid_alive
 from floodgate.controller.actuators.static import NoFreeEndpoint, StaticActuator
 from floodgate.controller.config import ConfigError, load_config, parse_config
 from floodgate.controller.vllm import VllmClient
@@ -46,7 +46,7 @@ async def test_process_actuator_is_idempotent_and_survives_a_restart(stack: Loca
     await act2.stop("r0")
     await act2.stop("r0")  # unknown / already stopped: ignored
     assert await act2.list() == [] and await process_actuator(stack, state).list() == []
-    assert not _pid_alive(pid)  # gone (a zombie until the first actuator's Popen reaps it)
+    assert not pid_alive(pid)  # gone (a zombie until the first actuator's Popen reaps it)
     # a process that died on its own is listed as not running (the controller fails it)
     h3 = await act2.start("r1")
     assert h3 is not None
