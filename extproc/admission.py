@@ -43,7 +43,7 @@ from floodgate.extproc.backends import (
     Waiter,
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
-from floodgate.extproc.ejection import EjectionSettings, Ejector
+from floodgate.extproc.ejection import EjectionSettings, Ejector, ejectable
 from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.limit import (
     Latency,
@@ -742,7 +742,7 @@ class Admitter:
         Envoy because it could not connect (response flag UF). Enough failures in a row eject
         the endpoint from every processor's picks (extproc/ejection.py)."""
         rt = self.pools.get(pool)
-        if rt is None or not endpoint or not rt.ejector.settings.on:
+        if rt is None or not ejectable(endpoint) or not rt.ejector.settings.on:
             return
         if not connect_failed:
             rt.ejector.answered(endpoint)

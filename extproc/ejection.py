@@ -40,6 +40,12 @@ def connect_failed(flags: float | int | None) -> bool:
         return False
 
 
+def ejectable(endpoint: str) -> bool:
+    """Can the script store this endpoint in its ejection list (no '|', no whitespace)? A
+    registry entry that cannot (written by hand) is simply never ejected."""
+    return bool(endpoint) and not any(ch == "|" or ch.isspace() for ch in endpoint)
+
+
 @dataclass(frozen=True)
 class EjectionSettings:
     """`consecutive_failures` 0 turns ejection off."""

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from floodgate.extproc.config import PoolConfig
-from floodgate.extproc.ejection import EjectionSettings, Ejector, connect_failed
+from floodgate.extproc.ejection import EjectionSettings, Ejector, connect_failed, ejectable
 from floodgate.extproc.picking import Picker
 from floodgate.extproc.prefill import PrefillEstimate, PrefillSettings
 from floodgate.extproc.registry import Registry
@@ -57,6 +57,11 @@ def test_ejected_after_consecutive_failures_and_an_answer_starts_over() -> None:
     assert e.failed("b", 500.0) is None
     e.forget({"a"})
     assert [e.failed("b", 501.0 + i) for i in range(3)] == [None, None, 10]
+
+
+def test_only_endpoints_the_script_can_store_are_ejectable() -> None:
+    assert ejectable("10.0.0.1:8000") and ejectable("[fd00::1]:8000")
+    assert not any(ejectable(x) for x in ("", "a b:1", "a|b:1", "a\tb", "a\u00a0b"))
 
 
 def test_ejection_off() -> None:
