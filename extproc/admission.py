@@ -43,7 +43,7 @@ from floodgate.extproc.backends import (
     Waiter,
 )
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
-from floodgate.extproc.ejection import EjectionSettings, Ejector, ejectable
+from floodgate.extproc.ejection import EjectionSettings, Ejector, EndpointOutcome, ejectable
 from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.limit import (
     Latency,
@@ -148,7 +148,7 @@ class PoolRuntime:
     picker: Picker
     client: aioredis.Redis  # this pool's Redis client (on a Cluster, one per pool)
     pubsub_client: AnyRedis
-    ejector: Ejector  # endpoints that refused connections (endpoint picking): extproc/ejection.py
+    ejector: Ejector  # endpoints whose connections failed (endpoint picking): extproc/ejection.py
     registry_seen: bool = False  # the active endpoints were read at least once
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
@@ -735,30 +735,42 @@ class Admitter:
     def any_active_endpoint(self, pool: str) -> str | None:
         """An active endpoint for a request that is routed without admission (e.g. /v1/models)."""
         rt = self.pools[pool]
-        return rt.picker.any_active(self.rng(), rt.ejector.ejected(self.clock()))
+        return rt.picker.any_active(self.rng(), rt.ejector.avoid(self.clock()))
 
-    def endpoint_outcome(self, pool: str, endpoint: str, connect_failed: bool) -> None:
-        """A request routed to `endpoint` got its response headers: from the endpoint, or from
-        Envoy because it could not connect (response flag UF). Enough failures in a row eject
-        the endpoint from every processor's picks (extproc/ejection.py)."""
+    def endpoint_outcome(self, pool: str, endpoint: str, outcome: EndpointOutcome) -> None:
+        """A request routed to `endpoint` got its response headers: from the endpoint
+        (`answered`), from Envoy because the endpoint refused, timed out or dropped the
+        connection (`failed`), or something that says nothing of the endpoint (`other`). Enough
+        failures in a row eject it from every processor's picks (extproc/ejection.py)."""
         rt = self.pools.get(pool)
-        if rt is None or not ejectable(endpoint) or not rt.ejector.settings.on:
+        if rt is None or not ejectable(endpoint) or not rt.ejector.settings.on or outcome == "other":
             return
-        if not connect_failed:
+        if outcome == "answered":
             rt.ejector.answered(endpoint)
             return
         length = rt.ejector.failed(endpoint, self.clock())
         if length is None:
             return
         self.child(self.metrics.ejections, (pool,)).inc()
-        log.warning("pool %s: endpoint %s refused connections: every processor's picks avoid it for %.0f s",
-                    pool, endpoint, length)
-        if not rt.degraded:
+        log.warning("pool %s: endpoint %s failed %s: every processor's picks avoid it for %.0f s",
+                    pool, endpoint, "again" if length > rt.ejector.settings.base_s else "connections in a row",
+                    length)
+        if not rt.degraded:  # degraded: written when Redis answers again (`_refresh_registry`)
             self.spawn(self._eject(rt, endpoint, length))
 
     async def _eject(self, rt: PoolRuntime, endpoint: str, length: float) -> None:
-        with contextlib.suppress(RedisDown):  # degraded: this process's own picks still avoid it
+        with contextlib.suppress(RedisDown):  # not written: sent again at the next registry read
             await self.call(rt, "eject", lambda: rt.state.eject(endpoint, length))
+            rt.ejector.shared(endpoint)
+
+    async def _read_ejections(self, rt: PoolRuntime) -> None:
+        """The ejections stored in Redis, for this process's own picks (cheap reads, and while
+        Redis is unreachable), and this process's ejections that a failed call did not store."""
+        left = await self.call(rt, "ejections", rt.state.ejections)
+        now = self.clock()
+        rt.ejector.see({ep: now + s for ep, s in left.items()})
+        for ep, s in rt.ejector.unshared(now):
+            self.spawn(self._eject(rt, ep, s))
 
     async def _uneject(self, rt: PoolRuntime, endpoints: list[str]) -> None:
         with contextlib.suppress(RedisDown):
@@ -1064,6 +1076,8 @@ class Admitter:
                 # ejection. Not at this process's first read, which would end every ejection.
                 self.spawn(self._uneject(rt, sorted(back)))
             rt.registry_seen = True
+            if rt.ejector.settings.on:
+                await self._read_ejections(rt)
             n = len(rt.picker.active)
             rt.see_endpoints(self.clock(), n)
             if rt.follows_ceiling():

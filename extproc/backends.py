@@ -410,7 +410,7 @@ class LocalBackend:
         return await self.admit(rt, req)
 
     def _permit(self, rt: PoolRuntime, ticket: str, req: Request, queued: bool = False) -> Permit:
-        endpoint = rt.picker.pick_local((p.endpoint for p in rt.held.values()), rt.ejector.ejected(self.a.clock()))
+        endpoint = rt.picker.pick_local((p.endpoint for p in rt.held.values()), rt.ejector.avoid(self.a.clock()))
         return self.a.permit(rt, ticket, req, endpoint, queued=queued)
 
     def wake(self, rt: PoolRuntime, granted: list[str]) -> None:

@@ -8,15 +8,24 @@ was down). Envoy's own outlier detection cannot help: with the ORIGINAL_DST clus
 the one the processor names.
 
 So the processor watches the outcome of the requests it routes. Envoy tells it, in the
-`response.flags` attribute of the response headers, that the connection to the upstream failed
-(`UF`): a refused or timed-out connect, which a client cannot cause. After
-`consecutive_failures` such failures in a row on one endpoint (no answered request in between),
-the endpoint is ejected for `base_s`; each further ejection without an answered request in
-between doubles that, up to `max_s` (and then one connection failure after it ends ejects it
-again: it has not answered since). The ejection is written to Redis (leases.lua `eject`), so
-every processor's picks avoid the endpoint, and kept here for this process's own picks while
-Redis is unreachable. When it ends, requests go there again: one that is answered clears the
-record; a connection failure ejects it again, for longer.
+`response.code_details` attribute of the response headers, why a response did not come from the
+upstream: `upstream_reset_before_response_started{<reason>|...}`. The endpoint failed when the
+reason is a refused or failed connect (`remote_connection_failure`, `connection_failure`), a
+connect timeout (`connection_timeout`), or a connection it closed before answering
+(`connection_termination`: a proxy in front of a crashed app, a wedged listener). Envoy's own
+local failures (`local_connection_failure`: out of file descriptors, which a client can bring
+about by holding connections open), overflows and resets are not the endpoint's. A response
+from the endpoint itself (`via_upstream`, whatever its status) is an answer; other local
+replies (a timeout, a reset after headers) count for neither. After
+`consecutive_failures` failures in a row (no answer in between) the endpoint is ejected for
+`base_s`; each further ejection without an answer in between doubles that, up to `max_s` (and
+then one failure after it ends ejects it again). The ejection is written to Redis (leases.lua
+`eject`), so every processor's picks avoid it, and kept here for this process's own picks; a
+write that fails (Redis unreachable) is sent again when Redis answers (`unshared`). When it
+ends, requests go there again: an answer clears the record; a failure ejects it again, longer.
+
+A replica that hangs (accepts connections, never answers) is not detected here: its requests
+hold their permits until their timeouts, so it draws no more than its share.
 
 Pure: `now` (seconds, any monotonic clock) is passed in; no I/O.
 """
@@ -24,20 +33,33 @@ Pure: `now` (seconds, any monotonic clock) is passed in; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-# Envoy's response flag UF (UpstreamConnectionFailure), as the `response.flags` attribute
-# carries it (a bit field: envoy/stream_info/stream_info.h, ResponseFlag).
-UPSTREAM_CONNECTION_FAILURE = 0x20
+# `response.code_details` of a response the upstream sent, and the prefix of Envoy's local reply
+# when the upstream connection failed or was reset before any response (router_filter.cc).
+VIA_UPSTREAM = "via_upstream"
+_RESET_PREFIX = "upstream_reset_before_response_started{"
+# Reset reasons (Http::StreamResetReason as the code details spell it) that are the endpoint's.
+ENDPOINT_FAILURES = frozenset({"remote_connection_failure", "connection_failure", "connection_timeout",
+                               "connection_termination"})
+
+EndpointOutcome = Literal["answered", "failed", "other"]
 
 
-def connect_failed(flags: float | int | None) -> bool:
-    """Did Envoy fail to connect to the upstream (response flag UF)? None: no flags sent."""
-    if flags is None:
-        return False
-    try:
-        return bool(int(flags) & UPSTREAM_CONNECTION_FAILURE)
-    except (TypeError, ValueError, OverflowError):
-        return False
+def endpoint_outcome(code_details: object) -> EndpointOutcome:
+    """What a picked request's response headers say of its endpoint, from Envoy's
+    `response.code_details`: `answered` (the endpoint responded), `failed` (it refused, timed
+    out or dropped the connection before responding), `other` (unknown: no attribute, another
+    local reply, Envoy's own failure)."""
+    if not isinstance(code_details, str):
+        return "other"
+    if code_details == VIA_UPSTREAM:
+        return "answered"
+    if code_details.startswith(_RESET_PREFIX):
+        reason = code_details[len(_RESET_PREFIX):].split("|", 1)[0].rstrip("}")
+        if reason in ENDPOINT_FAILURES:
+            return "failed"
+    return "other"
 
 
 def ejectable(endpoint: str) -> bool:
@@ -64,15 +86,18 @@ class _Record:
     failures: int = 0  # connection failures since the last answered request (or ejection)
     ejections: int = 0  # ejections since the last answered request
     until: float = float("-inf")  # ejected until
+    shared: bool = True  # the ejection is written to Redis (false: to send again)
 
 
 @dataclass
 class Ejector:
     settings: EjectionSettings
     _eps: dict[str, _Record] = field(default_factory=dict)
+    # Ejections read from Redis (any processor's): endpoint -> until, on this process's clock.
+    _seen: dict[str, float] = field(default_factory=dict)
 
     def failed(self, endpoint: str, now: float) -> float | None:
-        """A request routed to `endpoint` could not connect. Returns the ejection's length in
+        """A request routed to `endpoint` failed on the endpoint's side (`endpoint_outcome`). Returns the ejection's length in
         seconds when this failure ejects it, else None (below the threshold, or already ejected:
         requests in flight when it was ejected fail too and must not lengthen it)."""
         if not self.settings.on or not endpoint:
@@ -88,7 +113,26 @@ class Ejector:
         rec.ejections += 1
         rec.failures = 0
         rec.until = now + length
+        rec.shared = False
         return length
+
+    def shared(self, endpoint: str) -> None:
+        """Its ejection is written to Redis."""
+        rec = self._eps.get(endpoint)
+        if rec is not None:
+            rec.shared = True
+
+    def unshared(self, now: float) -> list[tuple[str, float]]:
+        """Ejections not yet written to Redis, with the seconds they have left."""
+        return [(ep, rec.until - now) for ep, rec in self._eps.items() if not rec.shared and rec.until > now]
+
+    def see(self, ejections: dict[str, float]) -> None:
+        """The ejections stored in Redis as last read (endpoint -> until, this process's clock)."""
+        self._seen = dict(ejections)
+
+    def avoid(self, now: float) -> frozenset[str]:
+        """Endpoints this process's own picks leave out: its ejections and those last read."""
+        return self.ejected(now) | frozenset(ep for ep, until in self._seen.items() if until > now)
 
     def answered(self, endpoint: str) -> None:
         """A request routed to `endpoint` got a response from it: the record starts over."""

@@ -1213,25 +1213,29 @@ end
 
 function OPS.eject(ARGV)
   -- ARGV 3 endpoint, 4 milliseconds: the pick and the prefill pacing leave the endpoint out
-  -- until then (a longer ejection already stored stands). Ended ones are dropped here.
+  -- until then (a longer ejection already stored stands). Only active endpoints are kept (one
+  -- not active is not picked anyway: 0 is returned), ended ones are dropped, and at most
+  -- EJECT_MAX: this one and the latest-ending others. Returns the ms it is ejected for.
   local ep, dur = ARGV[3] or '', tonumber(ARGV[4] or '')
   if ep == '' or string.find(ep, '[|%s]') or not dur or dur <= 0 or dur ~= dur or dur == math.huge then
     return redis.error_reply('ERR eject: bad endpoint or duration')
   end
+  local active = {}
+  for _, e in ipairs(redis.call('SMEMBERS', K.active)) do active[e] = true end
   local until_ms = now + math.floor(dur)
   local keep = {}
   for _, x in ipairs(ejections()) do
-    if x[1] == ep then until_ms = math.max(until_ms, x[2]) else keep[#keep + 1] = x end
+    if x[1] == ep then until_ms = math.max(until_ms, x[2]) elseif active[x[1]] then keep[#keep + 1] = x end
   end
-  keep[#keep + 1] = {ep, until_ms}
-  if #keep > EJECT_MAX then
+  if #keep >= EJECT_MAX then
     table.sort(keep, function(a, b) return a[2] > b[2] end)
-    for i = #keep, EJECT_MAX + 1, -1 do keep[i] = nil end
+    for i = #keep, EJECT_MAX, -1 do keep[i] = nil end
   end
+  if active[ep] then keep[#keep + 1] = {ep, until_ms} end
   local parts = {}
   for i, x in ipairs(keep) do parts[i] = x[1] .. '|' .. intstr(x[2]) end
   set_state('ej', table.concat(parts, ' '))
-  return intstr(until_ms - now)
+  return active[ep] and intstr(until_ms - now) or 0
 end
 
 function OPS.uneject(ARGV)
@@ -1320,6 +1324,16 @@ function READS.status(ARGV)
   -- ARGV 3 (optional) gateway for its rank.
   load_settings()
   return snapshot({'granted', '0'}, nil, nil, ARGV[3])
+end
+
+function READS.ejections()
+  -- The ejected endpoints and the ms each has left: {endpoint, ms, ...}.
+  local out = {}
+  for _, x in ipairs(ejections()) do
+    out[#out + 1] = x[1]
+    out[#out + 1] = intstr(x[2] - now)
+  end
+  return out
 end
 
 function READS.get_limit()

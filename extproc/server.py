@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import Config
-from floodgate.extproc.ejection import connect_failed
+from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
 from floodgate.extproc.prefill import prompt_tokens
@@ -210,7 +210,7 @@ class _Exchange:
     status: int | None = None
     meter: LatencyMeter | None = None  # sampled: what its body chunks measured
     finished: bool = False
-    connect_failed: bool = False  # Envoy could not connect to the upstream (response flag UF)
+    endpoint_failed: bool = False  # the picked endpoint refused or dropped the connection (ejection.py)
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -234,21 +234,32 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                        for p in cfg.pools
                        if p.endpoint_picking and p.prefill_tokens_per_s > 0 and p.prefill_bytes_per_token > 0}
 
-    def _route_only(self, pool: str, count: int, dest_present: bool) -> pb.ProcessingResponse:
-        """No permit: with endpoint picking, send it to any active endpoint; never let the
-        client's own destination header through. `count`: the request's headers, `dest_present`:
-        a client sent the destination header (Envoy answers 500 to a mutation past its header
-        limit, so such a request gets 431, as an admitted one does)."""
+    def _route_only(self, pool: str, count: int, dest_present: bool) -> tuple[pb.ProcessingResponse, str]:
+        """No permit: with endpoint picking, send it to any active endpoint (returned beside the
+        reply; '' when none); never let the client's own destination header through. `count`:
+        the request's headers, `dest_present`: a client sent the destination header (Envoy
+        answers 500 to a mutation past its header limit, so such a request gets 431, as an
+        admitted one does)."""
         mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+        endpoint = ""
         if self.cfg.pool(pool).endpoint_picking:
-            endpoint = self.admitter.any_active_endpoint(pool)
-            if endpoint is None:
-                return reject_response(Reject("no_endpoints", 1, status=503), self.cfg.admission.default_priority)
-            if not admit_mutation(count, self.cfg.server.max_headers, endpoint, (), dest_present)[0]:
-                return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority)
+            picked = self.admitter.any_active_endpoint(pool)
+            if picked is None:
+                return reject_response(Reject("no_endpoints", 1, status=503), self.cfg.admission.default_priority), ""
+            if not admit_mutation(count, self.cfg.server.max_headers, picked, (), dest_present)[0]:
+                return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority), ""
+            endpoint = picked
             mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)])
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=mutation)))
+            response=pb.CommonResponse(header_mutation=mutation))), endpoint
+
+    def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
+        """Tell the admitter what the response headers of a request routed to `endpoint` say of
+        it (Envoy's `response.code_details` attribute: extproc/ejection.py); returns that."""
+        attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
+        outcome = endpoint_outcome(_attr(attrs, "response.code_details"))
+        self.admitter.endpoint_outcome(pool, endpoint, outcome)
+        return outcome
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
         """The pool whose `match_authority` the request's :authority equals (case-insensitive),
@@ -302,8 +313,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         pool = self._pool_for(headers)
         path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
         if path in self._unadmitted[pool]:
-            yield self._route_only(pool, len(first.request_headers.headers.headers), DESTINATION_HEADER in headers)
+            reply, routed = self._route_only(pool, len(first.request_headers.headers.headers),
+                                             DESTINATION_HEADER in headers)
+            yield reply
             async for msg in it:
+                if routed and msg.WhichOneof("request") == "response_headers":
+                    self._endpoint_outcome(pool, routed, msg)
                 yield _passthrough(msg)
             return
         caller = self._caller(first, headers)
@@ -354,9 +369,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 if kind == "response_headers":
                     ex.status = status_of(msg.response_headers)
                     if result.endpoint:
-                        attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
-                        ex.connect_failed = connect_failed(_attr(attrs, "response.flags"))
-                        self.admitter.endpoint_outcome(pool, result.endpoint, ex.connect_failed)
+                        ex.endpoint_failed = self._endpoint_outcome(pool, result.endpoint, msg) == "failed"
                     if len(msg.response_headers.headers.headers) + INFO_HEADERS <= self.cfg.server.max_headers:
                         yield _response_headers_reply(decision.priority, queue_ms)
                     else:
@@ -422,7 +435,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         Which latency signal the limit uses is the limit's business (`limit.signal`)."""
         if ex.status is not None and ex.status >= 500:
             # A replica that refuses connections is dead, not overloaded (ejection handles it).
-            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES and not ex.connect_failed else "ignored")
+            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES and not ex.endpoint_failed else "ignored")
             return
         if reason != "stream_end" or ex.status is None:
             ex.permit.finish("ignored")

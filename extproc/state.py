@@ -345,6 +345,11 @@ class PoolState:
         a longer ejection already stored stands). Returns the seconds it is ejected for."""
         return int(await self._run("eject", endpoint, max(1, round(seconds * 1000)))) / 1000.0
 
+    async def ejections(self) -> dict[str, float]:
+        """The ejected endpoints and the seconds each has left (a read)."""
+        got = [_text(x) for x in await self._script(self.keys, ["ejections", self._ttl], read=True)]
+        return {ep: int(ms) / 1000.0 for ep, ms in zip(got[::2], got[1::2], strict=True)}
+
     async def uneject(self, *endpoints: str) -> int:
         """End the ejections of `endpoints` (they turned active again in the registry)."""
         return int(await self._run("uneject", *endpoints)) if endpoints else 0

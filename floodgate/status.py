@@ -157,7 +157,7 @@ def render(reports: list[PoolReport]) -> str:
             for e in eps:
                 lines.append(f"    {state:<9} {e.endpoint:<22} {e.replica:<24} in-flight {e.inflight:>3}  "
                              f"for {e.since_s:.0f} s"
-                             + (f"  EJECTED (refused connections) for {e.ejected_s:.0f} s more" if e.ejected_s else ""))
+                             + (f"  EJECTED (connections failed) for {e.ejected_s:.0f} s more" if e.ejected_s else ""))
     return "\n".join(lines)
 
 
