@@ -440,6 +440,13 @@ local function ejections()
   return out
 end
 
+-- Write {endpoint, until} pairs back as the state field `ej` (the format `ejections` reads).
+local function store_ejections(list)
+  local parts = {}
+  for i, x in ipairs(list) do parts[i] = x[1] .. '|' .. intstr(x[2]) end
+  set_state('ej', table.concat(parts, ' '))
+end
+
 -- The active endpoints a grant may go to: without the ejected ones, unless every one is.
 local function unejected(eps)
   local ej = ejections()
@@ -1232,9 +1239,7 @@ function OPS.eject(ARGV)
     for i = #keep, EJECT_MAX, -1 do keep[i] = nil end
   end
   if active[ep] then keep[#keep + 1] = {ep, until_ms} end
-  local parts = {}
-  for i, x in ipairs(keep) do parts[i] = x[1] .. '|' .. intstr(x[2]) end
-  set_state('ej', table.concat(parts, ' '))
+  store_ejections(keep)
   return active[ep] and intstr(until_ms - now) or 0
 end
 
@@ -1243,11 +1248,11 @@ function OPS.uneject(ARGV)
   -- the address of one that was ejected is not dead. Returns how many ejections were dropped.
   local drop = {}
   for i = 3, #ARGV do drop[ARGV[i]] = true end
-  local keep, parts, n = ejections(), {}, 0
-  for _, x in ipairs(keep) do
-    if drop[x[1]] then n = n + 1 else parts[#parts + 1] = x[1] .. '|' .. intstr(x[2]) end
+  local keep, n = {}, 0
+  for _, x in ipairs(ejections()) do
+    if drop[x[1]] then n = n + 1 else keep[#keep + 1] = x end
   end
-  if n > 0 then set_state('ej', table.concat(parts, ' ')) end
+  if n > 0 then store_ejections(keep) end
   return n
 end
 

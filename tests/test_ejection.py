@@ -294,6 +294,12 @@ def _upstream(stack: LocalStack, name: str, port: int | None = None) -> tuple[An
     return child, port
 
 
+async def _register(reg: Registry, ports: list[int]) -> None:
+    """Loopback endpoints on these ports, active, as the controller registers them."""
+    for i, p in enumerate(ports):
+        await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("eject", [3, 0], ids=["ejection", "ejection-off"])
 async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: LocalStack, eject: int) -> None:
@@ -318,8 +324,7 @@ async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: 
     reg = Registry(c, "default")
     dead = f"127.0.0.1:{ports[2]}"
     try:
-        for i, p in enumerate(ports):
-            await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+        await _register(reg, ports)
         slow = {"x-test-chunks": "20", "x-test-delay-ms": "100"}  # 2 s streams
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             in_flight = [asyncio.create_task(post(s, (env_a if i % 2 else env_b).url, headers=slow))
@@ -382,8 +387,7 @@ async def test_an_endpoint_that_drops_connections_is_ejected_and_cheap_reads_els
     c = redis_client(stack.redis_url, op_timeout_s=5)
     reg = Registry(c, "default")
     try:
-        for i, p in enumerate([*live, closer]):
-            await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+        await _register(reg, [*live, closer])
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             results = []
             for _ in range(10):
@@ -417,8 +421,7 @@ async def test_an_ejection_made_while_redis_is_frozen_is_shared_once_it_answers(
     c = redis_client(stack.redis_url, op_timeout_s=5)
     reg = Registry(c, "default")
     try:
-        for i, p in enumerate([*live, dead]):
-            await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
+        await _register(reg, [*live, dead])
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             for _ in range(3):  # warm: the processor has seen the registry
                 assert (await post(s, envoy.url, headers={"x-test-chunks": "1"})).status in (200, 503)
