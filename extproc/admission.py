@@ -218,6 +218,15 @@ class PoolRuntime:
             self.endpoints_mean.add(now, self.endpoints_seen)
         self.endpoints_seen = n
 
+    def serving_endpoints(self, now: float) -> int:
+        """Active endpoints not ejected (every active one when all are: picks then go on among
+        them all). What the limit, the ceiling and the capacity growth are sized on: a dead
+        replica's share of the limit would overload the live ones until the controller removes
+        it, or for good while no controller runs."""
+        active = set(self.picker.active)
+        out = len(active & self.ejector.avoid(now))
+        return len(active) - out if out < len(active) else len(active)
+
     def capacity_growth(self, now: float) -> float:
         """policy.level_growth of the active endpoints (1 without endpoint picking)."""
         return level_growth(self.endpoints_mean, self.endpoints_seen, now)
@@ -258,9 +267,9 @@ class PoolRuntime:
         return tuple(((t if t > now else u) - now, k * per) for t, k, u in self.arriving if u > now)
 
     def capacity_view(self) -> tuple[int, float | None, int]:
-        """What early drop reads of the pool's capacity besides the status snapshot: active
+        """What early drop reads of the pool's capacity besides the status snapshot: serving
         endpoints, the controller's ceiling, the permits announced on their way."""
-        return len(self.picker.active), self.ceiling, sum(k for _, k, _ in self.arriving)
+        return self.endpoints_seen, self.ceiling, sum(k for _, k, _ in self.arriving)
 
     def inflight_seen(self) -> int:
         return self.last_status.inflight_total if self.last_status else 0
@@ -762,6 +771,8 @@ class Admitter:
         with contextlib.suppress(RedisDown):  # not written: sent again at the next registry read
             await self.call(rt, "eject", lambda: rt.state.eject(endpoint, length))
             rt.ejector.shared(endpoint)
+        rt.registry_due = True  # the limit follows the endpoints left serving (serving_endpoints)
+        rt.wake.set()
 
     async def _read_ejections(self, rt: PoolRuntime) -> None:
         """The ejections stored in Redis, for this process's own picks (cheap reads, and while
@@ -849,7 +860,7 @@ class Admitter:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
                 rec = await self.call(rt, "get_limit", rt.state.get_limit)
-                new = self._capped(rt, rt.limit.update(rec.state, sample, self.rng()), len(rt.picker.active))
+                new = self._capped(rt, rt.limit.update(rec.state, sample, self.rng()), rt.endpoints_seen)
                 if new == rec.state:
                     return
                 if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
@@ -1078,7 +1089,7 @@ class Admitter:
             rt.registry_seen = True
             if rt.ejector.settings.on:
                 await self._read_ejections(rt)
-            n = len(rt.picker.active)
+            n = rt.serving_endpoints(self.clock())
             rt.see_endpoints(self.clock(), n)
             if rt.follows_ceiling():
                 per = parse_ceiling(await self.call(rt, "ceiling", lambda: rt.client.get(key(rt.cfg.name, CTL_CEILING))))

@@ -143,7 +143,9 @@ class SharedBackend:
 
     def _arriving(self, rt: PoolRuntime, st: PoolStatus) -> tuple[tuple[float, int], ...]:
         """The controller's capacity on its way, in permits at this snapshot's limit."""
-        return rt.arriving_permits(self.a.clock(), st.limit, st.active_endpoints)
+        # The limit is sized on the endpoints serving (ejected ones left out), the snapshot
+        # counts every active one.
+        return rt.arriving_permits(self.a.clock(), st.limit, rt.endpoints_seen or st.active_endpoints)
 
     def _view(self, rt: PoolRuntime, st: PoolStatus) -> Snapshot:
         """The snapshot early drop decides on: `st` with this process's arrival rates, the

@@ -459,3 +459,67 @@ async def test_an_ejection_made_while_redis_is_frozen_is_shared_once_it_answers(
 
 async def _not_degraded(s: aiohttp.ClientSession, url: str) -> bool:
     return (await metrics(s, url)).get("floodgate_degraded") == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["static", "vegas"])
+async def test_a_replica_killed_while_waiters_are_queued(stack: LocalStack, mode: str) -> None:
+    """Limit 6 over three replicas behind two processors and 18 streams of 1.5 s: a dozen wait
+    in the queue when one replica is SIGKILLed and more keep coming. The waiters are granted
+    onto the live replicas (a grant's pick avoids the ejected endpoint like an admit's), every
+    request ends (200, 503 for the few routed to the dead replica before its ejection, never a
+    hang) and no permit is left held. With Vegas the limit follows the two endpoints still
+    serving (6 -> 4) while the third is ejected, so the dead replica's share does not overload
+    the live ones."""
+    stack.start_redis()
+    ports, ups = [], []
+    for i in range(3):
+        up, port = _upstream(stack, f"up{i}")
+        ups.append(up)
+        ports.append(port)
+    cfg = _cfg(limit={"mode": mode, "initial": 6, "min": 1, "max": 6}, eject_base_s=30, eject_max_s=60,
+               classes={str(k): {"queue_timeout_s": 20, "max_queue": 100, "share": 0.0} for k in range(3)})
+    a = stack.start_processor(cfg)
+    b = stack.start_processor(cfg)
+    env_a = stack.start_envoy([], picking=True, processors=[a])
+    env_b = stack.start_envoy([], picking=True, processors=[b])
+    c = redis_client(stack.redis_url, op_timeout_s=5)
+    reg = Registry(c, "default")
+    state = PoolState(c, "default", lease_ttl_s=600, settings=PICK)
+    try:
+        await _register(reg, ports)
+        slow = {"x-test-chunks": "15", "x-test-delay-ms": "100"}  # 1.5 s streams
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            for env in (env_a, env_b):  # both processors have read the registry
+                assert (await post(s, env.url, headers={"x-test-chunks": "1"})).status == 200
+            first = [asyncio.create_task(post(s, (env_a if i % 2 else env_b).url, headers=slow)) for i in range(18)]
+
+            async def queued() -> bool:
+                return sum((await read_pool(c, "default")).queued.values()) >= 6
+            assert await wait_until(queued, 10, interval=0.05)
+            ups[2].kill()  # its two streams are cut; a dozen requests wait for permits
+            more = []
+            for _ in range(6):  # keep the queue formed while the dead replica is found out
+                more += [asyncio.create_task(post(s, env.url, headers=slow)) for env in (env_a, env_b)]
+                await asyncio.sleep(0.25)
+            results = await asyncio.wait_for(asyncio.gather(*first, *more), 60)  # none hangs
+            failed = [r for r in results if r.status != 200]
+            cut = [r for r in failed if r.status == 0]  # the dead replica's streams, cut mid-body
+            assert len(cut) <= 3 and all(r.status == 503 for r in failed if r.status), \
+                [(r.status, r.body[:80]) for r in failed]
+            # at most `eject_after_failures` (3) per processor plus what was routed there at once
+            assert len(failed) <= 10, len(failed)
+            assert len(results) - len(failed) >= 20
+            for up in ports[:2]:  # the waiters were served by the live replicas
+                assert (await get_json(s, f"http://127.0.0.1:{up}/stats"))["total"] >= 8
+            if mode == "vegas":
+                rec = await state.get_limit()
+                # sized on the two serving endpoints (it was 3 before the kill)
+                assert rec.state.endpoints == 2, rec.state
+
+            async def released() -> bool:  # no permit held, nothing queued
+                r = await read_pool(c, "default")
+                return sum(r.inflight.values()) == 0 and sum(r.queued.values()) == 0
+            assert await wait_until(released, 10, interval=0.1)
+    finally:
+        await c.aclose()
