@@ -211,7 +211,8 @@ def _push_window(
 
 
 def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backlog: bool, current: int,
-                   per_replica: float, reachable: int | None = None) -> int | None:
+                   per_replica: float, reachable: int | None = None, demand: float = 0.0,
+                   active: int | None = None) -> int | None:
     """The first reaction to a confirmed step: the replicas to ask for, or None (pure;
     docs/controller.md, "First reaction").
 
@@ -220,8 +221,13 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     rejections within one cold start, so it is sized for the whole step, not for its lower
     bound. Confirmed means: the step's point estimate (`mid`, offered concurrency at the rate
     since the change point) is beyond what the current size carries (outside the tolerance
-    band), admission has turned requests away since the step (`shed`), and a backlog waits
-    (`backlog`: Floodgate's queue or vLLM's, or KV pressure). Then the size is
+    band), a backlog waits (`backlog`: Floodgate's queue or vLLM's, or KV pressure), and the
+    pool is measurably past its size: admission has turned requests away since the step
+    (`shed`), or the concurrency the pool holds now (`demand`: running + waiting) is itself
+    beyond what its `active` replicas carry (those ordered a tick ago serve a cold start
+    later, so they do not count here). (Shedding alone made the rule depend on how long
+    admission queues before it sheds: with a larger limit the first rejection came 1.3 s
+    after detection and the reaction never fired.) Then the size is
     ceil(`high` / per_replica): the step rate's upper confidence bound, itself capped at a
     multiple of the point estimate (`demand.burst_react_sigma`, `burst_react_max_ratio`), so
     it is never more than the offered rate justifies; `max_replicas` bounds it as any rule.
@@ -231,9 +237,11 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     fill is made up within a wake by the next decision, so the costs are no longer lopsided
     and the lower-bound rules size it (the elastic bench's burst 2, which its pool holds: the
     reaction asked 4 -> 7, 3 -> 7, 3 -> 6 where 4-5 carried it, with cold starts)."""
-    if per_replica <= 0 or high <= 0 or not (shed and backlog):
+    band = 1.0 + cfg.tolerance
+    over = demand > band * max(current if active is None else active, 1) * per_replica
+    if per_replica <= 0 or high <= 0 or not backlog or not (shed or over):
         return None
-    if mid <= (1.0 + cfg.tolerance) * max(current, 1) * per_replica:
+    if mid <= band * max(current, 1) * per_replica:
         return None
     if reachable is not None and math.ceil(mid / per_replica - 1e-9) <= reachable:
         return None
@@ -381,7 +389,7 @@ def decide(
     if now >= react_until:
         backlog = waiting > 0 or (kv_mean is not None and kv_mean > cfg.kv_pressure_threshold)
         react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
-                               max(current, capacity) + warm)
+                               max(current, capacity) + warm, demand, active)
         if react is not None:
             panic = True
             react_until = now + cfg.panic_window_s

@@ -155,10 +155,27 @@ def test_a_transient_clump_does_not_double_the_pool() -> None:
     assert p.burst_high == pytest.approx(1.5 * p.burst_mid)  # 16 + 2 sqrt 16 = 24 > 1.5 x 16
 
 
+def test_rule_confirms_on_the_pool_past_its_size_without_shedding() -> None:
+    # Nothing turned away yet (admission queues the step's first seconds), but the pool holds
+    # more than its size carries (running + waiting 32 > 1.1 x 4 x 7): confirmed. Within it
+    # (26): not.
+    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=32.0) == 11
+    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=26.0) is None
+    assert burst_reaction(POLICY, 60.0, 75.0, False, False, 4, 7.0, demand=32.0) is None  # no backlog
+
+
 def test_no_reaction_without_shedding_or_backlog() -> None:
-    # The same 3x step admitted whole (a limit above the replicas' slots): a backlog in vLLM
-    # but nothing turned away. The lower-bound burst rule sizes it; no reaction.
-    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 28.0, [0.0] * 10 + [20.0] * 3, active=4)
+    # The same 3x step admitted whole (a limit above the replicas' slots), nothing turned away:
+    # with 6 waiting in vLLM the pool is past its size (34 of the 28 it carries), which
+    # confirms the step as shedding would (the elastic bench, seed 1, 11:27 run: the first
+    # rejection came 1.3 s after detection, the reaction never fired and the pool grew 3 -> 4
+    # -> 6 -> 8 over two ticks, the last replicas a cold start after those). With a step that
+    # leaves the pool within its size (a vLLM queue of 2 behind 26 running; the rate's
+    # estimate still says 84 concurrent), no reaction: the lower-bound rules size it.
+    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 28.0, [0.0] * 10 + [6.0] * 3, active=4)
+    assert [d.plan.reason for d in ds].count("burst_reaction") == 1
+    assert max(d.plan.desired for d in ds) == math.ceil(ucb(84, 2) * 2 / 7) == 15
+    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 26.0, [0.0] * 10 + [2.0] * 3, active=4)
     assert all(d.plan.reason != "burst_reaction" for d in ds)
     # Turned away, but nothing waits anywhere: no reaction either.
     ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 14.0, 28.0, 0.0, active=4)

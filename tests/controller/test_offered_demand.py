@@ -312,6 +312,10 @@ def test_burst_counts_a_backlog_inside_the_replicas_as_behind(clock: FakeClock) 
     # step (28 running / 14 admitted/s = 2 s): the admitted rate over the 5 s window already
     # counts the step's waiting requests (28 / 25.2 = 1.1 s would size 6).
     assert ds[-1].plan.burst == pytest.approx(lcb(84, 2) * 2)  # type: ignore[attr-defined]
+    # The pool holds 48 where 4 replicas carry 28 and a backlog waits: the first reaction
+    # sizes the step on its rate's upper bound (102 concurrent: 15), once.
+    assert ds[-1].plan.desired == 15 and ds[-1].plan.reason == "burst_reaction"  # type: ignore[attr-defined]
+    ds = run_step(cfg(burst_react=False), FakeClock(), 20.0)  # the burst rule alone: its lower bound
     assert ds[-1].plan.desired == 11 and ds[-1].plan.reason == "burst_demand"  # type: ignore[attr-defined]
     # Admitted and served as they come (no one waits anywhere): no burst.
     ds = run_step(cfg(), FakeClock(), 0.0)
