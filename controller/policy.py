@@ -212,7 +212,7 @@ def _push_window(
 
 def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backlog: bool, current: int,
                    per_replica: float, reachable: int | None = None, demand: float = 0.0,
-                   active: int | None = None) -> int | None:
+                   active: int | None = None, waiting: float = 0.0) -> int | None:
     """The first reaction to a confirmed step: the replicas to ask for, or None (pure;
     docs/controller.md, "First reaction").
 
@@ -225,7 +225,10 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     pool is measurably past its size: admission has turned requests away since the step
     (`shed`), or the concurrency the pool holds now (`demand`: running + waiting) is itself
     beyond what its `active` replicas carry (those ordered a tick ago serve a cold start
-    later, so they do not count here). (Shedding alone made the rule depend on how long
+    later, so they do not count here) with a queue past the queue-pressure threshold
+    (`waiting` above `queue_pressure_per_replica` per active replica: one or two requests
+    waiting behind a full pool on a ramp is a clump, elastic seed 1 at 37 s: 17 held where 2
+    replicas carry 14, 1 waiting, asked 2 -> 5). (Shedding alone made the rule depend on how long
     admission queues before it sheds: with a larger limit the first rejection came 1.3 s
     after detection and the reaction never fired.) Then the size is
     ceil(`high` / per_replica): the step rate's upper confidence bound, itself capped at a
@@ -238,7 +241,8 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     and the lower-bound rules size it (the elastic bench's burst 2, which its pool holds: the
     reaction asked 4 -> 7, 3 -> 7, 3 -> 6 where 4-5 carried it, with cold starts)."""
     band = 1.0 + cfg.tolerance
-    over = demand > band * max(current if active is None else active, 1) * per_replica
+    act = max(current if active is None else active, 1)
+    over = demand > band * act * per_replica and waiting > cfg.queue_pressure_per_replica * act
     if per_replica <= 0 or high <= 0 or not backlog or not (shed or over):
         return None
     if mid <= band * max(current, 1) * per_replica:
@@ -389,7 +393,7 @@ def decide(
     if now >= react_until:
         backlog = waiting > 0 or (kv_mean is not None and kv_mean > cfg.kv_pressure_threshold)
         react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
-                               max(current, capacity) + warm, demand, active)
+                               max(current, capacity) + warm, demand, active, waiting)
         if react is not None:
             panic = True
             react_until = now + cfg.panic_window_s

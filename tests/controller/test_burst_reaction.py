@@ -157,25 +157,36 @@ def test_a_transient_clump_does_not_double_the_pool() -> None:
 
 def test_rule_confirms_on_the_pool_past_its_size_without_shedding() -> None:
     # Nothing turned away yet (admission queues the step's first seconds), but the pool holds
-    # more than its size carries (running + waiting 32 > 1.1 x 4 x 7): confirmed. Within it
-    # (26): not.
-    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=32.0) == 11
-    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=26.0) is None
-    assert burst_reaction(POLICY, 60.0, 75.0, False, False, 4, 7.0, demand=32.0) is None  # no backlog
+    # more than its size carries (running + waiting 37 > 1.1 x 4 x 7) with a queue past the
+    # queue-pressure threshold (9 > 2 per active replica): confirmed.
+    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=37.0, waiting=9.0) == 11
+    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=26.0, waiting=9.0) is None  # within
+    assert burst_reaction(POLICY, 60.0, 75.0, False, False, 4, 7.0, demand=37.0, waiting=9.0) is None  # no backlog
+    # Sized on the active replicas: 2 active of a current size of 4 (two still loading) hold
+    # 20 with 6 waiting.
+    assert burst_reaction(POLICY, 60.0, 75.0, False, True, 4, 7.0, demand=20.0, active=2, waiting=6.0) == 11
+    # The elastic bench's ramp clump (seed 1, 37.0 s, e817cec): 2 active hold 17 (16 running,
+    # 1 waiting) where they carry 14, a step of few arrivals (point estimate 21, upper bound
+    # 31.7): one request waiting behind a full pool is no burst. It asked 2 -> 5, and the two
+    # cold starts sat in the warm pool until the burst.
+    assert burst_reaction(POLICY, 21.1, 31.65, False, True, 2, 7.0, 3, demand=17.0, active=2, waiting=1.0) is None
 
 
 def test_no_reaction_without_shedding_or_backlog() -> None:
     # The same 3x step admitted whole (a limit above the replicas' slots), nothing turned away:
-    # with 6 waiting in vLLM the pool is past its size (34 of the 28 it carries), which
+    # with 10 waiting in vLLM the pool is past its size (38 of the 28 it carries), which
     # confirms the step as shedding would (the elastic bench, seed 1, 11:27 run: the first
     # rejection came 1.3 s after detection, the reaction never fired and the pool grew 3 -> 4
     # -> 6 -> 8 over two ticks, the last replicas a cold start after those). With a step that
     # leaves the pool within its size (a vLLM queue of 2 behind 26 running; the rate's
-    # estimate still says 84 concurrent), no reaction: the lower-bound rules size it.
-    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 28.0, [0.0] * 10 + [6.0] * 3, active=4)
+    # estimate still says 84 concurrent), or with a queue below the queue-pressure threshold
+    # (6 behind 28: 1.5 per replica), no reaction: the lower-bound rules size it.
+    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 28.0, [0.0] * 10 + [10.0] * 3, active=4)
     assert [d.plan.reason for d in ds].count("burst_reaction") == 1
     assert max(d.plan.desired for d in ds) == math.ceil(ucb(84, 2) * 2 / 7) == 15
     ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 26.0, [0.0] * 10 + [2.0] * 3, active=4)
+    assert all(d.plan.reason != "burst_reaction" for d in ds)
+    ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 42.0, 28.0, [0.0] * 10 + [6.0] * 3, active=4)
     assert all(d.plan.reason != "burst_reaction" for d in ds)
     # Turned away, but nothing waits anywhere: no reaction either.
     ds = run(cfg(), [*BASE, 42.0, 42.0, 42.0], 14.0, 28.0, 0.0, active=4)
