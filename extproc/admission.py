@@ -1089,8 +1089,9 @@ class Admitter:
             rt.registry_seen = True
             if rt.ejector.settings.on:
                 await self._read_ejections(rt)
-            n = rt.serving_endpoints(self.clock())
-            rt.see_endpoints(self.clock(), n)
+            now = self.clock()
+            n = rt.serving_endpoints(now)
+            rt.see_endpoints(now, n)
             if rt.follows_ceiling():
                 per = parse_ceiling(await self.call(rt, "ceiling", lambda: rt.client.get(key(rt.cfg.name, CTL_CEILING))))
                 rt.ceiling = per * n if per is not None and n else None

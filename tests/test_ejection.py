@@ -300,6 +300,21 @@ async def _register(reg: Registry, ports: list[int]) -> None:
         await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
 
 
+def _three_replicas_two_gateways(stack: LocalStack, cfg: dict[str, Any]) -> tuple[list[Any], list[int], Any, Any, Any, Any]:
+    """Redis, three upstream replicas and two processors (`cfg`), each behind its own picking
+    Envoy: (replicas, their ports, processor a, processor b, Envoy a, Envoy b)."""
+    stack.start_redis()
+    ups, ports = [], []
+    for i in range(3):
+        up, port = _upstream(stack, f"up{i}")
+        ups.append(up)
+        ports.append(port)
+    a = stack.start_processor(cfg)
+    b = stack.start_processor(cfg)
+    return ups, ports, a, b, stack.start_envoy([], picking=True, processors=[a]), \
+        stack.start_envoy([], picking=True, processors=[b])
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("eject", [3, 0], ids=["ejection", "ejection-off"])
 async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: LocalStack, eject: int) -> None:
@@ -309,17 +324,8 @@ async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: 
     test). With it, the failures stop after a few; the other processor's picks avoid it too; a
     connection failure does not lower the limit; once it is back and its ejection ends it is
     picked again."""
-    stack.start_redis()
-    ports, ups = [], []
-    for i in range(3):
-        up, port = _upstream(stack, f"up{i}")
-        ups.append(up)
-        ports.append(port)
-    cfg = _cfg(eject_after_failures=eject, eject_base_s=4, eject_max_s=8)
-    a = stack.start_processor(cfg)
-    b = stack.start_processor(cfg)
-    env_a = stack.start_envoy([], picking=True, processors=[a])
-    env_b = stack.start_envoy([], picking=True, processors=[b])
+    ups, ports, a, b, env_a, env_b = _three_replicas_two_gateways(
+        stack, _cfg(eject_after_failures=eject, eject_base_s=4, eject_max_s=8))
     c = redis_client(stack.redis_url, op_timeout_s=5)
     reg = Registry(c, "default")
     dead = f"127.0.0.1:{ports[2]}"
@@ -471,18 +477,9 @@ async def test_a_replica_killed_while_waiters_are_queued(stack: LocalStack, mode
     hang) and no permit is left held. With Vegas the limit follows the two endpoints still
     serving (6 -> 4) while the third is ejected, so the dead replica's share does not overload
     the live ones."""
-    stack.start_redis()
-    ports, ups = [], []
-    for i in range(3):
-        up, port = _upstream(stack, f"up{i}")
-        ups.append(up)
-        ports.append(port)
     cfg = _cfg(limit={"mode": mode, "initial": 6, "min": 1, "max": 6}, eject_base_s=30, eject_max_s=60,
                classes={str(k): {"queue_timeout_s": 20, "max_queue": 100, "share": 0.0} for k in range(3)})
-    a = stack.start_processor(cfg)
-    b = stack.start_processor(cfg)
-    env_a = stack.start_envoy([], picking=True, processors=[a])
-    env_b = stack.start_envoy([], picking=True, processors=[b])
+    ups, ports, _, _, env_a, env_b = _three_replicas_two_gateways(stack, cfg)
     c = redis_client(stack.redis_url, op_timeout_s=5)
     reg = Registry(c, "default")
     state = PoolState(c, "default", lease_ttl_s=600, settings=PICK)
