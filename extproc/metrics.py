@@ -64,6 +64,10 @@ class Metrics:
         self.ejections = Counter(
             "floodgate_endpoint_ejections", "Endpoints this processor ejected from the pool's picks after connection "
             "failures (pool.eject_after_failures).", ["pool"], registry=r)
+        self.outcomes = Counter(
+            "floodgate_permit_outcomes", "Admitted requests by what their ending told the pool's limit: success, "
+            "dropped (an overload 502/503/504), ignored (cancelled, another 5xx, a dead endpoint, a sampled "
+            "stream cut before its end).", ["pool", "outcome"], registry=r)
         self.releases = Counter(
             "floodgate_releases", "Permits released, by how the request ended.",
             ["pool", "reason"], registry=r)

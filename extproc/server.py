@@ -433,16 +433,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         is a drop, a completed one a success (with its latency when its body was streamed), a
         cancelled one or another 5xx says nothing.
         Which latency signal the limit uses is the limit's business (`limit.signal`)."""
-        if ex.status is not None and ex.status >= 500:
-            # A replica that refuses connections is dead, not overloaded (ejection handles it).
-            ex.permit.finish("dropped" if ex.status in OVERLOAD_STATUSES and not ex.endpoint_failed else "ignored")
-            return
-        if reason != "stream_end" or ex.status is None:
-            ex.permit.finish("ignored")
-            return
-        latency = ex.meter.latency() if ex.meter is not None and ex.finished else None
+        outcome = permit_outcome(ex.status, reason, sampled=ex.meter is not None, finished=ex.finished,
+                                 endpoint_failed=ex.endpoint_failed)
+        self.admitter.child(self.admitter.metrics.outcomes, (pool, outcome)).inc()
+        latency = ex.meter.latency() if ex.meter is not None and outcome == "success" else None
         if latency is None:
-            ex.permit.finish("success")
+            ex.permit.finish(outcome)
             return
         label = PRIORITY_LABELS[ex.permit.priority]
         m = self.admitter.metrics
@@ -450,6 +446,31 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if latency.tpot is not None:
             m.tpot.labels(pool, label).observe(latency.tpot)
         ex.permit.finish("success", latency)
+
+
+def permit_outcome(status: int | None, reason: str, *, sampled: bool, finished: bool, endpoint_failed: bool) -> str:
+    """How an admitted request's permit is finished (pure): "dropped" for an overload 5xx
+    (`OVERLOAD_STATUSES`) from a replica that answered, "success" for a request that ended with
+    its response, "ignored" for what says nothing about the replicas' load: another 5xx, a dead
+    replica (ejection handles it), a request cancelled before its response ended, and a sampled
+    response whose body never ended.
+
+    `finished` (the body's end or the trailers came through here) decides before how the
+    ext_proc stream closed: Envoy ends a completed request's stream with EOF or, racing its
+    own teardown, CANCELLED (1 in 6 sampled requests in a test here), and reading the second
+    as "cancelled" threw away a completed request and its latency sample. A sampled stream
+    that closed without its body's end was cut mid-body (a replica killed while streaming, a
+    client gone): counted as a success, it diluted the window's drop share. An unsampled
+    response's body does not pass through here, so a plain end of its stream stays a success."""
+    if status is not None and status >= 500:
+        return "dropped" if status in OVERLOAD_STATUSES and not endpoint_failed else "ignored"
+    if status is None:
+        return "ignored"
+    if finished:
+        return "success"
+    if reason != "stream_end" or sampled:
+        return "ignored"
+    return "success"
 
 
 def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -644,3 +644,34 @@ async def test_only_overload_5xx_lower_the_vegas_limit(stack: LocalStack, upstre
 
 async def _limit_below(redis_url: str, n: int) -> bool:
     return (await pool_status(redis_url)).limit < n
+
+
+async def test_a_stream_cut_mid_body_is_no_success_for_the_limit(stack: LocalStack, upstream: int) -> None:
+    # A replica killed while it streams (here: the upstream drops the connection after two
+    # chunks) ends the ext_proc stream like a completed response does. A sampled request's body
+    # never ended, so the limit is told nothing of it, not that it succeeded. A completed one is
+    # a success however Envoy closes its stream (EOF, or CANCELLED when that races Envoy's own
+    # teardown: about 1 in 6 here, which were all thrown away before). Every permit comes back.
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {
+        "mode": "vegas", "initial": 20, "min": 1, "max": 64, "sample_rate": 1.0, "max_sampled": 0}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession() as s:
+        cut = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="6", delay_ms="30", cut_after="2"))
+                                     for _ in range(4)))
+        whole = [r for _ in range(3) for r in await asyncio.gather(
+            *(post(s, envoy.url, headers=hdr(1, chunks="6", delay_ms="30")) for _ in range(8)))]
+        assert all(r.body.endswith(b"data: [DONE]\n\n") for r in whole), [(r.status, r.error) for r in whole]
+        assert not any(r.body.endswith(b"data: [DONE]\n\n") for r in cut)
+
+        async def counted() -> bool:
+            m = await metrics(s, p.metrics_url)
+            return sum(v for k, v in m.items() if k.startswith("floodgate_permit_outcomes_total{")) >= 28
+
+        assert await wait_until(counted, 10)
+        m = await metrics(s, p.metrics_url)
+    assert m.get('floodgate_permit_outcomes_total{outcome="ignored",pool="default"}') == 4, m
+    assert m.get('floodgate_permit_outcomes_total{outcome="success",pool="default"}') == 24, m
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0 and st.queued_total == 0

@@ -1,7 +1,7 @@
 """A tiny OpenAI-style upstream for the admission tests (not the emulator: no batching model).
 
-Streams `x-test-chunks` SSE chunks `x-test-delay-ms` apart, answers `x-test-status` instead when
-set, and counts concurrent requests so tests can check the limit at the model's door:
+Streams `x-test-chunks` SSE chunks `x-test-delay-ms` apart (dropping the connection after
+`x-test-cut-after` of them when set), answers `x-test-status` instead when set, and counts concurrent requests so tests can check the limit at the model's door:
 `GET /stats` -> {"inflight", "max_inflight", "total"}, `POST /stats/reset`.
 
     python tests/upstream.py --port 8000
@@ -57,8 +57,13 @@ class Upstream:
                                                     "code": None}}, status=status)
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
+            cut = int(h.get("x-test-cut-after", "-1"))
             for i in range(chunks):
                 await asyncio.sleep(delay)
+                if i == cut:  # a replica dying mid-stream: the connection drops, no end of body
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
                 chunk = {"id": "t", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             usage = {"id": "t", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": chunks,
