@@ -66,16 +66,21 @@ _MODES = {(s, b): _mode(s, b) for s in (False, True) for b in (False, True)}
 _REQUEST_BODY_PASS = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
-def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool) -> tuple[bytes | None, str]:
+def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool,
+                     encoded: bool = False) -> tuple[bytes | None, str]:
     """vLLM's `priority` written into a JSON request body (pure). Returns (the new body, "set"),
-    or (None, why): `partial` (Envoy sent only part of it: over its buffer) and `too_large` are
-    refused by the caller (413: passed unchanged, a padded body would keep a priority its client
-    wrote, ahead of P0); `not_json` and `not_object` pass unchanged (no engine reads a priority
-    from them; the upstream answers 400). Never raises."""
+    or (None, why), each refused by the caller (`REFUSED_BODIES`): `partial` (Envoy sent only
+    part of it: over its buffer) and `too_large` with 413, `encoded` (`content-encoding` other
+    than identity) with 415, `not_json` and `not_object` with 400. Passed unchanged, any of them
+    kept whatever `priority` its client wrote where a lenient upstream reads it — a padded body,
+    a gzip body to a server that inflates it, a JSON body in another charset — ahead of P0; a
+    listed class is one whose every body the gateway rewrites. Never raises."""
     if not complete:
         return None, "partial"
     if len(body) > max_bytes:
         return None, "too_large"
+    if encoded:
+        return None, "encoded"
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -87,6 +92,13 @@ def rewrite_priority(body: bytes, priority: int, max_bytes: int, complete: bool)
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(), "set"
     except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800" parses, UTF-8 cannot hold it)
         return json.dumps(doc, separators=(",", ":")).encode(), "set"
+
+
+# What a listed class's body that cannot be rewritten is answered with (rewrite_priority).
+REFUSED_BODIES: dict[str, tuple[int, str]] = {
+    "partial": (413, "body_too_large"), "too_large": (413, "body_too_large"),
+    "encoded": (415, "body_encoded"), "not_json": (400, "body_not_json"), "not_object": (400, "body_not_json"),
+}
 
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, list[str]]:
@@ -177,8 +189,20 @@ _BODY_REPLY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 _TRAILERS_REPLY = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
+# Statuses that say the request itself cannot be served as it is (too many headers, a body the
+# pool cannot rewrite): no Retry-After, which would have the client send it again at once.
+CLIENT_ERRORS = frozenset({400, 413, 415, 431})
+
+
+def body_encoded(content_encoding: list[str] | None) -> bool:
+    """Is the body encoded (`content-encoding` other than identity), so its bytes are not the JSON?"""
+    return bool(content_encoding) and any(v.strip().lower() not in ("", "identity")
+                                          for c in content_encoding or () for v in c.split(","))
+
+
 def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
-    """429 (or 503 for no endpoints) with Retry-After and an OpenAI-style JSON error body."""
+    """429 (or 503 for no endpoints) with Retry-After and an OpenAI-style JSON error body; the
+    client errors (`CLIENT_ERRORS`) without Retry-After."""
     if reject.status == 503:
         message, etype = "No model endpoints are available for this pool.", "service_unavailable"
     elif reject.status == 431:
@@ -186,13 +210,21 @@ def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
     elif reject.status == 413:
         message, etype = ("The request body is too large for this pool to set its engine priority "
                           "(engine_priority_max_body_bytes, or Envoy's buffer limit)."), "invalid_request_error"
+    elif reject.status == 415:
+        message, etype = ("This pool sets the engine priority in the request body, which needs an unencoded "
+                          "body (no content-encoding)."), "invalid_request_error"
+    elif reject.status == 400:
+        message, etype = ("This pool sets the engine priority in the request body, which must be a JSON object "
+                          "in UTF-8."), "invalid_request_error"
     else:
         message = (f"The model pool is at capacity for priority {priority} ({reject.reason}); "
                    f"retry after {reject.retry_after_s} s.")
         etype = "rate_limit_exceeded"
     body = json.dumps({"error": {"message": message, "type": etype, "param": None, "code": reject.reason}})
+    # Retry-After only where coming back later helps: not on a request that will fail as it is.
+    retry = () if reject.status in CLIENT_ERRORS else (_set("retry-after", str(reject.retry_after_s)),)
     headers = pb.HeaderMutation(set_headers=[
-        _set("retry-after", str(reject.retry_after_s)),
+        *retry,
         _set("content-type", "application/json"),
         _set(REASON_OUT, reject.reason),
         _set(PRIORITY_OUT, str(priority)),
@@ -381,7 +413,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     self._on_body(ex, msg.response_body)
                     yield _BODY_REPLY
                 elif kind == "request_body" and engine_prio is not None:
-                    yield self._priority_body(pool, decision.priority, engine_prio, msg.request_body)
+                    yield self._priority_body(pool, decision.priority, engine_prio, msg.request_body,
+                                              body_encoded(headers.get("content-encoding")))
                 elif kind == "response_trailers":
                     ex.finished = True
                     yield _TRAILERS_REPLY
@@ -401,18 +434,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._finish(pool, ex, reason)
             self.admitter.release_soon(result, reason)
 
-    def _priority_body(self, pool: str, cls: int, engine_prio: int, body: pb.HttpBody) -> pb.ProcessingResponse:
+    def _priority_body(self, pool: str, cls: int, engine_prio: int, body: pb.HttpBody,
+                       encoded: bool) -> pb.ProcessingResponse:
         """The request body with vLLM's `priority` written in (BUFFERED_PARTIAL: the whole body in one
         message, or its first part with end_of_stream false when it is larger than Envoy's buffer,
         which then passes unchanged; BUFFERED would answer 413 instead)."""
         new, outcome = rewrite_priority(body.body, engine_prio, self.cfg.pool(pool).engine_priority_max_body_bytes,
-                                        body.end_of_stream)
+                                        body.end_of_stream, encoded)
         m = self.admitter.metrics
         self.admitter.child(m.engine_priority, (pool, PRIORITY_LABELS[cls], outcome)).inc()
-        if outcome in ("partial", "too_large"):
-            return reject_response(Reject("body_too_large", 0, status=413), cls)
         if new is None:
-            return _REQUEST_BODY_PASS
+            status, reason = REFUSED_BODIES[outcome]
+            return reject_response(Reject(reason, 0, status=status), cls)
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(body=new))))
 

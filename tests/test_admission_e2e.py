@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 from collections import Counter
@@ -553,18 +554,19 @@ async def test_processors_that_never_reached_redis_split_the_limit(stack: LocalS
     assert m["floodgate_degraded"] == 1
 
 
-async def _raw_post(session: aiohttp.ClientSession, url: str, body: bytes, prio: int) -> int:
-    async with session.post(url + "/v1/completions", data=body,
-                            headers={"x-request-priority": str(prio), "content-type": "application/json"}) as r:
-        await r.read()
-        return r.status
+async def _raw_post(session: aiohttp.ClientSession, url: str, body: bytes, prio: int,
+                    extra: dict[str, str] | None = None) -> Reply:
+    headers = {"x-request-priority": str(prio), "content-type": "application/json", **(extra or {})}
+    async with session.post(url + "/v1/completions", data=body, headers=headers) as r:
+        return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read(), 0.0)
 
 
 async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: LocalStack, upstream: int) -> None:
     """`engine_priority` {0: -1}: a P0's JSON body reaches the upstream with `"priority": -1` and a
-    matching content-length (real Envoy, mode override to BUFFERED); P1's is not touched; bodies
-    no engine can read pass unchanged and are counted; a body too large to rewrite is refused
-    with 413 (passed unchanged it kept the priority its client wrote)."""
+    matching content-length (real Envoy, mode override to BUFFERED); P1's is not touched. A
+    listed class's body the gateway cannot rewrite is refused, never passed on with whatever
+    priority its client wrote: not a JSON object 400, encoded (gzip) 415, too large to rewrite
+    413 — none with Retry-After (the same request would fail again)."""
     stack.start_redis()
     proc = stack.start_processor(static(8, engine_priority={0: -1}, engine_priority_max_body_bytes=4096))
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
@@ -572,32 +574,36 @@ async def test_engine_priority_writes_the_body_of_listed_classes_only(stack: Loc
     cases = [  # (class, body, expected body at the upstream)
         (0, json.dumps(doc).encode(), {**doc, "priority": -1}),
         (1, json.dumps(doc).encode(), doc),
-        (0, b"not json {", None),
-        (0, b"[1, 2]", None),
         (0, json.dumps({**doc, "prompt": "\ud800"}).encode(), {**doc, "prompt": "\ud800", "priority": -1}),
+    ]
+    refused = [  # (body, extra headers, status)
+        (b"not json {", {}, 400),
+        (b"[1, 2]", {}, 400),
+        (json.dumps({**doc, "prompt": "caf\u00e9"}).encode().replace(b"\\u00e9", b"\xe9"),
+         {"content-type": "application/json; charset=latin-1"}, 400),
+        (gzip.compress(json.dumps({**doc, "priority": -100}).encode()), {"content-encoding": "gzip"}, 415),
+        (json.dumps({**doc, "prompt": "x" * 5000}).encode(), {}, 413),  # over the 4096 bytes set above
     ]
     async with aiohttp.ClientSession() as s:
         for prio, body, _ in cases:
-            assert await _raw_post(s, envoy.url, body, prio) == 200
-        # over the 4096 bytes set above, with a priority of its own
-        assert await _raw_post(s, envoy.url, json.dumps({**doc, "prompt": "x" * 5000}).encode(), 0) == 413
+            assert (await _raw_post(s, envoy.url, body, prio)).status == 200
+        for body, extra, status in refused:
+            r = await _raw_post(s, envoy.url, body, 0, extra)
+            assert r.status == status, (body[:40], r.status, r.body[:200])
+            assert "retry-after" not in r.headers and json.loads(r.body)["error"]["type"] == "invalid_request_error"
         # a P0 without a body (GET) is not held for one
-        async with s.get(envoy.url + "/v1/completions", headers={"x-request-priority": "0"}) as r:
-            assert r.status in (200, 405)
+        async with s.get(envoy.url + "/v1/completions", headers={"x-request-priority": "0"}) as resp:
+            assert resp.status in (200, 405)
         got = (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["bodies"]
         m = await metrics(s, proc.metrics_url)
-    assert len(got) >= len(cases)
-    for (prio, sent, want), seen in zip(cases, got[:len(cases)], strict=True):
+    assert len(got) == len(cases), got  # the refused bodies never reached the upstream
+    for (prio, _sent, want), seen in zip(cases, got[:len(cases)], strict=True):
         assert seen["len"] == (int(seen["content_length"]) if seen["content_length"] else seen["len"]), seen
-        if want is None:
-            assert seen["text"].encode()[:200] == sent[:200], (prio, seen)  # unchanged
-        else:
-            assert json.loads(seen["text"]) == want, (prio, seen)
-    for outcome, n in (("set", 2), ("not_json", 1), ("not_object", 1), ("too_large", 1)):
+        assert json.loads(seen["text"]) == want, (prio, seen)
+    for outcome, n in (("set", 2), ("not_json", 2), ("not_object", 1), ("encoded", 1), ("too_large", 1)):
         assert m.get(f'floodgate_engine_priority_total{{outcome="{outcome}",pool="default",priority="0"}}') == n, m
     assert not any("priority=\"1\"" in k for k in m if k.startswith("floodgate_engine_priority_total"))
     assert (await drained(stack.redis_url)).inflight_total == 0
-
 
 
 async def test_envoy_keepalive_pings_never_end_quiet_streams(stack: LocalStack, upstream: int) -> None:

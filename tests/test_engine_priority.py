@@ -7,7 +7,13 @@ import json
 
 import pytest
 from floodgate.extproc.config import PoolConfig
-from floodgate.extproc.server import _MODES, _admit_reply, rewrite_priority
+from floodgate.extproc.server import (
+    _MODES,
+    REFUSED_BODIES,
+    _admit_reply,
+    body_encoded,
+    rewrite_priority,
+)
 from pydantic import ValidationError
 
 
@@ -29,12 +35,29 @@ def test_a_client_priority_is_overwritten() -> None:
     (b"[1, 2]", True, "not_object"),
     (b'"a string"', True, "not_object"),
     (b"", True, "not_json"),
-    (b"[" * 100_000 + b"]" * 100_000, True, "not_json"),  # too deep for the parser: passes, never raises
+    (b"[" * 100_000 + b"]" * 100_000, True, "not_json"),  # too deep for the parser: refused, never raises
     (b'{"prompt": "x"}', False, "partial"),  # Envoy's buffer held only part of it (refused: 413)
     (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', True, "too_large"),  # (refused: 413)
 ])
 def test_bodies_that_cannot_be_rewritten(body: bytes, complete: bool, outcome: str) -> None:
     assert rewrite_priority(body, -1, 1 << 20, complete) == (None, outcome)
+    assert outcome in REFUSED_BODIES  # refused, never passed on with the priority its client wrote
+
+
+def test_an_encoded_body_is_refused_even_when_its_bytes_parse() -> None:
+    # a server that inflates gzip would read the inner body's priority, not the one written here
+    assert rewrite_priority(b'{"prompt": "x"}', -1, 1 << 20, True, encoded=True) == (None, "encoded")
+    assert REFUSED_BODIES["encoded"][0] == 415
+    assert {REFUSED_BODIES[o][0] for o in ("not_json", "not_object")} == {400}
+    assert {REFUSED_BODIES[o][0] for o in ("partial", "too_large")} == {413}
+
+
+@pytest.mark.parametrize(("values", "encoded"), [
+    (None, False), ([], False), (["identity"], False), ([" Identity "], False), ([""], False),
+    (["gzip"], True), (["identity, gzip"], True), (["br"], True), (["identity", "deflate"], True),
+])
+def test_body_encoded(values: list[str] | None, encoded: bool) -> None:
+    assert body_encoded(values) is encoded
 
 
 def test_a_lone_surrogate_is_rewritten_not_raised() -> None:
