@@ -681,3 +681,23 @@ async def test_a_stream_cut_mid_body_is_no_success_for_the_limit(stack: LocalSta
     assert m.get('floodgate_permit_outcomes_total{outcome="success",pool="default"}') == 24, m
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0 and st.queued_total == 0
+
+
+async def test_no_processor_answers_503_with_retry_after_and_a_json_error(stack: LocalStack, upstream: int) -> None:
+    # The shipped filter fails closed. Envoy's default is an empty 500, which reads as a server
+    # bug; the filter's status_on_error and the bootstrap's local-reply mapper make it a 503
+    # with Retry-After and an OpenAI-style body, and leave the processor's own replies alone.
+    stack.start_redis()
+    p = stack.start_processor(static(1, classes=classes(max_queue=0)))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession() as s:
+        replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(2, delay_ms="300")) for _ in range(3)))
+        shed = [r for r in replies if r.status == 429]
+        assert shed and all(_json(r.body)["error"]["type"] == "rate_limit_exceeded" for r in shed), replies
+        p.child.kill()
+        r = await post(s, envoy.url, headers=hdr(1))
+    assert r.status == 503, (r.status, r.headers, r.body[:300])
+    assert r.headers.get("retry-after") == "1" and r.headers.get("content-type") == "application/json"
+    err = _json(r.body)["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == "admission_unavailable", err
+    assert "Connection" not in r.body.decode()  # Envoy's internal failure details stay inside
