@@ -8,6 +8,7 @@ idle pool would trigger a scale-down exactly when things are breaking.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -15,10 +16,12 @@ import aiohttp
 import redis.asyncio as aioredis
 from floodgate.controller.demand import ClassCounters, FloodgateCounters, GatewayCounters
 from floodgate.controller.signals import QueueSignal
-from floodgate.controller.vllm import VllmClient, VllmSample
+from floodgate.controller.vllm import VllmClient, VllmSample, failed_sample
 from floodgate.extproc.state import read_demand, read_pool_status
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
+
+log = logging.getLogger("floodgate.controller.scrape")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +139,27 @@ class ReplicaScraper:
     model: str | None = None
     on_failure: Callable[[str], None] | None = None  # called with the source name per failure
     last: dict[str, VllmSample] = field(default_factory=dict)
+    _logged: set[str] = field(default_factory=set)  # replicas whose unexpected error is logged
 
     async def scrape(self, endpoints: Mapping[str, str], now: float) -> dict[str, VllmSample]:
-        """`endpoints`: replica id -> "host:port". Returns a sample (maybe failed) for each."""
+        """`endpoints`: replica id -> "host:port". Returns a sample (maybe failed) for each.
+
+        An unexpected exception while scraping one replica (anything `VllmClient.scrape` did
+        not turn into a marked failure itself: a bug, or input nobody foresaw) is that
+        replica's failed scrape, logged with its traceback (once per run of such failures), not
+        an exception out of the pool's tick: one replica's page must not stop the controller."""
         async def one(rid: str, ep: str) -> VllmSample:
-            client = VllmClient(self.session, ep, timeout_s=self.timeout_s, model=self.model)
-            return await client.scrape(rid, now, self.last.get(rid))
+            try:
+                client = VllmClient(self.session, ep, timeout_s=self.timeout_s, model=self.model)
+                sample = await client.scrape(rid, now, self.last.get(rid))
+            except Exception as exc:
+                if rid not in self._logged:
+                    self._logged.add(rid)
+                    log.exception("replica %s (%s): unexpected error in its scrape, counted as a failed scrape",
+                                  rid, ep)
+                return failed_sample(rid, now, f"unexpected {type(exc).__name__}: {exc}", self.last.get(rid))
+            self._logged.discard(rid)
+            return sample
 
         ids = list(endpoints)
         results = await asyncio.gather(*(one(rid, endpoints[rid]) for rid in ids))

@@ -27,6 +27,20 @@ class VllmError(RuntimeError):
     """A replica call failed (connection, timeout or unexpected status)."""
 
 
+class MetricsError(VllmError, ValueError):
+    """A `/metrics` page the parser cannot turn into finite, sane numbers: unparseable text, a
+    gauge the policy reads missing, NaN, infinite or negative (or a KV usage outside 0..1), a
+    histogram bucket without a numeric `le`. The scrape is a failed one (ok=False), never 0.
+    (A ValueError too, which is what the parser raised before.)"""
+
+
+def _sane(what: str, value: float, *, upper: float = math.inf) -> float:
+    """`value` if it is a finite number in [0, upper], else MetricsError naming `what`."""
+    if not math.isfinite(value) or value < 0 or value > upper:
+        raise MetricsError(f"{what} is {value!r}: not a finite number in [0, {upper:g}]")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Histogram:
     """Cumulative histogram (summed over label sets): upper bound -> count, plus sum/count."""
@@ -93,13 +107,22 @@ class VllmSample:
 
 def _hist_add(acc: dict[str, dict[float, float]], sums: dict[str, float], counts: dict[str, float],
               name: str, sample_name: str, labels: dict[str, str], value: float) -> None:
+    if sample_name not in (name + "_bucket", name + "_sum", name + "_count"):
+        return
+    _sane(sample_name, value)  # counts and a sum of durations: never NaN, infinite or negative
     if sample_name == name + "_bucket":
-        le = float(labels["le"])
+        raw = labels.get("le")
+        try:
+            le = float(raw) if raw is not None else math.nan
+        except ValueError:
+            le = math.nan
+        if math.isnan(le):
+            raise MetricsError(f"{sample_name}: bucket without a numeric le label ({labels})")
         acc.setdefault(name, {})
         acc[name][le] = acc[name].get(le, 0.0) + value
     elif sample_name == name + "_sum":
         sums[name] = sums.get(name, 0.0) + value
-    elif sample_name == name + "_count":
+    else:
         counts[name] = counts.get(name, 0.0) + value
 
 
@@ -111,10 +134,14 @@ def parse_metrics(
 ) -> VllmSample:
     """Parse a vLLM `/metrics` page. Gauges are summed over label sets (one engine per model).
 
-    Raises ValueError on unparseable text or when any of the gauges the policy reads
-    (`num_requests_running`, `num_requests_waiting`, the KV gauge under either of its names)
-    is missing: a missing metric is a failed scrape, never 0 (an idle-looking replica would
-    invite a scale-down exactly when something is wrong).
+    Raises MetricsError (a VllmError and a ValueError) on a page it cannot turn into finite,
+    sane numbers: unparseable text (whatever the text parser raises), any of the gauges the
+    policy reads (`num_requests_running`, `num_requests_waiting`, the KV gauge under either of
+    its names) missing, NaN, infinite or negative (the KV gauge also above 1), a latency
+    histogram's bucket, sum or count NaN, infinite or negative, or a bucket without a numeric
+    `le`. Each is a failed scrape, never 0 (an idle-looking replica would invite a scale-down
+    exactly when something is wrong) and never a crash of the tick. Metrics the controller does
+    not read are not checked.
     """
     waiting = running = 0.0
     kv: dict[str, float] = {}
@@ -123,19 +150,23 @@ def parse_metrics(
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
+    try:  # foreign text: whatever the parser raises on it is a bad page, not a bug of ours
+        families = list(text_string_to_metric_families(text))
+    except Exception as exc:
+        raise MetricsError(f"unparseable page: {type(exc).__name__}: {exc}") from exc
+    for fam in families:
         for s in fam.samples:
             n = s.name
             if n == WAITING:
-                waiting += s.value
+                waiting += _sane(n, s.value)
                 seen.add(n)
             elif n == RUNNING:
-                running += s.value
+                running += _sane(n, s.value)
                 seen.add(n)
             elif n in KV_NAMES:
-                kv[n] = max(kv.get(n, 0.0), s.value)
+                kv[n] = max(kv.get(n, 0.0), _sane(n, s.value, upper=1.0))
             elif n == "vllm:engine_sleep_state" and s.labels.get("sleep_state") == "awake":
-                awake = s.value
+                awake = _sane(n, s.value)
             elif n.startswith(TTFT):
                 _hist_add(buckets, sums, counts, TTFT, n, s.labels, s.value)
             elif n.startswith(ITL):
@@ -144,11 +175,16 @@ def parse_metrics(
     if not kv:
         missing.append(" or ".join(KV_NAMES))
     if missing:
-        raise ValueError("missing from the page: " + ", ".join(missing))
+        raise MetricsError("missing from the page: " + ", ".join(missing))
     kv_usage = next(kv[n] for n in KV_NAMES if n in kv)
+    _sane(WAITING, waiting)  # summed over label sets: finite parts can still overflow
+    _sane(RUNNING, running)
 
     def hist(name: str) -> Histogram:
-        return Histogram(tuple(sorted(buckets.get(name, {}).items())), sums.get(name, 0.0), counts.get(name, 0.0))
+        h = Histogram(tuple(sorted(buckets.get(name, {}).items())), sums.get(name, 0.0), counts.get(name, 0.0))
+        for v in (h.total, h.count, *(c for _, c in h.buckets)):
+            _sane(name, v)  # summed over label sets: finite parts can still overflow
+        return h
 
     ttft, itl = hist(TTFT), hist(ITL)
     # Without a previous sample the cumulative histograms hold the replica's whole life, not
@@ -224,10 +260,11 @@ class VllmClient:
         return body.decode("utf-8", errors="replace")
 
     async def scrape(self, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
-        """One `/metrics` scrape; failures come back marked (ok=False), never as zeros."""
+        """One `/metrics` scrape; failures (no answer, an error status, a page `parse_metrics`
+        rejects: MetricsError) come back marked (ok=False), never as zeros."""
         try:
             return parse_metrics(await self.metrics_text(), replica_id, now, prev)
-        except (VllmError, ValueError) as exc:
+        except VllmError as exc:
             return failed_sample(replica_id, now, str(exc), prev)
 
     async def sleep(self, level: int = 1, timeout_s: float = 120.0) -> bool:

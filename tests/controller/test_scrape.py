@@ -3,7 +3,13 @@ replica's scrape is marked failed and the policy holds instead of scaling down."
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
+import random
+import re
 import sys
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -11,14 +17,21 @@ from floodgate.controller.app import PoolController, Replica
 from floodgate.controller.decider import DeciderState
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import REASON_HOLD_STALE, PolicyState
-from floodgate.controller.scrape import parse_envoy, scrape_envoy, scrape_floodgate
+from floodgate.controller.scrape import ReplicaScraper, parse_envoy, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import ReplicaState, ReplicaView
-from floodgate.controller.vllm import Histogram, VllmClient, parse_metrics
+from floodgate.controller.vllm import (
+    Histogram,
+    MetricsError,
+    VllmClient,
+    VllmError,
+    VllmSample,
+    parse_metrics,
+)
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
-from tests.controller.live import controller_config
+from tests.controller.live import controller_config, wait_for
 
 PAGE = """\
 # TYPE vllm:num_requests_running gauge
@@ -92,6 +105,155 @@ async def test_missing_kv_gauge_is_a_failed_scrape_not_zero() -> None:
         assert not got.metrics.ok and "kv_cache_usage_perc" in got.error
     finally:
         await runner.cleanup()
+
+
+GOOD = PAGE % (2, 4, 4, 4, 1.0)
+_GAUGE = r"^(vllm:{name}(\{{[^}}]*\}})?) .*$"
+
+
+def _set(page: str, name: str, value: str) -> str:
+    """`page` with every sample of the metric `name` (without the `vllm:` prefix) set to `value`."""
+    out, n = re.subn(_GAUGE.format(name=re.escape(name)), r"\1 " + value, page, flags=re.M)
+    assert n, name
+    return out
+
+
+# Pages the parser cannot turn into finite, sane numbers, and what the error names. Each one is
+# a failed scrape (MetricsError), never a crash and never a value (a NaN KV used to read as 0).
+BAD_PAGES: dict[str, tuple[str, str]] = {
+    "bucket_without_le": (GOOD + 'vllm:time_to_first_token_seconds_bucket{model_name="x"} 3\n', "without a numeric le"),
+    "bucket_le_not_a_number": (GOOD.replace('le="0.1"', 'le="abc"'), "without a numeric le"),
+    "bucket_le_nan": (GOOD.replace('le="0.1"', 'le="NaN"'), "without a numeric le"),
+    "waiting_nan": (_set(GOOD, "num_requests_waiting", "NaN"), "num_requests_waiting is nan"),
+    "waiting_negative": (_set(GOOD, "num_requests_waiting", "-100"), "num_requests_waiting is -100"),
+    "waiting_minus_inf": (_set(GOOD, "num_requests_waiting", "-Inf"), "num_requests_waiting is -inf"),
+    "running_inf": (_set(GOOD, "num_requests_running", "+Inf"), "num_requests_running is inf"),
+    "running_nan": (_set(GOOD, "num_requests_running", "NaN"), "num_requests_running is nan"),
+    "kv_nan": (_set(GOOD, "kv_cache_usage_perc", "NaN"), "kv_cache_usage_perc is nan"),
+    "kv_nan_old_name": (_set(GOOD, "kv_cache_usage_perc", "NaN").replace("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+                        "gpu_cache_usage_perc is nan"),
+    "kv_negative": (_set(GOOD, "kv_cache_usage_perc", "-0.5"), "kv_cache_usage_perc is -0.5"),
+    "kv_above_one": (_set(GOOD, "kv_cache_usage_perc", "57"), "kv_cache_usage_perc is 57"),
+    "sleep_state_nan": (_set(GOOD, "engine_sleep_state", "NaN"), "engine_sleep_state is nan"),
+    "bucket_nan": (GOOD.replace('le="1.0",model_name="m"} 4', 'le="1.0",model_name="m"} NaN'), "_bucket is nan"),
+    "bucket_negative": (GOOD.replace('le="1.0",model_name="m"} 4', 'le="1.0",model_name="m"} -4'), "_bucket is -4"),
+    "sum_inf": (_set(GOOD, "time_to_first_token_seconds_sum", "+Inf"), "_sum is inf"),
+    "count_nan": (_set(GOOD, "time_to_first_token_seconds_count", "NaN"), "_count is nan"),
+    # Finite on every line, infinite once summed over label sets.
+    "waiting_overflows": (GOOD + "vllm:num_requests_waiting{model_name=\"a\"} 1e308\n"
+                          "vllm:num_requests_waiting{model_name=\"b\"} 1e308\n", "num_requests_waiting is inf"),
+    "garbage": ("<html>500 oops</html>\n", "unparseable page"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGES))
+def test_a_page_without_finite_sane_numbers_is_a_metrics_error(case: str) -> None:
+    page, says = BAD_PAGES[case]
+    with pytest.raises(MetricsError, match=re.escape(says)) as err:
+        parse_metrics(page, "r", 1.0, prev=parse_metrics(GOOD, "r", 0.0))
+    # The module's own error: a VllmError (what the scrape turns into a failed one) and still a
+    # ValueError (what the parser raised before for a missing gauge or unparseable text).
+    assert isinstance(err.value, VllmError) and isinstance(err.value, ValueError)
+
+
+def _sane_sample(s: VllmSample) -> bool:
+    m = s.metrics
+    nums = [m.waiting, m.running, m.kv_cache_usage]
+    for h in (s.ttft, s.itl):
+        nums += [h.total, h.count, *(c for _, c in h.buckets)]
+        if any(math.isnan(le) for le, _ in h.buckets):
+            return False
+    return m.ok and all(math.isfinite(v) and v >= 0 for v in nums) and m.kv_cache_usage <= 1
+
+
+def test_mangled_pages_give_sane_numbers_or_a_metrics_error() -> None:
+    """Fuzz-ish: a vLLM page with a few characters changed, removed or inserted parses to
+    finite, sane numbers or raises MetricsError; nothing else (the reviewer's fuzzing of the old
+    parser: KeyError 'le' in ~1 % of mutations, and NaN values returned as numbers)."""
+    rng = random.Random(7)
+    alphabet = ' {}="\\\n#,le+-.NaInf0123456789abc_:'
+    base = GOOD + "# TYPE vllm:inter_token_latency_seconds histogram\n" + "".join(
+        f'vllm:inter_token_latency_seconds_bucket{{le="{le}",model_name="m"}} {c}\n'
+        for le, c in (("0.01", 3), ("0.1", 9), ("+Inf", 10))) + \
+        'vllm:inter_token_latency_seconds_count{model_name="m"} 10\n' \
+        'vllm:inter_token_latency_seconds_sum{model_name="m"} 0.4\n'
+    assert _sane_sample(parse_metrics(base, "r", 0.0))
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(1500):
+        b = list(base)
+        for _ in range(rng.randint(1, 4)):
+            i, op = rng.randrange(len(b)), rng.random()
+            if op < 0.4:
+                b[i] = rng.choice(alphabet)
+            elif op < 0.7:
+                del b[i]
+            else:
+                b.insert(i, rng.choice(alphabet))
+        try:
+            s = parse_metrics("".join(b), "r", 1.0)
+        except MetricsError:
+            outcomes["error"] += 1
+            continue
+        assert _sane_sample(s), "".join(b)
+        outcomes["ok"] += 1
+    assert outcomes["ok"] > 100 and outcomes["error"] > 100  # both outcomes were exercised
+
+
+async def test_a_bad_page_is_a_failed_scrape_keeping_the_previous_histograms() -> None:
+    from aiohttp import web
+
+    page = {"text": GOOD}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=page["text"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            vc = VllmClient(s, f"127.0.0.1:{port}")
+            good = await vc.scrape("r", 1.0)
+            assert good.metrics.ok and good.ttft.count == 4
+            for case in ("bucket_without_le", "waiting_nan", "kv_nan", "running_inf"):
+                page["text"], says = BAD_PAGES[case]
+                got = await vc.scrape("r", 2.0, prev=good)
+                assert not got.metrics.ok and says in got.error, case
+                assert got.ttft == good.ttft  # the next good scrape's delta covers the gap
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever escapes `VllmClient.scrape` for one replica (here a bug) is that replica's
+    failed scrape, counted and logged with its traceback (once per run of failures), never an
+    exception out of the pool's tick; the other replicas' samples are unaffected."""
+    broken = {"on": True}
+
+    async def scrape(self: VllmClient, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
+        if replica_id == "bad" and broken["on"]:
+            raise ZeroDivisionError("a bug")
+        return parse_metrics(GOOD, replica_id, now, prev)
+
+    monkeypatch.setattr(VllmClient, "scrape", scrape)
+    failures: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        rs = ReplicaScraper(session, on_failure=failures.append)
+        eps = {"good": "127.0.0.1:1", "bad": "127.0.0.1:2"}
+        with caplog.at_level(logging.ERROR, logger="floodgate.controller.scrape"):
+            for t in (1.0, 2.0):
+                out = await rs.scrape(eps, t)
+                assert out["good"].metrics.ok
+                assert not out["bad"].metrics.ok and out["bad"].error == "unexpected ZeroDivisionError: a bug"
+            broken["on"] = False
+            assert (await rs.scrape(eps, 3.0))["bad"].metrics.ok
+        assert failures == ["vllm", "vllm"]
+        logged = [r for r in caplog.records if r.name == "floodgate.controller.scrape"]
+        assert len(logged) == 1 and logged[0].exc_info is not None and "bad" in logged[0].getMessage()
 
 
 def test_parse_envoy_stats() -> None:
@@ -242,3 +404,155 @@ async def test_real_envoy_gateway_counters(stack: LocalStack) -> None:
         await asyncio.sleep(0.1)
     await rc.aclose()
     assert (p2.admitted, p2.turned_away) == (1, 5)
+
+
+# How the proxy below rewrites a real replica's page, per mode (the reviewer's mproxy.py modes).
+REWRITE: dict[str, Callable[[str], str]] = {
+    "pass": lambda t: t,
+    "nan_kv": lambda t: _set(t, "kv_cache_usage_perc", "NaN"),
+    "no_le": lambda t: t + 'vllm:time_to_first_token_seconds_bucket{model_name="x"} 3\n',
+    "nan_wait": lambda t: _set(t, "num_requests_waiting", "NaN"),
+    "neg_wait": lambda t: _set(t, "num_requests_waiting", "-100"),
+    "inf_run": lambda t: _set(t, "num_requests_running", "+Inf"),
+    "garbage": lambda t: "<html>oops</html>\n",
+}
+
+
+class MetricsProxy:
+    """A pass-through proxy in front of a real replica that rewrites its `/metrics` page by
+    `mode` (a key of REWRITE): the replica as a controller sees it when its page goes bad."""
+
+    def __init__(self, upstream: str, mode: str) -> None:
+        self.upstream = f"http://{upstream}"
+        self.mode = mode
+        self.runner: aiohttp.web.AppRunner | None = None
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> str:
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        return f"127.0.0.1:{port}"
+
+    async def _handle(self, req: aiohttp.web.Request) -> aiohttp.web.Response:
+        from aiohttp import web
+
+        assert self.session is not None
+        if req.path == "/metrics":
+            async with self.session.get(self.upstream + "/metrics") as r:
+                text = await r.text()
+            return web.Response(text=REWRITE[self.mode](text), content_type="text/plain")
+        body = await req.read()
+        async with self.session.request(req.method, self.upstream + req.path_qs, data=body or None,
+                                        headers={"Content-Type": req.headers.get("Content-Type", "")}) as r:
+            return web.Response(status=r.status, body=await r.read(),
+                                headers={"Content-Type": r.headers.get("Content-Type", "text/plain")})
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+
+
+@pytest.mark.integration
+async def test_controller_survives_a_replica_with_a_bad_metrics_page_and_does_not_scale_on_it(
+        stack: LocalStack) -> None:
+    """The real controller and two real replicas (`floodgate sim`), the second one's `/metrics`
+    rewritten by a proxy: a NaN KV gauge (was read as KV 0: an idle pool, scaled down), a
+    histogram bucket without `le` (was KeyError: the controller exited, every pool with it), a
+    NaN (was ValueError in the policy: the same) or negative waiting gauge, an infinite running
+    gauge, garbage. Each is that replica's failed scrape: counted, the tick stale, the pool held
+    at its size (an idle pool of 2 with min 1 would scale down on any fresh tick), the
+    controller ticking on. Once the page is sane again, the same controller scales down."""
+    from floodgate.controller.app import Controller
+    from floodgate.controller.config import parse_config
+    from floodgate.extproc.registry import Registry
+
+    url = stack.start_redis()
+    sims = []
+    for i in range(2):
+        port = free_port()
+        stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
+                              "--log-level", "warning"], name=f"sim{i}", port=port)
+        sims.append(f"127.0.0.1:{port}")
+    proxy = MetricsProxy(sims[1], "nan_kv")
+    bad_ep = await proxy.start()
+    rc = redis_client(url, op_timeout_s=5)
+    registry = Registry(rc, "default")
+    await registry.set(sims[0], "active", "r0")
+    await registry.set(bad_ep, "active", "r1")
+    cfg = parse_config({
+        "redis": {"url": url}, "tick_interval_s": 0.1, "metrics_listen": None, "leader": {"enabled": False},
+        "pools": [{"name": "default",
+                   "policy": {"min_replicas": 1, "max_replicas": 3, "stabilization_window_s": 0,
+                              "scale_down_interval_s": 0, "panic_window_s": 0},
+                   "forecast": {"enabled": False}, "warm_pool": {"enabled": False},
+                   "timeouts": {"scrape_s": 1.0},
+                   "actuator": {"kind": "static", "endpoints": {"r0": sims[0], "r1": bad_ep}}}],
+    }, env={})
+    ctl = Controller(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+
+    def pool() -> PoolController | None:
+        if task.done():
+            raise AssertionError(f"the controller stopped: {task.exception()!r}")
+        return ctl.pools.get("default")
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return ctl.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+    def vllm_failures() -> float:
+        return value("floodgate_scrape_failures_total", {"source": "vllm"})
+
+    try:
+        for mode, says in (("nan_kv", "kv_cache_usage_perc is nan"), ("no_le", "without a numeric le"),
+                           ("nan_wait", "num_requests_waiting is nan"), ("neg_wait", "num_requests_waiting is -100"),
+                           ("inf_run", "num_requests_running is inf"), ("garbage", "unparseable page")):
+            proxy.mode = mode
+
+            async def failed_on_it(mode: str = mode, says: str = says) -> bool:
+                pc = pool()
+                if pc is None or pc.last_plan is None:
+                    return False
+                assert pc.last_plan.desired == 2, f"scaled on a bad page ({mode}): {pc.last_plan}"
+                s = pc.replicas["r1"].sample
+                return s is not None and not s.metrics.ok and says in s.error
+
+            await wait_for(failed_on_it, 15)
+            failures, ticks = vllm_failures(), value("floodgate_controller_ticks_total")
+
+            async def ticked_on(ticks: float = ticks) -> bool:
+                return pool() is not None and value("floodgate_controller_ticks_total") >= ticks + 3
+
+            await wait_for(ticked_on, 10)
+            pc = pool()
+            assert pc is not None and pc.last_plan is not None
+            plan = pc.last_plan
+            assert (plan.desired, plan.active, plan.stale, plan.reason) == (2, 2, True, REASON_HOLD_STALE), mode
+            assert vllm_failures() >= failures + 2, mode  # one per tick, for r1 only
+            assert pc.replicas["r0"].sample is not None and pc.replicas["r0"].sample.metrics.ok
+            assert {e.replica_id: e.state for e in (await registry.endpoints()).values()} == \
+                {"r0": "active", "r1": "active"}, mode
+
+        # The page is sane again: the same controller reads an idle pool of 2 and scales down.
+        proxy.mode = "pass"
+
+        async def scaled_down() -> bool:
+            pc = pool()
+            return pc is not None and pc.last_plan is not None and pc.last_plan.desired == 1
+        await wait_for(scaled_down, 15)
+        stop.set()
+        await asyncio.wait_for(task, 15)  # a clean exit: no exception from any tick
+    finally:
+        stop.set()
+        await asyncio.wait({task}, timeout=15)
+        await proxy.stop()
+        await rc.aclose()
