@@ -56,10 +56,12 @@ def _run_live(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from floodgate.controller.config import ConfigError, load_config
+    from floodgate.controller.config import ConfigError, check_state_dirs, load_config
 
     try:
         cfg = load_config(args.config)
+        # --check-config only tries (and removes what it made); start-up keeps the directories.
+        check_state_dirs(cfg, create=not args.check_config)
     except ConfigError as exc:
         print(f"floodgate controller: {exc}", file=sys.stderr)
         return 2
@@ -151,17 +153,16 @@ def _add_simulate(sub: Any) -> None:
 
 
 def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
-    import yaml
     from floodgate.controller.forecast import ForecastConfig
     from floodgate.controller.lifecycle import WarmPoolConfig
     from floodgate.controller.policy import PolicyConfig
     from pydantic import ValidationError
 
+    from floodgate.yamlconfig import read_mapping
+
     raw: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping with policy/forecast/warm_pool sections")
+        loaded = read_mapping(path)  # a ConfigError (ValueError) names a duplicate key
         unknown = set(loaded) - {"policy", "forecast", "warm_pool"}
         if unknown:
             raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")

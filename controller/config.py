@@ -19,7 +19,9 @@ FLOODGATE_CONTROLLER_METRICS_LISTEN, FLOODGATE_ENVOY_ADMIN_URL.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,13 +31,14 @@ from floodgate.controller.demand import DemandConfig
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
+from floodgate.extproc.config import PoolName
 from floodgate.extproc.schema import controller_leader_key
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL
+from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL, check_listen
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
-__all__ = ["ConfigError", "ControllerConfig", "load_config", "parse_config"]
+__all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir"]
 
 
 class _Strict(BaseModel):
@@ -67,13 +70,20 @@ class ActuatorConfig(_Strict):
     command: list[str] | None = Field(default=None, description="process: argv template with {port} (and {replica_id}); default `floodgate sim` with sleep mode.")
     state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: a per-pool directory under the system temp dir).")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
-    endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port), or name -> endpoint.")
+    endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port, each once), or name -> endpoint.")
     options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator; endpointslices: namespace, service, port_name, in_cluster, ... (controller/discovery.py).")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> ActuatorConfig:
+        # A field the kind does not read would be silently ignored: an error instead.
+        stray = [f"{name} (read by kind {' or '.join(kinds)} only)" for name, kinds in _KIND_FIELDS.items()
+                 if self.kind not in kinds and name in self.model_fields_set and getattr(self, name)]
+        if stray:
+            raise ValueError(f"kind {self.kind!r} would ignore {', '.join(stray)}: remove it or change the kind")
         if self.kind == "static" and not self.endpoints:
             raise ValueError("static actuator needs endpoints")
+        if self.kind == "static" and self.endpoints:
+            _check_endpoints(self.endpoints)
         if self.command is not None and not any("{port}" in a for a in self.command):
             raise ValueError("command needs a {port} placeholder")
         if self.kind == "kubernetes":
@@ -87,6 +97,34 @@ class ActuatorConfig(_Strict):
             _nested(EndpointSliceConfig, self.options)
             _needs_kubernetes_client(self.kind)
         return self
+
+
+# The actuator fields only some kinds read (`kind` itself aside).
+_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "command": ("process",), "state_dir": ("process",), "env": ("process",),
+    "endpoints": ("static",), "options": ("kubernetes", "endpointslices"),
+}
+
+
+def _check_endpoints(endpoints: Mapping[str, str] | list[str]) -> None:
+    """Static endpoints: each HOST:PORT (the controller calls `http://HOST:PORT/...`), each once."""
+    items = list(endpoints.items()) if isinstance(endpoints, Mapping) else [(str(i), ep) for i, ep in enumerate(endpoints)]
+    problems: list[str] = []
+    first: dict[str, str] = {}
+    for name, ep in items:
+        try:
+            if "/" in ep:
+                raise ValueError("no scheme or path")
+            check_listen(ep)
+        except ValueError as exc:
+            why = "" if "is not HOST:PORT" in str(exc) else f": {exc}"
+            problems.append(f"endpoints.{name}: {ep!r} is not HOST:PORT (e.g. 10.0.0.5:8000){why}")
+            continue
+        if ep in first:
+            problems.append(f"endpoints.{name}: {ep} is also endpoints.{first[ep]} (each endpoint once)")
+        first.setdefault(ep, name)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def _nested(model: type[BaseModel], options: Mapping[str, Any]) -> None:
@@ -115,6 +153,9 @@ class TimeoutsConfig(_Strict):
     sleep_s: float = Field(default=600.0, gt=0, description="Longest POST /sleep (mode=wait).")
     scrape_s: float = Field(default=1.0, gt=0, description="Per-scrape timeout.")
     adopt_grace_s: float = Field(default=30.0, ge=0, description="A started replica may be missing from the actuator's list this long.")
+    unresponsive_s: float = Field(default=30.0, ge=0, description="An active replica whose scrapes have all failed this long, and whose /health then does not answer either, is marked failed: taken out of the registry and replaced like a crashed one (a hung process, a frozen node). A replica that answers /health is kept, whatever its /metrics do. 0: never.")
+    start_backoff_s: float = Field(default=1.0, gt=0, description="After a replica's start or bring-up fails, the next start waits this long, doubling with each failure in a row up to `start_backoff_max_s`; a replica that comes up resets it (a missing binary or a crashing command otherwise restarts as fast as the ticks run).")
+    start_backoff_max_s: float = Field(default=60.0, gt=0, description="The longest wait between failing starts.")
 
 
 class AdmissionCeilingConfig(_Strict):
@@ -125,7 +166,8 @@ class AdmissionCeilingConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    name: str = Field(min_length=1, description="Pool name (as in the processor config).")
+    name: PoolName = Field(description="Pool name, as in the processor config (the same rule: letters, digits, "
+                           "`_`, `.` and `-`).")
     model: str | None = Field(default=None, description="Model name for warm-up requests; unset: the replica's first /v1/models entry.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     forecast: ForecastConfig = Field(default_factory=ForecastConfig)
@@ -136,6 +178,24 @@ class PoolConfig(_Strict):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     actuator: ActuatorConfig = Field(description="Where the replicas run (required: a forgotten section would otherwise start emulated `floodgate sim` replicas). `kind: process` with no `command` runs the emulator, for local tries.")
     id_prefix: str | None = Field(default=None, description="Prefix of new replica ids (default: `<pool>-r`).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PoolConfig:
+        """Sections that contradict each other: the controller would never reach what they ask
+        (it would sit at desired > active, or ignore a setting), so stop at start instead."""
+        pol, wp, problems = self.policy, self.warm_pool, []
+        if pol.min_replicas > wp.max_total:
+            problems.append(f"policy.min_replicas ({pol.min_replicas}) is above warm_pool.max_total ({wp.max_total}): "
+                            "the pool could never start its minimum")
+        if wp.enabled and wp.min_size > pol.max_replicas:
+            problems.append(f"warm_pool.min_size ({wp.min_size}) is above policy.max_replicas ({pol.max_replicas}): "
+                            "the warm pool never exceeds max_replicas minus the desired count")
+        if self.actuator.kind == "static" and self.actuator.endpoints and pol.min_replicas > len(self.actuator.endpoints):
+            problems.append(f"policy.min_replicas ({pol.min_replicas}) is above the {len(self.actuator.endpoints)} "
+                            "static actuator.endpoints: the pool could never reach its minimum")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class ControllerConfig(_Strict):
@@ -181,3 +241,46 @@ def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> C
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> ControllerConfig:
     return parse_config(read_mapping(path), env)
+
+
+def process_state_dir(pool: PoolConfig) -> Path:
+    """The directory a `process` actuator keeps its replica table in (as `app.build_actuator`)."""
+    a = pool.actuator
+    return Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}"
+
+
+def check_state_dirs(cfg: ControllerConfig, *, create: bool) -> None:
+    """Every `process` actuator's state_dir must be (or become) a writable directory: else the
+    actuator would fail at start-up with a traceback. With `create` the missing directories are
+    made and kept (start-up); without (`--check-config`) they are made and removed again."""
+    problems = []
+    for i, pool in enumerate(cfg.pools):
+        if pool.actuator.kind == "process":
+            why = _probe_dir(process_state_dir(pool), keep=create)
+            if why:
+                problems.append(f"  pools.{i}.actuator.state_dir: {why}")
+    if problems:
+        raise ConfigError("invalid controller config:\n" + "\n".join(problems))
+
+
+def _probe_dir(d: Path, *, keep: bool) -> str | None:
+    missing = []
+    p = d
+    while not p.exists() and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    try:
+        if d.exists() and not d.is_dir():
+            return f"{d} is not a directory"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create {d}: {exc.strerror or exc}"
+        if not os.access(d, os.W_OK | os.X_OK):
+            return f"{d} is not writable"
+        return None
+    finally:
+        if not keep:
+            for m in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    m.rmdir()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from floodgate.controller.signals import ReplicaState, ReplicaView
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 S = ReplicaState
 
@@ -106,7 +106,9 @@ class WarmPoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=True, description="Keep drained/refilled replicas warm instead of terminating them.")
-    min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target.")
+    min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target: at most `max_size` and "
+                          "`policy.max_replicas`. The target never exceeds `policy.max_replicas` − desired, so "
+                          "at rest the pool holds at most `max_replicas` − `min_replicas`.")
     max_size: int = Field(default=16, ge=0, description="Largest warm-pool target.")
     burst_fraction: float = Field(
         default=0.25, ge=0, description="Pool target = ceil(burst_fraction × max(desired, forecast)) + forecast rise "
@@ -115,7 +117,8 @@ class WarmPoolConfig(BaseModel):
     sleep_enabled: bool = Field(default=True, description="Put pool replicas to sleep (vLLM sleep level 1).")
     max_drain_s: float = Field(default=300.0, gt=0, description="Force-stop a drain after this long.")
     max_concurrent_drains: int = Field(default=1, ge=1, description="Drains in progress at once.")
-    max_total: int = Field(default=128, ge=1, description="Most replicas of any live state together.")
+    max_total: int = Field(default=128, ge=1, description="Most replicas of any live state together (at least "
+                           "`policy.min_replicas`; below `policy.max_replicas` it stops scale-ups at this many).")
     warm_min_age_s: float = Field(
         default=120.0, ge=0, description="A warm replica above target is kept at least this long (anti-churn)."
     )
@@ -134,6 +137,13 @@ class WarmPoolConfig(BaseModel):
     forecast_horizon_s: float = Field(
         default=1800.0, ge=0, description="The pool is sized for the forecast peak over [now, now + this]."
     )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> WarmPoolConfig:
+        # Without this, `warm_pool_target` silently lets max_size win.
+        if self.min_size > self.max_size:
+            raise ValueError(f"min_size ({self.min_size}) is above max_size ({self.max_size})")
+        return self
 
 
 @dataclass(frozen=True, slots=True)

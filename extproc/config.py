@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,13 +34,26 @@ from floodgate.validators import (
 )
 from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
 
-__all__ = ["Config", "ConfigError", "load_config"]
+__all__ = ["POOL_NAME_PATTERN", "Config", "ConfigError", "PoolName", "check_pool_name", "load_config"]
 
 PRIORITY_NAMES = ("critical", "standard", "sheddable")
 # A priority class: 0 (critical), 1 (standard) or 2 (sheddable).
 Priority = Annotated[int, Field(ge=0, le=2)]
 # An HTTP header name (RFC 9110 token characters; matched case-insensitively).
 HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")]
+# A pool name, the one rule for the processor's and the controller's configs: it is the Redis
+# hash tag of all the pool's keys (`fg:{pool}:…`), so no braces (nor anything else odd).
+POOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
+def check_pool_name(name: str) -> str:
+    if not re.fullmatch(POOL_NAME_PATTERN, name):
+        raise ValueError(f"{name!r} is not a pool name: use letters, digits, '_', '.' and '-' only "
+                         "(it is the hash tag of the pool's Redis keys)")
+    return name
+
+
+PoolName = Annotated[str, AfterValidator(check_pool_name)]
 
 
 class _Strict(BaseModel):
@@ -145,7 +159,7 @@ class LimitConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]+$", description="Pool name; one Redis hash tag per pool.")
+    name: PoolName = Field(default="default", description="Pool name: letters, digits, `_`, `.` and `-`; one Redis hash tag per pool.")
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default).")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include): the least estimated prefill queued (`prefill_tokens_per_s`), then the fewest permits routed there.")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")

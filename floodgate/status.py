@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "or redis://127.0.0.1:6379/0)")
     p.add_argument("--config", "-c", metavar="FILE", help="take Redis URL and password from this processor config")
     p.add_argument("--pool", action="append", default=[], metavar="NAME",
-                   help="only this pool (repeatable; default: every pool found in Redis)")
+                   help="only this pool (repeatable; a pool not found in Redis is an error naming the "
+                        "known ones; default: every pool found in Redis)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=run)
 
@@ -79,13 +80,20 @@ async def pools_in(client: Any) -> list[str]:
     """Pools with shared state: every `fg:{pool}:` hash tag that has a key we know."""
     from floodgate.extproc import schema
 
+    # Keys without a TTL that a pool keeps once written, idle or not: its settings, limit and
+    # demand counters (processors), its registry, replica id sequence and demand history (controller).
+    durable = {"settings", "state", schema.DEMAND, schema.ENDPOINTS, schema.CTL_SEQ, schema.CTL_HISTORY}
     found: set[str] = set()
-    # A pool's settings and limit (processors) and its registry (controller), with the pool as `*`.
-    for pattern in (schema.key("*", "settings"), schema.key("*", "state"), schema.key("*", schema.ENDPOINTS)):
-        async for k in client.scan_iter(match=pattern, count=500):
-            key = _text(k)
-            found.add(key[key.index("{") + 1: key.rindex("}")])
+    async for k in client.scan_iter(match=schema.key("*", "*"), count=500):
+        key = _text(k)
+        pool, _, name = key[key.index("{") + 1:].rpartition("}:")
+        if name in durable:
+            found.add(pool)
     return sorted(found)
+
+
+class UnknownPool(LookupError):
+    """`--pool` named a pool no processor or controller has written to this Redis."""
 
 
 async def read_pool(client: Any, pool: str) -> PoolReport:
@@ -128,8 +136,12 @@ async def collect(redis_url: str, password: str | None = None, pools: list[str] 
 
     client = redis_client(redis_url, password=password, op_timeout_s=op_timeout_s)
     try:
-        names = pools or await pools_in(client)
-        return [await read_pool(client, p) for p in names]
+        known = await pools_in(client)
+        unknown = [p for p in pools or () if p not in known]
+        if unknown:
+            raise UnknownPool(f"no pool {', '.join(repr(p) for p in unknown)} in this Redis (no processor or "
+                              f"controller has written it); known pools: {', '.join(known) or 'none yet'}")
+        return [await read_pool(client, p) for p in pools or known]
     finally:
         await client.aclose()
 
@@ -191,5 +203,8 @@ def run(args: argparse.Namespace) -> int:
     except (RedisError, OSError, TimeoutError) as exc:
         print(f"floodgate status: cannot read {url.split('@')[-1]}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except UnknownPool as exc:
+        print(f"floodgate status: --pool: {exc}", file=sys.stderr)
+        return 2
     print(as_json(reports) if args.json else render(reports))
     return 0

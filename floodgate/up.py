@@ -18,6 +18,7 @@ import contextlib
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,6 +273,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"floodgate up: {exc}", file=sys.stderr)
             return 2
         config = yaml.safe_load(args.config.read_text()) or {}
+    # Every argument is checked, and the controller config they make validated, before anything
+    # starts: a bad one would otherwise surface only as the controller's exit, with the stack up.
+    problem = check_args(args, str((config.get("pools") or [{}])[0].get("name", "default")))
+    if problem:
+        print(f"floodgate up: {problem}", file=sys.stderr)
+        return 2
     # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child; SIGINT too,
     # explicitly, because a shell starting us in the background hands SIGINT down ignored.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -301,7 +308,11 @@ def run(args: argparse.Namespace) -> int:
             ctl_path.write_text(yaml.safe_dump(ctl_cfg, sort_keys=False))
             ctl = sup.start_python("controller", ["-m", "floodgate", "controller", "--config", str(ctl_path),
                                                   "--stop-replicas-on-exit"])
-            eps = _wait_active(stack.redis_url, pool, args.replicas, 120, ctl)
+            try:
+                eps = _wait_active(stack.redis_url, pool, args.replicas, 120, ctl)
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"floodgate up: {exc}", file=sys.stderr)
+                return 1
             print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; x-request-priority: 0|1|2)\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
                   f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
@@ -323,6 +334,40 @@ def run(args: argparse.Namespace) -> int:
         finally:
             sup.stop_all()  # the controller stops its replicas on SIGTERM ...
             _kill_leftover_replicas(sup.workdir / "replicas")  # ... and if it could not, we do
+
+
+def check_args(args: argparse.Namespace, pool: str = "default") -> str | None:
+    """What is wrong with the arguments (None: nothing), checked before anything starts: the
+    flags themselves, then the controller config they make, validated as the controller will."""
+    from floodgate.controller.config import ConfigError, parse_config
+
+    if args.replicas < 0:
+        return f"--replicas must be 0 or more, got {args.replicas}"
+    if args.max_replicas < 0:
+        return f"--max-replicas must be 1 or more (0: 3 x --replicas), got {args.max_replicas}"
+    if args.max_replicas and args.max_replicas < args.replicas:
+        return (f"--max-replicas ({args.max_replicas}) is below --replicas ({args.replicas}): --replicas is the "
+                "controller's min_replicas, --max-replicas its max_replicas")
+    if not (args.max_replicas or 3 * args.replicas):
+        return "--replicas 0 needs --max-replicas (1 or more)"
+    if args.warm_pool < 0:
+        return f"--warm-pool must be 0 or more, got {args.warm_pool}"
+    if args.processors < 1:
+        return f"--processors must be 1 or more, got {args.processors}"
+    if args.sim_cold_start < 0:
+        return f"--sim-cold-start must be 0 or more, got {args.sim_cold_start}"
+    if not args.no_demo and (args.demo_duration <= 0 or args.demo_rate < 0 or not (args.demo_rate or args.replicas)):
+        return ("the demo needs --demo-duration above 0, --demo-rate 0 or more, and --replicas or --demo-rate "
+                "above 0 (or pass --no-demo)")
+    # The ports, paths and Redis URL are placeholders here; the values the flags give are real.
+    raw = controller_config(args, args.redis_url or "redis://127.0.0.1:6379/0", 9901, 9465,
+                            Path(tempfile.gettempdir()), pool)
+    try:
+        parse_config(raw)
+    except ConfigError as exc:
+        return (f"the controller config these arguments make (--replicas, --max-replicas, --warm-pool, "
+                f"--redis-url) is invalid: {exc}")
+    return None
 
 
 def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int, metrics_port: int,

@@ -18,6 +18,52 @@ class ConfigError(ValueError):
     """A config problem, already phrased for the operator."""
 
 
+class DuplicateKey(ValueError):
+    """A mapping of the YAML document holds the same key twice."""
+
+
+def load_unique(text: str) -> Any:
+    """`yaml.safe_load`, except that a key given twice in one mapping is an error naming it
+    (`pools.0.policy`): plain YAML keeps the last one and silently drops the first. Keys merged
+    in with `<<: *anchor` may be overridden, as YAML intends."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(loader, node, (), set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(loader: yaml.SafeLoader, node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> None:
+    if id(node) in seen:  # an alias of a node already checked (or a recursive one)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(loader, item, (*path, str(i)), seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`: merged keys may be overridden
+                continue
+            name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            if isinstance(key_node, yaml.ScalarNode):
+                key = loader.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise DuplicateKey(
+                            f"duplicate key {'.'.join((*path, name))} (line {line}; first on line {first[key]}): "
+                            "YAML would keep only the last one; give it once")
+                    first[key] = line
+                except TypeError:  # an unhashable key: the constructor reports it
+                    pass
+            _check_unique_keys(loader, value_node, (*path, name), seen)
+
+
 def read_mapping(path: str | Path) -> dict[str, Any]:
     """The YAML file's top-level mapping (an empty file is an empty mapping)."""
     try:
@@ -25,9 +71,11 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
     try:
-        loaded = yaml.safe_load(text)
+        loaded = load_unique(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    except DuplicateKey as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

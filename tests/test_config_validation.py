@@ -144,3 +144,149 @@ def test_a_busy_address_stops_start_up_naming_the_setting(tmp_path: Path, comman
         r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert f"error: {field} " in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+PROCESS = {"kind": "process"}
+STATIC2 = {"kind": "static", "endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}
+
+# Sections that contradict each other, or a setting the controller would silently ignore:
+# (pool, the field the error is reported at, words the message must hold).
+CONTROLLER_CONTRADICTIONS = [
+    ({"warm_pool": {"min_size": 10, "max_size": 2}, "actuator": PROCESS},
+     "pools.0.warm_pool", "min_size (10) is above max_size (2)"),
+    ({"warm_pool": {"min_size": 3, "max_size": 3}, "policy": {"max_replicas": 2}, "actuator": PROCESS},
+     "pools.0", "warm_pool.min_size (3) is above policy.max_replicas (2)"),
+    ({"policy": {"min_replicas": 3, "max_replicas": 3}, "warm_pool": {"max_total": 2}, "actuator": PROCESS},
+     "pools.0", "policy.min_replicas (3) is above warm_pool.max_total (2)"),
+    ({"policy": {"min_replicas": 3, "max_replicas": 4}, "actuator": STATIC2},
+     "pools.0", "policy.min_replicas (3) is above the 2 static actuator.endpoints"),
+    ({"actuator": {"kind": "static", "endpoints": ["not an endpoint"]}},
+     "pools.0.actuator", "endpoints.0: 'not an endpoint' is not HOST:PORT"),
+    ({"actuator": {"kind": "static", "endpoints": ["127.0.0.1:8001", "http://x:1/"]}},
+     "pools.0.actuator", "endpoints.1: 'http://x:1/' is not HOST:PORT"),
+    ({"actuator": {"kind": "static", "endpoints": ["127.0.0.1:8001", "127.0.0.1:8001"]}},
+     "pools.0.actuator", "endpoints.1: 127.0.0.1:8001 is also endpoints.0"),
+    ({"actuator": {"kind": "static", "endpoints": {"a": "127.0.0.1:1", "b": "127.0.0.1:1"}}},
+     "pools.0.actuator", "endpoints.b: 127.0.0.1:1 is also endpoints.a"),
+    ({"actuator": {"kind": "process", "endpoints": ["127.0.0.1:1"]}},
+     "pools.0.actuator", "kind 'process' would ignore endpoints"),
+    ({"actuator": {"kind": "process", "options": {"namespace": "x"}}},
+     "pools.0.actuator", "kind 'process' would ignore options"),
+    ({"actuator": {"kind": "static", "endpoints": ["127.0.0.1:1"], "command": ["x", "{port}"]}},
+     "pools.0.actuator", "kind 'static' would ignore command"),
+    ({"name": "a}b{c", "actuator": PROCESS}, "pools.0.name", "'a}b{c' is not a pool name"),
+]
+
+
+@pytest.mark.parametrize(("pool", "field", "words"), CONTROLLER_CONTRADICTIONS)
+def test_controller_contradictions_name_the_fields(pool: dict, field: str, words: str) -> None:
+    from floodgate.controller.config import ConfigError as ControllerConfigError
+
+    with pytest.raises(ControllerConfigError) as exc:
+        parse_config({"pools": [{"name": "a", **pool}]}, env={})
+    assert f"  {field}: " in str(exc.value) and words in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("pool", [
+    # Legitimate, if surprising (docs/controller.md, "Config"): allowed.
+    {"policy": {"min_replicas": 1, "max_replicas": 8}, "warm_pool": {"max_total": 4}},  # max_total caps scale-ups
+    {"policy": {"min_replicas": 2, "max_replicas": 3}, "warm_pool": {"min_size": 3}},  # never kept in full
+    {"policy": {"max_replicas": 2}, "warm_pool": {"enabled": False, "min_size": 5, "max_size": 5}},  # pool off
+    {"actuator": {"kind": "process", "options": {}, "endpoints": []}},  # empty: nothing ignored
+    {"actuator": {"kind": "static", "endpoints": {"a": "10.0.0.5:8000", "b": "vllm-2.svc:8000", "c": "[::1]:8000"}},
+     "policy": {"min_replicas": 3, "max_replicas": 3}},
+])
+def test_controller_accepts_legitimate_combinations(pool: dict) -> None:
+    parse_config({"pools": [{"name": "a", "actuator": PROCESS, **pool}]}, env={})
+
+
+@pytest.mark.parametrize("name", ["a}b{c", "a b", "", "pool:1", "x/y", "default", "chat-v2.1_b"])
+def test_processor_and_controller_accept_the_same_pool_names(tmp_path: Path, name: str) -> None:
+    from floodgate.controller.config import ConfigError as ControllerConfigError
+
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump({"pools": [{"name": name}]}))
+    try:
+        load_config(p, env={})
+        processor_ok = True
+    except ConfigError as exc:
+        processor_ok, processor_err = False, str(exc)
+    try:
+        parse_config({"pools": [{"name": name, "actuator": PROCESS}]}, env={})
+        controller_ok = True
+    except ControllerConfigError as exc:
+        controller_ok, controller_err = False, str(exc)
+    assert processor_ok == controller_ok == (name in ("default", "chat-v2.1_b"))
+    if not processor_ok:
+        assert "pools.0.name" in processor_err and "pools.0.name" in controller_err
+
+
+def test_a_duplicate_yaml_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    from floodgate.controller.config import ConfigError as ControllerConfigError
+    from floodgate.controller.config import load_config as load_controller
+
+    p = tmp_path / "c.yaml"
+    p.write_text("pools:\n  - name: a\n    policy: {min_replicas: 5}\n    policy: {min_replicas: 1}\n"
+                 "    actuator: {kind: process}\n")
+    with pytest.raises(ControllerConfigError, match=r"duplicate key pools\.0\.policy \(line 4; first on line 3\)"):
+        load_controller(p, env={})
+    # The processor reads its file with the same loader.
+    p.write_text("redis: {url: redis://a:1/0}\npools: [{name: a}]\nredis: {url: redis://b:1/0}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key redis \(line 3"):
+        load_config(p, env={})
+    p.write_text("pools:\n  - name: a\n    limit: {min: 1, min: 2}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key pools\.0\.limit\.min "):
+        load_config(p, env={})
+    # A key merged in from an anchor may be overridden: that is what `<<` is for.
+    from floodgate.yamlconfig import read_mapping
+
+    p.write_text("a: &base {min_replicas: 1, max_replicas: 4}\nb:\n  <<: *base\n  max_replicas: 8\nc: *base\n")
+    assert read_mapping(p) == {"a": {"min_replicas": 1, "max_replicas": 4},
+                               "b": {"min_replicas": 1, "max_replicas": 8},
+                               "c": {"min_replicas": 1, "max_replicas": 4}}
+
+
+def test_state_dir_is_tried_at_check_and_created_at_start(tmp_path: Path) -> None:
+    from floodgate.controller.config import ConfigError as ControllerConfigError
+    from floodgate.controller.config import check_state_dirs
+
+    def cfg(state_dir: Path) -> object:
+        return parse_config({"pools": [{"name": "a", "actuator": {"kind": "process", "state_dir": str(state_dir)}}]},
+                            env={})
+
+    new = tmp_path / "x" / "y" / "st"
+    check_state_dirs(cfg(new), create=False)  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()  # --check-config leaves nothing behind
+    check_state_dirs(cfg(new), create=True)  # type: ignore[arg-type]
+    assert new.is_dir()
+    (tmp_path / "file").write_text("")
+    for bad, words in ((tmp_path / "file" / "st", "cannot create"), (tmp_path / "file", "is not a directory")):
+        for create in (False, True):
+            with pytest.raises(ControllerConfigError) as exc:
+                check_state_dirs(cfg(bad), create=create)  # type: ignore[arg-type]
+            assert "  pools.0.actuator.state_dir: " in str(exc.value) and words in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("pools:\n  - name: a\n    actuator: {kind: process}\n    warm_pool: {min_size: 10, max_size: 2}\n",
+     "pools.0.warm_pool"),
+    ("pools:\n  - name: a\n    actuator: {kind: process}\n    policy: {min_replicas: 3, max_replicas: 3}\n"
+     "    warm_pool: {max_total: 2}\n", "warm_pool.max_total"),
+    ("pools:\n  - name: a\n    policy: {min_replicas: 5}\n    policy: {min_replicas: 1}\n"
+     "    actuator: {kind: process}\n", "pools.0.policy"),
+    ("pools:\n  - name: a\n    actuator: {kind: static, endpoints: ['not an endpoint']}\n", "endpoints.0"),
+    ("pools:\n  - name: a\n    actuator: {kind: process, endpoints: ['127.0.0.1:1']}\n", "endpoints"),
+    ("pools:\n  - name: 'a}b{c'\n    actuator: {kind: process}\n", "pools.0.name"),
+    ("pools:\n  - name: a\n    actuator: {kind: process, state_dir: '{tmp}/file/st'}\n", "pools.0.actuator.state_dir"),
+])
+@pytest.mark.parametrize("check", [True, False], ids=["check-config", "start"])
+def test_cli_rejects_contradictions_at_check_and_at_start(tmp_path: Path, text: str, field: str,
+                                                          check: bool) -> None:
+    (tmp_path / "file").write_text("")
+    p = tmp_path / "c.yaml"
+    p.write_text(text.replace("{tmp}", str(tmp_path)))
+    argv = [sys.executable, "-m", "floodgate", "controller", "--config", str(p),
+            *(["--check-config"] if check else [])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and "Traceback" not in r.stderr, r.stderr

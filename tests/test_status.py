@@ -80,3 +80,44 @@ def test_status_cli_json_and_errors(redis_url: str) -> None:
     r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", "redis://127.0.0.1:1"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+async def _idle_pools(url: str) -> None:
+    """A pool whose processor only synced (no request yet) and one the controller only wrote its
+    replica id sequence for (min_replicas 0, nothing registered): both exist, both idle."""
+    c = redis_client(url, op_timeout_s=2)
+    try:
+        await PoolState(c, "idle", lease_ttl_s=15, settings=PoolSettings(4, (0.5, 0.3, 0.1))).sync("gw-i", 0, {}, {})
+        from floodgate.extproc import schema
+
+        await c.set(schema.key("ctl-only", schema.CTL_SEQ), 3)
+    finally:
+        await c.aclose()
+
+
+def test_status_pool_unknown_is_an_error_naming_the_known_pools(redis_url: str) -> None:
+    asyncio.run(_fill(redis_url))
+    asyncio.run(_idle_pools(redis_url))
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, *args],
+                              capture_output=True, text=True, timeout=30)
+
+    r = status("--pool", "nosuch")
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert "no pool 'nosuch'" in r.stderr and "known pools: chat, ctl-only, idle" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = status("--pool", "chat", "--pool", "nosuch", "--json")  # one unknown among known ones: still an error
+    assert r.returncode == 2 and "'nosuch'" in r.stderr and "'chat'" not in r.stderr, r.stderr
+    # Idle pools exist: they print, with an empty registry and nothing in flight.
+    r = status("--pool", "idle", "--pool", "ctl-only")
+    assert r.returncode == 0, r.stderr
+    assert "pool idle: limit 4, in-flight 0" in r.stdout and "pool ctl-only: " in r.stdout, r.stdout
+    r = status()
+    assert r.returncode == 0 and all(f"pool {p}:" in r.stdout for p in ("chat", "ctl-only", "idle")), r.stdout
+
+
+def test_status_pool_on_an_empty_redis_says_no_pools_yet(redis_url: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, "--pool", "default"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "no pool 'default'" in r.stderr and "known pools: none yet" in r.stderr, r.stderr

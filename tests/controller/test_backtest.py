@@ -182,6 +182,13 @@ def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
     cfg.write_text("polcy: {}\n")
     assert main(["controller", "simulate", "--config", str(cfg)]) == 2
     assert main(["controller", "simulate", "--policies", "nope"]) == 2
+    capsys.readouterr()
+    cfg.write_text("warm_pool: {min_size: 4}\nwarm_pool: {min_size: 1}\n")  # the same loader as the live config
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert "duplicate key warm_pool (line 2" in capsys.readouterr().err
+    cfg.write_text("warm_pool: {min_size: 4, max_size: 2}\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert "min_size (4) is above max_size (2)" in capsys.readouterr().err
 
 
 def test_trace_tile_and_replay() -> None:

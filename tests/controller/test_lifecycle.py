@@ -123,6 +123,16 @@ def test_warm_pool_target_follows_forecast() -> None:
     assert warm_pool_target(8, 12, cfg.model_copy(update={"enabled": False})) == 0
 
 
+def test_warm_pool_min_size_above_max_size_is_an_error_not_a_silent_max() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"min_size \(10\) is above max_size \(2\)"):
+        WarmPoolConfig(min_size=10, max_size=2)
+    with pytest.raises(ValidationError, match="min_size"):
+        WarmPoolConfig(min_size=20)  # above the default max_size (16)
+    assert warm_pool_target(0, None, WarmPoolConfig(min_size=2, max_size=2)) == 2
+
+
 def test_warm_pool_target_never_exceeds_the_headroom_to_max_replicas() -> None:
     cfg = WarmPoolConfig(min_size=1, max_size=10)
     assert warm_pool_target(8, None, cfg, largest_burst=12) == 6  # uncapped

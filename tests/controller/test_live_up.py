@@ -115,6 +115,36 @@ def test_up_refuses_a_busy_port_unless_asked(tmp_path: Path) -> None:
         assert r.returncode == 2 and f"--admin-port {port} is in use" in r.stderr
 
 
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--replicas", "3", "--max-replicas", "2"], "--max-replicas (2) is below --replicas (3)"),
+    (["--replicas", "1", "--max-replicas", "2", "--warm-pool", "5"],
+     "warm_pool.min_size (5) is above policy.max_replicas (2)"),
+    (["--warm-pool", "-1"], "--warm-pool must be 0 or more"),
+    (["--processors", "0"], "--processors must be 1 or more"),
+    (["--replicas", "0"], "--replicas 0 needs --max-replicas"),
+    (["--redis-url", "http://x:1"], "redis.url"),
+])
+def test_up_rejects_bad_arguments_before_starting_anything(argv: list[str], words: str) -> None:
+    """The arguments and the controller config they make are checked first: exit 2 with the reason,
+    no Redis, processor, Envoy or controller started (no work directory announced), no traceback."""
+    r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
+                        "--admin-port", str(free_port()), *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert words in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "logs and configs in" not in r.stderr
+
+
+def test_up_check_args_accepts_the_defaults_and_the_documented_ones() -> None:
+    from floodgate.cli import build_parser
+    from floodgate.up import check_args
+
+    parser = build_parser("up")
+    for argv in ([], ["--replicas", "1", "--warm-pool", "1"], ["--replicas", "2", "--max-replicas", "2"],
+                 ["--replicas", "0", "--max-replicas", "2", "--no-demo"]):
+        assert check_args(parser.parse_args(["up", *argv])) is None, argv
+    assert check_args(parser.parse_args(["up", "--replicas", "0", "--max-replicas", "2"])) is not None  # no demo load
+
+
 def test_choose_port_takes_a_free_one_only_when_asked() -> None:
     import socket
 
