@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from floodgate.controller.lifecycle import (
     apply_action,
     apply_event,
 )
+from floodgate.controller.liveness import StartBackoff, Unresponsive
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import (
     ScalePlan,
@@ -137,6 +138,7 @@ class Replica:
     started_at: float | None = None  # clock() when this controller started it (None: adopted)
     warmed_at: float | None = None  # clock() when its bring-up's warm-up request succeeded
     sample: VllmSample | None = None
+    unresponsive: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed scrapes while active
 
     @property
     def busy(self) -> bool:
@@ -179,6 +181,7 @@ class PoolController:
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
         self._arriving_due: list[float] = []  # the times announced last, one per replica (controller clock)
+        self.start_backoff = StartBackoff()  # failed starts in a row (controller.liveness)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -328,6 +331,11 @@ class PoolController:
             busy_now = running + inf > 0
             rep.view = replace(rep.view, running=running, inflight=inf,
                                last_busy_at=now if busy_now else rep.view.last_busy_at)
+            if rep.view.state is S.ACTIVE:
+                rep.unresponsive = rep.unresponsive.observe(now, None if s is None else s.metrics.ok)
+            else:
+                rep.unresponsive = Unresponsive()
+        await self._fail_unresponsive(now)
 
         views = tuple(r.view for r in self.replicas.values())
         # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway
@@ -494,7 +502,7 @@ class PoolController:
 
     def _skip(self, rid: str, kind: ActionKind) -> bool:
         if kind is ActionKind.START:
-            return False
+            return self.start_backoff.blocks(self.clock())  # the plan asks again next tick
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
@@ -588,7 +596,27 @@ class PoolController:
         finally:
             self.kick()  # the next tick should see the outcome at once
 
+    async def _fail_unresponsive(self, now: float) -> None:
+        """Fail the active replicas whose scrapes have failed for `timeouts.unresponsive_s` and
+        whose /health does not answer either (controller.liveness)."""
+        t = self.cfg.timeouts
+        for rep in list(self.replicas.values()):
+            if rep.busy or not rep.endpoint or not rep.unresponsive.due(now, t.unresponsive_s):
+                continue
+            assert rep.unresponsive.since is not None
+            if await self._client(rep).health():
+                continue  # alive: only its /metrics fail; the run goes on, and so does the check
+            self.metrics.unresponsive.labels(pool=self.pool).inc()
+            await self._fail(rep, f"unresponsive: scrapes failing for {now - rep.unresponsive.since:.0f} s, "
+                                  "/health not answering")
+
     async def _fail(self, rep: Replica, why: str) -> None:
+        if rep.view.state in (S.COLD, S.LOADING, S.WARMING):
+            # it never came up: the next start waits (a missing binary, a crashing command)
+            self.start_backoff = self.start_backoff.failed(
+                self.clock(), self.cfg.timeouts.start_backoff_s, self.cfg.timeouts.start_backoff_max_s)
+            self.emit("start_backoff", failures=self.start_backoff.failures,
+                      seconds=round(self.start_backoff.until - self.clock(), 3))
         if rep.view.state not in (S.FAILED, S.TERMINATED):
             self._event(rep, Event.FAIL)
             self.emit("failed", replica=rep.view.replica_id, why=why)
@@ -639,6 +667,7 @@ class PoolController:
             await client.wake(t.wake_s)  # adopted asleep (static endpoint, restart mid-recycle)
         await client.warmup(t.warmup_s)
         self._event(rep, Event.WARMUP_OK, asleep=False)
+        self.start_backoff = self.start_backoff.succeeded()
         rep.warmed_at = self.clock()
         if rep.started_at is not None:
             self.start_times = self.start_times.observe("cold", self.clock() - rep.started_at)

@@ -1,0 +1,56 @@
+"""When a replica counts as dead though its process runs, and how fast failing starts retry (pure).
+
+The actuator's `list()` says whether a replica's process (pod, endpoint) exists, not whether it
+serves: a hung process (SIGSTOP, a deadlocked server, a frozen node) stays "running" while its
+scrapes fail, and the controller held such a replica active for good, with every tick stale and
+no scale-down (docs/operations.md). `Unresponsive` tracks an active replica's run of failed
+scrapes; once it lasts `after_s`, the controller asks /health once more and fails the replica
+only if that does not answer either, so a slow or broken /metrics alone never costs a replica
+its in-flight requests.
+
+A start that fails (a missing binary, a command that crashes, an endpoint that never gets
+healthy) used to be retried at once, since the plan still wants the replica: 372 attempts in
+8 s in a review, each burning a replica id and a log file. `StartBackoff` spaces them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class Unresponsive:
+    """An active replica's current run of failed scrapes: since when (None: its last scrape was
+    fine, or it is not active)."""
+
+    since: float | None = None
+
+    def observe(self, now: float, scrape_ok: bool | None) -> Unresponsive:
+        """One tick's scrape: True fine, False failed, None not scraped this tick (keeps the run)."""
+        if scrape_ok is None:
+            return self
+        if scrape_ok:
+            return Unresponsive()
+        return self if self.since is not None else Unresponsive(now)
+
+    def due(self, now: float, after_s: float) -> bool:
+        """Has the run lasted `after_s` (0: never)? Then /health decides."""
+        return after_s > 0 and self.since is not None and now - self.since >= after_s
+
+
+@dataclass(frozen=True, slots=True)
+class StartBackoff:
+    """Failed starts in a row and when the next may go."""
+
+    failures: int = 0
+    until: float = 0.0
+
+    def failed(self, now: float, base_s: float, max_s: float) -> StartBackoff:
+        n = self.failures + 1
+        return replace(self, failures=n, until=now + min(max_s, base_s * 2.0 ** (n - 1)))
+
+    def succeeded(self) -> StartBackoff:
+        return StartBackoff()
+
+    def blocks(self, now: float) -> bool:
+        return now < self.until

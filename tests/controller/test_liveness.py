@@ -1,0 +1,100 @@
+"""A replica that runs but does not serve, and starts that keep failing (controller.liveness):
+the pure rules, and the live controller with the process actuator and real emulators."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from floodgate.controller.actuators.process import ProcessActuator
+from floodgate.controller.liveness import StartBackoff, Unresponsive
+
+from floodgate.stack import LocalStack
+from tests.controller.live import (
+    controller_config,
+    count,
+    process_actuator,
+    registry_states,
+    running,
+    wait_for,
+)
+
+
+def test_a_run_of_failed_scrapes_starts_at_the_first_and_ends_at_a_good_one() -> None:
+    u = Unresponsive().observe(10.0, False)
+    assert u.since == 10.0
+    u = u.observe(11.0, False).observe(12.0, None)  # not scraped this tick: the run goes on
+    assert u.since == 10.0 and not u.due(39.9, 30.0) and u.due(40.0, 30.0)
+    assert u.observe(41.0, True) == Unresponsive()
+    assert not u.due(1e9, 0.0)  # 0: never
+    assert not Unresponsive().due(1e9, 30.0)
+
+
+def test_start_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
+    b = StartBackoff()
+    assert not b.blocks(0.0)
+    waits = []
+    for now in (0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0):
+        b = b.failed(now, 1.0, 60.0)
+        waits.append(b.until - now)
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert b.blocks(80.0 + 59.9) and not b.blocks(80.0 + 60.0)
+    assert b.succeeded() == StartBackoff()
+
+
+@pytest.mark.integration
+async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -> None:
+    # SIGSTOP: the process runs (the actuator lists it running) but answers nothing. It used to
+    # stay active for good, every tick stale; now after `unresponsive_s` of failed scrapes and
+    # a /health that does not answer, it is failed, leaves the registry, and the warm one serves.
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2},
+                            warm_pool={"min_size": 1, "max_size": 1, "max_total": 3},
+                            timeouts={"unresponsive_s": 2, "scrape_s": 0.5})
+    async with running(cfg, act) as ctl:
+        pc = ctl.pools["default"]
+        await wait_for(lambda: _pool_is(url, active=1, spare=1), 40)
+        (hung,) = [rid for rid, r in pc.replicas.items() if r.view.state.value == "active"]
+        pid = int(next(h for h in await act.list() if h.replica_id == hung).labels["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: _active_is_not(url, hung), 30)
+            failed = [e for e in pc.events if e["event"] == "failed" and e["replica"] == hung]
+            assert failed and failed[0]["why"].startswith("unresponsive"), failed
+            assert ctl.metrics.unresponsive.labels(pool="default")._value.get() == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def _pool_is(url: str, *, active: int, spare: int) -> bool:
+    st = await registry_states(url)
+    return count(st, "active") == active and count(st, "warm") + count(st, "sleeping") >= spare
+
+
+async def _active_is_not(url: str, rid: str) -> bool:
+    st = await registry_states(url)
+    return count(st, "active") == 1 and rid not in st
+
+
+@pytest.mark.integration
+async def test_failing_starts_back_off(stack: LocalStack, tmp_path: Path) -> None:
+    # A command that exits at once: each start fails within a second (reconcile sees it gone).
+    # Without the backoff the plan started another at every tick (372 in 8 s in a review).
+    url = stack.start_redis()
+    act = ProcessActuator([sys.executable, "-c", "import sys; sys.exit(3)", "{port}"], tmp_path / "replicas",
+                          supervisor=stack.sup)
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False}, tick=0.05,
+                            timeouts={"start_backoff_s": 1, "start_backoff_max_s": 60, "adopt_grace_s": 0})
+    async with running(cfg, act) as ctl:
+        await asyncio.sleep(6)
+        pc = ctl.pools["default"]
+        starts = [e for e in pc.events if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
+        backoffs = [e for e in pc.events if e["event"] == "start_backoff"]
+    # waits of 1, 2, 4 s: starts at ~0, 1, 3 (and the next at 7, after the window)
+    assert 2 <= len(starts) <= 4, [(e["ts"], e["actions"]) for e in starts]
+    assert backoffs and backoffs[-1]["failures"] in (len(starts) - 1, len(starts)), backoffs
