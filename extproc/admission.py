@@ -105,6 +105,10 @@ PRIORITY_LABELS = ("0", "1", "2")
 # controller's scale-up reads them; controller/demand.py), instead of with the once-a-second
 # status tick: at most four extra pipelined HINCRBY writes per second per pool and process.
 DEMAND_FLUSH_S = 0.25
+# A grant is acted on at once only while this process's liveness in Redis has more than this
+# share of the lease TTL left (`_granted`). Renewals come every third of it, so in normal
+# running at least two thirds are left; less means the process stalled.
+GRANT_MARGIN_SHARE = 1 / 3
 
 
 def tenant_cap(c: ClassConfig) -> int:
@@ -182,6 +186,11 @@ class PoolRuntime:
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
     held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
     resyncing: bool = False  # a sync after Redis lost acknowledged writes is under way (`_lost_writes`)
+    # Until when (clock()) Redis surely counts this process alive, so the leases of its waiters'
+    # grants run: the send time of its last answered sync + the lease TTL (`_granted`).
+    alive_until: float = 0.0
+    unconfirmed: dict[str, str] = field(default_factory=dict)  # grants held back until a sync confirms them
+    confirming: bool = False  # `_confirm` is running
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
     arrivals: ClassRates = field(default_factory=lambda: per_class_rates(ARRIVAL_TAU_S))
@@ -559,6 +568,7 @@ class Admitter:
             # Set before the call: on the way back (`LocalBackend`) nothing is admitted beyond
             # what this call asserts while it is in the air (the switch's call included).
             rt.asserted = len(held) + len(reserves)
+        sent = self.clock()
         try:
             res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held | reserves, waiting))
         except RedisDown:
@@ -570,6 +580,7 @@ class Admitter:
             raise
         if reconcile and reserve:
             rt.unsure_cap = None  # answered: Redis counts this process's whole budget again
+        rt.alive_until = max(rt.alive_until, sent + self.cfg.redis.lease_ttl_s)
         rt.last_sync = res.status
         self.observe(rt, res.status)
         # Reserve leases come and go as the local permits do: not corrections of lost state.
@@ -971,10 +982,49 @@ class Admitter:
             rt.resyncing = False
 
     def _granted(self, rt: PoolRuntime, ticket: str, endpoint: str) -> None:
-        """A grant to one of this processor's waiters (by pub/sub, or in a batch's reply)."""
+        """A grant to one of this processor's waiters (by pub/sub, in a batch's reply, or found
+        by the poll). A waiter's lease runs until this process's liveness in Redis ends (its
+        last sync + the TTL). After a stall (a GC pause, a blocked loop, SIGSTOP) a grant read
+        now may be one Redis took back meanwhile and gave to another gateway's waiter: started
+        as it was, it ran above the limit (7 of L 4 after a 13.5 s stall at the shipped TTL of
+        15 s). So a grant is acted on only while this process is surely alive in Redis, by its
+        own clock with a margin (`GRANT_MARGIN_SHARE` of the TTL, at least two Redis
+        timeouts); otherwise `_confirm` first renews (a sync) and asks Redis which of these
+        waiters still hold their permits."""
         w = rt.waiting.get(ticket)
-        if w is not None and not w.future.done():
+        if w is None or w.future.done():
+            return
+        margin = max(self.cfg.redis.lease_ttl_s * GRANT_MARGIN_SHARE, 2 * self.cfg.redis.op_timeout_s)
+        if self.clock() < rt.alive_until - margin:
             w.future.set_result(endpoint)
+            return
+        rt.unconfirmed[ticket] = endpoint
+        if not rt.confirming:
+            rt.confirming = True
+            self.spawn(self._confirm(rt))
+
+    async def _confirm(self, rt: PoolRuntime) -> None:
+        """Grants held back by `_granted`: renew this process's liveness and leases (a sync: a
+        waiter's lease Redis still has is extended, a waiter Redis lost is queued again at its
+        place), then start only the waiters whose permits Redis confirms; the others wait on."""
+        try:
+            while rt.unconfirmed and not self._closing and not rt.degraded:
+                try:
+                    await self._sync(rt)
+                    tickets = list(rt.unconfirmed)
+                    got = await self.call(rt, "mine", partial(rt.state.granted_among, tickets))
+                except RedisDown:
+                    return  # degraded: the switch hands every waiter to the local queue
+                self.metrics.grants_confirmed.labels(rt.cfg.name, "held").inc(len(got))
+                self.metrics.grants_confirmed.labels(rt.cfg.name, "taken_back").inc(len(tickets) - len(got))
+                for t in tickets:
+                    rt.unconfirmed.pop(t, None)
+                    w = rt.waiting.get(t)
+                    if t in got and w is not None and not w.future.done():
+                        w.future.set_result(got[t])
+        finally:
+            rt.confirming = False
+            rt.unconfirmed.clear()
 
     async def _poll_loop(self, rt: PoolRuntime) -> None:
         """Fallback for lost grant messages; also drives reclaim when traffic is idle."""
@@ -988,9 +1038,7 @@ class Admitter:
             with contextlib.suppress(RedisDown):
                 granted = await self.call(rt, "mine", partial(rt.state.granted_among, tickets))
                 for t, endpoint in granted.items():
-                    w = rt.waiting.get(t)
-                    if w is not None and not w.future.done():
-                        w.future.set_result(endpoint)
+                    self._granted(rt, t, endpoint)
 
     async def _sync_loop(self, rt: PoolRuntime) -> None:
         """Every lease_ttl/3: sync the pool (renew, prove alive, reconcile). Every second: a

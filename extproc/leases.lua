@@ -1143,7 +1143,12 @@ function OPS.sync(ARGV)
   for i = 6 + nheld, #ARGV do
     local t, c, seq, remaining, tenant = string.match(ARGV[i], '^([^|]*)|(%d)|(%d+)|(%d+)|(.*)$')
     waiting[t] = true
-    if not redis.call('ZSCORE', K.leases, t) and redis.call('HEXISTS', K.qmeta, t) == 0 then
+    if redis.call('ZSCORE', K.leases, t) then
+      -- Granted while this renewal was on its way: renewed like a held permit. Left at the
+      -- gateway's previous liveness, the lease ran out under the live request if the next
+      -- renewal came late, and its permit went to another gateway (2 of limit 1).
+      redis.call('ZADD', K.leases, 'XX', EXPIRY_S, t)
+    elseif redis.call('HEXISTS', K.qmeta, t) == 0 then
       put_waiter(t, tonumber(c), now + tonumber(remaining), gw, seq, tenant)
       requeued = requeued + 1
     end

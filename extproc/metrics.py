@@ -64,6 +64,10 @@ class Metrics:
         self.ejections = Counter(
             "floodgate_endpoint_ejections", "Endpoints this processor ejected from the pool's picks after connection "
             "failures (pool.eject_after_failures).", ["pool"], registry=r)
+        self.grants_confirmed = Counter(
+            "floodgate_grants_confirmed", "Grants read after this process may have lapsed in Redis (a stall past "
+            "a third of the lease TTL), checked with Redis before starting the request: held (started) or "
+            "taken_back (Redis had given the permit away; the request waits on).", ["pool", "outcome"], registry=r)
         self.outcomes = Counter(
             "floodgate_permit_outcomes", "Admitted requests by what their ending told the pool's limit: success, "
             "dropped (an overload 502/503/504), ignored (cancelled, another 5xx, a dead endpoint, a sampled "
