@@ -30,12 +30,10 @@ import functools
 import json
 import logging
 import re
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,7 +41,7 @@ import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
 from floodgate.controller.actuators.base import Actuator, ReplicaHandle, Role
 from floodgate.controller.capacity import tick_latency
-from floodgate.controller.config import ControllerConfig, PoolConfig
+from floodgate.controller.config import ControllerConfig, PoolConfig, process_state_dir
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
 from floodgate.controller.leader import LeaderLease
 from floodgate.controller.lifecycle import (
@@ -743,8 +741,7 @@ def build_actuator(cfg: PoolConfig, *, supervisor: Any = None) -> Actuator:
     if a.kind == "process":
         from floodgate.controller.actuators.process import ProcessActuator, sim_command
 
-        state_dir = Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{cfg.name}"
-        return ProcessActuator(a.command or sim_command(), state_dir, supervisor=supervisor, env=a.env)
+        return ProcessActuator(a.command or sim_command(), process_state_dir(cfg), supervisor=supervisor, env=a.env)
     if a.kind == "static":
         from floodgate.controller.actuators.static import StaticActuator
 

@@ -244,7 +244,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Contr
 
 
 def process_state_dir(pool: PoolConfig) -> Path:
-    """The directory a `process` actuator keeps its replica table in (as `app.build_actuator`)."""
+    """The directory a `process` actuator keeps its replica table in (`app.build_actuator` and the
+    start-up check use this one rule)."""
     a = pool.actuator
     return Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}"
 
