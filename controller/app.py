@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
-from floodgate.controller.actuators.base import Actuator, ReplicaHandle, Role
+from floodgate.controller.actuators.base import Actuator, NoCapacity, ReplicaHandle, Role
 from floodgate.controller.capacity import tick_latency
 from floodgate.controller.config import ControllerConfig, PoolConfig, process_state_dir
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
@@ -137,6 +137,7 @@ class Replica:
     warmed_at: float | None = None  # clock() when its bring-up's warm-up request succeeded
     sample: VllmSample | None = None
     unresponsive: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed scrapes while active
+    probe: asyncio.Task[None] | None = None  # a liveness check of an unresponsive replica in flight
 
     @property
     def busy(self) -> bool:
@@ -590,26 +591,41 @@ class PoolController:
         except Exception as exc:
             self.metrics.actions.labels(pool=self.pool, action=what, outcome="error").inc()
             self.emit("action_failed", replica=rep.view.replica_id, action=what, error=f"{type(exc).__name__}: {exc}")
-            await self._fail(rep, f"{what}: {exc}")
+            await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, NoCapacity))
         finally:
             self.kick()  # the next tick should see the outcome at once
 
     async def _fail_unresponsive(self, now: float) -> None:
-        """Fail the active replicas whose scrapes have failed for `timeouts.unresponsive_s` and
-        whose /health does not answer either (controller.liveness)."""
+        """Check the active replicas whose scrapes have failed for `timeouts.unresponsive_s`
+        (controller.liveness): each gets one /health check of its own, beside the ticks."""
         t = self.cfg.timeouts
         for rep in list(self.replicas.values()):
             if rep.busy or not rep.endpoint or not rep.unresponsive.due(now, t.unresponsive_s):
                 continue
-            assert rep.unresponsive.since is not None
-            if await self._client(rep).health():
-                continue  # alive: only its /metrics fail; the run goes on, and so does the check
-            self.metrics.unresponsive.labels(pool=self.pool).inc()
-            await self._fail(rep, f"unresponsive: scrapes failing for {now - rep.unresponsive.since:.0f} s, "
-                                  "/health not answering")
+            if rep.probe is None or rep.probe.done():
+                rep.probe = asyncio.create_task(self._probe_liveness(rep), name=f"{self.pool}:{rep.view.replica_id}:live")
 
-    async def _fail(self, rep: Replica, why: str) -> None:
-        if rep.view.state in (S.COLD, S.LOADING, S.WARMING):
+    async def _probe_liveness(self, rep: Replica) -> None:
+        """Fail the replica if /health does not answer within `timeouts.liveness_probe_s` (its
+        own timeout: an overloaded replica answers its scrapes late but still serves, and a
+        review had one answering in 1.5 s failed on the 1 s scrape timeout). One that answers
+        starts a new run: checked again after another `unresponsive_s` of failed scrapes."""
+        t = self.cfg.timeouts
+        assert rep.endpoint is not None
+        since = rep.unresponsive.since
+        client = VllmClient(self.session, rep.endpoint, timeout_s=t.liveness_probe_s, model=self.cfg.model)
+        if await client.health():
+            rep.unresponsive = Unresponsive(self.clock())
+            return
+        if rep.view.state is not S.ACTIVE or rep.busy or rep.unresponsive.since != since or since is None:
+            return  # it moved on while the check ran (a scrape came back, a drain began)
+        self.metrics.unresponsive.labels(pool=self.pool).inc()
+        await self._fail(rep, f"unresponsive: scrapes failing for {self.clock() - since:.0f} s, "
+                              f"/health not answering within {t.liveness_probe_s:g} s")
+        self.kick()
+
+    async def _fail(self, rep: Replica, why: str, start_failed: bool = True) -> None:
+        if start_failed and rep.view.state in (S.COLD, S.LOADING, S.WARMING):
             # it never came up: the next start waits (a missing binary, a crashing command)
             self.start_backoff = self.start_backoff.failed(
                 self.clock(), self.cfg.timeouts.start_backoff_s, self.cfg.timeouts.start_backoff_max_s)
@@ -728,7 +744,7 @@ class PoolController:
     async def shutdown(self) -> None:
         """Cancel operations in flight (leadership lost / exit). Replicas are left as they are:
         the next leader adopts them."""
-        tasks = [r.task for r in self.replicas.values() if r.task is not None and not r.task.done()]
+        tasks = [t for r in self.replicas.values() for t in (r.task, r.probe) if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
         for t in tasks:

@@ -154,6 +154,7 @@ class TimeoutsConfig(_Strict):
     scrape_s: float = Field(default=1.0, gt=0, description="Per-scrape timeout.")
     adopt_grace_s: float = Field(default=30.0, ge=0, description="A started replica may be missing from the actuator's list this long.")
     unresponsive_s: float = Field(default=30.0, ge=0, description="An active replica whose scrapes have all failed this long, and whose /health then does not answer either, is marked failed: taken out of the registry and replaced like a crashed one (a hung process, a frozen node). A replica that answers /health is kept, whatever its /metrics do. 0: never.")
+    liveness_probe_s: float = Field(default=10.0, gt=0, description="How long the /health check of a replica whose scrapes have failed for `unresponsive_s` may take before it counts as not answering (its own timeout, not `scrape_s`: an overloaded replica answers slowly but still serves). It runs beside the ticks, never inside one.")
     start_backoff_s: float = Field(default=1.0, gt=0, description="After a replica's start or bring-up fails, the next start waits this long, doubling with each failure in a row up to `start_backoff_max_s`; a replica that comes up resets it (a missing binary or a crashing command otherwise restarts as fast as the ticks run).")
     start_backoff_max_s: float = Field(default=60.0, gt=0, description="The longest wait between failing starts.")
 

@@ -100,8 +100,7 @@ class Registry:
         return reached
 
     async def inflight(self, endpoint: str) -> int:
-        v = await self.client.hget(self.k_epinf, endpoint)
-        return int(v) if v else 0
+        return _count(await self.client.hget(self.k_epinf, endpoint))
 
     async def endpoints(self) -> dict[str, Endpoint]:
         async with self.client.pipeline(transaction=True) as pipe:
@@ -109,11 +108,19 @@ class Registry:
             pipe.hgetall(self.k_epinf)
             docs, inflight = await pipe.execute()
         out: dict[str, Endpoint] = {}
-        counts = {k.decode(): int(v) for k, v in inflight.items()}
+        counts = {k.decode("utf-8", "replace"): _count(v) for k, v in inflight.items()}
         for raw_ep, raw_doc in docs.items():
-            ep = raw_ep.decode()
-            d = json.loads(raw_doc)
-            out[ep] = Endpoint(ep, d["state"], d["replica"], int(d["since_ms"]), counts.get(ep, 0), d.get("meta", {}))
+            ep = raw_ep.decode("utf-8", "replace")
+            try:
+                d = json.loads(raw_doc)
+                e = Endpoint(ep, str(d["state"]), str(d["replica"]), int(d["since_ms"]), counts.get(ep, 0),
+                             d.get("meta") if isinstance(d.get("meta"), dict) else {})
+            except (ValueError, TypeError, KeyError) as exc:
+                # A malformed entry (a writer other than the controller) is skipped, not fatal:
+                # it stopped the controller for good (and again at each restart).
+                log.warning("pool %s: registry entry %r is malformed (%s): ignored", self.pool, ep, exc)
+                continue
+            out[ep] = e
         return out
 
     async def set_ceiling(self, per_endpoint: float, ttl_s: float) -> None:
@@ -211,3 +218,12 @@ def parse_ceiling(raw: Any) -> float | None:
     except ValueError:
         return None
     return v if v > 0 and math.isfinite(v) else None
+
+
+def _count(v: bytes | str | None) -> int:
+    """An in-flight count as stored (`epinf`); anything but a non-negative integer reads 0."""
+    try:
+        n = int(v) if v else 0
+    except (ValueError, TypeError):
+        return 0
+    return max(0, n)

@@ -75,15 +75,21 @@ class Leases:
 
     async def __call__(self, keys: Sequence[str], args: Sequence[Any], *, read: bool = False) -> Any:
         if self.functions is not False:
+            # A read goes by FCALL_RO: the server refuses every write inside it, whatever the
+            # library now holds. Any holder of the processors' credentials can load a library
+            # under our name (FUNCTION LOAD REPLACE: processors load theirs so); called with
+            # FCALL by the controller or by `floodgate status` as admin, its code ran with their
+            # rights (a review rewrote the registry and ran FLUSHALL that way).
+            call = self.client.fcall_ro if read else self.client.fcall
             name = FUNCTION_RO if read else FUNCTION
             try:
-                return await self.client.fcall(name, len(keys), *keys, *args)
+                return await call(name, len(keys), *keys, *args)
             except ResponseError as exc:
                 msg = str(exc).lower()
                 if "function not found" not in msg and "unknown command" not in msg:
                     raise
             if await self.load(keys[0]):
-                return await self.client.fcall(name, len(keys), *keys, *args)
+                return await call(name, len(keys), *keys, *args)
         return await self._script(keys=keys, args=args)
 
     async def load(self, key: str) -> bool:
@@ -389,8 +395,10 @@ async def read_demand(client: aioredis.Redis, pool: str) -> dict[int, dict[str, 
     out = {c: dict.fromkeys(DEMAND_OUTCOMES, 0) for c in CLASSES}
     for k, v in raw.items():
         cls, _, outcome = _text(k).partition(":")
-        if cls.isdigit() and int(cls) in out:
-            out[int(cls)][outcome] = int(v)
+        text = _text(v)
+        # Counters only the processors write, by HINCRBY; anything else (another writer) is skipped.
+        if cls.isdigit() and int(cls) in out and text.isascii() and text.isdigit():
+            out[int(cls)][outcome] = int(text)
     return out
 
 

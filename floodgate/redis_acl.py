@@ -31,7 +31,12 @@ import sys
 PROCESSOR_USER = "floodgate-processor"
 CONTROLLER_USER = "floodgate-controller"
 
-_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting +@pubsub +time -@dangerous -@admin"
+# Scripting minus what removes or swaps code under another user's feet (FUNCTION FLUSH / DELETE /
+# RESTORE, SCRIPT FLUSH). FUNCTION LOAD REPLACE stays (processors load their library so); the
+# reads of the controller and of `floodgate status` go by FCALL_RO, so a library loaded in our
+# name can never write with their rights.
+_COMMANDS = ("-@all +@connection +@read +@write +@transaction +@scripting +@pubsub +time -@dangerous -@admin "
+             "-function|flush -function|delete -function|restore -script|flush")
 
 PROCESSOR_RULES = (
     f"resetkeys resetchannels {_COMMANDS} "

@@ -14,7 +14,9 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+# Labels of letters, digits, '-' and '_' (not DNS's rule, but what Docker and compose name
+# services and containers, e.g. `vllm_1`).
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
 
 
 def _host(host: str) -> None:

@@ -16,7 +16,8 @@ from floodgate.validators import check_listen, check_redis_url
 
 
 @pytest.mark.parametrize("value", ["127.0.0.1:50051", "0.0.0.0:1", "[::]:50051", "[::1]:9464",
-                                   "localhost:8080", "floodgate-redis.floodgate.svc:65535"])
+                                   "localhost:8080", "floodgate-redis.floodgate.svc:65535",
+                                   "vllm_1:8000", "compose_vllm_1.net:8000"])
 def test_good_listen_addresses(value: str) -> None:
     assert check_listen(value) == value
 

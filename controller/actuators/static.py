@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import aiohttp
-from floodgate.controller.actuators.base import ReplicaHandle, Role
+from floodgate.controller.actuators.base import NoCapacity, ReplicaHandle, Role
 from floodgate.controller.vllm import VllmClient, VllmError
 
 
-class NoFreeEndpoint(RuntimeError):
+class NoFreeEndpoint(NoCapacity):
     pass
 
 

@@ -10,10 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from floodgate.controller.actuators.process import ProcessActuator
+from floodgate.controller.actuators.static import StaticActuator
+from floodgate.controller.app import Controller
+from floodgate.controller.config import parse_config
 from floodgate.controller.liveness import StartBackoff, Unresponsive
 
 from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
 from tests.controller.live import (
     controller_config,
     count,
@@ -98,3 +103,92 @@ async def test_failing_starts_back_off(stack: LocalStack, tmp_path: Path) -> Non
     # waits of 1, 2, 4 s: starts at ~0, 1, 3 (and the next at 7, after the window)
     assert 2 <= len(starts) <= 4, [(e["ts"], e["actions"]) for e in starts]
     assert backoffs and backoffs[-1]["failures"] in (len(starts) - 1, len(starts)), backoffs
+
+
+PAGE = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.5
+"""
+
+
+class FakeVllm:
+    def __init__(self) -> None:
+        self.slow = 0.0
+        self.n_completions = 0
+        self.n_sleeps = 0
+
+    async def health(self, _: web.Request) -> web.Response:
+        await asyncio.sleep(self.slow)
+        return web.Response(text="")
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        await asyncio.sleep(self.slow)
+        return web.Response(text=PAGE)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def completions(self, _: web.Request) -> web.Response:
+        self.n_completions += 1
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    async def is_sleeping(self, _: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": False})
+
+    async def sleep(self, _: web.Request) -> web.Response:
+        self.n_sleeps += 1
+        return web.Response(text="")
+
+    async def wake(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+
+@pytest.mark.integration
+async def test_a_slow_but_serving_replica_is_not_failed(stack: LocalStack) -> None:
+    # An API server whose loop is loaded answers /metrics and /health in 1.5 s, past the 1 s
+    # scrape timeout, while it serves. Its scrapes fail, but the liveness check has its own
+    # timeout (`liveness_probe_s`), so it is kept (a review had it failed and put to sleep).
+    # A stand-in server: the emulator cannot be made to answer its /metrics late.
+    url = stack.start_redis()
+    fake = FakeVllm()
+    app = web.Application()
+    app.add_routes([web.get("/health", fake.health), web.get("/metrics", fake.metrics),
+                    web.get("/v1/models", fake.models), web.post("/v1/completions", fake.completions),
+                    web.get("/is_sleeping", fake.is_sleeping), web.post("/sleep", fake.sleep),
+                    web.post("/wake_up", fake.wake)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    ep = f"127.0.0.1:{port}"
+    cfg = parse_config({
+        "redis": {"url": url}, "tick_interval_s": 0.25, "metrics_listen": None, "leader": {"ttl_s": 3},
+        "pools": [{"name": "default",
+                   "policy": {"min_replicas": 1, "max_replicas": 1, "stabilization_window_s": 0,
+                              "scale_down_interval_s": 0, "panic_window_s": 0},
+                   "forecast": {"enabled": False}, "warm_pool": {"enabled": False},
+                   "timeouts": {"health_s": 30, "warmup_s": 10, "unresponsive_s": 3},  # scrape_s: default 1 s
+                   "actuator": {"kind": "static", "endpoints": {"r1": ep}}}]}, env={})
+    ctl = Controller(cfg, {"default": StaticActuator({"r1": ep})}, holder="t")
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    try:
+        await wait_for(lambda: _r1_active(url), 20)
+        fake.slow = 1.5
+        pc = ctl.pools["default"]
+        await asyncio.sleep(8)
+        failed = [e for e in pc.events if e["event"] == "failed"]
+        assert not failed, failed
+        assert (await registry_states(url)).get("r1") == "active" and fake.n_sleeps == 0
+        assert any(e["event"] == "decision" and e.get("stale") for e in pc.events)  # its scrapes did fail
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await runner.cleanup()
+
+
+async def _r1_active(url: str) -> bool:
+    return (await registry_states(url)).get("r1") == "active"
