@@ -264,9 +264,13 @@ class SharedBackend:
             # Timed out: remove ourselves atomically; we may have been granted in the meantime.
             try:
                 if await a.call(rt, "cancel", lambda: rt.state.cancel(ticket)) == 1:
+                    # Granted in the race, if its lease still runs: `mine` reclaims expired
+                    # leases first (a grant this process read too late, after a stall, is one
+                    # Redis has taken back: started, it ran without a permit).
                     granted = await a.call(rt, "mine", lambda: rt.state.granted_among([ticket]))
-                    outcome = "served"
-                    return a.permit(rt, ticket, req, granted.get(ticket, ""), queued=True)
+                    if ticket in granted:
+                        outcome = "served"
+                        return a.permit(rt, ticket, req, granted[ticket], queued=True)
             except RedisDown:
                 pass  # the queue entry goes with the next sync
             outcome = "timed_out"
