@@ -48,6 +48,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Sub-commands set their own handler; reaching here means none was given.
     if args.config is None:
         parser.print_help()
+        print("\nfloodgate controller: --config is required (a controller YAML; deploy/compose/controller.yaml "
+              "is an example)", file=sys.stderr)
         return 2
     return _run_live(args)
 

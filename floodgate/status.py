@@ -202,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         reports = asyncio.run(collect(url, password, args.pool))
     except (RedisError, OSError, TimeoutError) as exc:
         print(f"floodgate status: cannot read {url.split('@')[-1]}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if not (args.redis_url or args.config or os.environ.get("FLOODGATE_REDIS_URL")):
+            print("  (no --redis-url given: `floodgate up` prints the URL of the Redis it started; pass it with "
+                  "--redis-url or FLOODGATE_REDIS_URL)", file=sys.stderr)
         return 1
     except UnknownPool as exc:
         print(f"floodgate status: --pool: {exc}", file=sys.stderr)

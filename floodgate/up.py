@@ -191,7 +191,7 @@ class StatusLine:
                             (("promote", "promoted"), ("start", "started"), ("drain", "drained"),
                              ("recycle", "recycled")))
             reps = (f"replicas active {int(cur.get('r_active', 0))}/{int(cur.get('desired', 0))} "
-                    f"warm {int(cur.get('r_warm', 0))} loading {loading} "
+                    f"warm pool {int(cur.get('r_warm', 0))} loading {loading} "
                     f"draining {int(cur.get('r_draining', 0))} ({acts}) | ")
         return (f"{reps}queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
                 f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
@@ -221,7 +221,7 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
     mix = Mix(prompt=LengthDist(mean=256, sigma=0.6, max=2048), output=LengthDist(mean=64, sigma=0.6, max=512))
     plan = synthetic_plan(profile, mix, seed=1)
     print(f"demo: {len(plan)} requests over {d:.0f} s, {rate:.1f} req/s steady, "
-          f"{BURST_MULTIPLIER * rate:.1f} req/s burst in [{b0:.0f}, {b1:.0f}) s, then recovery "
+          f"{BURST_MULTIPLIER * rate:.1f} req/s burst in [{b0:g}, {b1:g}) s, then recovery "
           "(scale-down window shortened to 10 s)", file=sys.stderr)
     stop = asyncio.Event()
     t_start = time.time()
@@ -486,7 +486,7 @@ def render_timeline(timeline: list[tuple[float, str, str]], burst_start: float, 
     for _, _, what in timeline:
         counts[what] = counts.get(what, 0) + 1
     lines = ["## Scaling (controller decision log)", "",
-             f"Burst in [{burst_start:.0f}, {burst_end:.0f}) s. "
+             f"Burst in [{burst_start:g}, {burst_end:g}) s. "
              + (", ".join(f"{what}: {n}" for what, n in counts.items()) or "no replica changed state") + ".", ""]
     if timeline:
         lines += ["| t (s) | replica | what |", "| ---: | --- | --- |"]

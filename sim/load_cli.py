@@ -241,6 +241,21 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
 
+def _unreachable(target: str, timeout_s: float = 5.0) -> str | None:
+    """Why a TCP connection to the target's host and port fails, or None when it opens."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(target)
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def main(args: argparse.Namespace) -> int:
     from floodgate.sim.loadgen import run_load_detailed
     from floodgate.sim.report import SLO, render_markdown, summarize, summarize_window, write_report
@@ -261,6 +276,12 @@ def main(args: argparse.Namespace) -> int:
         print("floodgate load: the plan is empty (rate, duration or trace window too small)", file=sys.stderr)
         return 2
 
+    unreachable = _unreachable(args.target)
+    if unreachable:
+        # Before the run, not after it: with nothing listening every request fails at once,
+        # and the run used to go on for its whole duration before saying so.
+        print(f"floodgate load: cannot reach {args.target}: {unreachable}", file=sys.stderr)
+        return 1
     progress = not args.quiet and sys.stderr.isatty()
     result = _run(run_load_detailed(
         plan, args.target, model=args.model, api=args.api, request_timeout=args.timeout,

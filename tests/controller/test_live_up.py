@@ -95,7 +95,7 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
 
 def _pool_filled(path: Path) -> bool:
     lines = [ln for ln in path.read_text().splitlines() if "replicas active" in ln]
-    return bool(lines) and "warm 1" in lines[-1]
+    return bool(lines) and "warm pool 1" in lines[-1]
 
 
 

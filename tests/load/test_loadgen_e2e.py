@@ -100,11 +100,12 @@ def test_cli_writes_report(emulator: str, tmp_path: Path) -> None:
     assert (out / "rates.png").exists() and (out / "latency.png").exists()
 
 
-def test_unreachable_target_exits_nonzero() -> None:
+def test_unreachable_target_exits_nonzero_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()  # nothing listens here
     rc = floodgate_main(["load", "--target", f"http://127.0.0.1:{port}", "--rate", "5",
-                         "--duration", "0.6", "--timeout", "5", "--quiet"])
+                         "--duration", "600", "--timeout", "5", "--quiet"])  # told at once, not in 10 min
     assert rc == 1
+    assert "cannot reach" in capsys.readouterr().err
 
 
 async def test_rejection_headers_and_bounded_retry() -> None:
