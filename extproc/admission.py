@@ -109,6 +109,9 @@ DEMAND_FLUSH_S = 0.25
 # share of the lease TTL left (`_granted`). Renewals come every third of it, so in normal
 # running at least two thirds are left; less means the process stalled.
 GRANT_MARGIN_SHARE = 1 / 3
+# After a renewal sent once this process had lapsed, grants are confirmed for this long too
+# (`PoolRuntime.suspect_until`): the pub/sub messages buffered during the stall are read within it.
+SUSPECT_AFTER_LAPSE_S = 2.0
 
 
 def tenant_cap(c: ClassConfig) -> int:
@@ -189,6 +192,10 @@ class PoolRuntime:
     # Until when (clock()) Redis surely counts this process alive, so the leases of its waiters'
     # grants run: the send time of its last answered sync + the lease TTL (`_granted`).
     alive_until: float = 0.0
+    # Until when (clock()) grants are confirmed with Redis even though a renewal has landed: one
+    # sent after this process had lapsed may land before the grants published while it was
+    # stalled are read from the pub/sub connection, and those may have been taken back.
+    suspect_until: float = 0.0
     unconfirmed: dict[str, str] = field(default_factory=dict)  # grants held back until a sync confirms them
     confirming: bool = False  # `_confirm` is running
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
@@ -569,6 +576,7 @@ class Admitter:
             # what this call asserts while it is in the air (the switch's call included).
             rt.asserted = len(held) + len(reserves)
         sent = self.clock()
+        lapsed = 0 < rt.alive_until and sent >= rt.alive_until - self._grant_margin()
         try:
             res = await self.call(rt, "sync", lambda: rt.state.sync(self.gateway_id, watermark, held | reserves, waiting))
         except RedisDown:
@@ -581,6 +589,8 @@ class Admitter:
         if reconcile and reserve:
             rt.unsure_cap = None  # answered: Redis counts this process's whole budget again
         rt.alive_until = max(rt.alive_until, sent + self.cfg.redis.lease_ttl_s)
+        if lapsed:
+            rt.suspect_until = self.clock() + max(SUSPECT_AFTER_LAPSE_S, 4 * self.cfg.redis.op_timeout_s)
         rt.last_sync = res.status
         self.observe(rt, res.status)
         # Reserve leases come and go as the local permits do: not corrections of lost state.
@@ -989,19 +999,24 @@ class Admitter:
         as it was, it ran above the limit (7 of L 4 after a 13.5 s stall at the shipped TTL of
         15 s). So a grant is acted on only while this process is surely alive in Redis, by its
         own clock with a margin (`GRANT_MARGIN_SHARE` of the TTL, at least two Redis
-        timeouts); otherwise `_confirm` first renews (a sync) and asks Redis which of these
-        waiters still hold their permits."""
+        timeouts), and not just after a renewal sent once it had lapsed (`suspect_until`: that
+        renewal may land before the stale grants are read off the pub/sub connection);
+        otherwise `_confirm` first renews (a sync) and asks Redis which of these waiters still
+        hold their permits."""
         w = rt.waiting.get(ticket)
         if w is None or w.future.done():
             return
-        margin = max(self.cfg.redis.lease_ttl_s * GRANT_MARGIN_SHARE, 2 * self.cfg.redis.op_timeout_s)
-        if self.clock() < rt.alive_until - margin:
+        now = self.clock()
+        if rt.suspect_until <= now < rt.alive_until - self._grant_margin():
             w.future.set_result(endpoint)
             return
         rt.unconfirmed[ticket] = endpoint
         if not rt.confirming:
             rt.confirming = True
             self.spawn(self._confirm(rt))
+
+    def _grant_margin(self) -> float:
+        return max(self.cfg.redis.lease_ttl_s * GRANT_MARGIN_SHARE, 2 * self.cfg.redis.op_timeout_s)
 
     async def _confirm(self, rt: PoolRuntime) -> None:
         """Grants held back by `_granted`: renew this process's liveness and leases (a sync: a

@@ -101,3 +101,33 @@ async def _upstream_inflight(s: aiohttp.ClientSession, port: int, n: int) -> boo
 async def _queued(redis_url: str, n: int) -> bool:
     from tests.helpers import pool_status
     return (await pool_status(redis_url)).queued_total >= n
+
+
+async def test_grants_read_just_after_a_renewal_that_followed_a_lapse_are_confirmed(stack: LocalStack) -> None:
+    # On waking from a stall the renewal may land before the grants published meanwhile are
+    # read off the pub/sub connection; the renewal makes the process alive again, but those
+    # grants may be ones Redis took back. For a short while after such a renewal every grant is
+    # confirmed with Redis first. Here the grant is real (the other gateway releases after the
+    # renewal), so it is confirmed as held and the request starts.
+    from tests.helpers import one_processor
+
+    async with one_processor(stack, limit=1, lease_ttl_s=TTL_S, op_timeout_s=1.0) as gw:
+        a = gw.admitter
+        rt = a.pools["a"]
+        other = PoolState(gw.client, "a", lease_ttl_s=TTL_S, settings=rt.settings, gateway="b")
+        await other.sync("b", 1, {}, {})
+        assert (await other.acquire("b/1", "b", 1, 1, "")).granted
+        task = asyncio.create_task(a.admit("a", 1, "t"))
+        assert await wait_until(lambda: _enqueued(rt), 10)
+        rt.alive_until = a.clock() - 1.0  # as after a stall past its liveness
+        await a._sync(rt)
+        assert rt.suspect_until > a.clock() and rt.alive_until > a.clock() + 1
+        await other.release("b/1")  # grants a's waiter, by pub/sub
+        permit = await asyncio.wait_for(task, 10)
+        assert permit.ticket.startswith("gw/")  # a Permit, started after Redis confirmed it
+        held = gw.metrics.grants_confirmed.labels("a", "held")._value.get()
+        assert held == 1
+
+
+async def _enqueued(rt: object) -> bool:
+    return any(w.enqueued for w in rt.waiting.values())  # type: ignore[attr-defined]
