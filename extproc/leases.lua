@@ -1113,6 +1113,13 @@ function OPS.sync(ARGV)
   -- did not assert and that are older than the watermark (abandoned calls that ran late, or
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  -- A per-endpoint count that is not an integer (written by something else) fails every
+  -- HINCRBY on it, and with it every call that grants to or releases from that endpoint: the
+  -- processors fell back to local limits for good. The renewal drops it (its count restarts).
+  local counts = redis.call('HGETALL', K.epinf)
+  for i = 1, #counts, 2 do
+    if not string.match(counts[i + 1], '^%-?%d+$') then redis.call('HDEL', K.epinf, counts[i]) end
+  end
   ramp_refill()
   redis.call('ZADD', K.gws, EXPIRY_S, gw)
   redis.call('HSET', K.lmeta, PAD_FIELD, PAD)  -- hashtables from now on (see PAD)

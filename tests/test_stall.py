@@ -131,3 +131,19 @@ async def test_grants_read_just_after_a_renewal_that_followed_a_lapse_are_confir
 
 async def _enqueued(rt: object) -> bool:
     return any(w.enqueued for w in rt.waiting.values())  # type: ignore[attr-defined]
+
+
+async def test_a_renewal_drops_a_per_endpoint_count_that_is_not_a_count(stack: LocalStack) -> None:
+    # `epinf` is the processors' key; a value there that is not an integer failed every HINCRBY
+    # on it, so every call granting to that endpoint, and the processors sat on local limits.
+    url = stack.start_redis()
+    cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
+    c = redis_client(url, op_timeout_s=5)
+    try:
+        a = PoolState(c, "p", lease_ttl_s=TTL_S, settings=pool_settings(cfg.pools[0]), gateway="a")
+        await a.configure()
+        await c.hset(key("p", "epinf"), mapping={"127.0.0.1:8000": "abc", "127.0.0.1:8001": "2"})
+        await a.sync("a", 1, {}, {})
+        assert await c.hgetall(key("p", "epinf")) == {b"127.0.0.1:8001": b"2"}
+    finally:
+        await c.aclose()
