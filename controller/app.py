@@ -516,8 +516,9 @@ class PoolController:
         assert rep.endpoint is not None
         return self._client_at(rep.endpoint)
 
-    def _client_at(self, endpoint: str) -> VllmClient:
-        return VllmClient(self.session, endpoint, timeout_s=self.cfg.timeouts.scrape_s, model=self.cfg.model)
+    def _client_at(self, endpoint: str, timeout_s: float | None = None) -> VllmClient:
+        t = self.cfg.timeouts.scrape_s if timeout_s is None else timeout_s
+        return VllmClient(self.session, endpoint, timeout_s=t, model=self.cfg.model)
 
     async def _set_registry(self, rep: Replica) -> None:
         st = registry_state(rep.view)
@@ -613,8 +614,7 @@ class PoolController:
         t = self.cfg.timeouts
         assert rep.endpoint is not None
         since = rep.unresponsive.since
-        client = VllmClient(self.session, rep.endpoint, timeout_s=t.liveness_probe_s, model=self.cfg.model)
-        if await client.health():
+        if await self._client_at(rep.endpoint, t.liveness_probe_s).health():
             rep.unresponsive = Unresponsive(self.clock())
             return
         if rep.view.state is not S.ACTIVE or rep.busy or rep.unresponsive.since != since or since is None:

@@ -196,7 +196,7 @@ class PoolRuntime:
     # sent after this process had lapsed may land before the grants published while it was
     # stalled are read from the pub/sub connection, and those may have been taken back.
     suspect_until: float = 0.0
-    unconfirmed: dict[str, str] = field(default_factory=dict)  # grants held back until a sync confirms them
+    unconfirmed: set[str] = field(default_factory=set)  # tickets whose grants wait for a sync to confirm them
     confirming: bool = False  # `_confirm` is running
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
     # ahead of a waiter); the pool-wide rate is this times the live processors.
@@ -1010,7 +1010,7 @@ class Admitter:
         if rt.suspect_until <= now < rt.alive_until - self._grant_margin():
             w.future.set_result(endpoint)
             return
-        rt.unconfirmed[ticket] = endpoint
+        rt.unconfirmed.add(ticket)
         if not rt.confirming:
             rt.confirming = True
             self.spawn(self._confirm(rt))
@@ -1033,7 +1033,7 @@ class Admitter:
                 self.metrics.grants_confirmed.labels(rt.cfg.name, "held").inc(len(got))
                 self.metrics.grants_confirmed.labels(rt.cfg.name, "taken_back").inc(len(tickets) - len(got))
                 for t in tickets:
-                    rt.unconfirmed.pop(t, None)
+                    rt.unconfirmed.discard(t)
                     w = rt.waiting.get(t)
                     if t in got and w is not None and not w.future.done():
                         w.future.set_result(got[t])

@@ -40,6 +40,13 @@ BYTES_PER_TOKEN = 6.0
 MAX_REQUEST_TOKENS = 8192.0
 
 
+def body_encoded(content_encoding: Sequence[str] | None) -> bool:
+    """Is the body encoded (a `content-encoding` value other than empty or identity), so its
+    bytes are neither the prompt's size nor the JSON? A list of codings in one value counts as
+    encoded unless it is exactly identity."""
+    return bool(content_encoding) and any(v.strip().lower() not in ("", "identity") for v in content_encoding or ())
+
+
 def prompt_tokens(content_length: Sequence[str] | None, content_encoding: Sequence[str] | None, *,
                   bytes_per_token: float, default: float, max_tokens: float) -> float:
     """The prompt tokens a request counts for in its endpoint's estimate, from its request
@@ -53,7 +60,7 @@ def prompt_tokens(content_length: Sequence[str] | None, content_encoding: Sequen
     the header alone: Envoy frames the body by it (HTTP/1.1) or rejects a mismatch (HTTP/2)."""
     if bytes_per_token <= 0 or not content_length or len(set(content_length)) != 1:
         return default
-    if content_encoding and any(v.strip().lower() not in ("", "identity") for v in content_encoding):
+    if body_encoded(content_encoding):
         return default
     raw = content_length[0].strip()
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:

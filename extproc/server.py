@@ -31,7 +31,7 @@ from floodgate.extproc.config import Config
 from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
-from floodgate.extproc.prefill import prompt_tokens
+from floodgate.extproc.prefill import body_encoded, prompt_tokens
 from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
 log = logging.getLogger("floodgate.server")
@@ -192,12 +192,6 @@ _TRAILERS_REPLY = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 # Statuses that say the request itself cannot be served as it is (too many headers, a body the
 # pool cannot rewrite): no Retry-After, which would have the client send it again at once.
 CLIENT_ERRORS = frozenset({400, 413, 415, 431})
-
-
-def body_encoded(content_encoding: list[str] | None) -> bool:
-    """Is the body encoded (`content-encoding` other than identity), so its bytes are not the JSON?"""
-    return bool(content_encoding) and any(v.strip().lower() not in ("", "identity")
-                                          for c in content_encoding or () for v in c.split(","))
 
 
 def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
