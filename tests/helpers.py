@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
+    from aiohttp import web
     from floodgate.extproc.admission import Admitter
     from floodgate.extproc.metrics import Metrics
     from floodgate.extproc.redis_client import AnyRedis
@@ -160,3 +161,21 @@ async def activate(reg: Registry, first: int, last: int) -> None:
     """Endpoints 10.0.0.<i>:8000 (replica r<i>) for i in first..last turn active."""
     for i in range(first, last + 1):
         await reg.set(f"10.0.0.{i}:8000", "active", f"r{i}")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[int]:
+    """`app` served on a free loopback port (yielded) until the block ends: a stand-in server
+    for what the real components cannot be made to do (a bad page, a slow answer)."""
+    from aiohttp import web
+
+    from floodgate.supervisor import free_port
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()

@@ -18,7 +18,6 @@ from floodgate.controller.config import parse_config
 from floodgate.controller.liveness import StartBackoff, Unresponsive
 
 from floodgate.stack import LocalStack
-from floodgate.supervisor import free_port
 from tests.controller.live import (
     controller_config,
     count,
@@ -27,6 +26,7 @@ from tests.controller.live import (
     running,
     wait_for,
 )
+from tests.helpers import serving
 
 
 def test_a_run_of_failed_scrapes_starts_at_the_first_and_ends_at_a_good_one() -> None:
@@ -159,11 +159,11 @@ async def test_a_slow_but_serving_replica_is_not_failed(stack: LocalStack) -> No
                     web.get("/v1/models", fake.models), web.post("/v1/completions", fake.completions),
                     web.get("/is_sleeping", fake.is_sleeping), web.post("/sleep", fake.sleep),
                     web.post("/wake_up", fake.wake)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    ep = f"127.0.0.1:{port}"
+    async with serving(app) as port:
+        await _slow_replica_kept(url, fake, f"127.0.0.1:{port}")
+
+
+async def _slow_replica_kept(url: str, fake: FakeVllm, ep: str) -> None:
     cfg = parse_config({
         "redis": {"url": url}, "tick_interval_s": 0.25, "metrics_listen": None, "leader": {"ttl_s": 3},
         "pools": [{"name": "default",
@@ -187,7 +187,6 @@ async def test_a_slow_but_serving_replica_is_not_failed(stack: LocalStack) -> No
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-        await runner.cleanup()
 
 
 async def _r1_active(url: str) -> bool:

@@ -32,6 +32,7 @@ from floodgate.extproc.state import redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.controller.live import controller_config, wait_for
+from tests.helpers import serving
 
 PAGE = """\
 # TYPE vllm:num_requests_running gauge
@@ -94,17 +95,9 @@ async def test_missing_kv_gauge_is_a_failed_scrape_not_zero() -> None:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    try:
-        async with aiohttp.ClientSession() as s:
-            got = await VllmClient(s, f"127.0.0.1:{port}").scrape("r", 5.0)
-        assert not got.metrics.ok and "kv_cache_usage_perc" in got.error
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession() as s:
+        got = await VllmClient(s, f"127.0.0.1:{port}").scrape("r", 5.0)
+    assert not got.metrics.ok and "kv_cache_usage_perc" in got.error
 
 
 GOOD = PAGE % (2, 4, 4, 4, 1.0)
@@ -209,22 +202,15 @@ async def test_a_bad_page_is_a_failed_scrape_keeping_the_previous_histograms() -
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as s:
-            vc = VllmClient(s, f"127.0.0.1:{port}")
-            good = await vc.scrape("r", 1.0)
-            assert good.metrics.ok and good.ttft.count == 4
-            for case in ("bucket_without_le", "waiting_nan", "kv_nan", "running_inf"):
-                page["text"], says = BAD_PAGES[case]
-                got = await vc.scrape("r", 2.0, prev=good)
-                assert not got.metrics.ok and says in got.error, case
-                assert got.ttft == good.ttft  # the next good scrape's delta covers the gap
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession() as s:
+        vc = VllmClient(s, f"127.0.0.1:{port}")
+        good = await vc.scrape("r", 1.0)
+        assert good.metrics.ok and good.ttft.count == 4
+        for case in ("bucket_without_le", "waiting_nan", "kv_nan", "running_inf"):
+            page["text"], says = BAD_PAGES[case]
+            got = await vc.scrape("r", 2.0, prev=good)
+            assert not got.metrics.ok and says in got.error, case
+            assert got.ttft == good.ttft  # the next good scrape's delta covers the gap
 
 
 async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(

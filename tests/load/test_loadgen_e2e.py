@@ -22,6 +22,7 @@ from floodgate.sim.report import summarize
 
 from floodgate.cli import main as floodgate_main
 from floodgate.supervisor import Supervisor, free_port, wait_for_port
+from tests.helpers import serving
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +126,9 @@ async def test_rejection_headers_and_bounded_retry() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", reject)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serving(app) as port:
         p = [PlannedRequest(0.0, 2, "noisy", 40, 7), PlannedRequest(0.01, 0, "no-reason", 40, 7)]
         recs = await run_load(p, f"http://127.0.0.1:{port}", retry=2, request_timeout=5)
-    finally:
-        await runner.cleanup()
     rej, err = recs
     assert rej.outcome == REJECTED and rej.status == 429 and rej.reject_reason == "early_drop"
     assert rej.retry_after == pytest.approx(0.05) and rej.retries == 2
