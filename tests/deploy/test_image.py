@@ -1,7 +1,8 @@
 """The container image runs what compose.yaml and the Kubernetes manifests tell it to run.
 
 There is no Docker engine here, so the test builds the image's install set the way the
-Dockerfile does: the same COPY set into a fresh directory, a clean virtualenv (no access to the
+Dockerfile does: the same COPY set, taken from the build context `.dockerignore` leaves (as
+`docker build` sends it), into a fresh directory, a clean virtualenv (no access to the
 repository or the test venv), the same pip command, then the sources are deleted as the
 Dockerfile deletes them. Every command is read from compose.yaml (docker compose's own
 normalized model) and from deploy/kubernetes (containers of the `floodgate` image, their
@@ -109,6 +110,82 @@ def test_copy_set_covers_every_folder_the_distribution_maps() -> None:
     assert set(tool["package-dir"].values()) <= copied
 
 
+# --- the build context, as `docker build` sends it -------------------------------------------
+
+def dockerignore_pattern(pattern: str) -> re.Pattern[str]:
+    """One .dockerignore pattern as Docker's patternmatcher reads it: anchored at the context
+    root, `*` and `?` within one path segment, `**` across any number of segments."""
+    pattern = os.path.normpath(pattern.strip().lstrip("/"))
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignore_rules(text: str) -> list[tuple[bool, re.Pattern[str]]]:
+    rules = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keep = line.startswith("!")
+        rules.append((keep, dockerignore_pattern(line[1:] if keep else line)))
+    return rules
+
+
+def excluded(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """The last rule that matches the path or one of its parent folders decides."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    verdict = False
+    for keep, rx in rules:
+        if any(rx.match(p) for p in prefixes):
+            verdict = not keep
+    return verdict
+
+
+def build_context(root: Path) -> set[str]:
+    """Every file `docker build <root>` sends to the daemon, relative to the root."""
+    ignore = root / ".dockerignore"
+    rules = dockerignore_rules(ignore.read_text()) if ignore.exists() else []
+    files = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    return {f for f in files if not excluded(f, rules)}
+
+
+def test_dockerignore_reading_follows_docker() -> None:
+    rules = dockerignore_rules("# c\n.git\n**/__pycache__\n*.egg-info\nruns\n!runs/keep\n/docs\n")
+    assert excluded(".git/HEAD", rules)
+    assert excluded("floodgate/__pycache__/x.pyc", rules) and excluded("__pycache__/x.pyc", rules)
+    assert excluded("floodgate.egg-info/PKG-INFO", rules)
+    assert not excluded("floodgate/x.egg-info/PKG-INFO", rules)  # `*` stays in one segment
+    assert excluded("runs/a.json", rules) and not excluded("runs/keep", rules)
+    assert excluded("docs/a.md", rules)
+    assert not excluded("floodgate/runs/a.py", rules)  # anchored at the root, unlike .gitignore
+    assert not excluded("bench/overload.py", rules)
+
+
+def test_every_copy_source_reaches_the_build_context() -> None:
+    """A COPY of a path that .dockerignore drops fails `docker build` ("not found")."""
+    b = parse_dockerfile(DOCKERFILE.read_text())
+    context = build_context(ROOT)
+    for srcs, _ in b.copies:
+        for s in srcs:
+            if (ROOT / s).is_dir():
+                sent = {f for f in context if f.startswith(f"{s}/")}
+                assert sent, f"COPY {s}: .dockerignore drops the folder"
+            else:
+                assert s in context, f"COPY {s}: .dockerignore drops the file"
+
+
 # --- the install set, built as the Dockerfile builds it -------------------------------------
 
 @dataclass
@@ -130,13 +207,20 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     base = tmp_path_factory.mktemp("image")
     src, venv = base / "src", base / "venv"
     src.mkdir()
+    # Only what the build context holds (.dockerignore applied), as the daemon sees it.
+    context = build_context(ROOT)
     for srcs, dest in b.copies:
         for s in srcs:
             origin = ROOT / s
-            target = src / dest / origin.name if dest.endswith("/") else src / dest
             if origin.is_dir():
-                shutil.copytree(origin, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            else:
+                base_target = src / dest / origin.name if dest.endswith("/") else src / dest
+                for f in sorted(context):
+                    if f.startswith(f"{s}/"):
+                        target = base_target / f[len(s) + 1:]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(ROOT / f, target)
+            elif s in context:
+                target = src / dest / origin.name if dest.endswith("/") else src / dest
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(origin, target)
     # A clean venv from the base interpreter: nothing of the test venv or the repo is visible.
