@@ -65,9 +65,9 @@ from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envo
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
+from floodgate.extproc.redis_client import OUTAGE_ERRORS
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
-from redis.exceptions import RedisError
 
 S = ReplicaState
 log = logging.getLogger("floodgate.controller")
@@ -422,7 +422,7 @@ class PoolController:
                 await self.registry.set_ceiling(value, c.ttl_s)
             else:
                 await self.registry.clear_ceiling()
-        except (RedisError, OSError, TimeoutError):
+        except OUTAGE_ERRORS:
             self.metrics.scrape_failures.labels(source="redis").inc()
             return
         if short != bool(self._ceiling_set):
@@ -452,7 +452,7 @@ class PoolController:
                 # and count nothing for it meanwhile; tell them now. (A growing announcement
                 # tells them itself.)
                 await self.registry.notify()
-        except (RedisError, OSError, TimeoutError):
+        except OUTAGE_ERRORS:
             self.metrics.scrape_failures.labels(source="redis").inc()
             return
         self._arriving_due = announced
@@ -463,10 +463,10 @@ class PoolController:
     async def _persist(self, d: Decision, seq_before: int) -> None:
         """Write what must survive a restart: the replica id counter and the demand history."""
         if self.state.next_seq != seq_before:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.redis.set(self._k_seq, self.state.next_seq)
         if d.recorded is not None and self.state.history is not None:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.redis.set(self._k_history, json.dumps(self.state.history.to_dict()))
 
     async def _sync_registry(self, eps: dict[str, Endpoint] | None, acted: set[str]) -> None:
@@ -488,14 +488,14 @@ class PoolController:
                     await self.registry.set(rep.endpoint, want, rep.view.replica_id)
                     self.emit("registry_sync", replica=rep.view.replica_id,
                               frm=have.state if have else None, to=want)
-            except (RedisError, OSError, TimeoutError):
+            except OUTAGE_ERRORS:
                 self.metrics.scrape_failures.labels(source="registry").inc()
                 return
 
     async def _registry_endpoints(self) -> dict[str, Endpoint] | None:
         try:
             return await self.registry.endpoints()
-        except (RedisError, OSError, TimeoutError):
+        except OUTAGE_ERRORS:
             self.metrics.scrape_failures.labels(source="registry").inc()
             return None
 
@@ -635,7 +635,7 @@ class PoolController:
             self._event(rep, Event.FAIL)
             self.emit("failed", replica=rep.view.replica_id, why=why)
         if rep.endpoint:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.registry.remove(rep.endpoint)
 
     async def _start(self, rep: Replica) -> None:
@@ -729,7 +729,7 @@ class PoolController:
         rid = rep.view.replica_id
         try:
             if rep.endpoint:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                with contextlib.suppress(*OUTAGE_ERRORS):
                     await self.registry.remove(rep.endpoint)
             await self.actuator.stop(rid)
             self.emit("stopped", replica=rid)
@@ -849,7 +849,7 @@ class Controller:
             if self.is_leader:  # lost between two rounds of the main loop: it steps down
                 try:
                     await self.tick_pool(pc)
-                except (RedisError, OSError, TimeoutError) as exc:
+                except OUTAGE_ERRORS as exc:
                     # Redis down: act on nothing (the registry is the routing truth); retry.
                     self.metrics.scrape_failures.labels(source="redis").inc()
                     log.warning("pool %s: tick skipped: %s", pc.pool, exc)
@@ -933,7 +933,7 @@ class Controller:
         if not self.pools:
             try:
                 await self._become_leader()
-            except (RedisError, OSError, TimeoutError) as exc:
+            except OUTAGE_ERRORS as exc:
                 # Redis down: act on nothing (the registry is the routing truth); retry.
                 self.metrics.scrape_failures.labels(source="redis").inc()
                 log.warning("could not take over the pools yet: %s", exc)

@@ -17,8 +17,8 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+from floodgate.extproc.redis_client import OUTAGE_ERRORS
 from floodgate.extproc.schema import controller_leader_key
-from redis.exceptions import RedisError
 
 log = logging.getLogger("floodgate.controller.leader")
 
@@ -71,7 +71,7 @@ class LeaderLease:
         ttl_ms = int(self.ttl_s * 1000)
         try:
             ok = int(await self._acquire(keys=[self.key], args=[self.holder, ttl_ms])) == 1
-        except (RedisError, OSError, TimeoutError) as exc:
+        except OUTAGE_ERRORS as exc:
             log.warning("leader lease: redis error: %s", exc)
             ok = False
             # Keep _valid_until: we may still hold the lease until it runs out.
@@ -99,7 +99,7 @@ class LeaderLease:
 
     async def release(self) -> None:
         if self._valid_until > 0:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*OUTAGE_ERRORS):
                 await self._release(keys=[self.key], args=[self.holder])
             self._valid_until = 0.0
             self.changed.set()

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from floodgate.controller.demand import ClassCounters, FloodgateCounters, GatewayCounters
 from floodgate.controller.signals import QueueSignal
 from floodgate.controller.vllm import VllmClient, VllmSample, failed_sample
+from floodgate.extproc.redis_client import OUTAGE_ERRORS
 from floodgate.extproc.state import read_demand, read_pool_status
 from prometheus_client.parser import text_string_to_metric_families
-from redis.exceptions import RedisError
 
 log = logging.getLogger("floodgate.controller.scrape")
 
@@ -123,7 +123,7 @@ async def scrape_floodgate(client: aioredis.Redis, pool: str, now: float, timeou
     try:
         st, raw = await asyncio.wait_for(
             asyncio.gather(read_pool_status(client, pool), read_demand(client, pool)), timeout_s)
-    except (RedisError, OSError, TimeoutError) as exc:
+    except OUTAGE_ERRORS as exc:
         return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"{type(exc).__name__}: {exc}",
                                counters=FloodgateCounters(now, ok=False))
     return FloodgateSample(QueueSignal(float(st.queued_total), now), st.queued, st.inflight_total, st.limit,

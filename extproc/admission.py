@@ -78,7 +78,13 @@ from floodgate.extproc.policy import (
     ramp_credit,
     retry_after,
 )
-from floodgate.extproc.redis_client import AnyRedis, Subscription, is_cluster, subscribe
+from floodgate.extproc.redis_client import (
+    OUTAGE_ERRORS,
+    AnyRedis,
+    Subscription,
+    is_cluster,
+    subscribe,
+)
 from floodgate.extproc.registry import parse_ceiling, read_arriving
 from floodgate.extproc.schema import (
     ACTIVE,
@@ -92,7 +98,6 @@ from floodgate.extproc.schema import (
     key,
 )
 from floodgate.extproc.state import PoolState
-from redis.exceptions import RedisError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
 
@@ -356,11 +361,28 @@ class Admitter:
         by_client: dict[int, list[PoolRuntime]] = {}
         for rt in self.pools.values():
             by_client.setdefault(id(rt.pubsub_client), []).append(rt)
-        self._tasks = [asyncio.create_task(self._pubsub_loop(rts), name=f"fg-pubsub-{rts[0].cfg.name}")
+        self._tasks = [self._keep_running(f"fg-pubsub-{rts[0].cfg.name}", partial(self._pubsub_loop, rts))
                        for rts in by_client.values()]
         for rt in self.pools.values():
-            self._tasks += [asyncio.create_task(self._sync_loop(rt), name=f"fg-sync-{rt.cfg.name}"),
-                            asyncio.create_task(self._poll_loop(rt), name=f"fg-poll-{rt.cfg.name}")]
+            self._tasks += [self._keep_running(f"fg-sync-{rt.cfg.name}", partial(self._sync_loop, rt)),
+                            self._keep_running(f"fg-poll-{rt.cfg.name}", partial(self._poll_loop, rt))]
+
+    def _keep_running(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """A background loop that an unexpected error must not end silently: a dead sync loop
+        stops renewing this process's liveness, and Redis then takes back its waiters' grants.
+        The error is logged and counted; the loop starts again after `reconnect_interval_s`."""
+        async def run() -> None:
+            while not self._closing:
+                try:
+                    await loop()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self.metrics.loop_restarts.labels(name).inc()
+                    log.exception("%s failed; restarting it", name)
+                    await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
+        return asyncio.create_task(run(), name=name)
 
     async def _start_pool(self, rt: PoolRuntime) -> None:
         try:
@@ -419,7 +441,7 @@ class Admitter:
         try:
             async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
                 return await fn()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except OUTAGE_ERRORS as exc:
             self.metrics.redis_errors.labels(op).inc()
             self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}")
             raise RedisDown(op) from exc
@@ -962,7 +984,7 @@ class Admitter:
                         self._granted(rt, ticket, endpoint)
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError, TimeoutError) as exc:
+            except OUTAGE_ERRORS as exc:
                 log.debug("pubsub connection lost (%s): %s", [rt.cfg.name for rt in rts], exc)
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:

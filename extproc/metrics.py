@@ -95,6 +95,9 @@ class Metrics:
         self.degraded_transitions = Counter(
             "floodgate_degraded_transitions", "Entries of a pool into degraded mode.", ["pool"], registry=r)
         self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
+        self.loop_restarts = Counter(
+            "floodgate_background_loop_restarts", "Background loops (sync, poll, pub/sub) restarted after an "
+            "unexpected error (logged with its traceback).", ["loop"], registry=r)
         self.lost_leases = Counter(
             "floodgate_lost_leases", "Leases Redis had lost while a live request held them (process paused "
             "past the TTL, Redis restarted); the next sync leased them again.", ["pool"], registry=r)

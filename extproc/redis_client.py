@@ -39,7 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 AnyRedis = aioredis.Redis | RedisCluster
 Kind = Literal["single", "sentinel", "cluster"]
@@ -51,6 +51,12 @@ _CLUSTER = ("redis+cluster", "rediss+cluster")
 
 POOL_SIZE = 256  # connections per client (single server), shared by every concurrent call
 POOL_SIZE_NONBLOCKING = 2048  # per node (Sentinel primary, Cluster node): a call beyond it fails
+
+
+# What a Redis outage raises. redis-py's RedisClusterException ("Redis Cluster cannot be
+# connected", when no startup node answers) is not a RedisError: catching RedisError alone
+# turned a wholly unreachable Cluster into failed requests instead of degraded admission.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 class RedisURLError(ValueError):
@@ -339,7 +345,7 @@ class _ShardedSubscription(Subscription):
             try:
                 await asyncio.wait_for(self._cluster.nodes_manager.initialize(), self._connect_timeout * 4)
                 owners = {ch: n.name for ch, n in self._owner_map().items()}
-            except (RedisError, OSError, TimeoutError):
+            except OUTAGE_ERRORS:
                 continue
             if owners != self._owners:
                 self._queue.put_nowait(RedisError("a subscribed slot moved to another node"))

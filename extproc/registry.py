@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from floodgate.extproc.redis_client import OUTAGE_ERRORS
 from floodgate.extproc.schema import (
     ACTIVE,
     CTL_ARRIVING,
@@ -27,7 +28,7 @@ from floodgate.extproc.schema import (
     gateway_channel,
     key,
 )
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 log = logging.getLogger("floodgate.registry")
 
@@ -95,7 +96,7 @@ class Registry:
                     reached += int(await self.client.spublish(ch, msg))
                 except ResponseError:  # Redis 6: no sharded pub/sub (the processors SUBSCRIBE)
                     reached += int(await self.client.publish(ch, msg))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except OUTAGE_ERRORS as exc:
             log.debug("registry notify of pool %s failed: %s", self.pool, exc)
         return reached
 

@@ -178,7 +178,7 @@ def as_json(reports: list[PoolReport]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from redis.exceptions import RedisError
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS
 
     url, password = args.redis_url, os.environ.get("FLOODGATE_REDIS_PASSWORD") or None
     if args.config:
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         reports = asyncio.run(collect(url, password, args.pool))
-    except (RedisError, OSError, TimeoutError) as exc:
+    except OUTAGE_ERRORS as exc:
         print(f"floodgate status: cannot read {url.split('@')[-1]}: {type(exc).__name__}: {exc}", file=sys.stderr)
         if not (args.redis_url or args.config or os.environ.get("FLOODGATE_REDIS_URL")):
             print("  (no --redis-url given: `floodgate up` prints the URL of the Redis it started; pass it with "

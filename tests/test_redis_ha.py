@@ -28,7 +28,8 @@ from redis.exceptions import MovedError, RedisError
 
 from floodgate.redis_topology import ClusterTopology, SentinelTopology
 from floodgate.stack import LocalStack
-from tests.helpers import Reply, get_json, post, wait_until
+from floodgate.supervisor import free_port
+from tests.helpers import Reply, get_json, metrics, pool_status, post, wait_until
 from tests.redis_topologies import cluster, sentinel  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -525,3 +526,76 @@ async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalS
         await asyncio.sleep(3 + 1)  # one lease TTL after the last request: nothing held
         r = redis.Redis(port=new_port)
         assert r.zcard("fg:{default}:leases") == 0 and r.zcard("fg:{default}:queue") == 0
+
+
+# ------------------------------------------------------------- a Cluster wholly unreachable
+
+
+def _cluster_cfg(limit: int) -> dict[str, Any]:
+    return {"pools": [{"name": "default", "limit": {"mode": "static", "initial": limit}, "local_credits": 0,
+                       "classes": {c: {"queue_timeout_s": 20, "max_queue": 100, "share": s}
+                                   for c, s in ((0, 0.5), (1, 0.3), (2, 0.1))}}],
+            "redis": {"lease_ttl_s": 3, "poll_interval_s": 0.25, "reconnect_interval_s": 0.2},
+            "admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}}
+
+
+async def test_processor_starts_degraded_when_no_cluster_node_answers(stack: LocalStack, upstream: int) -> None:
+    """redis-py raises RedisClusterException (not a RedisError) when no startup node answers:
+    the processor must still start and serve on its local share, as with one server down."""
+    stack.redis_url = f"redis+cluster://127.0.0.1:{free_port()}"
+    p = stack.start_processor(_cluster_cfg(2))
+    env = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession() as s:
+        replies = await _load(s, [env.url], 6, delay_ms=100)
+        assert [r.status for r in replies] == [200] * 6, [(r.status, r.body[:80]) for r in replies]
+        m = await metrics(s, p.metrics_url)
+    assert m['floodgate_pool_degraded{pool="default"}'] == 1
+    assert m.get('floodgate_background_loop_restarts_total{loop="fg-sync-default"}', 0) == 0
+
+
+async def test_a_wholly_unreachable_cluster_degrades_then_shared_state_resumes(
+        stack: LocalStack, upstream: int, cluster: ClusterTopology) -> None:  # noqa: F811
+    """Every node SIGKILLed while a request streams and others wait in Redis's queue: the
+    waiters and new requests are served on the local share (never a 503), in-flight stays
+    within the limit; with the nodes back (empty), the processor returns to shared state, its
+    liveness is renewed and Redis counts exactly the permits live requests hold."""
+    stack.redis_url = cluster.url
+    limit = 2
+    p = stack.start_processor(_cluster_cfg(limit))
+    env = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    hdr = {"x-request-priority": "1", "x-test-chunks": "2"}
+    async with aiohttp.ClientSession() as s:
+        await s.post(f"http://127.0.0.1:{upstream}/stats/reset")
+        load = asyncio.create_task(_load(s, [env.url], 8, delay_ms=600))  # 2 run, 6 queue
+        await asyncio.sleep(0.4)
+        for n in cluster.nodes:
+            cluster.kill(n)
+        replies = await load
+        assert [r.status for r in replies] == [200] * 8, [(r.status, r.body[:80]) for r in replies]
+        assert (await metrics(s, p.metrics_url))['floodgate_pool_degraded{pool="default"}'] == 1
+        for n in cluster.nodes:
+            cluster.restart(n)
+        await asyncio.to_thread(cluster.wait_ok)
+
+        async def shared() -> bool:
+            return (await metrics(s, p.metrics_url))['floodgate_pool_degraded{pool="default"}'] == 0
+        for _ in range(300):
+            if await shared():
+                break
+            await asyncio.sleep(0.1)
+        assert await shared()
+        long = asyncio.create_task(post(s, env.url, headers={**hdr, "x-test-delay-ms": "4000"}, timeout=30))
+        await asyncio.sleep(1.0)
+        st1 = await pool_status(cluster.url)
+        await asyncio.sleep(2 * 3)  # two lease TTLs: alive only if the sync loop renews
+        st2 = await pool_status(cluster.url)
+        owner = cluster.owner("fg:{default}:gws").client()
+        gws = owner.zrange("fg:{default}:gws", 0, -1, withscores=True)
+        sec, usec = owner.time()
+        assert (await long).status == 200
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+        m = await metrics(s, p.metrics_url)
+    assert st1.inflight_total == 1 and st2.inflight_total == 1  # the long request's lease, renewed
+    assert gws and all(score > sec * 1000 + usec // 1000 for _, score in gws), gws
+    assert stats["max_inflight"] <= limit
+    assert not any(k.startswith("floodgate_background_loop_restarts_total") and v for k, v in m.items())
