@@ -263,9 +263,19 @@ def test_sidecar_filter_admits_inference_calls_and_skips_the_rest(stack: LocalSt
     base = f"http://127.0.0.1:{port}"
     assert _request(f"{base}/v1/completions", "POST", COMPLETION) == 200
     assert _streams(admin) == 1
-    for path, method in (("/health", "GET"), ("/metrics", "GET"), ("/sleep?level=1", "POST"), ("/wake_up", "POST")):
-        assert _request(base + path, method, b"" if method == "POST" else None) == 200, path
-    assert _streams(admin) == 1, "admin and health paths must skip admission"
+    for path, method in (("/health", "GET"), ("/metrics", "GET"), ("/sleep?level=1", "POST"), ("/wake_up", "POST"),
+                         ("/ping", "GET"), ("/version", "GET"), ("/v1/models", "GET")):
+        _request(base + path, method, b"" if method == "POST" else None)  # (the stand-in may 404 some)
+        assert _streams(admin) == 1, f"{path}: admin and health paths must skip admission"
+    assert _request(f"{base}/sleep?level=1", "POST", b"") == 200
+    # Every other path is admitted: vLLM also generates outside /v1/ (SageMaker's /invocations
+    # runs chat or completion, and the pooling routes run the model), and a server's next
+    # route must not bypass admission either.
+    model_calls = ["/invocations", "/pooling", "/score", "/rerank", "/v2/rerank", "/classify", "/tokenize",
+                   "/v1/chat/completions", "/healthz", "/health/x", "/metrics2", "/v1/models/../chat/completions"]
+    for n, path in enumerate(model_calls, start=2):
+        _request(base + path, "POST", COMPLETION)  # (the stand-in upstream may 404 it: admitted all the same)
+        assert _streams(admin) == n, f"{path} skipped admission"
 
 
 @pytest.mark.integration
