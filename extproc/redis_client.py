@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -48,6 +48,10 @@ _SINGLE = ("redis", "rediss", "unix")
 _SENTINEL = ("redis+sentinel", "rediss+sentinel")
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 
+
+# The TLS parameters a rediss+sentinel:// or rediss+cluster:// URL takes (as rediss:// does):
+# a private CA to verify the servers with, a client certificate, how strictly to verify.
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 
 POOL_SIZE = 256  # connections per client (single server), shared by every concurrent call
 POOL_SIZE_NONBLOCKING = 2048  # per node (Sentinel primary, Cluster node): a call beyond it fails
@@ -77,6 +81,9 @@ class RedisTarget:
     sentinel_password: str | None = None
     tls: bool = False
     display: str = field(default="", compare=False)
+    # TLS settings from the URL's query (rediss+sentinel://, rediss+cluster://), passed to every
+    # connection: sentinels, the primary, cluster nodes and their subscriptions.
+    tls_options: tuple[tuple[str, str], ...] = ()
 
 
 def _host_port(item: str, default_port: int) -> tuple[str, int]:
@@ -113,6 +120,10 @@ def parse_redis_url(url: str) -> RedisTarget:
     if scheme not in _SENTINEL + _CLUSTER:
         raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "
                             "rediss+sentinel, redis+cluster or rediss+cluster)")
+    if "@" in url.split("://", 1)[1] and "@" not in urlsplit(url).netloc:
+        # A '/', '?' or '#' in the password ends the host part early; saying where would echo
+        # part of the password.
+        raise RedisURLError("the user or password contains '/', '?' or '#': percent-encode it (%2F, %3F, %23)")
     parts = urlsplit(url)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = password = None
@@ -120,11 +131,17 @@ def parse_redis_url(url: str) -> RedisTarget:
         user, sep, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if sep else None
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(query) - {"sentinel_password"}
+    # Decoded once, as the userinfo is ('+' stays a plus).
+    query = {unquote(k): unquote(v) for k, _, v in (item.partition("=") for item in parts.query.split("&") if item)}
+    unknown = set(query) - {"sentinel_password", *TLS_PARAMETERS}
     if unknown:
         raise RedisURLError(f"unknown URL parameter(s) {sorted(unknown)}")
     tls = scheme.startswith("rediss")
+    tls_options = tuple(sorted((k, v) for k, v in query.items() if k in TLS_PARAMETERS))
+    if tls_options and not tls:
+        raise RedisURLError(f"{', '.join(k for k, _ in tls_options)} needs TLS: use the rediss+ scheme")
+    if dict(tls_options).get("ssl_cert_reqs", "required") not in ("required", "optional", "none"):
+        raise RedisURLError("ssl_cert_reqs must be required, optional or none")
     path = [p for p in parts.path.split("/") if p]
     if scheme in _SENTINEL:
         hosts = tuple(_host_port(h, 26379) for h in hostlist.split(","))
@@ -137,14 +154,13 @@ def parse_redis_url(url: str) -> RedisTarget:
         except ValueError:
             raise RedisURLError(f"bad database number {path[1]!r}") from None
         return RedisTarget("sentinel", url, hosts, path[0], db, username, password,
-                           unquote(query["sentinel_password"]) if "sentinel_password" in query else None,
-                           tls, _redact(url))
+                           query.get("sentinel_password"), tls, _redact(url), tls_options)
     hosts = tuple(_host_port(h, 6379) for h in hostlist.split(","))
     if path and path != ["0"]:
         raise RedisURLError("a cluster has only database 0; drop the path")
     if "sentinel_password" in query:
         raise RedisURLError("sentinel_password is only for redis+sentinel:// URLs")
-    return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, _redact(url))
+    return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, _redact(url), tls_options)
 
 
 def _redact(url: str) -> str:
@@ -199,22 +215,27 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
         sentinel_kwargs: dict[str, Any] = {"socket_timeout": op_timeout_s, "socket_connect_timeout": op_timeout_s}
         if target.sentinel_password is not None:
             sentinel_kwargs["password"] = target.sentinel_password
+        tls_kwargs: dict[str, Any] = dict(target.tls_options)
         if target.tls:
-            sentinel_kwargs["ssl"] = True
+            sentinel_kwargs.update(ssl=True, **tls_kwargs)
         s = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs)
         # (The Sentinel and Cluster pools do not wait for a free connection: allow many.)
         client = s.master_for(target.service, redis_class=_SentinelManaged, db=target.db,
                               username=target.username, password=pw, ssl=target.tls,
-                              retry=once, max_connections=POOL_SIZE_NONBLOCKING, **common)
+                              retry=once, max_connections=POOL_SIZE_NONBLOCKING, **tls_kwargs, **common)
         client.fg_sentinel = s
         return client
     return _Cluster(
         startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
-        username=target.username, password=pw, ssl=target.tls,
+        username=target.username, password=pw, ssl=target.tls, **_tls_kwargs(target),
         # A shard that is down must not stop the client from serving the others.
         require_full_coverage=False, max_connections=POOL_SIZE_NONBLOCKING,
         # A couple of quick retries ride over MOVED/failover; the caller's timeout bounds them.
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
+
+
+def _tls_kwargs(target: RedisTarget) -> dict[str, Any]:
+    return dict(target.tls_options)
 
 
 class _Cluster(RedisCluster):
@@ -320,7 +341,7 @@ class _ShardedSubscription(Subscription):
 
     def _auth(self) -> dict[str, Any]:
         kw = self._cluster.connection_kwargs
-        return {k: kw[k] for k in ("username", "password", "ssl") if k in kw and kw[k] is not None}
+        return {k: kw[k] for k in ("username", "password", "ssl", *TLS_PARAMETERS) if kw.get(k) is not None}
 
     async def _read(self, ps: Any) -> None:
         try:

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="NAME",
                    help="only this pool (repeatable; a pool not found in Redis is an error naming the "
                         "known ones; default: every pool found in Redis)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text (exit status 1 if a Redis Cluster "
+                   "node or pool could not be read: the others are shown, the unreachable ones listed)")
     p.set_defaults(handler=run)
 
 
@@ -76,20 +77,69 @@ def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-async def pools_in(client: Any) -> list[str]:
-    """Pools with shared state: every `fg:{pool}:` hash tag that has a key we know."""
+def _durable() -> tuple[str, ...]:
     from floodgate.extproc import schema
 
     # Keys without a TTL that a pool keeps once written, idle or not: its settings, limit and
     # demand counters (processors), its registry, replica id sequence and demand history (controller).
-    durable = {"settings", "state", schema.DEMAND, schema.ENDPOINTS, schema.CTL_SEQ, schema.CTL_HISTORY}
+    return ("settings", "state", schema.DEMAND, schema.ENDPOINTS, schema.CTL_SEQ, schema.CTL_HISTORY)
+
+
+async def pools_in(client: Any) -> tuple[list[str], list[str]]:
+    """Pools with shared state (every `fg:{pool}:` hash tag that has a key we know), and the
+    Cluster nodes that could not be scanned: a shard that is down hides only its own pools."""
+    from floodgate.extproc import schema
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS, is_cluster
+
+    durable = set(_durable())
     found: set[str] = set()
-    async for k in client.scan_iter(match=schema.key("*", "*"), count=500):
-        key = _text(k)
-        pool, _, name = key[key.index("{") + 1:].rpartition("}:")
-        if name in durable:
-            found.add(pool)
-    return sorted(found)
+    unreachable: list[str] = []
+
+    async def scan(node: Any, keys: Any) -> None:
+        try:
+            async for k in keys:
+                key = _text(k)
+                pool, _, name = key[key.index("{") + 1:].rpartition("}:")
+                if name in durable:
+                    found.add(pool)
+        except OUTAGE_ERRORS as exc:
+            if node is None:
+                raise
+            unreachable.append(f"{node.name} ({type(exc).__name__})")
+
+    if is_cluster(client):
+        await client.initialize()
+        for node in client.get_primaries():
+            await scan(node, _scan_node(client, node, schema.key("*", "*")))
+    else:
+        await scan(None, client.scan_iter(match=schema.key("*", "*"), count=500))
+    return sorted(found), unreachable
+
+
+async def _scan_node(client: Any, node: Any, match: str) -> Any:
+    """SCAN one Cluster node, on a connection of its own with the cluster client's settings."""
+    import redis.asyncio as aioredis
+
+    from floodgate.extproc.redis_client import TLS_PARAMETERS
+
+    ckw = client.connection_kwargs
+    kw = {k: ckw[k] for k in ("username", "password", "socket_timeout", "socket_connect_timeout", *TLS_PARAMETERS)
+          if ckw.get(k) is not None}
+    if any(k in kw for k in TLS_PARAMETERS) or issubclass(ckw.get("connection_class", object),
+                                                          aioredis.SSLConnection):
+        kw["ssl"] = True
+    one = aioredis.Redis(host=node.host, port=node.port, **kw)
+    try:
+        async for k in one.scan_iter(match=match, count=500):
+            yield k
+    finally:
+        await one.aclose()
+
+
+async def pool_exists(client: Any, pool: str) -> bool:
+    from floodgate.extproc import schema
+
+    return bool(await client.exists(*(schema.key(pool, name) for name in _durable())))
 
 
 class UnknownPool(LookupError):
@@ -131,19 +181,35 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
 
 
 async def collect(redis_url: str, password: str | None = None, pools: list[str] | None = None,
-                  op_timeout_s: float = 2.0) -> list[PoolReport]:
+                  op_timeout_s: float = 2.0) -> Collected:
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS
     from floodgate.extproc.state import redis_client
 
     client = redis_client(redis_url, password=password, op_timeout_s=op_timeout_s)
     try:
-        known = await pools_in(client)
-        unknown = [p for p in pools or () if p not in known]
-        if unknown:
-            raise UnknownPool(f"no pool {', '.join(repr(p) for p in unknown)} in this Redis (no processor or "
-                              f"controller has written it); known pools: {', '.join(known) or 'none yet'}")
-        return [await read_pool(client, p) for p in pools or known]
+        if pools:  # read where each named pool lives, no scan: other shards may be down
+            unknown = [p for p in pools if not await pool_exists(client, p)]
+            if unknown:
+                known, _ = await pools_in(client)
+                raise UnknownPool(f"no pool {', '.join(repr(p) for p in unknown)} in this Redis (no processor or "
+                                  f"controller has written it); known pools: {', '.join(known) or 'none yet'}")
+            return Collected([await read_pool(client, p) for p in pools])
+        known, unreachable = await pools_in(client)
+        reports: list[PoolReport] = []
+        for p in known:
+            try:
+                reports.append(await read_pool(client, p))
+            except OUTAGE_ERRORS as exc:  # its shard went away since the scan
+                unreachable.append(f"pool {p} ({type(exc).__name__})")
+        return Collected(reports, unreachable)
     finally:
         await client.aclose()
+
+
+@dataclass
+class Collected:
+    reports: list[PoolReport]
+    unreachable: list[str] = field(default_factory=list)  # Cluster nodes or pools that could not be read
 
 
 def render(reports: list[PoolReport]) -> str:
@@ -173,8 +239,9 @@ def render(reports: list[PoolReport]) -> str:
     return "\n".join(lines)
 
 
-def as_json(reports: list[PoolReport]) -> str:
-    return json.dumps({"pools": [{**asdict(r), "degraded_gateways": r.degraded} for r in reports]}, indent=2)
+def as_json(reports: list[PoolReport], unreachable: list[str] | None = None) -> str:
+    return json.dumps({"pools": [{**asdict(r), "degraded_gateways": r.degraded} for r in reports],
+                       "unreachable": unreachable or []}, indent=2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,10 +265,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"floodgate status: --redis-url: {exc}", file=sys.stderr)
         return 2
+    from floodgate.extproc.redis_client import parse_redis_url
+
     try:
-        reports = asyncio.run(collect(url, password, args.pool))
+        got = asyncio.run(collect(url, password, args.pool))
     except OUTAGE_ERRORS as exc:
-        print(f"floodgate status: cannot read {url.split('@')[-1]}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"floodgate status: cannot read {parse_redis_url(url).display}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         if not (args.redis_url or args.config or os.environ.get("FLOODGATE_REDIS_URL")):
             print("  (no --redis-url given: `floodgate up` prints the URL of the Redis it started; pass it with "
                   "--redis-url or FLOODGATE_REDIS_URL)", file=sys.stderr)
@@ -209,5 +279,7 @@ def run(args: argparse.Namespace) -> int:
     except UnknownPool as exc:
         print(f"floodgate status: --pool: {exc}", file=sys.stderr)
         return 2
-    print(as_json(reports) if args.json else render(reports))
-    return 0
+    print(as_json(got.reports, got.unreachable) if args.json else render(got.reports))
+    for what in got.unreachable:
+        print(f"floodgate status: UNREACHABLE {what}: the pools on it are not shown", file=sys.stderr)
+    return 1 if got.unreachable else 0

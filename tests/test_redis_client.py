@@ -56,6 +56,57 @@ def test_bad_urls_say_what_is_wrong(url: str, says: str) -> None:
         parse_redis_url(url)
 
 
+def test_query_values_are_percent_decoded_once() -> None:
+    # A sentinel password holding a literal '%41' and a '+', encoded as a URL needs them.
+    t = parse_redis_url("redis+sentinel://h/svc?sentinel_password=a%2541b+c")
+    assert t.sentinel_password == "a%41b+c"
+    assert parse_redis_url("redis+sentinel://:a%2541b+c@h/svc").password == t.sentinel_password
+
+
+@pytest.mark.parametrize("url", ["rediss+sentinel://h:26379/svc", "rediss+cluster://h:7000"])
+def test_ha_tls_urls_take_a_ca_bundle_and_client_certificate(url: str) -> None:
+    t = parse_redis_url(f"{url}?ssl_ca_certs=/etc/ca.crt&ssl_certfile=/c.crt&ssl_keyfile=/c.key&ssl_cert_reqs=required")
+    assert dict(t.tls_options) == {"ssl_ca_certs": "/etc/ca.crt", "ssl_certfile": "/c.crt",
+                                   "ssl_keyfile": "/c.key", "ssl_cert_reqs": "required"}
+    with pytest.raises(RedisURLError, match="needs TLS"):
+        parse_redis_url(url.replace("rediss", "redis") + "?ssl_ca_certs=/etc/ca.crt")
+    with pytest.raises(RedisURLError, match="ssl_cert_reqs"):
+        parse_redis_url(f"{url}?ssl_cert_reqs=maybe")
+
+
+async def test_ha_clients_pass_the_tls_settings_to_every_connection() -> None:
+    ca = {"ssl_ca_certs": "/etc/ca.crt"}
+    sentinel = make_client("rediss+sentinel://127.0.0.1:1/svc?ssl_ca_certs=/etc/ca.crt")
+    cluster = make_client("rediss+cluster://127.0.0.1:1?ssl_ca_certs=/etc/ca.crt")
+    try:
+        assert ca.items() <= sentinel.connection_pool.connection_kwargs.items()
+        assert all(ca.items() <= s.connection_pool.connection_kwargs.items()
+                   for s in sentinel.fg_sentinel.sentinels)  # type: ignore[attr-defined]
+        assert ca.items() <= cluster.connection_kwargs.items()
+    finally:
+        for c in (sentinel, cluster):
+            await c.aclose()
+
+
+@pytest.mark.parametrize("url", ["redis+sentinel://user:pa#ss@h:26379/svc", "redis+cluster://user:pa?ss@h:7000",
+                                 "redis+sentinel://user:pa/ss@h:26379/svc"])
+def test_a_reserved_character_in_the_password_is_named_not_echoed(url: str) -> None:
+    with pytest.raises(RedisURLError, match="percent-encode") as info:
+        parse_redis_url(url)
+    assert "pa" not in str(info.value).replace("password", "")
+
+
+def test_status_never_prints_a_password() -> None:
+    import subprocess
+    import sys
+
+    url = "redis+sentinel://:Secret1@127.0.0.1:1,127.0.0.1:2/svc?sentinel_password=TopSecret2"
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", url],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot read" in r.stderr, r.stderr
+    assert "Secret1" not in r.stderr and "TopSecret2" not in r.stderr, r.stderr
+
+
 def test_bad_url_names_the_config_field() -> None:
     with pytest.raises(ConfigError, match=r"redis\.url.*service name"):
         load_config(None, {("redis", "url"): "redis+sentinel://h:26379"})

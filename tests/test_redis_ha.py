@@ -9,6 +9,7 @@ shard leave the other pools serving.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -457,8 +458,8 @@ async def test_controller_and_status_state_api_on_a_cluster(cluster: ClusterTopo
         lease = LeaderLease(client, holder="me", ttl_s=5)
         assert await lease.try_acquire_or_renew()
         assert not await LeaderLease(client, holder="other", ttl_s=5).try_acquire_or_renew()
-        reports = await collect(cluster.url, op_timeout_s=2)
-        assert {r.pool for r in reports} >= set(pools)
+        got = await collect(cluster.url, op_timeout_s=2)
+        assert {r.pool for r in got.reports} >= set(pools) and got.unreachable == []
     finally:
         await client.aclose()
 
@@ -599,3 +600,37 @@ async def test_a_wholly_unreachable_cluster_degrades_then_shared_state_resumes(
     assert gws and all(score > sec * 1000 + usec // 1000 for _, score in gws), gws
     assert stats["max_inflight"] <= limit
     assert not any(k.startswith("floodgate_background_loop_restarts_total") and v for k, v in m.items())
+
+
+def test_status_with_one_shard_down_reports_the_live_shards(cluster: ClusterTopology) -> None:  # noqa: F811
+    """`cluster-require-full-coverage no` is the documented setup: with one shard down,
+    `floodgate status` shows the pools of the live shards (named with --pool, or found by a
+    per-node scan), names the unreachable node and exits 1; never a traceback."""
+    import subprocess
+    import sys
+
+    live, dead = cluster.key_on_shard(0, "live"), cluster.key_on_shard(2, "dead")
+    rc = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    for p in (live, dead):
+        rc.hset(f"fg:{{{p}}}:settings", "limit", 4)
+    rc.close()
+    url = cluster.url  # (every node, the dead ones too)
+    for node in (cluster.shards[2].primary, *cluster.shards[2].replicas):
+        cluster.kill(node)
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", url, *args],
+                              capture_output=True, text=True, timeout=60)
+    named = status("--pool", live)
+    assert named.returncode == 0, named.stderr
+    assert f"pool {live}:" in named.stdout
+    scanned = status("--json")
+    assert scanned.returncode == 1 and "Traceback" not in scanned.stderr, scanned.stderr
+    doc = json.loads(scanned.stdout)
+    assert live in [p["pool"] for p in doc["pools"]] and dead not in [p["pool"] for p in doc["pools"]]
+    assert len(doc["unreachable"]) == 1 and "UNREACHABLE" in scanned.stderr
+    for node in cluster.nodes:
+        if node.alive():
+            cluster.kill(node)
+    down = status()
+    assert down.returncode == 1 and "Traceback" not in down.stderr and "cannot read" in down.stderr, down.stderr

