@@ -29,6 +29,7 @@ KEDA_DIR = KDIR / "keda"
 MIN_K8S, MAX_K8S = "1.30.0", "1.37.0"  # 1.30: preStop `sleep` and gRPC probes
 CRD_KINDS = {"ScaledObject"}
 CONTROL_NS, MODELS_NS = "floodgate", "floodgate-models"
+GATEWAY_NS = "floodgate-gateway"  # where the user's Envoy gateway runs (networkpolicy.yaml)
 NAMESPACES = {CONTROL_NS, MODELS_NS}
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (test extra)")
@@ -437,7 +438,8 @@ def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> No
                         out += rule["from"]
         return out
 
-    gateway = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"floodgate.io/gateway": "true"}}}
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": GATEWAY_NS}},
+               "podSelector": {"matchLabels": {"floodgate.io/gateway": "true"}}}
     assert peers("floodgate-extproc", "grpc") == [gateway]  # nothing else opens ext_proc streams
     redis_peers = peers("floodgate-redis", "redis")
     assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in redis_peers) == [
@@ -447,3 +449,47 @@ def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> No
     assert gateway in model_peers
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": CONTROL_NS}},
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "floodgate-controller"}}} in model_peers
+
+
+def _peer_matches(peer: dict[str, Any], policy_ns: str, src_ns: str, src_labels: dict[str, str]) -> bool:
+    """NetworkPolicy `from` entry semantics: a podSelector alone means the policy's namespace."""
+    if "ipBlock" in peer:
+        return False
+    ns_sel = peer.get("namespaceSelector")
+    ns_ok = src_ns == policy_ns if ns_sel is None else all(
+        {"kubernetes.io/metadata.name": src_ns}.get(k) == v for k, v in ns_sel.get("matchLabels", {}).items())
+    pod_ok = all(src_labels.get(k) == v for k, v in peer.get("podSelector", {}).get("matchLabels", {}).items())
+    return ns_ok and pod_ok
+
+
+def reaches(src_ns: str, src_labels: dict[str, str], dep_name: str, port: str) -> bool:
+    """Whether a pod (namespace, labels) may open a connection to a Deployment's named port
+    under the shipped NetworkPolicies (ingress is denied unless some policy allows it)."""
+    dep = find("Deployment", dep_name)
+    ns, labels = dep["metadata"]["namespace"], dep["spec"]["template"]["metadata"]["labels"]
+    for p in (d for _, d in all_docs() if d["kind"] == "NetworkPolicy"):
+        if p["metadata"]["namespace"] != ns or not _selects(p, labels):
+            continue
+        for rule in p["spec"].get("ingress", []):
+            if any(x["port"] == port for x in rule.get("ports", [])) and any(
+                    _peer_matches(peer, ns, src_ns, src_labels) for peer in rule.get("from", [])):
+                return True
+    return False
+
+
+def test_only_the_gateway_namespace_carries_gateway_rights() -> None:
+    """The gateway label is something any pod in any namespace can give itself: it grants
+    ext_proc streams (any priority, destination picks) and the model port (no admission, and
+    vLLM's admin paths share it) only in the gateway's namespace. Monitoring scrapes the
+    processors' and the controller's metrics, never the model port (it carries /sleep)."""
+    gw = {"floodgate.io/gateway": "true"}
+    assert reaches(GATEWAY_NS, gw, "floodgate-extproc", "grpc") and reaches(GATEWAY_NS, gw, "vllm", "http")
+    for ns in ("tenant-a", "default", "monitoring", MODELS_NS):
+        assert not reaches(ns, gw, "floodgate-extproc", "grpc"), ns
+        assert not reaches(ns, gw, "vllm", "http"), ns
+    assert not reaches(GATEWAY_NS, {}, "floodgate-extproc", "grpc")  # unlabelled
+    assert not reaches("monitoring", {}, "vllm", "http")
+    assert reaches("monitoring", {}, "floodgate-extproc", "metrics")
+    assert reaches("monitoring", {}, "floodgate-controller", "metrics")
+    assert reaches(CONTROL_NS, {"app.kubernetes.io/name": "floodgate-controller"}, "vllm", "http")
+    assert not reaches(CONTROL_NS, {"app.kubernetes.io/name": "floodgate-extproc"}, "vllm", "http")

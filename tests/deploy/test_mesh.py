@@ -194,7 +194,8 @@ def test_mesh_processor_config() -> None:
 
 
 def test_admin_paths_policy_covers_the_gateways_blocked_paths() -> None:
-    pol = yaml.safe_load((ISTIO / "authorizationpolicy.yaml").read_text())
+    pol = next(d for d in yaml.safe_load_all((ISTIO / "authorizationpolicy.yaml").read_text())
+               if d["metadata"]["name"] == "vllm-admin-paths")
     assert pol["spec"]["action"] == "DENY"
     assert pol["spec"]["selector"]["matchLabels"] == envoyfilter()["spec"]["workloadSelector"]["labels"]
     paths = {p for r in pol["spec"]["rules"] for t in r["to"] for p in t["operation"]["paths"]}
@@ -218,6 +219,29 @@ def test_admin_paths_policy_covers_the_gateways_blocked_paths() -> None:
     for admin in blocked:
         if admin != "metrics":  # Prometheus scrapes the replicas' /metrics in the mesh
             assert f"/{admin}" in paths, admin
+
+
+def test_only_the_inference_sidecars_may_open_ext_proc_streams() -> None:
+    """Under STRICT mTLS every workload has a certificate; the stream carries the caller
+    identity the processor maps to a priority, so 50051 is ALLOWed only for the inference
+    pods' service account (the sidecars that run the filter), metrics stay reachable."""
+    from tests.deploy.test_kubernetes_manifests import container, find
+
+    pol = next(d for d in yaml.safe_load_all((ISTIO / "authorizationpolicy.yaml").read_text())
+               if d["metadata"]["name"] == "floodgate-extproc")
+    processor = find("Deployment", "floodgate-extproc")
+    assert pol["metadata"]["namespace"] == processor["metadata"]["namespace"]
+    labels = processor["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["action"] == "ALLOW"
+    assert pol["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["name"]: str(p["containerPort"]) for p in container(processor)["ports"]}
+    rules = {tuple(p for t in r["to"] for p in t["operation"]["ports"]): r.get("from") for r in pol["spec"]["rules"]}
+    assert set(rules) == {(ports["grpc"],), (ports["metrics"],)}
+    inference = find("Deployment", "vllm")
+    sa = inference["spec"]["template"]["spec"].get("serviceAccountName", "default")
+    assert rules[(ports["grpc"],)] == [{"source": {"principals": [
+        f"cluster.local/ns/{inference['metadata']['namespace']}/sa/{sa}"]}}]
+    assert envoyfilter()["metadata"]["namespace"] == inference["metadata"]["namespace"]
 
 
 # --- live: the sidecar filter in a real Envoy -----------------------------------------------
