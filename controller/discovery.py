@@ -3,7 +3,7 @@
 With KEDA (or an HPA) owning the inference Deployment's `spec.replicas`, the controller must not
 write it; it runs metrics-only: it still computes the desired count (exported as
 `floodgate_desired_replicas` and `floodgate_warm_pool_target`, which the ScaledObject in
-deploy/kubernetes/keda/ scales to), and it still runs the replica side for pods it did not
+deploy/kubernetes-keda/ scales to), and it still runs the replica side for pods it did not
 create: every endpoint of the Service is adopted, health-checked, warmed up, registered in Redis
 (so endpoint picking routes to it), promoted from or put into the warm pool (vLLM sleep), and
 drained before it sleeps.

@@ -83,7 +83,7 @@ async def cluster(stack: LocalStack, port: int) -> AsyncIterator[FakeKube]:
 
 
 async def keda(ctl: Controller, kube: FakeKube, stop: asyncio.Event) -> None:
-    """What the ScaledObject in deploy/kubernetes/keda/ does: replicas = desired + warm target."""
+    """What the ScaledObject in deploy/kubernetes-keda/ does: replicas = desired + warm target."""
     reg = ctl.metrics.registry
     while not stop.is_set():
         desired = reg.get_sample_value("floodgate_desired_replicas", {"pool": "default"})
@@ -203,7 +203,7 @@ def test_keda_role_grants_exactly_the_calls_the_discovery_makes() -> None:
     """The calls the test above sees (list and watch of endpointslices) are the Role's rules."""
     import yaml
 
-    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/keda/controller-rbac.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes-keda/controller-rbac.yaml").read_text()))
     role = next(d for d in docs if d["kind"] == "Role")
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
@@ -211,7 +211,7 @@ def test_keda_role_grants_exactly_the_calls_the_discovery_makes() -> None:
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "floodgate-controller", "namespace": "floodgate"}]
-    svc = yaml.safe_load((ROOT / "deploy/kubernetes/keda/service.yaml").read_text())
+    svc = yaml.safe_load((ROOT / "deploy/kubernetes-keda/service.yaml").read_text())
     assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["namespace"] == role["metadata"]["namespace"]
 
 
@@ -227,10 +227,10 @@ def test_documented_keda_controller_config_is_valid_and_matches_the_manifests() 
     doc = yaml.safe_load(__import__("textwrap").dedent(block.group(1)))
     cfg = parse_config({"redis": {"url": "redis://floodgate-redis:6379/0"}, **doc}, env={})
     opts = EndpointSliceConfig.model_validate(cfg.pools[0].actuator.options)
-    svc = yaml.safe_load((ROOT / "deploy/kubernetes/keda/service.yaml").read_text())
+    svc = yaml.safe_load((ROOT / "deploy/kubernetes-keda/service.yaml").read_text())
     assert (opts.namespace, opts.service) == (svc["metadata"]["namespace"], svc["metadata"]["name"])
     assert opts.port_name in {p["name"] for p in svc["spec"]["ports"]}
-    so = yaml.safe_load((ROOT / "deploy/kubernetes/keda/scaledobject.yaml").read_text())
+    so = yaml.safe_load((ROOT / "deploy/kubernetes-keda/scaledobject.yaml").read_text())
     query = so["spec"]["triggers"][0]["metadata"]["query"]
     assert "floodgate_desired_replicas" in query and "floodgate_warm_pool_target" in query
     assert so["spec"]["maxReplicaCount"] >= cfg.pools[0].policy.max_replicas + cfg.pools[0].warm_pool.max_size
