@@ -93,7 +93,9 @@ def choose_port(port: int, flag: str, any_port: bool) -> int:
 
 DEMO_CONFIG: dict[str, Any] = {
     "admission": {"trust": {"cidrs": ["127.0.0.0/8", "::1/128"]}},
-    "pools": [{"name": "default", "endpoint_picking": True,
+    # The replicas are the emulators on loopback: the allowlist keeps every pick there, whatever
+    # the registry says (anyone on a shared host can write to the demo's passwordless Valkey).
+    "pools": [{"name": "default", "endpoint_picking": True, "allowed_endpoints": ["127.0.0.1/32"],
                "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
 }
 PER_REPLICA_RPS = 9.0  # emulator defaults, demo request sizes (docs/emulator.md)

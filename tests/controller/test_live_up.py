@@ -82,6 +82,11 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
         assert left == [], f"left behind: {left}"
         workdir = re.search(r"logs and configs in (\S+)", text)
         assert workdir is not None
+        # Picks stay on loopback whatever the (passwordless) demo Valkey's registry says; the
+        # request above was picked and served under that allowlist.
+        import yaml
+        cfg = yaml.safe_load((Path(workdir.group(1)) / "extproc0.yaml").read_text())
+        assert [p["allowed_endpoints"] for p in cfg["pools"]] == [["127.0.0.1/32"]]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
