@@ -257,7 +257,9 @@ class Emulator:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM's server sets no body limit (long contexts, base64 images); aiohttp's default 1 MiB would
+        # answer 413 where vLLM serves.
+        app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)

@@ -356,3 +356,13 @@ async def test_cold_start_is_never_shorter_than_configured_from_spawn() -> None:
                 assert time.monotonic() - t0 < 15
                 await asyncio.sleep(0.02)
         assert time.monotonic() - t0 >= 1.5 - 0.02
+
+
+async def test_a_request_body_over_one_mib_is_served_as_vllm_serves_it(server: Server) -> None:
+    """A chat with a 2 MiB base64 image part: vLLM's server has no body limit, so neither may
+    the emulator (aiohttp's default would answer 413)."""
+    image = "data:image/png;base64," + "A" * (2 * 1024 * 1024)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": image}}]}]}
+    async with aiohttp.ClientSession() as s, s.post(server.base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, (r.status, (await r.text())[:200])
