@@ -3,16 +3,25 @@
 * `zero_wait_schedule`: for every tick, the fewest replicas whose slots cover the *exact*
   peak concurrency inside the tick if every request started on arrival (arrivals and
   departures within the tick are swept in time order, a departure freeing its slot before an
-  arrival at the same instant). A level that would be off for a gap shorter than the shortest
-  start is kept on (cheaper than stopping and restarting it).
+  arrival at the same instant), then, level by level, every off-gap of g ticks with
+  g × tick_s ≤ start_cost_s bridged (kept on: no dearer than a stop and a charged start) and
+  every longer one left off. Cost decomposes per level (on-ticks × tick_s + start_cost_s per
+  off→on transition) and the gaps of one level are independent, so this is the cheapest
+  zero-wait schedule on the engine's ticks; the per-level bridging of all levels at once is a
+  grey-scale closing (`close_gaps`).
+* It is the cheapest schedule with **zero** wait. The SLO allows `slo_wait_s` of wait, so a
+  policy that lets some requests wait a little (HPA, a fixed ReplicaSet on steady traffic) can
+  cost less than the oracle at 100 % SLO: the oracle is a yardstick, not a lower bound for the
+  SLO; `lower_bound_s` is the bound.
 * `OracleController`: follows that schedule through the same engine as every policy, over a
   plain ReplicaSet; its starts are instant and each is charged `SimConfig.start_cost_s` (the
   fastest cold start + warm-up — it would have been started that much earlier). It has no
   sleep state. Zero wait holds by construction: at every arrival fewer than active×slots
   requests run on active replicas, so a slot is free (`tests/controller/test_backtest.py`).
-* `lower_bound_s`: Σ service / slots — every served request holds one slot for its service
-  time, with no idle slot, no start cost, no drain. No policy that serves every request can
-  cost less, at any sleeping weight.
+* `lower_bound_s`: Σ service / slots within the scored window — every served request holds one
+  slot for its service time, counted from `scored_from` (or its arrival) to `end` (or its end),
+  with no idle slot, no start cost, no drain. No policy that serves every request can cost
+  less, at any sleeping weight and any wait.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from floodgate.controller.lifecycle import Action
 def peak_concurrency(arrivals: np.ndarray, service: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Exact max concurrency within each [edges[k], edges[k+1]) when every request runs from
     its arrival for its service time."""
+    nbin = len(edges) - 1
+    if len(arrivals) == 0:
+        return np.zeros(max(0, nbin), np.int64)
     ends = arrivals + service
     times = np.concatenate([ends, arrivals])
     delta = np.concatenate([-np.ones(len(ends), np.int64), np.ones(len(arrivals), np.int64)])
@@ -39,7 +51,6 @@ def peak_concurrency(arrivals: np.ndarray, service: np.ndarray, edges: np.ndarra
     order = np.lexsort((delta, times))
     times, delta = times[order], delta[order]
     conc = np.cumsum(delta)
-    nbin = len(edges) - 1
     # Concurrency at each bin's start: after every event before it.
     first = np.searchsorted(times, edges[:-1], "left")
     at_start = np.where(first > 0, conc[np.maximum(first - 1, 0)], 0)
@@ -66,19 +77,61 @@ def sliding_max(a: np.ndarray, w: int, forward: bool) -> np.ndarray:
     return cur
 
 
-def zero_wait_schedule(w: Workload, sim: SimConfig) -> np.ndarray:
-    """Active replicas per tick from `w.start` for the exact zero-wait oracle."""
+def sliding_min(a: np.ndarray, w: int) -> np.ndarray:
+    """min(a[k..k+w]) for non-negative `a`, the window truncated at the array's end."""
+    if len(a) == 0:
+        return a.copy()
+    top = a.max()
+    return np.asarray(top - sliding_max(top - a, w, True))
+
+
+def close_gaps(need: np.ndarray, bridge: int) -> np.ndarray:
+    """`need` with every off-gap of at most `bridge` ticks filled, level by level: a level on at
+    ticks a and c (c - a - 1 ≤ bridge) and off between is kept on between. A gap that runs to
+    the start or the end of the array is not a gap (nothing is on at its other side).
+
+    Grey-scale closing: backward sliding max, then forward sliding min, both over `bridge` + 1
+    ticks, on `need` padded at the end with `bridge` + 1 zeros (so the stretch after the last
+    need falls back to 0) and cut back to its length."""
+    n = len(need)
+    if n == 0 or bridge <= 0:
+        return need.copy()
+    padded = np.concatenate([need, np.zeros(bridge + 1, need.dtype)])
+    return np.asarray(sliding_min(sliding_max(padded, bridge, False), bridge)[:n])
+
+
+def bridge_ticks(sim: SimConfig) -> int:
+    """The longest off-gap (ticks) the oracle keeps on: g × tick_s ≤ start_cost_s."""
+    return math.floor(sim.start_cost_s / sim.tick_s + 1e-9)
+
+
+def need_per_tick(w: Workload, sim: SimConfig) -> np.ndarray:
+    """⌈exact peak concurrency / slots⌉ per tick from `w.start` (zero wait, nothing bridged)."""
     n_ticks = math.ceil((w.end - w.start) / sim.tick_s) + 1
     edges = w.start + np.arange(n_ticks + 1) * sim.tick_s
-    need = np.ceil(peak_concurrency(w.arrivals, w.service, edges) / sim.slots_per_replica).astype(np.int64)
-    bridge = math.ceil(sim.start_cost_s / sim.tick_s)
-    return np.asarray(np.minimum(sliding_max(need, bridge, True), sliding_max(need, bridge, False)))
+    return np.ceil(peak_concurrency(w.arrivals, w.service, edges) / sim.slots_per_replica).astype(np.int64)
+
+
+def zero_wait_schedule(w: Workload, sim: SimConfig) -> np.ndarray:
+    """Active replicas per tick from `w.start` for the exact zero-wait oracle: the cheapest
+    zero-wait schedule on the engine's ticks (module doc)."""
+    return close_gaps(need_per_tick(w, sim), bridge_ticks(sim))
 
 
 def lower_bound_s(w: Workload, sim: SimConfig) -> float:
-    """Σ service / slots over the scored requests (replica-seconds)."""
-    scored = w.arrivals >= w.scored_from
-    return float(w.service[scored].sum()) / sim.slots_per_replica
+    """Σ over every request of the service time it must spend inside the scored window
+    [scored_from, end), / slots (replica-seconds). The engine's cost stops at `end`, so service
+    past it is not counted, nor service before `scored_from` of a request that arrived earlier.
+    A served request starts between its arrival and its queue timeout; its time inside the
+    window is least at one of the two ends of that range, and that least is what counts (a
+    request started late can run past `end`)."""
+
+    def inside(start: np.ndarray) -> np.ndarray:
+        hi = np.minimum(start + w.service, w.end)
+        return np.clip(hi - np.maximum(start, w.scored_from), 0.0, None)
+
+    least = np.minimum(inside(w.arrivals), inside(w.arrivals + sim.queue_timeout_s))
+    return float(least.sum()) / sim.slots_per_replica
 
 
 @dataclass
