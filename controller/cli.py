@@ -9,6 +9,7 @@ prints help and exits 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ def _add_simulate(sub: Any) -> None:
         description=(
             "Replay a request trace through a discrete-event model of replicas (cold starts, "
             "warm-pool wakes, drains) under Floodgate's policy and the HPA/KPA baselines and a "
-            "perfect-foresight oracle; print SLO attainment and replica-seconds side by side."
+            "perfect-foresight zero-wait oracle; print SLO attainment and replica-seconds side by side."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -181,11 +182,42 @@ def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
         raise ValueError(f"{path}: {exc.title}.{loc}: {err['msg']}") from None
 
 
+def _bad_simulate_args(args: argparse.Namespace) -> str | None:
+    """The first out-of-range `simulate` option, named, or None: checked before anything runs."""
+    checks: list[tuple[str, float, bool, str]] = [
+        # (flag, value, ok, what it must be)
+        ("--days", args.days, args.days >= 1, ">= 1"),
+        ("--eval-hours", args.eval_hours, args.eval_hours > 0, "> 0"),
+        ("--peak-rps", args.peak_rps, args.peak_rps > 0, "> 0"),
+        ("--bursts-per-day", args.bursts_per_day, args.bursts_per_day >= 0, ">= 0"),
+        ("--spikes-per-hour", args.spikes_per_hour, args.spikes_per_hour >= 0, ">= 0"),
+        ("--weekend-factor", args.weekend_factor, args.weekend_factor >= 0, ">= 0"),
+        ("--trend", args.trend, args.trend > -1, "> -1"),
+        ("--warmup-hours", args.warmup_hours, args.warmup_hours >= 0, ">= 0"),
+        ("--rate-scale", args.rate_scale, args.rate_scale > 0, "> 0"),
+        ("--slo-wait", args.slo_wait, args.slo_wait >= 0, ">= 0"),
+        ("--queue-timeout", args.queue_timeout, args.queue_timeout > 0, "> 0"),
+        ("--warm-weight", args.warm_weight, args.warm_weight >= 0, ">= 0"),
+        ("--slots", args.slots, args.slots >= 1, ">= 1"),
+    ]
+    for flag, value, ok, want in checks:
+        if not ok or not math.isfinite(value):
+            return f"{flag} must be {want} (got {value:g})"
+    for flag, (lo, hi) in (("--cold-start", args.cold_start), ("--wake", args.wake)):
+        if not (0 <= lo <= hi and math.isfinite(hi)):
+            return f"{flag} MIN MAX must satisfy 0 <= MIN <= MAX (got {lo:g} {hi:g})"
+    return None
+
+
 def _simulate(args: argparse.Namespace) -> int:
     import time
 
     from floodgate.controller.backtest import engine, report, workload
 
+    bad = _bad_simulate_args(args)
+    if bad is not None:
+        print(f"floodgate controller simulate: {bad}", file=sys.stderr)
+        return 2
     try:
         policy, forecast, pool = _load_overrides(args.config)
     except (OSError, ValueError) as exc:
@@ -292,6 +324,11 @@ def _suite(args: argparse.Namespace) -> int:
     from floodgate.controller.backtest import suite
     from floodgate.controller.backtest.engine import SimConfig
 
+    for flag, value, ok, want in (("--eval-hours", args.eval_hours, args.eval_hours > 0, "> 0"),
+                                  ("--jobs", args.jobs, args.jobs >= 1, ">= 1")):
+        if not ok:
+            print(f"floodgate controller suite: {flag} must be {want} (got {value:g})", file=sys.stderr)
+            return 2
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in suite.SCENARIOS]
     if unknown:

@@ -10,13 +10,21 @@ Model (docs/controller.md, "Backtest"):
   a request queued `queue_timeout_s` is rejected (429) and misses, as does one still queued
   at the end.
 * Admission (`SimConfig.admission` and a controller with `admission`, i.e. Floodgate; the
-  oracle and the HPA/KPA baselines run without it): like the processor's early drop, a request is turned away on
-  arrival when its predicted wait (queue ahead / recent start rate) exceeds
-  `queue_timeout_s`; it misses its SLO. What admission turns away is counted the way the
+  oracle and the HPA/KPA baselines run without it): the processor's early drop. A request
+  that finds no free slot (the requests queued ahead of it, those arrived before it this tick
+  and let in, less the expected starts since the tick, take the free slots first) is judged
+  by the processor's own rule, `extproc.policy.WaitEstimate.certainly_over` for a standard
+  class (`early_drop_min_chance` 0.5, the release rate at its upper confidence bound): turned
+  away when the chance that enough slots free before `queue_timeout_s` is too low; when the
+  rate is 0 (at the start, after an idle spell) or rests on fewer than `MIN_RELEASES`
+  releases, it waits. The release rate is the engine's recent start rate. A turned-away
+  request misses its SLO. What admission turns away is counted the way the
   processors count it in Redis (admitted / early_drop / queue_timeout per pool) and handed to
   the controller with the signals, so the controller sees offered demand, not only the queue
   admission keeps short. The replicas' latency (TTFT = prefill, ITL = `tpot_s`, since the
   queue is held at the gateway) and concurrency go with it, for the learned capacity.
+* A request cut off by a forced stop (a drain that outlived `max_drain_s`) misses its SLO
+  and is counted in `Result.killed`.
 * Lifecycle per `controller.lifecycle`, every planned action applied with
   `lifecycle.apply_action` (the mapping the live controller uses): a cold start takes
   U(cold_start_min_s, cold_start_max_s) plus a warm-up; promoting a sleeping warm replica
@@ -57,8 +65,23 @@ from floodgate.controller.signals import (
     ReplicaView,
 )
 from floodgate.controller.vllm import Histogram
+from floodgate.extproc.config import ClassConfig
+from floodgate.extproc.policy import RATE_TAU_S, WaitEstimate
 
 S = ReplicaState
+
+# The processor's early-drop threshold for a standard class (not `rejects_fast`).
+EARLY_DROP_MIN_CHANCE: float = ClassConfig.model_fields["early_drop_min_chance"].default
+
+
+def early_drop(deficit: float, rate: float, samples: float, timeout_s: float) -> bool:
+    """The processor's early drop for a standard-class request that finds no free slot:
+    `deficit` = requests ahead of it in line beyond the free slots (≥ 0: it needs
+    ⌈deficit⌉ + 1 releases), `rate` releases per second, `samples` releases the rate rests on.
+    True: turn it away now. False with a rate of 0 or too few samples (when unsure, it waits)."""
+    est = WaitEstimate(ahead=math.ceil(deficit - 1e-9), free=0, gap=0, rate=rate, class_rate=0.0,
+                       samples=samples, higher_arrivals=0.0)
+    return est.certainly_over(timeout_s, EARLY_DROP_MIN_CHANCE)
 
 
 @dataclass(frozen=True)
@@ -137,7 +160,7 @@ class Result:
     wakes: int
     drains: int
     forced_stops: int
-    killed: int  # requests cut off by a forced stop (a drain that outlived max_drain_s)
+    killed: int  # requests cut off by a forced stop (a drain that outlived max_drain_s): SLO misses
     mean_active: float
     peak_active: int
     timeline: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -177,6 +200,7 @@ def run_policy(
     due: dict[str, tuple[float, Event]] = {}  # next automatic event per replica
     slots: dict[str, list[float]] = {}
     slot_tok: dict[str, list[float]] = {}
+    slot_req: dict[str, list[int]] = {}  # request index in each slot (-1: none yet)
     epoch: dict[str, int] = {}
     heap: list[tuple[float, str, int, int]] = []
     t = w.start
@@ -185,6 +209,7 @@ def run_policy(
         views[rid] = view
         slots[rid] = [now] * C
         slot_tok[rid] = [0.0] * C
+        slot_req[rid] = [-1] * C
         epoch[rid] = 0
 
     def activate(rid: str, now: float) -> None:
@@ -202,6 +227,7 @@ def run_policy(
     cold_starts = promotions = wakes = drains = forced = killed = 0
     # Admission model: early drops, and the per-pool demand counters the processors keep.
     dropped = np.zeros(n, dtype=bool)
+    cut_off = np.zeros(n, dtype=bool)  # cut off mid-response by a forced stop
     drops: list[int] = []  # dropped indices, increasing
     decided = 0  # arrivals before this index had their admission decision
     n_started = n_timeout = 0
@@ -254,7 +280,8 @@ def run_policy(
                     views[rid] = v
                 metrics.append(ReplicaMetrics(rid, t, True, 0.0, float(busy), min(1.0, tok / kv_budget)))
             vs.append(v)
-        arrived = int(np.searchsorted(arr, t, "right"))
+        # Queued at t: arrived before t (one arriving at t is decided and started below).
+        arrived = int(np.searchsorted(arr, t, "left"))
         cut = int(np.searchsorted(arr, t - timeout, "left"))
         if cut > nxt:  # queue timeouts: 429, they leave the queue
             n_timeout += (cut - nxt) - drops_in(nxt, cut)
@@ -305,7 +332,11 @@ def run_policy(
                 epoch[rid] += 1  # its heap slots are void: no new requests
             elif kind is ActionKind.FORCE_STOP:
                 forced += 1
-                killed += sum(1 for f in slots[rid] if f > t)  # streams cut off mid-response
+                for c, f in enumerate(slots[rid]):  # streams cut off mid-response: SLO misses
+                    i = slot_req[rid][c]
+                    if f > t and i >= 0 and not cut_off[i]:
+                        cut_off[i] = True
+                        killed += 1
             elif kind is ActionKind.TERMINATE:
                 due.pop(rid, None)
             views[rid] = apply_action(v, kind, t)
@@ -313,18 +344,19 @@ def run_policy(
             del views[rid]
             slots.pop(rid, None)
             slot_tok.pop(rid, None)
+            slot_req.pop(rid, None)
 
         # 3. Requests that can start before the next tick (FIFO, earliest free slot).
         tend = t + dt
         last = int(np.searchsorted(arr, tend, "left"))
         if admit and decided < last:
-            # Early drop: predicted wait = queue ahead / recent start rate > queue timeout
-            # (only for a request that would queue: free slots take it at once).
+            # Early drop (module doc), only for a request that finds no free slot.
             free = sum(C - int(v.running) for v in views.values() if v.state is S.ACTIVE)
+            samples = min(float(n_started), grant_rate * RATE_TAU_S) if grant_rate > 0 else 0.0
             accepted = 0
             for i in range(decided, last):
-                ahead = queue + accepted - free - grant_rate * max(0.0, arr[i] - t)
-                if ahead > 0 and ahead > grant_rate * timeout:
+                deficit = queue + accepted - free - grant_rate * max(0.0, arr[i] - t)
+                if deficit >= 0 and early_drop(deficit, grant_rate, samples, timeout):
                     dropped[i] = True
                     drops.append(i)
                 else:
@@ -351,6 +383,7 @@ def run_policy(
             heapq.heapreplace(heap, (e, rid, c, ep))
             slots[rid][c] = e
             slot_tok[rid][c] = toks[nxt]
+            slot_req[rid][c] = nxt
             start_at[nxt] = st_
             n_started += 1
             if admit:
@@ -394,7 +427,7 @@ def run_policy(
     scored = arr >= scored_from
     waits = (start_at - arr)[scored]
     m_ = len(waits)
-    ok = int(np.count_nonzero(waits <= sim.slo_wait_s + 1e-9))
+    ok = int(np.count_nonzero((waits <= sim.slo_wait_s + 1e-9) & ~cut_off[scored]))
     finite = waits[np.isfinite(waits)]
     return Result(
         name=ctl.name,

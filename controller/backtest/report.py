@@ -1,5 +1,6 @@
 """Run policies side by side on one workload and report them against the yardstick: the exact
-zero-wait oracle and the lower bound are printed beside every policy."""
+zero-wait oracle (the cheapest schedule with no wait at all; the SLO allows some, so a policy
+can be cheaper at 100 % SLO) and the lower bound are printed beside every policy."""
 
 from __future__ import annotations
 
@@ -160,6 +161,11 @@ def markdown_table(c: Comparison) -> str:
         f"| lower bound (Σ service / slots) | – | – | {lb / 3600:.1f} | {_ratio(lb, oracle.unweighted if oracle else None)} "
         f"| 1.000 | " + ("– | " if weighted else "") + "– | – | – | – | – |"
     )
+    cut = [r for r in results if r.forced_stops or r.killed]
+    if cut:
+        lines.append("")
+        lines.append("Forced stops (drains past max_drain_s; requests cut off count as SLO misses): "
+                     + "; ".join(f"{r.name} {r.forced_stops} stops, {r.killed} requests cut" for r in cut) + ".")
     return "\n".join(lines)
 
 
