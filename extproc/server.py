@@ -1,10 +1,11 @@
 """The ext_proc gRPC service: turns Envoy's per-request stream into admit / wait / reject.
 
 Envoy opens one `Process` stream per HTTP request. The shipped filter config sends request
-headers, response headers and response trailers (bodies NONE), which keeps the stream open
-until the HTTP request ends (verified on Envoy 1.40, docs/admission.md): so the end of this stream, for whatever reason, is
-where the permit is released. A sampled fraction of admitted requests asks for the response
-body via `mode_override` to measure TTFT and TPOT for the Vegas limit. With a pool's
+headers and response trailers (bodies NONE), which keeps the stream open until the HTTP
+request ends (verified on Envoy 1.40, docs/admission.md): so the end of this stream, for whatever reason, is
+where the permit is released. Every request let through asks for its response headers via
+`mode_override` (the static mode skips them: see `_mode`); a sampled fraction also asks for the
+response body, to measure TTFT and TPOT for the Vegas limit. With a pool's
 `engine_priority`, the admitted requests of the listed classes also get their request body
 (`mode_override`, BUFFERED) to write vLLM's `priority` field into it (`rewrite_priority`).
 """
@@ -54,8 +55,13 @@ _PM = processing_mode_pb2.ProcessingMode
 
 
 def _mode(stream_response: bool, buffer_request: bool) -> processing_mode_pb2.ProcessingMode:
-    """The shipped filter's mode (headers, response trailers) plus, for this request only, the
-    response body streamed (a latency sample) and/or the request body buffered (engine priority)."""
+    """The mode of one request the processor lets through, sent as `mode_override` in its
+    request-headers reply: request and response headers and response trailers, plus, for this
+    request only, the response body streamed (a latency sample) and/or the request body buffered
+    (engine priority). The shipped filter's static mode skips the response headers (with them
+    on, Envoy 1.40 turns its own codec replies, 426/431/400, into a closed connection), so the
+    override is what turns them on; its static response trailers SEND, which keep the stream
+    open until the HTTP request ends, hold with or without the override."""
     return _PM(request_header_mode=_PM.SEND, response_header_mode=_PM.SEND,
                request_body_mode=_PM.BUFFERED_PARTIAL if buffer_request else _PM.NONE,
                response_body_mode=_PM.STREAMED if stream_response else _PM.NONE,
@@ -157,8 +163,8 @@ def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str,
     if set_headers or remove:
         common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers, remove_headers=list(remove)))
     reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-    if sampled or buffer_body:
-        reply.mode_override.CopyFrom(_MODES[(sampled, buffer_body)])
+    # Always: the response headers (status, endpoint outcome) come only through the override.
+    reply.mode_override.CopyFrom(_MODES[(sampled, buffer_body)])
     return reply
 
 
@@ -276,8 +282,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority), ""
             endpoint = picked
             mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)])
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=mutation))), endpoint
+        reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation)))
+        if endpoint:  # its response headers tell whether the endpoint answered (ejection.py)
+            reply.mode_override.CopyFrom(_MODES[(False, False)])
+        return reply, endpoint
 
     def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
         """Tell the admitter what the response headers of a request routed to `endpoint` say of

@@ -115,6 +115,7 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  access_log: Path | None = None,
                  processor_keepalive_s: float | None = None,
                  request_timeout_s: float | None = None,
+                 route_timeout_s: float | None = None,
                  source: Path | None = None) -> dict[str, Any]:
     """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
     (the no-admission baseline of the benchmarks); `extra_filters` go before the router;
@@ -122,8 +123,9 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
     `processor_tls` talks mTLS to the processors (envoy/floodgate-extproc-tls.yaml);
     `access_log` writes one JSON line per request there (`ACCESS_LOG_FORMAT`: Envoy's own timings
     and the ext_proc filter's, for the benchmarks); `processor_keepalive_s` sets the HTTP/2 ping
-    interval to the processors and `request_timeout_s` the listener's bound on a request's
-    arrival (tests: the shipped 10 s and 60 s, faster)."""
+    interval to the processors, `request_timeout_s` the listener's bound on a request's
+    arrival and `route_timeout_s` the inference route's (`/v1/`) upstream timeout (tests: the
+    shipped 10 s, 60 s and 300 s, faster)."""
     cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
@@ -142,6 +144,11 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
     hcm = _hcm(cfg)
     if request_timeout_s is not None:
         hcm["request_timeout"] = f"{request_timeout_s}s"
+    if route_timeout_s is not None:
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            for route in vh["routes"]:
+                if route["match"].get("prefix") == "/v1/" and "route" in route:
+                    route["route"]["timeout"] = f"{route_timeout_s}s"
     ext = _ext_proc_filter(cfg)
     if ext is not None:
         if failure_mode_allow is not None:

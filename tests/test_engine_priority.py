@@ -69,7 +69,10 @@ def test_a_lone_surrogate_is_rewritten_not_raised() -> None:
 
 def test_buffered_partial_only_for_requests_that_need_it() -> None:
     plain = _admit_reply(1, "0", "", (), False, True, False)
-    assert not plain.HasField("mode_override")
+    # every admitted reply turns the response headers on (the static mode skips them), no body
+    assert plain.mode_override == _MODES[(False, False)]
+    assert plain.mode_override.request_body_mode == plain.mode_override.NONE
+    assert plain.mode_override.response_body_mode == plain.mode_override.NONE
     both = _admit_reply(0, "0", "", ("content-length",), True, True, True)
     assert both.mode_override == _MODES[(True, True)]
     mode = both.mode_override

@@ -106,7 +106,17 @@ def test_filter_include_keeps_the_stream_open_until_request_end() -> None:
     mode = f["processing_mode"]
     assert mode["response_trailer_mode"] == "SEND"  # stream end == request end (design §3)
     assert mode["request_body_mode"] == "NONE" and mode["response_body_mode"] == "NONE"
+    # SEND here makes Envoy 1.40 drop its own codec replies (426/431/400) as an empty reply
+    # (real Envoy: tests/test_local_replies.py); the processor turns them on per admitted request.
+    assert mode["response_header_mode"] == "SKIP"
     assert f["allow_mode_override"] is True
+    from floodgate.extproc.server import _MODES, _admit_reply
+    for sampled in (False, True):
+        for buffer_body in (False, True):
+            override = _admit_reply(1, "0", "", (), sampled, True, buffer_body).mode_override
+            assert override == _MODES[(sampled, buffer_body)]
+            assert override.response_header_mode == override.SEND
+            assert override.response_trailer_mode == override.SEND
     # every override the processor sends must stay allowed: response body STREAMED (latency
     # samples) and request body BUFFERED_PARTIAL (engine_priority; real Envoy in
     # tests/test_admission_e2e.py::test_engine_priority_writes_the_body_of_listed_classes_only)
@@ -125,3 +135,18 @@ def test_every_shipped_file_is_covered(path: str) -> None:
                     "local.yaml", "floodgate-sidecar-filter.yaml", "floodgate-strip-filter.yaml",
                     "floodgate-extproc-tls.yaml"}, (
         f"envoy/{path} is shipped but no test validates it")
+
+
+def test_envoys_own_errors_are_json_and_leave_floodgates_replies_alone() -> None:
+    """Every local-reply mapper of the shipped bootstrap writes an OpenAI-style JSON error and
+    none can match a reply of the processor (details `floodgate_*`; real Envoy:
+    tests/test_local_replies.py)."""
+    hcm = render_local()["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert len(mappers) >= 4
+    for m in mappers:
+        expr = m["filter"]["extension_filter"]["typed_config"]["expression"]
+        assert expr.startswith("response.code_details.startsWith('ext_proc_error')") or \
+            "!response.code_details.startsWith('floodgate_')" in expr, expr
+        assert set(m["body_format_override"]["json_format"]["error"]) == {"message", "type", "param", "code"}
+
