@@ -195,8 +195,10 @@ class PermitTable:
         for t in [t for t, lease in self.leases.items() if lease.expiry <= now]:
             del self.leases[t]
             self._ramp_give()
+        cutoff = now - self.waiter_grace
         for q in self.queues:
-            q[:] = [w for w in q if w.deadline > now - self.waiter_grace]
+            if any(w.deadline <= cutoff for w in q):  # rebuilt only when one is due (the common case: none)
+                q[:] = [w for w in q if w.deadline > cutoff]
         dead = {g for g, exp in self.gateways.items() if exp <= now}
         if dead:
             for q in self.queues:
@@ -208,8 +210,11 @@ class PermitTable:
     def grant(self, now: float) -> list[str]:
         """Hand free permits to waiters; returns the tickets that just received one."""
         granted: list[str] = []
-        while sum(self.inflight()) < self.limit:
-            inflight, queued = list(self.inflight()), self.queued()
+        while True:
+            inflight = list(self.inflight())
+            if sum(inflight) >= self.limit:
+                break
+            queued = self.queued()
             for k in CLASSES:
                 if queued[k] and eligible(k, self.limit, inflight, queued, self.shares, self.always, self.headroom):
                     if not self._ramp_open(k, inflight, now):
