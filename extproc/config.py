@@ -168,7 +168,10 @@ class PoolConfig(_Strict):
         description="With endpoint picking: the only endpoints this processor routes to, whatever the Redis registry says: CIDRs, optionally with a port or range (`10.0.0.0/8:8000`, `[fd00::/8]:8000-8099`). Anything else gets 503 no_endpoints. Empty: any ip:port the registry lists.")
     unadmitted_paths: list[Annotated[str, Field(pattern=r"^/")]] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
-        description="Paths that take no permit (cheap reads); with endpoint picking they are routed to any active endpoint.")
+        description="Paths that take no permit (cheap reads; exact, before any `?`), whatever the method; with endpoint picking they are routed to any active endpoint. Counted in floodgate_unadmitted_total (reason `path`).")
+    unadmitted_methods: list[Annotated[str, Field(pattern=r"^[A-Za-z]{1,20}$"), AfterValidator(str.upper)]] = Field(
+        default_factory=lambda: ["GET", "HEAD", "OPTIONS"],
+        description="Request methods that run no model and take no permit on any path: a request with one of them passes unadmitted (like `unadmitted_paths`; routed to any active endpoint with endpoint picking; counted in floodgate_unadmitted_total, reason `method`) only when it also has no body (its headers end the request), asks for no protocol upgrade (`upgrade` header: vLLM's /v1/realtime runs the model over a WebSocket opened with GET) and carries no method-override header (`x-http-method-override`, `x-http-method`, `x-method-override`); otherwise it is admitted like any request. Methods compare case-insensitively. vLLM runs the model only on POST routes; CORS preflights (OPTIONS), HEAD and reads like GET /v1/models do not. A method not listed (POST, PUT, PATCH, DELETE, anything unknown) is admitted: list only methods your model server never runs the model on. Empty: every method is admitted.")
     settings_epoch: int = Field(default=0, ge=0, description="Version of this pool's admission settings (shares, reservations, queue caps, picking, initial limit). The first processor stores them in Redis and every grant uses the stored ones; a processor with different settings and the same epoch logs an error and sets floodgate_settings_mismatch. Raise it to roll out changed settings.")
     onset_ramp_rate: float = Field(
         default=0.1, ge=0, le=100,

@@ -28,6 +28,11 @@ class Metrics:
             "Time from a request's headers arriving at the processor to its reply leaving it (admit "
             "after any queue wait, or the immediate 429/503), by outcome and reason.",
             ["pool", "priority", "outcome", "reason"], buckets=_DECISION_BUCKETS, registry=r)
+        self.unadmitted = Counter(
+            "floodgate_unadmitted",
+            "Requests passed without a permit (no admission decision): reason `path` (pools[].unadmitted_paths) "
+            "or `method` (pools[].unadmitted_methods: a body-less GET, HEAD, OPTIONS, ...).",
+            ["pool", "reason"], registry=r)
         self.local_rejections = Counter(
             "floodgate_local_rejections",
             "Early drops decided from the last seen pool state, without a Redis round trip (also "

@@ -42,6 +42,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PRIORITY_OUT = "x-floodgate-priority"
 QUEUE_MS_OUT = "x-floodgate-queue-ms"
 REASON_OUT = "x-floodgate-reject-reason"
+# Headers some frameworks read to run a request as another method (a GET carrying one could be a
+# POST to the model server): a request with any of them never passes as an unadmitted method.
+METHOD_OVERRIDE_HEADERS = frozenset({"x-http-method-override", "x-http-method", "x-method-override"})
 
 # Upstream answers that say the model servers are overloaded or unreachable, the drops a
 # limit backs off on: 502/503 (Envoy: connect failure, reset, overflow; a replica that refuses
@@ -255,9 +258,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.streams = 0  # ext_proc streams open now
         self.last_stream_at = -math.inf  # time.monotonic() when the last one opened
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
+        self._unadmitted_methods = {p.name: frozenset(p.unadmitted_methods) for p in cfg.pools}
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
-        self._wanted = frozenset({":authority", ":path", DESTINATION_HEADER, cfg.admission.priority_header.lower(),
-                                  cfg.admission.tenant_header.lower(), "content-length", "content-encoding"})
+        self._wanted = frozenset({":authority", ":path", ":method", "upgrade", DESTINATION_HEADER,
+                                  cfg.admission.priority_header.lower(), cfg.admission.tenant_header.lower(),
+                                  "content-length", "content-encoding", *METHOD_OVERRIDE_HEADERS})
         # Pools whose grants count each request's own prompt size (prefill-aware picking on and
         # the size read): its content-length as prompt tokens (prefill.prompt_tokens).
         self._sized = {p.name: functools.partial(prompt_tokens, bytes_per_token=p.prefill_bytes_per_token,
@@ -266,13 +271,28 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                        for p in cfg.pools
                        if p.endpoint_picking and p.prefill_tokens_per_s > 0 and p.prefill_bytes_per_token > 0}
 
-    def _route_only(self, pool: str, count: int, dest_present: bool) -> tuple[pb.ProcessingResponse, str]:
+    def _unadmitted_reason(self, pool: str, path: str, headers: dict[str, list[str]],
+                           end_of_stream: bool) -> str | None:
+        """Why this request takes no permit ("path", "method"), or None: it is admitted. A
+        method of `unadmitted_methods` passes only without a body (`end_of_stream` on its
+        headers), a protocol upgrade or a method-override header: each of those could still run
+        the model (vLLM's /v1/realtime is a WebSocket opened with GET)."""
+        if path in self._unadmitted[pool]:
+            return "path"
+        method = (headers.get(":method") or [""])[0].upper()
+        if (method in self._unadmitted_methods[pool] and end_of_stream and "upgrade" not in headers
+                and METHOD_OVERRIDE_HEADERS.isdisjoint(headers)):
+            return "method"
+        return None
+
+    def _route_only(self, pool: str, count: int, dest_present: bool,
+                    remove: tuple[str, ...] = ()) -> tuple[pb.ProcessingResponse, str]:
         """No permit: with endpoint picking, send it to any active endpoint (returned beside the
         reply; '' when none); never let the client's own destination header through. `count`:
         the request's headers, `dest_present`: a client sent the destination header (Envoy
         answers 500 to a mutation past its header limit, so such a request gets 431, as an
-        admitted one does)."""
-        mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER])
+        admitted one does); `remove`: headers present that must go (an untrusted priority)."""
+        mutation = pb.HeaderMutation(remove_headers=[DESTINATION_HEADER, *remove])
         endpoint = ""
         if self.cfg.pool(pool).endpoint_picking:
             picked = self.admitter.any_active_endpoint(pool)
@@ -281,7 +301,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if not admit_mutation(count, self.cfg.server.max_headers, picked, (), dest_present)[0]:
                 return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority), ""
             endpoint = picked
-            mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)])
+            mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)], remove_headers=list(remove))
         reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
         if endpoint:  # its response headers tell whether the endpoint answered (ejection.py)
@@ -347,9 +367,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         headers = header_map(first.request_headers, self._wanted)
         pool = self._pool_for(headers)
         path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
-        if path in self._unadmitted[pool]:
+        unadmitted = self._unadmitted_reason(pool, path, headers, first.request_headers.end_of_stream)
+        if unadmitted is not None:
+            self.admitter.child(self.admitter.metrics.unadmitted, (pool, unadmitted)).inc()
+            # An untrusted caller's priority header goes here too, as on an admitted request.
+            prio_header = self.cfg.admission.priority_header.lower()
+            strip = (prio_header,) if prio_header in headers and not self.resolver.trusted(
+                self._caller(first, headers)) else ()
             reply, routed = self._route_only(pool, len(first.request_headers.headers.headers),
-                                             DESTINATION_HEADER in headers)
+                                             DESTINATION_HEADER in headers, strip)
             yield reply
             async for msg in it:
                 if routed and msg.WhichOneof("request") == "response_headers":

@@ -175,7 +175,8 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
             for route in vh["routes"]:
                 if "route" in route and route["route"].get("cluster") == "model":
                     # Every model route goes through the processor, which picks the endpoint
-                    # (cheap reads like /v1/models take no permit: `unadmitted_paths`).
+                    # (cheap reads like /v1/models take no permit: `unadmitted_paths`, nor do
+                    # requests that run no model, a body-less GET/HEAD/OPTIONS: `unadmitted_methods`).
                     route["route"]["cluster"] = "model_picked"
                     route.pop("typed_per_filter_config", None)
     router_at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.router")
