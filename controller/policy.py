@@ -22,8 +22,9 @@ Rules (docs/controller.md):
   or the backlog is above the one the last scale-up was sized with and demand exceeds what the
   current size (incoming included) carries: a backlog draining inside the old replicas after
   a wave turned active is not a new burst.
-  KV-cache pressure (mean usage over active replicas above `kv_pressure_threshold`) is a
-  second scale-up trigger.
+  KV-cache pressure (mean usage over active replicas above `kv_pressure_threshold`, while
+  requests wait: `kv_pressure_needs_waiting`) is a second scale-up trigger; a scale-down that
+  would leave the remaining replicas above the threshold is held (`hold_kv`).
 * Loading / warming / waking replicas count as incoming capacity: triggers are sized on the
   active replicas and compared with the current size (which includes the incoming ones), so
   a queue that is still waiting for the first wave asks for the same wave again, not a second
@@ -71,6 +72,7 @@ REASON_HOLD_WINDOW = "hold_window"
 REASON_HOLD_STALE = "hold_stale"
 REASON_HOLD_PANIC = "hold_panic"
 REASON_HOLD_STEP = "hold_step"
+REASON_HOLD_KV = "hold_kv"
 REASON_BOUNDS = "bounds"
 REASONS: tuple[str, ...] = (
     REASON_QUEUE,
@@ -85,6 +87,7 @@ REASONS: tuple[str, ...] = (
     REASON_HOLD_STALE,
     REASON_HOLD_PANIC,
     REASON_HOLD_STEP,
+    REASON_HOLD_KV,
     REASON_BOUNDS,
 )
 
@@ -120,6 +123,14 @@ class PolicyConfig(BaseModel):
     )
     kv_target: float = Field(
         default=0.75, gt=0, le=1, description="KV usage the kv_pressure scale-up sizes the pool for."
+    )
+    kv_pressure_needs_waiting: bool = Field(
+        default=True,
+        description="KV pressure scales up only while requests wait (vLLM's queue or Floodgate's): KV "
+        "usage near full with nothing waiting is a pool that still starts every request (a full replica "
+        "sits near the threshold, so token-size noise alone fired the trigger on a steady load). "
+        "Scale-down is held whenever removing a replica would put the mean KV usage of the rest above "
+        "`kv_pressure_threshold`, waiting or not. False: the trigger fires on usage alone.",
     )
     stabilization_window_s: float = Field(
         default=300.0, ge=0, description="Scale down only to the max recommendation over this window."
@@ -208,6 +219,20 @@ def _push_window(
     kept = [(t, r) for (t, r) in window if now - t < span and r > rec]
     kept.append((now, rec))
     return tuple(kept)
+
+
+def _kv_after_down(cfg: PolicyConfig, kv_mean: float | None, active: int, current: int) -> float:
+    """Mean KV usage of the active replicas once one scale-down step has removed its replicas
+    (the KV they hold now, spread over the rest; 0 when unknown or when the step removes no
+    active replica: it only cancels incoming ones)."""
+    if kv_mean is None or active <= 0:
+        return 0.0
+    left = min(active, max(current - cfg.scale_down_step, cfg.min_replicas))
+    if left >= active:
+        return 0.0
+    if left <= 0:
+        return math.inf if kv_mean > 0 else 0.0
+    return kv_mean * active / left
 
 
 def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backlog: bool, current: int,
@@ -358,7 +383,11 @@ def decide(
             up = math.ceil(act * cfg.scale_up_factor - 1e-9)
             if up > rec:
                 rec, cause = up, REASON_QUEUE
-    if kv_mean is not None and kv_mean > cfg.kv_pressure_threshold:
+    # KV pressure: usage above the threshold *and* requests waiting (KV constrains only when a
+    # replica cannot start what it is offered; a full replica sits near the threshold, and on a
+    # steady load token-size noise alone fired it: 6 -> 8 -> 6 cycles, docs/controller.md).
+    kv_high = kv_mean is not None and kv_mean > cfg.kv_pressure_threshold
+    if kv_mean is not None and kv_high and (waiting > 0 or not cfg.kv_pressure_needs_waiting):
         up = max(active + 1, math.ceil(active * kv_mean / cfg.kv_target - 1e-9))
         panic = True
         if up > rec:
@@ -414,6 +443,10 @@ def decide(
             desired, reason = current, REASON_HOLD_PANIC
         elif now - last_down < cfg.scale_down_interval_s:
             desired, reason = current, REASON_HOLD_STEP
+        elif _kv_after_down(cfg, kv_mean, active, current) > cfg.kv_pressure_threshold:
+            # The replicas left would carry the KV held now above the trigger: the next waiting
+            # request would scale straight back up.
+            desired, reason = current, REASON_HOLD_KV
         else:
             desired = max(stabilized, cfg.min_replicas, current - cfg.scale_down_step)
             reason = REASON_DOWN

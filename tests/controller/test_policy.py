@@ -11,6 +11,7 @@ from floodgate.controller.policy import (
     REASON_DEMAND,
     REASON_DOWN,
     REASON_FLOOR,
+    REASON_HOLD_KV,
     REASON_HOLD_PANIC,
     REASON_HOLD_STALE,
     REASON_HOLD_STEP,
@@ -202,13 +203,48 @@ def test_loading_replicas_count_as_capacity_for_demand(clock: FakeClock) -> None
 def test_kv_pressure_is_a_second_trigger(clock: FakeClock) -> None:
     reps = views(clock.now, active=4)
     state = PolicyState(desired=4)
-    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    # KV near full with a request waiting (below the queue-pressure threshold): KV constrains.
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, waiting=1, kv=0.95))
     assert (plan.desired, plan.reason) == (6, REASON_KV)  # ceil(4 × 0.95 / 0.75)
-    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.9))
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, waiting=1, kv=0.9))
     assert plan.desired == 4  # at the threshold, not above
     cfg = CFG.model_copy(update={"kv_target": 0.94})
-    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, waiting=1, kv=0.95))
     assert plan.desired == 5  # always at least one more
+
+
+def test_kv_pressure_with_nothing_waiting_does_not_scale_up(clock: FakeClock) -> None:
+    """A full replica sits near the KV threshold; with every request started, usage above it
+    is token-size noise, not a constraint (steady 5 req/s in the backtest: 5 of 8 scale-ups)."""
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    assert (plan.desired, plan.reason) == (4, REASON_STEADY)
+    cfg = CFG.model_copy(update={"kv_pressure_needs_waiting": False})  # the old trigger, on usage alone
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, kv=0.95))
+    assert (plan.desired, plan.reason) == (6, REASON_KV)
+
+
+def test_kv_bound_burst_is_caught_below_the_concurrency_target(clock: FakeClock) -> None:
+    # Long contexts fill the KV cache with few requests running: the proportional rule sees
+    # 12 of 40 and a short queue (3 < 2 per replica), only KV says the pool is full.
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=12, waiting=3, kv=0.97))
+    assert (plan.desired, plan.reason) == (6, REASON_KV)  # ceil(4 × 0.97 / 0.75)
+
+
+def test_no_scale_down_that_would_push_kv_over_the_trigger(clock: FakeClock) -> None:
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0})
+    reps = views(clock.now, active=4)
+    # Demand alone would step down (12 running carry on 2), the window has expired.
+    state = PolicyState(desired=4, window=((clock.now - 400, 4),))
+    # 4 × 0.8 / 3 = 1.07 on the replicas left: the next waiting request would scale back up.
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=12, kv=0.8))
+    assert (plan.desired, plan.reason) == (4, REASON_HOLD_KV)
+    # 4 × 0.6 / 3 = 0.8: the step down is fine.
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=12, kv=0.6))
+    assert (plan.desired, plan.reason) == (3, REASON_DOWN)
 
 
 def test_scale_down_waits_for_the_five_minute_window(clock: FakeClock) -> None:
