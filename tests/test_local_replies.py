@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import socket
 from typing import Any
@@ -22,10 +23,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from floodgate.envoy_config import load_yaml
+from floodgate.envoy_config import ENVOY_DIR, load_yaml, write_config
 from floodgate.stack import LocalStack
-from floodgate.supervisor import free_port
-from tests.deploy.test_mesh import SIDECAR_FILTER, _start_sidecar
+from floodgate.supervisor import free_port, wait_for_port
+from tests.deploy.test_mesh import (
+    SIDECAR_FILTER,
+    _start_sidecar,
+    ext_proc_config,
+    http_filter_patches,
+    inbound_bootstrap,
+    patches,
+)
 from tests.helpers import drained, metrics, post, wait_until
 
 pytestmark = pytest.mark.integration
@@ -167,5 +175,73 @@ async def test_envoys_own_upstream_errors_are_openai_json(stack: LocalStack, ups
         assert "retry-after" not in r.headers
         m = await metrics(s, p.metrics_url)
     assert _released(m) == 3 and _released(m, "upstream_error") == 3, m
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
+def _istio_sidecar(stack: LocalStack, processor_port: int, app_port: int, *, fail_open: bool = True) -> str:
+    """deploy/istio/envoyfilter.yaml as a sidecar gets it: its inbound HCM merge (with the
+    local_reply_config), the strip filter and the ext_proc filter in an inbound listener that
+    routes to the local replica, and the processor cluster (the shipped include, pointed here)."""
+    strip, http = http_filter_patches()
+    (hcm,) = patches("NETWORK_FILTER")
+    filt = copy.deepcopy(http["patch"]["value"])
+    if not fail_open:
+        ext_proc_config(filt)["failure_mode_allow"] = False
+    cluster = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
+    cluster["type"] = "STATIC"
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"] = processor_port
+    port, admin = free_port(), free_port()
+    boot = inbound_bootstrap(filt, [cluster], port=port, admin_port=admin, app_port=app_port,
+                             strip=strip["patch"]["value"])
+    merged = {k: v for k, v in hcm["patch"]["value"]["typed_config"].items() if k != "@type"}
+    boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].update(merged)
+    path = write_config(boot, stack.sup.workdir / f"istio-sidecar{port}.json")
+    child = stack.sup.start_envoy(path, admin, name=f"istio-sidecar{port}")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    return f"http://127.0.0.1:{port}"
+
+
+def test_the_istio_sidecar_carries_the_gateways_local_replies() -> None:
+    """An HTTP filter cannot carry local_reply_config (a field of the HttpConnectionManager
+    only), so the EnvoyFilter merges the gateway's, exactly, into the inbound HCM."""
+    (hcm,) = patches("NETWORK_FILTER")
+    gateway = load_yaml(ENVOY_DIR / "local.yaml")["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    assert hcm["patch"]["value"]["typed_config"]["local_reply_config"] == gateway["local_reply_config"]
+    assert "local_reply_config" not in json.dumps(load_yaml(SIDECAR_FILTER))  # it could not go there
+    # Failing closed (if set so) answers 503 as the gateway filter does, not Envoy's empty 500.
+    assert ext_proc_config(load_yaml(SIDECAR_FILTER))["status_on_error"] == \
+        load_yaml(ENVOY_DIR / "floodgate-filter.yaml")["typed_config"]["status_on_error"]
+
+
+async def test_the_istio_sidecars_own_errors_are_openai_json(stack: LocalStack, upstream: int) -> None:
+    stack.start_redis()
+    p = stack.start_processor({"pools": [{"name": "mesh", "endpoint_picking": False}], **TRUST_LOCAL})
+    dead_replica = _istio_sidecar(stack, p.port, free_port())  # nothing listens on the replica's port
+    sidecar = _istio_sidecar(stack, p.port, upstream)
+    no_processor = _istio_sidecar(stack, free_port(), upstream, fail_open=False)
+    async with aiohttp.ClientSession() as s:
+        # The replica unreachable: Envoy's 503 "upstream connect error ..." (text/plain before).
+        r = await post(s, dead_replica, headers={"x-request-priority": "1"})
+        assert r.status == 503, (r.status, r.body[:300])
+        assert r.headers.get("content-type") == "application/json" and r.headers.get("retry-after") == "1", r.headers
+        err = _error(r)
+        assert err["type"] == "service_unavailable" and err["code"] == "upstream_unavailable", err
+        assert "refused" not in r.body.decode().lower()
+        # Skipped paths too (the local reply is the HCM's, not the filter's).
+        async with s.get(dead_replica + "/health") as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "upstream_unavailable"
+        # The replica's own error reply passes as it came; admission still answers.
+        r = await post(s, sidecar, headers={"x-request-priority": "1", "x-test-status": "503"})
+        assert r.status == 503 and _error(r) == {"message": "test failure", "type": "server_error", "code": None}
+        assert "retry-after" not in r.headers
+        r = await post(s, sidecar)
+        assert r.status == 200 and r.headers.get("x-floodgate-priority") == "1", (r.status, r.body[:200])
+        # Failing closed with no processor: 503 admission_unavailable, as at the gateway.
+        r = await post(s, no_processor)
+        assert r.status == 503 and r.headers.get("retry-after") == "1", (r.status, r.body[:300])
+        assert _error(r)["code"] == "admission_unavailable"
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0 and st.queued_total == 0
