@@ -4,9 +4,11 @@ Demand history is one number per wall-clock minute (the mean concurrent demand, 
 waiting, over that minute; the live controller records it with `MinuteAccumulator` and persists
 `DemandHistory.to_dict()` in Redis so a restart keeps it). For a target minute m the forecast is
 
-    f(m) = Σ_d w_d · h(m − d·1440) / Σ_d w_d,   w_d = exp(−decay·(d−1)),  d = 1..days
+    f(m) = Σ_d w_d · h'(p_d(m)) / Σ_d w_d,   w_d = exp(−decay·(d−1)),  d = 1..days
 
-over the days that have data for that minute. The floor is the max of f over
+over the days that have data for that minute, where p_d(m) is the same minute d days earlier
+(m − d·1440, or the same local wall-clock minute with a `timezone`: `past_minutes`) and h' is
+the history with one-off outliers clipped against the other days (`clip_outliers`). The floor is the max of f over
 [now + lead_min, now + lead_max] (pre-scaling 5–10 min ahead, enough to cover a cold start),
 divided by the per-replica target concurrency. It is withheld (`engaged=False`, reactive only)
 when fewer than `min_days` days have data, or when the forecast's weighted absolute percentage
@@ -14,17 +16,21 @@ error over the last hour (WAPE, recomputed from history itself: what the same fo
 have said for those minutes) is above `max_error`.
 
 Pure: no I/O, no clock; minutes are absolute (`floor(t / 60)`), so "same minute of day" is
-`m − d·1440` in the controller's clock (UTC epoch seconds in the live controller).
+`m − d·1440` in the controller's clock (UTC epoch seconds in the live controller) unless a
+`timezone` aligns the days on local time (the zone is loaded when the config is validated).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, tzinfo
+from functools import lru_cache
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MINUTES_PER_DAY = 1440
 
@@ -46,6 +52,32 @@ class ForecastConfig(BaseModel):
     error_floor: float = Field(default=1.0, gt=0, description="Per-minute demand added to the WAPE denominator so idle hours do not read as huge errors.")
     headroom: float = Field(default=1.0, gt=0, description="Multiplier on the forecast before it becomes replicas.")
     retention_days: int = Field(default=8, ge=1, description="Days of minutes the history keeps.")
+    outlier_ratio: float | None = Field(
+        default=2.0, ge=1, description="Robustness to one-off spikes: a past day's minute above this multiple "
+        "of the largest value any *other* day had within `outlier_window_min` of the same minute of day "
+        "(at least `error_floor`) is clipped to that multiple before it votes, so a single spike yesterday "
+        "does not set today's floor, while a peak that recurs on other days is kept. null: no clipping.")
+    outlier_window_min: int = Field(
+        default=30, ge=0, le=720, description="Minutes either side of the same minute of day in which the other "
+        "days' largest value is looked for (a daily peak that drifts by up to this much is still a peak).")
+
+    timezone: str = Field(
+        default="UTC", min_length=1, description="IANA time zone (e.g. Europe/Berlin) whose wall clock the "
+        "days are aligned on: a minute is compared with the same local time on each past day, so a daily "
+        "09:00 local peak stays at 09:00 across a DST change. UTC: days are 1440 minutes apart in the "
+        "controller's clock (a DST change then shifts every past day by the offset change, e.g. a 09:00 "
+        "event is pre-scaled an hour late or early for a week).")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, v: str) -> str:
+        try:
+            zone(v)  # loads it now (config load), so the forecaster reads it from the cache
+        except (ValueError, OSError) as exc:  # ZoneInfoNotFoundError is a KeyError: caught below
+            raise ValueError(f"unknown IANA time zone {v!r}: {exc}") from None
+        except KeyError:
+            raise ValueError(f"unknown IANA time zone {v!r} (e.g. UTC, Europe/Berlin, America/New_York)") from None
+        return v
 
     @model_validator(mode="after")
     def _leads(self) -> ForecastConfig:
@@ -56,8 +88,40 @@ class ForecastConfig(BaseModel):
         return self
 
 
+@lru_cache(maxsize=16)
+def zone(name: str) -> tzinfo:
+    """The tzinfo of an IANA name (UTC without a lookup). Loaded and cached when the config is
+    validated (`ForecastConfig.timezone`), so the forecast itself reads no file."""
+    return UTC if name == "UTC" else ZoneInfo(name)
+
+
+def past_minutes(minutes: np.ndarray, days: int, tz: str) -> np.ndarray:
+    """(len(minutes), days): for each absolute minute, the same wall-clock minute 1..days
+    days before it in `tz` (UTC: m - d·1440). Across a DST change the local day is 1380 or
+    1500 minutes long; a wall-clock time that did not exist that day (the hour skipped in
+    spring) maps to the instant an hour later, one that happened twice to its first time."""
+    lags = np.arange(1, days + 1) * MINUTES_PER_DAY
+    if tz == "UTC":
+        return minutes[:, None] - lags[None, :]
+    z = zone(tz)
+    out = np.empty((len(minutes), days), dtype=np.int64)
+    for i, m in enumerate(minutes.tolist()):
+        local = datetime.fromtimestamp(m * 60, z)
+        wall = local.replace(tzinfo=None)
+        for d in range(days):
+            past = (wall - timedelta(days=d + 1)).replace(tzinfo=z)
+            out[i, d] = math.floor(past.timestamp() / 60.0)
+    return out
+
+
 def minute_of(t: float) -> int:
     return math.floor(t / 60.0)
+
+
+def _clean(value: float) -> float:
+    """A demand sample as the history keeps it: NaN unless finite and ≥ 0."""
+    v = float(value)
+    return v if math.isfinite(v) and v >= 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -82,6 +146,9 @@ class DemandHistory:
         return self.end_minute - len(self.values) + 1
 
     def record(self, minute: int, value: float) -> DemandHistory:
+        """A new history with `value` at `minute`; a non-finite or negative value is recorded as
+        NaN (no data), never as a number the forecast would divide by or scale on."""
+        value = _clean(value)
         n = len(self.values)
         if minute <= self.end_minute - n:
             return self  # older than retention
@@ -118,7 +185,8 @@ class DemandHistory:
 
     @staticmethod
     def from_dict(d: dict[str, Any], retention_minutes: int | None = None) -> DemandHistory:
-        vals = np.array([np.nan if x is None else float(x) for x in d["values"]], dtype=float)
+        # Redis JSON may hold Infinity / NaN / negatives (a bad write, a hand edit): no data.
+        vals = np.array([np.nan if x is None else _clean(float(x)) for x in d["values"]], dtype=float)
         h = DemandHistory(int(d["end_minute"]), vals)
         if retention_minutes is not None and retention_minutes != len(vals):
             # Re-size (retention changed in config): keep the newest minutes.
@@ -161,17 +229,46 @@ def forecast_minutes(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(forecast, days_with_data) for each absolute minute in `minutes`.
 
-    Forecast is NaN where no past day has data.
+    Forecast is NaN where no past day has data. Past values that are outliers against the
+    other days (`outlier_ratio`) are clipped first (`clip_outliers`).
     """
     w = weights(cfg)
-    lags = np.arange(1, cfg.days + 1) * MINUTES_PER_DAY
-    past = history.get(minutes[:, None] - lags[None, :])  # (len(minutes), days)
+    at = past_minutes(minutes, cfg.days, cfg.timezone)  # (len(minutes), days): same wall-clock minute
+    past = history.get(at)
+    past = np.where(np.isfinite(past) & (past >= 0), past, np.nan)  # a history built by hand may hold inf
+    if cfg.outlier_ratio is not None:
+        past = clip_outliers(history, at, past, cfg)
     have = ~np.isnan(past)
     wsum = (have * w).sum(axis=1)
     num = (np.where(have, past, 0.0) * w).sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         f = np.where(wsum > 0, num / wsum, np.nan)
     return f, have.sum(axis=1)
+
+
+def clip_outliers(history: DemandHistory, at: np.ndarray, past: np.ndarray, cfg: ForecastConfig) -> np.ndarray:
+    """`past` (minutes x days, read at the absolute minutes `at`) with each value clipped to `outlier_ratio` x the largest value
+    the *other* days had within ±`outlier_window_min` of the same minute of day (that largest
+    value taken as at least `error_floor`). A value with no other day to compare is kept.
+
+    A one-minute spike on one day is an outlier against every other day and votes at most as a
+    double of their largest value; a peak that recurs (on any other day, within the window)
+    is compared with itself and kept whole."""
+    ratio = cfg.outlier_ratio
+    assert ratio is not None
+    k = cfg.outlier_window_min
+    offs = np.arange(-k, k + 1)
+    near = history.get(at[:, :, None] + offs[None, None, :])
+    near = np.where(np.isfinite(near) & (near >= 0), near, -np.inf)
+    day_max = near.max(axis=2)  # (minutes, days): -inf where the day has no data near
+    top = day_max.argmax(axis=1)
+    first = day_max.max(axis=1)
+    rest = day_max.copy()
+    rest[np.arange(len(at)), top] = -np.inf
+    second = rest.max(axis=1)
+    others = np.where(np.arange(day_max.shape[1])[None, :] == top[:, None], second[:, None], first[:, None])
+    cap = ratio * np.maximum(others, cfg.error_floor)
+    return np.where(np.isfinite(others) & (past > cap), cap, past)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +321,12 @@ def predict(
 
 
 def floor_replicas(forecast: Forecast, target_concurrency: float, headroom: float = 1.0) -> int | None:
-    """The forecast as a replica floor (None when the forecaster is not engaged)."""
+    """The forecast as a replica floor (None when the forecaster is not engaged). Total: a
+    peak, target or headroom that is not a finite number (or a target ≤ 0) gives None (no
+    floor, reactive only), never an exception."""
     if not forecast.engaged or forecast.peak is None:
         return None
-    return max(0, math.ceil(forecast.peak * headroom / target_concurrency - 1e-9))
+    need = forecast.peak * headroom / target_concurrency if target_concurrency > 0 else math.nan
+    if not math.isfinite(need):
+        return None
+    return max(0, math.ceil(need - 1e-9))

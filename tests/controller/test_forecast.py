@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+from datetime import datetime
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pytest
 from floodgate.controller import forecast as fc
+from floodgate.controller.config import ConfigError, parse_config
 from pydantic import ValidationError
 
 DAY = 1440
@@ -170,3 +174,115 @@ def test_config_validation() -> None:
         fc.ForecastConfig(days=7, retention_days=3)
     c = fc.ForecastConfig()
     assert (c.days, c.decay, c.lead_min_s, c.lead_max_s) == (7, 0.3, 300.0, 600.0)
+
+
+def test_one_spike_yesterday_does_not_set_todays_floor() -> None:
+    """A single one-minute 35x spike yesterday inside today's lead window: before, the floor
+    read 32 replicas for the 6 minutes it was in the window (the weighted mean of 700 and 20s)."""
+    now_min = 20 * DAY + 500
+    spike = now_min + 7 - DAY
+    h = hist_from(lambda m: 700.0 if m == spike else 20.0, 7, now_min - 1)
+    f = fc.predict(h, now_min * 60.0 + 1, CFG)
+    w = fc.weights(CFG)
+    # Clipped to 2 x the other days' 20 before it votes: (40·w1 + 20·(w2..w7)) / Σw.
+    assert f.engaged and f.peak == pytest.approx((40.0 * w[0] + 20.0 * w[1:].sum()) / w.sum())
+    assert fc.floor_replicas(f, 7.0) == 4  # 3 without the spike, 32 before
+    raw = fc.predict(h, now_min * 60.0 + 1, CFG.model_copy(update={"outlier_ratio": None}))
+    assert fc.floor_replicas(raw, 7.0) == 32  # the setting off: the plain weighted mean
+
+
+def test_a_peak_that_recurs_every_day_is_still_prescaled() -> None:
+    """The 09:00 peak (7x the base) on each of the last 7 days, drifting by up to 12 minutes
+    from day to day, is pre-scaled in full: each day's peak is compared with the others'."""
+    nine = 9 * 60
+    drift = {d: (d * 5) % 25 - 12 for d in range(1, 8)}  # -12 .. +12 minutes
+
+    def day_shape(m: int) -> float:
+        d = (20 * DAY + nine - m) // DAY + 1  # days back from today's 09:00
+        start = nine + drift.get(d, 0)
+        return 140.0 if start <= m % DAY < start + 20 else 20.0
+
+    now_min = 20 * DAY + nine - 7  # 08:53: the lead window 08:58-09:03
+    h = hist_from(day_shape, 7, now_min - 1)
+    f = fc.predict(h, now_min * 60.0, CFG)
+    raw = fc.predict(h, now_min * 60.0, CFG.model_copy(update={"outlier_ratio": None}))
+    assert f.engaged and f.peak == pytest.approx(raw.peak)
+    assert fc.floor_replicas(f, 7.0) == fc.floor_replicas(raw, 7.0) >= 15
+    # A peak on yesterday only, below 2x the other days: a real change, kept.
+    h1 = hist_from(lambda m: 36.0 if m % DAY == (now_min + 7) % DAY and m > now_min - DAY else 20.0, 7, now_min - 1)
+    assert fc.predict(h1, now_min * 60.0, CFG).peak == pytest.approx(
+        fc.predict(h1, now_min * 60.0, CFG.model_copy(update={"outlier_ratio": None})).peak)
+
+
+def test_non_finite_demand_is_no_data_and_the_floor_is_total() -> None:
+    m = 10 * DAY + 600
+    h = fc.DemandHistory.empty(8 * DAY, m)
+    for bad in (math.inf, -math.inf, math.nan, -3.0):
+        assert math.isnan(h.record(m, bad).values[-1])
+    assert h.record(m, 5.0).values[-1] == 5.0
+    # Redis JSON with Infinity / NaN / a negative (json.loads accepts the first two).
+    d = json.loads(f'{{"end_minute": {m}, "values": [1.5, Infinity, NaN, -Infinity, -2, null]}}')
+    got = fc.DemandHistory.from_dict(d)
+    assert got.values[0] == 1.5 and np.isnan(got.values[1:]).all()
+    # A history built by hand with inf (the backtest builds its own) votes as no data.
+    now_min = 20 * DAY + 500
+    v = np.array(hist_from(lambda _: 20.0, 7, now_min - 1).values)
+    v[-1 - (now_min - 1 - (now_min + 7 - DAY))] = math.inf
+    v.flags.writeable = False
+    f = fc.predict(fc.DemandHistory(now_min - 1, v), now_min * 60.0, CFG)
+    assert fc.floor_replicas(f, 7.0) == 3
+    # floor_replicas never raises: a peak or a target that is not a finite number is no floor.
+    for peak, target, headroom in ((math.inf, 7.0, 1.0), (math.nan, 7.0, 1.0), (1e308, 1e-308, 1.0),
+                                   (10.0, 0.0, 1.0), (10.0, math.nan, 1.0), (10.0, 7.0, math.inf)):
+        assert fc.floor_replicas(fc.Forecast(True, "ok", peak, 7, None), target, headroom) is None
+
+
+def _berlin_days(now: datetime, days: int) -> fc.DemandHistory:
+    """`days` days before `now` of a 20-concurrent base with a 09:00-09:40 local event at 140."""
+    z = ZoneInfo("Europe/Berlin")
+    end = fc.minute_of(now.timestamp()) - 1
+
+    def local_event(m: int) -> float:
+        t = datetime.fromtimestamp(m * 60, z)
+        return 140.0 if t.hour == 9 and t.minute < 40 else 20.0
+
+    return hist_from(local_event, days, end)
+
+
+def test_timezone_keeps_a_local_event_aligned_across_dst() -> None:
+    """The day of the spring change (2026-03-29 02:00, Berlin UTC+1 -> +2): the 09:00 local
+    event of the past week was at 08:00 UTC, today's is at 07:00 UTC. Days 1440 minutes apart
+    forecast it an hour late (the UTC default); aligned on Berlin's wall clock, on time."""
+    z = ZoneInfo("Europe/Berlin")
+    now = datetime(2026, 3, 29, 8, 53, tzinfo=z)  # lead window 08:58-09:03 local
+    h = _berlin_days(now, 7)
+    berlin = CFG.model_copy(update={"timezone": "Europe/Berlin"})
+    assert fc.floor_replicas(fc.predict(h, now.timestamp(), berlin), 7.0) == 20
+    assert fc.floor_replicas(fc.predict(h, now.timestamp(), CFG), 7.0) == 3  # UTC: the hour before it
+    later = datetime(2026, 3, 29, 9, 53, tzinfo=z)  # UTC alignment sees it an hour late
+    assert fc.floor_replicas(fc.predict(h, later.timestamp(), CFG), 7.0) == 20
+    # Before the change both agree (Berlin's days are 1440 minutes there).
+    before = datetime(2026, 3, 27, 8, 53, tzinfo=z)
+    hb = _berlin_days(before, 7)
+    assert fc.floor_replicas(fc.predict(hb, before.timestamp(), berlin), 7.0) == 20
+    assert fc.floor_replicas(fc.predict(hb, before.timestamp(), CFG), 7.0) == 20
+
+
+def test_past_minutes_is_the_same_wall_clock_minute() -> None:
+    z = ZoneInfo("Europe/Berlin")
+    m = fc.minute_of(datetime(2026, 3, 30, 12, 0, tzinfo=z).timestamp())  # the day after the change
+    at = fc.past_minutes(np.array([m]), 2, "Europe/Berlin")[0]
+    assert [datetime.fromtimestamp(int(x) * 60, z).strftime("%d %H:%M") for x in at] == ["29 12:00", "28 12:00"]
+    assert list(m - at) == [1440, 1440 + 1380]  # 29 March had 23 hours
+    assert list(fc.past_minutes(np.array([m]), 2, "UTC")[0]) == [m - 1440, m - 2880]
+
+
+def test_unknown_timezone_fails_config_load_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match="timezone"):
+        fc.ForecastConfig(timezone="Mars/Olympus_Mons")
+    raw = {"pools": [{"name": "p", "forecast": {"timezone": "Europe/Berlinn"},
+                      "actuator": {"kind": "static", "endpoints": ["127.0.0.1:8000"]}}]}
+    with pytest.raises(ConfigError, match=r"pools\.0\.forecast\.timezone.*Europe/Berlinn"):
+        parse_config(raw, env={})
+    assert parse_config({**raw, "pools": [{**raw["pools"][0], "forecast": {"timezone": "Asia/Tokyo"}}]},
+                        env={}).pools[0].forecast.timezone == "Asia/Tokyo"
