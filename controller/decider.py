@@ -131,11 +131,11 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     plan, pstate = policy_decide(cfg.policy, pool, signals.replicas, state.policy, now, floor)
 
     # A stale tick only knows a lower bound of demand: it is not a sample (the minute stays
-    # NaN rather than reading low). `plan.demand` includes the turned-away demand: the history
-    # holds offered demand, so a day of shedding does not lower tomorrow's forecast.
+    # NaN rather than reading low). The history holds offered demand, so a day of shedding
+    # does not lower tomorrow's forecast (`offered_concurrency`).
     acc, recorded = state.acc, None
     if not plan.stale:
-        acc, recorded = fc.accumulate(acc, now, plan.demand)
+        acc, recorded = fc.accumulate(acc, now, offered_concurrency(plan))
         if recorded is not None:
             history = history.record(*recorded)
 
@@ -162,6 +162,21 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         grown_at=grown_at,
     )
     return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
+
+
+def offered_concurrency(plan: ScalePlan) -> float:
+    """The demand a tick records into the forecast history: the offered concurrency.
+
+    Without requests turned away, what runs and waits (`plan.demand`). While admission turns
+    requests away, what runs plus what is turned away (as concurrency, Little's law): that is
+    the offered rate x the slot time, and a queue that stays meanwhile is a backlog admission
+    bounds (docs/controller.md, "Offered demand"), not more offered work. The policy sizes on
+    the larger of the queue and the turned-away demand (`plan.demand`), which is right for a
+    scale-up; recorded, it made a pool capped at `max_replicas` and shedding read running +
+    queue (81 where ~50 was offered) and tomorrow's floor 1.6x too high."""
+    if plan.lacking > 0:
+        return plan.running + plan.lacking
+    return plan.demand
 
 
 def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: float, grown_at: float = -math.inf
