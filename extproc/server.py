@@ -12,6 +12,7 @@ response body, to measure TTFT and TPOT for the Vegas limit. With a pool's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -216,6 +217,9 @@ def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
     elif reject.status == 415:
         message, etype = ("This pool sets the engine priority in the request body, which needs an unencoded "
                           "body (no content-encoding)."), "invalid_request_error"
+    elif reject.status == 400 and reject.reason == "conflicting_tenant":
+        message, etype = ("The request names more than one tenant (the tenant header repeated with different "
+                          "values)."), "invalid_request_error"
     elif reject.status == 400:
         message, etype = ("This pool sets the engine priority in the request body, which must be a JSON object "
                           "in UTF-8."), "invalid_request_error"
@@ -383,8 +387,19 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 yield _passthrough(msg)
             return
         caller = self._caller(first, headers)
-        decision = self.resolver.resolve(caller)
         m, child = self.admitter.metrics, self.admitter.child
+        if len(set(headers.get(self.cfg.admission.tenant_header.lower(), ()))) > 1:
+            # Which one is the caller's own? An auth filter that appends its tenant (Envoy's
+            # default append action) leaves the client's first: reading the first, any client
+            # took another tenant's priority (tenant_priorities) and queue share. Refused.
+            decision = self.resolver.resolve(dataclasses.replace(caller, tenant=None))
+            reject = Reject("conflicting_tenant", 0, status=400)
+            child(m.decisions, (pool, PRIORITY_LABELS[decision.priority], "rejected", reject.reason)).inc()
+            child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", reject.reason)).observe(
+                time.perf_counter() - headers_in)
+            yield reject_response(reject, decision.priority)
+            return
+        decision = self.resolver.resolve(caller)
         if decision.invalid_header:
             child(m.invalid_priority, (pool,)).inc()
         if decision.untrusted_header:

@@ -663,3 +663,44 @@ async def test_registry_entries_outside_the_allowlist_get_no_traffic(stack: Loca
         assert len(good) == 10 + statuses.count(200)
     finally:
         await client.aclose()
+
+
+async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(stack: LocalStack,
+                                                                               upstream: int) -> None:
+    """An auth stage that appends the authenticated tenant (Envoy's default append action for
+    an added header) leaves a client-sent tenant header first. The processor read the first
+    value: a client authenticated as `bob` (P2) who sent `x-tenant-id: vip` ran as P0 with vip's
+    queue share. A request naming two different tenants is now refused (400, no Retry-After)."""
+    from floodgate.envoy_config import render_local, write_config
+    from floodgate.supervisor import wait_for_port
+
+    stack.start_redis()
+    p = stack.start_processor({"admission": {"tenant_priorities": {"vip": 0, "bob": 2}}})
+    port, admin = free_port(), free_port()
+    cfg = render_local(listen_port=port, admin_port=admin, processors=[("127.0.0.1", p.port)],
+                       upstreams=[("127.0.0.1", upstream)])
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    auth = {"name": "auth", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {"request_mutations": [{"append": {"header": {"key": "x-tenant-id", "value": "bob"},
+                                                        "append_action": "APPEND_IF_EXISTS_OR_ADD"}}]}}}
+    hcm["http_filters"].insert(1, auth)  # after the strip filter, before ext_proc
+    child = stack.sup.start_envoy(write_config(cfg, stack.sup.workdir / "auth-append.json"), admin, name="auth")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={"prompt": "x"}, headers={"x-test-id": "own"}) as r:
+            assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"  # bob, as authenticated
+        async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "bob", "x-test-id": "same"}) as r:
+            assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"  # repeated, but one tenant
+        async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "vip", "x-test-id": "evil"}) as r:
+            # (Before: 200, run as vip's P0.)
+            assert r.status == 400, (r.status, r.headers.get("x-floodgate-priority"))
+            body = await r.json()
+            assert "retry-after" not in r.headers and r.headers["x-floodgate-reject-reason"] == "conflicting_tenant"
+            assert body["error"]["code"] == "conflicting_tenant" and body["error"]["type"] == "invalid_request_error"
+            assert r.headers["x-floodgate-priority"] == "1"  # neither tenant's: the default
+        seen = [h.get("x-test-id") for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]]
+        m = await metrics(s, p.metrics_url)
+    assert seen == ["own", "same"], seen  # the refused request never reached the model
+    assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="conflicting_tenant"}'] == 1
