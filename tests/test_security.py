@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import get_json, metrics, pool_status
+from tests.helpers import get_json, metrics, pool_status, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -704,3 +704,58 @@ async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(s
         m = await metrics(s, p.metrics_url)
     assert seen == ["own", "same"], seen  # the refused request never reached the model
     assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="conflicting_tenant"}'] == 1
+
+
+# Paths that reach a model route on a server that normalizes or decodes them, or that look like
+# a skipped path to a careless matcher (prefix, decoded, case-folded, query or fragment split).
+PATH_TRICKS = ["/v1/models/../completions", "/v1/models/..%2Fcompletions", "/v1/models%2F..%2Fcompletions",
+               "/v1/models/%2e%2e/completions", "//v1/models/../completions", "/v1/models;/../completions",
+               "/health/../v1/completions", "/health%2F..%2Fv1%2Fcompletions", "/v1/completions?/v1/models",
+               "/v1/completions#/v1/models", "/v1/models%3F/../../v1/completions", "/v1/./completions",
+               "/v1//completions", "/V1/MODELS/../completions", "/v1/models/", "/health?/../v1/completions",
+               "/v1/models%00/../completions", "/v1/models/..\\completions"]
+
+
+@pytest.mark.parametrize("where", ["gateway", "sidecar"])
+async def test_no_path_trick_runs_a_model_request_without_a_permit(stack: LocalStack, upstream: int,
+                                                                   where: str) -> None:
+    """With the pool's one permit held and no queue, every trick that reaches the processor is
+    admitted (429) or refused by Envoy; none reaches the model's completion handler unadmitted
+    (the upstream counts its calls). The skips match exact strings (Envoy's /v1/models and
+    /health routes after normalization, the sidecar's full-match regex, the processor's
+    `unadmitted_paths` before `?`), and those strings hold nothing a server could decode into
+    another route."""
+    from floodgate.envoy_config import load_yaml
+    from tests.deploy.test_mesh import SIDECAR_FILTER, _start_sidecar
+
+    stack.start_redis()
+    p = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 1},
+                                          "local_credits": 0,
+                                          "classes": {c: {"max_queue": 0, "share": 0.1} for c in (0, 1, 2)}}]})
+    if where == "gateway":
+        port = stack.start_envoy([("127.0.0.1", upstream)]).port
+    else:
+        port, _ = _start_sidecar(stack, load_yaml(SIDECAR_FILTER), p.port, upstream)
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"},
+                                          headers={"x-test-chunks": "400", "x-test-delay-ms": "50"}))
+
+        async def holding() -> bool:
+            return int((await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["inflight"]) == 1
+
+        assert await wait_until(holding, 10)
+        try:
+            statuses = {}
+            for path in PATH_TRICKS:
+                try:
+                    statuses[path] = await raw_status(port, "POST", path)
+                except (IndexError, ConnectionError):  # closed without a status line
+                    statuses[path] = 0
+            stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+            m = await metrics(s, p.metrics_url)
+        finally:
+            hold.cancel()
+    assert stats["total"] == 1, (stats["total"], statuses, stats["paths"])  # the hold alone
+    for path, status in statuses.items():
+        assert status != 200, (path, status)
+    assert sum(v for k, v in m.items() if k.startswith("floodgate_unadmitted_total")) == 0, statuses
