@@ -795,6 +795,57 @@ def test_every_yaml_example_loads_and_every_floodgate_config_validates() -> None
     assert checked["processor"] >= 3 and checked["controller"] >= 2, checked
 
 
+def options_models() -> list[type[BaseModel]]:
+    """The models of an actuator's free-form `options` (validated by the controller's config)."""
+    from floodgate.controller.actuators.kubernetes import KubernetesActuatorConfig
+    from floodgate.controller.discovery import EndpointSliceConfig
+    return [KubernetesActuatorConfig, EndpointSliceConfig]
+
+
+def shown_default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_option_tables_match_the_options_models() -> None:
+    """docs/kubernetes.md's `| option | default | meaning |` tables: every option of the model
+    it describes, each with its default."""
+    failures, tables = [], 0
+    for doc in docs():
+        rows: dict[str, str] | None = None
+        start = 0
+        for n, line in enumerate([*doc.text.split("\n"), ""], 1):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.strip().startswith("|") else []
+            if cells == ["option", "default", "meaning"]:
+                rows, start = {}, n
+                continue
+            if rows is not None and cells:
+                if set("".join(cells)) <= set("- "):
+                    continue
+                for name in re.findall(r"`([a-z_]+)`", cells[0]):
+                    rows[name] = cells[1].strip("`")
+                continue
+            if rows is not None:  # the table ended
+                tables += 1
+                shown = set(rows)
+                model = max(options_models(), key=lambda m: len(set(m.model_fields) & shown))
+                fields = model.model_fields
+                where = f"{doc.name}:{start}: the options table of {model.__name__}"
+                if set(rows) != set(fields):
+                    failures.append(f"{where}: missing {sorted(set(fields) - set(rows))}, "
+                                    f"not options {sorted(set(rows) - set(fields))}")
+                failures += [f"{where}: `{k}` default is `{shown_default(fields[k].default)}`, the table says {v}"
+                             for k, v in rows.items() if k in fields and shown_default(fields[k].default) != v]
+                rows = None
+    assert not failures, "\n".join(failures)
+    assert tables >= 2, tables
+
+
 def models_of(annotation: Any) -> tuple[list[type[BaseModel]], str]:
     """The models an annotation holds, and what comes between it and them: '' (the model
     itself), 'list', 'dict' (a key segment follows), 'open' (any keys: a free mapping)."""
@@ -1009,6 +1060,88 @@ def test_every_repository_path_the_docs_name_exists() -> None:
                 failures.append(f"{doc.name}:{doc.line_of(m.start())}: `{mention}` does not exist")
     assert not failures, "\n".join(failures)
     assert checked > 50, checked
+
+
+# Files the docs name by their bare name that are not in the repository because a command
+# writes them (only these: a named script or config that does not exist must fail).
+WRITTEN_BY_COMMANDS = {
+    "requests.json",  # floodgate load / up: every request of a run (docs/load.md)
+    "summary.md",  # floodgate load / up: the run's report
+    "results.json",  # a bench's --json output
+}
+BARE_FILE = re.compile(r"^[A-Za-z0-9_.-]+\.(py|lua|yaml|yml|toml|sh|json|csv|gz|md)$")
+
+
+@functools.cache
+def repo_basenames() -> set[str]:
+    names = {p.name for p in ROOT.iterdir() if p.is_file()}
+    for d in REPO_DIRS:
+        names |= {p.name for p in (ROOT / d).rglob("*") if "__pycache__" not in p.parts}
+    return names
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """`steady_vs_static.py`, `leases.lua`, `kustomization.yaml`: a file named without its folder
+    is somewhere in the repository."""
+    names = repo_basenames()
+    failures, checked = [], 0
+    for doc in docs():
+        for line, span in inline_spans(doc):
+            word = span.split()[0]
+            if not BARE_FILE.match(word) or word in WRITTEN_BY_COMMANDS:
+                continue
+            checked += 1
+            if word not in names:
+                failures.append(f"{doc.name}:{line}: `{span}`: no file {word} in the repository")
+    assert not failures, "\n".join(failures)
+    assert checked > 20, checked
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """"Tested by `test_kv_bound_burst_is_caught_below_the_concurrency_target`": a test function
+    or test module of that name (a name cut at a `_` is a prefix)."""
+    names: set[str] = set()
+    for f in (ROOT / "tests").rglob("*.py"):
+        names.add(f.stem)
+        names |= set(re.findall(r"def (test_\w+)", f.read_text()))
+    failures, checked = [], 0
+    for doc in docs():
+        for m in re.finditer(r"(?<![\w/.-])(test_[a-z0-9_]*[a-z0-9_])", doc.text):
+            word = m.group(1)
+            checked += 1
+            if word in names or (word.endswith("_") and any(n.startswith(word) for n in names)):
+                continue
+            failures.append(f"{doc.name}:{doc.line_of(m.start())}: no test named {word}")
+    assert not failures, "\n".join(failures)
+    assert checked > 10, checked
+
+
+def test_module_maps_name_existing_files() -> None:
+    """docs/architecture.md's maps (a block opening with `extproc/` and one file per line) name
+    files that exist, and every module of the folder."""
+    failures, checked = [], 0
+    for doc in docs():
+        for block in fenced_blocks(doc):
+            lines = block.text.split("\n")
+            if not re.fullmatch(r"[a-z_]+/", lines[0].strip()) or not (ROOT / lines[0].strip()).is_dir():
+                continue
+            folder = ROOT / lines[0].strip()
+            listed = set()
+            for n, line in enumerate(lines[1:], 1):
+                m = re.match(r"  ([\w.]+/?(?:, [\w.]+/?)*)\s", line)
+                for name in (m.group(1).split(", ") if m else []):
+                    checked += 1
+                    listed.add(name)
+                    if not (folder / name).exists():
+                        failures.append(f"{doc.name}:{block.line + n}: {folder.name}/{name} does not exist")
+            present = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                       if (p.suffix in (".py", ".lua") and p.name != "__init__.py")
+                       or (p.is_dir() and (p / "__init__.py").exists())}
+            if present - listed:
+                failures.append(f"{doc.name}:{block.line - 1}: the map of {folder.name}/ leaves out "
+                                f"{', '.join(sorted(present - listed))}")
+    assert not failures, "\n".join(failures)
+    assert checked > 20, checked
 
 
 if __name__ == "__main__":  # regenerate docs/metrics.md's table
