@@ -20,6 +20,7 @@ Fast (no network, no processes, no clock): a failure names the doc file and line
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import importlib
@@ -1142,6 +1143,84 @@ def test_module_maps_name_existing_files() -> None:
                                 f"{', '.join(sorted(present - listed))}")
     assert not failures, "\n".join(failures)
     assert checked > 20, checked
+
+
+def test_python_examples_import_what_the_package_has() -> None:
+    """```python blocks parse, and what they import exists under the installed names: the
+    components install as floodgate.sim, floodgate.extproc, ... (pyproject's package-dir), so
+    `from sim.arrivals import ...` only works from the repository's root."""
+    failures, checked = [], 0
+    for doc in docs():
+        for block in fenced_blocks(doc):
+            if block.lang != "python":
+                continue
+            try:
+                tree = ast.parse(block.text)
+            except SyntaxError as exc:
+                failures.append(f"{doc.name}:{block.line}: not Python: {exc}")
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    module, names = node.module, [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    module, names = node.names[0].name, []
+                else:
+                    continue
+                checked += 1
+                where = f"{doc.name}:{block.line + node.lineno - 1}: `{module}`"
+                top = module.split(".")[0]
+                if top in REPO_DIRS and top != "floodgate":
+                    failures.append(f"{where}: not an installed module (floodgate.{module})")
+                    continue
+                try:
+                    mod = importlib.import_module(module)
+                except ImportError as exc:
+                    failures.append(f"{where}: {exc}")
+                    continue
+                failures += [f"{where} has no {n}" for n in names if not hasattr(mod, n)]
+    assert not failures, "\n".join(failures)
+    assert checked >= 3, checked
+
+
+PY_NAME = re.compile(r"(?:floodgate\.)?(?:extproc|controller|sim|bench|floodgate)(?:\.\w+)+")
+
+
+def resolves(dotted: str) -> bool:
+    """`extproc.state.read_demand`, `floodgate.envoy_config.render_compose`: the longest
+    importable module (the components as installed: floodgate.extproc, ...), then attributes."""
+    parts = dotted.split(".")
+    if parts[0] != "floodgate":
+        parts = ["floodgate", *parts]
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except ModuleNotFoundError:
+            continue
+        obj: Any = importlib.import_module(name)
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_python_names_in_prose_exist() -> None:
+    """`extproc.config.load_config`, `controller.actuators.kubernetes.KubernetesActuatorConfig`:
+    a module, function or class the docs name by its dotted path exists."""
+    failures, checked = [], 0
+    for doc in docs():
+        for line, span in inline_spans(doc):
+            word = re.sub(r"\(.*\)$", "", span.split()[0]) if span.split() else ""
+            if not PY_NAME.fullmatch(word) or FILE_SUFFIX.search(word):
+                continue
+            checked += 1
+            if not resolves(word):
+                failures.append(f"{doc.name}:{line}: `{span}`: no Python name {word}")
+    assert not failures, "\n".join(failures)
+    assert checked >= 5, checked
 
 
 if __name__ == "__main__":  # regenerate docs/metrics.md's table
