@@ -572,6 +572,91 @@ def test_every_option_named_in_prose_exists() -> None:
     assert checked > 50, checked
 
 
+@functools.cache
+def all_parsers() -> tuple[argparse.ArgumentParser, ...]:
+    found: list[argparse.ArgumentParser] = []
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        found.append(p)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    walk(sub)
+
+    for command in cli.COMMANDS:
+        walk(parser_for(command))
+    return tuple(found)
+
+
+def test_flag_default_tables_match_the_parsers() -> None:
+    """docs/emulator.md's `| Knob | Flag | Default |`: each flag's default, in the order the
+    flags are listed (`6250 × 16`, `0.5 s / 1 s / 8 s`, `fcfs`), on the one command that has
+    every flag of the table."""
+    failures, checked = [], 0
+
+    def check(name: str, rows: list[tuple[int, list[str], str]]) -> None:
+        nonlocal checked
+        every = {f for _, flags, _ in rows for f in flags}
+        parser = next((p for p in all_parsers() if every <= set(p._option_string_actions)), None)
+        if parser is None:
+            failures.append(f"{name}:{rows[0][0]}: no command has all of {sorted(every)}")
+            return
+        for n, flags, shown in rows:
+            values = re.findall(r"`([^`]+)`", shown)[:1] or re.findall(r"\d+(?:\.\d+)?", shown)
+            for flag, value in zip(flags, values, strict=False):
+                checked += 1
+                default = parser._option_string_actions[flag].default
+                same = (str(default) == value if isinstance(default, str)
+                        else isinstance(default, int | float) and float(default) == float(value))
+                if not same:
+                    failures.append(f"{name}:{n}: {flag} defaults to {default!r}, the table says {value}")
+
+    for doc in docs():
+        columns: tuple[int, int] | None = None
+        rows: list[tuple[int, list[str], str]] = []
+        for n, line in enumerate([*doc.text.split("\n"), ""], 1):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+            lower = [c.lower() for c in cells]
+            if "flag" in lower and "default" in lower:
+                columns, rows = (lower.index("flag"), lower.index("default")), []
+            elif cells and columns is not None:
+                flags = re.findall(r"`(--[a-z0-9-]+)`", cells[columns[0]])
+                if flags:
+                    rows.append((n, flags, cells[columns[1]]))
+            elif columns is not None:
+                if rows:
+                    check(doc.name, rows)
+                columns = None
+    assert not failures, "\n".join(failures)
+    assert checked >= 10, checked
+
+
+def test_tables_of_an_options_choices_list_them_all() -> None:
+    """docs/load.md's shape table (a first column headed by an option, in backticks): one row per
+    choice of the option, no other."""
+    failures, checked = [], 0
+    for doc in docs():
+        flag: str | None = None
+        shown: set[str] = set()
+        start = 0
+        for n, line in enumerate([*doc.text.split("\n"), ""], 1):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+            if cells and re.fullmatch(r"`--[a-z0-9-]+`", cells[0]):
+                flag, shown, start = cells[0].strip("`"), set(), n
+            elif cells and flag:
+                shown |= set(re.findall(r"`([^`]+)`", cells[0]))
+            elif flag:
+                choices = {str(c) for p in all_parsers() if flag in p._option_string_actions
+                           for c in p._option_string_actions[flag].choices or ()}
+                checked += 1
+                if shown != choices:
+                    failures.append(f"{doc.name}:{start}: {flag} choices are {sorted(choices)}, "
+                                    f"the table lists {sorted(shown)}")
+                flag = None
+    assert not failures, "\n".join(failures)
+    assert checked >= 1, checked
+
+
 # --- 2. metrics -----------------------------------------------------------------------------
 
 
