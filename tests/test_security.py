@@ -161,14 +161,20 @@ async def test_forged_internal_headers_never_reach_the_model(stack: LocalStack, 
             await client.aclose()
         await asyncio.sleep(1.2)  # the processor refreshes its active list every second
     envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=picking)
-    routes = [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health")]
+    # Also the requests that pass unadmitted by their method (pools[].unadmitted_methods): with
+    # picking the processor routes them itself (the stand-in answers 405 to all but POST there).
+    routes = [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health"),
+              ("GET", "/v1/chat/completions"), ("OPTIONS", "/v1/completions")]
     async with aiohttp.ClientSession() as s:
         for method, path in routes:
             kw = {"json": {"prompt": "x"}} if method == "POST" else {}
-            async with s.request(method, envoy.url + path, headers={**FORGED, "x-test-id": path}, **kw) as r:
-                assert r.status == 200, (path, r.status, await r.text())
+            tag = path if method in ("POST", "GET") and path != "/v1/chat/completions" else f"{method} {path}"
+            async with s.request(method, envoy.url + path, headers={**FORGED, "x-test-id": tag}, **kw) as r:
+                want = 405 if tag.startswith(("GET /v1/chat", "OPTIONS")) else 200
+                assert r.status == want, (method, path, r.status, await r.text())
         seen = {h["x-test-id"]: h for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]}
-    assert set(seen) == {p for _, p in routes}
+    assert set(seen) == {"/v1/completions", "/v1/models", "/health", "GET /v1/chat/completions",
+                         "OPTIONS /v1/completions"}, set(seen)
     for path, h in seen.items():
         assert "x-request-priority" not in h, (path, h)
         assert "x-floodgate-anything" not in h and "x-floodgate-reject-reason" not in h, (path, h)
