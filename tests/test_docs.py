@@ -4,19 +4,25 @@
    `command: [floodgate, ...]` lists in YAML examples; `make` targets, with `make up ARGS=...`
    read as `floodgate up ...`) parses with the real argparse parser that floodgate/cli.py builds
    (`build_parser`): the subcommands exist and every option is spelled exactly as the parser
-   knows it (no abbreviations). Nothing is run.
+   knows it (no abbreviations). `python -m floodgate.<tool>` lines parse with that tool's own
+   parser (caught at its parse_args). Nothing is run. Options named alone in prose exist;
+   flag/default tables and tables of an option's choices match the parsers.
 2. Every `floodgate_*` metric name the docs mention is one the processor (extproc/metrics.py)
-   or the controller (controller/metrics.py) registers, and docs/metrics.md lists every
-   registered metric (its table is generated here: `python tests/test_docs.py` rewrites it).
+   or the controller (controller/metrics.py) registers, with the labels the docs give it, and
+   docs/metrics.md lists every registered metric (its table is generated here:
+   `.venv/bin/python tests/test_docs.py` rewrites it). FLOODGATE_* variables are read.
 3. Every ```yaml example loads; those that are Floodgate processor or controller configs
    validate with the real models; dotted config keys in inline code (`pools[].limit.signal`,
-   `policy.burst_reaction`, `warm_pool.min_size`) exist in the models.
-4. Every relative link (and its #anchor) and every repository path the docs name
-   (`deploy/kubernetes/...`, `bench/overload.py`, `tests/...`) exists.
+   `policy.max_replicas`, `warm_pool.min_size`) exist in the models; actuator option tables
+   match their models (names and defaults).
+4. Every relative link (and its #anchor), repository path (`deploy/kubernetes/...`), file
+   named bare (`leases.lua`), test cited by name, module in docs/architecture.md's maps, Python
+   import in a ```python example and dotted Python name (`extproc.state.read_demand`) exists.
 
-Fast (no network, no processes, no clock): a failure names the doc file and line.
+Fast (no network, no processes, no clock): a failure names the doc file and line. The only
+skip lists are of words that are not Floodgate's (NOT_METRICS, EXTERNAL_OPTIONS,
+EXTERNAL_PROGRAMS, NOT_CONFIG_KEYS, WRITTEN_BY_COMMANDS), each entry commented.
 """
-
 from __future__ import annotations
 
 import argparse
