@@ -559,6 +559,15 @@ def all_options() -> set[str]:
     return found
 
 
+def test_the_readme_lists_every_command() -> None:
+    """README: "`floodgate --help` lists every command (`extproc`, `controller`, ...)"."""
+    readme = next(d for d in docs() if d.path.name == "README.md")
+    m = re.search(r"lists every command \(([^)]*)\)", readme.text)
+    assert m, "README.md no longer says which commands `floodgate --help` lists"
+    assert set(re.findall(r"`([a-z-]+)`", m.group(1))) == set(cli.COMMANDS), (
+        f"README.md:{readme.line_of(m.start())}: the commands are {', '.join(cli.COMMANDS)}")
+
+
 def test_every_option_named_in_prose_exists() -> None:
     """`--replicas 2`, `--arrival poisson|uniform`, `--output-*`: an option named on its own."""
     known = all_options()
