@@ -85,8 +85,10 @@ class Metrics:
             ["pool"], registry=r)
         self.engine_priority = Counter(
             "floodgate_engine_priority", "Admitted requests of a class with engine_priority, by what happened to "
-            "the body: set (priority written), or passed unchanged: not_json, not_object, too_large (over "
-            "engine_priority_max_body_bytes), partial (over Envoy's buffer), no_body.",
+            "the body: set (priority written); no_body (nothing to write it into, passed); or refused, since a "
+            "body passed unchanged would run at the engine's default priority: too_large (over "
+            "engine_priority_max_body_bytes) and partial (over Envoy's buffer) 413, encoded (content-encoding) "
+            "415, not_json and not_object 400.",
             ["pool", "priority", "outcome"], registry=r)
         self.untrusted_priority = Counter(
             "floodgate_untrusted_priority_header", "Priority headers ignored because the caller is not trusted.",
