@@ -124,6 +124,18 @@ def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) ->
     return out
 
 
+def tenant_values(values: list[str] | None) -> list[str]:
+    """The distinct tenants a request names, in order: values stripped of surrounding whitespace,
+    empty ones dropped (an empty header names no tenant; Envoy's HTTP/1 parser trims the
+    whitespace that its HTTP/2 path keeps, so `bob` and `bob ` must be one tenant on both)."""
+    out: list[str] = []
+    for v in values or ():
+        v = v.strip(" \t")
+        if v and v not in out:
+            out.append(v)
+    return out
+
+
 def status_of(headers: pb.HttpHeaders) -> int:
     for h in headers.headers.headers:
         if h.key == ":status":
@@ -290,7 +302,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return None
 
     def _route_only(self, pool: str, count: int, dest_present: bool,
-                    remove: tuple[str, ...] = ()) -> tuple[pb.ProcessingResponse, str]:
+                    remove: tuple[str, ...] = ()) -> tuple[pb.ProcessingResponse, str, Reject | None]:
         """No permit: with endpoint picking, send it to any active endpoint (returned beside the
         reply; '' when none); never let the client's own destination header through. `count`:
         the request's headers, `dest_present`: a client sent the destination header (Envoy
@@ -300,17 +312,21 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         endpoint = ""
         if self.cfg.pool(pool).endpoint_picking:
             picked = self.admitter.any_active_endpoint(pool)
+            refused = None
             if picked is None:
-                return reject_response(Reject("no_endpoints", 1, status=503), self.cfg.admission.default_priority), ""
-            if not admit_mutation(count, self.cfg.server.max_headers, picked, (), dest_present)[0]:
-                return reject_response(Reject("header_limit", 0, status=431), self.cfg.admission.default_priority), ""
+                refused = Reject("no_endpoints", 1, status=503)
+            elif not admit_mutation(count, self.cfg.server.max_headers, picked, (), dest_present)[0]:
+                refused = Reject("header_limit", 0, status=431)
+            if refused is not None:
+                return reject_response(refused, self.cfg.admission.default_priority), "", refused
+            assert picked is not None
             endpoint = picked
             mutation = pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, endpoint)], remove_headers=list(remove))
         reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=mutation)))
         if endpoint:  # its response headers tell whether the endpoint answered (ejection.py)
             reply.mode_override.CopyFrom(_MODES[(False, False)])
-        return reply, endpoint
+        return reply, endpoint, None
 
     def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
         """Tell the admitter what the response headers of a request routed to `endpoint` say of
@@ -334,7 +350,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
     def _caller(self, req: pb.ProcessingRequest, headers: dict[str, list[str]]) -> Caller:
         attrs = req.attributes[ATTR_NS] if ATTR_NS in req.attributes else None
         san = _attr(attrs, "connection.uri_san_peer_certificate")
-        tenants = headers.get(self.cfg.admission.tenant_header.lower())
+        tenants = tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))
         return Caller(
             source_ip=source_ip_of(_attr(attrs, "source.address")),
             mtls=bool(_attr(attrs, "connection.mtls")),
@@ -373,13 +389,22 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         path = (headers.get(":path") or ["/"])[0].split("?", 1)[0]
         unadmitted = self._unadmitted_reason(pool, path, headers, first.request_headers.end_of_stream)
         if unadmitted is not None:
-            self.admitter.child(self.admitter.metrics.unadmitted, (pool, unadmitted)).inc()
+            m, child = self.admitter.metrics, self.admitter.child
             # An untrusted caller's priority header goes here too, as on an admitted request.
             prio_header = self.cfg.admission.priority_header.lower()
             strip = (prio_header,) if prio_header in headers and not self.resolver.trusted(
                 self._caller(first, headers)) else ()
-            reply, routed = self._route_only(pool, len(first.request_headers.headers.headers),
-                                             DESTINATION_HEADER in headers, strip)
+            if strip:
+                child(m.untrusted_priority, (pool,)).inc()
+            reply, routed, refused = self._route_only(pool, len(first.request_headers.headers.headers),
+                                                      DESTINATION_HEADER in headers, strip)
+            if refused is None:
+                child(m.unadmitted, (pool, unadmitted)).inc()
+            else:  # passed no further (no endpoint, or no room for its header): a refusal like any other
+                label = PRIORITY_LABELS[self.cfg.admission.default_priority]
+                child(m.decisions, (pool, label, "rejected", refused.reason)).inc()
+                child(m.decision_time, (pool, label, "rejected", refused.reason)).observe(
+                    time.perf_counter() - headers_in)
             yield reply
             async for msg in it:
                 if routed and msg.WhichOneof("request") == "response_headers":
@@ -388,7 +413,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return
         caller = self._caller(first, headers)
         m, child = self.admitter.metrics, self.admitter.child
-        if len(set(headers.get(self.cfg.admission.tenant_header.lower(), ()))) > 1:
+        if len(tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))) > 1:
             # Which one is the caller's own? An auth filter that appends its tenant (Envoy's
             # default append action) leaves the client's first: reading the first, any client
             # took another tenant's priority (tenant_priorities) and queue share. Refused.

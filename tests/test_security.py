@@ -699,6 +699,9 @@ async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(s
             assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"  # bob, as authenticated
         async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "bob", "x-test-id": "same"}) as r:
             assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"  # repeated, but one tenant
+        async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "", "x-test-id": "empty"}) as r:
+            # An empty value names no tenant: bob's (before: 400 conflicting_tenant).
+            assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"
         async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "vip", "x-test-id": "evil"}) as r:
             # (Before: 200, run as vip's P0.)
             assert r.status == 400, (r.status, r.headers.get("x-floodgate-priority"))
@@ -708,8 +711,19 @@ async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(s
             assert r.headers["x-floodgate-priority"] == "1"  # neither tenant's: the default
         seen = [h.get("x-test-id") for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]]
         m = await metrics(s, p.metrics_url)
-    assert seen == ["own", "same"], seen  # the refused request never reached the model
+    assert seen == ["own", "same", "empty"], seen  # the refused request never reached the model
     assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="conflicting_tenant"}'] == 1
+
+
+def test_tenant_values_name_each_tenant_once() -> None:
+    """Surrounding whitespace (kept by Envoy's HTTP/2 path, trimmed by its HTTP/1 parser) and
+    empty values name no other tenant; different names stay different, case included."""
+    from floodgate.extproc.server import tenant_values
+
+    assert tenant_values(None) == [] and tenant_values(["", " "]) == []
+    assert tenant_values(["bob ", "bob", "\tbob"]) == ["bob"]
+    assert tenant_values(["", "bob"]) == ["bob"]
+    assert tenant_values(["vip", "bob"]) == ["vip", "bob"] and tenant_values(["Bob", "bob"]) == ["Bob", "bob"]
 
 
 # Paths that reach a model route on a server that normalizes or decodes them, or that look like

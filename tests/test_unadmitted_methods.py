@@ -122,6 +122,7 @@ async def test_requests_that_run_no_model_pass_a_full_pool(stack: LocalStack, up
     (prio,) = [h for h in st["seen"] if h.get("x-test-id") == "prio"]
     assert "x-request-priority" not in prio, prio
     assert _count(m, "floodgate_unadmitted_total", 'reason="method"') == len(PASS)
+    assert _count(m, "floodgate_untrusted_priority_header_total") == 1  # the one it dropped, counted
     assert _count(m, "floodgate_decisions_total", 'outcome="rejected"', 'reason="queue_full"') == len(ADMIT)
     assert _count(m, "floodgate_decisions_total", 'outcome="admitted"') == 1  # the hold
     st2 = await drained(stack.redis_url)
@@ -166,3 +167,19 @@ async def test_a_websocket_upgrade_is_admitted(stack: LocalStack, upstream: int)
             hold.cancel()
     assert _count(m, "floodgate_unadmitted_total", 'reason="method"') == 1
     assert _count(m, "floodgate_decisions_total", 'outcome="rejected"') == 1
+
+
+async def test_a_request_passed_by_its_method_but_refused_counts_as_refused(stack: LocalStack,
+                                                                           upstream: int) -> None:
+    """With endpoint picking and no active endpoint, a GET that takes no permit still gets 503
+    no_endpoints: counted as a refusal (floodgate_decisions_total), not as passed
+    (floodgate_unadmitted_total counted it as passed before)."""
+    stack.start_redis()
+    p = stack.start_processor({"pools": [{"name": "default", "endpoint_picking": True}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
+    async with aiohttp.ClientSession() as s:
+        status, headers = await raw(envoy.port, req("GET", "/v1/chat/completions"))
+        assert status == 503 and headers.get("x-floodgate-reject-reason") == "no_endpoints", (status, headers)
+        m = await metrics(s, p.metrics_url)
+    assert _count(m, "floodgate_unadmitted_total") == 0
+    assert _count(m, "floodgate_decisions_total", 'outcome="rejected"', 'reason="no_endpoints"') == 1
