@@ -64,7 +64,8 @@ class DemandConfig(BaseModel):
     stale_after_s: float = Field(default=10.0, gt=0, description="A counter sample older than this is stale.")
     exclude_classes: tuple[int, ...] = Field(
         default=(), description="Classes whose turned-away demand does not drive scale-up "
-        "(e.g. [2]: P2 the pool chooses to shed under load). Still recorded as offered.")
+        "(e.g. [2]: P2 the pool chooses to shed under load). They stay in the offered rate the decision "
+        "log reports, and are left out of the demand the forecaster records.")
     default_class: int = Field(default=1, ge=0, le=2, description="Class of unclassed (Envoy-only) demand.")
     use_envoy: bool = Field(default=True, description="Reconcile with Envoy's gateway listener counters "
                             "(only correct when the listener serves this pool alone).")
