@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
 from functools import lru_cache
 from typing import Any
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, available_timezones
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,7 +56,9 @@ class ForecastConfig(BaseModel):
         default=2.0, ge=1, description="Robustness to one-off spikes: a past day's minute above this multiple "
         "of the largest value any *other* day had within `outlier_window_min` of the same minute of day "
         "(at least `error_floor`) is clipped to that multiple before it votes, so a single spike yesterday "
-        "does not set today's floor, while a peak that recurs on other days is kept. null: no clipping.")
+        "does not set today's floor, while a peak that recurs on other days is kept. A new level is forecast "
+        "from its second day (from a quiet history, at most this multiple of `error_floor` before). With "
+        "`days: 1` there is no other day and nothing is clipped. null: no clipping.")
     outlier_window_min: int = Field(
         default=30, ge=0, le=720, description="Minutes either side of the same minute of day in which the other "
         "days' largest value is looked for (a daily peak that drifts by up to this much is still a peak).")
@@ -71,11 +73,14 @@ class ForecastConfig(BaseModel):
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, v: str) -> str:
+        # Only names of the IANA database: `localtime` (the host's zone, so the days would depend
+        # on where the controller runs) and folder names are not zones; the error never shows a
+        # path of the installation.
+        if v != "UTC" and (v in ("localtime", "posixrules", "Factory") or v not in available_timezones()):
+            raise ValueError(f"unknown IANA time zone {v!r} (e.g. UTC, Europe/Berlin, America/New_York)")
         try:
             zone(v)  # loads it now (config load), so the forecaster reads it from the cache
-        except (ValueError, OSError) as exc:  # ZoneInfoNotFoundError is a KeyError: caught below
-            raise ValueError(f"unknown IANA time zone {v!r}: {exc}") from None
-        except KeyError:
+        except (ValueError, OSError, KeyError):  # ZoneInfoNotFoundError is a KeyError
             raise ValueError(f"unknown IANA time zone {v!r} (e.g. UTC, Europe/Berlin, America/New_York)") from None
         return v
 

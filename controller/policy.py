@@ -126,7 +126,8 @@ class PolicyConfig(BaseModel):
     )
     kv_pressure_needs_waiting: bool = Field(
         default=True,
-        description="KV pressure scales up only while requests wait (vLLM's queue or Floodgate's): KV "
+        description="KV pressure scales up only while requests wait (vLLM's queue or Floodgate's) or are "
+        "turned away: KV "
         "usage near full with nothing waiting is a pool that still starts every request (a full replica "
         "sits near the threshold, so token-size noise alone fired the trigger on a steady load). "
         "Scale-down is held whenever removing a replica would put the mean KV usage of the rest above "
@@ -221,17 +222,19 @@ def _push_window(
     return tuple(kept)
 
 
-def _kv_after_down(cfg: PolicyConfig, kv_mean: float | None, active: int, current: int) -> float:
+def _kv_after_down(cfg: PolicyConfig, kv_mean: float | None, active: int, current: int,
+                   live: float = 1.0) -> float:
     """Mean KV usage of the active replicas once one scale-down step has removed its replicas
-    (the KV they hold now, spread over the rest; 0 when unknown or when the step removes no
-    active replica: it only cancels incoming ones)."""
-    if kv_mean is None or active <= 0:
+    (the KV they hold now, spread over the rest). 0 when unknown, when the step removes no
+    active replica (it only cancels incoming ones), when it leaves none (a stabilized 0 is a
+    window of no demand), or when no request runs or waits (`live` 0): idle KV moves nowhere,
+    and an idle engine need not read 0 (a never-freed null block, cached prefixes, a stuck
+    per-process gauge), which would otherwise hold the pool up for ever."""
+    if kv_mean is None or active <= 0 or live <= 0:
         return 0.0
     left = min(active, max(current - cfg.scale_down_step, cfg.min_replicas))
-    if left >= active:
+    if left >= active or left <= 0:
         return 0.0
-    if left <= 0:
-        return math.inf if kv_mean > 0 else 0.0
     return kv_mean * active / left
 
 
@@ -387,7 +390,9 @@ def decide(
     # replica cannot start what it is offered; a full replica sits near the threshold, and on a
     # steady load token-size noise alone fired it: 6 -> 8 -> 6 cycles, docs/controller.md).
     kv_high = kv_mean is not None and kv_mean > cfg.kv_pressure_threshold
-    if kv_mean is not None and kv_high and (waiting > 0 or not cfg.kv_pressure_needs_waiting):
+    # (Requests turned away count as waiting: admission that rejects at the door leaves every
+    # queue empty while the pool cannot start what it is offered.)
+    if kv_mean is not None and kv_high and (waiting > 0 or lacking > 0 or not cfg.kv_pressure_needs_waiting):
         up = max(active + 1, math.ceil(active * kv_mean / cfg.kv_target - 1e-9))
         panic = True
         if up > rec:
@@ -443,7 +448,7 @@ def decide(
             desired, reason = current, REASON_HOLD_PANIC
         elif now - last_down < cfg.scale_down_interval_s:
             desired, reason = current, REASON_HOLD_STEP
-        elif _kv_after_down(cfg, kv_mean, active, current) > cfg.kv_pressure_threshold:
+        elif _kv_after_down(cfg, kv_mean, active, current, running + waiting) > cfg.kv_pressure_threshold:
             # The replicas left would carry the KV held now above the trigger: the next waiting
             # request would scale straight back up.
             desired, reason = current, REASON_HOLD_KV

@@ -280,6 +280,12 @@ def test_past_minutes_is_the_same_wall_clock_minute() -> None:
 def test_unknown_timezone_fails_config_load_naming_the_field() -> None:
     with pytest.raises(ValidationError, match="timezone"):
         fc.ForecastConfig(timezone="Mars/Olympus_Mons")
+    # Not zones: the host's own (days would depend on where the controller runs), a folder of
+    # the database (its error showed the installation's path).
+    for name in ("localtime", "America", "../zoneinfo"):
+        with pytest.raises(ValidationError, match="unknown IANA time zone") as err:
+            fc.ForecastConfig(timezone=name)
+        assert "/site-packages/" not in str(err.value) and "tzdata" not in str(err.value), err.value
     raw = {"pools": [{"name": "p", "forecast": {"timezone": "Europe/Berlinn"},
                       "actuator": {"kind": "static", "endpoints": ["127.0.0.1:8000"]}}]}
     with pytest.raises(ConfigError, match=r"pools\.0\.forecast\.timezone.*Europe/Berlinn"):

@@ -247,6 +247,36 @@ def test_no_scale_down_that_would_push_kv_over_the_trigger(clock: FakeClock) -> 
     assert (plan.desired, plan.reason) == (3, REASON_DOWN)
 
 
+def test_kv_pressure_while_requests_are_turned_away_scales_up(clock: FakeClock) -> None:
+    """Admission that rejects at the door leaves every queue empty: with KV full and requests
+    turned away, the pool cannot start what it is offered (3 running per replica, below the
+    target of 10; the demand rule reads 12 + 6 against 40 and would hold)."""
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4)
+    sig = dataclasses.replace(signals(clock.now, reps, running=12, kv=0.97), lacking=6.0)
+    plan, _ = step(CFG, state, clock.now, reps, sig)
+    assert (plan.desired, plan.reason) == (6, REASON_KV)  # ceil(4 × 0.97 / 0.75)
+
+
+@pytest.mark.parametrize("kv", [1 / 17000, 0.01, 0.5])
+def test_idle_kv_does_not_hold_the_pool_up(clock: FakeClock, kv: float) -> None:
+    """An idle engine need not read KV 0 (a null block never freed, cached prefixes, a stuck
+    gauge): with nothing running or waiting the pool still steps down, to 0 if allowed. (The
+    KV hold returned infinity for any KV above 0 when the step left no replica, and held two
+    idle replicas at 0.5 for ever.)"""
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0, "min_replicas": 0})
+    for n in (1, 2):
+        reps = views(clock.now, active=n)
+        state = PolicyState(desired=n, window=((clock.now - 400, n),))
+        plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, kv=kv))
+        assert (plan.desired, plan.reason) == (n - 1, REASON_DOWN), (n, plan)
+    # With requests running the same KV still holds: it would move to the replicas left.
+    reps = views(clock.now, active=2)
+    state = PolicyState(desired=2, window=((clock.now - 400, 2),))
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=2, kv=0.5))
+    assert (plan.desired, plan.reason) == (2, REASON_HOLD_KV)
+
+
 def test_scale_down_waits_for_the_five_minute_window(clock: FakeClock) -> None:
     cfg = CFG.model_copy(update={"panic_window_s": 0.0})
     t0 = clock.now
