@@ -173,6 +173,13 @@ async def test_envoys_own_upstream_errors_are_openai_json(stack: LocalStack, ups
         r = await post(s, slow.url, headers={"x-request-priority": "1", "x-test-status": "503"})
         assert r.status == 503 and _error(r) == {"message": "test failure", "type": "server_error", "code": None}
         assert "retry-after" not in r.headers
+
+        # A permit is released when Envoy ends the ext_proc stream, which may come just after the
+        # client has the reply: wait for the third release rather than read once.
+        async def released() -> bool:
+            return _released(await metrics(s, p.metrics_url)) >= 3
+
+        assert await wait_until(released, 5)
         m = await metrics(s, p.metrics_url)
     assert _released(m) == 3 and _released(m, "upstream_error") == 3, m
     st = await drained(stack.redis_url)
