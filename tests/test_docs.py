@@ -537,26 +537,26 @@ EXTERNAL_PROGRAMS = {"docker", "kubectl", "envoy", "vllm", "curl", "wrk", "py-sp
                      "valkey-cli", "git", "pip", "sudo", "apt-get", "openssl", "helm", "istioctl", "perf"}
 
 
+def parser_tree(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`p` and every subcommand parser below it."""
+    found = [p]
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                found += parser_tree(sub)
+    return found
+
+
 @functools.cache
 def all_options() -> set[str]:
     """Every option of every `floodgate` command and of the `python -m` tools the docs name."""
-    found: set[str] = set()
-
-    def walk(p: argparse.ArgumentParser) -> None:
-        found.update(p._option_string_actions)
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for sub in a.choices.values():
-                    walk(sub)
-
-    for command in cli.COMMANDS:
-        walk(parser_for(command))
+    parsers = list(all_parsers())
     for c in doc_commands():
         if isinstance(c, Command) and c.argv[:1] == ("-m",) and importlib.util.find_spec(c.argv[1]):
             parser = module_parser(c.argv[1])
             if parser:
-                walk(parser)
-    return found
+                parsers += parser_tree(parser)
+    return {opt for p in parsers for opt in p._option_string_actions}
 
 
 def test_the_readme_lists_every_command() -> None:
@@ -589,18 +589,8 @@ def test_every_option_named_in_prose_exists() -> None:
 
 @functools.cache
 def all_parsers() -> tuple[argparse.ArgumentParser, ...]:
-    found: list[argparse.ArgumentParser] = []
-
-    def walk(p: argparse.ArgumentParser) -> None:
-        found.append(p)
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for sub in a.choices.values():
-                    walk(sub)
-
-    for command in cli.COMMANDS:
-        walk(parser_for(command))
-    return tuple(found)
+    """Every `floodgate` command's parser and its subcommands'."""
+    return tuple(p for command in cli.COMMANDS for p in parser_tree(parser_for(command)))
 
 
 def test_flag_default_tables_match_the_parsers() -> None:
