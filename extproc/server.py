@@ -328,6 +328,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             reply.mode_override.CopyFrom(_MODES[(False, False)])
         return reply, endpoint, None
 
+    def _count_refusal(self, pool: str, priority: int, reason: str, headers_in: float) -> None:
+        """Count a refusal the server makes itself, before any admission (the admitter counts its
+        own): in the decisions and their time, not as turned-away demand (no model work asked)."""
+        m, child, label = self.admitter.metrics, self.admitter.child, PRIORITY_LABELS[priority]
+        child(m.decisions, (pool, label, "rejected", reason)).inc()
+        child(m.decision_time, (pool, label, "rejected", reason)).observe(time.perf_counter() - headers_in)
+
     def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
         """Tell the admitter what the response headers of a request routed to `endpoint` say of
         it (Envoy's `response.code_details` attribute: extproc/ejection.py); returns that."""
@@ -401,10 +408,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             if refused is None:
                 child(m.unadmitted, (pool, unadmitted)).inc()
             else:  # passed no further (no endpoint, or no room for its header): a refusal like any other
-                label = PRIORITY_LABELS[self.cfg.admission.default_priority]
-                child(m.decisions, (pool, label, "rejected", refused.reason)).inc()
-                child(m.decision_time, (pool, label, "rejected", refused.reason)).observe(
-                    time.perf_counter() - headers_in)
+                self._count_refusal(pool, self.cfg.admission.default_priority, refused.reason, headers_in)
             yield reply
             async for msg in it:
                 if routed and msg.WhichOneof("request") == "response_headers":
@@ -419,9 +423,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             # took another tenant's priority (tenant_priorities) and queue share. Refused.
             decision = self.resolver.resolve(dataclasses.replace(caller, tenant=None))
             reject = Reject("conflicting_tenant", 0, status=400)
-            child(m.decisions, (pool, PRIORITY_LABELS[decision.priority], "rejected", reject.reason)).inc()
-            child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", reject.reason)).observe(
-                time.perf_counter() - headers_in)
+            self._count_refusal(pool, decision.priority, reject.reason, headers_in)
             yield reject_response(reject, decision.priority)
             return
         decision = self.resolver.resolve(caller)
