@@ -131,7 +131,8 @@ class PolicyConfig(BaseModel):
         "usage near full with nothing waiting is a pool that still starts every request (a full replica "
         "sits near the threshold, so token-size noise alone fired the trigger on a steady load). "
         "Scale-down is held whenever removing a replica would put the mean KV usage of the rest above "
-        "`kv_pressure_threshold`, waiting or not. False: the trigger fires on usage alone.",
+        "`kv_pressure_threshold` while any request runs or waits (idle KV moves nowhere). "
+        "False: the trigger fires on usage alone.",
     )
     stabilization_window_s: float = Field(
         default=300.0, ge=0, description="Scale down only to the max recommendation over this window."
@@ -222,8 +223,7 @@ def _push_window(
     return tuple(kept)
 
 
-def _kv_after_down(cfg: PolicyConfig, kv_mean: float | None, active: int, current: int,
-                   live: float = 1.0) -> float:
+def _kv_after_down(cfg: PolicyConfig, kv_mean: float | None, active: int, current: int, live: float) -> float:
     """Mean KV usage of the active replicas once one scale-down step has removed its replicas
     (the KV they hold now, spread over the rest). 0 when unknown, when the step removes no
     active replica (it only cancels incoming ones), when it leaves none (a stabilized 0 is a
@@ -425,7 +425,7 @@ def decide(
     # upper bound of its rate (a later top-up would serve a whole cold start after this one).
     react_until = state.react_until
     if now >= react_until:
-        backlog = waiting > 0 or (kv_mean is not None and kv_mean > cfg.kv_pressure_threshold)
+        backlog = waiting > 0 or kv_high
         react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
                                max(current, capacity) + warm, demand, active, waiting)
         if react is not None:
