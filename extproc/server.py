@@ -498,8 +498,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             reason = "cancelled"
             raise
         finally:
-            if ex.status is not None and ex.status >= 500:
-                reason = "upstream_error"
+            reason = release_reason(reason, status=ex.status, finished=ex.finished)
             if sampled:
                 self.admitter.sampled_done(pool)
             self._finish(pool, ex, reason)
@@ -575,6 +574,20 @@ def permit_outcome(status: int | None, reason: str, *, sampled: bool, finished: 
     if reason != "stream_end" or sampled:
         return "ignored"
     return "success"
+
+
+def release_reason(ended: str, *, status: int | None, finished: bool) -> str:
+    """The `floodgate_releases_total` reason of an admitted request's release (pure):
+    "upstream_error" for a 5xx response; "stream_end" for a stream that ended with EOF, and for
+    one whose response finished here (its trailers or its end came through) however the stream
+    then closed, since Envoy's teardown races its half-close with a reset and a completed
+    request arrives as CANCELLED now and then (see `permit_outcome`); else how it ended
+    ("cancelled": the client left or Envoy reset the stream before the response ended)."""
+    if status is not None and status >= 500:
+        return "upstream_error"
+    if finished and ended == "cancelled":
+        return "stream_end"
+    return ended
 
 
 def _passthrough(msg: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -139,7 +139,9 @@ async def test_the_sidecar_filter_keeps_codec_replies_too(stack: LocalStack, ups
         async def released() -> bool:
             return _released(await metrics(s, p.metrics_url), "stream_end") == 1
 
-        assert await wait_until(released, 5)
+        ok = await wait_until(released, 5)
+        m = await metrics(s, p.metrics_url)
+        assert ok, {k: v for k, v in m.items() if k.startswith(("floodgate_releases_total", "floodgate_decisions_total"))}
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0 and st.queued_total == 0
 

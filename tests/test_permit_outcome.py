@@ -1,9 +1,10 @@
-"""How an admitted request's ending is told to the pool's limit (`server.permit_outcome`)."""
+"""How an admitted request's ending is told to the pool's limit (`server.permit_outcome`) and
+labelled in `floodgate_releases_total` (`server.release_reason`)."""
 
 from __future__ import annotations
 
 import pytest
-from floodgate.extproc.server import permit_outcome
+from floodgate.extproc.server import permit_outcome, release_reason
 
 
 @pytest.mark.parametrize("sampled", [True, False])
@@ -37,3 +38,27 @@ def test_other_5xx_say_nothing(status: int) -> None:
 def test_no_response_says_nothing() -> None:
     assert permit_outcome(None, "stream_end", sampled=False, finished=False, endpoint_failed=False) == "ignored"
     assert permit_outcome(None, "cancelled", sampled=True, finished=False, endpoint_failed=False) == "ignored"
+
+
+@pytest.mark.parametrize("ended", ["stream_end", "cancelled"])
+def test_a_finished_response_releases_as_stream_end_however_the_stream_closed(ended: str) -> None:
+    # Envoy resets a completed request's stream now and then (its teardown races the half-close):
+    # the release is still a completion, as the permit's outcome is a success.
+    assert release_reason(ended, status=200, finished=True) == "stream_end"
+
+
+def test_a_stream_reset_before_the_response_ended_is_cancelled() -> None:
+    assert release_reason("cancelled", status=200, finished=False) == "cancelled"
+    assert release_reason("cancelled", status=None, finished=False) == "cancelled"
+    assert release_reason("stream_end", status=None, finished=False) == "stream_end"
+
+
+@pytest.mark.parametrize("ended", ["stream_end", "cancelled"])
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_5xx_response_releases_as_upstream_error(ended: str, finished: bool) -> None:
+    assert release_reason(ended, status=503, finished=finished) == "upstream_error"
+    assert release_reason(ended, status=500, finished=finished) == "upstream_error"
+
+
+def test_other_reasons_pass_unchanged() -> None:
+    assert release_reason("header_limit", status=None, finished=False) == "header_limit"
