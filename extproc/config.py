@@ -268,7 +268,7 @@ class TrustConfig(_Strict):
 class AdmissionConfig(_Strict):
     default_priority: int = Field(default=1, ge=0, le=2, description="Priority when no trusted header or tenant mapping applies.")
     priority_header: HeaderName = Field(default="x-request-priority", description="Header carrying the requested priority.")
-    tenant_header: HeaderName = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust, overwriting any the client sent: a request whose header names two different tenants is refused with 400 conflicting_tenant).")
+    tenant_header: HeaderName = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust, overwriting any the client sent: a request whose header names two different tenants, as repeated values or as one comma-separated value, is refused with 400 conflicting_tenant).")
     tenant_priorities: dict[str, Priority] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted.")
     trust: TrustConfig = TrustConfig()
     retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")

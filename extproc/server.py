@@ -125,14 +125,18 @@ def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) ->
 
 
 def tenant_values(values: list[str] | None) -> list[str]:
-    """The distinct tenants a request names, in order: values stripped of surrounding whitespace,
-    empty ones dropped (an empty header names no tenant; Envoy's HTTP/1 parser trims the
-    whitespace that its HTTP/2 path keeps, so `bob` and `bob ` must be one tenant on both)."""
+    """The distinct tenants a request names, in order: each header value read as a
+    comma-separated list (HTTP's combined form: Envoy joins an appended value with a comma,
+    `header_value_option.append: true`, so an auth filter's tenant after the client's arrives as
+    "vip,bob"), items stripped of surrounding whitespace, empty ones dropped (an empty header
+    names no tenant; Envoy's HTTP/1 parser trims the whitespace that its HTTP/2 path keeps, so
+    `bob` and `bob ` must be one tenant on both)."""
     out: list[str] = []
-    for v in values or ():
-        v = v.strip(" \t")
-        if v and v not in out:
-            out.append(v)
+    for value in values or ():
+        for v in value.split(","):
+            v = v.strip(" \t")
+            if v and v not in out:
+                out.append(v)
     return out
 
 
@@ -354,10 +358,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 pool = self._by_authority.get(host)
         return pool or self._default_pool
 
-    def _caller(self, req: pb.ProcessingRequest, headers: dict[str, list[str]]) -> Caller:
+    def _caller(self, req: pb.ProcessingRequest, headers: dict[str, list[str]],
+                tenants: list[str] | None = None) -> Caller:
         attrs = req.attributes[ATTR_NS] if ATTR_NS in req.attributes else None
         san = _attr(attrs, "connection.uri_san_peer_certificate")
-        tenants = tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))
+        if tenants is None:
+            tenants = tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))
         return Caller(
             source_ip=source_ip_of(_attr(attrs, "source.address")),
             mtls=bool(_attr(attrs, "connection.mtls")),
@@ -415,9 +421,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     self._endpoint_outcome(pool, routed, msg)
                 yield _passthrough(msg)
             return
-        caller = self._caller(first, headers)
+        tenants = tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))
+        caller = self._caller(first, headers, tenants)
         m, child = self.admitter.metrics, self.admitter.child
-        if len(tenant_values(headers.get(self.cfg.admission.tenant_header.lower()))) > 1:
+        if len(tenants) > 1:
             # Which one is the caller's own? An auth filter that appends its tenant (Envoy's
             # default append action) leaves the client's first: reading the first, any client
             # took another tenant's priority (tenant_priorities) and queue share. Refused.

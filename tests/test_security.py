@@ -702,6 +702,10 @@ async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(s
         async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "", "x-test-id": "empty"}) as r:
             # An empty value names no tenant: bob's (before: 400 conflicting_tenant).
             assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"
+        async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "bob, bob", "x-test-id": "list"}) as r:
+            assert r.status == 200 and r.headers["x-floodgate-priority"] == "2"  # a list naming bob alone
+        async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "vip,bob", "x-test-id": "joined"}) as r:
+            assert r.status == 400, (r.status, r.headers.get("x-floodgate-priority"))  # a list naming two
         async with s.post(url, json={"prompt": "x"}, headers={"x-tenant-id": "vip", "x-test-id": "evil"}) as r:
             # (Before: 200, run as vip's P0.)
             assert r.status == 400, (r.status, r.headers.get("x-floodgate-priority"))
@@ -711,8 +715,8 @@ async def test_a_repeated_tenant_header_cannot_borrow_another_tenants_priority(s
             assert r.headers["x-floodgate-priority"] == "1"  # neither tenant's: the default
         seen = [h.get("x-test-id") for h in (await get_json(s, f"http://127.0.0.1:{upstream}/stats"))["seen"]]
         m = await metrics(s, p.metrics_url)
-    assert seen == ["own", "same", "empty"], seen  # the refused request never reached the model
-    assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="conflicting_tenant"}'] == 1
+    assert seen == ["own", "same", "empty", "list"], seen  # the refused requests never reached the model
+    assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="conflicting_tenant"}'] == 2
 
 
 def test_tenant_values_name_each_tenant_once() -> None:
@@ -724,6 +728,10 @@ def test_tenant_values_name_each_tenant_once() -> None:
     assert tenant_values(["bob ", "bob", "\tbob"]) == ["bob"]
     assert tenant_values(["", "bob"]) == ["bob"]
     assert tenant_values(["vip", "bob"]) == ["vip", "bob"] and tenant_values(["Bob", "bob"]) == ["Bob", "bob"]
+    # One value in HTTP's combined form (Envoy joins an appended value so: ext_authz's
+    # `append: true`) names each of its items.
+    assert tenant_values(["vip,bob"]) == ["vip", "bob"] and tenant_values(["bob, bob", "bob"]) == ["bob"]
+    assert tenant_values([",", " , "]) == [] and tenant_values([", bob,"]) == ["bob"]
 
 
 # Paths that reach a model route on a server that normalizes or decodes them, or that look like
