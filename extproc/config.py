@@ -265,16 +265,32 @@ class TrustConfig(_Strict):
         return v
 
 
+# Longest tenant name stored as it is; a longer one is stored by its digest (server.tenant_key).
+TENANT_MAX_CHARS = 128
+
+
 class AdmissionConfig(_Strict):
     default_priority: int = Field(default=1, ge=0, le=2, description="Priority when no trusted header or tenant mapping applies.")
     priority_header: HeaderName = Field(default="x-request-priority", description="Header carrying the requested priority.")
     tenant_header: HeaderName = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust, overwriting any the client sent: a request whose header names two different tenants, as repeated values or as one comma-separated value, is refused with 400 conflicting_tenant).")
-    tenant_priorities: dict[str, Priority] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted.")
+    tenant_priorities: dict[str, Priority] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted (a tenant name is 1-128 characters, without a comma or surrounding spaces).")
     trust: TrustConfig = TrustConfig()
     retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")
     retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
     retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is spread uniformly over a band this wide (relative), also at the min/max clamps.")
     anonymous_tenant_cap: bool = Field(default=False, description="Apply `tenant_queue_share` to requests without a tenant header as if they were one tenant (default: they are not capped).")
+
+    @field_validator("tenant_priorities")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, int]) -> dict[str, int]:
+        # A request's tenant is read as the header's comma-separated items, stripped, and one
+        # longer than TENANT_MAX_CHARS is stored by its digest: a key that breaks any of these
+        # could never match, and its tenant would silently run at the default priority.
+        for name in v:
+            if not name or name != name.strip(" \t") or "," in name or len(name) > TENANT_MAX_CHARS:
+                raise ValueError(f"tenant {name[:40]!r}{'...' if len(name) > 40 else ''} can never match a request: "
+                                 f"a tenant is 1-{TENANT_MAX_CHARS} characters, without a comma or surrounding spaces")
+        return v
 
     @model_validator(mode="after")
     def _retry_after_bounds(self) -> AdmissionConfig:

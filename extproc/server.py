@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
-from floodgate.extproc.config import Config
+from floodgate.extproc.config import TENANT_MAX_CHARS, Config
 from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
@@ -138,6 +139,18 @@ def tenant_values(values: list[str] | None) -> list[str]:
             if v and v not in out:
                 out.append(v)
     return out
+
+
+def tenant_key(tenant: str) -> str:
+    """The name a tenant is resolved and counted by: itself up to `TENANT_MAX_CHARS`, else its
+    first 64 characters and a 128-bit digest of the whole. (Cut to the first 128 characters,
+    tenants that shared them were one tenant, one queue share, and a long name matched a
+    configured tenant by its prefix alone; configured names are at most 128 characters, so a
+    digest form never matches one.)"""
+    if len(tenant) <= TENANT_MAX_CHARS:
+        return tenant
+    digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{tenant[:64]}#{digest}"
 
 
 def status_of(headers: pb.HttpHeaders) -> int:
@@ -368,7 +381,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             source_ip=source_ip_of(_attr(attrs, "source.address")),
             mtls=bool(_attr(attrs, "connection.mtls")),
             peer_uri_sans=(str(san),) if san else (),
-            tenant=tenants[0][:128] if tenants else None,
+            tenant=tenant_key(tenants[0]) if tenants else None,
             priority_values=tuple(headers.get(self.cfg.admission.priority_header.lower(), ())),
         )
 

@@ -43,6 +43,11 @@ def test_bad_redis_urls(value: str) -> None:
 PROCESSOR_BAD = [
     ({"admission": {"tenant_priorities": {"gold": 9}}}, "admission.tenant_priorities.gold"),
     ({"admission": {"tenant_priorities": {"gold": -1}}}, "admission.tenant_priorities.gold"),
+    # names no request can carry: over 128 characters, a comma (read as two tenants), spaces, empty
+    ({"admission": {"tenant_priorities": {"org-" + "x" * 125: 0}}}, "admission.tenant_priorities"),
+    ({"admission": {"tenant_priorities": {"vip,gold": 0}}}, "admission.tenant_priorities"),
+    ({"admission": {"tenant_priorities": {" vip": 0}}}, "admission.tenant_priorities"),
+    ({"admission": {"tenant_priorities": {"": 0}}}, "admission.tenant_priorities"),
     ({"admission": {"trust": {"spiffe_priorities": {"spiffe://x/y": 3}}}}, "admission.trust.spiffe_priorities.spiffe://x/y"),
     ({"admission": {"priority_header": "x priority"}}, "admission.priority_header"),
     ({"admission": {"tenant_header": ""}}, "admission.tenant_header"),

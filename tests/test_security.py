@@ -787,3 +787,52 @@ async def test_no_path_trick_runs_a_model_request_without_a_permit(stack: LocalS
     for path, status in statuses.items():
         assert status != 200, (path, status)
     assert sum(v for k, v in m.items() if k.startswith("floodgate_unadmitted_total")) == 0, statuses
+
+
+def test_a_long_tenant_is_counted_whole_not_by_its_first_128_characters() -> None:
+    """Cut to 128 characters, tenants sharing them were one tenant (one queue share: 18 distinct
+    4,000-character tenants through Envoy shared one cap) and a long name took a configured
+    tenant's priority by its prefix alone."""
+    from floodgate.extproc.config import Config
+    from floodgate.extproc.priority import PriorityResolver
+    from floodgate.extproc.server import tenant_key
+
+    short = "org-" + "x" * 124  # 128: kept as it is
+    assert tenant_key(short) == short and tenant_key("bob") == "bob"
+    long_a, long_b = short + "-premium", short + "-free"
+    ka, kb = tenant_key(long_a), tenant_key(long_b)
+    assert ka != kb and len(ka) <= 128 and len(kb) <= 128 and ka == tenant_key(long_a)
+    assert tenant_key("é" * 200) != tenant_key("é" * 199 + "e")  # non-ASCII counts whole too
+    assert tenant_key("\udcff" * 200)  # a name that is not valid UTF-8 (surrogates) still has a key
+    cfg = Config.model_validate({"admission": {"tenant_priorities": {short: 0}}, "pools": [{"name": "d"}]})
+    resolver = PriorityResolver(cfg.admission)
+    from floodgate.extproc.priority import Caller
+    assert resolver.resolve(Caller(tenant=tenant_key(short))).priority == 0
+    assert resolver.resolve(Caller(tenant=ka)).priority == 1  # the prefix alone is not the tenant
+
+
+async def test_long_tenants_that_share_128_characters_queue_as_two_tenants(stack: LocalStack,
+                                                                           upstream: int) -> None:
+    """Through the real Envoy: with a tenant cap of one waiter, two tenants whose names share their
+    first 128 characters each queue one request (before: the second was 429 tenant_cap)."""
+    from tests.helpers import post
+
+    stack.start_redis()
+    classes = {str(c): {"share": share, "max_queue": 4, "tenant_queue_share": 0.25, "queue_timeout_s": 10}
+               for c, share in enumerate((0.5, 0.1, 0.0))}
+    p = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 1},
+                                          "local_credits": 0, "classes": classes}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    prefix = "org-" + "x" * 124
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, envoy.url, headers={"x-tenant-id": "hold", "x-test-delay-ms": "1500"}))
+
+        async def held() -> bool:
+            return (await pool_status(stack.redis_url, "default")).inflight_total == 1
+
+        assert await wait_until(held, 10)
+        waiters = [asyncio.create_task(post(s, envoy.url, headers={"x-tenant-id": prefix + suffix}))
+                   for suffix in ("-premium", "-free")]
+        replies = await asyncio.gather(hold, *waiters)
+    assert [r.status for r in replies] == [200, 200, 200], [(r.status, r.headers.get("x-floodgate-reject-reason"))
+                                                           for r in replies]
