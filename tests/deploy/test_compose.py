@@ -358,6 +358,25 @@ def test_grafana_provisions_the_datasource_and_the_dashboards_folder() -> None:
 
 # --- trust boundaries: Redis ACL users, networks, pinned images ------------------------------
 
+def test_the_processors_trust_the_host_not_the_containers_beside_them() -> None:
+    """The priority header is honoured from the host (Docker's gateway address, pinned) only: no
+    model replica, nor any other container on the network, may send P0 (it trusted the whole
+    subnet before)."""
+    import ipaddress
+
+    ipam = model()["networks"]["default"]["ipam"]["config"][0]
+    gateway = ipaddress.ip_address(ipam["gateway"])
+    assert gateway in ipaddress.ip_network(ipam["subnet"])
+    cfg = load_config(DEPLOY / "processor.yaml", env={})
+    trusted = [ipaddress.ip_network(c) for c in cfg.admission.trust.cidrs]
+    assert any(gateway in n for n in trusted)
+    addresses = [svc["networks"]["default"]["ipv4_address"] for profile in (None, "gpu")
+                 for svc in services(profile).values()
+                 if isinstance(svc.get("networks"), dict) and (svc["networks"].get("default") or {}).get("ipv4_address")]
+    assert len(addresses) == 6
+    for ip in addresses + [str(ipaddress.ip_network(ipam["subnet"])[n]) for n in (2, 3, 100, 254)]:
+        assert not any(ipaddress.ip_address(ip) in n for n in trusted), ip
+
 def _redis_script() -> str:
     redis = services()["redis"]
     assert redis["entrypoint"] == ["/bin/sh", "-ec"]
