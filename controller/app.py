@@ -45,6 +45,7 @@ from floodgate.controller.config import ControllerConfig, PoolConfig, process_st
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
 from floodgate.controller.leader import LeaderLease
 from floodgate.controller.lifecycle import (
+    Action,
     ActionKind,
     Event,
     action_event,
@@ -181,6 +182,7 @@ class PoolController:
         self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
         self._arriving_due: list[float] = []  # the times announced last, one per replica (controller clock)
         self.start_backoff = StartBackoff()  # failed starts in a row (controller.liveness)
+        self.logged_actions: list[Action] = []  # the last step's actions, as the decision log names them
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -351,7 +353,10 @@ class PoolController:
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
                                            "envoy_active": envoy.rq_active if envoy and envoy.ok else None})
         await self._persist(d, seq_before)
-        todo = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
+        # The actions the decision log named (`step`), less any that became skippable while the
+        # plan was persisted: filtering d.actions afresh here started a replica the log did not
+        # name when a start backoff ended in between (a flaky test, and a log that undercounts).
+        todo = [a for a in self.logged_actions if not self._skip(a.replica_id, a.kind)]
         for a in todo:
             await self._execute(a.kind, a.replica_id, a.reason, now)
         await self._publish_ceiling(d)  # after the promotions: they count as coming within a wake
@@ -384,6 +389,7 @@ class PoolController:
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
         actions = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
+        self.logged_actions = actions
         if plan.direction != "none" or plan.reason != self.last_reason or actions:
             self.emit("decision", direction=plan.direction, desired=plan.desired, previous=plan.previous,
                       reason=plan.reason, cause=plan.cause, active=plan.active, incoming=plan.incoming,
