@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class CapacityConfig(BaseModel):
     """Learned per-replica capacity. Off (`enabled: false`) the prior is used as is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     enabled: bool = Field(default=True, description="Learn capacity from measured TTFT/ITL (false: use target_concurrency).")
     slo_ttft_s: float = Field(default=2.0, gt=0, description="The pool's TTFT SLO (seconds).")

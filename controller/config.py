@@ -42,7 +42,9 @@ __all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config",
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: .inf passed every lower bound, printed as null by --check-config and then
+    # crashed start-up (OverflowError converting a TTL to milliseconds).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RedisConfig(_Strict):

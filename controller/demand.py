@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class DemandConfig(BaseModel):
     """Offered-demand settings of one pool."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     enabled: bool = Field(default=True, description="Count demand admission turned away (false: served demand only).")
     window_s: float = Field(default=5.0, gt=0, description="Counter deltas are taken over this many seconds.")

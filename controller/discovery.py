@@ -45,7 +45,7 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 class EndpointSliceConfig(BaseModel):
     """Where the pool's pods are found (the `options` of actuator kind `endpointslices`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     namespace: str = Field(default="default", min_length=1, description="Namespace of the model Service.")
     service: str = Field(default="vllm", min_length=1, description="The model Service whose EndpointSlices list the pods.")

@@ -38,7 +38,7 @@ MINUTES_PER_DAY = 1440
 class ForecastConfig(BaseModel):
     """Forecaster settings. Defaults: docs/controller.md (forecast) and the backtest."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     enabled: bool = Field(default=True, description="False: reactive only, no floor.")
     days: int = Field(default=7, ge=1, le=28, description="Past days that vote for a minute.")

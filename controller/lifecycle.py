@@ -103,7 +103,7 @@ def apply_event(
 class WarmPoolConfig(BaseModel):
     """Warm pool and drain settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     enabled: bool = Field(default=True, description="Keep drained/refilled replicas warm instead of terminating them.")
     min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target: at most `max_size` and "

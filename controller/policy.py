@@ -96,7 +96,7 @@ class PolicyConfig(BaseModel):
     """Every threshold of the scaling policy. Defaults are the ones tuned with
     `floodgate controller simulate` (docs/controller.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     min_replicas: int = Field(default=1, ge=0, description="Fewest active replicas.")
     max_replicas: int = Field(default=64, ge=1, description="Most active replicas.")

@@ -8,6 +8,8 @@ import sys
 
 from floodgate.extproc.config import ConfigError, load_config
 
+from floodgate.yamlconfig import dump_redacted
+
 HELP = """\
 Run the Envoy external processor that admits, queues (P0 > P1 > P2) or rejects (429 with
 Retry-After) every request of the configured pools. All processes pointed at the same Redis
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"floodgate extproc: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(cfg.model_dump_json(indent=2))
+        print(dump_redacted(cfg))
         return 0
     from floodgate.extproc.app import serve
 

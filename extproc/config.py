@@ -57,7 +57,9 @@ PoolName = Annotated[str, AfterValidator(check_pool_name)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: .inf passed every lower bound, printed as null by --check-config and then
+    # crashed start-up (OverflowError converting a TTL to milliseconds).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # `slo_reject_s` is a p99 target: a class that has one waits only when 99 % sure to be served.

@@ -116,7 +116,7 @@ def parse_redis_url(url: str) -> RedisTarget:
             aioredis.connection.parse_url(url)
         except (ValueError, TypeError) as exc:
             raise RedisURLError(str(exc)) from None
-        return RedisTarget("single", url, tls=scheme == "rediss", display=_redact(url))
+        return RedisTarget("single", url, tls=scheme == "rediss", display=redact_url(url))
     if scheme not in _SENTINEL + _CLUSTER:
         raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "
                             "rediss+sentinel, redis+cluster or rediss+cluster)")
@@ -154,16 +154,16 @@ def parse_redis_url(url: str) -> RedisTarget:
         except ValueError:
             raise RedisURLError(f"bad database number {path[1]!r}") from None
         return RedisTarget("sentinel", url, hosts, path[0], db, username, password,
-                           query.get("sentinel_password"), tls, _redact(url), tls_options)
+                           query.get("sentinel_password"), tls, redact_url(url), tls_options)
     hosts = tuple(_host_port(h, 6379) for h in hostlist.split(","))
     if path and path != ["0"]:
         raise RedisURLError("a cluster has only database 0; drop the path")
     if "sentinel_password" in query:
         raise RedisURLError("sentinel_password is only for redis+sentinel:// URLs")
-    return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, _redact(url), tls_options)
+    return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, redact_url(url), tls_options)
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """The URL without its passwords (for logs)."""
     scheme, _, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")

@@ -8,6 +8,7 @@ group, and `stop()` terminates the group, escalating to SIGKILL after a grace pe
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -111,12 +112,31 @@ class Child:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def _die_with(parent: int) -> None:
+    """In a forked child before exec (Linux): SIGTERM when the thread that started it dies, and
+    exit at once if that already happened (the parent died between fork and here)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 @dataclass
 class Supervisor:
-    """Owns a set of child processes and a scratch directory for their logs and configs."""
+    """Owns a set of child processes and a scratch directory for their logs and configs.
+
+    `die_with_parent` (`floodgate up`): each child gets SIGTERM when this process dies, however
+    it dies (SIGKILL, a closed terminal's SIGHUP it did not handle), so a killed `up` leaves no
+    Redis, processors or controller behind; a child in its own session is not reached by the
+    terminal's signals otherwise. Linux only (prctl PR_SET_PDEATHSIG), and the signal follows the
+    *thread* that started the child: start children from the main thread, as `up` does."""
 
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="floodgate-")))
     children: list[Child] = field(default_factory=list)
+    die_with_parent: bool = False
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
         log_path = self.workdir / f"{name}.log"
@@ -131,6 +151,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
+            preexec_fn=functools.partial(_die_with, os.getpid()) if self.die_with_parent and sys.platform == "linux" else None,
         )
         log.close()
         child = Child(name, proc, log_path)

@@ -252,7 +252,7 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM takes the same path as Ctrl-C, so one cleanup stops every child."""
+    """SIGTERM and SIGHUP take the same path as Ctrl-C, so one cleanup stops every child."""
     raise KeyboardInterrupt
 
 
@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from floodgate.extproc.config import ConfigError, load_config
+    from floodgate.yamlconfig import read_mapping
 
     config: dict[str, Any] = DEMO_CONFIG
     try:
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"floodgate up: {exc}", file=sys.stderr)
             return 2
-        config = yaml.safe_load(args.config.read_text()) or {}
+        config = read_mapping(args.config)
     # Every argument is checked, and the controller config they make validated, before anything
     # starts: a bad one would otherwise surface only as the controller's exit, with the stack up.
     problem = check_args(args, str((config.get("pools") or [{}])[0].get("name", "default")))
@@ -284,12 +285,18 @@ def run(args: argparse.Namespace) -> int:
     # Turn SIGTERM into KeyboardInterrupt so one cleanup path stops every child; SIGINT too,
     # explicitly, because a shell starting us in the background hands SIGINT down ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)  # a closed terminal or a lost SSH session
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with Supervisor() as sup:
+    # die_with_parent: a SIGKILLed `up` cannot clean up; its children get SIGTERM from the kernel.
+    with Supervisor(die_with_parent=True) as sup:
         stack = LocalStack(sup)
         try:
             print(f"floodgate up: logs and configs in {sup.workdir}", file=sys.stderr)
             if args.redis_url:
+                problem = _redis_problem(args.redis_url)
+                if problem:  # before anything starts against it
+                    print(f"floodgate up: {problem}", file=sys.stderr)
+                    return 1
                 stack.redis_url = args.redis_url
             else:
                 stack.start_redis()
@@ -423,15 +430,45 @@ def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) ->
         finally:
             await c.aclose()
 
+    import redis.exceptions
+
+    from floodgate.extproc.redis_client import redact_url
+
     deadline = time.monotonic() + timeout
+    problem = ""
     while time.monotonic() < deadline:
         if not ctl.alive():
             raise RuntimeError(f"controller exited:\n{ctl.log_tail()}")
-        eps = asyncio.run(active())
+        try:
+            eps = asyncio.run(active())
+        except (redis.exceptions.RedisError, OSError) as exc:  # Redis gone or not there yet: keep asking
+            problem = f" (Redis at {redact_url(redis_url)}: {exc})"
+            eps = []
         if len(eps) >= n:
             return eps
         time.sleep(0.3)
-    raise TimeoutError(f"controller did not bring {n} replicas up in {timeout:.0f} s\n{ctl.log_tail()}")
+    raise TimeoutError(f"controller did not bring {n} replicas up in {timeout:.0f} s{problem}\n{ctl.log_tail()}")
+
+
+def _redis_problem(redis_url: str) -> str | None:
+    """Why the Redis at `redis_url` cannot serve the stack (None: it answers PING)."""
+    import redis.exceptions
+
+    from floodgate.extproc.redis_client import redact_url
+    from floodgate.extproc.state import redis_client
+
+    async def ping() -> None:
+        c = redis_client(redis_url, op_timeout_s=2)
+        try:
+            await c.ping()
+        finally:
+            await c.aclose()
+
+    try:
+        asyncio.run(ping())
+    except (redis.exceptions.RedisError, OSError, ValueError) as exc:
+        return f"cannot use Redis at {redact_url(redis_url)}: {exc}"
+    return None
 
 
 def _kill_leftover_replicas(replica_dir: Path) -> None:

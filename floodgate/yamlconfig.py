@@ -7,11 +7,12 @@ traceback.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 
 class ConfigError(ValueError):
@@ -67,9 +68,12 @@ def _check_unique_keys(loader: yaml.SafeLoader, node: yaml.Node, path: tuple[str
 def read_mapping(path: str | Path) -> dict[str, Any]:
     """The YAML file's top-level mapping (an empty file is an empty mapping)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text: byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}") from None
     try:
         loaded = load_unique(text)
     except yaml.YAMLError as exc:
@@ -90,3 +94,19 @@ def format_errors(exc: ValidationError, title: str = "invalid config") -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         lines.append(f"  {loc}: {err['msg']}")
     return f"{title}:\n" + "\n".join(lines)
+
+
+def dump_redacted(cfg: BaseModel) -> str:
+    """The validated config as `--check-config` prints it: JSON, with the Redis password and the
+    passwords in the Redis URL replaced by `***` (a config check's output lands in CI logs and
+    terminals; the processor's start-up log redacts them the same way)."""
+    from floodgate.extproc.redis_client import redact_url
+
+    data = cfg.model_dump(mode="json")
+    redis = data.get("redis")
+    if isinstance(redis, dict):
+        if redis.get("password"):
+            redis["password"] = "***"
+        if isinstance(redis.get("url"), str):
+            redis["url"] = redact_url(redis["url"])
+    return json.dumps(data, indent=2)

@@ -60,6 +60,11 @@ PROCESSOR_BAD = [
     ({"pools": [{"name": "a", "limit": {"window_s": 20, "window_max_s": 10}}]}, "pools.0.limit"),
     ({"pools": [{"name": "a", "unadmitted_paths": ["health"]}]}, "pools.0.unadmitted_paths.0"),
     ({"pools": [{"name": "a"}, {"name": "a"}]}, "pools"),
+    # infinite values passed every lower bound and crashed start-up (OverflowError)
+    ({"redis": {"lease_ttl_s": float("inf")}}, "redis.lease_ttl_s"),
+    ({"server": {"shutdown_grace_s": float("inf")}}, "server.shutdown_grace_s"),
+    ({"admission": {"retry_after_max_s": float("nan")}}, "admission.retry_after_max_s"),
+    ({"pools": [{"name": "a", "limit": {"window_s": float("inf")}}]}, "pools.0.limit.window_s"),
 ]
 
 
@@ -77,6 +82,8 @@ def test_processor_metrics_listen_may_be_empty() -> None:
 
 
 CONTROLLER_BAD = [
+    ({"pools": [{"name": "default", "policy": {"target_concurrency": float("inf")}}]}, "pools.0.policy.target_concurrency"),
+    ({"pools": [{"name": "default", "warm_pool": {"max_drain_s": float("inf")}}]}, "pools.0.warm_pool.max_drain_s"),
     ({"redis": {"url": "http://r:6379"}}, "redis.url"),
     ({"envoy": {"admin_url": "127.0.0.1:9901"}}, "envoy.admin_url"),
     ({"metrics_listen": "0.0.0.0"}, "metrics_listen"),
@@ -296,3 +303,22 @@ def test_cli_rejects_contradictions_at_check_and_at_start(tmp_path: Path, text: 
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert field in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_check_config_prints_no_redis_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--check-config` output lands in CI logs: the Redis password (in the URL, in the config,
+    from FLOODGATE_REDIS_PASSWORD) prints as ***, and the rest of the config as validated."""
+    import json
+
+    from floodgate.cli import main
+
+    p = tmp_path / "p.yaml"
+    p.write_text('redis: {url: "redis+sentinel://u:pw-in-url@s1:26379/mymaster?sentinel_password=pw-sentinel"}\n')
+    monkeypatch.setenv("FLOODGATE_REDIS_PASSWORD", "pw-from-env")
+    assert main(["extproc", "--check-config", "--config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "pw-" not in out, out
+    redis = json.loads(out)["redis"]
+    assert redis["url"] == "redis+sentinel://u:***@s1:26379/mymaster?sentinel_password=***"
+    assert redis["password"] == "***" and redis["op_timeout_s"] > 0

@@ -55,7 +55,7 @@ Ledger = dict[str, list[str]]
 class KubernetesActuatorConfig(BaseModel):
     """Where the pool's replicas live. Embeddable in the controller's config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
 
     namespace: str = Field(default="default", description="Namespace of the inference Deployment and its pods.")
     deployment: str = Field(default="vllm", description="Name of the inference Deployment whose pods are the replicas.")

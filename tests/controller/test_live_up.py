@@ -52,7 +52,12 @@ def _post(url: str) -> int:
         return int(r.status)
 
 
-def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
+def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signals) -> None:
+    """SIGINT (Ctrl-C) and SIGHUP (a closed terminal) take the cleanup path; after SIGKILL, which
+    nothing can catch, the kernel sends each child SIGTERM (`Supervisor.die_with_parent`) and the
+    controller stops its replicas. Before: SIGHUP and SIGKILL left Redis, the processors, the
+    controller and its replicas running (8 processes)."""
     port, admin = free_port(), free_port()
     err = (tmp_path / "up.err").open("wb")
     proc = subprocess.Popen(
@@ -74,11 +79,12 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path) -> None:
         pids = _descendants(proc.pid)
         sims = [p for p in pids if "sim" in " ".join(psutil.Process(p).cmdline())]
         assert len(sims) >= 2  # the controller's replicas are its (grand)children
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         rc = proc.wait(30)
-        assert rc in (0, 130)
-        time.sleep(0.2)
-        left = [p for p in pids if _alive(p)]
+        assert rc in ((0, 130) if stop == signal.SIGINT else (130,) if stop == signal.SIGHUP else (-9,)), rc
+        with contextlib.suppress(AssertionError):
+            _wait(lambda: not any(_alive(p) for p in pids), 20)
+        left = [(p, psutil.Process(p).cmdline()[:3]) for p in pids if _alive(p)]
         assert left == [], f"left behind: {left}"
         workdir = re.search(r"logs and configs in (\S+)", text)
         assert workdir is not None
@@ -118,6 +124,31 @@ def test_up_refuses_a_busy_port_unless_asked(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
                             "--admin-port", str(port)], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and f"--admin-port {port} is in use" in r.stderr
+
+
+def test_up_against_a_dead_redis_says_so_without_a_traceback(tmp_path: Path) -> None:
+    """`--redis-url` pointing at nothing: one line naming the URL (password redacted) and the
+    error, exit 1, before any processor starts (before: a 74-line redis-py traceback after
+    starting the processors, Envoy and the controller)."""
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
+                        "--admin-port", str(free_port()), "--redis-url", dead], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "cannot use Redis at redis://:***@127.0.0.1" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "hunter2" not in r.stderr and "extproc0" not in r.stderr
+
+
+def test_up_config_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "p.yaml"
+    bad.write_bytes(b"redis: \xff\xfe\x00bad\n")
+    for argv in (["up", "--no-demo", "--port", str(free_port()), "--admin-port", str(free_port())],
+                 ["extproc", "--check-config"], ["status"]):
+        r = subprocess.run([sys.executable, "-m", "floodgate", *argv, "--config", str(bad)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2, (argv, r.returncode, r.stderr[-2000:])
+        assert f"config {bad} is not UTF-8 text: byte 0xff at offset 7" in r.stderr, (argv, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(("argv", "words"), [
