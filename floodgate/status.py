@@ -2,8 +2,16 @@
 
 Per pool: the limit, in-flight and queued requests by class, the leases each gateway (processor)
 holds, the gateways that stopped refreshing their liveness (degraded: cannot reach Redis, or
-gone), and the replica registry by state. Reads only through the state API (`extproc/state.py`,
-`extproc/registry.py`), never by spelling keys itself.
+gone), and the replica registry by state. Key names come from `extproc/schema.py`; the
+registry and the pool's counters are read through the state API (`extproc/state.py`,
+`extproc/registry.py`).
+
+A gateway whose liveness ran out stays in `gws` only until the next script call that reclaims
+(leases.lua `reclaim` drops it, its waiters and its `hw:`/`bx:` fields of the pool's state),
+while the leases it holds run to their own expiry. So a gateway that holds leases or waiters
+and has no `gws` entry is listed as gone until they are reclaimed, unless the state still has
+its `hw:` field: then it is one that has called the script since the last purge (a processor
+that has acquired but not yet renewed: `gws` is written by its first `sync`), and live.
 """
 
 from __future__ import annotations
@@ -12,14 +20,16 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 HELP = """\
 Show what every processor and the controller share in Redis: per pool the limit, in-flight and
-queued requests per priority class, leases per gateway, degraded gateways and the replica
-registry by state. `--json` prints the same as one JSON document.
+queued requests per priority class, leases per gateway, degraded gateways (silent, or gone while
+Redis still holds their permits or waiters) and the replica registry by state. `--json` prints
+the same as one JSON document (`{"error": ...}` when Redis cannot be read).
 
   floodgate status --redis-url redis://127.0.0.1:6379/0
   floodgate status --config processor.yaml --json
@@ -45,8 +55,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 class GatewayStatus:
     gateway: str
     live: bool
-    silent_s: float  # how long since its liveness expired (0 while live)
+    silent_s: float  # how long since its liveness expired (0 while live, or gone: not known any more)
     leases: int
+    waiters: int = 0
+    # not live and its liveness record already purged (leases.lua `reclaim`): what it holds is
+    # left until its leases expire and are reclaimed
+    gone: bool = False
+    leases_expire_s: float = 0.0  # seconds until the last of its leases expires (0: none, or all expired)
 
 
 @dataclass
@@ -142,6 +157,18 @@ async def pool_exists(client: Any, pool: str) -> bool:
     return bool(await client.exists(*(schema.key(pool, name) for name in _durable())))
 
 
+# The state hash field leases.lua keeps per gateway that has called the script (`is_new`: its
+# ticket watermark) and deletes with its liveness record when the gateway is purged as dead.
+_HW = "hw:"
+
+
+def _waiter_gateway(qmeta: str) -> str:
+    """The gateway of a waiter, from its `qmeta` value "class|deadline|gateway|seq|tenant" (the
+    tenant, last, may contain '|')."""
+    parts = qmeta.split("|", 4)
+    return parts[2] if len(parts) == 5 else ""
+
+
 class UnknownPool(LookupError):
     """`--pool` named a pool no processor or controller has written to this Redis."""
 
@@ -155,18 +182,36 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     now_s, now_us = await client.time()
     now_ms = int(now_s) * 1000 + int(now_us) // 1000
     leases: dict[str, int] = {}
+    lease_end: dict[str, float] = {}  # gateway -> expiry (ms) of its last lease
+    expiry = {_text(t): float(ms) for t, ms in await client.zrange(schema.key(pool, "leases"), 0, -1,
+                                                                    withscores=True)}
     for ticket, meta in (await client.hgetall(schema.key(pool, "lmeta"))).items():
         if _text(ticket) == schema.PAD_FIELD:
             continue
         gw = schema.lease_gateway(_text(meta)) or "?"
         leases[gw] = leases.get(gw, 0) + 1
+        lease_end[gw] = max(lease_end.get(gw, 0.0), expiry.get(_text(ticket), 0.0))
+    waiters: dict[str, int] = {}
+    for ticket, meta in (await client.hgetall(schema.key(pool, "qmeta"))).items():
+        if _text(ticket) == schema.PAD_FIELD:
+            continue
+        gw = _waiter_gateway(_text(meta)) or "?"
+        waiters[gw] = waiters.get(gw, 0) + 1
     gateways: dict[str, GatewayStatus] = {}
-    for gw_raw, expiry in await client.zrange(schema.key(pool, "gws"), 0, -1, withscores=True):
+    for gw_raw, live_until in await client.zrange(schema.key(pool, "gws"), 0, -1, withscores=True):
         gw = _text(gw_raw)
-        gateways[gw] = GatewayStatus(gw, expiry > now_ms, max(0.0, (now_ms - expiry) / 1000), leases.get(gw, 0))
-    for gw, n in leases.items():
-        # Unexpired leases and no liveness record yet (it is written on the first renewal).
-        gateways.setdefault(gw, GatewayStatus(gw, True, 0.0, n))
+        gateways[gw] = GatewayStatus(gw, live_until > now_ms, max(0.0, (now_ms - live_until) / 1000),
+                                     leases.get(gw, 0), waiters.get(gw, 0))
+    # Leases or waiters of a gateway with no liveness record: one that called the script since
+    # the last purge (its `hw:` field is in the state: acquired, not renewed yet) is live; one
+    # without it was purged as dead and is gone, what it holds left until reclaimed.
+    unlisted = sorted((leases.keys() | waiters.keys()) - gateways.keys())
+    marks = await client.hmget(schema.key(pool, "state"), [_HW + gw for gw in unlisted]) if unlisted else []
+    for gw, mark in zip(unlisted, marks, strict=True):
+        gone = mark is None
+        gateways[gw] = GatewayStatus(gw, not gone, 0.0, leases.get(gw, 0), waiters.get(gw, 0), gone)
+    for g in gateways.values():
+        g.leases_expire_s = max(0.0, (lease_end.get(g.gateway, 0.0) - now_ms) / 1000)
     registry: dict[str, list[EndpointStatus]] = {s: [] for s in STATES}
     ejected = schema.parse_ejections(await client.hget(schema.key(pool, "state"), schema.EJECTED_FIELD))
     for ep in (await Registry(client, pool).endpoints()).values():
@@ -222,13 +267,19 @@ def render(reports: list[PoolReport]) -> str:
                      f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}), "
                      f"queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
         live = [g for g in r.gateways if g.live]
-        lines.append(f"  gateways: {len(live)} live"
+        down = len(r.gateways) - len(live)
+        lines.append(f"  gateways: {len(live)} live" + (f", {down} DEGRADED or gone" if down else "")
                      + (f"; leases {', '.join(f'{g.gateway} {g.leases}' for g in r.gateways if g.leases)}"
                         if any(g.leases for g in r.gateways) else ""))
         for g in r.gateways:
-            if not g.live:
+            if g.gone:
+                until = (f"its leases expire in {g.leases_expire_s:.1f} s" if g.leases_expire_s
+                         else "the next admission call reclaims them")
+                lines.append(f"  DEGRADED or gone: {g.gateway} gone (holding {g.leases} permits, {g.waiters} "
+                             f"waiters; {until})")
+            elif not g.live:
                 lines.append(f"  DEGRADED or gone: {g.gateway} (silent {g.silent_s:.1f} s, {g.leases} leases "
-                             "until they expire)")
+                             f"until they expire, {g.waiters} waiters)")
         counts = ", ".join(f"{s} {len(eps)}" for s, eps in r.registry.items())
         lines.append(f"  registry: {counts}")
         for state, eps in r.registry.items():
@@ -248,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     from floodgate.extproc.redis_client import OUTAGE_ERRORS
 
     url, password = args.redis_url, os.environ.get("FLOODGATE_REDIS_PASSWORD") or None
+    source = "--redis-url"
     if args.config:
         from floodgate.extproc.config import ConfigError, load_config
 
@@ -256,22 +308,28 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"floodgate status: {exc}", file=sys.stderr)
             return 2
+        if not url:
+            source = f"{args.config}: redis.url"
         url, password = url or cfg.redis.url, cfg.redis.password
-    url = url or os.environ.get("FLOODGATE_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    if not url and os.environ.get("FLOODGATE_REDIS_URL"):
+        url, source = os.environ["FLOODGATE_REDIS_URL"], "FLOODGATE_REDIS_URL"
+    url = url or "redis://127.0.0.1:6379/0"
     from floodgate.validators import check_redis_url
 
     try:
         check_redis_url(url)
     except ValueError as exc:
-        print(f"floodgate status: --redis-url: {exc}", file=sys.stderr)
+        print(f"floodgate status: {source}: {exc}", file=sys.stderr)
         return 2
     from floodgate.extproc.redis_client import parse_redis_url
 
     try:
         got = asyncio.run(collect(url, password, args.pool))
     except OUTAGE_ERRORS as exc:
-        print(f"floodgate status: cannot read {parse_redis_url(url).display}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        msg = f"cannot read {parse_redis_url(url).display}: {type(exc).__name__}: {short_error(exc)}"
+        if args.json:
+            print(json.dumps({"error": msg}))
+        print(f"floodgate status: {msg}", file=sys.stderr)
         if not (args.redis_url or args.config or os.environ.get("FLOODGATE_REDIS_URL")):
             print("  (no --redis-url given: `floodgate up` prints the URL of the Redis it started; pass it with "
                   "--redis-url or FLOODGATE_REDIS_URL)", file=sys.stderr)
@@ -283,3 +341,28 @@ def run(args: argparse.Namespace) -> int:
     for what in got.unreachable:
         print(f"floodgate status: UNREACHABLE {what}: the pools on it are not shown", file=sys.stderr)
     return 1 if got.unreachable else 0
+
+
+_CLIENT_REPR = re.compile(r"<redis\.")
+_HOST_PORT = re.compile(r"\bhost=([^,>]+),port=(\d+)")
+
+
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    """The error's text without the client reprs redis-py puts in some (a Sentinel's
+    MasterNotFoundError names each sentinel by its whole client: connection settings, object
+    addresses): each becomes `sentinel HOST:PORT` (or `client`), and the text is cut at `limit`."""
+    text, out, i = str(exc), [], 0
+    while (m := _CLIENT_REPR.search(text, i)) is not None:
+        out.append(text[i:m.start()])
+        depth, j = 0, m.start()
+        while j < len(text):  # the repr's closing '>' (it nests <...> of its own)
+            depth += {"<": 1, ">": -1}.get(text[j], 0)
+            j += 1
+            if depth == 0:
+                break
+        hp = _HOST_PORT.search(text, m.start(), j)
+        out.append(f"sentinel {hp[1]}:{hp[2]}" if hp else "client")
+        i = j
+    out.append(text[i:])
+    short = "".join(out)
+    return short if len(short) <= limit else short[:limit - 3] + "..."

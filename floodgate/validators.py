@@ -86,8 +86,18 @@ def check_redis_url(v: str) -> str:
             raise ValueError(str(exc)) from None
         return v
     _check_url(v, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
-    if v.startswith("unix") and not urlsplit(v).path:
+    parts = urlsplit(v)
+    if v.startswith("unix") and not parts.path:
         raise ValueError(f"{v!r}: a unix:// URL needs a socket path")
+    # redis-py reads a path that is not a number as database 0, silently (redis://host/abc).
+    if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]+", parts.path):
+        raise ValueError(f"the URL's path {parts.path!r} is not a database number (redis://host:port/DB, e.g. /0)")
+    from floodgate.extproc.redis_client import RedisURLError, parse_redis_url
+
+    try:  # redis-py's own checks (the query: ?db=abc, ?socket_timeout=x)
+        parse_redis_url(v)
+    except RedisURLError as exc:
+        raise ValueError(str(exc)) from None
     return v
 
 

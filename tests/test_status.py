@@ -121,3 +121,87 @@ def test_status_pool_on_an_empty_redis_says_no_pools_yet(redis_url: str) -> None
     r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, "--pool", "default"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "no pool 'default'" in r.stderr and "known pools: none yet" in r.stderr, r.stderr
+
+
+async def _purged_gateway(url: str) -> None:
+    """In pool `solo`: gw-dead acquired two permits (15 s leases), renewed once with a 0.4 s
+    liveness and stopped; a later script call purged it from `gws` (leases.lua `reclaim`), its
+    leases left to their own expiry. gw-new acquired and has not renewed yet (no `gws` entry)."""
+    c = redis_client(url, op_timeout_s=2)
+    try:
+        st = PoolState(c, "solo", lease_ttl_s=15, settings=PoolSettings(4, (0.5, 0.3, 0.1)))
+        assert (await st.acquire("gw-dead/5", "gw-dead", 5, 1, "t")).granted
+        assert (await st.acquire("gw-dead/6", "gw-dead", 6, 2, "t")).granted
+        await PoolState(c, "solo", lease_ttl_s=0.4).sync("gw-dead", 5, {}, {})  # keeps seq 5 and 6
+        await asyncio.sleep(0.6)
+        [r] = (await collect(url, pools=["solo"])).reports
+        assert [(g.gateway, g.live, g.gone) for g in r.gateways] == [("gw-dead", False, False)]  # silent, listed
+        assert (await st.acquire("gw-new/1", "gw-new", 1, 0, "t")).granted  # reclaims: gw-dead leaves `gws`
+        from floodgate.extproc import schema
+
+        assert await c.zrange(schema.key("solo", "gws"), 0, -1) == []
+    finally:
+        await c.aclose()
+
+
+def test_a_gateway_purged_from_gws_is_listed_gone_while_its_leases_remain(redis_url: str) -> None:
+    asyncio.run(_purged_gateway(redis_url))
+    [r] = asyncio.run(collect(redis_url, pools=["solo"])).reports
+    by_gw = {g.gateway: g for g in r.gateways}
+    dead, new = by_gw["gw-dead"], by_gw["gw-new"]
+    assert (dead.live, dead.gone, dead.leases, dead.waiters) == (False, True, 2, 0)
+    assert 10 < dead.leases_expire_s <= 15
+    assert new.live and not new.gone and new.leases == 1  # acquired, not renewed yet: live, not gone
+    assert r.degraded == ["gw-dead"]
+    text = render([r])
+    assert "gateways: 1 live, 1 DEGRADED or gone" in text, text
+    assert "DEGRADED or gone: gw-dead gone (holding 2 permits, 0 waiters; its leases expire in 1" in text, text
+    p = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, "--json"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    [pool] = [x for x in json.loads(p.stdout)["pools"] if x["pool"] == "solo"]
+    assert pool["degraded_gateways"] == ["gw-dead"]
+    [gw] = [g for g in pool["gateways"] if g["gateway"] == "gw-dead"]
+    assert gw["gone"] and gw["leases"] == 2 and gw["waiters"] == 0 and not gw["live"]
+
+
+def _status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FLOODGATE_REDIS")}
+    return subprocess.run([sys.executable, "-m", "floodgate", "status", *args], capture_output=True, text=True,
+                          timeout=60, env={**full, **(env or {})})
+
+
+def test_status_unreachable_sentinel_says_so_in_short_and_json_gets_an_error_object() -> None:
+    r = _status("--redis-url", "redis+sentinel://:hunter2@127.0.0.1:1,127.0.0.1:2/mymaster")
+    assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert "cannot read redis+sentinel://:***@127.0.0.1:1,127.0.0.1:2/mymaster" in r.stderr, r.stderr
+    assert "sentinel 127.0.0.1:1" in r.stderr and "sentinel 127.0.0.1:2" in r.stderr, r.stderr
+    assert "<redis." not in r.stderr and "ConnectionPool" not in r.stderr and "hunter2" not in r.stderr, r.stderr
+    assert len(r.stderr) < 800, r.stderr
+    r = _status("--redis-url", "redis://:hunter2@127.0.0.1:1/0", "--json")
+    assert r.returncode == 1 and "cannot read" in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    assert list(doc) == ["error"] and "cannot read redis://:***@127.0.0.1:1/0" in doc["error"], doc
+    assert "hunter2" not in r.stdout + r.stderr
+
+
+def test_status_bad_url_names_where_it_came_from_and_a_database_must_be_a_number() -> None:
+    r = _status(env={"FLOODGATE_REDIS_URL": "http://x:1"})
+    assert r.returncode == 2 and "FLOODGATE_REDIS_URL" in r.stderr and "--redis-url" not in r.stderr, r.stderr
+    for bad in ("redis://127.0.0.1:1/abc", "redis://127.0.0.1:1/0/1", "rediss://127.0.0.1:1/x",
+                "redis://127.0.0.1:1/?db=abc"):
+        r = _status("--redis-url", bad)
+        assert r.returncode == 2 and "--redis-url" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+        assert "cannot read" not in r.stderr, (bad, r.stderr)  # refused before any connection
+    r = _status("--redis-url", "redis://:hunter2@127.0.0.1:1/abc")
+    assert r.returncode == 2 and "'/abc' is not a database number" in r.stderr and "hunter2" not in r.stderr
+
+
+@pytest.mark.parametrize("good", ["redis://h:6379", "redis://h:6379/", "redis://h/15", "rediss://u:p@h:6380/1",
+                                  "unix:///run/redis.sock?db=2"])
+def test_check_redis_url_keeps_taking_database_numbers(good: str) -> None:
+    from floodgate.validators import check_redis_url
+
+    assert check_redis_url(good) == good
