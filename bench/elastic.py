@@ -918,27 +918,32 @@ def update_doc(doc: Path, section: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS),
-                   help="floodgate-tuned (not run by default): floodgate with the overload benchmark's "
-                        "hand-tuned classes instead of the shipped ones")
-    p.add_argument("--replicas", type=int, default=2, help="fixed pool size / min replicas")
-    p.add_argument("--max-replicas", type=int, default=10)
-    p.add_argument("--max-num-seqs", type=int, default=8, help="emulator --max-num-seqs per replica")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS), metavar="CONFIG",
+                   help=f"configurations to run, of {', '.join(CONFIGS)} (default: {' '.join(DEFAULT_CONFIGS)}); "
+                        "floodgate-tuned: floodgate with the overload benchmark's hand-tuned classes instead "
+                        "of the shipped ones")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="fixed pool size (admission) / the controller's min replicas (default 2)")
+    p.add_argument("--max-replicas", type=int, default=10, help="the controller's max replicas (default 10)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="emulator --max-num-seqs per replica (default 8)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration (default 1)")
     p.add_argument("--ops-scale", type=float, default=0.1,
-                   help="multiply cold start, wake and the controller's windows (0.1: 10x faster)")
-    p.add_argument("--cold-start", type=float, default=150.0, help="replica cold start before --ops-scale, s")
+                   help="multiply cold start, wake and the controller's windows (default 0.1: 10x faster)")
+    p.add_argument("--cold-start", type=float, default=150.0,
+                   help="replica cold start before --ops-scale, s (default 150)")
     p.add_argument("--per-replica-rps", type=float, default=None,
                    help="one replica's capacity (default: derived from the engine model)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--slo-ttft", type=float, default=2.0)
-    p.add_argument("--slo-tpot", type=float, default=0.1)
-    p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
-    p.add_argument("--no-doc", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--seed", type=int, default=1, help="seed of the request plan (default 1)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s (default 2)")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, s (default 0.1)")
+    p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s (default 30)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                   help="directory for results.json, the raw runs and timeline.png (default docs/benchmarks/elastic)")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC, metavar="FILE",
+                   help="markdown file whose Elastic section is rewritten (default docs/benchmarks.md)")
+    p.add_argument("--no-doc", action="store_true", help="do not update --doc")
+    p.add_argument("--no-plots", action="store_true", help="skip timeline.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--from-raw", action="store_true",
                    help="run nothing: re-evaluate the raw data already in --out (same workload flags) "
                         "and rewrite results.json, the plot and the doc section")

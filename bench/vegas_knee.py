@@ -228,13 +228,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hours", type=float, default=8.0, help="simulated hours of saturation per run")
-    p.add_argument("--signal", choices=["tpot", "ttft", "combined"], default=PoolConfig().limit.signal)
-    p.add_argument("--time-scale", type=float, default=4.0)
-    p.add_argument("--knee-seconds", type=float, default=300.0, help="simulated seconds per knee point (x time scale)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hours", type=float, default=8.0, help="simulated hours of saturation per run (default 8)")
+    p.add_argument("--signal", choices=["tpot", "ttft", "combined"], default=PoolConfig().limit.signal,
+                   help="latency signal the limit follows (default %(default)s: the shipped pool's)")
+    p.add_argument("--time-scale", type=float, default=4.0,
+                   help="multiply the engine's step times and the SLOs: fewer steps per simulated hour (default 4)")
+    p.add_argument("--knee-seconds", type=float, default=300.0,
+                   help="simulated seconds per knee point (x time scale; default 300)")
+    p.add_argument("--seed", type=int, default=1, help="random seed of the request lengths and errors (default 1)")
     p.add_argument("--no-netflix", action="store_true", help="skip the Netflix-flavor comparison rows")
-
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

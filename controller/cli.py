@@ -23,6 +23,17 @@ def trace_path(value: str) -> Path:
     return DEFAULT_TRACE if value == "azure" else Path(value)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where it says something: not when the help already names its
+    default, nor for a default of None or "" (an absent value), nor for a required option."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or "default:" in text or action.required or action.default in (None, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "controller",
@@ -114,9 +125,9 @@ def _add_simulate(sub: Any) -> None:
             "warm-pool wakes, drains) under Floodgate's policy and the HPA/KPA baselines and a "
             "perfect-foresight zero-wait oracle; print SLO attainment and replica-seconds side by side."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
-    p.add_argument("--trace", type=trace_path, default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens; plain or .gz), or `azure` for the one shipped with Floodgate; none: synthetic tokens")
+    p.add_argument("--trace", type=trace_path, default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens; plain or .gz), or `azure` for the one shipped with Floodgate (default: none, synthetic tokens)")
     p.add_argument(
         "--mode",
         choices=("tile", "synthetic", "replay"),
@@ -132,26 +143,28 @@ def _add_simulate(sub: Any) -> None:
     p.add_argument("--spikes-per-hour", type=float, default=0.0, help="short (10-60 s) unforecastable spikes ×2-4 per hour")
     p.add_argument("--weekend-factor", type=float, default=1.0, help="rate on Saturdays and Sundays relative to a weekday (day 1 is a Monday)")
     p.add_argument("--trend", type=float, default=0.0, help="compound rate growth per day (0.01 = +1%%/day)")
-    p.add_argument("--holidays", default="", help="comma-separated day numbers (1-based) at 0.4× the rate")
+    p.add_argument("--holidays", default="", help="comma-separated day numbers (1-based) at 0.4× the rate (default: none)")
     p.add_argument("--tokens", choices=("conv", "short", "long"), default="conv",
                    help="synthetic mode: token lengths (conv: like the Azure conversation trace; short: chat; long: long generations)")
     p.add_argument("--warmup-hours", type=float, default=2.0,
                    help="hours simulated before the evaluated window, unscored, so it starts from the state the day before left")
     p.add_argument("--rate-scale", type=float, default=1.0, help="replay mode: multiply the trace's rate")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the generated traffic and the replicas' start times")
     p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
     p.add_argument("--queue-timeout", type=float, default=15.0, help="queued requests are rejected (429) after this long")
     p.add_argument("--warm-weight", type=float, default=1.0,
                    help="cost of a sleeping warm-pool replica-second relative to an active one; 1 unless the "
                    "sleeping replica's GPU is really given to something else (docs/controller.md, Backtest)")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per replica")
-    p.add_argument("--cold-start", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN", "MAX"))
-    p.add_argument("--wake", type=float, nargs=2, default=(5.0, 15.0), metavar=("MIN", "MAX"))
+    p.add_argument("--cold-start", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN", "MAX"),
+                   help="a replica's cold start, s: uniform in [MIN, MAX] (default: 120 300)")
+    p.add_argument("--wake", type=float, nargs=2, default=(5.0, 15.0), metavar=("MIN", "MAX"),
+                   help="waking a sleeping warm-pool replica, s: uniform in [MIN, MAX] (default: 5 15)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES),
                    help="comma-separated subset; also floodgate-served (the loop before offered demand: "
                         "no admission model, served demand only, no learned capacity)")
     p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:` sections overriding the defaults")
-    p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here")
+    p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here (default: print only)")
     p.set_defaults(handler=_simulate)
 
 
@@ -306,7 +319,7 @@ def _add_suite(sub: Any) -> None:
             "exact zero-wait oracle and the lower bound (unweighted cost), the goal verdict, and floodgate at "
             "fixed warm-pool sizes (Pareto curve of SLO against cost). Writes suite.md, suite.json, pareto.png."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--trace", type=trace_path, default=DEFAULT_TRACE, help="Azure conversation trace CSV (scenarios azure-*; default: the one shipped with Floodgate, floodgate/sim/data)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")

@@ -24,8 +24,27 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
+def _bounds(metadata: Any) -> str:
+    """" (0-2)", " (>= 1)", ... from the numeric constraints in Annotated metadata; "" when none."""
+    found: dict[str, Any] = {}
+    for item in metadata:
+        # Field(ge=..) inside Annotated arrives as a FieldInfo holding annotated_types Ge/Le/...
+        for m in [item, *getattr(item, "metadata", [])]:
+            for op in ("ge", "gt", "le", "lt"):
+                if getattr(m, op, None) is not None:
+                    found[op] = getattr(m, op)
+    if "ge" in found and "le" in found:
+        return f" ({found['ge']}-{found['le']})"
+    symbols = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    parts = [f"{symbols[op]} {value}" for op, value in found.items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        inner, *metadata = typing.get_args(annotation)
+        return _type_name(inner) + _bounds(metadata)
     if origin is typing.Literal:
         return " \\| ".join(json.dumps(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):

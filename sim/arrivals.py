@@ -20,6 +20,7 @@ import csv
 import functools
 import gzip
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -256,15 +257,27 @@ def load_trace(path: str | Path = DEFAULT_TRACE) -> Trace:
     ts: list[float] = []
     ctx: list[int] = []
     gen: list[int] = []
-    with open_trace(path) as f:
-        reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: missing columns {sorted(missing)}")
-        for row in reader:
-            ts.append(_parse_ts(row["TIMESTAMP"]))
-            ctx.append(int(row["ContextTokens"]))
-            gen.append(int(row["GeneratedTokens"]))
+    # Every way the file can fail to be such a CSV is a ValueError naming it (a binary or
+    # non-UTF-8 file, a corrupt .gz, a malformed row), so a caller reports it in one line.
+    try:
+        with open_trace(path) as f:
+            reader = csv.DictReader(f)
+            missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: missing columns {sorted(missing)}")
+            for row in reader:
+                try:
+                    ts.append(_parse_ts(row["TIMESTAMP"]))
+                    ctx.append(int(row["ContextTokens"]))
+                    gen.append(int(row["GeneratedTokens"]))
+                except (TypeError, ValueError, AttributeError) as exc:
+                    raise ValueError(f"{path}: line {reader.line_num}: bad row ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text CSV (byte 0x{exc.object[exc.start]:02x}: {exc.reason})") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a CSV ({exc})") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable gzip file ({exc})") from None
     t = np.asarray(ts)
     order = np.argsort(t, kind="stable")
     t = t[order] - (t[order][0] if len(t) else 0.0)

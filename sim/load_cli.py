@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -23,6 +24,7 @@ from floodgate.sim.arrivals import (
     step_profile,
     trace_plan,
 )
+from floodgate.sim.cli import non_negative, non_negative_int, positive, positive_int
 
 T = TypeVar("T")
 
@@ -53,7 +55,7 @@ def _floats(text: str, n: int | None = None) -> list[float]:
 
 def priority_mix(text: str) -> tuple[float, float, float]:
     a, b, c = _floats(text, 3)
-    if min(a, b, c) < 0 or a + b + c <= 0:
+    if min(a, b, c) < 0 or not 0 < a + b + c < math.inf:
         raise argparse.ArgumentTypeError("priority shares must be >= 0 with a positive sum")
     return (a, b, c)
 
@@ -68,6 +70,8 @@ def phases(text: str) -> list[tuple[float, float]]:
             out.append((float(d), float(r)))
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"phases are DURATION:RATE,..., got {part!r}") from exc
+        if not (0 <= out[-1][0] < math.inf and 0 <= out[-1][1] < math.inf):
+            raise argparse.ArgumentTypeError(f"a phase's duration and rate must be >= 0, got {part!r}")
     return out
 
 
@@ -88,6 +92,8 @@ def tenants(text: str) -> tuple[tuple[str, float], ...]:
             raise argparse.ArgumentTypeError(f"tenants are NAME[:SHARE],..., got {part!r}") from exc
     if not out or any(not n for n, _ in out):
         raise argparse.ArgumentTypeError(f"bad tenant list {text!r}")
+    if any(not 0 <= s < math.inf for _, s in out) or sum(s for _, s in out) <= 0:
+        raise argparse.ArgumentTypeError(f"tenant shares must be >= 0 with a positive sum, got {text!r}")
     return tuple(out)
 
 
@@ -97,9 +103,12 @@ def window(text: str) -> tuple[str, float, float]:
     try:
         if not sep or not sep2:
             raise ValueError
-        return name, float(t0), float(t1)
+        start, end = float(t0), float(t1)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"windows are NAME=T0:T1, got {text!r}") from exc
+    if not 0 <= start < end < math.inf:
+        raise argparse.ArgumentTypeError(f"a window needs 0 <= T0 < T1, got {text!r}")
+    return name, start, end
 
 
 def header(text: str) -> tuple[str, str]:
@@ -127,10 +136,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api", choices=("completions", "chat"), default="completions",
                    help="/v1/completions or /v1/chat/completions (default: %(default)s)")
     g.add_argument("--model", help="model name (default: first of the target's /v1/models)")
-    g.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s (default: %(default)s)")
-    g.add_argument("--retry", type=int, default=0, metavar="N",
+    g.add_argument("--timeout", type=positive, default=120.0, help="per-request timeout, s (default: %(default)s)")
+    g.add_argument("--retry", type=non_negative_int, default=0, metavar="N",
                    help="retry a rejected request up to N times after its Retry-After (default: 0)")
-    g.add_argument("--retry-max-wait", type=float, default=30.0,
+    g.add_argument("--retry-max-wait", type=non_negative, default=30.0,
                    help="cap on one Retry-After wait, s (default: %(default)s)")
     g.add_argument("--header", type=header, action="append", default=[], metavar="NAME:VALUE",
                    help="extra request header (repeatable)")
@@ -140,51 +149,56 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="poisson: Poisson at --rate; constant: evenly spaced at --rate; step: --phases; "
                         "burst: --rate with a --burst-multiplier window; trace: replay --trace "
                         "(default: %(default)s)")
-    g.add_argument("--rate", type=float, default=10.0, help="requests/s (base rate for burst; default: %(default)s)")
-    g.add_argument("--duration", type=float,
+    g.add_argument("--rate", type=positive, default=10.0, help="requests/s (base rate for burst; default: %(default)s)")
+    g.add_argument("--duration", type=positive,
                    help="run length, s (default 60; for trace: replay window after --speedup, default whole trace)")
     g.add_argument("--arrival", choices=("poisson", "uniform"), default="poisson",
                    help="arrival process within step/burst segments (default: %(default)s)")
     g.add_argument("--phases", type=phases, metavar="D:R,D:R,...",
                    help="step shape: phases of DURATION seconds at RATE req/s")
-    g.add_argument("--burst-start", type=float, default=None, help="burst start, s (default: duration/3)")
-    g.add_argument("--burst-duration", type=float, default=None, help="burst length, s (default: duration/3)")
-    g.add_argument("--burst-multiplier", type=float, default=5.0, help="rate multiplier during the burst (default: %(default)s)")
+    g.add_argument("--burst-start", type=non_negative, default=None, help="burst start, s (default: duration/3)")
+    g.add_argument("--burst-duration", type=non_negative, default=None, help="burst length, s (default: duration/3)")
+    g.add_argument("--burst-multiplier", type=non_negative, default=5.0, help="rate multiplier during the burst (default: %(default)s)")
     g.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help="CSV with TIMESTAMP,ContextTokens,GeneratedTokens (default: the Azure conv trace)")
-    g.add_argument("--speedup", type=float, default=1.0, help="trace time compression factor (default: %(default)s)")
-    g.add_argument("--rate-scale", type=float, default=1.0,
+    g.add_argument("--speedup", type=positive, default=1.0, help="trace time compression factor (default: %(default)s)")
+    g.add_argument("--rate-scale", type=positive, default=1.0,
                    help="trace rate multiplier: <1 thins, >1 duplicates (default: %(default)s)")
-    g.add_argument("--trace-start", type=float, default=0.0, help="trace window start, trace seconds (default: 0)")
-    g.add_argument("--seed", type=int, default=0, help="random seed; same seed, same plan (default: 0)")
+    g.add_argument("--trace-start", type=non_negative, default=0.0, help="trace window start, trace seconds (default: 0)")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="random seed; same seed, same plan (default: 0)")
 
     g = p.add_argument_group("request mix")
     g.add_argument("--priority-mix", type=priority_mix, default=(0.2, 0.5, 0.3), metavar="P0,P1,P2",
                    help="shares of priorities 0,1,2 (default: 0.2,0.5,0.3)")
     g.add_argument("--tenants", type=tenants, default=(("tenant-a", 1.0),), metavar="SPEC",
                    help="N (tenant-0..N-1), a,b,c (equal) or a:0.7,b:0.3 (default: tenant-a)")
-    g.add_argument("--prompt-mean", type=float, default=512, help="synthetic prompt tokens, lognormal mean (default: %(default)s)")
-    g.add_argument("--prompt-sigma", type=float, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
-    g.add_argument("--prompt-max", type=int, default=None, help="clip prompt tokens (default 4096; trace: unclipped)")
-    g.add_argument("--output-mean", type=float, default=128, help="synthetic output tokens, lognormal mean (default: %(default)s)")
-    g.add_argument("--output-sigma", type=float, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
-    g.add_argument("--output-max", type=int, default=None, help="clip output tokens (default 1024; trace: unclipped)")
+    g.add_argument("--prompt-mean", type=positive, default=512, help="synthetic prompt tokens, lognormal mean (default: %(default)s)")
+    g.add_argument("--prompt-sigma", type=non_negative, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
+    g.add_argument("--prompt-max", type=positive_int, default=None, help="clip prompt tokens (default 4096; trace: unclipped)")
+    g.add_argument("--output-mean", type=positive, default=128, help="synthetic output tokens, lognormal mean (default: %(default)s)")
+    g.add_argument("--output-sigma", type=non_negative, default=0.8, help="lognormal sigma, 0 = fixed (default: %(default)s)")
+    g.add_argument("--output-max", type=positive_int, default=None, help="clip output tokens (default 1024; trace: unclipped)")
 
     g = p.add_argument_group("report")
-    g.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, s (default: %(default)s)")
-    g.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, s (default: %(default)s)")
+    g.add_argument("--slo-ttft", type=positive, default=2.0, help="goodput SLO on TTFT, s (default: %(default)s)")
+    g.add_argument("--slo-tpot", type=positive, default=0.1, help="goodput SLO on TPOT, s (default: %(default)s)")
     g.add_argument("--metrics-url", help="Prometheus endpoint to sample during the run, e.g. http://127.0.0.1:9464/metrics")
     g.add_argument("--metrics", default="floodgate_queue_depth,floodgate_limit,floodgate_inflight",
                    help="comma-separated metric names to sample (summed across labels; default: %(default)s)")
-    g.add_argument("--sample-interval", type=float, default=1.0, help="metrics scrape period, s (default: %(default)s)")
+    g.add_argument("--sample-interval", type=positive, default=1.0, help="metrics scrape period, s (default: %(default)s)")
     g.add_argument("--window", type=window, action="append", default=[], metavar="NAME=T0:T1",
                    help="extra summary for requests arriving in [T0,T1) s (repeatable; burst adds one)")
     g.add_argument("--out", type=Path, help="directory for requests.json, summary.md and plots")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--dry-run", action="store_true", help="print the plan's statistics and exit without sending")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary on stdout")
-    p.set_defaults(handler=main)
+    # build_plan's errors (options that disagree, an unreadable --trace) are usage errors too.
+    p.set_defaults(handler=main, usage_error=p.error)
     return p
+
+
+class PlanError(ValueError):
+    """The options describe no plan: reported like argparse's own errors (exit 2)."""
 
 
 def build_plan(args: argparse.Namespace) -> tuple[list[PlannedRequest], dict[str, tuple[float, float]]]:
@@ -198,9 +212,15 @@ def build_plan(args: argparse.Namespace) -> tuple[list[PlannedRequest], dict[str
     windows = {name: (t0, t1) for name, t0, t1 in args.window}
     if args.shape == "trace":
         if not Path(args.trace).exists():
-            raise SystemExit(f"floodgate load: trace file not found: {args.trace}")
+            raise PlanError(f"argument --trace: no such file: {args.trace}")
+        try:
+            trace = load_trace(str(args.trace))
+        except ValueError as exc:  # names the file
+            raise PlanError(f"argument --trace: {exc}") from None
+        except OSError as exc:
+            raise PlanError(f"argument --trace: cannot read {args.trace}: {exc.strerror or exc}") from None
         plan = trace_plan(
-            load_trace(str(args.trace)), speedup=args.speedup, rate_scale=args.rate_scale,
+            trace, speedup=args.speedup, rate_scale=args.rate_scale,
             start=args.trace_start, duration=args.duration, mix=mix,
             max_prompt_tokens=args.prompt_max, max_output_tokens=args.output_max, seed=args.seed,
         )
@@ -214,7 +234,7 @@ def build_plan(args: argparse.Namespace) -> tuple[list[PlannedRequest], dict[str
         profile, process = constant_profile(args.rate, duration), "uniform"
     elif args.shape == "step":
         if not args.phases:
-            raise SystemExit("floodgate load: --shape step needs --phases D:R,D:R,...")
+            raise PlanError("--shape step needs --phases D:R,D:R,...")
         profile = step_profile(args.phases)
     else:
         bs = duration / 3 if args.burst_start is None else args.burst_start
@@ -222,7 +242,7 @@ def build_plan(args: argparse.Namespace) -> tuple[list[PlannedRequest], dict[str
         try:
             profile = burst_profile(args.rate, duration, bs, bd, args.burst_multiplier)
         except ValueError as exc:
-            raise SystemExit(f"floodgate load: {exc}") from exc
+            raise PlanError(f"--shape burst: {exc}") from exc
         windows.setdefault("burst", (bs, bs + bd))
     import numpy as np
 
@@ -260,7 +280,14 @@ def main(args: argparse.Namespace) -> int:
     from floodgate.sim.loadgen import run_load_detailed
     from floodgate.sim.report import SLO, render_markdown, summarize, summarize_window, write_report
 
-    plan, windows = build_plan(args)
+    try:
+        plan, windows = build_plan(args)
+    except PlanError as exc:
+        usage_error = getattr(args, "usage_error", None)
+        if usage_error is not None:
+            usage_error(str(exc))  # prints the usage and the message, exits 2
+        print(f"floodgate load: error: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         import numpy as np
 
