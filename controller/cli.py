@@ -72,6 +72,8 @@ def _run_live(args: argparse.Namespace) -> int:
 
     from floodgate.controller.config import ConfigError, check_state_dirs, load_config
 
+    from floodgate.yamlconfig import dump_redacted
+
     try:
         cfg = load_config(args.config)
         # --check-config only tries (and removes what it made); start-up keeps the directories.
@@ -80,7 +82,7 @@ def _run_live(args: argparse.Namespace) -> int:
         print(f"floodgate controller: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(cfg.model_dump_json(indent=2))
+        print(dump_redacted(cfg))
         return 0
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")

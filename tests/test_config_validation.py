@@ -322,3 +322,17 @@ def test_check_config_prints_no_redis_secret(tmp_path: Path, capsys: pytest.Capt
     redis = json.loads(out)["redis"]
     assert redis["url"] == "redis+sentinel://u:***@s1:26379/mymaster?sentinel_password=***"
     assert redis["password"] == "***" and redis["op_timeout_s"] > 0
+
+
+def test_controller_check_config_prints_no_redis_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from floodgate.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text('redis: {url: "redis://u:pw-in-url@h:6379/0", password: pw-in-config}\n'
+                 'pools: [{name: default, actuator: {kind: static, endpoints: {a: "127.0.0.1:8000"}}}]\n')
+    assert main(["controller", "--check-config", "--config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "pw-" not in out, out
+    assert json.loads(out)["redis"]["url"] == "redis://u:***@h:6379/0"
