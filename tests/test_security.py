@@ -45,6 +45,12 @@ async def test_vllm_admin_paths_are_not_routable(stack: LocalStack, upstream: in
             for method in ("GET", "POST"):
                 async with s.request(method, envoy.url + path) as r:
                     assert r.status == 404, (method, path, r.status)
+                    # an OpenAI-style error body, labelled as JSON (it was text/plain)
+                    assert r.headers["content-type"] == "application/json", (path, r.headers)
+                    assert (await r.json())["error"]["type"] == "not_found"
+        async with s.get(envoy.url + "/nope") as r:  # outside /v1/: the catch-all 404
+            assert r.status == 404 and r.headers["content-type"] == "application/json", r.headers
+            assert (await r.json())["error"]["type"] == "not_found"
         for path in RAW_PATHS:
             status = await raw_status(envoy.port, "POST", path)
             assert status in (301, 307, 400, 404), (path, status)
