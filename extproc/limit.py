@@ -11,6 +11,7 @@ the pool's limit from its configuration — the one place that reads `limit.mode
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -25,12 +26,27 @@ COMBINED_TOKENS = 32  # the `combined` signal: time to the 32nd token (TTFT + 31
 @dataclass(frozen=True)
 class Latency:
     """What was measured of one request: time to first token after admission, and mean time
-    per output token (None with fewer than two tokens)."""
+    per output token (None with fewer than two tokens) — of a streamed (SSE) response.
 
-    ttft: float
+    A whole (non-streamed JSON) response has no first token to time: `ttft` and `tpot` are None,
+    and `whole` (admission to the body's end) and `tokens` (its `usage.completion_tokens`) say
+    what there is. Its time per token, `whole / tokens`, stands in for TPOT, and 32 of them for
+    the time to the 32nd token (`combined`): TTFT + (n - 1) TPOT spread over n tokens, which
+    for n >= 32 weighs TTFT at 32/n of its share (a few percent at the bench's TTFT/TPOT); a
+    shorter answer is not used, since its time is mostly TTFT and 32 x TTFT would read as
+    congestion. No TTFT signal comes from a whole response."""
+
+    ttft: float | None
     tpot: float | None
+    whole: float | None = None
+    tokens: int = 0
 
     def signal(self, name: str) -> float | None:
+        if self.ttft is None:
+            if self.whole is None or self.tokens < COMBINED_TOKENS or name == "ttft":
+                return None
+            per_token = self.whole / self.tokens
+            return per_token if name == "tpot" else COMBINED_TOKENS * per_token
         if name == "ttft":
             return self.ttft
         if self.tpot is None:
@@ -63,8 +79,16 @@ class LatencyMeter:
     first_at: float | None = None
     last_at: float | None = None
     later_tokens: int = 0
+    whole: bool | None = None  # a JSON body (not SSE), told by its first byte; None: no body yet
+    tail: bytes = b""  # a JSON body's last WHOLE_TAIL bytes, where `usage` is
 
     def chunk(self, now: float, data: bytes) -> None:
+        if self.whole is None and data.strip():
+            self.whole = data.lstrip()[:1] == b"{"
+        if self.whole:
+            self.tail = (self.tail + data)[-WHOLE_TAIL:]
+            self.last_at = now
+            return
         n = sse_tokens(data)
         if n > 0:
             if self.first_at is None:
@@ -74,12 +98,23 @@ class LatencyMeter:
                 self.last_at = now
 
     def latency(self) -> Latency | None:
+        if self.whole:
+            found = _COMPLETION_TOKENS.findall(self.tail)
+            if not found or self.last_at is None:
+                return None
+            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]))
         if self.first_at is None:
             return None
         tpot = None
         if self.later_tokens > 0 and self.last_at is not None:
             tpot = (self.last_at - self.first_at) / self.later_tokens
         return Latency(self.first_at - self.admitted_at, tpot)
+
+
+# A whole response's token count: OpenAI's `usage.completion_tokens`, which vLLM writes after the
+# choices, at the body's end (with the prompt token details and kv_transfer_params after it).
+WHOLE_TAIL = 2048
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 
 
 def sample_request(rand: float, rate: float, streaming: int, cap: int) -> bool:

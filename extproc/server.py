@@ -565,7 +565,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return
         label = PRIORITY_LABELS[ex.permit.priority]
         m = self.admitter.metrics
-        m.ttft.labels(pool, label).observe(latency.ttft)
+        if latency.ttft is not None:
+            m.ttft.labels(pool, label).observe(latency.ttft)
         if latency.tpot is not None:
             m.tpot.labels(pool, label).observe(latency.tpot)
         ex.permit.finish("success", latency)

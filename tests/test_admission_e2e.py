@@ -370,6 +370,41 @@ async def test_client_cannot_choose_upstream_host(stack: LocalStack, upstream: i
         assert "x-gateway-destination-endpoint" not in seen[-1]
 
 
+async def test_vegas_limit_learns_from_whole_json_responses(stack: LocalStack, upstream: int) -> None:
+    """Clients that never stream (`"stream": false`, OpenAI's default): each sampled response is
+    one JSON body, measured per token from its `usage` (limit.Latency). Before, such a pool never
+    closed a window and its limit never moved (a review: 160 requests, 0 updates, limit 32)."""
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {
+        "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
+        "window_min_samples": 3, "window_s": 0.2},  # the shipped signal: combined
+        "classes": {0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5},
+                    1: {"queue_timeout_s": 10, "max_queue": 1000, "share": 0.3},
+                    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.1}}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    statuses: Counter[int] = Counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def learned() -> bool:
+            m = await metrics(s, p.metrics_url)
+            return m.get('floodgate_limit_updates_total{pool="default"}', 0) >= 1 \
+                and (await pool_status(stack.redis_url)).limit > 4
+
+        waves = 0
+        while waves < 4 or (waves < 30 and not await learned()):
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="40", delay_ms="1"), stream=False)
+                                             for _ in range(8)))
+            statuses.update(r.status for r in replies)
+            assert all(r.body.startswith(b"{") and b'"completion_tokens": 40' in r.body for r in replies
+                       if r.status == 200), replies[0].body[:200]
+            waves += 1
+        assert await wait_until(learned, 15), (waves, statuses, (await pool_status(stack.redis_url)).limit)
+        m = await metrics(s, p.metrics_url)
+    assert statuses[200] >= 32, statuses
+    # no first token was timed: the TTFT histogram stays empty, the limit learnt all the same
+    assert m.get('floodgate_ttft_seconds_count{pool="default",priority="1"}', 0) == 0
+
+
 async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstream: int) -> None:
     stack.start_redis()
     cfg = {"pools": [{"name": "default", "limit": {

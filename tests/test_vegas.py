@@ -483,3 +483,54 @@ def test_tpot_counts_the_tokens_after_the_first_chunk() -> None:
     # 3 tokens in 0.3 s after the first chunk: 0.1 s each (dividing by 4 tokens read 0.075)
     assert lat is not None and lat.ttft == 0.5 and lat.tpot == pytest.approx(0.1)
 
+
+
+def _whole(tokens: int, text: str = "hello") -> bytes:
+    """A non-streamed completion as vLLM writes it: usage after the choices."""
+    import json
+
+    return json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": text}],
+                       "usage": {"prompt_tokens": 7, "total_tokens": 7 + tokens, "completion_tokens": tokens,
+                                 "prompt_tokens_details": None}, "kv_transfer_params": None}).encode()
+
+
+def test_a_whole_json_response_is_measured_per_token() -> None:
+    """A non-streamed response (one JSON body): no first token to time, so its time per token
+    (admission to the body's end over `usage.completion_tokens`) stands in for TPOT, 32 of them
+    for the `combined` signal. Before, it gave no sample at all: a pool whose clients never
+    stream never moved its Vegas limit."""
+    body = _whole(64, text="x" * 5000)  # usage beyond the first chunk, in the tail
+    m = LatencyMeter(admitted_at=1.0)
+    m.chunk(3.0, body[:4000])
+    m.chunk(4.2, body[4000:])
+    lat = m.latency()
+    assert lat is not None and lat.ttft is None and lat.tpot is None
+    assert lat.whole == pytest.approx(3.2) and lat.tokens == 64
+    assert lat.signal("tpot") == pytest.approx(3.2 / 64)
+    assert lat.signal("combined") == pytest.approx(32 * 3.2 / 64)
+    assert lat.signal("ttft") is None  # no first token was timed
+
+
+def test_a_short_whole_response_gives_no_combined_sample() -> None:
+    # 4 tokens in 0.5 s is mostly TTFT: 32 x 0.125 s would read as congestion
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(0.5, _whole(4))
+    lat = m.latency()
+    assert lat is not None and lat.signal("combined") is None and lat.signal("tpot") is None
+
+
+@pytest.mark.parametrize("body", [b'{"error": {"message": "bad", "type": "invalid_request_error"}}',
+                                  b'{"usage": {"completion_tokens": "many"}}', b"{not json"])
+def test_a_whole_response_without_a_token_count_is_not_measured(body: bytes) -> None:
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(0.5, body)
+    assert m.latency() is None
+
+
+def test_an_sse_stream_is_not_taken_for_a_whole_response() -> None:
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(0.1, b"\n")  # blank keep-alive bytes decide nothing
+    m.chunk(0.3, _sse("a"))
+    m.chunk(0.5, _sse("b", usage=True) + b'{"completion_tokens": 99}')
+    lat = m.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.3) and lat.tokens == 0

@@ -55,6 +55,16 @@ class Upstream:
                 await asyncio.sleep(delay)
                 return web.json_response({"error": {"message": "test failure", "type": "server_error",
                                                     "code": None}}, status=status)
+            try:
+                streamed = json.loads(raw).get("stream") is not False
+            except (ValueError, AttributeError):
+                streamed = True
+            if not streamed:  # "stream": false, said outright: one JSON body with usage at its end
+                await asyncio.sleep(delay * chunks)
+                return web.json_response({"id": "t", "object": "text_completion",
+                                          "choices": [{"index": 0, "text": "".join(f" t{i}" for i in range(chunks))}],
+                                          "usage": {"prompt_tokens": 4, "completion_tokens": chunks,
+                                                    "total_tokens": chunks + 4}})
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
             cut = int(h.get("x-test-cut-after", "-1"))
