@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes (default: %(default)s)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
-    p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8)")
+    p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8); its pools pick only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--demo-rate", type=float, default=0.0,
                    help="steady demo rate in req/s (default: 70%% of the pool's estimated capacity)")
@@ -304,6 +304,9 @@ def run(args: argparse.Namespace) -> int:
             pools = [dict(p) for p in config.get("pools") or [{"name": "default"}]]
             for p in pools:
                 p.setdefault("endpoint_picking", True)
+                note = _loopback_allowlist(p)
+                if note:
+                    print(f"floodgate up: {note}", file=sys.stderr)
             config = {**config, "pools": pools}
             pool = str(pools[0].get("name", "default"))
             picking = any(p.get("endpoint_picking") for p in pools)
@@ -448,6 +451,29 @@ def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) ->
             return eps
         time.sleep(0.3)
     raise TimeoutError(f"controller did not bring {n} replicas up in {timeout:.0f} s{problem}\n{ctl.log_tail()}")
+
+
+def _loopback_allowlist(pool: dict[str, Any]) -> str | None:
+    """Make `pool` (a processor config's pool, edited in place) pick only loopback endpoints, where
+    `up` runs its replicas on ports it chooses: a pool without an allowlist gets 127.0.0.1/32
+    (as the demo config: anyone on the host can write to the passwordless demo Valkey), and one
+    whose allowlist refuses 127.0.0.1 on some port (deploy/compose/processor.yaml: the compose
+    subnet) gets it replaced, with the note returned to print. Before, that stack looked healthy
+    and answered every request 503 no_endpoints."""
+    import ipaddress
+
+    from floodgate.extproc.endpoint_guard import parse_rule
+
+    rules = pool.get("allowed_endpoints") or []
+    loopback = ipaddress.IPv4Address("127.0.0.1")
+    if any(r.ports is None and isinstance(r.network, ipaddress.IPv4Network) and loopback in r.network
+           for r in map(parse_rule, rules)):
+        return None
+    pool["allowed_endpoints"] = ["127.0.0.1/32"]
+    if not rules:
+        return None
+    return (f"pool {pool.get('name', 'default')}: allowed_endpoints {rules} would refuse this stack's replicas "
+            "(on 127.0.0.1, ports chosen at start): using ['127.0.0.1/32']")
 
 
 def _redis_problem(redis_url: str) -> str | None:

@@ -273,3 +273,20 @@ def test_status_line_reports_a_stack_process_that_exited_once() -> None:
         assert "extproc0 exited (code 3)" in line and str(dead.log_path) in line
         assert status.deaths() == []  # said once
         assert isinstance(alive.proc, sp.Popen) and alive.proc.poll() is None
+
+
+@pytest.mark.parametrize(("rules", "kept"), [
+    (None, False), ([], False), (["127.0.0.1/32"], True), (["127.0.0.0/8"], True),
+    (["10.0.0.0/8", "127.0.0.1"], True),
+    (["172.28.0.0/24:8000"], False),  # deploy/compose/processor.yaml: every request was 503 no_endpoints
+    (["127.0.0.1:8000"], False), (["::1/128"], False),  # up's replicas: 127.0.0.1, ports chosen at start
+])
+def test_up_keeps_a_pools_picks_on_loopback(rules: list[str] | None, kept: bool) -> None:
+    from floodgate.up import _loopback_allowlist
+
+    pool: dict[str, object] = {"name": "p"} if rules is None else {"name": "p", "allowed_endpoints": rules}
+    note = _loopback_allowlist(pool)
+    assert pool["allowed_endpoints"] == (rules if kept else ["127.0.0.1/32"])
+    assert (note is not None) == (bool(rules) and not kept), note
+    if note:
+        assert str(rules) in note and "127.0.0.1/32" in note
