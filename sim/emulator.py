@@ -241,6 +241,20 @@ class _Request:
     priority: int = 0  # vLLM's request field: lower is scheduled first (priority policy)
 
 
+
+@web.middleware
+async def _fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Routing errors as vLLM's FastAPI server gives them: JSON `{"detail": ...}` (aiohttp's own
+    are text/plain), with the Allow header of a 405 kept."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPMethodNotAllowed as exc:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405,
+                                 headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+
 class Emulator:
     def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
@@ -259,7 +273,7 @@ class Emulator:
     def app(self) -> web.Application:
         # vLLM's server sets no body limit (long contexts, base64 images); aiohttp's default 1 MiB would
         # answer 413 where vLLM serves.
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_fastapi_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)

@@ -121,6 +121,17 @@ async def test_errors_look_like_openai_errors(server: Server) -> None:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
 
 
+async def test_routing_errors_are_json_like_vllms_fastapi(server: Server) -> None:
+    """A wrong method or path gets FastAPI's JSON `detail` as vLLM answers it (aiohttp's own was
+    text/plain, which reached clients through the gateway for GET /v1/completions)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.base + "/v1/completions") as r:
+            assert r.status == 405 and r.headers["content-type"].startswith("application/json")
+            assert await r.json() == {"detail": "Method Not Allowed"} and r.headers["allow"] == "POST"
+        async with s.post(server.base + "/v1/nope", json={}) as r:
+            assert r.status == 404 and await r.json() == {"detail": "Not Found"}
+
+
 async def test_priority_is_refused_under_fcfs_like_vllm(server: Server) -> None:
     client = server.client()
     with pytest.raises(openai.BadRequestError, match="Got priority -1 but Priority scheduling is not enabled"):
