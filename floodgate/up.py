@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 import sys
@@ -199,15 +200,24 @@ class StatusLine:
                 f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
 
 
-async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float) -> None:
+async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float, quiet_s: float = 30.0,
+                       every_s: float = 1.0) -> None:
+    """The status line every second on a terminal. To a file or a pipe (a service's log), only
+    when it changes, and every `quiet_s` regardless, so an idle `up --no-demo` does not write a
+    line a second forever."""
+    interactive = sys.stderr.isatty()
+    last, last_at = "", -math.inf
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
             for death in status.deaths():
                 print(death, file=sys.stderr, flush=True)
             line = await status.line(session)
-            print(f"[{time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            if interactive or line != last or now - last_at >= quiet_s:
+                print(f"[{now - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
+                last, last_at = line, now
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+                await asyncio.wait_for(stop.wait(), every_s)
 
 
 async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status: StatusLine,

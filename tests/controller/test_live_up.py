@@ -290,3 +290,29 @@ def test_up_keeps_a_pools_picks_on_loopback(rules: list[str] | None, kept: bool)
     assert (note is not None) == (bool(rules) and not kept), note
     if note:
         assert str(rules) in note and "127.0.0.1/32" in note
+
+
+async def test_the_status_line_to_a_log_prints_changes_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a terminal (a service's log, a pipe): a line when it changes and every `quiet_s`, not
+    one a second forever."""
+    import asyncio
+
+    from floodgate.up import _status_loop
+
+    lines = iter(["idle", "idle", "idle", "busy", "busy", "idle", "idle", "idle", "idle"])
+    stop = asyncio.Event()
+
+    class Fake:
+        def deaths(self) -> list[str]:
+            return []
+
+        async def line(self, _session: object) -> str:
+            text = next(lines, None)
+            if text is None:
+                stop.set()
+                return "end"
+            return text
+
+    await _status_loop(Fake(), stop, 0.0, quiet_s=3600, every_s=0.001)  # type: ignore[arg-type]
+    shown = [ln.split("] ", 1)[1] for ln in capsys.readouterr().err.splitlines()]
+    assert shown == ["idle", "busy", "idle", "end"], shown
