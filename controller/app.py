@@ -66,7 +66,7 @@ from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envo
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
-from floodgate.extproc.redis_client import OUTAGE_ERRORS
+from floodgate.extproc.redis_client import OUTAGE_ERRORS, parse_redis_url
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
 
@@ -880,6 +880,10 @@ class Controller:
         try:
             if self.cfg.metrics_listen:
                 runner = await self.metrics.serve(self.cfg.metrics_listen)
+            log.info("floodgate controller started (metrics %s, redis %s, pools %s, tick %.2g s, %s)",
+                     self.cfg.metrics_listen or "off", parse_redis_url(self.cfg.redis.url).display,
+                     [f"{p.name}: {p.actuator.kind}" for p in self.cfg.pools], self.cfg.tick_interval_s,
+                     f"leader election as {self.lease.holder}" if self.lease is not None else "no leader election")
             if self.lease is not None:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
                 lease_task = asyncio.create_task(self.lease.run(stop))

@@ -93,6 +93,9 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
         import yaml
         cfg = yaml.safe_load((Path(workdir.group(1)) / "extproc0.yaml").read_text())
         assert [p["allowed_endpoints"] for p in cfg["pools"]] == [["127.0.0.1/32"]]
+        # the controller says at start what it runs (the processor always did)
+        banner = (Path(workdir.group(1)) / "controller.log").read_text()
+        assert "floodgate controller started (metrics 127.0.0.1:" in banner and "['default: process']" in banner
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
