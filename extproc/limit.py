@@ -56,9 +56,36 @@ class Latency:
 
 def sse_tokens(chunk: bytes) -> int:
     """Tokens in a piece of an OpenAI-style SSE response: its `data:` events, less the final
-    usage event (`"choices":[]`) and `[DONE]`. An engine (and Envoy) may put several tokens into
-    one chunk, so chunks are not tokens."""
-    return max(0, chunk.count(b"data:") - chunk.count(b"[DONE]") - chunk.count(b'"choices":[]'))
+    usage event (`"choices":[]`) and `[DONE]`; of the Responses API (`/v1/responses`) only the
+    `response.*.delta` events, told by their `event:` line or, without one, by the `type` that
+    ends their data (vLLM and OpenAI write it last) — that stream opens with `response.created`
+    and `response.in_progress` before any token, which counted as the first token read a TTFT
+    of about 0. An engine (and Envoy) may put several tokens into one chunk, so chunks are not
+    tokens."""
+    n = 0
+    event = b""
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"event:"):
+            event = line[6:].strip()
+        elif line.startswith(b"data:"):
+            data = line[5:].strip()
+            kind = event if event.startswith(b"response.") else _responses_type(data)
+            if kind:
+                n += kind.endswith(b".delta")
+            elif data != b"[DONE]" and b'"choices":[]' not in data:
+                n += 1
+        elif not line.strip():
+            event = b""  # a blank line ends the event
+    return n
+
+
+def _responses_type(data: bytes) -> bytes:
+    m = _RESPONSES_TYPE.search(data, max(0, len(data) - 80))
+    return m.group(1) if m else b""
+
+
+# A Responses API event's data ends with its type: {..., "type":"response.output_text.delta"}
+_RESPONSES_TYPE = re.compile(rb'"type"\s*:\s*"(response\.[a-z_.]+)"\s*\}\s*$')
 
 
 @dataclass
@@ -114,7 +141,7 @@ class LatencyMeter:
 # A whole response's token count: OpenAI's `usage.completion_tokens`, which vLLM writes after the
 # choices, at the body's end (with the prompt token details and kv_transfer_params after it).
 WHOLE_TAIL = 2048
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d{1,9})')  # (Responses API: output_tokens)
 
 
 def sample_request(rand: float, rate: float, streaming: int, cap: int) -> bool:

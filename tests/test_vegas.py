@@ -4,6 +4,7 @@ sequences; the `floodgate` flavor's fixes (baseline, drop share, truncated log10
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import replace
@@ -534,3 +535,45 @@ def test_an_sse_stream_is_not_taken_for_a_whole_response() -> None:
     m.chunk(0.5, _sse("b", usage=True) + b'{"completion_tokens": 99}')
     lat = m.latency()
     assert lat is not None and lat.ttft == pytest.approx(0.3) and lat.tokens == 0
+
+
+def _responses_event(kind: str, with_event_line: bool = True, **fields: object) -> bytes:
+    """One Responses API SSE event as vLLM writes it: `event:` line, data with `type` last."""
+    import json
+
+    data = json.dumps({**fields, "sequence_number": 1, "type": kind}, separators=(",", ":"))
+    return (f"event: {kind}\n" if with_event_line else "").encode() + f"data: {data}\n\n".encode()
+
+
+@pytest.mark.parametrize("event_lines", [True, False])
+def test_responses_api_streams_count_only_delta_events(event_lines: bool) -> None:
+    """`/v1/responses` opens with `response.created` / `response.in_progress` (and output item and
+    content part events) before any token: counted as tokens, the first of them read a TTFT of
+    about 0 and fed Vegas a fast sample for every such request."""
+    ev = functools.partial(_responses_event, with_event_line=event_lines)
+    opening = (ev("response.created", response={"id": "r", "status": "in_progress", "output": []})
+               + ev("response.in_progress", response={"id": "r"})
+               + ev("response.output_item.added", item={"type": "message"})
+               + ev("response.content_part.added", part={"type": "output_text", "text": ""}))
+    assert sse_tokens(opening) == 0
+    assert sse_tokens(ev("response.output_text.delta", delta="Hi") + ev("response.output_text.delta", delta="!")) == 2
+    assert sse_tokens(ev("response.reasoning_text.delta", delta="hmm")) == 1
+    closing = ev("response.output_text.done", text="Hi!") + ev("response.completed", response={"id": "r"})
+    assert sse_tokens(closing) == 0
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(0.01, opening)  # at once: no token yet
+    m.chunk(0.40, ev("response.output_text.delta", delta="Hi"))
+    m.chunk(0.50, ev("response.output_text.delta", delta="!") + closing)
+    lat = m.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.40) and lat.tpot == pytest.approx(0.10)
+
+
+def test_a_whole_responses_api_reply_counts_its_output_tokens() -> None:
+    import json
+
+    body = json.dumps({"id": "r", "object": "response", "output": [{"type": "message", "content": []}],
+                       "usage": {"input_tokens": 9, "output_tokens": 40, "total_tokens": 49}}).encode()
+    m = LatencyMeter(admitted_at=0.0)
+    m.chunk(2.0, body)
+    lat = m.latency()
+    assert lat is not None and lat.tokens == 40 and lat.signal("tpot") == pytest.approx(2.0 / 40)
