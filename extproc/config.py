@@ -308,6 +308,7 @@ class RedisConfig(_Strict):
     lease_ttl_s: float = Field(default=15, gt=0.3, description="Lease lifetime; a killed processor's permits return within this. Give every processor of a pool the same value: the way back from degraded mode reads the others' last sync with it.")
     poll_interval_s: float = Field(default=0.25, gt=0, description="Waiters poll Redis this often in case a grant message is lost.")
     reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
+    degraded_full_share_after_s: float = Field(default=300, gt=0, description="While degraded (Redis unreachable), after this long each processor may admit up to its full rank share of the last seen limit instead of what it held when Redis went plus its share of what was free: set it to the longest a request can run (the route timeout; the shipped Envoy config's is 300 s), after which every permit held anywhere before the outage is surely gone, so the shares add up to L again. Lower is sooner service in a long outage, and overshoot above L while requests older than it still run (docs/admission.md, \"When Redis is unreachable\").")
     expected_gateways: int = Field(default=2, ge=1, description="Processors expected per pool: one that has never reached Redis admits limit.initial / this while degraded (afterwards it uses the last seen limit split over the live processors).")
 
 

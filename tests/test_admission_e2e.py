@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import signal
+import time
 from collections import Counter
 from typing import Any
 
@@ -304,6 +305,51 @@ async def test_degraded_mode_when_redis_dies_and_recovers(stack: LocalStack, ups
         assert (await hold).status == 200
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0
+
+
+async def test_a_long_outage_reaches_the_full_share_after_the_longest_request(stack: LocalStack, upstream: int) -> None:
+    """Short requests under load, then Redis stops (SIGSTOP) with clients still sending: by the
+    switch (2 x op_timeout later) every permit held at the last read has ended, so the
+    conservative budget is ~0. After `degraded_full_share_after_s` every request from before the
+    outage has surely ended and the processor admits up to its whole share — served again, and
+    never above L. Before, the pool admitted nothing for the whole outage (a review: 82 of 90
+    requests 429 over 15 s)."""
+    stack.start_redis()
+    cfg = static(4, classes=classes(p0=1, p1=1, p2=1, max_queue=50))
+    cfg["redis"] = {"lease_ttl_s": 3, "op_timeout_s": 0.2, "degraded_full_share_after_s": 2}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    stop = asyncio.Event()
+    log: list[tuple[float, int]] = []  # (send time, status)
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            r = await post(s, envoy.url, headers=hdr(1, chunks="2", delay_ms="40"), timeout=10)
+            log.append((t, r.status))
+            if r.status != 200:
+                await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        clients = [asyncio.create_task(client(s)) for _ in range(8)]
+        await asyncio.sleep(2.0)  # under load, the pool at its limit
+        assert stack.redis_child is not None
+        await s.post(f"http://127.0.0.1:{upstream}/stats/reset")
+        stack.redis_child.kill(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            await asyncio.sleep(5.0)
+            stop.set()
+            await asyncio.gather(*clients)
+            stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+            m = await metrics(s, p.metrics_url)
+        finally:
+            stack.redis_child.kill(signal.SIGCONT)
+    late = [status for t, status in log if t >= stopped + 3.0]  # the share is open by then
+    assert set(status for _, status in log) <= {200, 429}, Counter(status for _, status in log)
+    assert late and late.count(200) >= len(late) // 2, Counter(late)
+    assert stats["max_inflight"] <= 4  # never above L
+    assert m["floodgate_degraded"] == 1 and m['floodgate_limit{pool="default"}'] == 4
 
 
 async def _inflight_at_least(redis_url: str, n: int) -> bool:
