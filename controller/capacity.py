@@ -44,13 +44,15 @@ import math
 from dataclasses import dataclass, field, replace
 
 from floodgate.controller.vllm import Histogram, merge_histograms
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from floodgate.yamlconfig import STRICT
 
 
 class CapacityConfig(BaseModel):
     """Learned per-replica capacity. Off (`enabled: false`) the prior is used as is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     enabled: bool = Field(default=True, description="Learn capacity from measured TTFT/ITL (false: use target_concurrency).")
     slo_ttft_s: float = Field(default=2.0, gt=0, description="The pool's TTFT SLO (seconds).")

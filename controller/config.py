@@ -33,18 +33,16 @@ from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
 from floodgate.extproc.config import PoolName
 from floodgate.extproc.schema import controller_leader_key
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL, check_listen
-from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
+from floodgate.yamlconfig import STRICT, ConfigError, format_errors, read_mapping
 
 __all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir"]
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan: .inf passed every lower bound, printed as null by --check-config and then
-    # crashed start-up (OverflowError converting a TTL to milliseconds).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
 
 class RedisConfig(_Strict):

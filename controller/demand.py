@@ -44,13 +44,15 @@ from typing import Any
 
 from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
 from floodgate.extproc.schema import TURNED_AWAY
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from floodgate.yamlconfig import STRICT
 
 
 class DemandConfig(BaseModel):
     """Offered-demand settings of one pool."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     enabled: bool = Field(default=True, description="Count demand admission turned away (false: served demand only).")
     window_s: float = Field(default=5.0, gt=0, description="Counter deltas are taken over this many seconds.")

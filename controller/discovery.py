@@ -35,7 +35,9 @@ from typing import Any
 from floodgate.controller.actuators.base import ReplicaHandle
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.vllm import VllmError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from floodgate.yamlconfig import STRICT
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 class EndpointSliceConfig(BaseModel):
     """Where the pool's pods are found (the `options` of actuator kind `endpointslices`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     namespace: str = Field(default="default", min_length=1, description="Namespace of the model Service.")
     service: str = Field(default="vllm", min_length=1, description="The model Service whose EndpointSlices list the pods.")

@@ -30,7 +30,9 @@ from typing import Any
 from zoneinfo import ZoneInfo, available_timezones
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from floodgate.yamlconfig import STRICT
 
 MINUTES_PER_DAY = 1440
 
@@ -38,7 +40,7 @@ MINUTES_PER_DAY = 1440
 class ForecastConfig(BaseModel):
     """Forecaster settings. Defaults: docs/controller.md (forecast) and the backtest."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     enabled: bool = Field(default=True, description="False: reactive only, no floor.")
     days: int = Field(default=7, ge=1, le=28, description="Past days that vote for a minute.")

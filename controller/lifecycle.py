@@ -30,7 +30,9 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from floodgate.controller.signals import ReplicaState, ReplicaView
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from floodgate.yamlconfig import STRICT
 
 S = ReplicaState
 
@@ -103,7 +105,7 @@ def apply_event(
 class WarmPoolConfig(BaseModel):
     """Warm pool and drain settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     enabled: bool = Field(default=True, description="Keep drained/refilled replicas warm instead of terminating them.")
     min_size: int = Field(default=0, ge=0, description="Smallest warm-pool target: at most `max_size` and "

@@ -57,7 +57,9 @@ import math
 from dataclasses import dataclass, replace
 
 from floodgate.controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from floodgate.yamlconfig import STRICT
 
 # Reason strings (decision log and the `reason` label of scale-event metrics).
 REASON_QUEUE = "queue_pressure"
@@ -96,7 +98,7 @@ class PolicyConfig(BaseModel):
     """Every threshold of the scaling policy. Defaults are the ones tuned with
     `floodgate controller simulate` (docs/controller.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     min_replicas: int = Field(default=1, ge=0, description="Fewest active replicas.")
     max_replicas: int = Field(default=64, ge=1, description="Most active replicas.")

@@ -19,7 +19,6 @@ from floodgate.extproc.prefill import BYTES_PER_TOKEN, MAX_REQUEST_TOKENS
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -32,7 +31,7 @@ from floodgate.validators import (
     RedisURL,
     check_optional_listen,
 )
-from floodgate.yamlconfig import ConfigError, format_errors, read_mapping
+from floodgate.yamlconfig import STRICT, ConfigError, format_errors, read_mapping
 
 __all__ = ["POOL_NAME_PATTERN", "Config", "ConfigError", "PoolName", "check_pool_name", "load_config"]
 
@@ -57,9 +56,7 @@ PoolName = Annotated[str, AfterValidator(check_pool_name)]
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan: .inf passed every lower bound, printed as null by --check-config and then
-    # crashed start-up (OverflowError converting a TTL to milliseconds).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
 
 # `slo_reject_s` is a p99 target: a class that has one waits only when 99 % sure to be served.

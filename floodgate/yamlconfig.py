@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class ConfigError(ValueError):
@@ -22,6 +22,11 @@ class ConfigError(ValueError):
 class DuplicateKey(ValueError):
     """A mapping of the YAML document holds the same key twice."""
 
+
+# Every config model's settings (processor and controller): an unknown key is an error, a config
+# is frozen once read, and inf/NaN are refused (.inf passed every lower bound, printed as null by
+# --check-config and then crashed start-up converting a TTL to milliseconds).
+STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 def load_unique(text: str) -> Any:
     """`yaml.safe_load`, except that a key given twice in one mapping is an error naming it

@@ -36,7 +36,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, get_args
 
 from floodgate.controller.actuators.base import ReplicaHandle, Role
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from floodgate.yamlconfig import STRICT
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ Ledger = dict[str, list[str]]
 class KubernetesActuatorConfig(BaseModel):
     """Where the pool's replicas live. Embeddable in the controller's config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf passes a lower bound
+    model_config = STRICT
 
     namespace: str = Field(default="default", description="Namespace of the inference Deployment and its pods.")
     deployment: str = Field(default="vllm", description="Name of the inference Deployment whose pods are the replicas.")
