@@ -416,18 +416,24 @@ async def test_client_cannot_choose_upstream_host(stack: LocalStack, upstream: i
         assert "x-gateway-destination-endpoint" not in seen[-1]
 
 
+def _learning_vegas(**limit: Any) -> dict[str, Any]:
+    """A Vegas pool from limit 4 that measures every request and closes small windows fast.
+    A wave of 8 at limit 4 must queue, not time out or be dropped early on a loaded box: these
+    tests are about learning from latency, not about shedding."""
+    return {"pools": [{"name": "default", "limit": {
+        "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
+        "window_min_samples": 3, "window_s": 0.2, **limit},
+        "classes": {0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5},
+                    1: {"queue_timeout_s": 10, "max_queue": 1000, "share": 0.3},
+                    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.1}}}], **TRUST_LOCAL}
+
+
 async def test_vegas_limit_learns_from_whole_json_responses(stack: LocalStack, upstream: int) -> None:
     """Clients that never stream (`"stream": false`, OpenAI's default): each sampled response is
     one JSON body, measured per token from its `usage` (limit.Latency). Before, such a pool never
     closed a window and its limit never moved (a review: 160 requests, 0 updates, limit 32)."""
     stack.start_redis()
-    cfg = {"pools": [{"name": "default", "limit": {
-        "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
-        "window_min_samples": 3, "window_s": 0.2},  # the shipped signal: combined
-        "classes": {0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5},
-                    1: {"queue_timeout_s": 10, "max_queue": 1000, "share": 0.3},
-                    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.1}}}], **TRUST_LOCAL}
-    p = stack.start_processor(cfg)
+    p = stack.start_processor(_learning_vegas())  # the shipped signal: combined
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -453,15 +459,7 @@ async def test_vegas_limit_learns_from_whole_json_responses(stack: LocalStack, u
 
 async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstream: int) -> None:
     stack.start_redis()
-    cfg = {"pools": [{"name": "default", "limit": {
-        "mode": "vegas", "initial": 4, "min": 1, "max": 64, "sample_rate": 1.0,
-        "window_min_samples": 3, "window_s": 0.2, "signal": "tpot"},
-        # A wave of 8 at limit 4 must queue, not time out or be dropped early on a loaded box:
-        # this test is about learning from latency, not about shedding.
-        "classes": {0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5},
-                    1: {"queue_timeout_s": 10, "max_queue": 1000, "share": 0.3},
-                    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.1}}}], **TRUST_LOCAL}
-    p = stack.start_processor(cfg)
+    p = stack.start_processor(_learning_vegas(signal="tpot"))
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
