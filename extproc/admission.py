@@ -992,10 +992,12 @@ class Admitter:
         pool, in the pool's slot: sharded pub/sub on a Cluster (redis_client)."""
         channels = [gateway_channel(self.gateway_id, rt.cfg.name) for rt in rts]
         client = rts[0].pubsub_client
+        failures = 0
         while not self._closing:
             pubsub: Subscription | None = None
             try:
                 pubsub = await subscribe(client, channels, connect_timeout_s=self.cfg.redis.op_timeout_s)
+                failures = 0
                 while not self._closing:
                     msg = await pubsub.get_message(1.0)
                     if msg is not None:
@@ -1016,7 +1018,13 @@ class Admitter:
             except asyncio.CancelledError:
                 raise
             except OUTAGE_ERRORS as exc:
-                log.debug("pubsub connection lost (%s): %s", [rt.cfg.name for rt in rts], exc)
+                failures += 1
+                # Said once per loss that lasts: while no one hears this processor's channel,
+                # Redis drops its waiters at their turn and its poll re-queues them.
+                (log.warning if failures == 3 else log.debug)(
+                    "pub/sub connection to Redis lost (pools %s): %s; until it is back, Redis drops this "
+                    "processor's waiters at their turn and its poll queues them again; retrying",
+                    [rt.cfg.name for rt in rts], exc)
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:
                 if pubsub is not None:
@@ -1095,7 +1103,9 @@ class Admitter:
             rt.unconfirmed.clear()
 
     async def _poll_loop(self, rt: PoolRuntime) -> None:
-        """Fallback for lost grant messages; also drives reclaim when traffic is idle."""
+        """Fallback for lost grant messages; also drives reclaim when traffic is idle. A waiter
+        Redis no longer has (dropped while this process's pub/sub connection was down, or lost
+        in a failover) is re-queued at once by a sync rather than at the next renewal."""
         while not self._closing:
             await asyncio.sleep(self.cfg.redis.poll_interval_s)
             if rt.degraded:
@@ -1104,9 +1114,14 @@ class Admitter:
             if not tickets:
                 continue
             with contextlib.suppress(RedisDown):
-                granted = await self.call(rt, "mine", partial(rt.state.granted_among, tickets))
+                granted, gone = await self.call(rt, "mine", partial(rt.state.waiting_among, tickets))
                 for t, endpoint in granted.items():
                     self._granted(rt, t, endpoint)
+                gone = {t for t in gone if (w := rt.waiting.get(t)) is not None and not w.future.done()}
+                if gone and not rt.resyncing and not self._closing:
+                    self.metrics.waiters_dropped.labels(rt.cfg.name).inc(len(gone))
+                    rt.resyncing = True
+                    self.spawn(self._resync(rt))
 
     async def _sync_loop(self, rt: PoolRuntime) -> None:
         """Every lease_ttl/3: sync the pool (renew, prove alive, reconcile). Every second: a

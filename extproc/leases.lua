@@ -93,6 +93,8 @@ local LVL_DONE      -- the level was sampled in this call (again at the same `no
 local NO_CREDITORS  -- no gateway holds credits (checked, or recalled, in this call)
 local HAS_LEP       -- some lease has a routed endpoint (lep exists), memo for this call
 local MY_GW, MINE   -- `batch`: the calling gateway, and its grants (ticket, endpoint) for the reply
+local HEARS         -- gateway -> its grant channel has a subscriber, memo for this call
+local CALLER        -- `sync`: the calling gateway (alive: it called; its waiters are granted)
 local CALL_SNAP     -- `batch`: this call's reply carries a whole snapshot (later ones send only their own part)
 local RAMP          -- the onset ramp's bucket {tokens, ts} once brought to `now` in this call (nil: not yet)
 local RAMPX         -- new endpoints' ramp credit {tokens, until_ms} read in this call (false: none; nil: not yet)
@@ -201,7 +203,7 @@ end
 -- A failure is not remembered: the fallback stays per message, as before.
 local HAS_SPUBLISH = false
 local CHAN = {}  -- pool -> gateway -> channel name, kept for the library's life (one concat per grant less)
-local function notify(gw, msg)
+local function channel(gw)
   local chans = CHAN[S.pool]
   if not chans then chans = {} CHAN[S.pool] = chans end
   local ch = chans[gw]
@@ -209,9 +211,39 @@ local function notify(gw, msg)
     ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
     chans[gw] = ch
   end
+  return ch
+end
+
+local function notify(gw, msg)
+  local ch = channel(gw)
   if HAS_SPUBLISH then redis.call('SPUBLISH', ch, msg) return end
   HAS_SPUBLISH = pcall(redis.call, 'SPUBLISH', ch, msg)
   if not HAS_SPUBLISH then redis.call('PUBLISH', ch, msg) end
+end
+
+-- Whether a gateway's grant channel has a subscriber on this server. A processor that died
+-- (SIGKILL, OOM kill, a crash) has its connections closed by the kernel, so its channel has none
+-- from that moment, while its liveness in `gws` lasts until one lease TTL after its last sync.
+-- A grant published then reaches no one and its permit stays held for that long: every permit
+-- released went to the dead processor's waiters, and a pool serving 4 of L 4 served 2, then 0,
+-- for the rest of the TTL (fault review). Asked in the same script as the grant, so the answer
+-- holds for it. A live processor whose pub/sub connection is reconnecting also has none: its
+-- waiter is dropped like a dead one's, and its poll (`mine` with '!gone') finds it gone and
+-- re-queues it by a sync. Sharded channels where the server has them (the processors SSUBSCRIBE
+-- there), else plain ones.
+local HAS_SHARDNUMSUB = nil
+local function hears(gw)
+  local v = HEARS[gw]
+  if v ~= nil then return v end
+  local ch, r = channel(gw), nil
+  if HAS_SHARDNUMSUB ~= false then
+    local ok, got = pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', ch)
+    if ok then HAS_SHARDNUMSUB, r = true, got else HAS_SHARDNUMSUB = false end
+  end
+  if not r then r = redis.call('PUBSUB', 'NUMSUB', ch) end
+  v = (tonumber(r[2]) or 0) > 0
+  HEARS[gw] = v
+  return v
 end
 
 local function load_settings()
@@ -701,8 +733,10 @@ local function grant_loop()
             -- read again when a snapshot needs it (edges_left).
             local e = EDGE and EDGE[c]
             if e and qc + 1 == c then e[1] = nil elseif EDGE then EDGE[c] = nil EDGE[qc + 1] = nil end
-            if deadline >= now and gateway_alive(gw) then
-              -- No longer than the gateway's liveness: one that crashed with waiters queued is
+            -- A waiter whose gateway no one hears (`hears`: it died) is dropped like one past
+            -- its deadline, and the permit goes to the next waiter.
+            if deadline >= now and gateway_alive(gw) and (gw == MY_GW or gw == CALLER or hears(gw)) then
+              -- No longer than the gateway's liveness: one that stalled with waiters queued is
               -- known dead only one TTL after its last sync, and a grant to it must not hold
               -- the permit a full TTL beyond that (a live gateway's next sync renews it).
               local ep = lease(head, c, gw, seq, LIVE_UNTIL[gw], size)
@@ -1113,6 +1147,7 @@ function OPS.sync(ARGV)
   -- did not assert and that are older than the watermark (abandoned calls that ran late, or
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  CALLER = gw
   -- A per-endpoint count that is not an integer (written by something else) fails every
   -- HINCRBY on it, and with it every call that grants to or releases from that endpoint: the
   -- processors fell back to local limits for good. The renewal drops it (its count restarts).
@@ -1193,15 +1228,23 @@ function OPS.sync(ARGV)
 end
 
 function OPS.mine(ARGV)
-  -- ARGV 3.. tickets a gateway is waiting on: the poll fallback for lost grant messages.
+  -- ARGV 3.. tickets a gateway is waiting on: the poll fallback for lost grant messages. The
+  -- reply pairs each leased one with its endpoint. With ARGV 3 '!gone' (processors that know
+  -- it), a ticket neither leased nor queued is paired with '!gone': Redis dropped it (its
+  -- gateway was not heard when its turn came, or a failover lost it); the gateway re-queues it.
   ramp_refill()
   reclaim()
   grant_loop()
-  local leased = {}
-  for i = 3, #ARGV do
+  local leased, first = {}, 3
+  local gone = ARGV[3] == '!gone'
+  if gone then first = 4 end
+  for i = first, #ARGV do
     if redis.call('ZSCORE', K.leases, ARGV[i]) then
       table.insert(leased, ARGV[i])
       table.insert(leased, redis.call('HGET', K.lep, ARGV[i]) or '')
+    elseif gone and redis.call('HEXISTS', K.qmeta, ARGV[i]) == 0 then
+      table.insert(leased, ARGV[i])
+      table.insert(leased, '!gone')
     end
   end
   return leased
@@ -1366,7 +1409,7 @@ local function main(KEYS, ARGV)
   for i, name in ipairs(KEY_NAMES) do K[name] = KEYS[i] end
   ttl = ARGV[2] + 0
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, LIVE_UNTIL, DUE = nil, nil, nil, nil, nil, false, {}, {}, nil
-  REG, CALL_SNAP = {}, false
+  REG, CALL_SNAP, HEARS, CALLER = {}, false, {}, nil
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil

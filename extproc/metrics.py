@@ -108,6 +108,11 @@ class Metrics:
         self.lost_leases = Counter(
             "floodgate_lost_leases", "Leases Redis had lost while a live request held them (process paused "
             "past the TTL, Redis restarted); the next sync leased them again.", ["pool"], registry=r)
+        self.waiters_dropped = Counter(
+            "floodgate_waiters_dropped",
+            "Waiters of this processor that Redis had dropped (no subscriber on its grant channel when "
+            "their turn came: its pub/sub connection was down; or lost in a failover), found by the "
+            "poll and re-queued at once by a sync.", ["pool"], registry=r)
         self.state_rollbacks = Counter(
             "floodgate_state_rollbacks",
             "Times Redis answered without writes of this processor it had already acknowledged (a "

@@ -319,6 +319,17 @@ class PoolState:
         got = [_text(t) for t in await self._run("mine", *tickets)]
         return dict(zip(got[::2], got[1::2], strict=True))
 
+    async def waiting_among(self, tickets: list[str]) -> tuple[dict[str, str], set[str]]:
+        """`granted_among`, and which of them Redis no longer has at all (neither leased nor
+        queued: dropped because no one heard this gateway's grant channel when their turn came,
+        or lost in a failover), which this gateway re-queues with a sync."""
+        if not tickets:
+            return {}, set()
+        got = [_text(t) for t in await self._run("mine", "!gone", *tickets)]
+        pairs = dict(zip(got[::2], got[1::2], strict=True))
+        gone = {t for t, ep in pairs.items() if ep == "!gone"}
+        return {t: ep for t, ep in pairs.items() if t not in gone}, gone
+
     async def sync_times(self) -> dict[str, float]:
         """Gateway -> server time (ms) of its last `sync`, for gateways that share this
         process's lease TTL (`gws` holds the time plus the TTL)."""

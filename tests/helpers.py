@@ -179,3 +179,24 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         yield port
     finally:
         await runner.cleanup()
+
+
+async def subscribed(client: Any, pool: str, *gateways: str) -> Any:
+    """Subscribe to these gateways' grant channels of `pool`, as their live processors would:
+    the script grants a waiter only while someone hears its gateway (leases.lua `hears`), and a
+    test that plays a gateway by calling the script directly must listen for it too. The
+    caller closes it (`aclose`)."""
+    from floodgate.extproc.redis_client import subscribe
+    from floodgate.extproc.schema import gateway_channel
+
+    return await subscribe(client, [gateway_channel(gw, pool) for gw in gateways], connect_timeout_s=2.0)
+
+
+@contextlib.asynccontextmanager
+async def listening(client: Any, pool: str, *gateways: str) -> AsyncIterator[None]:
+    """`subscribed` for the duration of the block."""
+    sub = await subscribed(client, pool, *gateways)
+    try:
+        yield
+    finally:
+        await sub.aclose()

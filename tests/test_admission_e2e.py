@@ -258,6 +258,45 @@ async def test_sigkill_returns_permits_within_lease_ttl(stack: LocalStack, upstr
     assert st.inflight_total == 0 and st.queued_total == 0
 
 
+async def test_a_killed_processors_waiters_take_no_permits(stack: LocalStack, upstream: int) -> None:
+    """Streams open and waiters queued at both processors when one is SIGKILLed. Its liveness
+    in Redis lasts until one lease TTL after its last sync, but no one hears its grant channel
+    any more: its waiters are dropped when their turn comes and the survivor's get the permits.
+    Before, each permit released went to a dead waiter and stayed held until that liveness ran
+    out: the survivor's waiters waited 6-9 s after the kill (TTL 9 s) instead of ~2 s."""
+    stack.start_redis()
+    cfg = static(4, classes=classes(p1=30, max_queue=1000))
+    cfg["redis"] = {"lease_ttl_s": 9}
+    victim = stack.start_processor(cfg)
+    survivor = stack.start_processor(cfg)
+    e_victim = stack.start_envoy([("127.0.0.1", upstream)], processors=[victim])
+    e_survivor = stack.start_envoy([("127.0.0.1", upstream)], processors=[survivor])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        # the survivor holds every permit with 2 s streams
+        held = [asyncio.create_task(post(s, e_survivor.url, headers=hdr(1, chunks="4", delay_ms="500")))
+                for _ in range(4)]
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 4), 10)
+        # the victim's waiters queue first, the survivor's behind them
+        doomed = [asyncio.create_task(post(s, e_victim.url, headers=hdr(1))) for _ in range(6)]
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 6), 5)
+        waiting = [asyncio.create_task(post(s, e_survivor.url, headers=hdr(1))) for _ in range(6)]
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 12), 5)
+        victim.child.kill(signal.SIGKILL)
+        killed = time.monotonic()
+        replies = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        assert all(r.status == 200 for r in await asyncio.gather(*held))
+        await asyncio.gather(*doomed)
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+    assert [r.status for r in replies] == [200] * 6
+    # served as the 2 s streams end (~1.5-2 s after the kill), not when the dead one's liveness
+    # ends (6-9 s after it)
+    waited = sorted(int(r.headers["x-floodgate-queue-ms"]) for r in replies)
+    assert waited[-1] < 4500, (waited, time.monotonic() - killed)
+    assert stats["max_inflight"] <= 4
+    st = await drained(stack.redis_url, timeout=15)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
 async def _inflight_is(redis_url: str, n: int) -> bool:
     return (await pool_status(redis_url)).inflight_total == n
 

@@ -16,7 +16,7 @@ from floodgate.extproc.state import PoolState, redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import get_json, metrics, post, wait_until
+from tests.helpers import get_json, metrics, post, subscribed, wait_until
 
 SHARES = (0.5, 0.3, 0.1)
 
@@ -24,7 +24,9 @@ SHARES = (0.5, 0.3, 0.1)
 async def test_pick_least_loaded_active_and_count_per_endpoint(stack: LocalStack) -> None:
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
+    sub = None
     try:
+        sub = await subscribed(c, "p", "h")
         reg = Registry(c, "p")
         st = PoolState(c, "p", lease_ttl_s=30, settings=PoolSettings(100, SHARES, picking=True))
         assert (await st.acquire("g:0", "g", 1, 1, "t")).endpoint == ""  # nothing registered yet
@@ -55,6 +57,8 @@ async def test_pick_least_loaded_active_and_count_per_endpoint(stack: LocalStack
         with pytest.raises(ValueError):
             await reg.set("x:1", "exploded", "r")
     finally:
+        if sub is not None:
+            await sub.aclose()
         await c.aclose()
 
 

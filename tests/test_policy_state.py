@@ -10,6 +10,8 @@ from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState
 from floodgate.extproc.vegas import VegasState
 
+from tests.helpers import listening
+
 
 async def make(c: aioredis.Redis, pool: str, limit: int = 2, tenant_cap: int = 1) -> PoolState:
     st = PoolState(c, pool, lease_ttl_s=30, settings=PoolSettings(
@@ -19,22 +21,23 @@ async def make(c: aioredis.Redis, pool: str, limit: int = 2, tenant_cap: int = 1
 
 
 async def test_snapshot_carries_queue_deadlines_and_rate_basis(client: aioredis.Redis) -> None:
-    st = await make(client, "pd")
-    for i in range(2):
-        assert (await st.acquire(f"h{i}", "g", i, 1, "a")).granted
-    await st.enqueue("w1", "g", 10, 1, "a", 5.0)
-    await st.enqueue("w2", "g", 11, 1, "b", 9.0)
-    s = await st.status()
-    assert s.head_left is not None and s.tail_left is not None
-    assert 4.0 < s.head_left[1] <= 5.0 and 8.0 < s.tail_left[1] <= 9.0
-    assert s.head_left[0] == s.tail_left[0] == 0.0
-    # releases: counted, with the in-flight level they happened at (2 held each time)
-    for i in range(6):
-        await st.release(f"h{i % 2}" if i < 2 else f"w{i - 1}" if i < 4 else "none")
-        if i < 3:
-            await st.acquire(f"x{i}", "g", 20 + i, 2, "a")
-    s = await st.status()
-    assert s.release_n >= 4 and s.inflight_avg == pytest.approx(2.0)
+    async with listening(client, "pd", "g"):  # the waiters' gateway is live: heard
+        st = await make(client, "pd")
+        for i in range(2):
+            assert (await st.acquire(f"h{i}", "g", i, 1, "a")).granted
+        await st.enqueue("w1", "g", 10, 1, "a", 5.0)
+        await st.enqueue("w2", "g", 11, 1, "b", 9.0)
+        s = await st.status()
+        assert s.head_left is not None and s.tail_left is not None
+        assert 4.0 < s.head_left[1] <= 5.0 and 8.0 < s.tail_left[1] <= 9.0
+        assert s.head_left[0] == s.tail_left[0] == 0.0
+        # releases: counted, with the in-flight level they happened at (2 held each time)
+        for i in range(6):
+            await st.release(f"h{i % 2}" if i < 2 else f"w{i - 1}" if i < 4 else "none")
+            if i < 3:
+                await st.acquire(f"x{i}", "g", 20 + i, 2, "a")
+        s = await st.status()
+        assert s.release_n >= 4 and s.inflight_avg == pytest.approx(2.0)
 
 
 async def test_tenant_less_requests_are_not_one_tenant(client: aioredis.Redis) -> None:

@@ -25,7 +25,7 @@ from floodgate.extproc.state import PoolState, redis_client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import wait_until
+from tests.helpers import subscribed, wait_until
 
 ON = PrefillSettings(rate=6000.0, request_tokens=512.0, pace_tokens=512.0)
 EPS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -175,7 +175,9 @@ async def test_script_counts_each_requests_own_size_as_the_model(stack: LocalSta
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     pool = "ps"
+    sub = None
     try:
+        sub = await subscribed(c, pool, "g")
         st = await _picking_pool(c, pool, EPS)
         model = PrefillEstimate(ON)
         rng = random.Random(11)
@@ -271,6 +273,8 @@ async def test_script_counts_each_requests_own_size_as_the_model(stack: LocalSta
         assert stats["own"] > 50 and stats["waiter"] > 20 and stats["queued"] > 30, stats
         assert stats["refused"] > 5 and stats["cancelled"] > 5 and stats["none"] > 20, stats
     finally:
+        if sub is not None:
+            await sub.aclose()
         await c.aclose()
 
 
@@ -280,7 +284,9 @@ async def test_sync_drops_sizes_whose_waiter_left_without_them(stack: LocalStack
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     pool = "pq"
+    sub = None
     try:
+        sub = await subscribed(c, pool, "g")
         st = await _picking_pool(c, pool, EPS[:1])
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:1", "g", 1, 0, "", 0, 2000.0)).granted  # P0: 2000 queued
@@ -295,6 +301,8 @@ async def test_sync_drops_sizes_whose_waiter_left_without_them(stack: LocalStack
         assert float(level) == 200.0 + 700.0
         assert await c.exists(key(pool, "qsize")) == 0
     finally:
+        if sub is not None:
+            await sub.aclose()
         await c.aclose()
 
 
@@ -302,7 +310,9 @@ async def test_paced_waiter_is_granted_once_the_estimate_drains(stack: LocalStac
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     pool = "pw"
+    sub = None
     try:
+        sub = await subscribed(c, pool, "g")
         st = await _picking_pool(c, pool, EPS[:1])
         await _clock(c, pool, 1_000_000)
         assert (await st.acquire("g:1", "g", 1, 0, "")).endpoint == EPS[0]  # P0: 512 queued
@@ -320,6 +330,8 @@ async def test_paced_waiter_is_granted_once_the_estimate_drains(stack: LocalStac
         assert (await st.acquire("g:5", "g", 5, 1, "")).granted
         assert (await st.acquire("g:6", "g", 6, 1, "")).granted
     finally:
+        if sub is not None:
+            await sub.aclose()
         await c.aclose()
 
 

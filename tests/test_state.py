@@ -11,7 +11,9 @@ invariants must hold.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -27,8 +29,22 @@ from floodgate.extproc.schema import (
 from floodgate.extproc.state import FUNCTION, PoolState, read_demand, read_pool_status
 from floodgate.extproc.vegas import VegasState
 
+from tests.helpers import listening
+
 SHARES = (0.5, 0.3, 0.1)
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
+
+Listen = Callable[..., Awaitable[None]]
+
+
+@pytest.fixture
+async def listen(client: aioredis.Redis) -> AsyncIterator[Listen]:
+    """`await listen(pool, *gateways)`: those gateways are heard (live processors subscribe to
+    their grant channels) until the test ends."""
+    async with contextlib.AsyncExitStack() as stack:
+        async def on(pool: str, *gateways: str) -> None:
+            await stack.enter_async_context(listening(client, pool, *gateways))
+        yield on
 
 
 async def make(c: aioredis.Redis, pool: str, *, ttl: float = 30, limit: int = 4,
@@ -83,9 +99,10 @@ GATEWAYS = ("ga", "gb", "gc")
 
 
 @pytest.mark.parametrize("seed", range(16))
-async def test_lua_matches_reference_model(client: aioredis.Redis, seed: int) -> None:
+async def test_lua_matches_reference_model(client: aioredis.Redis, listen: Listen, seed: int) -> None:
     rng = random.Random(seed)
     pool = f"diff{seed}"
+    await listen(pool, *GATEWAYS)  # a gateway that stops syncing here stalled: it still listens
     limit = rng.choice([1, 2, 3, 5, 10])
     always = (rng.random() < 0.5, False, rng.random() < 0.3)  # some seeds keep reservations always
     # the old partitions and the shipped ones (no floor for P2); headroom kept free for the
@@ -249,31 +266,84 @@ async def test_dead_gateways_waiters_are_never_granted_and_purged(client: aiored
     await check_invariants(client, "dead")
 
 
-async def test_a_grant_to_a_crashed_gateway_ends_with_its_liveness(client: aioredis.Redis) -> None:
-    """A gateway that crashed with a waiter queued is known dead only one TTL after its last
-    sync; a permit freed before then may be granted to that waiter. The lease ends with the
-    gateway's liveness, not a full TTL after the grant: the pool has every permit back one TTL
-    after the crash (`floodgate bench faults`, sigkill, read 15.59 s at TTL 15 s before)."""
-    pool = "crashgrant"
+async def test_a_grant_to_a_stalled_gateway_ends_with_its_liveness(client: aioredis.Redis, listen: Listen) -> None:
+    """A gateway that stalled with a waiter queued (SIGSTOP, a blocked loop: its connections
+    stay open, so it is heard) is known dead only one TTL after its last sync; a permit freed
+    before then may be granted to that waiter. The lease ends with the gateway's liveness, not a
+    full TTL after the grant: the pool has every permit back one TTL after the stall began
+    (`floodgate bench faults`, sigkill, read 15.59 s at TTL 15 s before)."""
+    pool = "stallgrant"
     clock = key(pool, "testclock")
     t0 = 1_000_000
     await client.set(clock, t0)
     st = await make(client, pool, ttl=3.0, limit=1, shares=(0, 0, 0))
+    await listen(pool, "a", "stalled")
     await st.sync("a", 1, {}, {})
-    await st.sync("dead", 1, {}, {})  # its last sync: alive until t0 + 3 s
+    await st.sync("stalled", 1, {}, {})  # its last sync: alive until t0 + 3 s
     assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
-    assert not (await st.enqueue("dead/1", "dead", 1, 0, "t", 30)).granted  # then it crashes
+    assert not (await st.enqueue("stalled/1", "stalled", 1, 0, "t", 30)).granted  # then it stalls
     await client.set(clock, t0 + 2000)
     await st.sync("a", 2, {"a/1": (1, 1, "")}, {})
-    assert await st.release("a/1") == 1  # the grant loop hands the permit to the dead one's waiter
-    assert await leased(client, pool) == {"dead/1"}
+    assert await st.release("a/1") == 1  # the grant loop hands the permit to the stalled one's waiter
+    assert await leased(client, pool) == {"stalled/1"}
     await client.set(clock, t0 + 2999)
     await st.sync("a", 2, {}, {})
     assert not (await st.acquire("a/2", "a", 2, 1, "t")).granted
     await st.cancel("a/2")
-    await client.set(clock, t0 + 3001)  # one TTL after the crash (was: t0 + 5000, a TTL after the grant)
+    await client.set(clock, t0 + 3001)  # one TTL after the stall (was: t0 + 5000, a TTL after the grant)
     await st.sync("a", 3, {}, {})
     assert (await st.acquire("a/3", "a", 3, 1, "t")).granted
+    await check_invariants(client, pool)
+
+
+async def test_a_crashed_gateways_waiters_are_dropped_at_their_turn(client: aioredis.Redis, listen: Listen) -> None:
+    """A gateway that crashed (its connections closed: no one hears its grant channel) keeps its
+    liveness until one TTL after its last sync. Its waiters are dropped when their turn comes,
+    and the permit goes to the next waiter at once, not to a process that can never use it
+    (the fault review: a pool of L 4 served 2, then 0, until the dead one's liveness ran out)."""
+    pool = "crashgrant"
+    clock = key(pool, "testclock")
+    t0 = 1_000_000
+    await client.set(clock, t0)
+    st = await make(client, pool, ttl=3.0, limit=2, shares=(0, 0, 0))
+    await listen(pool, "a")
+    await st.sync("a", 1, {}, {})
+    await st.sync("dead", 1, {}, {})  # alive in `gws` until t0 + 3 s; nobody listens for it
+    assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
+    assert (await st.acquire("a/2", "a", 2, 1, "t")).granted
+    for seq in (1, 2, 3):  # three waiters of the crashed one, queued ahead of the survivor's
+        assert not (await st.enqueue(f"dead/{seq}", "dead", seq, 0, "t", 30)).granted
+    assert not (await st.enqueue("a/3", "a", 3, 1, "t", 30)).granted
+    await client.set(clock, t0 + 1000)
+    assert await st.release("a/1") == 1  # the three dead heads are dropped, a/3 is granted
+    assert await leased(client, pool) == {"a/2", "a/3"}
+    assert (await st.status()).queued_total == 0
+    # the survivor's own poll: the granted one is leased, a dropped one would be reported gone
+    assert await st.waiting_among(["a/3", "a/9"]) == ({"a/3": ""}, {"a/9"})
+    await check_invariants(client, pool)
+
+
+async def test_a_gateway_not_heard_re_queues_its_dropped_waiters(client: aioredis.Redis, listen: Listen) -> None:
+    """A live gateway whose pub/sub connection was down when its waiter's turn came loses that
+    waiter in Redis; its poll reports it gone and its sync puts it back (at the back of its class),
+    with its remaining deadline."""
+    pool = "deaf"
+    st = await make(client, pool, limit=1, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    await st.sync("b", 1, {}, {})
+    assert (await st.acquire("b/1", "b", 1, 1, "t")).granted
+    await st.enqueue("a/1", "a", 1, 1, "t", 30)
+    await listen(pool, "b")
+    await st.enqueue("b/2", "b", 2, 1, "t", 30)
+    assert await st.release("b/1") == 1  # a/1's turn: `a` is not heard, so b/2 is granted
+    assert await leased(client, pool) == {"b/2"}
+    assert await st.waiting_among(["a/1"]) == ({}, {"a/1"})
+    await listen(pool, "a")  # its subscription is back; the poll's sync re-queues the waiter
+    await st.sync("a", 2, {}, {"a/1": (1, 1, 25.0, "t")})
+    assert await queue_order(client, pool) == ["a/1"]
+    assert await st.waiting_among(["a/1"]) == ({}, set())
+    assert await st.release("b/2") == 1
+    assert await st.waiting_among(["a/1"]) == ({"a/1": ""}, set())
     await check_invariants(client, pool)
 
 
@@ -304,11 +374,12 @@ async def test_ticket_hashes_are_hashtables_and_their_pad_is_no_ticket(client: a
     assert await client.object("encoding", key("pad", "qmeta")) == b"hashtable"
 
 
-async def test_sync_makes_the_big_zsets_skiplists_and_leaves_no_pad(client: aioredis.Redis) -> None:
+async def test_sync_makes_the_big_zsets_skiplists_and_leaves_no_pad(client: aioredis.Redis, listen: Listen) -> None:
     # As listpacks (up to 128 entries by default) every ZADD / ZREM of a lease scanned the ZSET;
     # sync converts leases, queue and qdl of 16 entries or more by adding and removing a long
     # member in one call: no reader ever sees it. A smaller ZSET stays a listpack.
     st = await make(client, "zpad", limit=20, shares=(0, 0, 0))
+    await listen("zpad", "a")
     await st.sync("a", 1, {}, {})
     for seq in range(1, 31):
         await st.admit(f"a/{seq}", "a", seq, 1, "t", 0, 30)
@@ -420,8 +491,9 @@ async def test_expired_lease_is_reclaimed_and_granted_to_next_waiter(client: aio
     await pubsub.aclose()
 
 
-async def test_cancel_after_grant_reports_ownership(client: aioredis.Redis) -> None:
+async def test_cancel_after_grant_reports_ownership(client: aioredis.Redis, listen: Listen) -> None:
     st = await make(client, "race", limit=1, shares=(0, 0, 0))
+    await listen("race", "a")
     assert (await st.acquire("a/1", "a", 1, 1, "t")).granted
     await st.enqueue("a/2", "a", 2, 1, "t", 30)
     assert await st.release("a/1") == 1  # grants a/2
@@ -487,8 +559,10 @@ async def test_demand_counters(client: aioredis.Redis) -> None:
     assert d[0]["admitted"] == 4 and d[2]["early_drop"] == 2 and d[1]["queued"] == 0
 
 
-async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client: aioredis.Redis) -> None:
+async def test_credits_only_below_half_the_limit_and_recalled_by_a_queue(client: aioredis.Redis,
+                                                                        listen: Listen) -> None:
     st = await make(client, "cr", limit=10, shares=(0, 0, 0))
+    await listen("cr", "b")
     got = await st.acquire("a/1", "a", 1, 1, "t", credits=8)
     assert got.granted and len(got.credits) == 4  # at most half the limit: 1 + 4 = 5
     assert (await st.status()).inflight_total == 5  # credits are leases: they count
