@@ -62,6 +62,9 @@ class GatewayStatus:
     # left until its leases expire and are reclaimed
     gone: bool = False
     leases_expire_s: float = 0.0  # seconds until the last of its leases expires (0: none, or all expired)
+    # someone subscribes to its grant channel (leases.lua `hears`): False for a live gateway means
+    # its pub/sub connection is down, and Redis drops its waiters at their turn; None: not known
+    heard: bool | None = None
 
 
 @dataclass
@@ -210,8 +213,10 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     for gw, mark in zip(unlisted, marks, strict=True):
         gone = mark is None
         gateways[gw] = GatewayStatus(gw, not gone, 0.0, leases.get(gw, 0), waiters.get(gw, 0), gone)
+    heard = await _heard(client, pool, list(gateways))
     for g in gateways.values():
         g.leases_expire_s = max(0.0, (lease_end.get(g.gateway, 0.0) - now_ms) / 1000)
+        g.heard = heard.get(g.gateway)
     registry: dict[str, list[EndpointStatus]] = {s: [] for s in STATES}
     ejected = schema.parse_ejections(await client.hget(schema.key(pool, "state"), schema.EJECTED_FIELD))
     for ep in (await Registry(client, pool).endpoints()).values():
@@ -223,6 +228,35 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     return PoolReport(pool, st.limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
                       {f"P{c}": n for c, n in enumerate(st.queued)},
                       sorted(gateways.values(), key=lambda g: g.gateway), registry)
+
+
+async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]:
+    """Gateway -> whether its grant channel has a subscriber, asked where the script asks it
+    (on a Cluster, the node owning the pool's slot); {} where the server cannot say."""
+    from redis.asyncio.cluster import RedisCluster
+    from redis.exceptions import ResponseError
+
+    from floodgate.extproc import schema
+
+    if not gateways:
+        return {}
+    chans = [schema.gateway_channel(gw, pool) for gw in gateways]
+    # on a Cluster, the slot owner itself (the cluster client would merge replies of all nodes)
+    target = client.get_node_from_key(chans[0]) if isinstance(client, RedisCluster) else client
+    if target is None:  # no owner known for the slot
+        return {}
+    raw: Any = None
+    for sub in ("SHARDNUMSUB", "NUMSUB"):  # the channels the script publishes on (Redis 6: plain)
+        try:
+            raw = await target.execute_command("PUBSUB", sub, *chans)
+            break
+        except ResponseError:
+            continue
+    if raw is None:
+        return {}
+    flat = [x for pair in raw for x in pair] if raw and isinstance(raw[0], (list, tuple)) else list(raw)
+    counts = {_text(ch): int(n) for ch, n in zip(flat[::2], flat[1::2], strict=True)}
+    return {gw: counts.get(ch, 0) > 0 for gw, ch in zip(gateways, chans, strict=True)}
 
 
 async def collect(redis_url: str, password: str | None = None, pools: list[str] | None = None,
@@ -280,6 +314,9 @@ def render(reports: list[PoolReport]) -> str:
             elif not g.live:
                 lines.append(f"  DEGRADED or gone: {g.gateway} (silent {g.silent_s:.1f} s, {g.leases} leases "
                              f"until they expire, {g.waiters} waiters)")
+            elif g.heard is False:
+                lines.append(f"  NOT HEARD: {g.gateway} (live, but nothing subscribes to its grant channel: its "
+                             f"pub/sub connection is down or it died; Redis drops its waiters at their turn)")
         counts = ", ".join(f"{s} {len(eps)}" for s, eps in r.registry.items())
         lines.append(f"  registry: {counts}")
         for state, eps in r.registry.items():

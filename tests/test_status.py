@@ -14,8 +14,9 @@ from floodgate.extproc.registry import Registry
 from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState, redis_client
 
-from floodgate.status import collect, render
+from floodgate.status import as_json, collect, render
 from floodgate.supervisor import Supervisor
+from tests.helpers import listening
 
 
 @pytest.fixture
@@ -62,6 +63,20 @@ async def test_status_reports_limit_classes_leases_degraded_gateways_and_registr
     assert "pool chat: limit 3, in-flight 3 (P0 1 / P1 2 / P2 0), queued 1" in text
     assert "DEGRADED or gone: gw-gone" in text
     assert "registry: loading 0, warm 1, active 1, draining 1, sleeping 0" in text
+    # No process subscribes for these gateways: live, but not heard (leases.lua drops their
+    # waiters at their turn). gw-b's processor subscribing makes it heard.
+    assert by_gw["gw-a"].heard is False and by_gw["gw-b"].heard is False
+    assert "NOT HEARD: gw-a" in text and "NOT HEARD: gw-gone" not in text  # a silent one is listed as such
+    c = redis_client(redis_url, op_timeout_s=2)
+    try:
+        async with listening(c, "chat", "gw-b"):
+            [r] = (await collect(redis_url)).reports
+    finally:
+        await c.aclose()
+    by_gw = {g.gateway: g for g in r.gateways}
+    assert by_gw["gw-b"].heard is True and by_gw["gw-a"].heard is False
+    assert "NOT HEARD: gw-b" not in render([r])
+    assert json.loads(as_json([r]))["pools"][0]["gateways"][1]["heard"] is True
 
 
 def test_status_cli_json_and_errors(redis_url: str) -> None:
