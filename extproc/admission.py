@@ -98,6 +98,7 @@ from floodgate.extproc.schema import (
     key,
 )
 from floodgate.extproc.state import PoolState
+from redis.exceptions import ResponseError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
 
@@ -195,6 +196,9 @@ class PoolRuntime:
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
     held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
     resyncing: bool = False  # a sync after Redis lost acknowledged writes is under way (`_lost_writes`)
+    # the pub/sub loop's last attempt to subscribe to this pool's grant channel failed (it is not
+    # subscribed, and not merely starting): grants reach this process by its polls
+    unsubscribed: bool = False
     # Until when (clock()) Redis surely counts this process alive, so the leases of its waiters'
     # grants run: the send time of its last answered sync + the lease TTL (`_granted`).
     alive_until: float = 0.0
@@ -998,6 +1002,8 @@ class Admitter:
             try:
                 pubsub = await subscribe(client, channels, connect_timeout_s=self.cfg.redis.op_timeout_s)
                 failures = 0
+                for pool_rt in rts:
+                    pool_rt.unsubscribed = False
                 while not self._closing:
                     msg = await pubsub.get_message(1.0)
                     if msg is not None:
@@ -1019,14 +1025,20 @@ class Admitter:
                 raise
             except OUTAGE_ERRORS as exc:
                 failures += 1
-                # Said once per loss that lasts: while no one hears this processor's channel,
-                # Redis drops its waiters at their turn and its poll re-queues them.
-                (log.warning if failures == 3 else log.debug)(
-                    "pub/sub connection to Redis lost (pools %s): %s; until it is back, Redis drops this "
-                    "processor's waiters at their turn and its poll queues them again; retrying",
+                for pool_rt in rts:
+                    pool_rt.unsubscribed = True
+                # Said once per loss that lasts (at once when the server refuses: an ACL without
+                # the channel, a proxy without pub/sub); meanwhile this process says at each
+                # poll that it is not subscribed, and its grants come by its polls.
+                refused = isinstance(exc, ResponseError)
+                (log.warning if failures == 3 or (refused and failures == 1) else log.debug)(
+                    "pub/sub connection to Redis lost (pools %s): %s; until it is back, grants reach this "
+                    "processor's waiters by its polls (every redis.poll_interval_s); retrying",
                     [rt.cfg.name for rt in rts], exc)
                 await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:
+                for pool_rt in rts:
+                    pool_rt.unsubscribed = True
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
@@ -1105,16 +1117,30 @@ class Admitter:
     async def _poll_loop(self, rt: PoolRuntime) -> None:
         """Fallback for lost grant messages; also drives reclaim when traffic is idle. A waiter
         Redis no longer has (dropped while this process's pub/sub connection was down, or lost
-        in a failover) is re-queued at once by a sync rather than at the next renewal."""
+        in a failover) is re-queued at once by a sync rather than at the next renewal: looked for
+        once a second (a lookup per waiter in Redis), not at every poll. While this process holds
+        no subscription, every poll says so, and Redis grants to it anyway for a few polls: the
+        polls are then how its grants arrive (leases.lua `hears`)."""
+        last_gone_check = 0.0
+        interval = self.cfg.redis.poll_interval_s
         while not self._closing:
-            await asyncio.sleep(self.cfg.redis.poll_interval_s)
+            await asyncio.sleep(interval)
             if rt.degraded:
                 continue
             tickets = [t for t, w in rt.waiting.items() if w.enqueued and not w.future.done()]
             if not tickets:
                 continue
+            now = self.clock()
+            deaf = rt.unsubscribed
+            check_gone = deaf or now - last_gone_check >= 1.0
             with contextlib.suppress(RedisDown):
-                granted, gone = await self.call(rt, "mine", partial(rt.state.waiting_among, tickets))
+                if check_gone:
+                    last_gone_check = now
+                    granted, gone = await self.call(rt, "mine", partial(
+                        rt.state.waiting_among, tickets, deaf=self.gateway_id if deaf else None,
+                        deaf_ms=self._deaf_ms()))
+                else:
+                    granted, gone = await self.call(rt, "mine", partial(rt.state.granted_among, tickets)), set()
                 for t, endpoint in granted.items():
                     self._granted(rt, t, endpoint)
                 gone = {t for t in gone if (w := rt.waiting.get(t)) is not None and not w.future.done()}
@@ -1193,7 +1219,17 @@ class Admitter:
         if peers_back and not await self._reconcile(rt, switch=True):  # at once: every round trip is a dip
             rt.back_since = None
 
+    def _deaf_ms(self) -> int:
+        """How long one "not subscribed" notice lets Redis grant to this process's waiters:
+        past the next status tick (1 s) and several polls."""
+        return max(3000, round(4000 * self.cfg.redis.poll_interval_s))
+
     async def _tick(self, rt: PoolRuntime) -> None:
+        if rt.unsubscribed:
+            # Heard by its polls even before a waiter of its own is queued: one whose turn came
+            # before the first poll was dropped (leases.lua `hears`).
+            await self.call(rt, "mine", partial(rt.state.waiting_among, [], deaf=self.gateway_id,
+                                                deaf_ms=self._deaf_ms()))
         self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)

@@ -229,12 +229,18 @@ end
 -- for the rest of the TTL (fault review). Asked in the same script as the grant, so the answer
 -- holds for it. A live processor whose pub/sub connection is reconnecting also has none: its
 -- waiter is dropped like a dead one's, and its poll (`mine` with '!gone') finds it gone and
--- re-queues it by a sync. Sharded channels where the server has them (the processors SSUBSCRIBE
--- there), else plain ones.
+-- re-queues it by a sync; one that knows its subscription is down (it could not subscribe:
+-- a proxy or ACL without pub/sub, a connection being re-made) says so at every poll (`mine`
+-- with '!deaf'), and is heard by its polls for a short while (state `pl:<gateway>`, ms): a
+-- grant to it is found by its next poll, as before, and a process that dies in that mode stops
+-- being heard when it stops polling. Sharded channels where the server has them (the
+-- processors SSUBSCRIBE there), else plain ones.
 local HAS_SHARDNUMSUB = nil
 local function hears(gw)
   local v = HEARS[gw]
   if v ~= nil then return v end
+  local polls = redis.call('HGET', K.state, 'pl:' .. gw)
+  if polls and polls + 0 > now then HEARS[gw] = true return true end
   local ch, r = channel(gw), nil
   if HAS_SHARDNUMSUB ~= false then
     local ok, got = pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', ch)
@@ -783,7 +789,7 @@ local function reclaim()
     redis.call('ZREM', K.gws, unpack(dead))
     local st = state()
     for _, gw in ipairs(dead) do
-      redis.call('HDEL', K.state, 'hw:' .. gw, 'bx:' .. gw)
+      redis.call('HDEL', K.state, 'hw:' .. gw, 'bx:' .. gw, 'pl:' .. gw)
       st['hw:' .. gw], ST_DIRTY['hw:' .. gw] = nil, nil
       st['bx:' .. gw], ST_DIRTY['bx:' .. gw] = nil, nil
     end
@@ -1232,12 +1238,19 @@ function OPS.mine(ARGV)
   -- reply pairs each leased one with its endpoint. With ARGV 3 '!gone' (processors that know
   -- it), a ticket neither leased nor queued is paired with '!gone': Redis dropped it (its
   -- gateway was not heard when its turn came, or a failover lost it); the gateway re-queues it.
+  -- With ARGV 3 '!deaf', ARGV 4 the gateway and 5 a duration (ms): as '!gone', and the gateway
+  -- cannot subscribe: it is heard by its polls for that long (`hears`).
   ramp_refill()
+  local leased, first = {}, 3
+  local gone = ARGV[3] == '!gone' or ARGV[3] == '!deaf'
+  if ARGV[3] == '!deaf' then
+    redis.call('HSET', K.state, 'pl:' .. ARGV[4], intstr(now + tonumber(ARGV[5])))
+    first = 6
+  elseif gone then
+    first = 4
+  end
   reclaim()
   grant_loop()
-  local leased, first = {}, 3
-  local gone = ARGV[3] == '!gone'
-  if gone then first = 4 end
   for i = first, #ARGV do
     if redis.call('ZSCORE', K.leases, ARGV[i]) then
       table.insert(leased, ARGV[i])

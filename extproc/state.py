@@ -319,13 +319,17 @@ class PoolState:
         got = [_text(t) for t in await self._run("mine", *tickets)]
         return dict(zip(got[::2], got[1::2], strict=True))
 
-    async def waiting_among(self, tickets: list[str]) -> tuple[dict[str, str], set[str]]:
+    async def waiting_among(self, tickets: list[str], *, deaf: str | None = None,
+                            deaf_ms: int = 1000) -> tuple[dict[str, str], set[str]]:
         """`granted_among`, and which of them Redis no longer has at all (neither leased nor
         queued: dropped because no one heard this gateway's grant channel when their turn came,
-        or lost in a failover), which this gateway re-queues with a sync."""
-        if not tickets:
+        or lost in a failover), which this gateway re-queues with a sync. `deaf`: this gateway
+        (named) is not subscribed to its grant channel; grants to it are made anyway for
+        `deaf_ms` (its polls find them)."""
+        if not tickets and not deaf:
             return {}, set()
-        got = [_text(t) for t in await self._run("mine", "!gone", *tickets)]
+        flag = ["!deaf", deaf, deaf_ms] if deaf else ["!gone"]
+        got = [_text(t) for t in await self._run("mine", *flag, *tickets)]
         pairs = dict(zip(got[::2], got[1::2], strict=True))
         gone = {t for t, ep in pairs.items() if ep == "!gone"}
         return {t: ep for t, ep in pairs.items() if t not in gone}, gone

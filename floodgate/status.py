@@ -65,6 +65,8 @@ class GatewayStatus:
     # someone subscribes to its grant channel (leases.lua `hears`): False for a live gateway means
     # its pub/sub connection is down, and Redis drops its waiters at their turn; None: not known
     heard: bool | None = None
+    # it told Redis it cannot subscribe (leases.lua `hears`, `pl:<gateway>`): heard by its polls
+    by_poll: bool = False
 
 
 @dataclass
@@ -163,6 +165,8 @@ async def pool_exists(client: Any, pool: str) -> bool:
 # The state hash field leases.lua keeps per gateway that has called the script (`is_new`: its
 # ticket watermark) and deletes with its liveness record when the gateway is purged as dead.
 _HW = "hw:"
+# ... and the time (ms) until which a gateway that cannot subscribe is heard by its polls.
+_PL = "pl:"
 
 
 def _waiter_gateway(qmeta: str) -> str:
@@ -214,9 +218,12 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
         gone = mark is None
         gateways[gw] = GatewayStatus(gw, not gone, 0.0, leases.get(gw, 0), waiters.get(gw, 0), gone)
     heard = await _heard(client, pool, list(gateways))
-    for g in gateways.values():
+    names = list(gateways)
+    polls = await client.hmget(schema.key(pool, "state"), [_PL + gw for gw in names]) if names else []
+    for g, poll_until in zip(gateways.values(), polls, strict=True):
         g.leases_expire_s = max(0.0, (lease_end.get(g.gateway, 0.0) - now_ms) / 1000)
-        g.heard = heard.get(g.gateway)
+        g.by_poll = poll_until is not None and float(poll_until) > now_ms and not heard.get(g.gateway)
+        g.heard = True if g.by_poll else heard.get(g.gateway)
     registry: dict[str, list[EndpointStatus]] = {s: [] for s in STATES}
     ejected = schema.parse_ejections(await client.hget(schema.key(pool, "state"), schema.EJECTED_FIELD))
     for ep in (await Registry(client, pool).endpoints()).values():
@@ -314,9 +321,12 @@ def render(reports: list[PoolReport]) -> str:
             elif not g.live:
                 lines.append(f"  DEGRADED or gone: {g.gateway} (silent {g.silent_s:.1f} s, {g.leases} leases "
                              f"until they expire, {g.waiters} waiters)")
+            elif g.by_poll:
+                lines.append(f"  BY POLL: {g.gateway} (cannot subscribe to its grant channel: its grants are found "
+                             f"by its polls, every redis.poll_interval_s)")
             elif g.heard is False:
                 lines.append(f"  NOT HEARD: {g.gateway} (live, but nothing subscribes to its grant channel: its "
-                             f"pub/sub connection is down or it died; Redis drops its waiters at their turn)")
+                             f"pub/sub connection broke a moment ago, or it died; Redis drops its waiters at their turn)")
         counts = ", ".join(f"{s} {len(eps)}" for s, eps in r.registry.items())
         lines.append(f"  registry: {counts}")
         for state, eps in r.registry.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import signal
 import time
 from collections import Counter
@@ -12,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 
 from floodgate.stack import LocalStack
 from tests.helpers import Reply, drained, get_json, metrics, pool_status, post, wait_until
@@ -295,6 +297,38 @@ async def test_a_killed_processors_waiters_take_no_permits(stack: LocalStack, up
     assert stats["max_inflight"] <= 4
     st = await drained(stack.redis_url, timeout=15)
     assert st.inflight_total == 0 and st.queued_total == 0
+
+
+async def test_processors_that_cannot_subscribe_are_served_by_their_polls(stack: LocalStack, upstream: int) -> None:
+    """Two processors whose Redis user may not subscribe to any channel (an ACL, or a proxy
+    without pub/sub): grants can reach them only by their polls. Each says at every poll that
+    it is not subscribed, so Redis grants to its waiters anyway (leases.lua `hears`) instead of
+    dropping each at its turn as a dead processor's. Without that, every request was served,
+    but 10 only after their waiters were dropped and queued again."""
+    from floodgate.redis_acl import PROCESSOR_RULES
+
+    url = stack.start_redis()
+    rules = re.sub(r"&\S+", "", PROCESSOR_RULES)  # no channel at all
+    with redis.Redis.from_url(url) as admin:
+        admin.execute_command("ACL", "SETUSER", "nosub", "on", ">pw", *rules.split())
+    stack.redis_url = url.replace("redis://", "redis://nosub:pw@")
+    cfg = static(2, classes=classes(p1=30))
+    a = stack.start_processor(cfg)
+    b = stack.start_processor(cfg)
+    ea = stack.start_envoy([("127.0.0.1", upstream)], processors=[a])
+    eb = stack.start_envoy([("127.0.0.1", upstream)], processors=[b])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        replies = await asyncio.gather(*(post(s, (ea.url, eb.url)[i % 2], headers=hdr(1, chunks="2", delay_ms="150"))
+                                         for i in range(16)))
+        dropped = 0.0
+        for p in (a, b):
+            m = await metrics(s, p.metrics_url)
+            dropped += sum(v for k, v in m.items() if k.startswith("floodgate_waiters_dropped_total"))
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+    assert [r.status for r in replies] == [200] * 16
+    assert stats["max_inflight"] <= 2
+    assert dropped == 0
+    assert await wait_until(lambda: "pub/sub connection to Redis lost" in a.child.log_tail(), 5)
 
 
 async def _inflight_is(redis_url: str, n: int) -> bool:

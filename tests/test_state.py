@@ -347,6 +347,30 @@ async def test_a_gateway_not_heard_re_queues_its_dropped_waiters(client: aioredi
     await check_invariants(client, pool)
 
 
+async def test_a_gateway_that_cannot_subscribe_is_heard_by_its_polls(client: aioredis.Redis) -> None:
+    """A processor that holds no subscription (a proxy or ACL without pub/sub, a connection
+    being re-made) says so at every poll: for that long its waiters are granted (the poll finds
+    the grant), not dropped at every turn; once it stops polling (it died) they are dropped."""
+    pool = "deafpoll"
+    clock = key(pool, "testclock")
+    t0 = 1_000_000
+    await client.set(clock, t0)
+    st = await make(client, pool, limit=1, shares=(0, 0, 0))
+    await st.sync("a", 1, {}, {})
+    await st.sync("b", 1, {}, {})
+    assert (await st.acquire("b/1", "b", 1, 1, "t")).granted
+    for seq in (1, 2):
+        await st.enqueue(f"a/{seq}", "a", seq, 1, "t", 30)
+    assert await st.waiting_among(["a/1", "a/2"], deaf="a", deaf_ms=1000) == ({}, set())
+    assert await st.release("b/1") == 1  # heard by its polls: granted, found by the next poll
+    assert await st.waiting_among(["a/2"], deaf="a", deaf_ms=1000) == ({}, set())
+    assert await st.granted_among(["a/1"]) == {"a/1": ""}
+    await client.set(clock, t0 + 1500)  # no poll for 1.5 s: it died
+    assert await st.release("a/1") == 1
+    assert await leased(client, pool) == set() and await queue_order(client, pool) == []
+    await check_invariants(client, pool)
+
+
 async def test_ticket_hashes_are_hashtables_and_their_pad_is_no_ticket(client: aioredis.Redis) -> None:
     # As listpacks (up to 512 fields on Valkey 9) every ticket lookup scanned the whole hash;
     # sync keeps a pad field in them so the server stores hashtables. The pad is no ticket:

@@ -76,7 +76,18 @@ async def test_status_reports_limit_classes_leases_degraded_gateways_and_registr
     by_gw = {g.gateway: g for g in r.gateways}
     assert by_gw["gw-b"].heard is True and by_gw["gw-a"].heard is False
     assert "NOT HEARD: gw-b" not in render([r])
-    assert json.loads(as_json([r]))["pools"][0]["gateways"][1]["heard"] is True
+    # gw-a says it cannot subscribe: heard by its polls
+    c = redis_client(redis_url, op_timeout_s=2)
+    try:
+        await PoolState(c, "chat", lease_ttl_s=15).waiting_among([], deaf="gw-a", deaf_ms=5000)
+    finally:
+        await c.aclose()
+    [r] = (await collect(redis_url)).reports
+    by_gw = {g.gateway: g for g in r.gateways}
+    assert by_gw["gw-a"].heard is True and by_gw["gw-a"].by_poll and not by_gw["gw-b"].by_poll
+    assert "BY POLL: gw-a" in render([r]) and "NOT HEARD: gw-a" not in render([r])
+    gws = json.loads(as_json([r]))["pools"][0]["gateways"]
+    assert (gws[0]["gateway"], gws[0]["heard"], gws[0]["by_poll"]) == ("gw-a", True, True)
 
 
 def test_status_cli_json_and_errors(redis_url: str) -> None:
