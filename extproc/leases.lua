@@ -239,15 +239,19 @@ local HAS_SHARDNUMSUB = nil
 local function hears(gw)
   local v = HEARS[gw]
   if v ~= nil then return v end
-  local polls = redis.call('HGET', K.state, 'pl:' .. gw)
-  if polls and polls + 0 > now then HEARS[gw] = true return true end
   local ch, r = channel(gw), nil
-  if HAS_SHARDNUMSUB ~= false then
+  if HAS_SHARDNUMSUB then
+    r = redis.call('PUBSUB', 'SHARDNUMSUB', ch)
+  elseif HAS_SHARDNUMSUB == nil then
     local ok, got = pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', ch)
     if ok then HAS_SHARDNUMSUB, r = true, got else HAS_SHARDNUMSUB = false end
   end
   if not r then r = redis.call('PUBSUB', 'NUMSUB', ch) end
   v = (tonumber(r[2]) or 0) > 0
+  if not v then  -- not subscribed: heard only if it said so at a recent poll
+    local polls = redis.call('HGET', K.state, 'pl:' .. gw)
+    v = polls ~= false and polls ~= nil and polls + 0 > now
+  end
   HEARS[gw] = v
   return v
 end
