@@ -28,8 +28,10 @@ from typing import Any
 HELP = """\
 Show what every processor and the controller share in Redis: per pool the limit, in-flight and
 queued requests per priority class, leases per gateway, degraded gateways (silent, or gone while
-Redis still holds their permits or waiters) and the replica registry by state. `--json` prints
-the same as one JSON document (`{"error": ...}` when Redis cannot be read).
+Redis still holds their permits or waiters), live gateways whose grant channel nobody hears (NOT
+HEARD: a pub/sub connection just broke; BY POLL: it cannot subscribe and finds its grants by
+polling) and the replica registry by state. `--json` prints the same as one JSON document
+(`{"error": ...}` when Redis cannot be read).
 
   floodgate status --redis-url redis://127.0.0.1:6379/0
   floodgate status --config processor.yaml --json
