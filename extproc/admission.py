@@ -1025,8 +1025,6 @@ class Admitter:
                 raise
             except OUTAGE_ERRORS as exc:
                 failures += 1
-                for pool_rt in rts:
-                    pool_rt.unsubscribed = True
                 # Said once per loss that lasts (at once when the server refuses: an ACL without
                 # the channel, a proxy without pub/sub); meanwhile this process says at each
                 # poll that it is not subscribed, and its grants come by its polls.
@@ -1035,13 +1033,14 @@ class Admitter:
                     "pub/sub connection to Redis lost (pools %s): %s; until it is back, grants reach this "
                     "processor's waiters by its polls (every redis.poll_interval_s); retrying",
                     [rt.cfg.name for rt in rts], exc)
-                await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
             finally:
                 for pool_rt in rts:
                     pool_rt.unsubscribed = True
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
+            if failures and not self._closing:  # after a failure, not after a clean close
+                await asyncio.sleep(self.cfg.redis.reconnect_interval_s)
 
     def _lost_writes(self, rt: PoolRuntime) -> None:
         """A batch's reply shows that Redis lost writes of this processor it had acknowledged (a

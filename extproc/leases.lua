@@ -250,7 +250,7 @@ local function hears(gw)
   v = (tonumber(r[2]) or 0) > 0
   if not v then  -- not subscribed: heard only if it said so at a recent poll
     local polls = redis.call('HGET', K.state, 'pl:' .. gw)
-    v = polls ~= false and polls ~= nil and polls + 0 > now
+    v = (polls and polls + 0 > now) or false
   end
   HEARS[gw] = v
   return v

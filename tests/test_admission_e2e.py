@@ -9,6 +9,7 @@ import re
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -489,6 +490,15 @@ async def test_client_cannot_choose_upstream_host(stack: LocalStack, upstream: i
         assert "x-gateway-destination-endpoint" not in seen[-1]
 
 
+async def _limit_learned(s: aiohttp.ClientSession, metrics_url: str, redis_url: str, ttft_count: int = 0) -> bool:
+    """The Vegas limit has applied a window and grown past its initial 4 (and at least
+    `ttft_count` P1 first tokens were timed)."""
+    m = await metrics(s, metrics_url)
+    return m.get('floodgate_limit_updates_total{pool="default"}', 0) >= 1 \
+        and m.get('floodgate_ttft_seconds_count{pool="default",priority="1"}', 0) >= ttft_count \
+        and (await pool_status(redis_url)).limit > 4
+
+
 def _learning_vegas(**limit: Any) -> dict[str, Any]:
     """A Vegas pool from limit 4 that measures every request and closes small windows fast.
     A wave of 8 at limit 4 must queue, not time out or be dropped early on a loaded box: these
@@ -510,10 +520,8 @@ async def test_vegas_limit_learns_from_whole_json_responses(stack: LocalStack, u
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def learned() -> bool:
-            m = await metrics(s, p.metrics_url)
-            return m.get('floodgate_limit_updates_total{pool="default"}', 0) >= 1 \
-                and (await pool_status(stack.redis_url)).limit > 4
+        def learned() -> Awaitable[bool]:
+            return _limit_learned(s, p.metrics_url, stack.redis_url)
 
         waves = 0
         while waves < 4 or (waves < 30 and not await learned()):
@@ -536,13 +544,10 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def learned() -> bool:
+        def learned() -> Awaitable[bool]:
             # the limit is written to Redis by a task of its own; a stream's end reaches the
             # processor after the client's, so its TTFT may come in after the reply
-            m = await metrics(s, p.metrics_url)
-            return m.get('floodgate_limit_updates_total{pool="default"}', 0) >= 1 \
-                and m.get('floodgate_ttft_seconds_count{pool="default",priority="1"}', 0) >= 12 \
-                and (await pool_status(stack.redis_url)).limit > 4
+            return _limit_learned(s, p.metrics_url, stack.redis_url, ttft_count=12)
 
         # Saturating waves (inflight*2 >= L, flat latency => the limit grows) until the limit has
         # grown: six waves on a quiet box; a loaded box may queue some out or have Envoy join a
