@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -48,8 +49,11 @@ def _post(url: str) -> int:
     body = json.dumps({"model": "floodgate-sim-8b", "prompt": "hi", "max_tokens": 4}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
                                  headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=20) as r:
-        return int(r.status)
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:  # the body says who answered (processor, Envoy, replica)
+        raise AssertionError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from exc
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
