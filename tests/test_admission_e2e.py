@@ -372,6 +372,7 @@ async def test_processors_that_cannot_subscribe_are_served_by_their_polls(stack:
 
 async def _report(redis_url: str) -> Any:
     from floodgate.extproc.state import redis_client
+
     from floodgate.status import read_pool
 
     c = redis_client(redis_url, op_timeout_s=2)
