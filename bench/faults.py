@@ -1,7 +1,8 @@
 """Faults: the shared admission state under crashes, Redis outages, partitions and bad clients.
 
 Each fault runs on a fresh stack of real processes — a Redis-protocol server, two `floodgate
-extproc` processors (each behind its own Envoy, each reaching Redis through its own small TCP
+extproc` processors (each behind its own Envoy, or with `sigkill-shared` both behind one, as
+the compose and Kubernetes deployments run them; each reaching Redis through its own small TCP
 proxy that can cut, delay or black-hole its connections) and an upstream that records its own
 concurrency — under sustained overload (open-loop arrivals at `--load` times the pool's
 capacity, so waiters are queued at both processors when the fault hits). Every fault is an
@@ -332,8 +333,10 @@ class Harness:
 
         self.opts = opts
         self.sup = sup
-        # "single": one server behind per-processor proxies; "sentinel": primary + replica + 3
-        # sentinels; "cluster": 3 primaries with a replica each (floodgate/redis_topology.py).
+        # "single": one server behind per-processor proxies, each processor behind its own
+        # Envoy; "shared": the same, with one Envoy in front of both processors (as the compose
+        # and Kubernetes deployments run them); "sentinel": primary + replica + 3 sentinels;
+        # "cluster": 3 primaries with a replica each (floodgate/redis_topology.py).
         self.topology = topology
         self.sentinel: Any = None
         self.cluster: Any = None
@@ -344,7 +347,9 @@ class Harness:
         self.proxies: list[RedisProxy] = []
         self.live_envoys = [0, 1]
         self.redis_port = 0
-        self.killed: set[int] = set()
+        self.killed: set[int] = set()  # processors SIGKILLed
+        self.dead_envoys: set[int] = set()  # Envoys whose only processor was SIGKILLed
+        self.killed_at: float | None = None  # "shared": when the processor died
         self.disconnect_fraction = 0.0
         self.upstream_fault_fraction = 0.0
         self.loaded_pools = loaded_pools
@@ -360,7 +365,7 @@ class Harness:
                 "redis": {"lease_ttl_s": self.opts.ttl_s, "reconnect_interval_s": self.opts.reconnect_s}}
 
     async def start(self) -> None:
-        if self.topology != "single":
+        if self.topology not in ("single", "shared"):
             await self._start_replicated()
             return
         url = self.stack.start_redis()
@@ -372,8 +377,21 @@ class Harness:
             self.proxies.append(proxy)
             self.stack.redis_url = f"redis://127.0.0.1:{proxy.port}/0"
             p = await asyncio.to_thread(self.stack.start_processor, self.processor_config(), name=f"extproc{i}")
-            await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
+            if self.topology == "single":
+                await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
+        if self.topology == "shared":
+            await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)])
+            self.live_envoys = [0]
         self.stack.redis_url = url
+
+    def on_killed_path(self, rec: Rec) -> bool:
+        """Could a killed processor have been carrying this request? Through its own Envoy, any
+        request; through a shared Envoy, one already in the air when it died (one sent later
+        that fails is a 5xx of the survivor's path: the retry and the outlier ejection are there
+        to prevent it)."""
+        if rec.envoy in self.dead_envoys:
+            return True
+        return self.killed_at is not None and rec.sent < self.killed_at and self.topology == "shared"
 
     async def _start_replicated(self) -> None:
         from floodgate.redis_topology import start_cluster, start_sentinel
@@ -548,6 +566,13 @@ async def _nothing(h: Harness) -> None:
 async def _sigkill(h: Harness) -> None:
     h.live_envoys = [1]  # clients stop sending to the dead processor's Envoy (as a load balancer would)
     h.killed.add(0)
+    h.dead_envoys.add(0)
+    h.stack.processors[0].child.kill(signal.SIGKILL)
+
+
+async def _sigkill_shared(h: Harness) -> None:
+    h.killed.add(0)
+    h.killed_at = time.monotonic()
     h.stack.processors[0].child.kill(signal.SIGKILL)
 
 
@@ -607,6 +632,10 @@ FAULTS: list[Fault] = [
     # acquire that lands after the kill leases for a full TTL from then): 2 x op_timeout_s.
     Fault("sigkill", "SIGKILL a processor holding permits and waiters", _sigkill, _nothing,
           measure_from="inject", target=lambda o: o.ttl_s + 0.5),
+    # The topology the compose and Kubernetes deployments run: clients keep sending to the one
+    # Envoy, which must stop using the dead processor by itself.
+    Fault("sigkill-shared", "SIGKILL one of two processors behind one Envoy, both holding permits and waiters",
+          _sigkill_shared, _nothing, measure_from="inject", target=lambda o: o.ttl_s + 0.5, topology="shared"),
     Fault("redis-sigstop", "SIGSTOP Redis for 5 s", _sigstop_redis, _sigcont_redis, hold_s=lambda o: 5.0),
     Fault("redis-restart", "kill Redis, restart it empty 2 s later", _kill_redis, _restart_redis,
           hold_s=lambda o: 2.0),
@@ -680,7 +709,7 @@ async def _one(session: Any, h: Harness, rec: Rec, rng: random.Random) -> None:
         rec.disconnected = True
         raise
     except Exception as exc:
-        rec.error = type(exc).__name__ + (" killed" if rec.envoy in h.killed else "")
+        rec.error = type(exc).__name__ + (" killed" if h.on_killed_path(rec) else "")
     finally:
         rec.done = time.monotonic()
 
@@ -754,7 +783,7 @@ async def run_fault(fault: Fault, opts: Options) -> list[Result]:
         series = {p: h.upstream.pool_series.get(p, []) for p in row.pools}
         over = sorted(f"{t - inject_at:+.2f}s" for p in row.pools for t, n in series[p] if n > bound)
         fivexx = [r for r in mine if r.status >= 500 and not r.injected]
-        killed = [r for r in fivexx if r.envoy in h.killed and not r.floodgate_headers]
+        killed = [r for r in fivexx if h.on_killed_path(r) and not r.floodgate_headers]
         again: list[float | None] = [serving_again(series[p], since, opts.limit, t0 + 1.0, stop_at)
                                      for p in row.pools] if row.measure_from else [0.0]
         out.append(Result(
