@@ -23,7 +23,7 @@ MYPY_SRC := $(VENV)/mypy-src
 COMPONENTS := extproc controller sim bench
 
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
