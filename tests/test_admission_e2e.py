@@ -338,6 +338,28 @@ async def test_a_processor_killed_under_load_fails_no_queued_or_later_request(st
     assert stats["max_inflight"] <= 4
 
 
+async def test_clients_that_cancel_eject_no_processor(stack: LocalStack, upstream: int) -> None:
+    """The cluster's outlier detection ejects a processor at its first local-origin failure
+    (envoy/floodgate-cluster.yaml). Clients that leave while queued or mid-stream make Envoy
+    reset those ext_proc streams itself: that must never count, or every cancel would take a
+    healthy processor out of rotation."""
+    stack.start_redis()
+    cfg = static(4, classes=classes(p1=30))
+    stack.start_processor(cfg)
+    stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for _ in range(4):  # 4 x 20: most cancelled while queued or streaming
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="10", delay_ms="100"),
+                                                  timeout=0.05 + 0.07 * i) for i in range(20)))
+            assert any(r.error for r in replies)
+    assert envoy.stat("cluster.floodgate_extproc.upstream_rq_tx_reset") >= 40  # the cancels reached it
+    assert envoy.stat("cluster.floodgate_extproc.outlier_detection.ejections_enforced_total") == 0
+    assert envoy.stat("cluster.floodgate_extproc.upstream_rq_retry") == 0
+    st = await drained(stack.redis_url, timeout=15)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
 async def test_processors_that_cannot_subscribe_are_served_by_their_polls(stack: LocalStack, upstream: int) -> None:
     """Two processors whose Redis user may not subscribe to any channel (an ACL, or a proxy
     without pub/sub): grants can reach them only by their polls. Each says at every poll that
