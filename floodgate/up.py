@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
                                                   "--stop-replicas-on-exit"])
             try:
                 eps = _wait_active(stack.redis_url, pool, args.replicas, 120, ctl)
-                _wait_serving(envoy.url, 60, ctl)
+                _wait_serving(envoy.url, 60, ctl, processors=args.processors)
             except (RuntimeError, TimeoutError) as exc:
                 print(f"floodgate up: {exc}", file=sys.stderr)
                 return 1
@@ -464,12 +464,13 @@ def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) ->
     raise TimeoutError(f"controller did not bring {n} replicas up in {timeout:.0f} s{problem}\n{ctl.log_tail()}")
 
 
-def _wait_serving(gateway: str, timeout: float, ctl: Any) -> None:
-    """Block until one completion through the gateway succeeds, so the URL printed next serves
-    its first request. The registry listing a replica active is not yet that: each processor
-    reads the registry at its next refresh (or notice), and a CI run once saw the first request
-    after "replicas active 1/1" answered 503. The probe is a real request (1 token, P0): it
-    shows in the metrics as one admitted request."""
+def _wait_serving(gateway: str, timeout: float, ctl: Any, processors: int = 1) -> None:
+    """Block until `processors` completions in a row through the gateway succeed (Envoy takes
+    the processors in turn, so each has served one), so the URL printed next serves its first
+    request. The registry listing the replicas active is not proof of that: a CI run once saw
+    the first request after "replicas active 1/1" answered 503 (who answered was not kept; the
+    test now keeps it). The probes are real requests (1 token, P0): they show in the metrics as
+    admitted requests."""
     import json
     import urllib.error
     import urllib.request
@@ -479,6 +480,7 @@ def _wait_serving(gateway: str, timeout: float, ctl: Any) -> None:
     body = json.dumps({"model": EmulatorConfig().model, "prompt": "ready?", "max_tokens": 1}).encode()
     deadline = time.monotonic() + timeout
     last = ""
+    streak = 0
     while time.monotonic() < deadline:
         if not ctl.alive():
             raise RuntimeError(f"controller exited:\n{ctl.log_tail()}")
@@ -486,13 +488,17 @@ def _wait_serving(gateway: str, timeout: float, ctl: Any) -> None:
                                      headers={"content-type": "application/json", "x-request-priority": "0"})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
-                if r.status == 200:
+                r.read()
+                streak = streak + 1 if r.status == 200 else 0
+                if streak >= processors:
                     return
                 last = f"HTTP {r.status}"
+                continue
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
         except (urllib.error.URLError, OSError) as exc:
             last = str(exc)
+        streak = 0
         time.sleep(0.2)
     raise TimeoutError(f"the gateway {gateway} did not serve a request in {timeout:.0f} s (last: {last})")
 
