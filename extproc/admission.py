@@ -323,7 +323,13 @@ class Admitter:
         self.rng = rng
         self.shared = SharedBackend(self)
         self.local = LocalBackend(self)
-        self._next_seq = 1
+        # Tickets are numbered from the start time in ms: a process restarted under the same
+        # gateway id (a container restarted in its pod, a compose service with a fixed id)
+        # numbers above every ticket its predecessor issued (unless that one averaged over one
+        # ticket per ms), so its first renewal drops what the predecessor left in Redis (`sync`
+        # drops this gateway's entries below the watermark) and no ticket is ever reused.
+        # 13 digits: exact as a Lua number and in its `%.14g` formatting.
+        self._next_seq = int(time.time() * 1000)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False

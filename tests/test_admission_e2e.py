@@ -338,6 +338,44 @@ async def test_a_processor_killed_under_load_fails_no_queued_or_later_request(st
     assert stats["max_inflight"] <= 4
 
 
+async def test_a_processor_restarted_under_its_gateway_id_takes_back_what_its_predecessor_left(
+        stack: LocalStack, upstream: int) -> None:
+    """Kubernetes restarts a crashed processor's container in the same pod (the gateway id is
+    the pod's name) and compose a container with a fixed FLOODGATE_GATEWAY_ID. The new process
+    numbers its tickets from its start time (ms), above every ticket its predecessor issued, so
+    its first renewal drops what the predecessor left in Redis: leases whose requests died with
+    it (Envoy ended them) and waiters nobody waits for. The permits come back at the restart,
+    not one TTL after the dead one's last renewal, and no ticket of the new process can be one
+    of the old (before: numbered from 1 again, so a new request could find its ticket already
+    leased and take over a dead request's lease, class and endpoint)."""
+    stack.start_redis()
+    cfg = static(4, classes=classes(p1=30, max_queue=1000))
+    cfg["redis"] = {"lease_ttl_s": 60}  # the predecessor's leases would outlive the test
+    old = stack.start_processor(cfg, name="gw-x")
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[old])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        held = [asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="40", delay_ms="500")))
+                for _ in range(4)]
+        assert await wait_until(lambda: _inflight_is(stack.redis_url, 4), 10)
+        queued = [asyncio.create_task(post(s, envoy.url, headers=hdr(1))) for _ in range(3)]
+        assert await wait_until(lambda: _queued_is(stack.redis_url, 3), 5)
+        old.child.kill(signal.SIGKILL)
+        await asyncio.gather(*held, *queued)  # Envoy ends them: failure_mode_allow false
+        left = await pool_status(stack.redis_url)
+        assert (left.inflight_total, left.queued_total) == (4, 3)
+        stack.start_processor(cfg, name="gw-x", port=old.port)
+        assert await wait_until(lambda: _drained_now(stack.redis_url), 10)
+        replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))
+        stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+    assert [r.status for r in replies] == [200] * 8
+    assert stats["max_inflight"] <= 4
+
+
+async def _drained_now(redis_url: str) -> bool:
+    st = await pool_status(redis_url)
+    return st.inflight_total == 0 and st.queued_total == 0
+
+
 async def test_clients_that_cancel_eject_no_processor(stack: LocalStack, upstream: int) -> None:
     """The cluster's outlier detection ejects a processor at its first local-origin failure
     (envoy/floodgate-cluster.yaml). Clients that leave while queued or mid-stream make Envoy
