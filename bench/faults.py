@@ -576,6 +576,22 @@ async def _sigkill_shared(h: Harness) -> None:
     h.stack.processors[0].child.kill(signal.SIGKILL)
 
 
+async def _restart_same_id(h: Harness) -> None:
+    """Start the killed processor again under its gateway id and port, on its own proxy to
+    Redis (as Kubernetes restarts a container in its pod; the pod's name is the id)."""
+    dead = h.stack.processors[0]
+    url = h.stack.redis_url
+    h.stack.redis_url = f"redis://127.0.0.1:{h.proxies[0].port}/0"
+    try:
+        p = await asyncio.to_thread(h.stack.start_processor, h.processor_config(), name=dead.child.name,
+                                    port=dead.port)
+    finally:
+        h.stack.redis_url = url
+    h.stack.processors[0] = h.stack.processors.pop()  # in the dead one's place
+    h.killed.discard(0)
+    assert p is h.stack.processors[0]
+
+
 async def _sigstop_redis(h: Harness) -> None:
     h.redis_signal(signal.SIGSTOP)
 
@@ -636,6 +652,12 @@ FAULTS: list[Fault] = [
     # Envoy, which must stop using the dead processor by itself.
     Fault("sigkill-shared", "SIGKILL one of two processors behind one Envoy, both holding permits and waiters",
           _sigkill_shared, _nothing, measure_from="inject", target=lambda o: o.ttl_s + 0.5, topology="shared"),
+    # Restarted under its gateway id, the processor's first renewal drops what the dead one left
+    # (its tickets are numbered above its predecessor's): serving at L again soon after the
+    # restart, not one TTL after the kill.
+    Fault("restart-same-id", "SIGKILL one of two processors behind one Envoy and start it again 1 s later "
+          "under the same gateway id", _sigkill_shared, _restart_same_id, hold_s=lambda o: 1.0,
+          measure_from="inject", target=lambda o: 1.0 + o.ttl_s / 3, topology="shared"),
     Fault("redis-sigstop", "SIGSTOP Redis for 5 s", _sigstop_redis, _sigcont_redis, hold_s=lambda o: 5.0),
     Fault("redis-restart", "kill Redis, restart it empty 2 s later", _kill_redis, _restart_redis,
           hold_s=lambda o: 2.0),
