@@ -364,16 +364,12 @@ async def test_a_processor_restarted_under_its_gateway_id_takes_back_what_its_pr
         left = await pool_status(stack.redis_url)
         assert (left.inflight_total, left.queued_total) == (4, 3)
         stack.start_processor(cfg, name="gw-x", port=old.port)
-        assert await wait_until(lambda: _drained_now(stack.redis_url), 10)
+        st = await drained(stack.redis_url, timeout=10)
+        assert st.inflight_total == 0 and st.queued_total == 0
         replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))
         stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
     assert [r.status for r in replies] == [200] * 8
     assert stats["max_inflight"] <= 4
-
-
-async def _drained_now(redis_url: str) -> bool:
-    st = await pool_status(redis_url)
-    return st.inflight_total == 0 and st.queued_total == 0
 
 
 async def test_clients_that_cancel_eject_no_processor(stack: LocalStack, upstream: int) -> None:
