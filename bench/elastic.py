@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import math
@@ -410,10 +411,9 @@ def run_config(name: str, w: Workload, plan: Sequence[Any], slo: Any, *, timeout
 
 
 def _replica_pids(state_dir: Path) -> list[int]:
-    try:
-        return [int(e["pid"]) for e in json.loads((state_dir / "replicas.json").read_text()).values()]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    from floodgate.controller.actuators.process import read_table
+
+    return [int(e["pid"]) for e in read_table(state_dir)[1].values() if isinstance(e.get("pid"), int)]
 
 
 def _wait_all_healthy(ports: Sequence[int], timeout: float = 30.0) -> None:
@@ -449,15 +449,11 @@ def _kill_leftovers(state_dir: Path) -> None:
     outlives the run (the controller stops them on exit; this is the safety net)."""
     import signal
 
-    try:
-        table = json.loads((state_dir / "replicas.json").read_text())
-    except (OSError, ValueError):
-        return
-    for e in table.values():
-        try:
-            os.killpg(int(e["pid"]), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, ValueError, KeyError):
-            pass
+    from floodgate.controller.actuators.process import live_entries, read_table
+
+    for pid in live_entries(read_table(state_dir)[1]).values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- evaluation

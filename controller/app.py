@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
 from floodgate.controller.actuators.base import Actuator, NoCapacity, ReplicaHandle, Role
 from floodgate.controller.capacity import tick_latency
-from floodgate.controller.config import ControllerConfig, PoolConfig, process_state_dir
+from floodgate.controller.config import ControllerConfig, PoolConfig, process_state_dir, table_owner
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
 from floodgate.controller.leader import LeaderLease
 from floodgate.controller.lifecycle import (
@@ -98,15 +98,20 @@ def adopted_view(rid: str, entry: Endpoint | None, now: float, role: Role | None
     Without a registry entry (Redis came back empty, or lost the entry), the role the actuator
     last recorded (`ReplicaHandle.role`) and a look at the replica (`probe`: healthy, asleep)
     tell what it was: a healthy `active` one serves on, a healthy `warm-pool` one stays in the
-    pool as it is (asleep or not). Restarting the bring-up instead woke every sleeping pool
-    replica, and the first plan then promoted them all (the current size counted them as
-    arriving) and cold-started a new warm pool beside them.
+    pool as it is (asleep or not), and a healthy one found asleep, whatever its role (none: a
+    static endpoint the last controller freed, since that actuator keeps no roles across
+    restarts), is a sleeping pool replica (the plan trims a pool above its size). Restarting
+    the bring-up instead woke every sleeping replica, and the first plan then promoted them all
+    (the current size counted them as arriving) and cold-started a new warm pool beside them.
     """
     if entry is None:
-        if role is not None and probe is not None and probe[0]:
+        if probe is not None and probe[0]:
+            if probe[1]:
+                return ReplicaView(rid, S.WARM, now, asleep=True)
             if role == "active":
                 return ReplicaView(rid, S.ACTIVE, now)
-            return ReplicaView(rid, S.WARM, now, asleep=bool(probe[1]))
+            if role is not None:
+                return ReplicaView(rid, S.WARM, now)
         return ReplicaView(rid, S.LOADING, now)
     since = entry.since_ms / 1000.0
     if entry.state == "active":
@@ -201,8 +206,8 @@ class PoolController:
         seen_eps: set[str] = set()
         entries = {h.replica_id: by_rid.get(h.replica_id) or (eps.get(h.endpoint) if h.endpoint else None)
                    for h in handles if h.running}
-        # A replica with a recorded role but no registry entry: look before deciding (adopted_view).
-        unknown = [h for h in handles if h.running and entries[h.replica_id] is None and h.role and h.endpoint]
+        # A replica without a registry entry: look before deciding (adopted_view).
+        unknown = [h for h in handles if h.running and entries[h.replica_id] is None and h.endpoint]
         looks = await asyncio.gather(*(self._probe(h) for h in unknown))
         probes = {h.replica_id: look for h, look in zip(unknown, looks, strict=True)}
         for h in handles:
@@ -338,7 +343,7 @@ class PoolController:
                 rep.unresponsive = Unresponsive()
         await self._fail_unresponsive(now)
 
-        views = tuple(r.view for r in self.replicas.values())
+        views = tuple(replace(r.view, busy=True) if r.busy else r.view for r in self.replicas.values())
         # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway
         # listener (when this controller's Envoy serves this pool), the replicas' latency deltas.
         gateway = envoy.gateway if envoy is not None and envoy.ok and self.cfg.demand.use_envoy else None
@@ -368,6 +373,7 @@ class PoolController:
     def step(self, signals: Signals, now: float, extra: dict[str, Any] | None = None) -> Decision:
         """The decider's step for this pool (pure `decider.decide`) plus its metrics and decision
         log; no I/O. The backtest calls the same `decide` with the same `Signals`."""
+        seq_before = self.state.next_seq
         self.state, d = decide(self.dcfg, self.state, signals, now)
         plan = d.plan
         self.last_plan = plan
@@ -389,6 +395,10 @@ class PoolController:
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
         actions = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
+        if not any(a.kind is ActionKind.START for a in actions):
+            # Starts held back (a start backoff) take no ids: the next planned start gets the
+            # same one, so ids stay consecutive.
+            self.state = replace(self.state, next_seq=seq_before)
         self.logged_actions = actions
         if plan.direction != "none" or plan.reason != self.last_reason or actions:
             self.emit("decision", direction=plan.direction, desired=plan.desired, previous=plan.previous,
@@ -758,12 +768,16 @@ class PoolController:
                 await t
 
 
-def build_actuator(cfg: PoolConfig, *, supervisor: Any = None) -> Actuator:
+def build_actuator(cfg: PoolConfig, *, supervisor: Any = None, controller: ControllerConfig | None = None) -> Actuator:
+    """The pool's actuator. A process actuator needs `controller` (its table's owner and
+    default directory: `config.table_owner`)."""
     a = cfg.actuator
     if a.kind == "process":
         from floodgate.controller.actuators.process import ProcessActuator, sim_command
 
-        return ProcessActuator(a.command or sim_command(), process_state_dir(cfg), supervisor=supervisor, env=a.env)
+        assert controller is not None, "a process actuator is built with its controller config"
+        return ProcessActuator(a.command or sim_command(), process_state_dir(controller, cfg),
+                               supervisor=supervisor, env=a.env, owner=table_owner(controller, cfg))
     if a.kind == "static":
         from floodgate.controller.actuators.static import StaticActuator
 
@@ -785,10 +799,15 @@ class Controller:
     """All pools, the leader lease, the metrics endpoint and the tick loop."""
 
     def __init__(self, cfg: ControllerConfig, actuators: dict[str, Actuator] | None = None, *,
-                 holder: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 holder: str | None = None, clock: Callable[[], float] = time.time,
+                 stop_replicas_on_exit: bool = False) -> None:
         self.cfg = cfg
+        # `--stop-replicas-on-exit`: stop the pools' replicas on the way out, only if this
+        # controller leads then (a standby's replicas are the leader's), and before the lease
+        # is released (a standby taking over would adopt replicas being stopped).
+        self.stop_replicas_on_exit = stop_replicas_on_exit
         self.clock = clock
-        self.actuators = actuators or {p.name: build_actuator(p) for p in cfg.pools}
+        self.actuators = actuators or {p.name: build_actuator(p, controller=cfg) for p in cfg.pools}
         self.metrics = ControllerMetrics()
         self.redis = redis_client(cfg.redis.url, password=cfg.redis.password, op_timeout_s=cfg.redis.op_timeout_s)
         self.lease: LeaderLease | None = (
@@ -877,6 +896,7 @@ class Controller:
         runner = None
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         lease_task = None
+        lease_stop = asyncio.Event()  # the lease is kept until the replicas are stopped
         try:
             if self.cfg.metrics_listen:
                 runner = await self.metrics.serve(self.cfg.metrics_listen)
@@ -886,7 +906,7 @@ class Controller:
                      f"leader election as {self.lease.holder}" if self.lease is not None else "no leader election")
             if self.lease is not None:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
-                lease_task = asyncio.create_task(self.lease.run(stop))
+                lease_task = asyncio.create_task(self.lease.run(lease_stop))
             while not stop.is_set():
                 t0 = time.monotonic()
                 self._kick.clear()
@@ -896,8 +916,10 @@ class Controller:
                     await asyncio.wait_for(self._wait_any(stop), wait)
         finally:
             await self._step_down()
+            if self.stop_replicas_on_exit and self.is_leader:
+                await self._stop_replicas()
             if lease_task is not None:
-                stop.set()
+                lease_stop.set()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await lease_task
             for a in self.actuators.values():
@@ -907,6 +929,23 @@ class Controller:
                 await runner.cleanup()
             await self.session.close()
             await self.redis.aclose()
+
+    async def _stop_replicas(self) -> None:
+        """`--stop-replicas-on-exit`: each pool's replicas out of the registry (no processor
+        routes to them any more), then stopped."""
+        for name, a in self.actuators.items():
+            stop_all = getattr(a, "stop_all", None)
+            if stop_all is None:
+                continue
+            try:
+                registry = Registry(self.redis, name)
+                for h in await a.list():
+                    if h.endpoint:
+                        with contextlib.suppress(*OUTAGE_ERRORS):
+                            await registry.remove(h.endpoint)
+                await stop_all()
+            except Exception as exc:  # the other pools' replicas are still stopped
+                log.warning("pool %s: could not stop its replicas: %s", name, exc)
 
     async def _wait_any(self, stop: asyncio.Event) -> None:
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._kick.wait())]

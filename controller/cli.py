@@ -48,8 +48,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config (and that its actuator's client is installed), print it, and exit")
     parser.add_argument("--stop-replicas-on-exit", action="store_true",
-                        help="process actuator: stop the replicas it started when the controller exits "
-                        "(`floodgate up`); by default they outlive it so a restart adopts them")
+                        help="process actuator: when the controller exits as the leader, stop the pools' "
+                        "replicas before it releases the lease (`floodgate up`); a standby stops nothing. "
+                        "By default replicas outlive the controller so a restart or a standby adopts them")
     parser.set_defaults(handler=lambda args: _main(parser, args))
     sub = parser.add_subparsers(dest="controller_command", metavar="<subcommand>")
     _add_simulate(sub)
@@ -97,18 +98,11 @@ def _run_live(args: argparse.Namespace) -> int:
         from floodgate.controller.app import Controller
 
         try:
-            ctl = Controller(cfg)
+            ctl = Controller(cfg, stop_replicas_on_exit=args.stop_replicas_on_exit)
         except (ImportError, ValueError) as exc:
             print(f"floodgate controller: {exc}", file=sys.stderr)
             return 2
-        try:
-            await ctl.run(stop)
-        finally:
-            if args.stop_replicas_on_exit:
-                for a in ctl.actuators.values():
-                    stop_all = getattr(a, "stop_all", None)
-                    if stop_all is not None:
-                        await stop_all()
+        await ctl.run(stop)
         return 0
 
     from floodgate.runtime import run_until_signalled

@@ -20,6 +20,7 @@ FLOODGATE_CONTROLLER_METRICS_LISTEN, FLOODGATE_ENVOY_ADMIN_URL.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL, check_listen
 from floodgate.yamlconfig import STRICT, ConfigError, format_errors, read_mapping
 
-__all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir"]
+__all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir", "table_owner"]
 
 
 class _Strict(BaseModel):
@@ -68,7 +69,7 @@ class ActuatorConfig(_Strict):
         description="Where replicas run. `endpointslices`: metrics-only (KEDA/HPA owns the replica count); "
         "pods are discovered from the model Service's EndpointSlices, never created or deleted.")
     command: list[str] | None = Field(default=None, description="process: argv template with {port} (and {replica_id}); default `floodgate sim` with sleep mode.")
-    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: a per-pool directory under the system temp dir).")
+    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: <tmp>/floodgate-controller-<pool>-<hash of the Redis URL, leader key and pool>). A table of another deployment whose replicas still run is refused.")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
     endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port, each once), or name -> endpoint.")
     options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator; endpointslices: namespace, service, port_name, in_cluster, ... (controller/discovery.py).")
@@ -244,21 +245,44 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Contr
     return parse_config(read_mapping(path), env)
 
 
-def process_state_dir(pool: PoolConfig) -> Path:
+def table_owner(cfg: ControllerConfig, pool: PoolConfig) -> str:
+    """Who a process actuator's replica table belongs to: the Redis the replicas are registered
+    in (password redacted), the leader key and the pool. Two controllers of one deployment (a
+    leader and its standby) agree on it; two unrelated stacks on one host do not."""
+    from floodgate.extproc.redis_client import redact_url
+
+    return f"redis {redact_url(cfg.redis.url)} leader {cfg.leader.key} pool {pool.name}"
+
+
+def process_state_dir(cfg: ControllerConfig, pool: PoolConfig) -> Path:
     """The directory a `process` actuator keeps its replica table in (`app.build_actuator` and the
-    start-up check use this one rule)."""
+    start-up check use this one rule). The default is per owner (`table_owner`), so unrelated
+    stacks on one host never share a table."""
     a = pool.actuator
-    return Path(a.state_dir) if a.state_dir else Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}"
+    if a.state_dir:
+        return Path(a.state_dir)
+    tag = hashlib.sha256(table_owner(cfg, pool).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}-{tag}"
 
 
 def check_state_dirs(cfg: ControllerConfig, *, create: bool) -> None:
-    """Every `process` actuator's state_dir must be (or become) a writable directory: else the
-    actuator would fail at start-up with a traceback. With `create` the missing directories are
-    made and kept (start-up); without (`--check-config`) they are made and removed again."""
+    """Every `process` actuator's state_dir must be (or become) a writable directory, and must
+    not hold the running replicas of another deployment: else the actuator would fail at
+    start-up with a traceback, or adopt (and drain, and stop) a stranger's replicas. With
+    `create` the missing directories are made and kept (start-up); without (`--check-config`)
+    they are made and removed again."""
+    from floodgate.controller.actuators.process import TableOwnedElsewhere, check_owner
+
     problems = []
     for i, pool in enumerate(cfg.pools):
         if pool.actuator.kind == "process":
-            why = _probe_dir(process_state_dir(pool), keep=create)
+            d = process_state_dir(cfg, pool)
+            why = _probe_dir(d, keep=create)
+            if why is None:
+                try:
+                    check_owner(d, table_owner(cfg, pool))
+                except TableOwnedElsewhere as exc:
+                    why = str(exc)
             if why:
                 problems.append(f"  pools.{i}.actuator.state_dir: {why}")
     if problems:

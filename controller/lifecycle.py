@@ -320,8 +320,10 @@ def plan_pool(
                 draining_busy += 1
 
     deficit = desired_active - serving
-    # Awake replicas promote fastest; ids break ties so plans are deterministic.
-    warm.sort(key=lambda r: (r.asleep, r.replica_id))
+    # Awake replicas promote fastest; ids break ties so plans are deterministic. A replica with
+    # an operation in flight (going to sleep) comes last: its promotion would wait for that
+    # operation, while an idle sleeping one wakes at once.
+    warm.sort(key=lambda r: (r.busy, r.asleep, r.replica_id))
     promoted = warm[: max(0, deficit)]
     for r in promoted:
         acts.append(Action(ActionKind.PROMOTE, r.replica_id, "scale_up"))

@@ -105,7 +105,8 @@ class ReplicaView:
 
     `inflight` is Floodgate's in-flight count for the endpoint (from the lease table);
     `running` is vLLM's `num_requests_running`. Both must reach 0 before a drain completes.
-    `last_busy_at` orders replicas by idleness when choosing one to drain.
+    `last_busy_at` orders replicas by idleness when choosing one to drain. `busy`: an operation
+    on it is in flight (a sleep, a wake); the controller starts no other one until it ends.
     """
 
     replica_id: str
@@ -115,6 +116,7 @@ class ReplicaView:
     running: int = 0
     asleep: bool = False
     last_busy_at: float = 0.0
+    busy: bool = False
 
 
 def count_states(replicas: tuple[ReplicaView, ...]) -> dict[ReplicaState, int]:

@@ -548,20 +548,14 @@ def _redis_problem(redis_url: str) -> str | None:
 
 
 def _kill_leftover_replicas(replica_dir: Path) -> None:
-    import json
     import os
 
-    try:
-        table = json.loads((replica_dir / "replicas.json").read_text())
-    except (OSError, ValueError):
-        return
-    from floodgate.controller.actuators.process import pid_alive
+    from floodgate.controller.actuators.process import live_entries, read_table
 
-    for entry in table.values():
-        with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError, TypeError):
-            pid = int(entry["pid"])
-            if pid_alive(pid, entry.get("created")):  # never a stranger that reused the pid
-                os.killpg(pid, signal.SIGKILL)
+    # live_entries never lists a stranger that reused a replica's pid.
+    for pid in live_entries(read_table(replica_dir)[1]).values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 async def _wait_forever(status: StatusLine) -> None:

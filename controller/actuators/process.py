@@ -1,21 +1,28 @@
 """Local processes as replicas: `floodgate sim` (or any command template) on free ports.
 
-The table of started replicas (id -> pid, port) is written to `state_dir/replicas.json`, so a
-restarted controller finds the processes its predecessor started (they run in their own
-process groups and outlive it) instead of starting duplicates. Every call is idempotent.
+The table of started replicas (id -> pid, port, role) is `state_dir/replicas.json`, so a
+restarted controller (or a standby taking over on the same host) finds the processes its
+predecessor started (they run in their own process groups and outlive it) instead of starting
+duplicates. Every call reads the table afresh and every change is a read-modify-write under an
+exclusive lock on `state_dir/replicas.lock`: two controllers sharing a `state_dir` (a leader
+and its standby) never act on a stale copy or drop each other's entries. The table names its
+owner (the Redis it registers replicas in, the leader key and the pool): a table written for
+another deployment whose processes still run is refused, never adopted. Every call is
+idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +30,8 @@ import psutil
 from floodgate.controller.actuators.base import ReplicaHandle, Role
 
 from floodgate.supervisor import Supervisor, free_port
+
+Table = dict[str, dict[str, Any]]
 
 
 def sim_command(*extra: str) -> list[str]:
@@ -53,12 +62,56 @@ def _created(pid: int) -> float | None:
         return None
 
 
+def read_table(state_dir: Path) -> tuple[str | None, Table]:
+    """(owner, replicas) of the table in `state_dir`; (None, {}) when there is none. A table
+    written before tables named their owner (a bare id -> entry mapping) has owner None."""
+    try:
+        data = json.loads((Path(state_dir) / "replicas.json").read_text())
+    except (OSError, ValueError):
+        return None, {}
+    if not isinstance(data, dict):
+        return None, {}
+    if "replicas" in data and isinstance(data["replicas"], dict):
+        owner = data.get("owner")
+        return (owner if isinstance(owner, str) else None), data["replicas"]
+    return None, {k: v for k, v in data.items() if isinstance(v, dict)}
+
+
+def live_entries(table: Table) -> dict[str, int]:
+    """The table's replicas whose processes still run: id -> pid."""
+    out = {}
+    for rid, e in table.items():
+        with contextlib.suppress(KeyError, ValueError, TypeError):
+            if pid_alive(int(e["pid"]), e.get("created")):
+                out[rid] = int(e["pid"])
+    return out
+
+
+class TableOwnedElsewhere(ValueError):
+    """The state_dir holds running replicas of another deployment."""
+
+
+def check_owner(state_dir: Path, owner: str | None) -> None:
+    """Raise TableOwnedElsewhere if `state_dir`'s table belongs to another owner and lists
+    processes that still run (a table whose processes are all gone is simply taken over)."""
+    theirs, table = read_table(state_dir)
+    if owner is None or theirs is None or theirs == owner:
+        return
+    live = live_entries(table)
+    if live:
+        pids = ", ".join(f"{rid} (pid {pid})" for rid, pid in sorted(live.items()))
+        raise TableOwnedElsewhere(
+            f"{Path(state_dir) / 'replicas.json'} lists running replicas of another deployment "
+            f"({theirs}; this one is {owner}): {pids}. Give this pool a state_dir of its own "
+            "(or stop those replicas and remove the file).")
+
+
 class ProcessActuator:
     name = "process"
 
     def __init__(self, command: Sequence[str], state_dir: Path, *, host: str = "127.0.0.1",
                  supervisor: Supervisor | None = None, env: Mapping[str, str] | None = None,
-                 stop_grace_s: float = 5.0) -> None:
+                 stop_grace_s: float = 5.0, owner: str | None = None) -> None:
         if not any("{port}" in a for a in command):
             raise ValueError("process actuator command needs a {port} placeholder")
         self.command = list(command)
@@ -68,87 +121,107 @@ class ProcessActuator:
         self.sup = supervisor or Supervisor(workdir=self.state_dir)
         self.env = dict(env or {})
         self.stop_grace_s = stop_grace_s
+        self.owner = owner
+        check_owner(self.state_dir, owner)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # the ones this instance started
-        self._table: dict[str, dict[str, Any]] = self._load()
 
     @property
     def _path(self) -> Path:
         return self.state_dir / "replicas.json"
 
-    def _load(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self._path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+    def _table(self) -> Table:
+        return read_table(self.state_dir)[1]
 
-    def _save(self) -> None:
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._table, indent=1))
-        tmp.replace(self._path)  # atomic: a crash never leaves half a table
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[Table]:
+        """The table, read under the exclusive lock and written back (atomically) on exit."""
+        with open(self.state_dir / "replicas.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                theirs, table = read_table(self.state_dir)
+                yield table
+                data = {"owner": self.owner if self.owner is not None else theirs, "replicas": table}
+                tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(data, indent=1))
+                tmp.replace(self._path)  # atomic: a crash never leaves half a table
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _alive(self, rid: str) -> bool:
+    def _update(self, change: Callable[[Table], Any]) -> Any:
+        with self._locked() as table:
+            return change(table)
+
+    def _alive(self, rid: str, e: Mapping[str, Any]) -> bool:
         p = self._procs.get(rid)
         if p is not None:
             return p.poll() is None
-        e = self._table[rid]
         return pid_alive(int(e["pid"]), e.get("created"))
 
-    def _handle(self, rid: str) -> ReplicaHandle:
-        e = self._table[rid]
-        return ReplicaHandle(rid, e["endpoint"], self._alive(rid), e.get("role"),
+    def _handle(self, rid: str, e: Mapping[str, Any]) -> ReplicaHandle:
+        return ReplicaHandle(rid, e["endpoint"], self._alive(rid, e), e.get("role"),
                              {"pid": str(e["pid"]), "log": e.get("log", "")})
 
     async def list(self) -> list[ReplicaHandle]:
-        return [self._handle(rid) for rid in sorted(self._table)]
+        table = await asyncio.to_thread(self._table)
+        return [self._handle(rid, table[rid]) for rid in sorted(table)]
+
+    def _start_sync(self, replica_id: str) -> ReplicaHandle:
+        # One thread call: spawning and recording cannot be separated by a cancellation
+        # (a process started but in no table would be an orphan nothing ever stops).
+        with self._locked() as table:
+            e = table.get(replica_id)
+            if e is not None and self._alive(replica_id, e):
+                return self._handle(replica_id, e)  # idempotent: already running
+            port = free_port(self.host)
+            argv = [a.format(port=port, replica_id=replica_id, host=self.host) for a in self.command]
+            child = self.sup.start(f"replica-{replica_id}", argv, self.env or None)
+            self._procs[replica_id] = child.proc
+            e = table[replica_id] = {
+                "pid": child.proc.pid, "port": port, "endpoint": f"{self.host}:{port}",
+                "log": str(child.log_path), "started": time.time(), "role": None,
+                "created": _created(child.proc.pid)}
+            return self._handle(replica_id, e)
 
     async def start(self, replica_id: str) -> ReplicaHandle | None:
-        if replica_id in self._table and self._alive(replica_id):
-            return self._handle(replica_id)  # idempotent: already running
-        port = free_port(self.host)
-        argv = [a.format(port=port, replica_id=replica_id, host=self.host) for a in self.command]
-        child = await asyncio.to_thread(self.sup.start, f"replica-{replica_id}", argv, self.env or None)
-        self._procs[replica_id] = child.proc
-        self._table[replica_id] = {"pid": child.proc.pid, "port": port, "endpoint": f"{self.host}:{port}",
-                                   "log": str(child.log_path), "started": time.time(), "role": None,
-                                   "created": _created(child.proc.pid)}
-        self._save()
-        return self._handle(replica_id)
+        return await asyncio.to_thread(self._start_sync, replica_id)
 
     async def stop(self, replica_id: str) -> None:
-        e = self._table.get(replica_id)
+        e = (await asyncio.to_thread(self._table)).get(replica_id)
         if e is None:
             return
         pid = int(e["pid"])
         proc = self._procs.pop(replica_id, None)
-        if proc is None and not self._alive(replica_id):
-            # Dead already (or its pid now belongs to another process): only forget it.
-            del self._table[replica_id]
-            self._save()
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        while time.monotonic() < deadline:
-            if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
-                break
-            await asyncio.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)  # stragglers in the group, or a hung process
-        if proc is not None:
-            await asyncio.to_thread(proc.wait, 5)
-        self.sup.children = [c for c in self.sup.children if c.proc.pid != pid]
-        del self._table[replica_id]
-        self._save()
+        if proc is not None or self._alive(replica_id, e):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_grace_s
+            while time.monotonic() < deadline:
+                if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # stragglers in the group, or a hung process
+            if proc is not None:
+                await asyncio.to_thread(proc.wait, 5)
+            self.sup.children = [c for c in self.sup.children if c.proc.pid != pid]
+        # Dead already (or its pid now belongs to another process): only forget it.
+
+        def forget(table: Table) -> None:
+            if table.get(replica_id, {}).get("pid") == pid:  # not a newer start under the same id
+                del table[replica_id]
+
+        await asyncio.to_thread(self._update, forget)
 
     async def set_role(self, replica_id: str, role: Role) -> None:
-        if replica_id in self._table:
-            self._table[replica_id]["role"] = role
-            self._save()
+        def record(table: Table) -> None:
+            if replica_id in table:
+                table[replica_id]["role"] = role
+
+        await asyncio.to_thread(self._update, record)
 
     async def stop_all(self) -> None:
-        """Stop every replica in the table (tests, `floodgate up` shutdown)."""
-        for rid in list(self._table):
+        """Stop every replica in the table (the leader's `--stop-replicas-on-exit`, tests)."""
+        for rid in sorted(await asyncio.to_thread(self._table)):
             await self.stop(rid)
 
     async def close(self) -> None:

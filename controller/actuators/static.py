@@ -4,11 +4,17 @@ Nothing can be created or destroyed, so `start` claims a free endpoint and wakes
 `stop` puts it to sleep and frees it. Replica ids are the configured names (or the endpoints);
 `start(id)` may therefore return a handle with a *different* id than asked for, which the
 controller adopts. The free/claimed split lives in memory: after a restart every endpoint is
-claimed again, and the controller shrinks the warm pool back down as usual.
+claimed again; the controller adopts the ones it finds asleep as sleeping pool replicas and
+trims the pool back down as usual, without waking them.
+
+A free endpoint that did not answer when it was last stopped (dead, or down for maintenance)
+goes to the back of the line: `start` claims the endpoints that answered first, so one dead
+endpoint cannot hold every scale-up to its health timeout while a healthy one is free.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import aiohttp
@@ -28,6 +34,7 @@ class StaticActuator:
             dict(endpoints) if isinstance(endpoints, Mapping) else {ep: ep for ep in endpoints})
         self.timeout_s = timeout_s
         self._stopped: set[str] = set()
+        self._unreachable_at: dict[str, float] = {}  # free endpoints that did not answer, when
         self._roles: dict[str, Role] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -45,13 +52,18 @@ class StaticActuator:
     async def start(self, replica_id: str) -> ReplicaHandle | None:
         if replica_id in self.endpoints and replica_id not in self._stopped:
             return self._handle(replica_id)
-        rid = replica_id if replica_id in self._stopped else next(iter(sorted(self._stopped)), None)
+        if replica_id in self._stopped:
+            rid: str | None = replica_id
+        else:  # the ones that answered last first, then the longest unreachable
+            rid = min(self._stopped, key=lambda r: (self._unreachable_at.get(r, 0.0), r), default=None)
         if rid is None:
             raise NoFreeEndpoint(f"all {len(self.endpoints)} static endpoints are in use")
         try:
             await self._client(rid).wake(self.timeout_s)
         except VllmError:
-            pass  # unreachable now: the controller's health wait decides
+            # Unreachable now: the controller's health wait decides; if it is freed again, it
+            # is claimed last.
+            self._unreachable_at[rid] = time.monotonic()
         self._stopped.discard(rid)
         return self._handle(rid)
 
@@ -61,7 +73,10 @@ class StaticActuator:
         try:
             await self._client(replica_id).sleep(1, self.timeout_s)
         except VllmError:
-            pass  # a dead endpoint is as stopped as it gets
+            # A dead endpoint is as stopped as it gets; claimed last next time.
+            self._unreachable_at[replica_id] = time.monotonic()
+        else:
+            self._unreachable_at.pop(replica_id, None)
         self._stopped.add(replica_id)
 
     async def set_role(self, replica_id: str, role: Role) -> None:

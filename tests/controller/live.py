@@ -54,9 +54,10 @@ def process_actuator(stack: LocalStack, state_dir: Path, *extra: str) -> Process
 
 @contextlib.asynccontextmanager
 async def running(cfg: ControllerConfig, actuator: ProcessActuator, holder: str = "test",
-                  wait_ready: bool = True) -> AsyncIterator[Controller]:
-    """A controller ticking in the background; on exit it stops gracefully (replicas stay)."""
-    ctl = Controller(cfg, {cfg.pools[0].name: actuator}, holder=holder)
+                  wait_ready: bool = True, stop_replicas_on_exit: bool = False) -> AsyncIterator[Controller]:
+    """A controller ticking in the background; on exit it stops gracefully (replicas stay,
+    unless `stop_replicas_on_exit` and it leads then)."""
+    ctl = Controller(cfg, {cfg.pools[0].name: actuator}, holder=holder, stop_replicas_on_exit=stop_replicas_on_exit)
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     try:

@@ -87,6 +87,37 @@ async def test_static_actuator_sleeps_and_wakes(stack: LocalStack) -> None:
         await act.close()
 
 
+def _static_sims(stack: LocalStack, n: int) -> list[str]:
+    eps = []
+    for i in range(n):
+        port = free_port()
+        stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), "--cold-start", "0",
+                              "--enable-sleep-mode", "--wake-delay-level1", "0.1", "--sleep-delay", "0.05",
+                              "--log-level", "warning"], name=f"sim{i}", port=port)
+        eps.append(f"127.0.0.1:{port}")
+    return eps
+
+
+@pytest.mark.integration
+async def test_static_actuator_claims_a_dead_endpoint_last(stack: LocalStack) -> None:
+    # One endpoint is dead and sorts first. Before, every start claimed it again (and the
+    # controller waited its health timeout, 600 s by default) while a healthy one was free.
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens
+    ok1, ok2 = _static_sims(stack, 2)
+    act = StaticActuator({"a-dead": dead, "b-ok": ok1, "c-ok": ok2}, timeout_s=5)
+    try:
+        for rid in ("a-dead", "b-ok"):  # the controller frees both (the dead one after its failed start)
+            await act.stop(rid)
+        got = await act.start("new-1")
+        assert got is not None and got.replica_id == "b-ok"
+        await act.stop("b-ok")
+        assert (await act.start("new-2")).replica_id == "b-ok"  # type: ignore[union-attr]
+        got = await act.start("new-3")  # only the dead one is left: still claimed, the last resort
+        assert got is not None and got.replica_id == "a-dead"
+    finally:
+        await act.close()
+
+
 def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("pools:\n  - name: a\n    actuator: {kind: process}\n    policy: {min_replicas: -1}\n")
@@ -176,7 +207,7 @@ async def test_a_reused_pid_is_not_the_replica(stack: LocalStack) -> None:
     try:
         os.killpg(int(h.labels["pid"]), 9)
         table = json.loads((state / "replicas.json").read_text())
-        table["r0"]["pid"] = stranger.pid  # as if the pid had been reused
+        table["replicas"]["r0"]["pid"] = stranger.pid  # as if the pid had been reused
         (state / "replicas.json").write_text(json.dumps(table))
         act2 = ProcessActuator([sys.executable, "-c", "import time; time.sleep(60)", "{port}"], state,
                                supervisor=stack.sup)

@@ -21,6 +21,8 @@ def test_the_registry_entry_decides_when_there_is_one() -> None:
 
 def test_without_an_entry_the_recorded_role_and_a_look_decide() -> None:
     assert adopted_view("r1", None, 9.0, "active", (True, False)).state is S.ACTIVE
+    v = adopted_view("r1", None, 9.0, "active", (True, True))  # asleep: it serves nothing
+    assert v.state is S.WARM and v.asleep
     v = adopted_view("r1", None, 9.0, "warm-pool", (True, True))
     assert v.state is S.WARM and v.asleep
     v = adopted_view("r1", None, 9.0, "warm-pool", (True, None))  # no sleep mode
@@ -32,3 +34,10 @@ def test_unknown_role_or_an_unhealthy_replica_is_brought_up_again() -> None:
     assert adopted_view("r1", None, 9.0, None, (True, False)).state is S.LOADING
     assert adopted_view("r1", None, 9.0, "active", (False, None)).state is S.LOADING
     assert adopted_view("r1", None, 9.0, "warm-pool", None).state is S.LOADING
+
+
+def test_a_replica_found_asleep_without_entry_or_role_is_a_sleeping_pool_replica() -> None:
+    # A static endpoint the last controller freed (put to sleep, registry entry removed) has no
+    # role after a restart: brought up again, it was woken and counted as arriving capacity.
+    v = adopted_view("r1", None, 9.0, None, (True, True))
+    assert v.state is S.WARM and v.asleep

@@ -214,3 +214,53 @@ async def test_redis_back_empty_keeps_the_pool_as_it_was(stack: LocalStack) -> N
         assert moves == [], moves
         assert await registry_states(url) == was
     assert {h.replica_id: h.labels["pid"] for h in await act.list()} == before  # none started or stopped
+
+
+async def test_a_burst_promotes_an_idle_sleeper_not_the_replica_going_to_sleep(stack: LocalStack) -> None:
+    # A pool replica is on its way to sleep (a refill, just warm; the sleep takes 6 s here, tens
+    # of seconds for a large model) when a burst asks for one more active replica. Before, the
+    # plan picked it (awake first), the controller skipped the promotion every tick while its
+    # sleep ran, started an extra refill, and the idle sleeping replica beside it was promoted
+    # only after that sleep (7.4 s instead of one wake).
+    import os
+    import signal
+
+    from floodgate.controller.actuators.process import read_table
+
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 4},
+                            warm_pool={"min_size": 2, "max_size": 2, "warm_min_age_s": 0})
+    act = process_actuator(stack, state_dir, "--sleep-delay", "6")
+    async with running(cfg, act, holder="a") as ctl, aiohttp.ClientSession() as s:
+        await wait_for(lambda: _states_are(url, active=1, sleeping=2), 60)
+        pc = ctl.pools["default"]
+        st = await registry_states(url)
+        victim = sorted(r for r, v in st.items() if v == "sleeping")[0]
+        idle = sorted(r for r, v in st.items() if v == "sleeping")[1]
+        os.killpg(int(read_table(state_dir)[1][victim]["pid"]), signal.SIGKILL)
+        # Its refill comes up and is put to sleep: the sleep call is in flight.
+        refill = await wait_for(lambda: _sleeping_now(pc), 30, interval=0.02)
+        active_ep = next(rep.endpoint for rep in pc.replicas.values() if rep.view.state.value == "active")
+        stats = StreamStats()
+        mark = ctl.clock()
+        streams = [asyncio.create_task(stream_once(s, f"http://{active_ep}", 200, stats)) for _ in range(8)]
+        await wait_for(lambda: _states_are(url, active=2), 30, interval=0.02)
+        since = [e for e in pc.events if float(e["ts"]) >= mark]
+        promoted = [e["replica"] for e in since if e["event"] == "promoted"]
+        slept = [e["replica"] for e in since if e["event"] == "slept"]
+        assert promoted == [idle], (promoted, refill)
+        assert refill not in slept  # its sleep had not ended: the promotion did not wait for it
+        assert not [a for e in since if e["event"] == "decision" for a in e["actions"]
+                    if a.startswith("start:") and a.endswith(":scale_up")]  # no cold start for it
+        await asyncio.gather(*streams)
+        assert stats.failed == []
+
+
+async def _sleeping_now(pc: Any) -> str | None:
+    """The replica whose sleep call is in flight (the plan asked for it, it is busy and awake)."""
+    asked = {a.split(":")[1] for e in pc.events if e["event"] == "decision" for a in e["actions"]
+             if a.startswith("sleep:")}
+    slept = {e["replica"] for e in pc.events if e["event"] == "slept"}
+    return next((rid for rid, rep in pc.replicas.items() if rid in asked - slept and rep.busy
+                 and rep.view.state.value == "warm" and not rep.view.asleep), None)

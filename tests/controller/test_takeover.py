@@ -1,0 +1,222 @@
+"""Two controllers of one deployment on one host (a leader and its standby, one `state_dir`),
+and unrelated ones that must not touch each other's replicas. Real `floodgate sim` processes,
+real Redis, the controllers in the test's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from floodgate.controller.actuators.process import (
+    ProcessActuator,
+    TableOwnedElsewhere,
+    pid_alive,
+    read_table,
+)
+from floodgate.controller.config import (
+    ConfigError,
+    check_state_dirs,
+    parse_config,
+    process_state_dir,
+)
+
+from floodgate.stack import LocalStack
+from tests.controller.live import (
+    controller_config,
+    count,
+    process_actuator,
+    registry_states,
+    running,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+NO_POOL = {"enabled": False, "min_size": 0, "max_size": 0}
+
+
+def _replica_procs(stack: LocalStack) -> dict[int, str]:
+    """pid -> name of every replica process the stack's supervisor started that still runs."""
+    return {c.proc.pid: c.name for c in stack.sup.children
+            if c.name.startswith("replica-") and c.proc.poll() is None}
+
+
+async def _active(url: str, n: int) -> bool:
+    return count(await registry_states(url), "active") == n
+
+
+async def test_a_standby_takes_over_the_replicas_the_leader_started_after_it_came_up(stack: LocalStack) -> None:
+    # The standby's actuator exists before the leader replaces a crashed replica. Before, it
+    # acted on the table it read at start-up: on taking over it removed the replacement's
+    # registry entry while it served, cold-started another beside it, and left its process
+    # running in no table (an orphan nothing ever stops; with vLLM, a GPU held for good).
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    async with running(cfg, process_actuator(stack, state_dir), holder="a"):
+        await wait_for(lambda: _active(url, 2), 40)
+        standby = process_actuator(stack, state_dir)
+        async with running(cfg, standby, holder="b", wait_ready=False) as b:
+            (victim, *_) = sorted(read_table(state_dir)[1])
+            os.killpg(int(read_table(state_dir)[1][victim]["pid"]), signal.SIGKILL)
+            await wait_for(lambda: _replaced(url, victim), 40)
+            assert not b.pools  # still standing by
+            serving = await registry_states(url)
+            pids = {int(e["pid"]) for e in read_table(state_dir)[1].values()}
+            # ... the leader stops; the standby takes over.
+        # (b stopped too: both gone, the replicas stay.)
+    async with running(cfg, standby, holder="b") as b:
+        await asyncio.sleep(1.0)  # a few ticks
+        pc = b.pools["default"]
+        assert await registry_states(url) == serving  # nothing taken out of routing
+        assert not [e for e in pc.events if e["event"] == "forgotten"]
+        assert not [e for e in pc.events if e["event"] == "transition" and e["frm"] == "cold"]  # no cold start
+        assert set(_replica_procs(stack)) == pids  # every running replica is in the table
+        assert {int(e["pid"]) for e in read_table(state_dir)[1].values()} == pids
+
+
+async def _replaced(url: str, victim: str) -> bool:
+    st = await registry_states(url)
+    return victim not in st and count(st, "active") == 2
+
+
+async def test_a_standby_with_stop_replicas_on_exit_stops_nothing(stack: LocalStack) -> None:
+    # `--stop-replicas-on-exit` on a standby that never led stopped every replica of its leader
+    # (in flight requests cut, the leader cold-starting replacements).
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    async with running(cfg, process_actuator(stack, state_dir), holder="a") as a:
+        await wait_for(lambda: _active(url, 2), 40)
+        before = set(_replica_procs(stack))
+        async with running(cfg, process_actuator(stack, state_dir), holder="b", wait_ready=False,
+                           stop_replicas_on_exit=True):
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)
+        assert set(_replica_procs(stack)) == before
+        pc = a.pools["default"]
+        assert not [e for e in pc.events if e["event"] == "failed"]
+        assert await _active(url, 2)
+
+
+async def test_the_leader_with_stop_replicas_on_exit_stops_them_before_the_standby_takes_over(
+        stack: LocalStack) -> None:
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    async with running(cfg, process_actuator(stack, state_dir), holder="b", wait_ready=False) as b:
+        async with running(cfg, process_actuator(stack, state_dir), holder="a", stop_replicas_on_exit=True):
+            await wait_for(lambda: _active(url, 2), 40)
+            theirs = set(_replica_procs(stack))
+            assert len(theirs) == 2
+        # The lease is released only after the replicas are stopped: the standby adopts none of
+        # them (it would have adopted replicas being stopped), it starts its own.
+        assert not any(pid_alive(p) for p in theirs)
+        assert await registry_states(url) == {}  # out of routing too
+        await asyncio.wait_for(b.ready.wait(), 15)
+        await wait_for(lambda: _active(url, 2), 40)
+        pc = b.pools["default"]
+        assert not [e for e in pc.events if e["event"] == "adopt"]
+        assert not set(_replica_procs(stack)) & theirs
+
+
+def _cfg(url: str, state_dir: Path | None) -> object:
+    actuator = {"kind": "process"} | ({"state_dir": str(state_dir)} if state_dir else {})
+    return parse_config({"redis": {"url": url}, "pools": [{"name": "default", "actuator": actuator}]}, env={})
+
+
+async def test_a_table_of_another_deployment_is_refused_while_its_replicas_run(stack: LocalStack) -> None:
+    # Two stacks on one host (each its own Redis) with one state_dir: the second adopted the
+    # first's replicas (registered them in its own Redis, then drained and stopped one).
+    state_dir = stack.sup.workdir / "shared"
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", "{port}"]
+    mine, theirs = _cfg("redis://10.0.0.1:6379/0", state_dir), _cfg("redis://10.0.0.2:6379/0", state_dir)
+    from floodgate.controller.config import table_owner
+
+    act = ProcessActuator(cmd, state_dir, supervisor=stack.sup,
+                          owner=table_owner(mine, mine.pools[0]))  # type: ignore[attr-defined]
+    h = await act.start("default-r0")
+    assert h is not None and h.running
+    with pytest.raises(ConfigError) as exc:
+        check_state_dirs(theirs, create=True)  # type: ignore[arg-type]
+    msg = str(exc.value)
+    assert "pools.0.actuator.state_dir: " in msg and "default-r0 (pid " in msg and "10.0.0.1" in msg, msg
+    with pytest.raises(TableOwnedElsewhere):
+        ProcessActuator(cmd, state_dir, owner=table_owner(theirs, theirs.pools[0]))  # type: ignore[attr-defined]
+    check_state_dirs(mine, create=True)  # type: ignore[arg-type]  # its own: fine
+    # Once its processes are gone, the table is taken over (nothing to lose).
+    await act.stop("default-r0")
+    check_state_dirs(theirs, create=True)  # type: ignore[arg-type]
+    # Unset, the directory differs per deployment: unrelated stacks never meet.
+    d1 = process_state_dir(mine, mine.pools[0])  # type: ignore[attr-defined, arg-type]
+    d2 = process_state_dir(theirs, theirs.pools[0])  # type: ignore[attr-defined, arg-type]
+    assert d1 == d2 == state_dir
+    u1, u2 = _cfg("redis://10.0.0.1:6379/0", None), _cfg("redis://:secret@10.0.0.2:6379/0", None)
+    p1 = process_state_dir(u1, u1.pools[0])  # type: ignore[attr-defined, arg-type]
+    p2 = process_state_dir(u2, u2.pools[0])  # type: ignore[attr-defined, arg-type]
+    assert p1 != p2 and p1.name.startswith("floodgate-controller-default-")
+    assert "secret" not in table_owner(u2, u2.pools[0])  # type: ignore[arg-type, attr-defined]
+
+
+async def test_the_table_survives_concurrent_writers(stack: LocalStack, tmp_path: Path) -> None:
+    # Two actuators on one table (leader and standby) each write under the lock, reading the
+    # table afresh: neither drops the other's entries.
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", "{port}"]
+    a = ProcessActuator(cmd, tmp_path, supervisor=stack.sup)
+    b = ProcessActuator(cmd, tmp_path, supervisor=stack.sup)
+    await asyncio.gather(*(x.start(f"r{i}") for i, x in enumerate([a, b] * 4)))
+    assert sorted(read_table(tmp_path)[1]) == [f"r{i}" for i in range(8)]
+    await asyncio.gather(a.set_role("r1", "active"), b.set_role("r2", "warm-pool"))
+    t = read_table(tmp_path)[1]
+    assert (t["r1"]["role"], t["r2"]["role"]) == ("active", "warm-pool")
+    await b.stop_all()
+    assert read_table(tmp_path)[1] == {}
+
+
+async def test_a_restarted_controller_leaves_freed_static_endpoints_asleep(stack: LocalStack) -> None:
+    # The static actuator keeps no roles across restarts: the endpoints the last controller
+    # freed (asleep, no registry entry) were brought up again, woken, counted as arriving
+    # capacity and promoted on an idle pool, then drained back one per scale-down interval.
+    from floodgate.controller.actuators.static import StaticActuator
+
+    from tests.controller.test_actuators import _static_sims
+
+    url = stack.start_redis()
+    eps = _static_sims(stack, 4)
+    cfg = parse_config({
+        "redis": {"url": url}, "tick_interval_s": 0.25, "metrics_listen": None, "leader": {"ttl_s": 3},
+        "pools": [{
+            "name": "default",
+            "policy": {"min_replicas": 1, "max_replicas": 4, "stabilization_window_s": 0,
+                       "scale_down_interval_s": 0, "panic_window_s": 0},
+            "forecast": {"enabled": False},
+            "warm_pool": {"burst_fraction": 0, "min_size": 1, "max_size": 1, "warm_min_age_s": 0},
+            "timeouts": {"health_s": 30, "warmup_s": 10, "wake_s": 10, "sleep_s": 30},
+            "actuator": {"kind": "static", "endpoints": eps},
+        }],
+    }, env={})
+
+    async def settled() -> bool:
+        st = await registry_states(url)
+        return sorted(st.values()) == ["active", "sleeping"]
+
+    first = StaticActuator(eps)
+    async with running(cfg, first, holder="a"):  # type: ignore[arg-type]
+        await wait_for(settled, 60)
+        await asyncio.sleep(0.5)
+    await first.close()
+    second = StaticActuator(eps)
+    try:
+        async with running(cfg, second, holder="b") as b:  # type: ignore[arg-type]
+            for _ in range(12):  # 3 s of ticks: the pool stays as it was
+                assert await settled(), await registry_states(url)
+                await asyncio.sleep(0.25)
+            pc = b.pools["default"]
+            moves = [(e["frm"], e["to"]) for e in pc.events if e["event"] == "transition"]
+            assert not [m for m in moves if m[1] in ("waking", "active", "loading", "warming")], moves
+    finally:
+        await second.close()
