@@ -338,6 +338,40 @@ async def test_a_processor_killed_under_load_fails_no_queued_or_later_request(st
     assert stats["max_inflight"] <= 4
 
 
+async def test_hung_processors_get_no_request_once_the_health_check_marks_them_down(stack: LocalStack,
+                                                                                   upstream: int) -> None:
+    """Two of three processors hang (SIGSTOP: they accept connections and never answer). Once
+    Envoy's health check marks them down, every request goes to the one left; with all three
+    hung, every request gets an immediate 503. Before (Envoy's default panic threshold, 50 %):
+    with 1 of 3 healthy Envoy balanced over all three again, 2 of 3 requests waited the message
+    timeout (35 s) and got 504, and with none healthy every request did."""
+    stack.start_redis()
+    cfg = static(4)
+    procs = [stack.start_processor(cfg) for _ in range(3)]
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    try:
+        for p in procs[:2]:
+            p.child.kill(signal.SIGSTOP)
+        assert await wait_until(lambda: _envoy_stat_is(envoy, "cluster.floodgate_extproc.membership_healthy", 1), 15)
+        await asyncio.sleep(4)  # two check intervals: the workers' host sets follow the main thread's
+        async with aiohttp.ClientSession() as s:
+            replies = [await post(s, envoy.url, headers=hdr(1), timeout=5) for _ in range(6)]
+            assert [r.status for r in replies] == [200] * 6, [(r.status, r.error) for r in replies]
+            procs[2].child.kill(signal.SIGSTOP)
+            assert await wait_until(lambda: _envoy_stat_is(envoy, "cluster.floodgate_extproc.membership_healthy", 0), 15)
+            await asyncio.sleep(4)
+            r = await post(s, envoy.url, headers=hdr(1), timeout=5)
+            assert r.status == 503 and r.headers.get("retry-after"), (r.status, r.error)
+        assert envoy.stat("cluster.floodgate_extproc.lb_healthy_panic") == 0
+    finally:
+        for p in procs:
+            p.child.kill(signal.SIGCONT)
+
+
+async def _envoy_stat_is(envoy: Any, name: str, value: int) -> bool:
+    return await asyncio.to_thread(envoy.stat, name) == value
+
+
 async def test_a_processor_restarted_under_its_gateway_id_takes_back_what_its_predecessor_left(
         stack: LocalStack, upstream: int) -> None:
     """Kubernetes restarts a crashed processor's container in the same pod (the gateway id is

@@ -154,7 +154,7 @@ def test_cluster_points_at_the_processor_service() -> None:
     (cluster,) = patches("CLUSTER")
     c = cluster["patch"]["value"]
     include = load_yaml(ENVOY_DIR / "floodgate-cluster.yaml")
-    for key in ("typed_extension_protocol_options", "circuit_breakers", "health_checks", "outlier_detection"):
+    for key in ("typed_extension_protocol_options", "circuit_breakers", "health_checks", "outlier_detection", "common_lb_config"):
         assert c[key] == include[key], key
     (ep,) = [e["endpoint"]["address"]["socket_address"] for g in c["load_assignment"]["endpoints"] for e in g["lb_endpoints"]]
     m = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local", ep["address"])
