@@ -66,7 +66,7 @@ from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envo
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
-from floodgate.extproc.redis_client import OUTAGE_ERRORS, parse_redis_url
+from floodgate.extproc.redis_client import OUTAGE_ERRORS, follow_sentinel_primary, parse_redis_url
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
 
@@ -897,6 +897,7 @@ class Controller:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         lease_task = None
         lease_stop = asyncio.Event()  # the lease is kept until the replicas are stopped
+        follow_task: asyncio.Task[None] | None = None
         try:
             if self.cfg.metrics_listen:
                 runner = await self.metrics.serve(self.cfg.metrics_listen)
@@ -904,6 +905,8 @@ class Controller:
                      self.cfg.metrics_listen or "off", parse_redis_url(self.cfg.redis.url).display,
                      [f"{p.name}: {p.actuator.kind}" for p in self.cfg.pools], self.cfg.tick_interval_s,
                      f"leader election as {self.lease.holder}" if self.lease is not None else "no leader election")
+            # A Sentinel primary that moves takes every connection along (redis_client).
+            follow_task = asyncio.create_task(follow_sentinel_primary([self.redis]), name="floodgate-sentinel")
             if self.lease is not None:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
                 lease_task = asyncio.create_task(self.lease.run(lease_stop))
@@ -922,6 +925,10 @@ class Controller:
                 lease_stop.set()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await lease_task
+            if follow_task is not None:
+                follow_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await follow_task
             for a in self.actuators.values():
                 with contextlib.suppress(Exception):
                     await a.close()

@@ -82,6 +82,7 @@ from floodgate.extproc.redis_client import (
     OUTAGE_ERRORS,
     AnyRedis,
     Subscription,
+    follow_sentinel_primary,
     is_cluster,
     subscribe,
 )
@@ -377,6 +378,9 @@ class Admitter:
         for rt in self.pools.values():
             self._tasks += [self._keep_running(f"fg-sync-{rt.cfg.name}", partial(self._sync_loop, rt)),
                             self._keep_running(f"fg-poll-{rt.cfg.name}", partial(self._poll_loop, rt))]
+        clients = {id(c): c for c in (self.client, self.pubsub_client,
+                                      *(x for rt in self.pools.values() for x in (rt.client, rt.pubsub_client)))}
+        self._tasks.append(self._keep_running("fg-sentinel", partial(follow_sentinel_primary, list(clients.values()))))
 
     def _keep_running(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A background loop that an unexpected error must not end silently: a dead sync loop

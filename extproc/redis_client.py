@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ _CLUSTER = ("redis+cluster", "rediss+cluster")
 # The TLS parameters a rediss+sentinel:// or rediss+cluster:// URL takes (as rediss:// does):
 # a private CA to verify the servers with, a client certificate, how strictly to verify.
 TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+log = logging.getLogger("floodgate.redis")
 
 POOL_SIZE = 256  # connections per client (single server), shared by every concurrent call
 POOL_SIZE_NONBLOCKING = 2048  # per node (Sentinel primary, Cluster node): a call beyond it fails
@@ -177,6 +180,7 @@ class _SentinelManaged(aioredis.Redis):
     """The primary's client, which also closes its sentinel connections."""
 
     fg_sentinel: Sentinel | None = None  # (`sentinel` is a command method)
+    fg_service: str = ""
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
@@ -224,6 +228,7 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
                               username=target.username, password=pw, ssl=target.tls,
                               retry=once, max_connections=POOL_SIZE_NONBLOCKING, **tls_kwargs, **common)
         client.fg_sentinel = s
+        client.fg_service = target.service
         return client
     return _Cluster(
         startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
@@ -232,6 +237,37 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
         require_full_coverage=False, max_connections=POOL_SIZE_NONBLOCKING,
         # A couple of quick retries ride over MOVED/failover; the caller's timeout bounds them.
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
+
+
+async def follow_sentinel_primary(clients: Sequence[object], *, interval_s: float = 0.5) -> None:
+    """Until cancelled: ask the sentinels which server is the primary every `interval_s`, and
+    when it moves (a failover, or a planned `SENTINEL FAILOVER` where every server stays up)
+    close every connection of `clients`, in use or idle, so that their next calls (a call cut
+    mid-air is retried once) and their subscriptions go to the new primary. redis-py asks the
+    sentinels only when it opens a connection: after a switchover the old primary stays writable
+    until Sentinel reconfigures it (about 10 s), and the processors kept admitting on it while
+    new connections (`floodgate status`, a reconnect) used the new one: two admission states at
+    once, up to 2 × L in flight. Clients of other kinds are ignored (returns at once)."""
+    managed = [c for c in clients if isinstance(c, _SentinelManaged) and c.fg_sentinel is not None]
+    if not managed:
+        return
+    sentinel, service = managed[0].fg_sentinel, managed[0].fg_service
+    assert sentinel is not None
+    known: tuple[str, int] | None = None
+    while True:
+        try:
+            addr = tuple(await sentinel.discover_master(service))
+        except OUTAGE_ERRORS:
+            addr = None  # no sentinel answers: keep the connections (the primary may be fine)
+        if addr is not None:
+            if known is not None and addr != known:
+                log.warning("sentinel: the primary of %r moved from %s:%s to %s:%s: reconnecting", service,
+                            *known, *addr)
+                for c in managed:
+                    with contextlib.suppress(Exception):
+                        await c.connection_pool.disconnect(inuse_connections=True)
+            known = (str(addr[0]), int(addr[1]))
+        await asyncio.sleep(interval_s)
 
 
 def _tls_kwargs(target: RedisTarget) -> dict[str, Any]:
@@ -281,16 +317,40 @@ def _message(msg: dict[str, Any] | None) -> tuple[str, bytes] | None:
 
 
 class _PlainSubscription(Subscription):
-    def __init__(self, pubsub: Any) -> None:
+    """A subscription on one connection, which it checks: a connection can die without a word
+    (a frozen server, a NAT or firewall dropping the flow) and reads without a timeout would
+    then wait for ever, while Redis hears nobody on this gateway's channel and drops its waiters
+    at their turns. After `ping_idle_s` without a word from the server it sends a PING; no
+    answer within `pong_timeout_s` is a lost connection (the caller subscribes again)."""
+
+    def __init__(self, pubsub: Any, *, ping_idle_s: float = 2.0, pong_timeout_s: float = 2.0) -> None:
         self._ps = pubsub
+        self._ping_idle_s = ping_idle_s
+        self._pong_timeout_s = pong_timeout_s
+        self._heard = asyncio.get_running_loop().time()
+        self._pinged: float | None = None
 
     async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
         # An ignored (un)subscribe confirmation also returns None: keep reading until the timeout.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            got = _message(await self._ps.get_message(ignore_subscribe_messages=True,
-                                                       timeout=max(0.0, deadline - loop.time())))
+            now = loop.time()
+            if self._pinged is not None and now - self._pinged > self._pong_timeout_s:
+                raise RedisConnectionError(f"pub/sub connection silent: no answer to a PING in {self._pong_timeout_s:g} s")
+            if self._pinged is None and now - self._heard > self._ping_idle_s:
+                await asyncio.wait_for(self._ps.ping(), self._pong_timeout_s)  # sent; the PONG is read below
+                self._pinged = now
+            check_at = (self._pinged + self._pong_timeout_s if self._pinged is not None
+                        else self._heard + self._ping_idle_s)
+            raw = await self._ps.get_message(ignore_subscribe_messages=True,
+                                             timeout=max(0.0, min(deadline, check_at + 0.01) - now))
+            if raw is not None:
+                self._heard = loop.time()
+                if raw.get("type") == "pong":
+                    self._pinged = None
+                    continue
+            got = _message(raw)
             if got is not None or loop.time() >= deadline:
                 return got
 

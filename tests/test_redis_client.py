@@ -140,3 +140,37 @@ async def test_a_burst_of_concurrent_calls_waits_for_a_connection(stack: LocalSt
         assert len(pool._available_connections) + len(pool._in_use_connections) <= POOL_SIZE
     finally:
         await client.aclose()
+
+
+async def test_a_subscription_on_a_connection_that_went_silent_fails_instead_of_waiting_for_ever(
+        stack: LocalStack) -> None:
+    # A connection can die without a word (a NAT or firewall drops the flow, a frozen server):
+    # the subscription read, which has no timeout by design, waited for ever while Redis heard
+    # nobody on the channel and dropped this gateway's waiters at their turns (a review: still
+    # deaf 44 s later, 440 waiters dropped). It pings when idle and fails without an answer.
+    from floodgate.bench.faults import RedisProxy
+    from floodgate.extproc.redis_client import publish, subscribe
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    url = stack.start_redis()
+    proxy = RedisProxy(int(url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    sub_client = make_client(f"redis://127.0.0.1:{proxy.port}/0", op_timeout_s=0.5, blocking=True)
+    client = make_client(url, op_timeout_s=0.5)
+    try:
+        sub = await subscribe(sub_client, ["fg:{s}:gw:a"])
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while loop.time() - t0 < 5:  # idle but alive: its PINGs are answered, no error
+            assert await sub.get_message(0.5) is None
+        await publish(client, "fg:{s}:gw:a", "alive")
+        assert await sub.get_message(2) == ("fg:{s}:gw:a", b"alive")
+        proxy.set("blackhole")  # the flow stays open and carries nothing
+        with pytest.raises(RedisConnectionError, match="silent"):
+            while loop.time() - t0 < 30:
+                await sub.get_message(0.5)
+        await sub.aclose()
+    finally:
+        await proxy.stop()
+        await client.aclose()
+        await sub_client.aclose()

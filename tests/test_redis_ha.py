@@ -297,6 +297,56 @@ async def test_processor_reasserts_its_permits_and_waiters_on_the_promoted_prima
         await sub_client.aclose()
 
 
+async def test_a_planned_switchover_moves_the_processor_before_the_old_primary_is_demoted(
+        sentinel: SentinelTopology) -> None:  # noqa: F811
+    """`SENTINEL FAILOVER` (every server stays up): Sentinel reconfigures the old primary as a
+    replica only about 10 s after the new one is promoted, and until then the old one takes
+    writes. redis-py asks the sentinels only for new connections, so the processor went on
+    admitting on the old primary while new connections (another processor's reconnect,
+    `floodgate status`) used the new one: two admission states, up to 16 in flight of L 8 in a
+    review. The processor follows the sentinels (`follow_sentinel_primary`): its permits,
+    waiter and subscription are on the new primary while the old one is still a primary."""
+    cfg = Config.model_validate({
+        "redis": {"url": sentinel.url, "lease_ttl_s": 6, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
+        "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
+                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
+                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
+                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
+    client = redis_client(sentinel.url, op_timeout_s=0.25)
+    sub_client = make_client(sentinel.url, op_timeout_s=0.25, blocking=True)
+    admitter = Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
+    await admitter.start()
+    try:
+        permits = [await admitter.admit("s", 1, "t") for _ in range(3)]
+        held = {p.ticket for p in permits if isinstance(p, Permit)}
+        assert len(held) == 3
+        waiter = asyncio.create_task(admitter.admit("s", 1, "t"))
+        keys = script_keys("s")
+        old = sentinel.primary()
+        await asyncio.sleep(0.5)
+        assert old.client().execute_command("WAIT", 1, 2000) == 1
+        sentinel.sentinels[0].client(3.0).execute_command("SENTINEL", "FAILOVER", sentinel.service)
+        new_port = sentinel.wait_failover(old.port)
+        new = redis.Redis(port=new_port)
+        new.flushall()  # what the processor's writes must put back, there and nowhere else
+
+        def moved() -> bool:
+            channels = {c.decode() for c in new.execute_command("PUBSUB", "SHARDCHANNELS")}
+            return ({t.decode() for t in new.zrange(keys[0], 0, -1)} == held and len(new.zrange(keys[2], 0, -1)) == 1
+                    and "fg:{s}:gw:gw" in channels)
+        deadline = asyncio.get_running_loop().time() + 5
+        while not moved():
+            assert asyncio.get_running_loop().time() < deadline, "the processor did not move to the new primary"
+            await asyncio.sleep(0.1)
+        assert old.client().execute_command("ROLE")[0] == b"master"  # Sentinel had not demoted it yet
+        await admitter.release(permits[0])  # type: ignore[arg-type]
+        assert isinstance(await asyncio.wait_for(waiter, 5), Permit)  # granted there, heard here
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await sub_client.aclose()
+
+
 async def test_a_frozen_shard_degrades_only_the_pools_on_it(cluster: ClusterTopology) -> None:  # noqa: F811
     """Three pools: two on shard 0, one on shard 1, each at its limit with a waiter queued.
     Shard 0 freezes (SIGSTOP primary and replica: no failover, calls hang until they time out).
