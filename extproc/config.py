@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -159,7 +160,7 @@ class LimitConfig(_Strict):
 
 class PoolConfig(_Strict):
     name: PoolName = Field(default="default", description="Pool name: letters, digits, `_`, `.` and `-`; one Redis hash tag per pool.")
-    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default).")
+    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default). Two pools may not share one.")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include): the least estimated prefill queued (`prefill_tokens_per_s`), then the fewest permits routed there.")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
     allowed_endpoints: list[str] = Field(
@@ -200,7 +201,7 @@ class PoolConfig(_Strict):
     eject_max_s: float = Field(default=120.0, gt=0, le=3600, description="With `eject_after_failures`: the longest an ejection lasts (each further one doubles the one before).")
     engine_priority: dict[Priority, int] = Field(
         default_factory=dict,
-        description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A body that is not a JSON object, larger than `engine_priority_max_body_bytes` or larger than Envoy's buffer passes unchanged (floodgate_engine_priority_total). Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
+        description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A listed class's body that cannot be rewritten is refused, never passed on (it could carry a priority its client wrote): not a JSON object in UTF-8 with 400, encoded with 415, larger than `engine_priority_max_body_bytes` or Envoy's buffer with 413 (floodgate_engine_priority_total). So a listed class serves JSON endpoints only: send multipart requests (audio transcriptions) in a class that is not listed. Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
     engine_priority_max_body_bytes: int = Field(
         default=1 << 20, ge=0,
         description="With `engine_priority`: a listed class's request body larger than this (or than Envoy's buffer, `per_connection_buffer_limit_bytes`, 1 MiB by default) is refused with 413: it cannot be rewritten, and passed unchanged it would keep a priority its client wrote. Bounds the JSON parse on the processor's event loop.")
@@ -323,6 +324,19 @@ class TlsConfig(_Strict):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a readable file")
+        # Load them as the server will: a file that is no PEM certificate or key, or a key that
+        # is not the certificate's, is named here instead of failing the listen at start-up.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"cert_file / key_file: {self.cert_file} and {self.key_file} are not a PEM "
+                             f"certificate chain and its private key ({exc})") from None
+        if self.client_ca_file is not None:
+            try:
+                ctx.load_verify_locations(self.client_ca_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"client_ca_file: {self.client_ca_file} is not a PEM CA bundle ({exc})") from None
         return self
 
 
@@ -356,6 +370,16 @@ class Config(_Strict):
         names = [p.name for p in v]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        # Authorities compare case-insensitively: two pools with one authority would leave the
+        # first without traffic (the last one wins), silently.
+        seen: dict[str, str] = {}
+        for p in v:
+            if p.match_authority:
+                a = p.match_authority.lower()
+                if a in seen:
+                    raise ValueError(f"pools {seen[a]!r} and {p.name!r} both match_authority {p.match_authority!r} "
+                                     "(compared case-insensitively): each authority can select one pool")
+                seen[a] = p.name
         return v
 
     def pool(self, name: str) -> PoolConfig:

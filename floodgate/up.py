@@ -46,8 +46,8 @@ http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="run the whole local stack (and a demo load)", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--port", type=int, default=10000, help="Envoy listener port (default: %(default)s; busy: an error, unless --any-port)")
-    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (default: %(default)s; busy: an error, unless --any-port)")
+    p.add_argument("--port", type=_port, default=10000, help="Envoy listener port (default: %(default)s; busy: an error, unless --any-port)")
+    p.add_argument("--admin-port", type=_port, default=9901, help="Envoy admin port (default: %(default)s; busy: an error, unless --any-port)")
     p.add_argument("--any-port", action="store_true", help="take free ports when --port or --admin-port is busy")
     p.add_argument("--replicas", type=int, default=2, help="emulated vLLM replicas at rest (the controller's min_replicas; default: %(default)s)")
     p.add_argument("--max-replicas", type=int, default=0, help="most active replicas the controller may run (default: 3 x --replicas)")
@@ -68,6 +68,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 class PortBusy(RuntimeError):
     pass
+
+
+def _port(text: str) -> int:
+    """A TCP port for argparse: a clean usage error instead of a traceback at bind time."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
 
 
 def _port_is_free(port: int) -> bool:
@@ -180,9 +191,10 @@ class StatusLine:
     async def line(self, session: aiohttp.ClientSession) -> str:
         now = time.monotonic()
         cur = await self.sample(session)
+        first = not self.last  # no interval yet: the start-up probes are no rate
         dt = max(1e-3, now - self.last_t)
-        adm = (cur.get("admitted", 0) - self.last.get("admitted", 0)) / dt
-        rej = (cur.get("rejected", 0) - self.last.get("rejected", 0)) / dt
+        adm = 0.0 if first else (cur.get("admitted", 0) - self.last.get("admitted", 0)) / dt
+        rej = 0.0 if first else (cur.get("rejected", 0) - self.last.get("rejected", 0)) / dt
         self.last, self.last_t = cur, now
         q = "/".join(str(int(cur.get(f"q{p}", 0))) for p in range(3))
         inflight = int(sum(cur.get(f"i{p}", 0) for p in range(3)))

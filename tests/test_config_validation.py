@@ -60,6 +60,9 @@ PROCESSOR_BAD = [
     ({"pools": [{"name": "a", "limit": {"window_s": 20, "window_max_s": 10}}]}, "pools.0.limit"),
     ({"pools": [{"name": "a", "unadmitted_paths": ["health"]}]}, "pools.0.unadmitted_paths.0"),
     ({"pools": [{"name": "a"}, {"name": "a"}]}, "pools"),
+    # one authority for two pools: the first would never get traffic (compared case-insensitively)
+    ({"pools": [{"name": "a", "match_authority": "llm.example.com"},
+                {"name": "b", "match_authority": "LLM.example.com"}]}, "pools"),
     # infinite values passed every lower bound and crashed start-up (OverflowError)
     ({"redis": {"lease_ttl_s": float("inf")}}, "redis.lease_ttl_s"),
     ({"server": {"shutdown_grace_s": float("inf")}}, "server.shutdown_grace_s"),
@@ -336,3 +339,22 @@ def test_controller_check_config_prints_no_redis_secret(tmp_path: Path, capsys: 
     out = capsys.readouterr().out
     assert "pw-" not in out, out
     assert json.loads(out)["redis"]["url"] == "redis://u:***@h:6379/0"
+
+
+def test_tls_files_that_are_no_certificate_or_key_are_named(tmp_path: Path) -> None:
+    # They passed --check-config (the files existed) and start-up then blamed the listen address.
+    from tests.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    a, b = pki.issue("a"), pki.issue("b")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    for tls, words in (({"cert_file": str(junk), "key_file": str(a.key)}, "cert_file / key_file"),
+                       ({"cert_file": str(a.cert), "key_file": str(b.key)}, "cert_file / key_file"),  # not its key
+                       ({"cert_file": str(a.cert), "key_file": str(a.key), "client_ca_file": str(junk)},
+                        "client_ca_file")):
+        with pytest.raises(ConfigError) as exc:
+            load_config(None, {("server", "tls"): tls}, env={})
+        assert "server.tls" in str(exc.value) and words in str(exc.value), str(exc.value)
+    load_config(None, {("server", "tls"): {"cert_file": str(a.cert), "key_file": str(a.key),
+                                           "client_ca_file": str(pki.ca)}}, env={})

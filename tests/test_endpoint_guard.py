@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from floodgate.extproc.config import ConfigError, load_config
 from floodgate.extproc.endpoint_guard import (
@@ -68,8 +70,12 @@ def test_picker_refuses_and_never_lists_endpoints_outside_the_allowlist() -> Non
     assert picker.any_active(0.9) == "10.0.0.5:8000"
 
 
-def test_startup_names_what_the_config_leaves_open() -> None:
+def test_startup_names_what_the_config_leaves_open(tmp_path: Path) -> None:
     from floodgate.extproc.app import security_warnings
+
+    from tests.certs import make_pki
+
+    server = make_pki(tmp_path / "pki").issue("extproc")
 
     assert security_warnings(load_config(None, env={})) == []  # loopback, no picking
     open_cfg = load_config(None, overrides={("server", "listen"): "0.0.0.0:50051",
@@ -80,7 +86,7 @@ def test_startup_names_what_the_config_leaves_open() -> None:
                                                         "allowed_endpoints": ["10.0.0.0/8:8000"]}]}, env={})
     assert security_warnings(closed) == []
     one_way = load_config(None, overrides={("server", "listen"): "0.0.0.0:50051",
-                                           ("server", "tls"): {"cert_file": __file__, "key_file": __file__}}, env={})
+                                           ("server", "tls"): {"cert_file": str(server.cert), "key_file": str(server.key)}}, env={})
     (w,) = security_warnings(one_way)
     assert "client_ca_file" in w
     gold = load_config(None, overrides={("admission", "tenant_priorities"): {"gold": 0, "silver": 1}}, env={})

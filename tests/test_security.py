@@ -275,6 +275,9 @@ async def test_a_trickled_body_holds_its_permit_no_longer_than_the_request_timeo
         assert time.monotonic() - t0 < 6
         status = await asyncio.wait_for(reader.readline(), 5)
         assert b" 408 " in status, status
+        rest = await asyncio.wait_for(reader.read(4096), 5)
+        # OpenAI-style JSON like Envoy's other own replies (was text/plain "request timeout")
+        assert b"content-type: application/json" in rest.lower() and b'"code":"request_timeout"' in rest, rest
     finally:
         writer.close()
 

@@ -166,6 +166,8 @@ def test_up_config_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> Non
     (["--processors", "0"], "--processors must be 1 or more"),
     (["--replicas", "0"], "--replicas 0 needs --max-replicas"),
     (["--redis-url", "http://x:1"], "redis.url"),
+    (["--port", "70000"], "70000 is not a TCP port"),  # was an OverflowError traceback
+    (["--admin-port", "-1"], "-1 is not a TCP port"),
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(argv: list[str], words: str) -> None:
     """The arguments and the controller config they make are checked first: exit 2 with the reason,
@@ -323,3 +325,23 @@ async def test_the_status_line_to_a_log_prints_changes_only(capsys: pytest.Captu
     await _status_loop(Fake(), stop, 0.0, quiet_s=3600, every_s=0.001)  # type: ignore[arg-type]
     shown = [ln.split("] ", 1)[1] for ln in capsys.readouterr().err.splitlines()]
     assert shown == ["idle", "busy", "idle", "end"], shown
+
+
+async def test_the_first_status_line_shows_no_rate() -> None:
+    # The first line has no interval behind it: the start-up probes' admissions, divided by the
+    # milliseconds since the line was made, read "admit 2000.0/s" on an idle stack.
+    from floodgate.up import StatusLine
+
+    status = StatusLine([])
+    samples = iter([{"admitted": 2.0, "rejected": 0.0, "limit": 8.0},
+                    {"admitted": 12.0, "rejected": 1.0, "limit": 8.0}])
+
+    async def sample(session: object) -> dict[str, float]:
+        return next(samples)
+
+    status.sample = sample  # type: ignore[method-assign]
+    first = await status.line(None)  # type: ignore[arg-type]
+    assert "admit    0.0/s reject    0.0/s" in first, first
+    status.last_t -= 2.0  # two seconds later: 10 admitted, 1 rejected
+    second = await status.line(None)  # type: ignore[arg-type]
+    assert "admit    5.0/s reject    0.5/s" in second, second
