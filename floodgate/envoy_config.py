@@ -115,6 +115,7 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                  access_log: Path | None = None,
                  processor_keepalive_s: float | None = None,
                  request_timeout_s: float | None = None,
+                 stream_flush_timeout_s: float | None = None,
                  route_timeout_s: float | None = None,
                  source: Path | None = None) -> dict[str, Any]:
     """The local bootstrap with ports set. `admission=False` removes the ext_proc filter
@@ -124,7 +125,8 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
     `access_log` writes one JSON line per request there (`ACCESS_LOG_FORMAT`: Envoy's own timings
     and the ext_proc filter's, for the benchmarks); `processor_keepalive_s` sets the HTTP/2 ping
     interval to the processors, `request_timeout_s` the listener's bound on a request's
-    arrival and `route_timeout_s` the inference route's (`/v1/`) upstream timeout (tests: the
+    arrival, `stream_flush_timeout_s` on a response waiting for a client that does not read,
+    and `route_timeout_s` the inference route's (`/v1/`) upstream timeout (tests: the
     shipped 10 s, 60 s and 300 s, faster)."""
     cfg = copy.deepcopy(load_yaml(source or ENVOY_DIR / "local.yaml"))
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -144,6 +146,8 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
     hcm = _hcm(cfg)
     if request_timeout_s is not None:
         hcm["request_timeout"] = f"{request_timeout_s}s"
+    if stream_flush_timeout_s is not None:
+        hcm["stream_flush_timeout"] = f"{stream_flush_timeout_s}s"
     if route_timeout_s is not None:
         for vh in hcm["route_config"]["virtual_hosts"]:
             for route in vh["routes"]:

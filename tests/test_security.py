@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.conftest import ROOT
-from tests.helpers import get_json, metrics, pool_status, wait_until
+from tests.helpers import get_json, metrics, pool_status, post, wait_until
+
+TRUST_LOCAL = {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}}
 
 pytestmark = pytest.mark.integration
 
@@ -279,6 +281,72 @@ async def test_a_trickled_body_holds_its_permit_no_longer_than_the_request_timeo
         # OpenAI-style JSON like Envoy's other own replies (was text/plain "request timeout")
         assert b"content-type: application/json" in rest.lower() and b'"code":"request_timeout"' in rest, rest
     finally:
+        writer.close()
+
+
+def _h2_frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    import struct
+
+    return struct.pack(">I", len(payload))[1:] + bytes([ftype, flags]) + struct.pack(">I", sid) + payload
+
+
+def _hpack_literal(name: bytes, value: bytes, index: int | None = None) -> bytes:
+    """An HPACK literal without indexing, no Huffman (short values)."""
+    head = bytes([index]) if index else b"\x00" + bytes([len(name)]) + name
+    return head + bytes([len(value)]) + value
+
+
+async def test_a_client_that_never_reads_its_response_loses_its_permits(stack: LocalStack, upstream: int) -> None:
+    """One HTTP/2 connection advertises a stream window of 0 and never opens it: the model
+    answers its two tiny requests at once, but Envoy cannot send the bodies, so the HTTP
+    streams (and the ext_proc streams, and the permits) stayed open until Envoy's 300 s
+    stream_idle_timeout while every other client of the pool got 429. The edge's
+    `stream_flush_timeout` resets such a stream (tests: 2 s; shipped 10 s)."""
+    import struct
+
+    stack.start_redis()
+    stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 2}}], **TRUST_LOCAL})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], stream_flush_timeout_s=2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", envoy.port)
+    body = b'{"prompt": "x", "max_tokens": 4}'
+
+    async def answer_settings_and_pings() -> None:  # never a WINDOW_UPDATE
+        buf = b""
+        while data := await reader.read(65536):
+            buf += data
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                n, ftype, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+                payload, buf = buf[9:9 + n], buf[9 + n:]
+                if ftype == 4 and not flags & 1:
+                    writer.write(_h2_frame(4, 1, 0))
+                elif ftype == 6 and not flags & 1:
+                    writer.write(_h2_frame(6, 1, 0, payload))
+
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, struct.pack(">HI", 4, 0)))
+    for sid in (1, 3):
+        headers = (b"\x83\x86" + _hpack_literal(b"", b"/v1/completions", 0x04) + _hpack_literal(b"", b"x", 0x01)
+                   + _hpack_literal(b"content-type", b"application/json")
+                   + _hpack_literal(b"x-request-priority", b"1")
+                   + _hpack_literal(b"content-length", str(len(body)).encode()))
+        writer.write(_h2_frame(1, 0x4, sid, headers) + _h2_frame(0, 0x1, sid, body))
+    await writer.drain()
+    pump = asyncio.create_task(answer_settings_and_pings())
+    try:
+        async def inflight(n: int) -> bool:
+            return (await pool_status(stack.redis_url)).inflight_total == n
+
+        assert await wait_until(lambda: inflight(2), 10), "the two requests were not admitted"
+        async with aiohttp.ClientSession() as s:
+            upstream_stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
+            assert upstream_stats["inflight"] == 0  # the model is done with them
+            # Held only until the flush timeout (2 s here), not the idle timeout (300 s): then
+            # another client is served.
+            assert await wait_until(lambda: inflight(0), 8), "the permits stayed with a client that reads nothing"
+            r = await post(s, envoy.url, headers={"x-request-priority": "1"}, timeout=10)
+            assert r.status == 200, (r.status, r.error)
+        assert envoy.stat("http2.tx_flush_timeout") >= 2
+    finally:
+        pump.cancel()
         writer.close()
 
 
