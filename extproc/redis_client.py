@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
@@ -176,6 +176,43 @@ def redact_url(url: str) -> str:
     return re.sub(r"(sentinel_password=)[^&]*", r"\1***", f"{scheme}://{rest}")
 
 
+class _Sentinel(Sentinel):
+    """redis-py's Sentinel, which also remembers the last primary the sentinels named. Every new
+    connection asks the sentinels, so with none answering (frozen, partitioned, restarting) a
+    call that timed out once on a healthy primary left a processor on local limits until a
+    sentinel answered again (a review: 9 s instead of 0.8 s; 12 in flight of L 8 when one
+    processor of two was hit). Now, when no sentinel answers, that server is used for as long
+    as it says it is a primary (`ROLE`); a demoted one is not."""
+
+    def __init__(self, sentinels: Sequence[tuple[str, int]], *, sentinel_kwargs: dict[str, Any],
+                 check_kwargs: dict[str, Any]) -> None:
+        super().__init__(list(sentinels), sentinel_kwargs=sentinel_kwargs)
+        self.last_primary: tuple[str, int] | None = None
+        self.check_kwargs = check_kwargs  # how to reach the primary (auth, TLS, timeouts)
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            addr = await super().discover_master(service_name)
+        except MasterNotFoundError:
+            last = self.last_primary
+            if last is None or not await self._says_primary(last):
+                raise
+            return last
+        self.last_primary = (str(addr[0]), int(addr[1]))
+        return addr
+
+    async def _says_primary(self, addr: tuple[str, int]) -> bool:
+        c = aioredis.Redis(host=addr[0], port=addr[1], **self.check_kwargs)
+        try:
+            role = await c.execute_command("ROLE")
+            return bool(role) and role[0] in (b"master", "master")
+        except OUTAGE_ERRORS:
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await c.aclose()
+
+
 class _SentinelManaged(aioredis.Redis):
     """The primary's client, which also closes its sentinel connections."""
 
@@ -222,7 +259,9 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
         tls_kwargs: dict[str, Any] = dict(target.tls_options)
         if target.tls:
             sentinel_kwargs.update(ssl=True, **tls_kwargs)
-        s = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs)
+        s = _Sentinel(target.hosts, sentinel_kwargs=sentinel_kwargs, check_kwargs={
+            "username": target.username, "password": pw, "ssl": target.tls, "db": target.db,
+            "socket_timeout": op_timeout_s, "socket_connect_timeout": op_timeout_s, **tls_kwargs})
         # (The Sentinel and Cluster pools do not wait for a free connection: allow many.)
         client = s.master_for(target.service, redis_class=_SentinelManaged, db=target.db,
                               username=target.username, password=pw, ssl=target.tls,

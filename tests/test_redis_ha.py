@@ -97,6 +97,47 @@ async def test_sentinel_subscription_resumes_on_the_new_primary(sentinel: Sentin
         await sub_client.aclose()
 
 
+async def test_with_every_sentinel_frozen_a_dropped_connection_reconnects_to_the_primary(
+        sentinel: SentinelTopology) -> None:  # noqa: F811
+    """Every new connection asks the sentinels for the primary: with all of them frozen (but the
+    primary healthy), a connection lost to a blip could not be re-made, and a processor stayed
+    on local limits until a sentinel answered (a review: 9 s for a 0.6 s blip). The client
+    reconnects to the last primary the sentinels named while it says it is one; never to a
+    demoted one."""
+    import signal
+
+    client = make_client(sentinel.url, op_timeout_s=0.25)
+
+    async def blip() -> None:  # the primary stalls past one call's timeout, then answers again
+        primary.child.kill(signal.SIGSTOP)
+        try:
+            with pytest.raises((RedisError, OSError)):
+                await client.get("k")
+        finally:
+            primary.child.kill(signal.SIGCONT)
+
+    try:
+        await client.set("k", "1")
+        primary = sentinel.primary()
+        for s in sentinel.sentinels:
+            s.child.kill(signal.SIGSTOP)
+        try:
+            await blip()
+            assert await client.get("k") == b"1"  # before: MasterNotFoundError until a sentinel answered
+            await client.set("k", "2")
+            # A demoted server is no fallback: with it a replica, no write lands there.
+            primary.client().execute_command("REPLICAOF", "127.0.0.1", "1")  # (nothing listens there)
+            await blip()
+            with pytest.raises((RedisError, OSError)):
+                await client.set("k", "3")
+        finally:
+            primary.client().execute_command("REPLICAOF", "NO", "ONE")
+            for s in sentinel.sentinels:
+                s.child.kill(signal.SIGCONT)
+    finally:
+        await client.aclose()
+
+
 # ------------------------------------------------------------------------------------- cluster
 
 
