@@ -501,6 +501,13 @@ async def _sentinel_kill_primary(h: Harness) -> None:
     await asyncio.to_thread(h.sentinel.kill_primary)
 
 
+async def _sentinel_switchover(h: Harness) -> None:
+    """`SENTINEL FAILOVER`: a replica is promoted while every server stays up; Sentinel makes the
+    old primary a replica only ~10 s later, and it takes writes until then."""
+    await asyncio.to_thread(h.sentinel.sentinels[0].client(3.0).execute_command, "SENTINEL", "FAILOVER",
+                            h.sentinel.service)
+
+
 async def _cluster_kill_pool_primary(h: Harness) -> None:
     """SIGKILL the primary serving the loaded pool's slot; its replica takes over."""
     node = await asyncio.to_thread(h.cluster.owner, "fg:{default}:state")
@@ -679,6 +686,12 @@ FAULTS += [
           bound=_FAILOVER_BOUND,
           # sentinel down-after (1 s) + election, then one reconnect and the reconcile
           target=lambda o: 5.0 + o.reconnect_s),
+    # No server fails: the processors follow the sentinels (every 0.5 s) and move every
+    # connection when the primary moves; writes made on the old one in that window are the
+    # ones a failover loses, so the failover bound applies.
+    Fault("sentinel-switchover", "SENTINEL FAILOVER (planned: every server stays up, the old primary "
+          "writable until Sentinel demotes it)", _sentinel_switchover, _nothing, measure_from="inject",
+          topology="sentinel", bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),
     Fault("cluster-failover", "SIGKILL the Cluster primary holding the pool's slot; its replica takes over",
           _cluster_kill_pool_primary, _nothing, measure_from="inject", topology="cluster",
           bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),

@@ -86,9 +86,10 @@ def test_fault_meets_targets(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["sentinel-failover", "cluster-failover"])
+@pytest.mark.parametrize("name", ["sentinel-failover", "sentinel-switchover", "cluster-failover"])
 def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
-    """SIGKILL the primary (Sentinel-managed; or the Cluster primary of the pool's slot) under
+    """SIGKILL the primary (Sentinel-managed; or the Cluster primary of the pool's slot), or a
+    planned SENTINEL FAILOVER (every server up, the old primary writable for ~10 s), under
     load: within the failover bound, no 5xx, nobody hung, no phantoms, serving at L again."""
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=SUITE_TTL_S, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)

@@ -37,6 +37,9 @@ from tests.controller.live import (
 pytestmark = pytest.mark.integration
 
 NO_POOL = {"enabled": False, "min_size": 0, "max_size": 0}
+# Long enough that a loaded box never lets the leader's lease lapse between renewals (which
+# would make the standby the leader and its exit a leader's exit); a release hands it over at once.
+LEASE = {"ttl_s": 15}
 
 
 def _replica_procs(stack: LocalStack) -> dict[int, str]:
@@ -56,7 +59,7 @@ async def test_a_standby_takes_over_the_replicas_the_leader_started_after_it_cam
     # running in no table (an orphan nothing ever stops; with vLLM, a GPU held for good).
     url = stack.start_redis()
     state_dir = stack.sup.workdir / "replicas"
-    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL, leader=LEASE)
     async with running(cfg, process_actuator(stack, state_dir), holder="a"):
         await wait_for(lambda: _active(url, 2), 40)
         standby = process_actuator(stack, state_dir)
@@ -89,7 +92,7 @@ async def test_a_standby_with_stop_replicas_on_exit_stops_nothing(stack: LocalSt
     # (in flight requests cut, the leader cold-starting replacements).
     url = stack.start_redis()
     state_dir = stack.sup.workdir / "replicas"
-    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL, leader=LEASE)
     async with running(cfg, process_actuator(stack, state_dir), holder="a") as a:
         await wait_for(lambda: _active(url, 2), 40)
         before = set(_replica_procs(stack))
@@ -107,16 +110,24 @@ async def test_the_leader_with_stop_replicas_on_exit_stops_them_before_the_stand
         stack: LocalStack) -> None:
     url = stack.start_redis()
     state_dir = stack.sup.workdir / "replicas"
-    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL)
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4}, warm_pool=NO_POOL, leader=LEASE)
+    from floodgate.controller.app import Controller
+
+    a = Controller(cfg, {"default": process_actuator(stack, state_dir)}, holder="a", stop_replicas_on_exit=True)
+    stop_a = asyncio.Event()
+    task_a = asyncio.create_task(a.run(stop_a))
+    await asyncio.wait_for(a.ready.wait(), 15)  # a leads
     async with running(cfg, process_actuator(stack, state_dir), holder="b", wait_ready=False) as b:
-        async with running(cfg, process_actuator(stack, state_dir), holder="a", stop_replicas_on_exit=True):
-            await wait_for(lambda: _active(url, 2), 40)
-            theirs = set(_replica_procs(stack))
-            assert len(theirs) == 2
+        await wait_for(lambda: _active(url, 2), 40)
+        theirs = set(_replica_procs(stack))
+        their_ids = set(await registry_states(url))
+        assert len(theirs) == 2 and len(their_ids) == 2
+        stop_a.set()
+        await asyncio.wait_for(task_a, 30)
         # The lease is released only after the replicas are stopped: the standby adopts none of
         # them (it would have adopted replicas being stopped), it starts its own.
         assert not any(pid_alive(p) for p in theirs)
-        assert await registry_states(url) == {}  # out of routing too
+        assert not set(await registry_states(url)) & their_ids  # out of routing too
         await asyncio.wait_for(b.ready.wait(), 15)
         await wait_for(lambda: _active(url, 2), 40)
         pc = b.pools["default"]
