@@ -278,20 +278,26 @@ async def test_a_dead_shard_leaves_the_other_pools_serving(cluster: ClusterTopol
 # ----------------------------------------------------------------- processors across failover
 
 
+def _sentinel_admitter(topology: SentinelTopology, *, lease_ttl_s: float) -> tuple[Config, Any, Any, Admitter]:
+    """A processor's admission core on the Sentinel URL: pool `s`, static limit 3, no credits,
+    long queue timeouts (waiters stay queued through a failover), gateway `gw`."""
+    cfg = Config.model_validate({
+        "redis": {"url": topology.url, "lease_ttl_s": lease_ttl_s, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
+        "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
+                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
+                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
+                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
+    client = redis_client(topology.url, op_timeout_s=0.25)
+    sub_client = make_client(topology.url, op_timeout_s=0.25, blocking=True)
+    return cfg, client, sub_client, Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
+
+
 async def test_processor_reasserts_its_permits_and_waiters_on_the_promoted_primary(
         sentinel: SentinelTopology) -> None:  # noqa: F811
     """Replication is asynchronous, so the promoted replica may miss the last leases and queue
     entries. Worst case (simulated by flushing it after promotion): it has nothing. The
     processor's sync re-asserts exactly what it holds and who waits, within one renewal period."""
-    cfg = Config.model_validate({
-        "redis": {"url": sentinel.url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
-        "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
-                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
-                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
-                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
-    client = redis_client(sentinel.url, op_timeout_s=0.25)
-    sub_client = make_client(sentinel.url, op_timeout_s=0.25, blocking=True)
-    admitter = Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
+    cfg, client, sub_client, admitter = _sentinel_admitter(sentinel, lease_ttl_s=3)
     await admitter.start()
     try:
         permits = [await admitter.admit("s", 1, "t") for _ in range(3)]
@@ -347,15 +353,7 @@ async def test_a_planned_switchover_moves_the_processor_before_the_old_primary_i
     `floodgate status`) used the new one: two admission states, up to 16 in flight of L 8 in a
     review. The processor follows the sentinels (`follow_sentinel_primary`): its permits,
     waiter and subscription are on the new primary while the old one is still a primary."""
-    cfg = Config.model_validate({
-        "redis": {"url": sentinel.url, "lease_ttl_s": 6, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
-        "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
-                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
-                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
-                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
-    client = redis_client(sentinel.url, op_timeout_s=0.25)
-    sub_client = make_client(sentinel.url, op_timeout_s=0.25, blocking=True)
-    admitter = Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
+    _, client, sub_client, admitter = _sentinel_admitter(sentinel, lease_ttl_s=6)
     await admitter.start()
     try:
         permits = [await admitter.admit("s", 1, "t") for _ in range(3)]

@@ -29,7 +29,8 @@ SIM_ARGS = ("--cold-start", "0.5", "--wake-delay-level1", "0.3", "--sleep-delay"
 def controller_config(redis_url: str, *, policy: dict[str, Any] | None = None,
                       warm_pool: dict[str, Any] | None = None, tick: float = 0.25,
                       leader: dict[str, Any] | None = None, pool: str = "default",
-                      timeouts: dict[str, Any] | None = None) -> ControllerConfig:
+                      timeouts: dict[str, Any] | None = None,
+                      actuator: dict[str, Any] | None = None) -> ControllerConfig:
     return parse_config({
         "redis": {"url": redis_url},
         "tick_interval_s": tick,
@@ -43,7 +44,7 @@ def controller_config(redis_url: str, *, policy: dict[str, Any] | None = None,
             "warm_pool": {"burst_fraction": 0, **(warm_pool or {})},
             "timeouts": {"health_s": 30, "warmup_s": 10, "wake_s": 10, "sleep_s": 30, "adopt_grace_s": 5,
                          **(timeouts or {})},
-            "actuator": {"kind": "process"},
+            "actuator": actuator or {"kind": "process"},
         }],
     }, env={})
 

@@ -198,18 +198,9 @@ async def test_a_restarted_controller_leaves_freed_static_endpoints_asleep(stack
 
     url = stack.start_redis()
     eps = _static_sims(stack, 4)
-    cfg = parse_config({
-        "redis": {"url": url}, "tick_interval_s": 0.25, "metrics_listen": None, "leader": {"ttl_s": 3},
-        "pools": [{
-            "name": "default",
-            "policy": {"min_replicas": 1, "max_replicas": 4, "stabilization_window_s": 0,
-                       "scale_down_interval_s": 0, "panic_window_s": 0},
-            "forecast": {"enabled": False},
-            "warm_pool": {"burst_fraction": 0, "min_size": 1, "max_size": 1, "warm_min_age_s": 0},
-            "timeouts": {"health_s": 30, "warmup_s": 10, "wake_s": 10, "sleep_s": 30},
-            "actuator": {"kind": "static", "endpoints": eps},
-        }],
-    }, env={})
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 4},
+                            warm_pool={"min_size": 1, "max_size": 1, "warm_min_age_s": 0},
+                            actuator={"kind": "static", "endpoints": eps})
 
     async def settled() -> bool:
         st = await registry_states(url)
