@@ -664,7 +664,8 @@ FAULTS: list[Fault] = [
     # restart, not one TTL after the kill.
     Fault("restart-same-id", "SIGKILL one of two processors behind one Envoy and start it again 1 s later "
           "under the same gateway id", _sigkill_shared, _restart_same_id, hold_s=lambda o: 1.0,
-          measure_from="inject", target=lambda o: 1.0 + o.ttl_s / 3, topology="shared"),
+          # The restart waits until the dead one's claim on the id is one renewal old (gateway_claim.py).
+          measure_from="inject", target=lambda o: 2.0 + o.ttl_s / 3, topology="shared"),
     Fault("redis-sigstop", "SIGSTOP Redis for 5 s", _sigstop_redis, _sigcont_redis, hold_s=lambda o: 5.0),
     Fault("redis-restart", "kill Redis, restart it empty 2 s later", _kill_redis, _restart_redis,
           hold_s=lambda o: 2.0),

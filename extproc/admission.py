@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from floodgate.extproc import gateway_claim
 from floodgate.extproc.backends import (
     Backend,
     LocalBackend,
@@ -96,6 +97,7 @@ from floodgate.extproc.schema import (
     PoolSettings,
     PoolStatus,
     gateway_channel,
+    gateway_claim_key,
     key,
 )
 from floodgate.extproc.state import PoolState
@@ -319,6 +321,10 @@ class Admitter:
         self.client = client
         self.pubsub_client = pubsub_client or client
         self.gateway_id = gateway_id or cfg.server.gateway_id or default_gateway_id()
+        # This process among any others started under the same gateway id (gateway_claim.py).
+        self.instance = secrets.token_hex(8)
+        self._claimed: set[str] = set()  # pools whose claim this process has renewed
+        self._conflict_logged: dict[str, float] = {}
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.rng = rng
@@ -400,13 +406,61 @@ class Admitter:
         return asyncio.create_task(run(), name=name)
 
     async def _start_pool(self, rt: PoolRuntime) -> None:
+        await self._check_gateway_id(rt)
         try:
             await self._configure(rt)
             if not rt.limit.adaptive:
                 await self._force_static_limit(rt)
             await self._sync(rt)
+            await self._claim_gateway_id(rt)
         except RedisDown:
             pass  # call() switched the pool to the local backend
+
+    def _claim_key(self, rt: PoolRuntime) -> str:
+        return gateway_claim_key(rt.cfg.name, self.gateway_id)
+
+    async def _check_gateway_id(self, rt: PoolRuntime) -> None:
+        """Refuse to start under a gateway id another live process renews (gateway_claim.py).
+        Unreachable Redis skips the check; the renewals still catch a duplicate later."""
+        ttl_s = self.cfg.redis.lease_ttl_s
+        try:
+            async with asyncio.timeout(ttl_s / 3 + 1 + self.cfg.redis.op_timeout_s * 4):
+                started = time.monotonic()
+                other, live = await gateway_claim.watch(rt.client, self._claim_key(rt), self.instance,
+                                                        ttl_ms=int(ttl_s * 1000), period_s=ttl_s / 3,
+                                                        clock=time.monotonic)
+        except OUTAGE_ERRORS:
+            return
+        if other is not None and not live:
+            log.info("pool %s: gateway id %s was last renewed by instance %s, which stopped renewing it "
+                     "(waited %.1f s): taking it over (a restarted processor)", rt.cfg.name, self.gateway_id,
+                     other, time.monotonic() - started)
+        if other is not None and live:
+            raise gateway_claim.GatewayIdInUse(
+                f"server.gateway_id {self.gateway_id!r} is in use by another live processor (pool {rt.cfg.name}, "
+                f"its instance {other}): two processes under one id drop each other's permits. Give each its "
+                "own id (or leave server.gateway_id / FLOODGATE_GATEWAY_ID unset for a unique one)")
+
+    async def _claim_gateway_id(self, rt: PoolRuntime) -> None:
+        """Renew this process's claim on its gateway id (with every sync); a claim found held by
+        another instance after the first renewal is a duplicate process: counted and logged."""
+        try:
+            async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                previous = await gateway_claim.renew(rt.client, self._claim_key(rt), self.instance,
+                                                     int(self.cfg.redis.lease_ttl_s * 1000))
+        except OUTAGE_ERRORS:
+            return  # the sync's own calls decide about outages
+        first = rt.cfg.name not in self._claimed
+        self._claimed.add(rt.cfg.name)
+        if gateway_claim.conflict(previous, self.instance, first):
+            self.metrics.gateway_id_conflicts.labels(rt.cfg.name).inc()
+            now = self.clock()
+            if now - self._conflict_logged.get(rt.cfg.name, -1e9) >= 60:
+                self._conflict_logged[rt.cfg.name] = now
+                log.error("pool %s: gateway id %s is in use by another live processor too (instance %s; this one "
+                          "%s): each renewal drops the other's permits, so the pool can run over its limit. Give "
+                          "each processor its own server.gateway_id (or leave it unset)",
+                          rt.cfg.name, self.gateway_id, previous, self.instance)
 
     async def stop(self) -> None:
         """Processor shutdown: wake every waiter (they reject), return every held permit."""
@@ -432,6 +486,9 @@ class Admitter:
             if released:  # else its leases must expire with its liveness, as after a crash
                 with contextlib.suppress(RedisDown):
                     await self.call(rt, "leave", partial(rt.state.leave, self.gateway_id))
+                with contextlib.suppress(*OUTAGE_ERRORS):  # a restart under this id need not wait
+                    async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                        await gateway_claim.release(rt.client, self._claim_key(rt), self.instance)
             rt.held.clear()
             rt.credits.clear()
         if self._background:
@@ -1187,6 +1244,7 @@ class Admitter:
                 last_sync = now
                 with contextlib.suppress(RedisDown):
                     await self._sync(rt)
+                    await self._claim_gateway_id(rt)
             if now - last_tick >= 1.0:
                 last_tick = now
                 with contextlib.suppress(RedisDown):

@@ -123,6 +123,11 @@ class Metrics:
             "Corrections a sync made in Redis: reasserted (permits live requests hold that Redis had "
             "lost), requeued (waiters it had lost), dropped (entries this process no longer holds).",
             ["pool", "kind"], registry=r)
+        self.gateway_id_conflicts = Counter(
+            "floodgate_gateway_id_conflicts",
+            "Renewals that found this processor's gateway id claimed by another live process: the two "
+            "drop each other's permits at every renewal (logged as an error; give each its own "
+            "server.gateway_id).", ["pool"], registry=r)
         self.settings_mismatch = Gauge(
             "floodgate_settings_mismatch",
             "1 when this processor's pool settings differ from the ones stored in Redis (which every grant uses).",

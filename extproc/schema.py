@@ -93,6 +93,14 @@ def gateway_channel(gateway_id: str, pool: str) -> str:
     return f"{key(pool, 'gw')}:{gateway_id}"
 
 
+def gateway_claim_key(pool: str, gateway_id: str) -> str:
+    """STRING: the instance (a random id per process) that last renewed this gateway id in the
+    pool, with a TTL of one lease TTL. Two live processes under one gateway id drop each
+    other's permits at every renewal (`sync` makes Redis hold exactly what the caller asserts);
+    this key is how they notice (extproc/admission.py `_claim_gateway_id`)."""
+    return f"{key(pool, 'gid')}:{gateway_id}"
+
+
 def controller_leader_key(suffix: str = "") -> str:
     return "fg:controller:leader" + (f":{suffix}" if suffix else "")
 

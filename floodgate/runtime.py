@@ -13,9 +13,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class ListenError(Exception):
+class StartupError(Exception):
+    """A server cannot start as configured: said in one line naming the setting, exit 2 like a
+    config error."""
+
+
+class ListenError(StartupError):
     """A server could not open one of its configured addresses (in use, not this host's, no
-    permission): said in one line naming the setting, exit 2 like a config error."""
+    permission)."""
 
 
 def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]], *,
@@ -40,6 +45,6 @@ def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]],
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(main())
-    except ListenError as exc:
+    except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

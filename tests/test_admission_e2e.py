@@ -384,7 +384,9 @@ async def test_a_processor_restarted_under_its_gateway_id_takes_back_what_its_pr
     leased and take over a dead request's lease, class and endpoint)."""
     stack.start_redis()
     cfg = static(4, classes=classes(p1=30, max_queue=1000))
-    cfg["redis"] = {"lease_ttl_s": 60}  # the predecessor's leases would outlive the test
+    # The predecessor's leases outlive the restart: they expire >= 20 s after the kill (renewed
+    # every 10 s), and the restart waits at most 11 s for the dead one's claim on the id.
+    cfg["redis"] = {"lease_ttl_s": 30}
     old = stack.start_processor(cfg, name="gw-x")
     envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[old])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -397,8 +399,13 @@ async def test_a_processor_restarted_under_its_gateway_id_takes_back_what_its_pr
         await asyncio.gather(*held, *queued)  # Envoy ends them: failure_mode_allow false
         left = await pool_status(stack.redis_url)
         assert (left.inflight_total, left.queued_total) == (4, 3)
-        stack.start_processor(cfg, name="gw-x", port=old.port)
+        killed = time.monotonic()
+        new = stack.start_processor(cfg, name="gw-x", port=old.port)
+        assert "which stopped renewing it" in new.child.log_tail()  # gateway_claim.py
         st = await drained(stack.redis_url, timeout=10)
+        assert time.monotonic() - killed < 19  # the restart dropped them, not their expiry
+        # Down for up to 11 s, so Envoy's health check took it out: wait until it is back in.
+        assert await wait_until(lambda: _envoy_stat_is(envoy, "cluster.floodgate_extproc.membership_healthy", 1), 10)
         assert st.inflight_total == 0 and st.queued_total == 0
         replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))
         stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
