@@ -250,7 +250,7 @@ class PoolConfig(_Strict):
 class TrustConfig(_Strict):
     """Who may set `x-request-priority` themselves."""
 
-    cidrs: list[str] = Field(default_factory=list, description="Source address ranges whose priority header is honoured.")
+    cidrs: list[str] = Field(default_factory=list, description="Source address ranges whose priority header is honoured (the TCP peer Envoy reports; an IPv4 client of a dual-stack listener, `::ffff:a.b.c.d`, matches as its IPv4 address).")
     spiffe_ids: list[str] = Field(default_factory=list, description="mTLS peer URI SANs whose priority header is honoured (exact, or prefix ending in '/').")
     spiffe_priorities: dict[str, Priority] = Field(default_factory=dict, description="mTLS peer URI SAN -> priority, applied when the caller sends no header.")
 

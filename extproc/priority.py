@@ -65,9 +65,13 @@ def source_ip_of(address: str | None) -> str | None:
 @functools.lru_cache(maxsize=65536)
 def _canonical_ip(text: str) -> str | None:
     try:
-        return str(ipaddress.ip_address(text))
+        ip = ipaddress.ip_address(text)
     except ValueError:
         return None
+    # An IPv4 client of a dual-stack listener (`[::]` with ipv4_compat) arrives as
+    # `[::ffff:10.1.2.3]:port`: it is that IPv4 address, and must match IPv4 trust CIDRs.
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
 
 
 class PriorityResolver:

@@ -400,7 +400,8 @@ class _PlainSubscription(Subscription):
 class _ShardedSubscription(Subscription):
     """SSUBSCRIBE each channel on the primary owning its slot: one connection per such node,
     each read by its own task into one queue. A slot that moved (failover) shows as an error
-    (the dead node) or as a changed owner in the client's slot map, checked every `recheck_s`."""
+    (the dead node) or as a changed owner in the client's slot map, checked every `recheck_s`;
+    a connection gone silent (a frozen node, a dropped flow) fails its PING (`_PlainSubscription`)."""
 
     def __init__(self, cluster: RedisCluster, channels: Sequence[str], *, connect_timeout_s: float,
                  recheck_s: float = 5.0) -> None:
@@ -443,9 +444,12 @@ class _ShardedSubscription(Subscription):
         return {k: kw[k] for k in ("username", "password", "ssl", *TLS_PARAMETERS) if kw.get(k) is not None}
 
     async def _read(self, ps: Any) -> None:
+        # Checked like a single server's: a node that froze, or a flow dropped on the way, must
+        # end the subscription (the slot map does not change for either).
+        sub = _PlainSubscription(ps)
         try:
             while True:
-                got = _message(await ps.get_message(ignore_subscribe_messages=True, timeout=1.0))
+                got = await sub.get_message(1.0)
                 if got is not None:
                     self._queue.put_nowait(got)
         except asyncio.CancelledError:

@@ -25,9 +25,16 @@ def test_parse_priority(raw: str | None, want: int | None) -> None:
 
 @pytest.mark.parametrize(("addr", "ip"), [
     ("127.0.0.1:55714", "127.0.0.1"), ("[::1]:80", "::1"), ("10.1.2.3", "10.1.2.3"), ("garbage", None), (None, None),
+    # An IPv4 client through a dual-stack listener: the IPv4 address it is (was never trusted).
+    ("[::ffff:10.1.2.3]:4711", "10.1.2.3"), ("[::ffff:a01:203]:80", "10.1.2.3"),
 ])
 def test_source_ip(addr: str | None, ip: str | None) -> None:
     assert source_ip_of(addr) == ip
+
+
+def test_an_ipv4_client_of_a_dual_stack_listener_is_trusted_by_its_ipv4_cidr() -> None:
+    ip = source_ip_of("[::ffff:10.2.3.4]:5000")
+    assert R.resolve(Caller(source_ip=ip, priority_values=("0",))).priority == 0
 
 
 def test_trusted_cidr_header_honoured() -> None:

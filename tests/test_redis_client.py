@@ -174,3 +174,34 @@ async def test_a_subscription_on_a_connection_that_went_silent_fails_instead_of_
         await proxy.stop()
         await client.aclose()
         await sub_client.aclose()
+
+
+async def test_a_sharded_subscription_to_a_frozen_node_fails_instead_of_waiting_for_ever(
+        stack: LocalStack) -> None:
+    # The Cluster form of the test above: a frozen node (or a dropped flow) changes no slot map,
+    # so only a PING finds it. Before, each node's reader read with a 1 s timeout for ever and
+    # the processor stayed deaf to its grants while the node's other clients timed out.
+    import signal
+
+    from floodgate.extproc.redis_client import subscribe
+    from floodgate.redis_topology import start_cluster
+    from redis.exceptions import RedisError
+
+    topo = start_cluster(stack.sup, primaries=1, replicas=0, node_timeout_ms=60_000)
+    sub_client = make_client(topo.url, op_timeout_s=0.5, blocking=True)
+    try:
+        sub = await subscribe(sub_client, ["fg:{s}:gw:a"])
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while loop.time() - t0 < 5:  # idle but alive: no error
+            assert await sub.get_message(0.5) is None
+        topo.nodes[0].child.kill(signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisError, match="silent"):
+                while loop.time() - t0 < 30:
+                    await sub.get_message(0.5)
+        finally:
+            topo.nodes[0].child.kill(signal.SIGCONT)
+        await sub.aclose()
+    finally:
+        await sub_client.aclose()
