@@ -184,8 +184,9 @@ async def test_a_sharded_subscription_to_a_frozen_node_fails_instead_of_waiting_
     import signal
 
     from floodgate.extproc.redis_client import subscribe
-    from floodgate.redis_topology import start_cluster
     from redis.exceptions import RedisError
+
+    from floodgate.redis_topology import start_cluster
 
     topo = start_cluster(stack.sup, primaries=1, replicas=0, node_timeout_ms=60_000)
     sub_client = make_client(topo.url, op_timeout_s=0.5, blocking=True)
