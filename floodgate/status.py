@@ -30,7 +30,8 @@ Show what every processor and the controller share in Redis: per pool the limit,
 queued requests per priority class, leases per gateway, degraded gateways (silent, or gone while
 Redis still holds their permits or waiters), live gateways whose grant channel nobody hears (NOT
 HEARD: a pub/sub connection just broke; BY POLL: it cannot subscribe and finds its grants by
-polling) and the replica registry by state. `--json` prints the same as one JSON document
+polling) and the replica registry by state; first, which controller holds the leader lease
+(the one that acts) and for how long. `--json` prints the same as one JSON document
 (`{"error": ...}` when Redis cannot be read).
 
   floodgate status --redis-url redis://127.0.0.1:6379/0
@@ -48,6 +49,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="NAME",
                    help="only this pool (repeatable; a pool not found in Redis is an error naming the "
                         "known ones; default: every pool found in Redis)")
+    p.add_argument("--leader-key", metavar="KEY", default=None,
+                   help="the controllers' leader lease key (their leader.key; default fg:controller:leader)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text (exit status 1 if a Redis Cluster "
                    "node or pool could not be read: the others are shown, the unreachable ones listed)")
     p.set_defaults(handler=run)
@@ -269,35 +272,74 @@ async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]
 
 
 async def collect(redis_url: str, password: str | None = None, pools: list[str] | None = None,
-                  op_timeout_s: float = 2.0) -> Collected:
+                  op_timeout_s: float = 2.0, leader_key: str | None = None) -> Collected:
     from floodgate.extproc.redis_client import OUTAGE_ERRORS
+    from floodgate.extproc.schema import controller_leader_key
     from floodgate.extproc.state import redis_client
 
     client = redis_client(redis_url, password=password, op_timeout_s=op_timeout_s)
     try:
-        if pools:  # read where each named pool lives, no scan: other shards may be down
-            unknown = [p for p in pools if not await pool_exists(client, p)]
-            if unknown:
-                known, _ = await pools_in(client)
-                raise UnknownPool(f"no pool {', '.join(repr(p) for p in unknown)} in this Redis (no processor or "
-                                  f"controller has written it); known pools: {', '.join(known) or 'none yet'}")
-            return Collected([await read_pool(client, p) for p in pools])
-        known, unreachable = await pools_in(client)
-        reports: list[PoolReport] = []
-        for p in known:
-            try:
-                reports.append(await read_pool(client, p))
-            except OUTAGE_ERRORS as exc:  # its shard went away since the scan
-                unreachable.append(f"pool {p} ({type(exc).__name__})")
-        return Collected(reports, unreachable)
+        got = await _collect_pools(client, pools)
+        try:
+            got.leader = await read_leader(client, leader_key or controller_leader_key())
+        except OUTAGE_ERRORS as exc:
+            if not got.unreachable:  # one server: it answered the pools a moment ago; say what failed
+                raise
+            got.unreachable.append(f"leader lease ({type(exc).__name__})")
+        return got
     finally:
         await client.aclose()
+
+
+async def _collect_pools(client: Any, pools: list[str] | None) -> Collected:
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS
+
+    if pools:  # read where each named pool lives, no scan: other shards may be down
+        unknown = [p for p in pools if not await pool_exists(client, p)]
+        if unknown:
+            known, _ = await pools_in(client)
+            raise UnknownPool(f"no pool {', '.join(repr(p) for p in unknown)} in this Redis (no processor or "
+                              f"controller has written it); known pools: {', '.join(known) or 'none yet'}")
+        return Collected([await read_pool(client, p) for p in pools])
+    known, unreachable = await pools_in(client)
+    reports: list[PoolReport] = []
+    for p in known:
+        try:
+            reports.append(await read_pool(client, p))
+        except OUTAGE_ERRORS as exc:  # its shard went away since the scan
+            unreachable.append(f"pool {p} ({type(exc).__name__})")
+    return Collected(reports, unreachable)
+
+
+@dataclass
+class LeaderStatus:
+    """The controllers' leader lease: who holds it (None: nobody) and for how much longer."""
+
+    key: str
+    holder: str | None
+    expires_s: float
 
 
 @dataclass
 class Collected:
     reports: list[PoolReport]
     unreachable: list[str] = field(default_factory=list)  # Cluster nodes or pools that could not be read
+    leader: LeaderStatus | None = None  # None: not read (its node unreachable)
+
+
+async def read_leader(client: Any, key: str) -> LeaderStatus:
+    holder = await client.get(key)
+    pttl = int(await client.pttl(key)) if holder is not None else -2
+    return LeaderStatus(key, None if holder is None else _text(holder), max(0.0, pttl / 1000))
+
+
+def render_leader(leader: LeaderStatus | None) -> str:
+    if leader is None:
+        return "controller: UNKNOWN (the node holding the leader lease could not be read)"
+    if leader.holder is None:
+        return (f"controller: no leader (nothing holds {leader.key}: no controller runs, or it runs without "
+                "leader election, or it cannot reach Redis)")
+    return f"controller: leader {leader.holder} (lease {leader.expires_s:.1f} s left, renewed every third of its TTL)"
 
 
 def render(reports: list[PoolReport]) -> str:
@@ -339,8 +381,10 @@ def render(reports: list[PoolReport]) -> str:
     return "\n".join(lines)
 
 
-def as_json(reports: list[PoolReport], unreachable: list[str] | None = None) -> str:
-    return json.dumps({"pools": [{**asdict(r), "degraded_gateways": r.degraded} for r in reports],
+def as_json(reports: list[PoolReport], unreachable: list[str] | None = None,
+            leader: LeaderStatus | None = None) -> str:
+    return json.dumps({"controller": {"leader": asdict(leader) if leader else None},
+                       "pools": [{**asdict(r), "degraded_gateways": r.degraded} for r in reports],
                        "unreachable": unreachable or []}, indent=2)
 
 
@@ -373,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     from floodgate.extproc.redis_client import parse_redis_url
 
     try:
-        got = asyncio.run(collect(url, password, args.pool))
+        got = asyncio.run(collect(url, password, args.pool, leader_key=args.leader_key))
     except OUTAGE_ERRORS as exc:
         msg = f"cannot read {parse_redis_url(url).display}: {type(exc).__name__}: {short_error(exc)}"
         if args.json:
@@ -386,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
     except UnknownPool as exc:
         print(f"floodgate status: --pool: {exc}", file=sys.stderr)
         return 2
-    print(as_json(got.reports, got.unreachable) if args.json else render(got.reports))
+    print(as_json(got.reports, got.unreachable, got.leader) if args.json
+          else render_leader(got.leader) + "\n" + render(got.reports))
     for what in got.unreachable:
         print(f"floodgate status: UNREACHABLE {what}: the pools on it are not shown", file=sys.stderr)
     return 1 if got.unreachable else 0

@@ -231,3 +231,30 @@ def test_check_redis_url_keeps_taking_database_numbers(good: str) -> None:
     from floodgate.validators import check_redis_url
 
     assert check_redis_url(good) == good
+
+
+def test_status_names_the_controller_holding_the_leader_lease(redis_url: str) -> None:
+    """Which controller acts (an HA pair: the leader, not its standby) was nowhere to be seen."""
+    from floodgate.controller.leader import LeaderLease
+
+    def status(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", redis_url, *extra],
+                              capture_output=True, text=True, timeout=30)
+
+    async def lead(key: str) -> None:
+        c = redis_client(redis_url, op_timeout_s=2)
+        try:
+            assert await LeaderLease(c, key, holder="ctl-a", ttl_s=30).try_acquire_or_renew()
+        finally:
+            await c.aclose()
+
+    r = status()
+    assert r.returncode == 0 and r.stdout.startswith("controller: no leader (nothing holds fg:controller:leader")
+    asyncio.run(lead("fg:controller:leader"))
+    r = status()
+    assert r.stdout.splitlines()[0].startswith("controller: leader ctl-a (lease "), r.stdout
+    doc = json.loads(status("--json").stdout)
+    assert doc["controller"]["leader"]["holder"] == "ctl-a" and 0 < doc["controller"]["leader"]["expires_s"] <= 30
+    asyncio.run(lead("fg:other:leader"))  # a deployment with its own leader.key
+    assert json.loads(status("--json", "--leader-key", "fg:other:leader").stdout)["controller"]["leader"]["key"] \
+        == "fg:other:leader"
