@@ -783,3 +783,28 @@ def test_level_growth_reads_a_step_at_once_and_fades_with_the_rates_window() -> 
     m.add(40.0, 7)  # then down to 3: never below 1 (a rate is never scaled down)
     assert level_growth(m, 3, 40.0) == 1.0
     assert level_growth(m, 0, 40.0) == 1.0
+
+
+def test_retry_after_is_the_median_wait_when_the_mean_says_never() -> None:
+    """A review: P1 arrives about as fast as permits free (a steady 85 % busy pool), so the
+    releases left for P2 are 0 on average and P2 was told 50-60 s (median 53 s) while the next
+    P2 was admitted 2.6 s later. Releases minus P1 arrivals are a random walk that gets a few
+    permits ahead within seconds: Retry-After is now its median time to do so."""
+    s = Snapshot(8, (0, 8, 0), (0, 2, 3), 0, grant_rate=16.0, release_n=400, inflight_avg=8.0,
+                 arrival_rates=(0.0, 16.0, 3.0))
+    est = wait_estimate(2, s, SHIPPED_SHARES)
+    assert est.open_rate == 0.0  # the mean: never
+    assert 0.2 < est.seconds < 5.0
+    # P(reached by then) is the even odds it claims
+    assert est.chance(est.seconds) == pytest.approx(0.5, abs=0.05)
+    # With the shipped classes (P2: a 1 s timeout, told at once) it is turned away, and told so
+    from floodgate.extproc.config import _default_classes
+
+    crowded = replace(s, queued=(0, 2, 12))
+    d = queue_decision(2, crowded, _default_classes(), ADM, rand=0.5)
+    assert isinstance(d, Reject) and d.reason == "early_drop"
+    wait = wait_estimate(2, crowded, SHIPPED_SHARES).seconds
+    assert wait < 30 and 1 <= d.retry_after_s <= 1.2 * wait + 1  # 15 releases ahead: ~15 s, not 60
+    # Higher arrivals well above the releases: it stays out of reach, Retry-After at its max
+    flood = replace(s, arrival_rates=(0.0, 40.0, 3.0))
+    assert wait_estimate(2, flood, SHIPPED_SHARES).seconds == float("inf")
