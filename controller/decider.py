@@ -231,6 +231,14 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
             lacking = dm.scale_up_lacking(dm.since(dwin, grown_at), now, cfg.demand, slot_s or service_s)
         burst, burst_low = est.size, est.low
         burst_mid, burst_high, burst_shed = est.mid, est.high, est.shed
+        if (lacking == 0 and slot_s is None and service_s is None and not off.stale
+                and off.lacking_rate(cfg.demand.exclude_classes) > 0):
+            # Turned away with nothing ever admitted (a pool at 0 replicas answers `503
+            # no_endpoints`): no service time to size it with, but at least one request lacks a
+            # slot. Without this a min_replicas 0 pool never left 0 (a review: 1,541 of 1,541
+            # requests refused while the controller read 38 turned away per second). The first
+            # replica measures the service time; sizing goes on from there.
+            lacking = 1.0
     prior = cfg.policy.target_concurrency
     cstate = state.capacity
     if pool.latency is not None:

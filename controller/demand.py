@@ -109,6 +109,8 @@ class ClassCounters:
     queue_timeout: float = 0.0
     no_endpoints: float = 0.0  # 503: the pool had no active endpoint
     abandoned: float = 0.0  # the client gave up while queued
+    refused: float = 0.0  # answered by the processor as malformed (400/431): no demand
+    unadmitted: float = 0.0  # passed without a permit (a body-less GET, ...): no demand
 
     @property
     def turned_away(self) -> float:
@@ -277,6 +279,24 @@ def floodgate_rates(a: FloodgateCounters, b: FloodgateCounters) -> tuple[dict[in
     return off, adm, away
 
 
+def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[float, float]:
+    """(refused, refused + unadmitted) per second over Floodgate's window (0, 0 when stale):
+    requests Envoy's gateway counters count (as arrivals; the refused also as the processor's
+    immediate responses) that are no demand (`schema.NOT_DEMAND`)."""
+    if not _fresh(w.floodgate, now, cfg):
+        return 0.0, 0.0
+    a, b = w.floodgate[0], w.floodgate[-1]
+    dt = b.taken_at - a.taken_at
+    if dt <= 0:
+        return 0.0, 0.0
+    refused = unadmitted = 0.0
+    for c, cb in b.classes.items():
+        ca = a.classes.get(c, ClassCounters())
+        refused += max(0.0, cb.refused - ca.refused)
+        unadmitted += max(0.0, cb.unadmitted - ca.unadmitted)
+    return refused / dt, (refused + unadmitted) / dt
+
+
 def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     """Reconciled offered demand at `now` (see the module doc)."""
     fg_ok = _fresh(w.floodgate, now, cfg)
@@ -295,7 +315,12 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     off, adm, away = floodgate_rates(w.floodgate[0], w.floodgate[-1])
     if not gw_ok:
         return OfferedDemand(False, "floodgate", off, adm, away)
-    excess = max(0.0, g_away - sum(away.values()))
+    # Envoy's immediate responses beyond what the processors counted as turned away: requests
+    # a processor turned away without counting them (it could not reach Redis) — but not the
+    # ones it refused as malformed (a review: 30 req/s of `x-tenant-id: a,b`, each a 400,
+    # scaled a pool for one replica's load 1 -> 8, its max, in 28 s).
+    refused, _ = not_demand_rate(w, now, cfg)
+    excess = max(0.0, g_away - sum(away.values()) - refused)
     if excess > 0:
         total = sum(away.values())
         shares = {c: v / total for c, v in away.items()} if total > 0 else {dc: 1.0}
@@ -469,14 +494,18 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
     fg_ok = _fresh(w.floodgate, now, cfg)
     src: tuple = w.gateway if use_gw else w.floodgate
 
+    # Envoy counts requests that are no demand (refused as malformed, passed without a permit):
+    # taken out at their rate over Floodgate's window (the two sources read at other moments).
+    refused_rate, bypass_rate = not_demand_rate(w, now, cfg) if use_gw else (0.0, 0.0)
+
     def arrivals(a: Any, b: Any) -> float:
         if use_gw:
-            return max(0.0, b.rq_total - a.rq_total)
+            return max(0.0, b.rq_total - a.rq_total - bypass_rate * (b.taken_at - a.taken_at))
         return sum(floodgate_rates(a, b)[0].values()) * (b.taken_at - a.taken_at)
 
     def turned_away(a: Any, b: Any) -> float:
         if use_gw:
-            return max(0.0, b.rejected - a.rejected)
+            return max(0.0, b.rejected - a.rejected - refused_rate * (b.taken_at - a.taken_at))
         return sum(floodgate_rates(a, b)[2].values()) * (b.taken_at - a.taken_at)
 
     z = cfg.burst_sigma

@@ -92,6 +92,7 @@ from floodgate.extproc.schema import (
     ACTIVE,
     CTL_ARRIVING,
     CTL_CEILING,
+    NOT_DEMAND,
     REGISTRY_CHANGED,
     TURNED_AWAY,
     PoolSettings,
@@ -826,8 +827,14 @@ class Admitter:
 
     def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
         rt.demand[(cls, outcome)] += 1
-        if outcome in TURNED_AWAY:
+        if outcome in TURNED_AWAY or outcome in NOT_DEMAND:
             self._demand_soon(rt)
+
+    def count_not_demand(self, pool: str, cls: int, outcome: str) -> None:
+        """A request the server answered or passed without admission (schema.NOT_DEMAND)."""
+        rt = self.pools.get(pool)
+        if rt is not None:
+            self.count(rt, cls, outcome)
 
     def _demand_soon(self, rt: PoolRuntime) -> None:
         """A request was turned away: the controller sizes scale-up from these counters

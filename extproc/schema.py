@@ -70,7 +70,14 @@ CTL_ARRIVING = "ctl:arriving"
 # Offered demand = admitted + queued-then-not-admitted + turned away; with these counters:
 #   offered = admitted + early_drop + queue_full + tenant_cap + queue_timeout + no_endpoints + abandoned
 TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "abandoned")
-DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY)
+# Requests that reached a processor and are no demand (no model work asked or held back):
+#   refused        answered by the processor itself as malformed (400 conflicting_tenant, 431
+#                  header_limit, a refused engine-priority body): Envoy counts them among its
+#                  ext_proc immediate responses, which the controller must not read as turned away
+#   unadmitted     passed without a permit (pools[].unadmitted_paths / unadmitted_methods)
+# The controller subtracts them from Envoy's gateway counters (controller/demand.py).
+NOT_DEMAND = ("refused", "unadmitted")
+DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY, *NOT_DEMAND)
 
 
 def key(pool: str, name: str) -> str:

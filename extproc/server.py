@@ -350,6 +350,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         own): in the decisions and their time, not as turned-away demand (no model work asked)."""
         m, child, label = self.admitter.metrics, self.admitter.child, PRIORITY_LABELS[priority]
         child(m.decisions, (pool, label, "rejected", reason)).inc()
+        # Envoy counts it among the processor's immediate responses: the controller subtracts
+        # these so that malformed requests read as no demand (schema.NOT_DEMAND).
+        self.admitter.count_not_demand(pool, priority, "refused")
         child(m.decision_time, (pool, label, "rejected", reason)).observe(time.perf_counter() - headers_in)
 
     def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
@@ -426,6 +429,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                                                       DESTINATION_HEADER in headers, strip)
             if refused is None:
                 child(m.unadmitted, (pool, unadmitted)).inc()
+                self.admitter.count_not_demand(pool, self.cfg.admission.default_priority, "unadmitted")
             else:  # passed no further (no endpoint, or no room for its header): a refusal like any other
                 self._count_refusal(pool, self.cfg.admission.default_priority, refused.reason, headers_in)
             yield reply
@@ -479,6 +483,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                                         result.endpoint, remove, DESTINATION_HEADER in headers)
             if not fits:
                 reason = "header_limit"
+                self.admitter.count_not_demand(pool, decision.priority, "refused")
                 yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
                 return
             if engine_prio is not None and not buffer_body:
@@ -535,6 +540,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.admitter.child(m.engine_priority, (pool, PRIORITY_LABELS[cls], outcome)).inc()
         if new is None:
             status, reason = REFUSED_BODIES[outcome]
+            self.admitter.count_not_demand(pool, cls, "refused")
             return reject_response(Reject(reason, 0, status=status), cls)
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(body=new))))

@@ -4,6 +4,7 @@ counters hold scale-down; the forecaster records offered demand; sizing uses lea
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from dataclasses import replace
@@ -26,8 +27,9 @@ from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import PolicyConfig
 from floodgate.controller.vllm import Histogram
-from floodgate.extproc.state import redis_client
+from floodgate.extproc.state import read_demand, redis_client
 
+from floodgate.stack import LocalStack
 from tests.controller.conftest import FakeClock, signals, views
 
 POLICY = PolicyConfig(min_replicas=1, max_replicas=20, target_concurrency=7.0)
@@ -504,3 +506,70 @@ def test_no_burst_detected_at_a_plan_start() -> None:
     false = [s for s in range(100)
              if any(d.plan.reason == "burst_demand" for d in _plan_start(s))]  # type: ignore[attr-defined]
     assert false == []
+
+
+def test_a_pool_at_zero_turning_requests_away_starts_a_replica(clock: FakeClock) -> None:
+    """min_replicas 0 and nothing ever admitted: every request is `503 no_endpoints` (turned
+    away), and with no service time measured the turned-away rate read as 0 concurrency: the
+    pool never left 0 (a review: 1,541 of 1,541 refused). Now one replica comes up; nothing
+    turned away, nothing comes up."""
+    c = DeciderConfig(PolicyConfig(min_replicas=0, max_replicas=3, target_concurrency=7.0),
+                      ForecastConfig(enabled=False), WarmPoolConfig(enabled=False), demand=DemandConfig())
+    for away, want in ((0.0, 0), (38.0, 1)):
+        st = DeciderState(history=DemandHistory.empty(8 * 1440))
+        clk = FakeClock()
+        for _ in range(10):
+            t = clk.advance(1.0)
+            k = t - 1_000_000.0
+            fc = FloodgateCounters(t, True, {c_: ClassCounters(no_endpoints=away * k if c_ == 1 else 0.0)
+                                              for c_ in (0, 1, 2)})
+            ps = replace(signals(t, ()), counters=fc)
+            st, d = decide(c, st, Signals(ps, ()), t)
+        assert d.plan.desired == want, d.plan  # type: ignore[attr-defined]
+
+
+async def test_malformed_requests_through_envoy_are_no_demand(stack: LocalStack, upstream: int) -> None:
+    """A review: 30 req/s of `x-tenant-id: a,b` (each answered 400 by the processor, no model
+    work) scaled a pool for one replica's load to its max: Envoy counts them among the
+    processor's immediate responses, and the controller read that excess as turned away.
+    The processors now count them (`refused`, with the body-less GETs they pass as
+    `unadmitted`) and the reconcile takes them out of Envoy's counters. Real Envoy, processor
+    and Redis; the controller's own scrapers and demand reconcile."""
+    from floodgate.controller.demand import DemandWindow, burst_concurrency, observe, offered
+    from floodgate.controller.scrape import scrape_envoy, scrape_floodgate
+
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc])
+    dc = DemandConfig()
+    client = redis_client(stack.redis_url, op_timeout_s=2)
+    w = DemandWindow((), ())
+    t0 = 1000.0
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def read(t: float) -> DemandWindow:
+                gw = (await scrape_envoy(s, f"http://127.0.0.1:{envoy.admin_port}", None, t)).gateway
+                fg = (await scrape_floodgate(client, "default", t)).counters
+                return observe(w, t, dc, fg, gw)
+
+            w = await read(t0)
+            for i in range(1, 6):  # 5 s: 30 malformed + 5 GETs + 2 good requests per second
+                bad = [s.post(envoy.url + "/v1/completions", json={"prompt": "x"},
+                              headers={"x-tenant-id": "a,b"}) for _ in range(30)]
+                gets = [s.get(envoy.url + "/v1/completions") for _ in range(5)]
+                good = [s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
+                for r in await asyncio.gather(*bad, *gets, *good):
+                    await r.read()
+                    r.release()
+                await asyncio.sleep(1.0)  # the processor flushes its counters within a second
+                w = await read(t0 + i)
+        counts = await read_demand(client, "default")
+    finally:
+        await client.aclose()
+    refused = sum(c["refused"] for c in counts.values())
+    assert refused == 150 and sum(c["unadmitted"] for c in counts.values()) == 25
+    g = w.gateway[-1]
+    assert g.rejected >= 150  # Envoy: every 400 is an immediate response of the processor
+    off = offered(w, t0 + 5, dc)
+    assert off.source == "floodgate+envoy" and off.envoy_excess_rate == 0.0 and off.lacking_rate() == 0.0
+    assert burst_concurrency(w, t0 + 5, dc, 0.5).size == 0.0
