@@ -73,6 +73,23 @@ def test_parse_metrics_and_histogram_deltas() -> None:
         parse_metrics("# TYPE other gauge\nother 1\n", "r", 1.0)  # not a vLLM page: never zeros
 
 
+def test_after_a_failed_scrape_the_delta_covers_the_gap_not_the_replicas_life() -> None:
+    """A review: the good scrape after one failure carried the replica's whole life (54 TTFTs
+    where 1 request had been served), and the learned capacity fell 7.00 -> 4.54 on a light
+    load that met the SLO. The failed sample keeps the last good histograms; the delta is
+    taken from them. A replica whose first scrapes failed starts with a baseline, as ever."""
+    from floodgate.controller.vllm import failed_sample
+
+    a = parse_metrics(PAGE % (50, 54, 54, 54, 300.0), "r", 10.0, prev=parse_metrics(PAGE % (0, 0, 0, 0, 0.0), "r", 9.0))
+    lost = failed_sample("r", 11.0, "HTTP 500", prev=a)
+    b = parse_metrics(PAGE % (51, 55, 55, 55, 300.03), "r", 12.0, prev=lost)
+    assert b.ttft_delta.count == 1 and b.ttft_delta.total == pytest.approx(0.03)
+    twice = failed_sample("r", 12.5, "timeout", prev=failed_sample("r", 12.2, "timeout", prev=b))
+    assert parse_metrics(PAGE % (52, 56, 56, 56, 300.06), "r", 13.0, prev=twice).ttft_delta.count == 1
+    never = failed_sample("r", 1.0, "connection refused")  # no good scrape yet
+    assert parse_metrics(PAGE % (50, 54, 54, 54, 300.0), "r", 2.0, prev=never).ttft_delta.count == 0
+
+
 def test_both_kv_metric_names_and_missing_metrics_fail_the_scrape() -> None:
     old = PAGE.replace("kv_cache_usage_perc", "gpu_cache_usage_perc") % (0, 0, 0, 0, 0.0)
     assert parse_metrics(old, "r", 1.0).metrics.kv_cache_usage == 0.42  # vLLM < 0.10
