@@ -355,7 +355,8 @@ class Admitter:
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
                 client=pc, pubsub_client=ps,
                 ejector=Ejector(EjectionSettings(p.eject_after_failures if p.endpoint_picking else 0,
-                                                 p.eject_base_s, p.eject_max_s)))
+                                                 p.eject_base_s, p.eject_max_s,
+                                                 p.eject_after_5xx if p.endpoint_picking else 0)))
             rt.state.on_grant = partial(self._granted, rt)
             rt.state.on_lost = partial(self._lost_writes, rt)
             self.pools[p.name] = rt
@@ -909,13 +910,14 @@ class Admitter:
         if outcome == "answered":
             rt.ejector.answered(endpoint)
             return
-        length = rt.ejector.failed(endpoint, self.clock())
+        errors = outcome == "error"
+        length = (rt.ejector.errored if errors else rt.ejector.failed)(endpoint, self.clock())
         if length is None:
             return
         self.child(self.metrics.ejections, (pool,)).inc()
-        log.warning("pool %s: endpoint %s failed %s: every processor's picks avoid it for %.0f s",
-                    pool, endpoint, "again" if length > rt.ejector.settings.base_s else "connections in a row",
-                    length)
+        what = "answered 5xx" if errors else "failed connections"
+        log.warning("pool %s: endpoint %s %s %s: every processor's picks avoid it for %.0f s",
+                    pool, endpoint, what, "again" if length > rt.ejector.settings.base_s else "in a row", length)
         if not rt.degraded:  # degraded: written when Redis answers again (`_refresh_registry`)
             self.spawn(self._eject(rt, endpoint, length))
 

@@ -17,7 +17,9 @@ local failures (`local_connection_failure`: out of file descriptors, which a cli
 about by holding connections open), overflows and resets are not the endpoint's. A response
 from the endpoint itself (`via_upstream`, whatever its status) is an answer; other local
 replies (a timeout, a reset after headers) count for neither. After
-`consecutive_failures` failures in a row (no answer in between) the endpoint is ejected for
+`consecutive_failures` failures in a row (no answer in between), or `consecutive_errors` 5xx
+answers in a row (an engine that broke but still passes its health check: its fast 500s free its
+permits at once, so it too always has the fewest), the endpoint is ejected for
 `base_s`; each further ejection without an answer in between doubles that, up to `max_s` (and
 then one failure after it ends ejects it again). The ejection is written to Redis (leases.lua
 `eject`), so every processor's picks avoid it, and kept here for this process's own picks; a
@@ -43,18 +45,18 @@ _RESET_PREFIX = "upstream_reset_before_response_started{"
 ENDPOINT_FAILURES = frozenset({"remote_connection_failure", "connection_failure", "connection_timeout",
                                "connection_termination"})
 
-EndpointOutcome = Literal["answered", "failed", "other"]
+EndpointOutcome = Literal["answered", "failed", "error", "other"]
 
 
-def endpoint_outcome(code_details: object) -> EndpointOutcome:
+def endpoint_outcome(code_details: object, status: int | None = None) -> EndpointOutcome:
     """What a picked request's response headers say of its endpoint, from Envoy's
-    `response.code_details`: `answered` (the endpoint responded), `failed` (it refused, timed
-    out or dropped the connection before responding), `other` (unknown: no attribute, another
-    local reply, Envoy's own failure)."""
+    `response.code_details` and the status: `answered` (the endpoint responded), `error` (it
+    responded with a 5xx), `failed` (it refused, timed out or dropped the connection before
+    responding), `other` (unknown: no attribute, another local reply, Envoy's own failure)."""
     if not isinstance(code_details, str):
         return "other"
     if code_details == VIA_UPSTREAM:
-        return "answered"
+        return "error" if status is not None and status >= 500 else "answered"
     if code_details.startswith(_RESET_PREFIX):
         reason = code_details[len(_RESET_PREFIX):].split("|", 1)[0].rstrip("}")
         if reason in ENDPOINT_FAILURES:
@@ -70,19 +72,21 @@ def ejectable(endpoint: str) -> bool:
 
 @dataclass(frozen=True)
 class EjectionSettings:
-    """`consecutive_failures` 0 turns ejection off."""
+    """`consecutive_failures` / `consecutive_errors` 0 turns that kind of ejection off."""
 
     consecutive_failures: int = 3
     base_s: float = 10.0
     max_s: float = 120.0
+    consecutive_errors: int = 0  # upstream 5xx in a row (Envoy's consecutive_5xx)
 
     @property
     def on(self) -> bool:
-        return self.consecutive_failures > 0
+        return self.consecutive_failures > 0 or self.consecutive_errors > 0
 
 
 @dataclass
 class _Record:
+    errors: int = 0  # 5xx answers since the last other answer (or ejection)
     failures: int = 0  # connection failures since the last answered request (or ejection)
     ejections: int = 0  # ejections since the last answered request
     until: float = float("-inf")  # ejected until
@@ -100,18 +104,28 @@ class Ejector:
         """A request routed to `endpoint` failed on the endpoint's side (`endpoint_outcome`). Returns the ejection's length in
         seconds when this failure ejects it, else None (below the threshold, or already ejected:
         requests in flight when it was ejected fail too and must not lengthen it)."""
-        if not self.settings.on or not endpoint:
+        return self._strike(endpoint, now, "failures", self.settings.consecutive_failures)
+
+    def errored(self, endpoint: str, now: float) -> float | None:
+        """A request routed to `endpoint` got a 5xx from it (`error`): as `failed`, after
+        `consecutive_errors` in a row. An engine that broke mid-run answers every completion
+        with a fast 500 while its health check passes: with least-loaded picking it always has
+        the fewest permits and drew two thirds of the requests (a review)."""
+        return self._strike(endpoint, now, "errors", self.settings.consecutive_errors)
+
+    def _strike(self, endpoint: str, now: float, kind: str, threshold: int) -> float | None:
+        if threshold <= 0 or not endpoint:
             return None
         rec = self._eps.setdefault(endpoint, _Record())
         if rec.until > now:
             return None
-        rec.failures += 1
-        # Once ejected, one failure after the ejection ends is proof enough (none answered since).
-        if rec.failures < (1 if rec.ejections else self.settings.consecutive_failures):
+        setattr(rec, kind, getattr(rec, kind) + 1)
+        # Once ejected, one strike after the ejection ends is proof enough (none answered since).
+        if getattr(rec, kind) < (1 if rec.ejections else threshold):
             return None
         length = min(self.settings.max_s, self.settings.base_s * 2 ** rec.ejections)
         rec.ejections += 1
-        rec.failures = 0
+        rec.failures = rec.errors = 0
         rec.until = now + length
         rec.shared = False
         return length

@@ -68,7 +68,7 @@ class Metrics:
             ["pool"], registry=r)
         self.ejections = Counter(
             "floodgate_endpoint_ejections", "Endpoints this processor ejected from the pool's picks after connection "
-            "failures (pool.eject_after_failures).", ["pool"], registry=r)
+            "failures or 5xx answers in a row (pool.eject_after_failures, pool.eject_after_5xx).", ["pool"], registry=r)
         self.grants_confirmed = Counter(
             "floodgate_grants_confirmed", "Grants read after this process may have lapsed in Redis (a stall past "
             "a third of the lease TTL), checked with Redis before starting the request: held (started) or "

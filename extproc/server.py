@@ -359,7 +359,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Tell the admitter what the response headers of a request routed to `endpoint` say of
         it (Envoy's `response.code_details` attribute: extproc/ejection.py); returns that."""
         attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
-        outcome = endpoint_outcome(_attr(attrs, "response.code_details"))
+        outcome = endpoint_outcome(_attr(attrs, "response.code_details"), status_of(msg.response_headers))
         self.admitter.endpoint_outcome(pool, endpoint, outcome)
         return outcome
 

@@ -49,6 +49,19 @@ def test_endpoint_outcome_from_envoys_code_details() -> None:
         assert endpoint_outcome(details) == "other", details
 
 
+def test_a_5xx_from_the_endpoint_is_an_error_and_five_in_a_row_eject_it() -> None:
+    assert endpoint_outcome("via_upstream", 500) == "error" and endpoint_outcome("via_upstream", 503) == "error"
+    assert endpoint_outcome("via_upstream", 429) == "answered" and endpoint_outcome("via_upstream", 200) == "answered"
+    e = Ejector(EjectionSettings(consecutive_failures=3, base_s=10, max_s=120, consecutive_errors=5))
+    assert [e.errored("a", 0.1 * i) for i in range(4)] == [None] * 4
+    e.answered("a")  # any other answer in between: the count starts over
+    assert [e.errored("a", 1 + 0.1 * i) for i in range(5)] == [None, None, None, None, 10]
+    assert e.ejected(2.0) == {"a"}
+    assert e.errored("a", 12.0) == 20  # after it ends, one more 5xx ejects it again, longer
+    off = Ejector(EjectionSettings(consecutive_failures=3, consecutive_errors=0))
+    assert all(off.errored("a", float(i)) is None for i in range(20))
+
+
 def test_ejected_after_consecutive_failures_and_an_answer_starts_over() -> None:
     e = Ejector(EjectionSettings(consecutive_failures=3, base_s=10, max_s=120))
     assert e.failed("a", 0.0) is None and e.failed("a", 0.1) is None
@@ -287,10 +300,10 @@ def _cfg(**pool: Any) -> dict[str, Any]:
                        **pool}]}
 
 
-def _upstream(stack: LocalStack, name: str, port: int | None = None) -> tuple[Any, int]:
+def _upstream(stack: LocalStack, name: str, port: int | None = None, status: int = 0) -> tuple[Any, int]:
     port = port or free_port()
-    child = stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
-                                 name=name, port=port)
+    child = stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port),
+                                  "--status", str(status)], name=name, port=port)
     return child, port
 
 
@@ -523,3 +536,34 @@ async def test_a_replica_killed_while_waiters_are_queued(stack: LocalStack, mode
             assert await wait_until(released, 10, interval=0.1)
     finally:
         await c.aclose()
+
+
+@pytest.mark.parametrize("eject", [0, 5])
+async def test_a_replica_answering_every_request_with_a_fast_500_is_ejected(stack: LocalStack, eject: int) -> None:
+    """A review: an engine that broke mid-run answers every completion with a 500 at once while
+    /health passes, so the controller keeps it active, and least-loaded picking (its permits
+    come back at once) sent it two thirds of the requests. Ejected after `eject_after_5xx` in a
+    row, it draws a few; off, a third or more. Three replicas (one broken) behind one processor
+    and the real Envoy."""
+    stack.start_redis()
+    ports = [_upstream(stack, f"up{i}", status=500 if i == 2 else 0)[1] for i in range(3)]
+    p = stack.start_processor(_cfg(eject_after_5xx=eject, eject_base_s=30))
+    env = stack.start_envoy([], picking=True, processors=[p])
+    c = redis_client(stack.redis_url, op_timeout_s=5)
+    try:
+        await _register(Registry(c, "default"), ports)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            results = []
+            for _ in range(30):
+                results += await asyncio.gather(*(post(s, env.url) for _ in range(4)))
+            m = await metrics(s, p.metrics_url)
+    finally:
+        await c.aclose()
+    failed = [r for r in results if r.status != 200]
+    assert all(r.status == 500 for r in failed)
+    if not eject:
+        assert len(failed) >= 40, len(failed)
+        return
+    assert len(failed) <= 5 + 4, len(failed)  # five in a row, plus what was in the air at once
+    assert m.get('floodgate_endpoint_ejections_total{pool="default"}', 0) >= 1
+    assert m.get('floodgate_limit{pool="default"}') == 50  # a 500 says nothing about overload

@@ -22,6 +22,7 @@ class Upstream:
         self.inflight = 0
         self.max_inflight = 0
         self.total = 0
+        self.status = 0  # --status: every completion answered with it
         self.seen: list[dict[str, str]] = []
         self.paths: list[str] = []  # every path requested, in order
         # the last request bodies as received: content-length header, bytes read, text (truncated)
@@ -48,7 +49,7 @@ class Upstream:
                                 "text": raw[:4096].decode("utf-8", "replace")})
             del self.bodies[:-50]
             h = request.headers
-            status = int(h.get("x-test-status", "200"))
+            status = self.status or int(h.get("x-test-status", "200"))
             chunks = int(h.get("x-test-chunks", "4"))
             delay = float(h.get("x-test-delay-ms", "5")) / 1000
             if status != 200:
@@ -105,8 +106,10 @@ class Upstream:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--status", type=int, default=0, help="answer every completion with this status (a broken engine)")
     args = ap.parse_args()
     up = Upstream()
+    up.status = args.status
     app = web.Application(middlewares=[up.record_path])
     app.router.add_post("/v1/completions", up.completions)
     app.router.add_post("/v1/chat/completions", up.completions)
