@@ -94,6 +94,7 @@ from floodgate.extproc.schema import (
     CTL_CEILING,
     NOT_DEMAND,
     REGISTRY_CHANGED,
+    REGISTRY_SEEN,
     TURNED_AWAY,
     PoolSettings,
     PoolStatus,
@@ -167,6 +168,8 @@ class PoolRuntime:
     pubsub_client: AnyRedis
     ejector: Ejector  # endpoints whose connections failed (endpoint picking): extproc/ejection.py
     registry_seen: bool = False  # the active endpoints were read at least once
+    registry_marked: bool = False  # this process wrote REGISTRY_SEEN since it last (re)connected
+    registry_lost: bool = False  # degraded because Redis lost the registry (REGISTRY_SEEN)
     degraded: bool = False  # admitting from `local`: this pool's Redis (or shard) is unreachable
     back_since: float | None = None  # degraded: when the first clean reconcile ran (Redis reachable again)
     asserted: int = 0  # leases (permits and reserve) this process asserted in Redis at its last reconcile
@@ -593,16 +596,18 @@ class Admitter:
             node = None
         return str(node.name) if node is not None else f"pool:{rt.cfg.name}"
 
-    def _enter_degraded(self, failed: PoolRuntime, why: str) -> None:
+    def _enter_degraded(self, failed: PoolRuntime, why: str, *, alone: bool = False) -> None:
         """A call for `failed` failed: it and the pools on the same server switch to local
-        limits (the others' next call would fail too); pools on other shards stay shared."""
+        limits (the others' next call would fail too); pools on other shards stay shared.
+        `alone`: only `failed` (its Redis answers, but without its registry)."""
         if failed.degraded or self._closing:
             return
         server = self._server_of(failed)
         pools = [failed] + [rt for rt in self.pools.values()
-                            if rt is not failed and not rt.degraded and self._server_of(rt) == server]
+                            if rt is not failed and not rt.degraded and self._server_of(rt) == server and not alone]
         for rt in pools:
             rt.degraded = True
+            rt.registry_marked = False  # written again once the registry is read back
             rt.back_since = None
             rt.unsure_cap = None
             rt.reserve_seq = self.new_ticket()[0]
@@ -804,6 +809,12 @@ class Admitter:
         result: Permit | Reject | None = None
         for _ in range(8):  # a request follows the mode switches while it waits
             result = await self.backend(rt).admit(rt, req)
+            if (isinstance(result, Permit) and not result.endpoint and rt.picker.enabled and rt.picker.active
+                    and await self.registry_gone(rt)):
+                # Granted with no endpoint to pick: the registry is gone from Redis (see
+                # `registry_gone`); again, on local picks.
+                await self.release(result, "no_endpoints")
+                continue
             if result is not None:
                 break
         if result is None:
@@ -1244,6 +1255,8 @@ class Admitter:
                 now = self.clock()
                 if not await self._reconcile(rt, switch=False):
                     rt.back_since = None
+                elif rt.registry_lost and not await self._registry_back(rt):
+                    rt.back_since = None  # Redis answers, but without the registry: stay on local picks
                 else:
                     await self._await_peers(rt, now)  # switches back once the peers are
                     last_sync = self.clock()
@@ -1313,6 +1326,41 @@ class Admitter:
         await self._refresh_registry(rt)
         await self._flush_demand(rt)
 
+    def _lose_registry(self, rt: PoolRuntime) -> None:
+        rt.registry_lost = True
+        log.warning("pool %s: Redis lost the replica registry (its active set and mark are gone: restarted "
+                    "empty?): routing to the %d endpoints last seen, on local limits, until the controller "
+                    "writes it again", rt.cfg.name, len(rt.picker.active))
+        self._enter_degraded(rt, "the replica registry is gone", alone=True)
+
+    async def registry_gone(self, rt: PoolRuntime) -> bool:
+        """The script found no active endpoint while this process knows some: if the mark the
+        processors leave on a registry they read is gone too, Redis lost it; switch to local
+        picks (True). False: emptied on purpose, or not known (Redis did not answer)."""
+        if rt.registry_lost or rt.degraded:
+            return False
+        try:
+            async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                marked = await rt.client.exists(key(rt.cfg.name, REGISTRY_SEEN))
+        except OUTAGE_ERRORS:
+            return False
+        if marked:
+            return False
+        self._lose_registry(rt)
+        return True
+
+    async def _registry_back(self, rt: PoolRuntime) -> bool:
+        """While the registry is lost: is an active endpoint registered again?"""
+        try:
+            async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                back = await rt.client.scard(key(rt.cfg.name, ACTIVE)) > 0
+        except OUTAGE_ERRORS:
+            return False
+        if back:
+            rt.registry_lost = False
+            log.info("pool %s: the replica registry is back: resuming shared admission", rt.cfg.name)
+        return back
+
     async def _refresh_registry(self, rt: PoolRuntime) -> None:
         """The active endpoints and the controller's ceiling; the limit follows them. Every
         status tick, and at once when the controller says they changed (`registry_due`)."""
@@ -1321,7 +1369,23 @@ class Admitter:
             seen = rt.capacity_view()
             members = await self.call(rt, "registry", lambda: rt.client.smembers(key(rt.cfg.name, ACTIVE)))
             before = set(rt.picker.active)
-            rt.picker.update(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            names = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+            if not names and before and not await self.call(
+                    rt, "registry", lambda: rt.client.exists(key(rt.cfg.name, REGISTRY_SEEN))):
+                # Emptied, and the mark the processors leave once they saw it non-empty is gone
+                # too: Redis lost the registry (restarted empty). Before, every picked request
+                # (P0 too) was 503 no_endpoints until the controller wrote it again — for good
+                # while no controller ran (a review: 47 of 47 P0). Route to the endpoints last
+                # seen, on local limits, until it is back (`_registry_back`).
+                self._lose_registry(rt)
+                return
+            if names and not rt.registry_marked:
+                await self.call(rt, "registry", lambda: rt.client.set(key(rt.cfg.name, REGISTRY_SEEN), "1"))
+                rt.registry_marked = True
+            if before and not names:
+                log.warning("pool %s: the registry has no active endpoint any more: requests are answered "
+                            "503 no_endpoints until the controller makes one active", rt.cfg.name)
+            rt.picker.update(names)
             rt.ejector.forget(set(rt.picker.active))
             back = set(rt.picker.active) - before
             if back and rt.registry_seen and rt.ejector.settings.on:

@@ -217,6 +217,14 @@ class SharedBackend:
         decision: Enqueue | Reject
         on_budget = False  # waits on its class's slow-rejection budget (policy.waits_on_budget)
         if rt.cfg.endpoint_picking and st.active_endpoints == 0:
+            if rt.picker.active and await a.registry_gone(rt):
+                # Redis lost the registry (restarted empty) since this process last read it: on
+                # local limits with the endpoints last seen (admission._lose_registry), this
+                # request too, instead of 503 until the next registry read notices.
+                if st.enqueued:
+                    rt.waiting.pop(ticket, None)
+                    a.spawn(self._abandon(rt, ticket))
+                return None
             decision = a.no_endpoints(rt, cls)
         else:
             view = self._view(rt, st)

@@ -88,6 +88,14 @@ def script_keys(pool: str) -> list[str]:
     return [key(pool, name) for name in SCRIPT_KEYS]
 
 
+# STRING, written by the processors once they read a non-empty active set (no TTL): an empty
+# active set with this key present was emptied on purpose (the controller scaled to 0); without
+# it, Redis lost the registry (restarted empty, a failover to a replica without it) and the
+# processors keep routing to the endpoints they last saw, on local limits, until the controller
+# writes the registry again (extproc/admission.py `_refresh_registry`).
+REGISTRY_SEEN = "regseen"
+
+
 # The message a gateway's channel carries when the registry's active set or the controller's
 # ceiling changed (`pool|!registry`; registry.Registry.notify): refresh them now.
 REGISTRY_CHANGED = "!registry"

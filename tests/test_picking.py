@@ -193,3 +193,71 @@ async def test_limit_follows_active_endpoints_and_grants_waiters_at_once(stack: 
         await a.stop()
         await b.stop()
         await c.aclose()
+
+
+@pytest.mark.integration
+async def test_a_registry_that_redis_lost_keeps_requests_on_the_endpoints_last_seen(stack: LocalStack) -> None:
+    """A review: Redis restarted empty (no persistence) took the replica registry with it, and
+    every picked request, P0 included, was `503 no_endpoints` until the controller wrote it
+    again — for good while no controller ran (47 of 47 P0). Now the processors see that the
+    mark they leave on a registry they read is gone too, keep routing to the endpoints they
+    last saw on local limits, and resume shared admission when the registry is written again.
+    Emptied on purpose (the mark still there), the registry is obeyed: 503 no_endpoints."""
+    url = stack.start_redis()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    ports = []
+    for i in range(2):
+        p = free_port()
+        stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(p)],
+                             name=f"up{i}", port=p)
+        ports.append(p)
+    cfg = _picking_cfg()
+    cfg["redis"] = {"reconnect_interval_s": 0.2}
+    proc = stack.start_processor(cfg)
+    envoy = stack.start_envoy([], picking=True)
+
+    async def register() -> None:
+        c = redis_client(stack.redis_url, op_timeout_s=5)
+        try:
+            for i, p in enumerate(ports):
+                await Registry(c, "default").set(f"127.0.0.1:{p}", "active", f"r{i}")
+        finally:
+            await c.aclose()
+
+    await register()
+    p0 = {"x-request-priority": "0"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        assert await wait_until(lambda: _served(s, envoy.url, p0), 5)
+        await asyncio.sleep(1.2)  # the processor marks the registry it read
+        stack.redis_child.kill()
+        stack.start_redis(port)  # back at once, empty
+        statuses = []
+        for _ in range(30):  # 3 s, no controller to write the registry again
+            rr = await post(s, envoy.url, headers=p0)
+            statuses.append(rr.status if rr.status == 200 else (rr.status, rr.headers.get("x-floodgate-reject-reason"), rr.body[:80]))
+            await asyncio.sleep(0.1)
+        assert statuses.count(200) == 30, statuses
+        assert "Redis lost the replica registry" in proc.child.log_tail(80)
+        m = await metrics(s, proc.metrics_url)
+        assert m['floodgate_pool_degraded{pool="default"}'] == 1
+        await register()  # the controller writes it again
+        assert await wait_until(lambda: _metric_is(s, proc.metrics_url, 'floodgate_pool_degraded{pool="default"}', 0), 10)
+        assert (await post(s, envoy.url, headers=p0)).status == 200
+        # emptied on purpose (the mark is there): obeyed
+        c = redis_client(stack.redis_url, op_timeout_s=5)
+        try:
+            for p in ports:
+                await Registry(c, "default").remove(f"127.0.0.1:{p}")
+        finally:
+            await c.aclose()
+        await asyncio.sleep(1.5)
+        r = await post(s, envoy.url, headers=p0)
+        assert r.status == 503 and r.headers["x-floodgate-reject-reason"] == "no_endpoints"
+
+
+async def _served(s: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> bool:
+    return (await post(s, url, headers=headers)).status == 200
+
+
+async def _metric_is(s: aiohttp.ClientSession, url: str, name: str, value: float) -> bool:
+    return (await metrics(s, url)).get(name) == value
