@@ -197,6 +197,7 @@ class PoolRuntime:
     last_sync: PoolStatus | None = None  # has the rank among live gateways
     queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
+    credit_done: int = 0  # credit-admitted requests completed since the last report (`credit_done`)
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
@@ -1319,6 +1320,11 @@ class Admitter:
             # before the first poll was dropped (leases.lua `hears`).
             await self.call(rt, "mine", partial(rt.state.waiting_among, [], deaf=self.gateway_id,
                                                 deaf_ms=self._deaf_ms()))
+        if rt.credit_done:
+            # Completions whose credits came back here, not to Redis: the release rate counts them.
+            n, rt.credit_done = rt.credit_done, 0
+            with contextlib.suppress(RedisDown):
+                await self.call(rt, "credit_done", lambda: rt.state.credit_done(n))
         self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)

@@ -310,6 +310,8 @@ class SharedBackend:
     def release(self, rt: PoolRuntime, permit: Permit) -> Coroutine[Any, Any, None] | None:
         if permit.credit and rt.queue_clear and len(rt.credits) < rt.cfg.local_credits:
             rt.credits.append(permit.ticket)  # back to the local pool: the lease stays held
+            # A completion Redis does not see: reported with the next status tick (`credit_done`)
+            rt.credit_done += 1
             return None
         # Releases that arrive in the same event-loop turn share one script call.
         rt.pending_release.append(permit.ticket)

@@ -162,7 +162,7 @@ class PoolConfig(_Strict):
     name: PoolName = Field(default="default", description="Pool name: letters, digits, `_`, `.` and `-`; one Redis hash tag per pool.")
     match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default). Two pools may not share one.")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include): the least estimated prefill queued (`prefill_tokens_per_s`), then the fewest permits routed there.")
-    local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit from them without a Redis round trip (0 disables; not used with endpoint picking).")
+    local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit P1 requests from them without a Redis round trip (P0 and P2 always ask Redis, which counts them in their class; 0 disables; not used with endpoint picking).")
     allowed_endpoints: list[str] = Field(
         default_factory=list,
         description="With endpoint picking: the only endpoints this processor routes to, whatever the Redis registry says: CIDRs, optionally with a port or range (`10.0.0.0/8:8000`, `[fd00::/8]:8000-8099`). Anything else gets 503 no_endpoints. Empty: any ip:port the registry lists.")

@@ -153,7 +153,11 @@ def ramp_paces(cls: int, inflight: Sequence[int]) -> bool:
 
 def credit_admits(cls: int, inflight: Sequence[int], ramp: bool) -> bool:
     """May a processor admit a class-`cls` request from an idle local credit (a lease it holds,
-    no Redis round trip), given the in-flight counts it last saw? Not a request the onset ramp
+    no Redis round trip), given the in-flight counts it last saw? Only a P1 request: a credit is
+    leased as P1 and Redis never learns what it was used for, so a P0 or P2 on one counted as P1
+    there — to the partitions, the in-flight per class and the onset ramp (a review: 3 P0 on
+    credits read (0, 19, 0), the ramp never started, and a burst of 30 P1 went in at once, 8
+    with credits off). P0 and P2 ask Redis (one round trip). And not a request the onset ramp
     paces (`ramp` on, `ramp_paces`): a credit took its ramp token when it was leased, but a
     released credit-admitted request hands the credit back to the processor, not to Redis, so
     the bucket refills while the credits circulate, and at a burst's onset every idle credit
@@ -161,8 +165,11 @@ def credit_admits(cls: int, inflight: Sequence[int], ramp: bool) -> bool:
     FIFO queues ahead of the P0s arriving with them (the quiet overload run's static-96 row,
     steady at about half full: 18 lower-class requests in the burst's first 0.4 s, against ~10
     in bench/p0_onset.py's model of the same plan, which has no credits). Such a request asks
-    Redis instead, where the ramp applies; P0 uses credits freely."""
-    return not (ramp and ramp_paces(cls, inflight))
+    Redis instead, where the ramp applies."""
+    return cls == CREDIT_CLASS and not (ramp and ramp_paces(cls, inflight))
+
+
+CREDIT_CLASS = 1  # the class leases.lua leases credits as (`try_lease`)
 
 
 @dataclass

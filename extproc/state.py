@@ -137,7 +137,7 @@ def _size(tokens: float | None) -> tuple[str, ...]:
 # `sync` rides with them so that one processor's writes to a pool reach Redis in the order it
 # made them: a renewal sent beside a batch could land after a release made later and lease the
 # released permit again (a phantom until its TTL).
-BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits", "sync"})
+BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits", "sync", "credit_done"})
 
 _Pending = tuple[str, Sequence[Any], "asyncio.Future[Any]"]
 
@@ -295,6 +295,11 @@ class PoolState:
     async def cancel(self, ticket: str) -> int:
         """0: removed from the queue; 1: it had been granted (the caller owns a permit); 2: gone."""
         return int(await self._run("cancel", ticket))
+
+    async def credit_done(self, n: int) -> int:
+        """`n` requests admitted from this gateway's idle credits completed (their credits came
+        back here, not to Redis): counted in the pool's release rate."""
+        return int(await self._run("credit_done", n)) if n > 0 else 0
 
     async def release(self, *tickets: str) -> int:
         return int(await self._run("release", *tickets)) if tickets else 0

@@ -26,10 +26,11 @@ from floodgate.stack import LocalStack
 
 def test_credits_do_not_admit_what_the_ramp_paces() -> None:
     assert credit_admits(1, (0, 30, 0), ramp=True)  # no P0 in flight: nothing to protect
-    assert credit_admits(0, (3, 30, 0), ramp=True)  # P0 is never paced
     assert not credit_admits(1, (1, 30, 0), ramp=True)
-    assert not credit_admits(2, (1, 0, 30), ramp=True)
-    assert credit_admits(2, (1, 0, 30), ramp=False)  # no ramp configured
+    assert credit_admits(1, (1, 30, 0), ramp=False)  # no ramp configured
+    # A credit is a P1 lease: P0 and P2 ask Redis, which then counts them in their class
+    assert not credit_admits(0, (3, 30, 0), ramp=True) and not credit_admits(0, (0, 0, 0), ramp=False)
+    assert not credit_admits(2, (0, 0, 30), ramp=False)
 
 
 def test_sampling_is_bounded_by_the_streams_in_flight() -> None:
@@ -70,9 +71,11 @@ async def test_idle_credits_do_not_bypass_the_onset_ramp(admitter: Admitter) -> 
     the ramp in Redis, not through the credits (before: the idle credits admitted as many of them
     without a round trip while the ramp's bucket was empty)."""
     rt = admitter.pools["p"]
+    p1 = await admitter.admit("p", 1, "t")  # a P1 fetches credits (a P0 does not: it never uses one)
+    assert isinstance(p1, Permit) and not p1.credit
+    assert len(rt.credits) >= 3  # far below half full: credits came with the grant (as many as ramp tokens)
     p0 = await admitter.admit("p", 0, "t")
     assert isinstance(p0, Permit) and not p0.credit
-    assert len(rt.credits) >= 3  # far below half full: credits came with the grant (as many as ramp tokens)
     admitter.observe(rt, await rt.state.status(admitter.gateway_id))  # the status loop's read
     assert rt.last_status is not None and rt.last_status.inflight[0] == 1
     idle = len(rt.credits)
@@ -83,10 +86,10 @@ async def test_idle_credits_do_not_bypass_the_onset_ramp(admitter: Admitter) -> 
     # The bucket was spent on the credits themselves (a credit takes its token when leased)
     # and the clock does not move: the ramp admits none of the burst now.
     assert all(isinstance(r, Reject) for r in results)
-    # P0 is never paced: it still admits from a credit at once
+    # P0 is never paced: it is admitted at once, by Redis (counted as P0 there), not from a credit
     p0b = await admitter.admit("p", 0, "t")
-    assert isinstance(p0b, Permit) and p0b.credit
-    for r in [p0, p0b, *results]:
+    assert isinstance(p0b, Permit) and not p0b.credit
+    for r in [p1, p0, p0b, *results]:
         if isinstance(r, Permit):
             await admitter.release(r)
 
@@ -105,3 +108,23 @@ async def test_sampled_streams_are_bounded_per_processor(stack: LocalStack) -> N
         assert not s.sample("p")
     finally:
         await client.aclose()
+
+
+async def test_completions_on_credits_count_in_the_release_rate(admitter: Admitter) -> None:
+    """A request admitted from an idle credit hands the credit back to its processor, not to
+    Redis: no release, so the pool's release rate (what early drop and Retry-After divide by)
+    missed it (a review: 0.00/s read against 10/s of completions, then P1 early-dropped after a
+    load step; 316 of 316 served with credits off). The status tick reports them."""
+    rt = admitter.pools["p"]
+    first = await admitter.admit("p", 1, "t")  # fetches the credits
+    assert isinstance(first, Permit) and rt.credits
+    before = (await rt.state.status(admitter.gateway_id)).release_n
+    for _ in range(20):
+        p = await admitter.admit("p", 1, "t")
+        assert isinstance(p, Permit) and p.credit
+        await admitter.release(p)
+    assert rt.credit_done == 20
+    await admitter._tick(rt)
+    assert rt.credit_done == 0
+    assert (await rt.state.status(admitter.gateway_id)).release_n == before + 20
+    await admitter.release(first)
