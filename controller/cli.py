@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", "-c", type=Path,
                         help="controller YAML (docs/configuration.md, docs/controller.md); runs the live controller")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                        help="log verbosity on stderr (default: info; the decision log is info)")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config (and that its actuator's client is installed), print it, and exit")
     parser.add_argument("--stop-replicas-on-exit", action="store_true",

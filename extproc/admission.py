@@ -840,6 +840,8 @@ class Admitter:
 
     def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
         rt.demand[(cls, outcome)] += 1
+        if outcome == "abandoned":  # the one decision that ends with no reply: counted here
+            self.child(self.metrics.decisions, (rt.cfg.name, PRIORITY_LABELS[cls], "abandoned", "client_gone")).inc()
         if outcome in TURNED_AWAY or outcome in NOT_DEMAND:
             self._demand_soon(rt)
 

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "redis+cluster://h1:6379,h2:6379 (docs/operations.md)")
     p.add_argument("--gateway-id", metavar="ID", help="unique id of this process (default host-pid-random)")
     p.add_argument("--check-config", action="store_true", help="validate the config, print it, and exit")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default: info)")
     p.set_defaults(handler=run)
 
 

@@ -21,7 +21,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            "floodgate_decisions", "Admission decisions by outcome (admitted|rejected) and reason.",
+            "floodgate_decisions", "Admission decisions by outcome (admitted|rejected|abandoned) and reason "
+            "(abandoned/client_gone: the client left while queued, so admitted + rejected + abandoned = requests decided).",
             ["pool", "priority", "outcome", "reason"], registry=r)
         self.decision_time = Histogram(
             "floodgate_decision_seconds",
@@ -52,15 +53,18 @@ class Metrics:
         self.local_inflight = Gauge(
             "floodgate_process_inflight", "Permits held by requests passing through this process.",
             ["pool"], registry=r)
-        self.limit = Gauge("floodgate_limit", "Current concurrency limit of the pool.", ["pool"], registry=r)
+        self.limit = Gauge("floodgate_limit", "Current concurrency limit of the pool; while the pool is degraded "
+                           "(floodgate_pool_degraded 1) this processor's local share of it.", ["pool"], registry=r)
         self.queue_wait = Histogram(
             "floodgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
             ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(
-            "floodgate_ttft_seconds", "Time to first response byte after admission (sampled requests).",
+            "floodgate_ttft_seconds", "Time to first response byte after admission (sampled requests: "
+            "limit.sample_rate with an adaptive limit; a static limit samples none).",
             ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
-            "floodgate_tpot_seconds", "Time per output token after the first (sampled requests).",
+            "floodgate_tpot_seconds", "Time per output token after the first (sampled requests: "
+            "limit.sample_rate with an adaptive limit; a static limit samples none).",
             ["pool", "priority"], buckets=_TOKEN_BUCKETS, registry=r)
         self.body_chunks = Counter(
             "floodgate_sampled_body_chunks", "Response body chunks of sampled requests that reached the processor "
@@ -78,7 +82,9 @@ class Metrics:
             "dropped (an overload 502/503/504), ignored (cancelled, another 5xx, a dead endpoint, a sampled "
             "stream cut before its end).", ["pool", "outcome"], registry=r)
         self.releases = Counter(
-            "floodgate_releases", "Permits released, by how the request ended.",
+            "floodgate_releases", "Permits released, by how the request ended (cancelled: the stream "
+            "was reset; a client that leaves an unsampled response usually ends it as stream_end, "
+            "indistinguishable from a completion: Envoy's downstream_rq_rx_reset counts client cancels).",
             ["pool", "reason"], registry=r)
         self.invalid_priority = Counter(
             "floodgate_invalid_priority_header", "Requests whose priority header was unparseable or conflicting.",

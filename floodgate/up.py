@@ -159,8 +159,8 @@ class StatusLine:
                         totals[f"i{s.labels['priority']}"] = s.value
                     elif s.name == "floodgate_limit":
                         limit = max(limit, s.value)
-                    elif s.name == "floodgate_decisions_total":
-                        key = "admitted" if s.labels["outcome"] == "admitted" else "rejected"
+                    elif s.name == "floodgate_decisions_total" and s.labels["outcome"] in ("admitted", "rejected"):
+                        key = f"{s.labels['outcome']}@{url}"  # per processor: see `_rate`
                         totals[key] = totals.get(key, 0.0) + s.value
                     elif s.name == "floodgate_degraded":
                         totals["degraded"] = max(totals.get("degraded", 0.0), s.value)
@@ -193,8 +193,8 @@ class StatusLine:
         cur = await self.sample(session)
         first = not self.last  # no interval yet: the start-up probes are no rate
         dt = max(1e-3, now - self.last_t)
-        adm = 0.0 if first else (cur.get("admitted", 0) - self.last.get("admitted", 0)) / dt
-        rej = 0.0 if first else (cur.get("rejected", 0) - self.last.get("rejected", 0)) / dt
+        adm = 0.0 if first else _rate(cur, self.last, "admitted@", dt)
+        rej = 0.0 if first else _rate(cur, self.last, "rejected@", dt)
         self.last, self.last_t = cur, now
         q = "/".join(str(int(cur.get(f"q{p}", 0))) for p in range(3))
         inflight = int(sum(cur.get(f"i{p}", 0) for p in range(3)))
@@ -210,6 +210,38 @@ class StatusLine:
                     f"draining {int(cur.get('r_draining', 0))} ({acts}) | ")
         return (f"{reps}queue P0/P1/P2 {q:>11} | in-flight {inflight:>4} / limit {int(cur['limit']):>4} | "
                 f"admit {adm:6.1f}/s reject {rej:6.1f}/s{degraded}")
+
+
+def _priority_hint(config: dict[str, Any]) -> str:
+    """How a client here sets its priority, from the processor config in use: the header it
+    names, or that this host is not trusted to send one."""
+    import ipaddress
+
+    adm = config.get("admission") or {}
+    header = str(adm.get("priority_header") or "x-request-priority")
+    cidrs = (adm.get("trust") or {}).get("cidrs") or []
+    loopback = ipaddress.ip_address("127.0.0.1")
+    trusted = False
+    for c in cidrs:
+        try:
+            trusted = trusted or loopback in ipaddress.ip_network(str(c), strict=False)
+        except ValueError:
+            continue
+    if not trusted:
+        return f"{header} from 127.0.0.1 is not trusted by this config: priority by tenant or the default"
+    return f"{header}: 0|1|2"
+
+
+def _rate(cur: dict[str, float], last: dict[str, float], prefix: str, dt: float) -> float:
+    """Per second, summed over the processors read both times: one that did not answer (dead,
+    restarted, a scrape over 1 s) is left out rather than read as its counters falling (the
+    line showed `admit -59.7/s` when a processor died), and a counter that went down (a restart)
+    counts from 0."""
+    total = 0.0
+    for k, v in cur.items():
+        if k.startswith(prefix) and k in last:
+            total += v - last[k] if v >= last[k] else v
+    return total / dt
 
 
 async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float, quiet_s: float = 30.0,
@@ -348,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
             except (RuntimeError, TimeoutError) as exc:
                 print(f"floodgate up: {exc}", file=sys.stderr)
                 return 1
-            print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; x-request-priority: 0|1|2)\n"
+            print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; {_priority_hint(config)})\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
                   f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
                   f"  controller   http://127.0.0.1:{ctl_metrics}/metrics  (decision log: {ctl.log_path})\n"

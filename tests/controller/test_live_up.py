@@ -333,8 +333,8 @@ async def test_the_first_status_line_shows_no_rate() -> None:
     from floodgate.up import StatusLine
 
     status = StatusLine([])
-    samples = iter([{"admitted": 2.0, "rejected": 0.0, "limit": 8.0},
-                    {"admitted": 12.0, "rejected": 1.0, "limit": 8.0}])
+    samples = iter([{"admitted@a": 2.0, "rejected@a": 0.0, "limit": 8.0},
+                    {"admitted@a": 12.0, "rejected@a": 1.0, "limit": 8.0}])
 
     async def sample(session: object) -> dict[str, float]:
         return next(samples)
@@ -345,3 +345,38 @@ async def test_the_first_status_line_shows_no_rate() -> None:
     status.last_t -= 2.0  # two seconds later: 10 admitted, 1 rejected
     second = await status.line(None)  # type: ignore[arg-type]
     assert "admit    5.0/s reject    0.5/s" in second, second
+
+
+async def test_a_processor_that_drops_out_of_the_status_line_is_no_negative_rate() -> None:
+    """A review: with one of two processors SIGKILLed the line read `admit -59.7/s`, the sum of
+    the counters falling with the processor gone. Rates are per processor read both times, and
+    a counter that went down (a restart) counts from 0."""
+    from floodgate.up import StatusLine
+
+    status = StatusLine([])
+    samples = iter([{"admitted@a": 100.0, "admitted@b": 120.0, "rejected@a": 5.0, "rejected@b": 7.0, "limit": 8.0},
+                    {"admitted@a": 110.0, "admitted@b": 130.0, "rejected@a": 5.0, "rejected@b": 7.0, "limit": 8.0},
+                    {"admitted@a": 120.0, "rejected@a": 6.0, "limit": 8.0},  # b died
+                    {"admitted@a": 4.0, "admitted@b": 10.0, "rejected@a": 0.0, "rejected@b": 0.0, "limit": 8.0}])
+
+    async def sample(session: object) -> dict[str, float]:
+        return next(samples)
+
+    status.sample = sample  # type: ignore[method-assign]
+    await status.line(None)  # type: ignore[arg-type]
+    lines = []
+    for _ in range(3):
+        status.last_t -= 1.0
+        lines.append(await status.line(None))  # type: ignore[arg-type]
+    assert "admit   20.0/s reject    0.0/s" in lines[0], lines[0]
+    assert "admit   10.0/s reject    1.0/s" in lines[1], lines[1]  # a alone, not -120
+    assert "admit    4.0/s reject    0.0/s" in lines[2], lines[2]  # a restarted (4 since); b not in the last read
+
+
+def test_the_banner_names_the_configured_priority_header_and_whether_it_is_trusted() -> None:
+    from floodgate.up import DEMO_CONFIG, _priority_hint
+
+    assert _priority_hint(DEMO_CONFIG) == "x-request-priority: 0|1|2"
+    assert _priority_hint({"admission": {"priority_header": "x-prio", "trust": {"cidrs": ["127.0.0.0/8"]}}}) \
+        == "x-prio: 0|1|2"
+    assert "not trusted" in _priority_hint({"admission": {"priority_header": "x-prio", "trust": {"cidrs": []}}})
