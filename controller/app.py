@@ -71,6 +71,21 @@ from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
 
 S = ReplicaState
+def steady_wall_clock() -> Callable[[], float]:
+    """Epoch seconds that never step: the wall clock read once, then advanced by the monotonic
+    one. Every duration the controller keeps (a drain's age against `max_drain_s`, the
+    stabilization window, panic, the scale-down interval) is a difference of this clock's
+    readings; on `time.time` an NTP step or a VM resume moved them (a review: +400 s cut a
+    draining replica's stream after 3 s of real drain; -1 h held the first scale-down for
+    3,900 s instead of 300). Epoch-based, so the forecast's minute of day and the registry's
+    `since_ms` read as before."""
+    base = time.time() - time.monotonic()
+    return lambda: base + time.monotonic()
+
+
+STEADY_CLOCK = steady_wall_clock()
+
+
 log = logging.getLogger("floodgate.controller")
 WARM_FRESH_S = 2.0  # a bring-up's warm-up this recent stands for the promotion's own
 decision_log = logging.getLogger("floodgate.controller.decisions")
@@ -155,7 +170,7 @@ class PoolController:
 
     def __init__(self, cfg: PoolConfig, actuator: Actuator, client: aioredis.Redis,
                  session: aiohttp.ClientSession, metrics: ControllerMetrics, *,
-                 kick: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.time,
+                 kick: Callable[[], None] = lambda: None, clock: Callable[[], float] = STEADY_CLOCK,
                  tick_interval_s: float = 1.0) -> None:
         self.cfg = cfg
         self.pool = cfg.name
@@ -799,7 +814,7 @@ class Controller:
     """All pools, the leader lease, the metrics endpoint and the tick loop."""
 
     def __init__(self, cfg: ControllerConfig, actuators: dict[str, Actuator] | None = None, *,
-                 holder: str | None = None, clock: Callable[[], float] = time.time,
+                 holder: str | None = None, clock: Callable[[], float] = STEADY_CLOCK,
                  stop_replicas_on_exit: bool = False) -> None:
         self.cfg = cfg
         # `--stop-replicas-on-exit`: stop the pools' replicas on the way out, only if this
