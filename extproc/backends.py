@@ -157,7 +157,8 @@ class SharedBackend:
         a, cls = self.a, req.priority
         last, age = rt.last_status, a.clock() - rt.last_status_at
         need = rt.min_chance(cls, a.clock())  # the chance early drop asks of it (its class's reject budget)
-        by_credit = last is None or credit_admits(cls, last.inflight, rt.settings.ramp_rate > 0)
+        # (No status seen yet: nothing known in flight, so only the class decides.)
+        by_credit = credit_admits(cls, last.inflight if last is not None else (0, 0, 0), rt.settings.ramp_rate > 0)
         if rt.credits and rt.queue_clear and by_credit:
             # Fast path: a credit is a lease this process already holds; no round trip.
             ticket = rt.credits.pop()

@@ -128,3 +128,20 @@ async def test_completions_on_credits_count_in_the_release_rate(admitter: Admitt
     assert rt.credit_done == 0
     assert (await rt.state.status(admitter.gateway_id)).release_n == before + 20
     await admitter.release(first)
+
+
+async def test_before_any_status_only_p1_takes_or_fetches_credits(admitter: Admitter) -> None:
+    """A processor's first requests, before it has read any status: a P0 neither fetches
+    credits (they would idle) nor, once a P1 fetched some, takes one (Redis would count it P1)."""
+    rt = admitter.pools["p"]
+    rt.last_status = None
+    p0 = await admitter.admit("p", 0, "t")
+    assert isinstance(p0, Permit) and not p0.credit and not rt.credits
+    rt.last_status = None
+    p1 = await admitter.admit("p", 1, "t")
+    assert isinstance(p1, Permit) and rt.credits
+    rt.last_status = None
+    p0b = await admitter.admit("p", 0, "t")
+    assert isinstance(p0b, Permit) and not p0b.credit
+    for p in (p0, p1, p0b):
+        await admitter.release(p)
