@@ -69,6 +69,21 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return out
 
 
+def start_test_upstream(stack: LocalStack, name: str, port: int | None = None, status: int = 0) -> tuple[Any, int]:
+    """tests/upstream.py as a replica on `port` (a free one by default), answering every
+    completion with `status` when non-zero; returns (its child process, its port)."""
+    import sys
+    from pathlib import Path
+
+    from floodgate.supervisor import free_port
+
+    port = port or free_port()
+    script = Path(__file__).resolve().parent / "upstream.py"
+    child = stack.start_upstream([sys.executable, str(script), "--port", str(port), "--status", str(status)],
+                                 name=name, port=port)
+    return child, port
+
+
 async def pool_status(redis_url: str, pool: str = "default") -> PoolStatus:
     client = redis_client(redis_url, op_timeout_s=2)
     try:

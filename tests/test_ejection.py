@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
 from typing import Any
 
@@ -26,8 +25,7 @@ from redis.exceptions import ResponseError
 from floodgate.stack import LocalStack
 from floodgate.status import read_pool, render
 from floodgate.supervisor import free_port
-from tests.conftest import ROOT
-from tests.helpers import get_json, metrics, post, wait_until
+from tests.helpers import get_json, metrics, post, start_test_upstream, wait_until
 
 EPS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 
@@ -300,11 +298,7 @@ def _cfg(**pool: Any) -> dict[str, Any]:
                        **pool}]}
 
 
-def _upstream(stack: LocalStack, name: str, port: int | None = None, status: int = 0) -> tuple[Any, int]:
-    port = port or free_port()
-    child = stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port),
-                                  "--status", str(status)], name=name, port=port)
-    return child, port
+_upstream = start_test_upstream
 
 
 async def _register(reg: Registry, ports: list[int]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 from typing import Any
 
 import aiohttp
@@ -14,9 +13,7 @@ from floodgate.extproc.schema import PoolSettings
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.stack import LocalStack
-from floodgate.supervisor import free_port
-from tests.conftest import ROOT
-from tests.helpers import get_json, metrics, post, subscribed, wait_until
+from tests.helpers import get_json, metrics, post, start_test_upstream, subscribed, wait_until
 
 SHARES = (0.5, 0.3, 0.1)
 
@@ -86,12 +83,7 @@ def _picking_cfg() -> dict[str, Any]:
 @pytest.mark.integration
 async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: LocalStack) -> None:
     stack.start_redis()
-    ports = []
-    for i in range(3):
-        port = free_port()
-        stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
-                             name=f"up{i}", port=port)
-        ports.append(port)
+    ports = [start_test_upstream(stack, f"up{i}")[1] for i in range(3)]
     stack.start_processor(_picking_cfg())
     envoy = stack.start_envoy([], picking=True)
     c = redis_client(stack.redis_url, op_timeout_s=5)
@@ -205,12 +197,7 @@ async def test_a_registry_that_redis_lost_keeps_requests_on_the_endpoints_last_s
     Emptied on purpose (the mark still there), the registry is obeyed: 503 no_endpoints."""
     url = stack.start_redis()
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    ports = []
-    for i in range(2):
-        p = free_port()
-        stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(p)],
-                             name=f"up{i}", port=p)
-        ports.append(p)
+    ports = [start_test_upstream(stack, f"up{i}")[1] for i in range(2)]
     cfg = _picking_cfg()
     cfg["redis"] = {"reconnect_interval_s": 0.2}
     proc = stack.start_processor(cfg)
