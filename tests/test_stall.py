@@ -80,7 +80,9 @@ async def test_a_processor_stalled_past_its_liveness_starts_no_waiter_on_a_grant
             # its last renewal) and Redis takes the grants back for B's next two.
             await asyncio.gather(*b_first)
             b_next = [asyncio.create_task(post(s, eb.url, headers=longer, timeout=60)) for _ in range(2)]
-            await asyncio.sleep(TTL_S + 1.0)
+            # Wake A only once B's next two run upstream: Redis has then taken A's grants back.
+            # (A fixed sleep here raced the reclaim on a loaded box: A woke to grants still held.)
+            assert await wait_until(lambda: _upstream_inflight(s, upstream, 2), 30)
         finally:
             pa.child.kill(signal.SIGCONT)
         replies = await asyncio.gather(*a_waiters, *b_next)
