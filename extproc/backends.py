@@ -103,8 +103,9 @@ Rates = tuple[float, float, float]
 
 def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
               settings: PoolSettings | None = None, arriving: tuple[tuple[float, int], ...] = (),
-              growth: float = 1.0) -> Snapshot:
-    """`arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
+              growth: float = 1.0, ahead: int | None = None) -> Snapshot:
+    """`ahead`: the request's class's waiters ahead of it (None: the whole class queue);
+    `arrivals`: (the arrival rates per class, the fast-reacting ones); `settings`: the
     pool's (the onset ramp's); `arriving`: the controller's capacity on its way (seconds,
     permits); `growth`: the active endpoints over their recent mean (`capacity_growth`)."""
     refill = 0.0
@@ -125,7 +126,18 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
                     arrival_rates_fast=arrivals[1] if arrivals else None, ramp=paced, ramp_refill=refill,
                     arriving=arriving, pf_rate=pf_rate, pf_wait=st.pf_wait,
                     pf_backlog=st.pf_backlog / settings.pf_size if settings and prefill else 0.0,
-                    capacity_growth=growth)
+                    capacity_growth=growth, ahead=ahead)
+
+
+def local_ahead(st: PoolStatus, cls: int, tenant: str) -> int:
+    """The fewest waiters of its class a new request can have ahead of it, by a snapshot of
+    another request's call (a rejection without a round trip must hold wherever the fair order
+    puts it, leases.lua `fair`): the tenant-less waiters go before a tenant-less request (one
+    flow, in arrival order); a named tenant with no waiter goes right behind the head."""
+    if tenant:
+        return 0
+    named = st.named_queued[cls] if st.named_queued is not None else 0
+    return max(0, st.queued[cls] - named)
 
 
 SNAPSHOT_FRESH_S = 1.0  # a last seen snapshot this recent may decide a certain rejection
@@ -147,11 +159,12 @@ class SharedBackend:
         # counts every active one.
         return rt.arriving_permits(self.a.clock(), st.limit, rt.endpoints_seen or st.active_endpoints)
 
-    def _view(self, rt: PoolRuntime, st: PoolStatus) -> Snapshot:
+    def _view(self, rt: PoolRuntime, st: PoolStatus, ahead: int | None = None) -> Snapshot:
         """The snapshot early drop decides on: `st` with this process's arrival rates, the
-        controller's capacity on its way and the growth of the active endpoints."""
+        controller's capacity on its way and the growth of the active endpoints; `ahead`: the
+        request's class's waiters ahead of it (None: `st`'s own, from the call that asked)."""
         return _snapshot(st, self._arrivals(rt, st), rt.settings, self._arriving(rt, st),
-                         rt.capacity_growth(self.a.clock()))
+                         rt.capacity_growth(self.a.clock()), st.ahead if ahead is None else ahead)
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority
@@ -164,7 +177,8 @@ class SharedBackend:
             ticket = rt.credits.pop()
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
-        last_snap = self._view(rt, last) if last is not None else None
+        # (the last snapshot answered another request: where this one would stand is bounded below)
+        last_snap = self._view(rt, last, local_ahead(last, cls, req.tenant)) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.

@@ -38,7 +38,7 @@ local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
 local RATE_MIN_AGE_MS = 1000
 local WAITER_GRACE_MS = 1000
-local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2'}
+local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2', 'n0', 'n1', 'n2'}  -- n: waiters with a tenant
 -- A field whose value is longer than `hash-max-listpack-value` (64 by default) makes the server
 -- keep a hash as a hashtable for good (it never converts back while the key exists). `sync`
 -- writes it into the per-ticket hashes (lmeta, qmeta) and the state hash: as listpacks (the
@@ -66,7 +66,10 @@ local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive
 -- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
 -- vegas_x) are read only by get_limit.
 local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p',
-                      'ramp:x', 'ej'}
+                      'ramp:x', 'ej', 'fq'}
+-- A waiter's place within its class: ties of the fair order's tags go by arrival, the
+-- queue sequence modulo this as the score's fraction (exact in a double: scores < 2^34).
+local TIE_SPAN = 65536
 -- Ejected endpoints (`eject`) kept in the state field `ej`: at most this many, the latest-ending.
 local EJECT_MAX = 64
 
@@ -83,6 +86,8 @@ local S             -- settings (load_settings), false when the pool has none
 local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to write back
 local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
 local INF0, QUE0           -- as read (flush writes only what changed)
+local NQ, NQ0              -- waiters with a tenant per class (1-based), as now and as read
+local FQ, FQ_DIRTY         -- the fair order (fair()): {v, a, t} per class, and whether to write it back
 local ALIVE         -- gateway -> alive, memo for this call
 local LIVE_UNTIL    -- gateway -> when its liveness ends (ms), where ALIVE was read or set
 local REG           -- gateway -> true: in `gws` (alive or not), memo for this call (reclaim's purge drops it)
@@ -164,14 +169,17 @@ local function counts()
     -- `+ 0`: a string's number by one strtod (tonumber runs two)
     INF = {(v[1] or 0) + 0, (v[2] or 0) + 0, (v[3] or 0) + 0}
     QUE = {(v[4] or 0) + 0, (v[5] or 0) + 0, (v[6] or 0) + 0}
+    NQ = {(v[7] or 0) + 0, (v[8] or 0) + 0, (v[9] or 0) + 0}
     INF0 = {INF[1], INF[2], INF[3]}
     QUE0 = {QUE[1], QUE[2], QUE[3]}
+    NQ0 = {NQ[1], NQ[2], NQ[3]}
   end
   return INF, QUE
 end
 
 local function add_inflight(c, d) counts() INF[c] = INF[c] + d CNT_DIRTY = true end
 local function add_queued(c, d) counts() QUE[c] = QUE[c] + d CNT_DIRTY = true end
+local function add_named(c, d) counts() NQ[c] = math.max(0, NQ[c] + d) CNT_DIRTY = true end
 
 -- Write back what this call changed in the counts and state hashes (mutating ops only).
 local function flush()
@@ -180,10 +188,16 @@ local function flush()
     for k = 1, 3 do
       if INF[k] ~= INF0[k] then table.insert(args, COUNT_FIELDS[k]) table.insert(args, INF[k]) end
       if QUE[k] ~= QUE0[k] then table.insert(args, COUNT_FIELDS[k + 3]) table.insert(args, QUE[k]) end
+      if NQ[k] ~= NQ0[k] then table.insert(args, COUNT_FIELDS[k + 6]) table.insert(args, NQ[k]) end
     end
     if #args > 0 then redis.call('HSET', K.counts, unpack(args)) end
   end
   if QSEQ and ST_DIRTY then ST.seq = intstr(QSEQ) end
+  if FQ_DIRTY then
+    ST.fq = string.format('%d %d %d %d %d %d %d %d %d', FQ.v[1], FQ.v[2], FQ.v[3], FQ.a[1], FQ.a[2], FQ.a[3],
+                          FQ.t[1], FQ.t[2], FQ.t[3])
+    ST_DIRTY.fq = true
+  end
   if ST_DIRTY and next(ST_DIRTY) then
     for name, r in pairs(RT) do
       if ST_DIRTY[name] then ST[name] = string.format('%.14g|%d|%d|%d', r[1], r[2], r[3], r[4]) end
@@ -621,6 +635,49 @@ local function lease(ticket, c, gw, seq, until_ms, size)
   return ep
 end
 
+-- Fair order within a class (start-time fair queueing over tenants): a waiter's queue score is
+-- its flow's virtual start tag, not its arrival. A flow is one tenant; the requests without a
+-- tenant are one flow together. Per class: `v` the tag of the waiter granted last (virtual
+-- time), `a` the next tag of the tenant-less flow, `t` the highest tag given (every waiter's tag
+-- is at most it). A named tenant's next tag is the counts field `f<class>:<tenant>`, dropped
+-- with its last waiter. A new waiter's tag is max(v, its flow's next tag), and its flow's next
+-- tag becomes that + 1: one flow alone is served in arrival order (as before), a tenant with
+-- no waiters goes in right behind the waiter granted last, and a flooding tenant's waiters
+-- spread out behind everyone else's (one grant per flow in turn). Without the state field (a
+-- pool queued by an older version, whose scores are the queue sequence) tags start past it.
+local function fair()
+  if not FQ then
+    local f = state().fq
+    local x = {}
+    if f then for n in string.gmatch(f, '%d+') do x[#x + 1] = n + 0 end end
+    if #x == 9 then
+      FQ = {v = {x[1], x[2], x[3]}, a = {x[4], x[5], x[6]}, t = {x[7], x[8], x[9]}}
+    else
+      local s0 = num(state().seq, 0) % CLASS_SPAN + 1
+      FQ = {v = {s0, s0, s0}, a = {s0, s0, s0}, t = {s0, s0, s0}}
+      FQ_DIRTY = true
+    end
+  end
+  return FQ
+end
+
+local function flow_field(c, tenant) return 'f' .. CLS[c] .. ':' .. tenant end
+
+-- The tag a new waiter of class c (1-based) and this flow would get; `named_next`: the named
+-- tenant's next tag as stored (nil: none).
+local function next_tag(c, tenant, named_next)
+  local F = fair()
+  if tenant == '' then return math.max(F.v[c], F.a[c]) end
+  return math.max(F.v[c], num(named_next, 0))
+end
+
+-- A granted head's tag moves class c's virtual time (`score`: its queue score).
+local function advance(c, score)
+  local tag = math.floor(score - (c - 1) * CLASS_SPAN)
+  local F = fair()
+  if tag > F.v[c] then F.v[c] = tag FQ_DIRTY = true end
+end
+
 -- `popped`: the caller already removed it from the queue and its meta (ZPOPMIN, HGETDEL)
 -- and parsed the meta (c 0-based, tenant).
 local function unqueue(ticket, meta, popped, c, tenant)
@@ -635,10 +692,14 @@ local function unqueue(ticket, meta, popped, c, tenant)
   add_queued(c + 1, -1)
   if not popped and EDGE then EDGE[c + 1] = nil end  -- popped: the grant loop updates EDGE
   if tenant ~= '' then  -- no cap applies to a request without a tenant: nothing to count
+    add_named(c + 1, -1)
     local field = 't' .. CLS[c + 1] .. ':' .. tenant
     if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
-      redis.call('HDEL', K.counts, field)
+      redis.call('HDEL', K.counts, field, flow_field(c + 1, tenant))  -- and its flow's tag: no backlog
     end
+  elseif QUE[c + 1] <= NQ[c + 1] then  -- the tenant-less flow has no waiter left: no backlog either
+    local F = fair()
+    if F.a[c + 1] > F.v[c + 1] then F.a[c + 1] = F.v[c + 1] FQ_DIRTY = true end
   end
 end
 
@@ -648,7 +709,20 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   QSEQ = QSEQ + 1
   ST_DIRTY.seq = true  -- flush writes it
   local qseq = QSEQ
-  redis.call('ZADD', K.queue, c * CLASS_SPAN + qseq % CLASS_SPAN, ticket)
+  local F, tag = fair(), nil
+  if tenant == '' then
+    tag = next_tag(c + 1, '')
+    F.a[c + 1] = tag + 1
+  else
+    local ff = flow_field(c + 1, tenant)
+    tag = next_tag(c + 1, tenant, redis.call('HGET', K.counts, ff))
+    redis.call('HSET', K.counts, ff, intstr(tag + 1))
+    add_named(c + 1, 1)
+  end
+  local tail = tag >= F.t[c + 1]
+  if tag > F.t[c + 1] then F.t[c + 1] = tag end
+  FQ_DIRTY = true
+  redis.call('ZADD', K.queue, c * CLASS_SPAN + tag % CLASS_SPAN + (qseq % TIE_SPAN) / TIE_SPAN, ticket)
   local dl = intstr(deadline)
   redis.call('ZADD', K.qdl, dl, ticket)
   lower_due(deadline + WAITER_GRACE_MS)
@@ -658,7 +732,9 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   if size and pf_on() then redis.call('HSET', K.qsize, ticket, size) end
   add_queued(c + 1, 1)
   local e = EDGE and EDGE[c + 1]
-  if e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
+  if not tail then  -- placed ahead of others (fair order): the memo's edges may both have moved
+    if EDGE then EDGE[c + 1] = nil end
+  elseif e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
   if tenant ~= '' then redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1) end
 end
 
@@ -709,12 +785,19 @@ local function pop_head(c, queued)
     local p = redis.call('ZPOPMIN', K.queue)
     if not p[1] then return nil end
     local score = p[2] + 0
-    if score >= (c - 1) * CLASS_SPAN and score < c * CLASS_SPAN then return p[1] end
+    if score >= (c - 1) * CLASS_SPAN and score < c * CLASS_SPAN then
+      advance(c, score)
+      return p[1]
+    end
     redis.call('ZADD', K.queue, p[2], p[1])  -- another class's (a drifted count): put it back
   end
   -- LIMIT as strings here and below: a number argument costs a sprintf in the call bridge.
-  local head = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'LIMIT', '0', '1')[1]
-  if head then redis.call('ZREM', K.queue, head) end
+  local h = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'WITHSCORES', 'LIMIT', '0', '1')
+  local head = h[1]
+  if head then
+    redis.call('ZREM', K.queue, head)
+    advance(c, h[2] + 0)
+  end
   return head
 end
 
@@ -829,9 +912,9 @@ local function gateway_rank(gw)
 end
 
 -- Milliseconds until the deadline of class c's oldest and newest waiter (0 when none).
--- Kept in EDGE for the rest of the call: a waiter queued later is the new tail (queue order
--- within a class is arrival order), a granted head leaves the tail as it is (grant_loop), any
--- other waiter leaving forgets the class's edges.
+-- Kept in EDGE for the rest of the call: a waiter queued later at the end of the fair order
+-- is the new tail (put_waiter forgets the edges of one placed ahead of others), a granted head
+-- leaves the tail as it is (grant_loop), any other waiter leaving forgets the class's edges.
 local function edges_left(c)
   local e = EDGE[c]
   if e == nil then
@@ -876,17 +959,33 @@ end
 
 -- The state the processor's policy decides a refused request on (PoolStatus.from_reply). In a
 -- batch only the first snapshot is whole (`snap`); each later one (`snapo`) carries only what
--- is the op's own: in-flight and queued per class at the op's turn, its tenant's waiters and
--- its class's grant rate. The rest (limit, pool rates, level, gateways, endpoints, queue edges)
+-- is the op's own: in-flight and queued per class at the op's turn, its tenant's waiters, its
+-- place in its class (`ahead`) and its class's grant rate. The rest (limit, pool rates, level, gateways, endpoints, queue edges)
 -- is read from the call's whole snapshot (schema.expand_snapshots): the same `now`, at most a
 -- few of the call's own events older. Building it per op cost ~20 % of a contended decision's
 -- instructions in a call of 6 (the edges' reads and the 23-field string).
 local function snapshot(out, c, tenant, gw)
   local inflight, queued = counts()
-  local tq, class_rate = 0, 0
+  local tq, class_rate, ahead = 0, 0, 0
   if c then
-    if tenant ~= '' then tq = num(redis.call('HGET', K.counts, 't' .. CLS[c] .. ':' .. tenant), 0) end
+    local named_next
+    if tenant ~= '' then
+      local r = redis.call('HMGET', K.counts, 't' .. CLS[c] .. ':' .. tenant, flow_field(c, tenant))
+      tq, named_next = num(r[1], 0), r[2]
+    end
     class_rate = read_rate(GRATE[c])
+    -- Its class's waiters ahead of it in the fair order (policy.Snapshot.ahead): the ones whose
+    -- tag is at most the one it would get; all of them when that is past every tag given (one
+    -- flow alone: arrival order, no command). A flow with fewer waiters than this one may still
+    -- pass it as they arrive (not counted: as with the class's own arrivals before).
+    if queued[c] > 0 then
+      local tag = next_tag(c, tenant, named_next)
+      if tag > fair().t[c] then
+        ahead = queued[c]
+      else
+        ahead = redis.call('ZCOUNT', K.queue, CLASS_LO[c], '(' .. intstr((c - 1) * CLASS_SPAN + tag % CLASS_SPAN + 1))
+      end
+    end
   end
   if CALL_SNAP then
     table.insert(out, 'snapo')
@@ -894,7 +993,8 @@ local function snapshot(out, c, tenant, gw)
       ' i1 ' .. (ISTR[inflight[2]] or istr(inflight[2])) .. ' i2 ' .. (ISTR[inflight[3]] or istr(inflight[3])) ..
       ' q0 ' .. (ISTR[queued[1]] or istr(queued[1])) .. ' q1 ' .. (ISTR[queued[2]] or istr(queued[2])) ..
       ' q2 ' .. (ISTR[queued[3]] or istr(queued[3])) .. ' tenant_queued ' .. (ISTR[tq] or istr(tq)) ..
-      ' class_rate ' .. (ISTR[class_rate] or string.format('%.14g', class_rate)))
+      ' class_rate ' .. (ISTR[class_rate] or string.format('%.14g', class_rate)) ..
+      ' ahead ' .. (ISTR[ahead] or istr(ahead)))
     return out
   end
   if MY_GW then CALL_SNAP = true end
@@ -951,7 +1051,9 @@ local function snapshot(out, c, tenant, gw)
     ' rate_n ' .. (ISTR[rate_n] or istr(rate_n)) .. ' lvl ' .. lvl ..
     ' hl0 ' .. (ISTR[e[1]] or istr(e[1])) .. ' hl1 ' .. (ISTR[e[3]] or istr(e[3])) .. ' hl2 ' .. (ISTR[e[5]] or istr(e[5])) ..
     ' tl0 ' .. (ISTR[e[2]] or istr(e[2])) .. ' tl1 ' .. (ISTR[e[4]] or istr(e[4])) .. ' tl2 ' .. (ISTR[e[6]] or istr(e[6])) ..
-    ' pfw ' .. (ISTR[pfw] or istr(pfw)) .. ' pfb ' .. (ISTR[pfb] or istr(pfb)))
+    ' pfw ' .. (ISTR[pfw] or istr(pfw)) .. ' pfb ' .. (ISTR[pfb] or istr(pfb)) ..
+    (c and ' ahead ' .. (ISTR[ahead] or istr(ahead)) or '') .. ' n0 ' .. (ISTR[NQ[1]] or istr(NQ[1])) ..
+    ' n1 ' .. (ISTR[NQ[2]] or istr(NQ[2])) .. ' n2 ' .. (ISTR[NQ[3]] or istr(NQ[3])))
   return out
 end
 
@@ -1445,6 +1547,7 @@ local function main(KEYS, ARGV)
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
+  NQ, NQ0, FQ, FQ_DIRTY = nil, nil, nil, false
   local fake = redis.call('GET', K.testclock)
   if fake then
     now = tonumber(fake)

@@ -10,8 +10,9 @@ endpoint picking are not modelled.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +46,8 @@ class Waiter:
     gateway: str
     seq: int
     tenant: str
+    tag: int = 0  # its place in the class's fair order (leases.lua `fair`): the flow's start tag
+    arrival: int = 0  # ties of `tag` go by arrival
 
 
 class Pacer(Protocol):
@@ -92,6 +95,13 @@ class PermitTable:
     gateways: dict[str, float] = field(default_factory=dict)  # gateway -> liveness expiry
     creditors: set[str] = field(default_factory=set)
     pacer: Pacer | None = None  # models only: see Pacer
+    # The fair order within each class (leases.lua `fair`: start-time fair queueing over
+    # tenants, the tenant-less requests one flow): per class the tag of the waiter granted
+    # last, the tenant-less flow's next tag, and each named tenant's next tag while it waits.
+    vtime: list[int] = field(default_factory=lambda: [0, 0, 0])
+    anon_next: list[int] = field(default_factory=lambda: [0, 0, 0])
+    flow_next: dict[tuple[int, str], int] = field(default_factory=dict)
+    arrivals: int = 0
 
     # ------------------------------------------------------------------ reads
 
@@ -114,6 +124,41 @@ class PermitTable:
     def waiting(self) -> set[str]:
         return {w.ticket for q in self.queues for w in q}
 
+    def _next_tag(self, cls: int, tenant: str) -> int:
+        nxt = self.flow_next.get((cls, tenant), 0) if tenant else self.anon_next[cls]
+        return max(self.vtime[cls], nxt)
+
+    def ahead(self, cls: int, tenant: str) -> int:
+        """Waiters of `cls` a new request of `tenant` would have ahead of it (leases.lua
+        `snapshot`): the ones whose tag is at most its own."""
+        tag = self._next_tag(cls, tenant)
+        return sum(1 for w in self.queues[cls] if w.tag <= tag)
+
+    def _put(self, w: Waiter) -> None:
+        """Queue `w` at its flow's tag (fair order; one flow alone: arrival order)."""
+        tag = self._next_tag(w.cls, w.tenant)
+        if w.tenant:
+            self.flow_next[(w.cls, w.tenant)] = tag + 1
+        else:
+            self.anon_next[w.cls] = tag + 1
+        self.arrivals += 1
+        w.tag, w.arrival = tag, self.arrivals
+        bisect.insort(self.queues[w.cls], w, key=lambda x: (x.tag, x.arrival))
+
+    def _left(self, w: Waiter) -> None:
+        """`w` left its queue (granted, cancelled, reaped): a flow with no waiter left starts
+        afresh (a named tenant's next tag goes; the tenant-less flow's comes back to now)."""
+        q = self.queues[w.cls]
+        if w.tenant:
+            if not any(x.tenant == w.tenant for x in q):
+                self.flow_next.pop((w.cls, w.tenant), None)
+        elif not any(not x.tenant for x in q):
+            self.anon_next[w.cls] = min(self.anon_next[w.cls], self.vtime[w.cls])
+
+    def forget_order(self) -> None:
+        """The shared state was lost (Redis restarted empty): the fair order starts again."""
+        self.vtime, self.anon_next, self.flow_next = [0, 0, 0], [0, 0, 0], {}
+
     def snapshot(self, cls: int, tenant: str, grant_rate: float, *, now: float | None = None,
                  release_n: int = 0, inflight_avg: float = 0.0,
                  arrival_rates: tuple[float, float, float] | None = None,
@@ -133,7 +178,7 @@ class PermitTable:
                         ramp_refill=ramp_refill_rate(self.limit, self.ramp_rate, self._ramp_floors()[1]),
                         class_rate=class_rates[cls] if class_rates else 0.0,
                         class_rates=class_rates or (0.0, 0.0, 0.0),
-                        head_left=head, tail_left=tail)  # type: ignore[arg-type]
+                        head_left=head, tail_left=tail, ahead=self.ahead(cls, tenant))  # type: ignore[arg-type]
 
     def _alive(self, gateway: str, now: float) -> bool:
         exp = self.gateways.get(gateway)
@@ -190,6 +235,7 @@ class PermitTable:
 
     def _unqueue(self, w: Waiter) -> None:
         self.queues[w.cls].remove(w)
+        self._left(w)
 
     def reclaim(self, now: float) -> None:
         for t in [t for t, lease in self.leases.items() if lease.expiry <= now]:
@@ -198,14 +244,21 @@ class PermitTable:
         cutoff = now - self.waiter_grace
         for q in self.queues:
             if any(w.deadline <= cutoff for w in q):  # rebuilt only when one is due (the common case: none)
-                q[:] = [w for w in q if w.deadline > cutoff]
+                self._drop_where(q, lambda w: w.deadline <= cutoff)
         dead = {g for g, exp in self.gateways.items() if exp <= now}
         if dead:
             for q in self.queues:
-                q[:] = [w for w in q if w.gateway not in dead]
+                self._drop_where(q, lambda w: w.gateway in dead)
             for g in dead:
                 del self.gateways[g]
             self.creditors -= dead
+
+    def _drop_where(self, q: list[Waiter], gone: Callable[[Waiter], bool]) -> None:
+        out = [w for w in q if gone(w)]
+        if out:
+            q[:] = [w for w in q if not gone(w)]
+            for w in out:
+                self._left(w)
 
     def grant(self, now: float) -> list[str]:
         """Hand free permits to waiters; returns the tickets that just received one."""
@@ -222,6 +275,8 @@ class PermitTable:
                     if self._paced(k, now, inflight, self.queues[k][0].deadline):
                         continue  # a model's pacer holds this class: it stays queued
                     w = self.queues[k].pop(0)
+                    self.vtime[k] = max(self.vtime[k], w.tag)
+                    self._left(w)
                     if w.deadline >= now and self._alive(w.gateway, now):
                         # no longer than its gateway's liveness (leases.lua: a crashed gateway's
                         # grants must not outlive it by a TTL)
@@ -287,7 +342,7 @@ class PermitTable:
             if tenant and self.tenant_queued(cls, tenant) >= self.tenant_cap[cls]:
                 return "tenant_cap", []
             self.gateways.setdefault(gateway, now + self.ttl)
-            self.queues[cls].append(Waiter(ticket, cls, deadline, gateway, seq, tenant))
+            self._put(Waiter(ticket, cls, deadline, gateway, seq, tenant))
         self.creditors.clear()
         granted = self.grant(now)
         return ("granted" if ticket in self.leases else "queued"), granted
@@ -344,13 +399,13 @@ class PermitTable:
                 self.leases[t] = Lease(cls, gateway, seq, now + self.ttl)
         for t, (cls, seq, remaining, tenant) in waiting.items():
             if t not in self.leases and self._find(t) is None:
-                self.queues[cls].append(Waiter(t, cls, now + remaining, gateway, seq, tenant))
+                self._put(Waiter(t, cls, now + remaining, gateway, seq, tenant))
         for t, lease in list(self.leases.items()):
             if lease.gateway == gateway and lease.seq < watermark and t not in held and t not in waiting:
                 del self.leases[t]
                 self._ramp_give()
         for q in self.queues:
-            q[:] = [w for w in q if not (w.gateway == gateway and w.seq < watermark and w.ticket not in waiting)]
+            self._drop_where(q, lambda w: w.gateway == gateway and w.seq < watermark and w.ticket not in waiting)
         self.reclaim(now)
         return self.grant(now)
 

@@ -282,6 +282,10 @@ class Snapshot:
     # window (`RATE_TAU_S`; 1 = unknown or unchanged): how much the capacity behind the measured
     # rate grew, e.g. the replicas a scale-up just added (the processor's registry view).
     capacity_growth: float = 1.0
+    # This request's class's waiters ahead of it in the grant order (None: all of them, arrival
+    # order). The shared queue orders each class fairly over tenants (leases.lua `fair`): a
+    # tenant with fewer waiters than others goes ahead of their later ones.
+    ahead: int | None = None
 
     def release_rate(self, cap: float = math.inf) -> float:
         """Permits freed per second now. The decayed rate lags a pool that just filled up:
@@ -630,11 +634,12 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         free = max(0, free - kept)
     higher = [k for k in CLASSES if k < cls]
     higher_queued = sum(q[k] for k in higher)
+    own = q[cls] if snap.ahead is None else min(q[cls], max(0, snap.ahead))
     paced = reject_fast and snap.ramp and ramp_paces(cls, inflight)
     # Only the pacing in the way: the permits free for this class cover every waiter that goes
     # before it (the higher classes' and its own) and it, so the grant loop would hand it one
     # at once but for the onset ramp's tokens or the prefill pacing (`paced_only`).
-    only_pacing = paced and (snap.ramp_refill > 0 or snap.pf_rate > 0) and free >= higher_queued + q[cls] + 1
+    only_pacing = paced and (snap.ramp_refill > 0 or snap.pf_rate > 0) and free >= higher_queued + own + 1
     if paced and (snap.ramp_refill > 0 or not only_pacing):
         # Paced by the onset ramp: a free permit is its only with a token, which the snapshot
         # does not show; the pessimistic reading counts no token in the bucket now, only the
@@ -663,7 +668,7 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     # Above its reservation the class gets nothing while higher classes take every release.
     excess = max(0, inflight[cls] - res[cls]) if open_rate < r else 0
     return WaitEstimate(
-        ahead=q[cls], free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
+        ahead=own, free=free, gap=gap, rate=r, class_rate=per_permit * res[cls], samples=samples,
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
         excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill, arriving=snap.arriving,

@@ -290,6 +290,11 @@ class PoolStatus:
     tail_left: tuple[float, float, float] | None = None  # s to each class's newest waiter's deadline
     pf_wait: float = 0.0  # s until prefill pacing lets a lower class in (while a P0 runs; leases.lua `pfw`)
     pf_backlog: float = 0.0  # prompt tokens above the pace level, summed over the endpoints (`pfb`)
+    # The asking request's class's waiters ahead of it in the fair order (leases.lua `fair`;
+    # None: not an answer to a request, or a script without it): fewer than the class's queue
+    # for a tenant with fewer waiters than others.
+    ahead: int | None = None
+    named_queued: tuple[int, int, int] | None = None  # waiters with a tenant per class (`n0`..`n2`)
 
     @property
     def inflight_total(self) -> int:
@@ -327,4 +332,6 @@ class PoolStatus:
             tail_left=_per_class(f, "tl"),
             pf_wait=float(f.get("pfw", 0)) / 1000,
             pf_backlog=float(f.get("pfb", 0)),
+            ahead=int(f["ahead"]) if "ahead" in f else None,
+            named_queued=(int(f["n0"]), int(f["n1"]), int(f["n2"])) if "n0" in f else None,
         )

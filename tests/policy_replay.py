@@ -201,11 +201,13 @@ def clone(table: PermitTable) -> PermitTable:
                      for q in table.queues)
     t.gateways = dict(table.gateways)
     t.creditors = set(table.creditors)
+    t.vtime, t.anon_next, t.flow_next = list(table.vtime), list(table.anon_next), dict(table.flow_next)
     return t
 
 
 def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int, timeout_s: float,
-                                    now: float, future: list[tuple[float, int]] | None = None) -> bool:
+                                    now: float, future: list[tuple[float, int]] | None = None,
+                                    tenant: str = "oracle") -> bool:
     """The rule's promise, checked on the real grant loop: enqueue the request into the grant
     loop's exact state and free permits at the current pool-wide release rate, each class
     freeing in proportion to what it holds. The higher-class requests that really arrive during
@@ -221,7 +223,8 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
             w.deadline = math.inf
     rate = snap.release_rate()
     deadline = now + timeout_s
-    if t.enqueue("me", cls, "oracle", deadline, now)[0] == "granted":
+    # (its own tenant: the grant loop orders a class fairly over tenants, PermitTable._put)
+    if t.enqueue("me", cls, tenant, deadline, now)[0] == "granted":
         return True
     if rate <= 0:
         return False
@@ -261,7 +264,7 @@ def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig]
     return [i for i, table, snap, now in out.drop_states
             if history[i].cls in only and now + classes[history[i].cls].queue_timeout_s <= end
             and granted_in_time_at_current_rate(table, snap, history[i].cls, classes[history[i].cls].queue_timeout_s,
-                                                now, joined)]
+                                                now, joined, history[i].tenant)]
 
 
 __all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_in_time",

@@ -104,7 +104,7 @@ def reply(r: object) -> object:
 
 # What a snapshot after a batch's first one reports fresh (leases.lua `snapshot`, `snapo`), with
 # the reply's own fields; the rest is the call's first snapshot's.
-OWN = ("inflight", "queued", "tenant_queued", "class_rate",
+OWN = ("inflight", "queued", "tenant_queued", "class_rate", "ahead",
        "granted", "endpoint", "partial", "credits", "rejected", "enqueued")
 
 

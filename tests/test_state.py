@@ -234,6 +234,7 @@ async def test_lua_matches_reference_model(client: aioredis.Redis, listen: Liste
                 q.clear()
             model.gateways.clear()
             model.creditors.clear()
+            model.forget_order()  # the fair order's state went with the rest
             model.tokens = None  # the bucket went with the state: full again
             model.extra = 0.0  # and the ramp's credit
             model.limit = limit = st.settings.initial_limit if st.settings else limit
