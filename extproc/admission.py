@@ -184,6 +184,7 @@ class PoolRuntime:
     budget_open: bool = False  # degraded: the local table may use the whole budget (`_open_budget`)
     degraded_at: float = 0.0  # clock() when the pool last switched to local limits
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts the sync loop's sleep short
+    sync_due: bool = False  # the sync loop renews at once (the Redis primary moved)
     reserved: set[str] = field(default_factory=set)  # reserve leases the last successful reconcile asserted
     back_ms: float = 0.0  # degraded, back_since set: Redis's time of that first clean reconcile
     live_before: int = 0  # degraded: live gateways in the last sync before the outage
@@ -392,7 +393,15 @@ class Admitter:
                             self._keep_running(f"fg-poll-{rt.cfg.name}", partial(self._poll_loop, rt))]
         clients = {id(c): c for c in (self.client, self.pubsub_client,
                                       *(x for rt in self.pools.values() for x in (rt.client, rt.pubsub_client)))}
-        self._tasks.append(self._keep_running("fg-sentinel", partial(follow_sentinel_primary, list(clients.values()))))
+        self._tasks.append(self._keep_running("fg-sentinel", partial(follow_sentinel_primary, list(clients.values()),
+                                                                     on_moved=self._primary_moved)))
+
+    def _primary_moved(self) -> None:
+        """Sentinel named a new primary: every pool re-asserts its permits, waiters and
+        liveness there now, not at its next renewal."""
+        for rt in self.pools.values():
+            rt.sync_due = True
+            rt.wake.set()
 
     def _keep_running(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A background loop that an unexpected error must not end silently: a dead sync loop
@@ -1265,8 +1274,8 @@ class Admitter:
                     last_sync = self.clock()
                 continue
             now = self.clock()
-            if now - last_sync >= interval:
-                last_sync = now
+            if now - last_sync >= interval or rt.sync_due:
+                last_sync, rt.sync_due = now, False
                 with contextlib.suppress(RedisDown):
                     await self._sync(rt)
                     await self._claim_gateway_id(rt)

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -278,7 +278,8 @@ def make_client(url: str, *, password: str | None = None, op_timeout_s: float = 
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2), **common)
 
 
-async def follow_sentinel_primary(clients: Sequence[object], *, interval_s: float = 0.5) -> None:
+async def follow_sentinel_primary(clients: Sequence[object], *, interval_s: float = 0.5,
+                                  on_moved: Callable[[], None] | None = None) -> None:
     """Until cancelled: ask the sentinels which server is the primary every `interval_s`, and
     when it moves (a failover, or a planned `SENTINEL FAILOVER` where every server stays up)
     close every connection of `clients`, in use or idle, so that their next calls (a call cut
@@ -286,7 +287,10 @@ async def follow_sentinel_primary(clients: Sequence[object], *, interval_s: floa
     sentinels only when it opens a connection: after a switchover the old primary stays writable
     until Sentinel reconfigures it (about 10 s), and the processors kept admitting on it while
     new connections (`floodgate status`, a reconnect) used the new one: two admission states at
-    once, up to 2 × L in flight. Clients of other kinds are ignored (returns at once)."""
+    once, up to 2 × L in flight. Clients of other kinds are ignored (returns at once).
+    `on_moved` is called after the connections are closed: the processor re-asserts its state on
+    the new primary at once (a failover may have lost the last writes; the next renewal was up to
+    `lease_ttl_s / 3` away, on a loaded box past the CI test's 5 s)."""
     managed = [c for c in clients if isinstance(c, _SentinelManaged) and c.fg_sentinel is not None]
     if not managed:
         return
@@ -305,6 +309,8 @@ async def follow_sentinel_primary(clients: Sequence[object], *, interval_s: floa
                 for c in managed:
                     with contextlib.suppress(Exception):
                         await c.connection_pool.disconnect(inuse_connections=True)
+                if on_moved is not None:
+                    on_moved()
             known = (str(addr[0]), int(addr[1]))
         await asyncio.sleep(interval_s)
 
