@@ -65,6 +65,7 @@ from floodgate.extproc.policy import (
     ARRIVAL_FAST_TAU_S,
     ARRIVAL_TAU_S,
     CLASSES,
+    PEER_ARRIVALS_FRESH_S,
     RAMP_CREDIT_S,
     RAMP_MIN_BURST,
     RAMP_MIN_BURST_PER_ENDPOINT,
@@ -76,6 +77,7 @@ from floodgate.extproc.policy import (
     Reject,
     level_growth,
     min_chance,
+    pool_arrivals,
     ramp_credit,
     retry_after,
 )
@@ -98,9 +100,11 @@ from floodgate.extproc.schema import (
     TURNED_AWAY,
     PoolSettings,
     PoolStatus,
+    format_arrivals,
     gateway_channel,
     gateway_claim_key,
     key,
+    parse_arrivals,
 )
 from floodgate.extproc.state import PoolState
 from redis.exceptions import ResponseError
@@ -218,7 +222,7 @@ class PoolRuntime:
     unconfirmed: set[str] = field(default_factory=set)  # tickets whose grants wait for a sync to confirm them
     confirming: bool = False  # `_confirm` is running
     # Requests arriving per class at this process (early drop: higher classes' arrivals jump
-    # ahead of a waiter); the pool-wide rate is this times the live processors.
+    # ahead of a waiter); the pool-wide rate adds the other processors' (`peer_arrivals`).
     arrivals: ClassRates = field(default_factory=lambda: per_class_rates(ARRIVAL_TAU_S))
     # The same with a short decay: a class that would rather be told at once reads the faster of
     # the two, which follows a burst's onset (policy.wait_estimate, reject_fast).
@@ -227,6 +231,10 @@ class PoolRuntime:
     # early drop spends for a class that would rather be told at once (policy.min_chance).
     rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
     slow_rejections: ClassRates = field(default_factory=lambda: per_class_rates(SLOW_TAU_S))
+    # The other processors' own arrival rates (slow, fast) as they last shared them (schema.ARRIVALS,
+    # read at the status tick), and when (clock()); None: not read yet.
+    peer_arrivals: tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]] | None = None
+    peer_arrivals_at: float = -1e9
     # Requests per class waiting now on that budget (let in where the strict reading would have
     # turned them away, and short of the class's own chance at the point estimates,
     # policy.budget_risk): they hold it until they end (policy.min_chance's `waiting`).
@@ -266,10 +274,19 @@ class PoolRuntime:
         """policy.level_growth of the active endpoints (1 without endpoint picking)."""
         return level_growth(self.endpoints_mean, self.endpoints_seen, now)
 
-    def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
-        n = max(1, processors)
+    def own_arrival_rates(self, now: float, *, fast: bool = False) -> tuple[float, float, float]:
         a = self.arrivals_fast if fast else self.arrivals
-        return a[0].read(now) * n, a[1].read(now) * n, a[2].read(now) * n
+        return a[0].read(now), a[1].read(now), a[2].read(now)
+
+    def arrival_rates(self, now: float, processors: int = 1, *, fast: bool = False) -> tuple[float, float, float]:
+        """The pool-wide arrival rates (policy.pool_arrivals): the peers' shared rates while
+        fresh and from as many peers as the other live processors, else own x `processors`."""
+        peers = None
+        shared = self.peer_arrivals
+        if shared is not None and now - self.peer_arrivals_at <= PEER_ARRIVALS_FRESH_S \
+                and len(shared[0]) + 1 >= processors:
+            peers = shared[1] if fast else shared[0]
+        return pool_arrivals(self.own_arrival_rates(now, fast=fast), peers, processors)
 
     def min_chance(self, cls: int, now: float) -> float:
         """The chance a request of class `cls` needs to wait now (policy.min_chance)."""
@@ -1342,6 +1359,29 @@ class Admitter:
         rt.credit_uses = 0
         await self._refresh_registry(rt)
         await self._flush_demand(rt)
+        await self._share_arrivals(rt)
+
+    async def _share_arrivals(self, rt: PoolRuntime) -> None:
+        """Write this process's own arrival rates to the pool's shared hash and read the other
+        processors' (policy.pool_arrivals). Ages are judged by the writers' wall clocks."""
+        now, wall_ms = self.clock(), time.time() * 1000
+        mine = format_arrivals(wall_ms, rt.own_arrival_rates(now), rt.own_arrival_rates(now, fast=True))
+        try:
+            shared = await self.call(rt, "arrivals", lambda: rt.state.share_arrivals(
+                self.gateway_id, mine, forget_before_ms=wall_ms - 60_000))
+        except ResponseError as exc:  # e.g. a Redis user not allowed the key: own x processors, as before
+            if rt.peer_arrivals is not None or rt.peer_arrivals_at == -1e9:
+                log.warning("pool %s: cannot share arrival rates in Redis (%s): early drop reads this "
+                            "processor's own rates times the live processors", rt.cfg.name, exc)
+            rt.peer_arrivals, rt.peer_arrivals_at = None, 0.0
+            return
+        slow, fast = [], []
+        for gw, v in shared.items():
+            p = parse_arrivals(v)
+            if gw != self.gateway_id and p is not None and wall_ms - p[0] <= PEER_ARRIVALS_FRESH_S * 1000:
+                slow.append(p[1])
+                fast.append(p[2])
+        rt.peer_arrivals, rt.peer_arrivals_at = (slow, fast), now
 
     def _lose_registry(self, rt: PoolRuntime) -> None:
         rt.registry_lost = True

@@ -148,8 +148,8 @@ class SharedBackend:
         self.a = admitter
 
     def _arrivals(self, rt: PoolRuntime, st: PoolStatus) -> tuple[Rates, Rates]:
-        """Pool-wide arrival rates per class (and the fast-reacting ones): this process's, times
-        the live processors."""
+        """Pool-wide arrival rates per class (and the fast-reacting ones): this process's plus
+        the other processors' as they shared them (PoolRuntime.arrival_rates)."""
         now = self.a.clock()
         return (rt.arrival_rates(now, st.live_gateways), rt.arrival_rates(now, st.live_gateways, fast=True))
 
@@ -370,8 +370,8 @@ class LocalBackend:
         snap = rt.local.snapshot(cls, req.tenant, a.local_rate(rt), now=now,
                                  release_n=last.release_n if last else 0,
                                  inflight_avg=(last.inflight_avg * rt.local.limit / max(1, last.limit)) if last else 0.0,
-                                 arrival_rates=rt.arrival_rates(now),
-                                 arrival_rates_fast=rt.arrival_rates(now, fast=True))
+                                 arrival_rates=rt.own_arrival_rates(now),  # its own queue: its own arrivals
+                                 arrival_rates_fast=rt.own_arrival_rates(now, fast=True))
         decision = queue_decision(cls, snap, rt.cfg.classes, a.cfg.admission, a.rng(), named_tenant=bool(req.tenant),
                                   chance=rt.min_chance(cls, now))
         if isinstance(decision, Reject):

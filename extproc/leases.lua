@@ -38,7 +38,8 @@ local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
 local RATE_MIN_AGE_MS = 1000
 local WAITER_GRACE_MS = 1000
-local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2', 'n0', 'n1', 'n2'}  -- n: waiters with a tenant
+-- n: waiters with a tenant, nf: tenants with waiters (per class)
+local COUNT_FIELDS = {'i0', 'i1', 'i2', 'q0', 'q1', 'q2', 'n0', 'n1', 'n2', 'nf0', 'nf1', 'nf2'}
 -- A field whose value is longer than `hash-max-listpack-value` (64 by default) makes the server
 -- keep a hash as a hashtable for good (it never converts back while the key exists). `sync`
 -- writes it into the per-ticket hashes (lmeta, qmeta) and the state hash: as listpacks (the
@@ -87,6 +88,7 @@ local ST, ST_DIRTY  -- state hash fields (strings as stored), and the ones to wr
 local INF, QUE, CNT_DIRTY  -- in-flight and queued per class (1-based), from the counts hash
 local INF0, QUE0           -- as read (flush writes only what changed)
 local NQ, NQ0              -- waiters with a tenant per class (1-based), as now and as read
+local NF, NF0              -- tenants with waiters per class (1-based), as now and as read
 local FQ, FQ_DIRTY         -- the fair order (fair()): {v, a, t} per class, and whether to write it back
 local ALIVE         -- gateway -> alive, memo for this call
 local LIVE_UNTIL    -- gateway -> when its liveness ends (ms), where ALIVE was read or set
@@ -170,6 +172,8 @@ local function counts()
     INF = {(v[1] or 0) + 0, (v[2] or 0) + 0, (v[3] or 0) + 0}
     QUE = {(v[4] or 0) + 0, (v[5] or 0) + 0, (v[6] or 0) + 0}
     NQ = {(v[7] or 0) + 0, (v[8] or 0) + 0, (v[9] or 0) + 0}
+    NF = {(v[10] or 0) + 0, (v[11] or 0) + 0, (v[12] or 0) + 0}
+    NF0 = {NF[1], NF[2], NF[3]}
     INF0 = {INF[1], INF[2], INF[3]}
     QUE0 = {QUE[1], QUE[2], QUE[3]}
     NQ0 = {NQ[1], NQ[2], NQ[3]}
@@ -180,6 +184,7 @@ end
 local function add_inflight(c, d) counts() INF[c] = INF[c] + d CNT_DIRTY = true end
 local function add_queued(c, d) counts() QUE[c] = QUE[c] + d CNT_DIRTY = true end
 local function add_named(c, d) counts() NQ[c] = math.max(0, NQ[c] + d) CNT_DIRTY = true end
+local function add_flow(c, d) counts() NF[c] = math.max(0, NF[c] + d) CNT_DIRTY = true end
 
 -- Write back what this call changed in the counts and state hashes (mutating ops only).
 local function flush()
@@ -189,6 +194,7 @@ local function flush()
       if INF[k] ~= INF0[k] then table.insert(args, COUNT_FIELDS[k]) table.insert(args, INF[k]) end
       if QUE[k] ~= QUE0[k] then table.insert(args, COUNT_FIELDS[k + 3]) table.insert(args, QUE[k]) end
       if NQ[k] ~= NQ0[k] then table.insert(args, COUNT_FIELDS[k + 6]) table.insert(args, NQ[k]) end
+      if NF[k] ~= NF0[k] then table.insert(args, COUNT_FIELDS[k + 9]) table.insert(args, NF[k]) end
     end
     if #args > 0 then redis.call('HSET', K.counts, unpack(args)) end
   end
@@ -696,6 +702,7 @@ local function unqueue(ticket, meta, popped, c, tenant)
     local field = 't' .. CLS[c + 1] .. ':' .. tenant
     if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
       redis.call('HDEL', K.counts, field, flow_field(c + 1, tenant))  -- and its flow's tag: no backlog
+      add_flow(c + 1, -1)
     end
   elseif QUE[c + 1] <= NQ[c + 1] then  -- the tenant-less flow has no waiter left: no backlog either
     local F = fair()
@@ -735,7 +742,9 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   if not tail then  -- placed ahead of others (fair order): the memo's edges may both have moved
     if EDGE then EDGE[c + 1] = nil end
   elseif e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
-  if tenant ~= '' then redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1) end
+  if tenant ~= '' and redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1) == 1 then
+    add_flow(c + 1, 1)
+  end
 end
 
 -- Time-weighted mean in-flight (decay RATE_TAU_MS) sampled at each release, `lvl` in the state
@@ -815,6 +824,7 @@ local function grant_loop()
         local head = pop_head(c, queued)
         if not head then
           queued[c] = 0  -- repair a drifted counter
+          NQ[c], NF[c] = 0, 0
           CNT_DIRTY = true
         else
           local meta = hgetdel(K.qmeta, head)
@@ -974,16 +984,22 @@ local function snapshot(out, c, tenant, gw)
       tq, named_next = num(r[1], 0), r[2]
     end
     class_rate = read_rate(GRATE[c])
-    -- Its class's waiters ahead of it in the fair order (policy.Snapshot.ahead): the ones whose
-    -- tag is at most the one it would get; all of them when that is past every tag given (one
-    -- flow alone: arrival order, no command). A flow with fewer waiters than this one may still
-    -- pass it as they arrive (not counted: as with the class's own arrivals before).
+    -- Its class's waiters ahead of it (policy.Snapshot.ahead): at least the ones whose tag is
+    -- at most the one it would get (all of them when that is past every tag given: one flow
+    -- alone, arrival order, no command). A flow with waiters is also passed by the later
+    -- arrivals of flows with fewer: with every flow as backlogged as its own, each flow has as
+    -- many ahead of it as it has waiters (own x flows, at most the whole queue). A flow with no
+    -- waiter starts at the virtual time, where no later arrival passes it.
     if queued[c] > 0 then
       local tag = next_tag(c, tenant, named_next)
       if tag > fair().t[c] then
         ahead = queued[c]
       else
         ahead = redis.call('ZCOUNT', K.queue, CLASS_LO[c], '(' .. intstr((c - 1) * CLASS_SPAN + tag % CLASS_SPAN + 1))
+        local anon = math.max(0, queued[c] - NQ[c])
+        local own = tenant ~= '' and tq or anon
+        local flows = NF[c] + (anon > 0 and 1 or 0)
+        ahead = math.max(ahead, math.min(queued[c], own * flows))
       end
     end
   end
@@ -1547,7 +1563,7 @@ local function main(KEYS, ARGV)
   EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
   RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
-  NQ, NQ0, FQ, FQ_DIRTY = nil, nil, nil, false
+  NQ, NQ0, NF, NF0, FQ, FQ_DIRTY = nil, nil, nil, nil, nil, false
   local fake = redis.call('GET', K.testclock)
   if fake then
     now = tonumber(fake)

@@ -129,10 +129,15 @@ class PermitTable:
         return max(self.vtime[cls], nxt)
 
     def ahead(self, cls: int, tenant: str) -> int:
-        """Waiters of `cls` a new request of `tenant` would have ahead of it (leases.lua
-        `snapshot`): the ones whose tag is at most its own."""
+        """Waiters of `cls` a new request of `tenant` counts ahead of it (leases.lua
+        `snapshot`): the ones whose tag is at most its own, or, for a flow with waiters, its
+        waiters times the flows waiting (later arrivals of flows with fewer pass it), at most
+        the whole queue."""
+        q = self.queues[cls]
         tag = self._next_tag(cls, tenant)
-        return sum(1 for w in self.queues[cls] if w.tag <= tag)
+        place = sum(1 for w in q if w.tag <= tag)
+        own = sum(1 for w in q if w.tenant == tenant)
+        return max(place, min(len(q), own * len({w.tenant for w in q})))
 
     def _put(self, w: Waiter) -> None:
         """Queue `w` at its flow's tag (fair order; one flow alone: arrival order)."""

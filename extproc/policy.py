@@ -226,6 +226,25 @@ class DecayingMean:
         self.ts = now
 
 
+PEER_ARRIVALS_FRESH_S = 3.0  # peers' shared arrival rates older than this are not summed
+
+
+def pool_arrivals(own: Sequence[float], peers: Sequence[Sequence[float]] | None,
+                  processors: int) -> tuple[float, float, float]:
+    """The pool-wide arrival rate per class that early drop reads (higher classes' arrivals
+    jump ahead of a waiter): this processor's own rates plus the other processors' own rates as
+    they last shared them (`peers`, schema.ARRIVALS). Without them (`None`: some live processor
+    has not shared, e.g. an older version), this processor's rates times the live processors, as
+    before: an idle peer then counts as much traffic as this one (a review: 8 of 211 P1s
+    early-dropped wrongly with one idle peer, 27 with three, none alone), and a peer that alone
+    takes a class counts as none of it."""
+    if peers is None:
+        n = max(1, processors)
+        return own[0] * n, own[1] * n, own[2] * n
+    return (own[0] + sum(p[0] for p in peers), own[1] + sum(p[1] for p in peers),
+            own[2] + sum(p[2] for p in peers))
+
+
 def level_growth(mean: DecayingMean, level: int, now: float) -> float:
     """A level now (`level`, held since `mean` was last fed) over its time-weighted mean with
     the release rate's decay (`RATE_TAU_S`), at least 1; 1 when nothing is known. `mean` is fed

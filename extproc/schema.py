@@ -46,6 +46,30 @@ EPINF = "epinf"
 # Keys outside the script.
 ENDPOINTS = "endpoints"  # HASH endpoint -> JSON {state, replica, since_ms, meta} (the registry)
 DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOMES)
+# HASH gateway -> "ms r0 r1 r2 f0 f1 f2": each processor's own arrival rates per class (requests
+# per second, the slow and the fast-decaying ones) and when it wrote them (its wall clock, ms),
+# written at its status tick. Early drop sums them into the pool's rates (admission.pool_arrivals)
+# instead of scaling its own by the live processors.
+ARRIVALS = "gwrates"  # (not "a…": the processors ACL may not write keys starting a, e, c: floodgate.redis_acl)
+
+
+def format_arrivals(ms: float, slow: tuple[float, float, float], fast: tuple[float, float, float]) -> str:
+    return " ".join([str(int(ms)), *(f"{r:.6g}" for r in (*slow, *fast))])
+
+
+def parse_arrivals(v: str) -> tuple[float, tuple[float, float, float], tuple[float, float, float]] | None:
+    """(ms, slow, fast) of one `ARRIVALS` field; None for a value that is not one (written by
+    something else: ignored, never an error)."""
+    parts = v.split()
+    if len(parts) != 7:
+        return None
+    try:
+        x = [float(p) for p in parts]
+    except ValueError:
+        return None
+    if any(not (r >= 0 and r < float("inf")) for r in x):
+        return None
+    return x[0], (x[1], x[2], x[3]), (x[4], x[5], x[6])
 CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
 CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
 # STRING: the controller's admission ceiling, in concurrent requests per active endpoint (the

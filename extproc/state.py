@@ -36,6 +36,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from floodgate.extproc.redis_client import is_cluster, make_client
 from floodgate.extproc.schema import (
+    ARRIVALS,
     CLASSES,
     DEMAND,
     DEMAND_OUTCOMES,
@@ -45,6 +46,7 @@ from floodgate.extproc.schema import (
     expand_snapshots,
     gateway_channel,
     key,
+    parse_arrivals,
     parse_fields,
     script_keys,
 )
@@ -401,6 +403,21 @@ class PoolState:
                 for (cls, outcome), n in counts.items():
                     pipe.hincrby(k, demand_field(cls, outcome), n)
                 await pipe.execute()
+
+
+    async def share_arrivals(self, gateway: str, mine: str, forget_before_ms: float) -> dict[str, str]:
+        """Write this gateway's arrival rates (schema.ARRIVALS) and read every gateway's;
+        entries written before `forget_before_ms` (gateways gone for good) are dropped."""
+        k = key(self.pool, ARRIVALS)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(k, gateway, mine)
+            pipe.hgetall(k)
+            _, raw = await pipe.execute()
+        out = {_text(f): _text(v) for f, v in raw.items()}
+        old = [g for g, v in out.items() if (p := parse_arrivals(v)) is None or p[0] < forget_before_ms]
+        if old:
+            await self.client.hdel(k, *old)
+        return out
 
 
 async def read_pool_status(client: aioredis.Redis, pool: str) -> PoolStatus:

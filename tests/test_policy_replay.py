@@ -106,8 +106,8 @@ def test_no_early_drop_of_a_request_the_grant_loop_serves_in_time(chunk: int) ->
     loop would have served in time at the current rate (30 before) and 6,978 P2s served in
     time instead of 7,667 (`python -m tests.policy_tradeoff --reject-target`).
 
-    Since the grant loop orders each class fairly over tenants (leases.lua `fair`): 19 of
-    14,993 P0/P1 drops over the 40 histories (0.13 %; 14 of 15,137 in arrival order). These
+    Since the grant loop orders each class fairly over tenants (leases.lua `fair`): 21 of
+    15,001 P0/P1 drops over the 40 histories (0.14 %; 14 of 15,137 in arrival order). These
     histories switch each class's tenant at the load change, where the new tenant's first
     waiters now go ahead of the old one's: from there on a run takes another path. Seeds 30-39
     went from 12 of 1,583 to 16 of 1,593 (seed 38's drops at 61-62 s, in a queue of one tenant),

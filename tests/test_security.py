@@ -532,7 +532,7 @@ async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack
         # Every key the schema lets processors write is writable, every registry key is not
         # (keeps floodgate/redis_acl.py's first-letter patterns honest as keys are added).
         from floodgate.extproc import schema
-        writable = [k for k in (*schema.SCRIPT_KEYS, schema.DEMAND) if k != schema.ACTIVE]
+        writable = [k for k in (*schema.SCRIPT_KEYS, schema.DEMAND, schema.ARRIVALS) if k != schema.ACTIVE]
         for name in writable:
             await processor.delete(schema.key("scratch", name))
         for name in (schema.ACTIVE, schema.ENDPOINTS, schema.CTL_HISTORY, schema.CTL_SEQ):
