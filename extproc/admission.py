@@ -149,7 +149,8 @@ def pool_settings(p: PoolConfig) -> PoolSettings:
         ramp_burst=p.onset_ramp_burst, ramp_rate=p.onset_ramp_rate,
         ramp_min_burst=RAMP_MIN_BURST, ramp_min_rate=RAMP_MIN_RATE_S,
         ramp_ep_burst=RAMP_MIN_BURST_PER_ENDPOINT, ramp_ep_rate=RAMP_MIN_RATE_PER_ENDPOINT_S,
-        pf_rate=p.prefill_tokens_per_s, pf_size=p.prefill_request_tokens, pf_k=p.prefill_pace_tokens)
+        pf_rate=p.prefill_tokens_per_s, pf_size=p.prefill_request_tokens, pf_k=p.prefill_pace_tokens,
+        fair=p.fair_order)
 
 
 ClassRates = tuple[DecayingRate, DecayingRate, DecayingRate]
@@ -372,7 +373,7 @@ class Admitter:
                 cfg=p, settings=settings,
                 state=PoolState(pc, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings,
                                 gateway=self.gateway_id, batch_timeout_s=cfg.redis.op_timeout_s * 2),
-                local=PermitTable(limit=p.limit.initial, shares=settings.shares),
+                local=PermitTable(limit=p.limit.initial, shares=settings.shares, fair=settings.fair),
                 limit=limit_for(p),
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
                 client=pc, pubsub_client=ps,

@@ -129,11 +129,14 @@ def _snapshot(st: PoolStatus, arrivals: tuple[Rates, Rates] | None = None,
                     capacity_growth=growth, ahead=ahead)
 
 
-def local_ahead(st: PoolStatus, cls: int, tenant: str) -> int:
+def local_ahead(st: PoolStatus, cls: int, tenant: str, fair: bool = True) -> int:
     """The fewest waiters of its class a new request can have ahead of it, by a snapshot of
     another request's call (a rejection without a round trip must hold wherever the fair order
     puts it, leases.lua `fair`): the tenant-less waiters go before a tenant-less request (one
-    flow, in arrival order); a named tenant with no waiter goes right behind the head."""
+    flow, in arrival order); a named tenant with no waiter goes right behind the head. With the
+    fair order off (`fair`), every waiter is ahead of it."""
+    if not fair:
+        return st.queued[cls]
     if tenant:
         return 0
     named = st.named_queued[cls] if st.named_queued is not None else 0
@@ -178,7 +181,7 @@ class SharedBackend:
             rt.credit_uses += 1
             return a.permit(rt, ticket, req, "", credit=True)
         # (the last snapshot answered another request: where this one would stand is bounded below)
-        last_snap = self._view(rt, last, local_ahead(last, cls, req.tenant)) if last is not None else None
+        last_snap = self._view(rt, last, local_ahead(last, cls, req.tenant, rt.settings.fair)) if last is not None else None
         if last_snap is not None and age <= SNAPSHOT_FRESH_S:
             # The last snapshot may already prove this request cannot be granted in time
             # (even had the queues drained since): reject without a round trip.
@@ -351,7 +354,7 @@ class LocalBackend:
     def table(rt: PoolRuntime, limit: int) -> PermitTable:
         s = rt.settings
         return PermitTable(limit=limit, shares=s.shares, always=s.always, headroom=s.headroom, max_queue=s.max_queue,
-                           tenant_cap=s.tenant_cap, ttl=math.inf)
+                           tenant_cap=s.tenant_cap, ttl=math.inf, fair=s.fair)
 
     async def admit(self, rt: PoolRuntime, req: Request) -> Permit | Reject | None:
         a, cls = self.a, req.priority

@@ -293,7 +293,9 @@ local function load_settings()
        ramp_ep_burst = tonumber(f.ramp_ep_burst or '0'), ramp_ep_rate_ms = tonumber(f.ramp_ep_rate or '0') / 1000,
        -- prefill-aware picking (absent in older settings: off); tokens per ms of the script's clock
        pf_rate_ms = tonumber(f.pf_rate or '0') / 1000, pf_size = tonumber(f.pf_size or '512'),
-       pf_k = tonumber(f.pf_k or '512')}
+       pf_k = tonumber(f.pf_k or '512'),
+       -- the fair order over tenants (absent in older settings: on); off: one flow, arrival order
+       fair = f.fair ~= '0'}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'
@@ -704,7 +706,9 @@ local function unqueue(ticket, meta, popped, c, tenant)
       redis.call('HDEL', K.counts, field, flow_field(c + 1, tenant))  -- and its flow's tag: no backlog
       add_flow(c + 1, -1)
     end
-  elseif QUE[c + 1] <= NQ[c + 1] then  -- the tenant-less flow has no waiter left: no backlog either
+  end
+  -- The tenant-less flow (every waiter's with the fair order off) has no waiter left: no backlog either.
+  if (tenant == '' or not S.fair) and QUE[c + 1] <= (S.fair and NQ[c + 1] or 0) then
     local F = fair()
     if F.a[c + 1] > F.v[c + 1] then F.a[c + 1] = F.v[c + 1] FQ_DIRTY = true end
   end
@@ -717,15 +721,15 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   ST_DIRTY.seq = true  -- flush writes it
   local qseq = QSEQ
   local F, tag = fair(), nil
-  if tenant == '' then
+  if tenant == '' or not S.fair then
     tag = next_tag(c + 1, '')
     F.a[c + 1] = tag + 1
   else
     local ff = flow_field(c + 1, tenant)
     tag = next_tag(c + 1, tenant, redis.call('HGET', K.counts, ff))
     redis.call('HSET', K.counts, ff, intstr(tag + 1))
-    add_named(c + 1, 1)
   end
+  if tenant ~= '' then add_named(c + 1, 1) end
   local tail = tag >= F.t[c + 1]
   if tag > F.t[c + 1] then F.t[c + 1] = tag end
   FQ_DIRTY = true
@@ -978,6 +982,7 @@ local function snapshot(out, c, tenant, gw)
   local inflight, queued = counts()
   local tq, class_rate, ahead = 0, 0, 0
   if c then
+    ahead = queued[c]  -- (the fair order off: arrival order, all of them)
     local named_next
     if tenant ~= '' then
       local r = redis.call('HMGET', K.counts, 't' .. CLS[c] .. ':' .. tenant, flow_field(c, tenant))
@@ -990,11 +995,9 @@ local function snapshot(out, c, tenant, gw)
     -- arrivals of flows with fewer: with every flow as backlogged as its own, each flow has as
     -- many ahead of it as it has waiters (own x flows, at most the whole queue). A flow with no
     -- waiter starts at the virtual time, where no later arrival passes it.
-    if queued[c] > 0 then
+    if queued[c] > 0 and S.fair then
       local tag = next_tag(c, tenant, named_next)
-      if tag > fair().t[c] then
-        ahead = queued[c]
-      else
+      if tag <= fair().t[c] then
         ahead = redis.call('ZCOUNT', K.queue, CLASS_LO[c], '(' .. intstr((c - 1) * CLASS_SPAN + tag % CLASS_SPAN + 1))
         local anon = math.max(0, queued[c] - NQ[c])
         local own = tenant ~= '' and tq or anon

@@ -102,6 +102,7 @@ class PermitTable:
     anon_next: list[int] = field(default_factory=lambda: [0, 0, 0])
     flow_next: dict[tuple[int, str], int] = field(default_factory=dict)
     arrivals: int = 0
+    fair: bool = True  # off: every waiter in the tenant-less flow (arrival order)
 
     # ------------------------------------------------------------------ reads
 
@@ -124,7 +125,11 @@ class PermitTable:
     def waiting(self) -> set[str]:
         return {w.ticket for q in self.queues for w in q}
 
+    def _flow(self, tenant: str) -> str:
+        return tenant if self.fair else ""
+
     def _next_tag(self, cls: int, tenant: str) -> int:
+        tenant = self._flow(tenant)
         nxt = self.flow_next.get((cls, tenant), 0) if tenant else self.anon_next[cls]
         return max(self.vtime[cls], nxt)
 
@@ -134,6 +139,8 @@ class PermitTable:
         waiters times the flows waiting (later arrivals of flows with fewer pass it), at most
         the whole queue."""
         q = self.queues[cls]
+        if not self.fair:
+            return len(q)
         tag = self._next_tag(cls, tenant)
         place = sum(1 for w in q if w.tag <= tag)
         own = sum(1 for w in q if w.tenant == tenant)
@@ -142,7 +149,7 @@ class PermitTable:
     def _put(self, w: Waiter) -> None:
         """Queue `w` at its flow's tag (fair order; one flow alone: arrival order)."""
         tag = self._next_tag(w.cls, w.tenant)
-        if w.tenant:
+        if self._flow(w.tenant):
             self.flow_next[(w.cls, w.tenant)] = tag + 1
         else:
             self.anon_next[w.cls] = tag + 1
@@ -154,10 +161,10 @@ class PermitTable:
         """`w` left its queue (granted, cancelled, reaped): a flow with no waiter left starts
         afresh (a named tenant's next tag goes; the tenant-less flow's comes back to now)."""
         q = self.queues[w.cls]
-        if w.tenant:
+        if self._flow(w.tenant):
             if not any(x.tenant == w.tenant for x in q):
                 self.flow_next.pop((w.cls, w.tenant), None)
-        elif not any(not x.tenant for x in q):
+        elif not any(not self._flow(x.tenant) for x in q):
             self.anon_next[w.cls] = min(self.anon_next[w.cls], self.vtime[w.cls])
 
     def forget_order(self) -> None:

@@ -196,6 +196,8 @@ class PoolSettings:
     pf_rate: float = 0.0
     pf_size: float = 512.0
     pf_k: float = 512.0
+    # the fair order over tenants within a class (leases.lua `fair`); off: arrival order
+    fair: bool = True
 
     def fields(self) -> dict[str, str]:
         out = {"initial": str(self.initial_limit), "picking": "1" if self.picking else "0",
@@ -203,7 +205,8 @@ class PoolSettings:
                "ramp_rate": repr(float(self.ramp_rate)), "ramp_min_burst": repr(float(self.ramp_min_burst)),
                "ramp_min_rate": repr(float(self.ramp_min_rate)), "ramp_ep_burst": repr(float(self.ramp_ep_burst)),
                "ramp_ep_rate": repr(float(self.ramp_ep_rate)), "pf_rate": repr(float(self.pf_rate)),
-               "pf_size": repr(float(self.pf_size)), "pf_k": repr(float(self.pf_k))}
+               "pf_size": repr(float(self.pf_size)), "pf_k": repr(float(self.pf_k)),
+               "fair": "1" if self.fair else "0"}
         for c in CLASSES:
             out[f"share{c}"] = repr(float(self.shares[c]))
             out[f"always{c}"] = "1" if self.always[c] else "0"
@@ -230,7 +233,8 @@ class PoolSettings:
             ramp_ep_burst=float(f.get("ramp_ep_burst", "0")), ramp_ep_rate=float(f.get("ramp_ep_rate", "0")),
             # settings stored by a version without prefill-aware picking have it off
             pf_rate=float(f.get("pf_rate", "0")), pf_size=float(f.get("pf_size", "512")),
-            pf_k=float(f.get("pf_k", "512")))
+            pf_k=float(f.get("pf_k", "512")),
+            fair=f.get("fair", "1") == "1")  # (absent in older settings: on, as this version queues)
 
     def differences(self, other: PoolSettings) -> list[str]:
         mine, theirs = self.fields(), other.fields()

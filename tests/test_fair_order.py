@@ -29,8 +29,8 @@ from tests.test_admission_e2e import TRUST_LOCAL, hdr
 pytestmark = pytest.mark.integration
 
 
-async def _pool(url: str, limit: int) -> tuple[PoolState, object]:
-    cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0,
+async def _pool(url: str, limit: int, fair: bool = True) -> tuple[PoolState, Any]:
+    cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0, "fair_order": fair,
                                             "limit": {"mode": "static", "initial": limit}}]})
     c = redis_client(url, op_timeout_s=5)
     await c.set(key("p", "testclock"), 1_000_000)  # the script's clock stands still
@@ -108,6 +108,26 @@ async def test_one_flow_alone_keeps_arrival_order(stack: LocalStack) -> None:
             running = await _holder(c)
             granted.append(running)
         assert granted == ["g/2", "g/3", "g/5", "g/6", "g/7"]
+    finally:
+        await c.aclose()
+
+
+async def test_with_the_fair_order_off_a_class_is_served_in_arrival_order(stack: LocalStack) -> None:
+    # `fair_order: false` (a tenant header clients set themselves: each new name would otherwise
+    # go to the head): the quiet tenant waits behind the flood, as every waiter did before.
+    st, c = await _pool(stack.start_redis(), limit=1, fair=False)
+    try:
+        assert (await st.acquire("g/1", "g", 1, 1, "noisy")).granted
+        for i in range(2, 6):
+            assert (await st.admit(f"g/{i}", "g", i, 1, "noisy", 0, 30.0)).enqueued
+        r = await st.admit("g/6", "g", 6, 1, "quiet", 0, 30.0)
+        assert r.enqueued and r.ahead == 4, r
+        order, running = [], "g/1"
+        for _ in range(5):
+            await st.release(running)
+            running = await _holder(c)
+            order.append(running)
+        assert order == ["g/2", "g/3", "g/4", "g/5", "g/6"]
     finally:
         await c.aclose()
 
