@@ -655,11 +655,10 @@ end
 -- pool queued by an older version, whose scores are the queue sequence) tags start past it.
 local function fair()
   if not FQ then
-    local f = state().fq
-    local x = {}
-    if f then for n in string.gmatch(f, '%d+') do x[#x + 1] = n + 0 end end
-    if #x == 9 then
-      FQ = {v = {x[1], x[2], x[3]}, a = {x[4], x[5], x[6]}, t = {x[7], x[8], x[9]}}
+    local v1, v2, v3, a1, a2, a3, t1, t2, t3 = string.match(state().fq or '',
+      '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
+    if v1 then
+      FQ = {v = {v1 + 0, v2 + 0, v3 + 0}, a = {a1 + 0, a2 + 0, a3 + 0}, t = {t1 + 0, t2 + 0, t3 + 0}}
     else
       local s0 = num(state().seq, 0) % CLASS_SPAN + 1
       FQ = {v = {s0, s0, s0}, a = {s0, s0, s0}, t = {s0, s0, s0}}
