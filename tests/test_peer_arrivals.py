@@ -23,8 +23,10 @@ from floodgate.extproc.policy import pool_arrivals
 from floodgate.extproc.schema import ARRIVALS, format_arrivals, key, parse_arrivals
 from floodgate.extproc.state import PoolState, redis_client
 
+from floodgate.redis_topology import ClusterTopology
 from floodgate.stack import LocalStack
 from tests.helpers import drained, metrics, post
+from tests.redis_topologies import cluster  # noqa: F401 - fixture
 from tests.test_admission_e2e import TRUST_LOCAL, hdr
 
 
@@ -101,3 +103,20 @@ async def test_idle_peers_do_not_make_early_drop_see_more_higher_class_traffic(
     assert rejected <= 0.03 * len(p1), (rejected, len(p1), drops)
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0 and st.queued_total == 0
+
+
+@pytest.mark.integration
+async def test_share_arrivals_on_a_cluster(cluster: ClusterTopology) -> None:  # noqa: F811
+    # The write and the read go as one pipeline; on a Cluster the key's hash tag keeps both on
+    # the pool's shard (a cross-slot pipeline would fail every status tick).
+    cfg = Config.model_validate({"pools": [{"name": "p"}]})
+    c = redis_client(cluster.url, op_timeout_s=5)
+    try:
+        st = PoolState(c, "p", lease_ttl_s=3, settings=pool_settings(cfg.pools[0]), gateway="a")
+        now_ms = time.time() * 1000
+        await st.share_arrivals("b", format_arrivals(now_ms, (2, 0, 0), (3, 0, 0)), now_ms - 60_000)
+        got = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000)
+        assert {g: parse_arrivals(v) for g, v in got.items()} == {
+            "a": (int(now_ms), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0)), "b": (int(now_ms), (2.0, 0.0, 0.0), (3.0, 0.0, 0.0))}
+    finally:
+        await c.aclose()
