@@ -104,7 +104,7 @@ from floodgate.extproc.schema import (
     gateway_channel,
     gateway_claim_key,
     key,
-    parse_arrivals,
+    peer_arrivals,
 )
 from floodgate.extproc.state import PoolState
 from redis.exceptions import ResponseError
@@ -1369,19 +1369,14 @@ class Admitter:
         mine = format_arrivals(wall_ms, rt.own_arrival_rates(now), rt.own_arrival_rates(now, fast=True))
         try:
             shared = await self.call(rt, "arrivals", lambda: rt.state.share_arrivals(
-                self.gateway_id, mine, forget_before_ms=wall_ms - 60_000))
+                self.gateway_id, mine, forget_before_ms=wall_ms - 60_000, forget_after_ms=wall_ms + 60_000))
         except ResponseError as exc:  # e.g. a Redis user not allowed the key: own x processors, as before
             if rt.peer_arrivals is not None or rt.peer_arrivals_at == -1e9:
                 log.warning("pool %s: cannot share arrival rates in Redis (%s): early drop reads this "
                             "processor's own rates times the live processors", rt.cfg.name, exc)
             rt.peer_arrivals, rt.peer_arrivals_at = None, 0.0
             return
-        slow, fast = [], []
-        for gw, v in shared.items():
-            p = parse_arrivals(v)
-            if gw != self.gateway_id and p is not None and wall_ms - p[0] <= PEER_ARRIVALS_FRESH_S * 1000:
-                slow.append(p[1])
-                fast.append(p[2])
+        slow, fast = peer_arrivals(shared, self.gateway_id, wall_ms, PEER_ARRIVALS_FRESH_S)
         rt.peer_arrivals, rt.peer_arrivals_at = (slow, fast), now
 
     def _lose_registry(self, rt: PoolRuntime) -> None:

@@ -177,6 +177,13 @@ local function counts()
     INF0 = {INF[1], INF[2], INF[3]}
     QUE0 = {QUE[1], QUE[2], QUE[3]}
     NQ0 = {NQ[1], NQ[2], NQ[3]}
+    -- Never more waiters with a tenant than waiters, nor tenants than those: an older version's
+    -- grant loop takes waiters without counting these down (a rolling upgrade). `sync` recounts.
+    for k = 1, 3 do
+      local n = math.max(0, math.min(NQ[k], QUE[k]))
+      local f = math.min(NF[k], n)
+      if n ~= NQ[k] or f ~= NF[k] then NQ[k], NF[k], CNT_DIRTY = n, f, true end
+    end
   end
   return INF, QUE
 end
@@ -1295,9 +1302,9 @@ function OPS.sync(ARGV)
   -- A per-endpoint count that is not an integer (written by something else) fails every
   -- HINCRBY on it, and with it every call that grants to or releases from that endpoint: the
   -- processors fell back to local limits for good. The renewal drops it (its count restarts).
-  local counts = redis.call('HGETALL', K.epinf)
-  for i = 1, #counts, 2 do
-    if not string.match(counts[i + 1], '^%-?%d+$') then redis.call('HDEL', K.epinf, counts[i]) end
+  local epc = redis.call('HGETALL', K.epinf)
+  for i = 1, #epc, 2 do
+    if not string.match(epc[i + 1], '^%-?%d+$') then redis.call('HDEL', K.epinf, epc[i]) end
   end
   ramp_refill()
   redis.call('ZADD', K.gws, EXPIRY_S, gw)
@@ -1356,6 +1363,29 @@ function OPS.sync(ARGV)
       unqueue(t, all[i + 1])
       dropped = dropped + 1
     end
+  end
+  -- The waiters with a tenant and the tenants waiting per class, recounted from the per-tenant
+  -- counts (kept by every version), and the next tags of tenants no longer waiting dropped:
+  -- an older version's grant loop leaves both behind (a rolling upgrade).
+  counts()
+  local nq, nf, tags = {0, 0, 0}, {0, 0, 0}, {}
+  local cf = redis.call('HGETALL', K.counts)
+  local waiting_t = {}
+  for i = 1, #cf, 2 do
+    local kind, c1, rest = string.match(cf[i], '^([tf])(%d):(.*)$')
+    local k = CLASS0[c1]
+    if kind == 't' and k then
+      local n = tonumber(cf[i + 1]) or 0
+      if n > 0 then nq[k + 1], nf[k + 1] = nq[k + 1] + n, nf[k + 1] + 1 waiting_t[c1 .. ':' .. rest] = true end
+    elseif kind == 'f' then
+      table.insert(tags, {cf[i], c1 .. ':' .. rest})
+    end
+  end
+  for _, t in ipairs(tags) do
+    if not waiting_t[t[2]] then redis.call('HDEL', K.counts, t[1]) end
+  end
+  for k = 1, 3 do
+    if nq[k] ~= NQ[k] or nf[k] ~= NF[k] then NQ[k], NF[k], CNT_DIRTY = nq[k], nf[k], true end
   end
   -- Sizes of waiters that left without taking theirs (popped by an older version's grant loop,
   -- or queued while the estimate was on and gone after it was turned off): more sizes than

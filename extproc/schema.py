@@ -70,6 +70,24 @@ def parse_arrivals(v: str) -> tuple[float, tuple[float, float, float], tuple[flo
     if any(not (r >= 0 and r < float("inf")) for r in x):
         return None
     return x[0], (x[1], x[2], x[3]), (x[4], x[5], x[6])
+
+
+Rates = tuple[float, float, float]
+
+
+def peer_arrivals(shared: Mapping[str, str], me: str, wall_ms: float,
+                  fresh_s: float) -> tuple[list[Rates], list[Rates]]:
+    """The other gateways' (slow, fast) arrival rates of an `ARRIVALS` hash that are fresh: stamped
+    within `fresh_s` of `wall_ms` either way (a stamp far ahead is a writer whose clock runs
+    ahead: counted as fresh, a dead processor's would add its rates for the whole skew)."""
+    slow: list[Rates] = []
+    fast: list[Rates] = []
+    for gw, v in shared.items():
+        p = parse_arrivals(v)
+        if gw != me and p is not None and abs(wall_ms - p[0]) <= fresh_s * 1000:
+            slow.append(p[1])
+            fast.append(p[2])
+    return slow, fast
 CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
 CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
 # STRING: the controller's admission ceiling, in concurrent requests per active endpoint (the

@@ -405,16 +405,19 @@ class PoolState:
                 await pipe.execute()
 
 
-    async def share_arrivals(self, gateway: str, mine: str, forget_before_ms: float) -> dict[str, str]:
+    async def share_arrivals(self, gateway: str, mine: str, forget_before_ms: float,
+                             forget_after_ms: float = float("inf")) -> dict[str, str]:
         """Write this gateway's arrival rates (schema.ARRIVALS) and read every gateway's;
-        entries written before `forget_before_ms` (gateways gone for good) are dropped."""
+        entries stamped before `forget_before_ms` (gateways gone for good) or after
+        `forget_after_ms` (a writer's clock far ahead of this one's) are dropped."""
         k = key(self.pool, ARRIVALS)
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hset(k, gateway, mine)
             pipe.hgetall(k)
             _, raw = await pipe.execute()
         out = {_text(f): _text(v) for f, v in raw.items()}
-        old = [g for g, v in out.items() if (p := parse_arrivals(v)) is None or p[0] < forget_before_ms]
+        old = [g for g, v in out.items()
+               if (p := parse_arrivals(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
         if old:
             await self.client.hdel(k, *old)
         return out

@@ -132,6 +132,33 @@ async def test_with_the_fair_order_off_a_class_is_served_in_arrival_order(stack:
         await c.aclose()
 
 
+async def test_counts_an_older_version_left_behind_are_repaired(stack: LocalStack) -> None:
+    # A review: during a rolling upgrade the older version's grant loop takes waiters with a
+    # tenant without counting `n<class>` / `nf<class>` down or dropping the tenant's next tag;
+    # left at n1 = 3 with the queue empty, tenant-less requests were served out of arrival order
+    # and told 0 waiters ahead. Here the counts are left so by hand.
+    st, c = await _pool(stack.start_redis(), limit=1)
+    counts = key("p", "counts")
+    try:
+        await c.hset(counts, mapping={"n1": 3, "nf1": 2, "f1:gone": 99})
+        assert (await st.acquire("g/1", "g", 1, 1, "")).granted
+        for i in range(2, 5):
+            r = await st.admit(f"g/{i}", "g", i, 1, "", 0, 30.0)
+            assert r.enqueued and r.ahead == i - 2, r  # tenant-less, one flow: arrival order
+        assert r.named_queued == (0, 0, 0)
+        order, running = [], "g/1"
+        for _ in range(3):
+            await st.release(running)
+            running = await _holder(c)
+            order.append(running)
+        assert order == ["g/2", "g/3", "g/4"]
+        await c.hset(counts, mapping={"n1": 5, "nf1": 4})
+        await st.sync("g", 10, {"g/4": (1, 4, "")}, {})  # a renewal recounts them and drops the stale tag
+        assert await c.hmget(counts, ["n1", "nf1", "f1:gone"]) == [b"0", b"0", None]
+    finally:
+        await c.aclose()
+
+
 async def test_a_quiet_tenant_is_served_beside_a_flood_through_envoy(stack: LocalStack, upstream: int) -> None:
     # Static limit 8, each request holds its permit 500 ms (~16 req/s), shipped classes, all
     # P1. Tenant `noisy` sends 60 req/s (Poisson), tenant `quiet` one every 500 ms, for 12 s.

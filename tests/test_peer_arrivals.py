@@ -20,7 +20,7 @@ import pytest
 from floodgate.extproc.admission import pool_settings
 from floodgate.extproc.config import Config
 from floodgate.extproc.policy import pool_arrivals
-from floodgate.extproc.schema import ARRIVALS, format_arrivals, key, parse_arrivals
+from floodgate.extproc.schema import ARRIVALS, format_arrivals, key, parse_arrivals, peer_arrivals
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.redis_topology import ClusterTopology
@@ -43,6 +43,19 @@ def test_a_shared_value_that_is_not_one_is_ignored() -> None:
         assert parse_arrivals(bad) is None, bad
 
 
+def test_only_fresh_peers_count_whichever_way_their_clock_is_off() -> None:
+    # A review: a dead processor whose clock ran an hour ahead kept counting as a live peer for
+    # the hour (P1s turned away 2 -> 18 of 100 behind a ghost claiming 40 P0/s).
+    now = 1_000_000_000.0
+    shared = {"me": format_arrivals(now, (9, 9, 9), (9, 9, 9)),
+              "behind": format_arrivals(now - 2_000, (1, 0, 0), (2, 0, 0)),
+              "ahead": format_arrivals(now + 2_500, (0, 1, 0), (0, 2, 0)),
+              "ghost": format_arrivals(now + 3_600_000, (40, 0, 0), (40, 0, 0)),
+              "stale": format_arrivals(now - 5_000, (7, 0, 0), (7, 0, 0)), "junk": "x"}
+    slow, fast = peer_arrivals(shared, "me", now, 3.0)
+    assert sorted(slow) == [(0.0, 1.0, 0.0), (1.0, 0.0, 0.0)] and sorted(fast) == [(0.0, 2.0, 0.0), (2.0, 0.0, 0.0)]
+
+
 @pytest.mark.integration
 async def test_share_arrivals_reads_all_and_forgets_the_long_gone(stack: LocalStack) -> None:
     url = stack.start_redis()
@@ -52,10 +65,13 @@ async def test_share_arrivals_reads_all_and_forgets_the_long_gone(stack: LocalSt
         st = PoolState(c, "p", lease_ttl_s=3, settings=pool_settings(cfg.pools[0]), gateway="a")
         now_ms = time.time() * 1000
         await c.hset(key("p", ARRIVALS), mapping={"gone": format_arrivals(now_ms - 120_000, (1, 1, 1), (1, 1, 1)),
+                                                  "future": format_arrivals(now_ms + 3_600_000, (1, 1, 1), (1, 1, 1)),
                                                   "junk": "not rates", "b": format_arrivals(now_ms, (2, 0, 0), (3, 0, 0))})
-        got = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000)
-        assert set(got) == {"a", "b", "gone", "junk"}  # read as they were
-        assert {f.decode() for f in await c.hkeys(key("p", ARRIVALS))} == {"a", "b"}  # the long gone and junk dropped
+        got = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000,
+                                      now_ms + 60_000)
+        assert set(got) == {"a", "b", "gone", "future", "junk"}  # read as they were
+        # the long gone, the far future (a clock an hour ahead) and junk dropped
+        assert {f.decode() for f in await c.hkeys(key("p", ARRIVALS))} == {"a", "b"}
     finally:
         await c.aclose()
 
