@@ -47,6 +47,17 @@ async def _holder(c: Any) -> str:
     return held[0]
 
 
+async def _grants(st: PoolState, c: Any, running: str, n: int) -> list[str]:
+    """Release the permit `running` holds, n times over: the tickets granted it in turn (the
+    pool's one permit goes to the head of the fair order each time)."""
+    order = []
+    for _ in range(n):
+        await st.release(running)
+        running = await _holder(c)
+        order.append(running)
+    return order
+
+
 async def test_a_quiet_tenant_goes_ahead_of_a_flooding_tenants_backlog(stack: LocalStack) -> None:
     st, c = await _pool(stack.start_redis(), limit=1)
     try:
@@ -82,11 +93,7 @@ async def test_a_quiet_tenant_goes_ahead_of_a_flooding_tenants_backlog(stack: Lo
         r = await st.admit(t, "g", n, 1, "", 0, 30.0)
         assert r.enqueued and r.ahead == 2, r  # behind those two only
         anon = t
-        order = []
-        for _ in range(4):  # each release grants the head of the fair order
-            await st.release(running)
-            running = await _holder(c)
-            order.append(running)
+        order = await _grants(st, c, running, 4)
         # noisy's first went in (tag 0, arrived first), then quiet and the tenant-less one, then noisy
         assert order == [noisy[0], quiet, anon, noisy[1]], order
     finally:
@@ -102,12 +109,7 @@ async def test_one_flow_alone_keeps_arrival_order(stack: LocalStack) -> None:
             assert r.enqueued and r.ahead == i - 2
         # a waiter that leaves (cancelled) takes its place with it; the rest keep their order
         assert await st.cancel("g/4") == 0
-        granted, running = [], "g/1"
-        for _ in range(5):
-            await st.release(running)
-            running = await _holder(c)
-            granted.append(running)
-        assert granted == ["g/2", "g/3", "g/5", "g/6", "g/7"]
+        assert await _grants(st, c, "g/1", 5) == ["g/2", "g/3", "g/5", "g/6", "g/7"]
     finally:
         await c.aclose()
 
@@ -122,12 +124,7 @@ async def test_with_the_fair_order_off_a_class_is_served_in_arrival_order(stack:
             assert (await st.admit(f"g/{i}", "g", i, 1, "noisy", 0, 30.0)).enqueued
         r = await st.admit("g/6", "g", 6, 1, "quiet", 0, 30.0)
         assert r.enqueued and r.ahead == 4, r
-        order, running = [], "g/1"
-        for _ in range(5):
-            await st.release(running)
-            running = await _holder(c)
-            order.append(running)
-        assert order == ["g/2", "g/3", "g/4", "g/5", "g/6"]
+        assert await _grants(st, c, "g/1", 5) == ["g/2", "g/3", "g/4", "g/5", "g/6"]
     finally:
         await c.aclose()
 
@@ -146,12 +143,7 @@ async def test_counts_an_older_version_left_behind_are_repaired(stack: LocalStac
             r = await st.admit(f"g/{i}", "g", i, 1, "", 0, 30.0)
             assert r.enqueued and r.ahead == i - 2, r  # tenant-less, one flow: arrival order
         assert r.named_queued == (0, 0, 0)
-        order, running = [], "g/1"
-        for _ in range(3):
-            await st.release(running)
-            running = await _holder(c)
-            order.append(running)
-        assert order == ["g/2", "g/3", "g/4"]
+        assert await _grants(st, c, "g/1", 3) == ["g/2", "g/3", "g/4"]
         await c.hset(counts, mapping={"n1": 5, "nf1": 4})
         await st.sync("g", 10, {"g/4": (1, 4, "")}, {})  # a renewal recounts them and drops the stale tag
         assert await c.hmget(counts, ["n1", "nf1", "f1:gone"]) == [b"0", b"0", None]
