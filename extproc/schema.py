@@ -53,6 +53,11 @@ DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOME
 ARRIVALS = "gwrates"  # (not "a…": the processors ACL may not write keys starting a, e, c: floodgate.redis_acl)
 
 
+# Past any arrival rate one gateway sees (requests/s of a class): a larger shared value is a
+# buggy or hostile writer's, and summed in it would make every peer early-drop everything.
+MAX_SHARED_RATE = 1e6
+
+
 def format_arrivals(ms: float, slow: tuple[float, float, float], fast: tuple[float, float, float]) -> str:
     return " ".join([str(int(ms)), *(f"{r:.6g}" for r in (*slow, *fast))])
 
@@ -67,7 +72,7 @@ def parse_arrivals(v: str) -> tuple[float, tuple[float, float, float], tuple[flo
         x = [float(p) for p in parts]
     except ValueError:
         return None
-    if any(not (r >= 0 and r < float("inf")) for r in x):
+    if not 0 <= x[0] < float("inf") or any(not 0 <= r <= MAX_SHARED_RATE for r in x[1:]):
         return None
     return x[0], (x[1], x[2], x[3]), (x[4], x[5], x[6])
 

@@ -39,7 +39,10 @@ def test_pool_rates_sum_what_the_peers_shared() -> None:
 
 def test_a_shared_value_that_is_not_one_is_ignored() -> None:
     assert parse_arrivals(format_arrivals(1_000.4, (1.5, 0, 2), (3, 4, 5))) == (1000.0, (1.5, 0.0, 2.0), (3.0, 4.0, 5.0))
-    for bad in ("", "1 2 3", "x 1 2 3 4 5 6", "1 2 3 4 5 6 -1", "1 2 3 4 5 6 inf", "1 2 3 4 5 6 nan"):
+    assert parse_arrivals("1 2 3 4 5 6 1e6") is not None
+    # A review: one buggy peer sharing 1e300/s would make every other processor early-drop everything.
+    for bad in ("", "1 2 3", "x 1 2 3 4 5 6", "1 2 3 4 5 6 -1", "1 2 3 4 5 6 inf", "1 2 3 4 5 6 nan",
+                "1 2 3 4 5 6 1e300", "1 1e7 0 0 0 0 0", "-5 1 1 1 1 1 1"):
         assert parse_arrivals(bad) is None, bad
 
 
