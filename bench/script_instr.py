@@ -7,7 +7,7 @@ and the same workload is run against this checkout's leases.lua and against the 
 revision (`--base`), loaded side by side as two Function libraries
 in the same server, alternating. Instruction counts do not depend on the box's load, so the
 ratio does not move with the box (it is no time: a cache miss costs more than an instruction).
-The pools run on a clock of their own (the script's `testclock`, 2 ms per call), not the
+The pools run on a clock of their own (the script's `admin_testclock`, 2 ms per call), not the
 server's: under valgrind a call takes ~100x its real time, and on the real clock what the
 script does (the rates' decay, every time-driven branch) would follow the box's speed.
 What still varies between runs of the same code: by default every instruction of the shard
@@ -84,17 +84,18 @@ class _Pool:
 
         from floodgate.extproc.admission import pool_settings
         from floodgate.extproc.config import PoolConfig
-        from floodgate.extproc.schema import PoolSettings, key, script_keys
+        from floodgate.extproc.schema import SCRIPT_KEYS, PoolSettings, script_keys
 
         self.r, self.fn, self.batch, self.mixed = r, function, batch, mixed
         self.pool = f"instr-{function}-{batch}"
         self.keys = script_keys(self.pool)
         # The pool runs on a clock of its own that advances 2 ms per call (the script reads
-        # `testclock` instead of TIME when it is set): under valgrind a call takes ~100x its
+        # `admin_testclock` instead of TIME when it is set; by its place among the keys, which an
+        # older library under comparison reads under its older name): under valgrind a call takes ~100x its
         # real time, and on the real clock the rates' decay and every time-driven branch
         # would follow the box's speed instead of the workload.
         # (`call` sets it before each call, the first one included)
-        self.clock_key, self.clock = key(self.pool, "testclock"), 1_700_000_000_000
+        self.clock_key, self.clock = self.keys[SCRIPT_KEYS.index("admin_testclock")], 1_700_000_000_000
         big = (10**6,) * 3
         if shipped:  # the shipped classes and onset ramp, the limit and queue caps as below
             settings = dataclasses.replace(pool_settings(PoolConfig()), initial_limit=8 * gateways, max_queue=big,

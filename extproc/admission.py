@@ -85,6 +85,7 @@ from floodgate.extproc.redis_client import (
     OUTAGE_ERRORS,
     AnyRedis,
     Subscription,
+    answered_with_error,
     follow_sentinel_primary,
     is_cluster,
     subscribe,
@@ -548,7 +549,10 @@ class Admitter:
                 return await fn()
         except OUTAGE_ERRORS as exc:
             self.metrics.redis_errors.labels(op).inc()
-            self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}")
+            answered = answered_with_error(exc)
+            if answered:
+                self.metrics.redis_error_replies.labels(op).inc()
+            self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
             raise RedisDown(op) from exc
 
     async def _configure(self, rt: PoolRuntime) -> None:
@@ -624,10 +628,11 @@ class Admitter:
             node = None
         return str(node.name) if node is not None else f"pool:{rt.cfg.name}"
 
-    def _enter_degraded(self, failed: PoolRuntime, why: str, *, alone: bool = False) -> None:
+    def _enter_degraded(self, failed: PoolRuntime, why: str, *, alone: bool = False, answered: bool = False) -> None:
         """A call for `failed` failed: it and the pools on the same server switch to local
         limits (the others' next call would fail too); pools on other shards stay shared.
-        `alone`: only `failed` (its Redis answers, but without its registry)."""
+        `alone`: only `failed` (its Redis answers, but without its registry). `answered`: Redis
+        answered the call with an error (bad data in a pool key, an ACL refusal), not an outage."""
         if failed.degraded or self._closing:
             return
         server = self._server_of(failed)
@@ -665,8 +670,15 @@ class Admitter:
                     w.future.set_exception(Switched())
                     w.future.exception()  # retrieved: the waiter may have gone already
         self.metrics.degraded.set(1)
-        log.warning("redis unreachable (%s): degraded to local limits %s", why,
-                    {rt.cfg.name: (rt.budget, len(rt.held)) for rt in pools})
+        budgets = {rt.cfg.name: (rt.budget, len(rt.held)) for rt in pools}
+        if answered:
+            # Each renewal while degraded drops and recounts counts that are not numbers; other
+            # bad data (a key of the wrong type) stays until someone removes it.
+            log.error("Redis answered with an error (%s): not an outage, Redis is up; a pool key may hold "
+                      "data this version cannot read (docs/operations.md, \"A pool key deleted, evicted or "
+                      "overwritten\"): degraded to local limits %s", why, budgets)
+        else:
+            log.warning("redis unreachable (%s): degraded to local limits %s", why, budgets)
 
     def _open_budget(self, rt: PoolRuntime) -> None:
         """The first reconcile since the pool degraded is over. It failed: Redis is unreachable
@@ -764,9 +776,13 @@ class Admitter:
             if rt.budget_open:
                 rt.local.limit = rt.budget
         m = self.metrics.reconciled
-        for kind, n in (("reasserted", reasserted), ("requeued", res.requeued), ("dropped", dropped)):
+        for kind, n in (("reasserted", reasserted), ("requeued", res.requeued), ("dropped", dropped),
+                        ("recounted", res.recounted)):
             if n:
                 m.labels(rt.cfg.name, kind).inc(n)
+        if res.recounted:
+            log.warning("pool %s: %d shared counts disagreed with the permits and waiters they count (a "
+                        "key deleted, evicted or written by something else): recounted", rt.cfg.name, res.recounted)
         if reasserted:
             self.metrics.lost_leases.labels(rt.cfg.name).inc(reasserted)
         if reasserted and not reconcile:

@@ -32,7 +32,7 @@
 --  * reads (`status`, `get_limit`) never write.
 
 local KEY_NAMES = {'leases', 'lmeta', 'queue', 'qmeta', 'qdl', 'counts', 'state', 'gws', 'active',
-                   'epinf', 'lep', 'creditors', 'epfill', 'settings', 'testclock', 'qsize'}
+                   'epinf', 'lep', 'creditors', 'epfill', 'settings', 'admin_testclock', 'qsize'}
 local CLASS_SPAN = 4294967296
 local RATE_TAU_MS = 10000
 local RATE_MIN_EVENTS = 5
@@ -359,8 +359,8 @@ end
 -- The limit; `write` stores the initial one when the pool has none yet (never on a read).
 local function limit_value(write)
   if LIM then return LIM end
-  local l = state().limit
-  if l then LIM = tonumber(l) return LIM end
+  local l = tonumber(state().limit)  -- (not a number: written by something else; as none)
+  if l then LIM = l return LIM end
   local initial = (S and S.initial) or 1
   if write then
     set_state('limit', tostring(initial))
@@ -1299,6 +1299,14 @@ function OPS.sync(ARGV)
   -- leftovers of an outage) are dropped. Proves the gateway alive for one TTL.
   local gw, watermark, nheld = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
   CALLER = gw
+  -- A count that is not a number (written by something else) fails every call that reads the
+  -- counts: dropped here (before this call reads them), and recounted below like any other.
+  if not INF then
+    local cv = redis.call('HMGET', K.counts, unpack(COUNT_FIELDS))
+    for i = 1, #COUNT_FIELDS do
+      if cv[i] and not tonumber(cv[i]) then redis.call('HDEL', K.counts, COUNT_FIELDS[i]) end
+    end
+  end
   -- A per-endpoint count that is not an integer (written by something else) fails every
   -- HINCRBY on it, and with it every call that grants to or releases from that endpoint: the
   -- processors fell back to local limits for good. The renewal drops it (its count restarts).
@@ -1346,46 +1354,103 @@ function OPS.sync(ARGV)
       requeued = requeued + 1
     end
   end
+  -- This gateway's entries nobody holds any more are dropped; every other entry is counted:
+  -- the counts the calls keep by increments are recounted below from what they count.
+  local inf, que, per = {0, 0, 0}, {0, 0, 0}, {}
   local all = redis.call('HGETALL', K.lmeta)
+  local metas = 0
   for i = 1, #all, 2 do
     local t = all[i]
-    local _, lgw, seq = parse_lmeta(all[i + 1])
+    local c, lgw, seq = parse_lmeta(all[i + 1])
     if t ~= PAD_FIELD and lgw == gw and tonumber(seq) < watermark and not held[t] and not waiting[t] then
       drop_lease(t, false)
       dropped = dropped + 1
+    elseif t ~= PAD_FIELD then
+      inf[c + 1], metas = inf[c + 1] + 1, metas + 1
+    end
+  end
+  if metas ~= redis.call('ZCARD', K.leases) then
+    -- Leases without their meta, or metas without their lease (a key lost or written by
+    -- something else): count the leases, those without a meta as their release counts them.
+    inf = {0, 0, 0}
+    for _, t in ipairs(redis.call('ZRANGE', K.leases, 0, -1)) do
+      local c = parse_lmeta(redis.call('HGET', K.lmeta, t))
+      inf[c + 1] = inf[c + 1] + 1
     end
   end
   all = redis.call('HGETALL', K.qmeta)
   for i = 1, #all, 2 do
     local t = all[i]
-    local _, _, qgw, seq = parse_qmeta(all[i + 1])
+    local c, _, qgw, seq, tenant = parse_qmeta(all[i + 1])
     if t ~= PAD_FIELD and qgw == gw and tonumber(seq) < watermark and not waiting[t] then
       unqueue(t, all[i + 1])
       dropped = dropped + 1
+    elseif t ~= PAD_FIELD and c then
+      que[c + 1] = que[c + 1] + 1
+      if tenant ~= '' then
+        local f = 't' .. CLS[c + 1] .. ':' .. tenant
+        per[f] = (per[f] or 0) + 1
+      end
     end
   end
-  -- The waiters with a tenant and the tenants waiting per class, recounted from the per-tenant
-  -- counts (kept by every version), and the next tags of tenants no longer waiting dropped:
-  -- an older version's grant loop leaves both behind (a rolling upgrade).
+  -- In-flight and queued per class, waiters per tenant, and (for the fair order) the waiters
+  -- with a tenant and the tenants waiting per class. Kept by increments, a count never repaired
+  -- itself: one lost (the counts hash deleted or evicted, a value written by something else)
+  -- let the pool run past its limit for good (a review: 8 upstream at limit 4 after a DEL), and
+  -- an older version's grant loop leaves the fair order's behind (a rolling upgrade). The next
+  -- tags of tenants no longer waiting are dropped too.
   counts()
-  local nq, nf, tags = {0, 0, 0}, {0, 0, 0}, {}
+  local recounted = 0
+  local nq, nf = {0, 0, 0}, {0, 0, 0}
+  for f, n in pairs(per) do
+    local k = CLASS0[string.sub(f, 2, 2)] + 1
+    nq[k], nf[k] = nq[k] + n, nf[k] + 1
+  end
   local cf = redis.call('HGETALL', K.counts)
-  local waiting_t = {}
+  local seen = {}
   for i = 1, #cf, 2 do
     local kind, c1, rest = string.match(cf[i], '^([tf])(%d):(.*)$')
-    local k = CLASS0[c1]
-    if kind == 't' and k then
-      local n = tonumber(cf[i + 1]) or 0
-      if n > 0 then nq[k + 1], nf[k + 1] = nq[k + 1] + n, nf[k + 1] + 1 waiting_t[c1 .. ':' .. rest] = true end
-    elseif kind == 'f' then
-      table.insert(tags, {cf[i], c1 .. ':' .. rest})
+    if kind == 't' then
+      local n = per[cf[i]]
+      seen[cf[i]] = true
+      if n ~= tonumber(cf[i + 1]) then
+        recounted = recounted + 1
+        if n then redis.call('HSET', K.counts, cf[i], n) else redis.call('HDEL', K.counts, cf[i]) end
+      end
+    elseif kind == 'f' and not per['t' .. c1 .. ':' .. rest] then
+      redis.call('HDEL', K.counts, cf[i])
     end
   end
-  for _, t in ipairs(tags) do
-    if not waiting_t[t[2]] then redis.call('HDEL', K.counts, t[1]) end
+  for f, n in pairs(per) do  -- tenants waiting whose count was lost
+    if not seen[f] then
+      redis.call('HSET', K.counts, f, n)
+      recounted = recounted + 1
+    end
   end
   for k = 1, 3 do
+    if inf[k] ~= INF[k] or que[k] ~= QUE[k] then
+      recounted = recounted + 1
+      INF[k], QUE[k], CNT_DIRTY = inf[k], que[k], true
+    end
     if nq[k] ~= NQ[k] or nf[k] ~= NF[k] then NQ[k], NF[k], CNT_DIRTY = nq[k], nf[k], true end
+  end
+  -- Permits per endpoint, from the endpoint each lease was routed to (picking).
+  if redis.call('EXISTS', K.lep) == 1 or redis.call('EXISTS', K.epinf) == 1 then
+    local per_ep = {}
+    local lep = redis.call('HGETALL', K.lep)
+    for i = 1, #lep, 2 do per_ep[lep[i + 1]] = (per_ep[lep[i + 1]] or 0) + 1 end
+    local ep = redis.call('HGETALL', K.epinf)
+    for i = 1, #ep, 2 do
+      if per_ep[ep[i]] ~= tonumber(ep[i + 1]) then
+        recounted = recounted + 1
+        if per_ep[ep[i]] then redis.call('HSET', K.epinf, ep[i], per_ep[ep[i]]) else redis.call('HDEL', K.epinf, ep[i]) end
+      end
+      per_ep[ep[i]] = nil
+    end
+    for e, n in pairs(per_ep) do
+      redis.call('HSET', K.epinf, e, n)
+      recounted = recounted + 1
+    end
   end
   -- Sizes of waiters that left without taking theirs (popped by an older version's grant loop,
   -- or queued while the estimate was on and gone after it was turned off): more sizes than
@@ -1397,8 +1462,8 @@ function OPS.sync(ARGV)
   end
   reclaim()
   grant_loop()
-  return snapshot({'granted', '0', 'reasserted', reasserted, 'requeued', requeued, 'dropped', dropped},
-                  nil, nil, gw)
+  return snapshot({'granted', '0', 'reasserted', reasserted, 'requeued', requeued, 'dropped', dropped,
+                   'recounted', recounted}, nil, nil, gw)
 end
 
 function OPS.mine(ARGV)
@@ -1596,9 +1661,11 @@ local function main(KEYS, ARGV)
   RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
   LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
   NQ, NQ0, NF, NF0, FQ, FQ_DIRTY = nil, nil, nil, nil, nil, false
-  local fake = redis.call('GET', K.testclock)
+  -- A clock only tests set (the processors' ACL user may not write keys starting with `a`);
+  -- a value that is not a number is none.
+  local fake = tonumber(redis.call('GET', K.admin_testclock))
   if fake then
-    now = tonumber(fake)
+    now = fake
   else
     local t = redis.call('TIME')
     now = t[1] * 1000 + math.floor(t[2] / 1000)

@@ -108,6 +108,11 @@ class Metrics:
         self.degraded_transitions = Counter(
             "floodgate_degraded_transitions", "Entries of a pool into degraded mode.", ["pool"], registry=r)
         self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
+        self.redis_error_replies = Counter(
+            "floodgate_redis_error_replies",
+            "Of floodgate_redis_errors, the calls Redis answered with an error reply (a script error "
+            "on data it cannot read, an ACL refusal): not an outage; the pool degrades as for one.",
+            ["op"], registry=r)
         self.loop_restarts = Counter(
             "floodgate_background_loop_restarts", "Background loops (sync, poll, pub/sub) restarted after an "
             "unexpected error (logged with its traceback).", ["loop"], registry=r)
@@ -127,7 +132,9 @@ class Metrics:
         self.reconciled = Counter(
             "floodgate_reconciled",
             "Corrections a sync made in Redis: reasserted (permits live requests hold that Redis had "
-            "lost), requeued (waiters it had lost), dropped (entries this process no longer holds).",
+            "lost), requeued (waiters it had lost), dropped (entries this process no longer holds), "
+            "recounted (shared counts that disagreed with the permits and waiters they count: a key "
+            "deleted, evicted or written by something else).",
             ["pool", "kind"], registry=r)
         self.gateway_id_conflicts = Counter(
             "floodgate_gateway_id_conflicts",

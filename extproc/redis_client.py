@@ -66,6 +66,19 @@ POOL_SIZE_NONBLOCKING = 2048  # per node (Sentinel primary, Cluster node): a cal
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
+def answered_with_error(exc: BaseException) -> bool:
+    """Did Redis answer (an error reply) rather than fail to answer? A script error on data it
+    cannot read (a key of the wrong type, a value written by something else) or an ACL refusal
+    is no outage: retrying elsewhere will not help, and logging it as "unreachable" sent
+    operators after the network. Replies that mean the server is not serving now (a replica,
+    loading, a busy script, a cluster or primary down) count as outages."""
+    from redis.exceptions import ReadOnlyError, ResponseError, TryAgainError
+
+    if not isinstance(exc, ResponseError) or isinstance(exc, (ReadOnlyError, TryAgainError)):
+        return False
+    return not str(exc).startswith(("LOADING", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "READONLY"))
+
+
 class RedisURLError(ValueError):
     """A malformed Redis URL; the message says what is wrong (the caller names the field)."""
 

@@ -32,7 +32,8 @@ SCRIPT_KEYS = (
     "creditors",  # SET  gateways holding local credits (told to return them when a queue forms)
     "epfill",     # HASH endpoint -> "tokens|ms": prefill estimate (prefill-aware picking, extproc/prefill.py)
     "settings",   # HASH the pool's admission settings, written once (see PoolSettings)
-    "testclock",  # STRING ms; when present the script uses it instead of TIME (tests only)
+    "admin_testclock",  # STRING ms; when present the script uses it instead of TIME (tests only;
+                        # `a`: the processors' ACL user may not write it, floodgate.redis_acl)
     "qsize",      # HASH ticket -> a waiter's prompt tokens for the prefill estimate (with epfill)
 )
 

@@ -129,6 +129,7 @@ class SyncResult:
     reasserted: int  # permits live requests hold that Redis had lost, leased again
     requeued: int  # waiters Redis had lost, queued again
     dropped: int  # this gateway's leases/waiters nobody holds any more (abandoned calls, outages)
+    recounted: int = 0  # counts that disagreed with the entries they count (a key lost or overwritten)
 
 
 def _size(tokens: float | None) -> tuple[str, ...]:
@@ -317,7 +318,7 @@ class PoolState:
         raw = await self._run("sync", gateway, watermark, len(held_args), *held_args, *wait_args)
         f = parse_fields(raw)
         return SyncResult(PoolStatus.from_reply(raw), int(f["reasserted"]), int(f["requeued"]),
-                          int(f["dropped"]))
+                          int(f["dropped"]), int(f.get("recounted", 0)))
 
     async def granted_among(self, tickets: list[str]) -> dict[str, str]:
         """Which of these waiting tickets hold a permit now, and the endpoint each was routed to."""

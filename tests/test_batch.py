@@ -51,11 +51,11 @@ async def make(c: aioredis.Redis, pool: str, *, gateway: str = "", limit: int = 
 
 
 async def dump(c: aioredis.Redis, pool: str) -> dict[str, object]:
-    """Every key of the pool, by its role (the testclock excluded)."""
+    """Every key of the pool, by its role (the test clock excluded)."""
     out: dict[str, object] = {}
     for name, k in zip(SCRIPT_KEYS, script_keys(pool), strict=True):
         t = (await c.type(k)).decode()
-        if name == "testclock" or t == "none":
+        if name == "admin_testclock" or t == "none":
             continue
         if t == "zset":
             out[name] = await c.zrange(k, 0, -1, withscores=True)
@@ -137,7 +137,7 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
     bat = await make(client, f"bat{seed}", gateway="ga", on_grant=grants_bat, ttl=3)
     now = 1_000_000
     for st in (one, bat):
-        await client.set(st.keys[K["testclock"]], now)
+        await client.set(st.keys[K["admin_testclock"]], now)
         for g in ("ga", "gb"):
             await st.sync(g, 1, {}, {})
     seqs = {"ga": 0, "gb": 0}
@@ -177,7 +177,7 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
         if rng.random() < 0.3:
             now += rng.choice([100, 700, 2000])
             for st in (one, bat):
-                await client.set(st.keys[K["testclock"]], now)
+                await client.set(st.keys[K["admin_testclock"]], now)
         if rng.random() < 0.1:
             for st in (one, bat):
                 await st.sync("gb", seqs["gb"] + 1, {}, {})  # gb lets go of everything it had
@@ -370,7 +370,7 @@ async def test_an_older_fence_is_refused_only_while_its_gateway_lives(client: ai
     after a clock step: its calls are refused while Redis thinks the gateway alive, and taken
     again once its liveness (one lease TTL) has run out, so it is back on shared state by itself."""
     st = await make(client, "fenced", gateway="ga", limit=2, ttl=3)
-    clock = st.keys[K["testclock"]]
+    clock = st.keys[K["admin_testclock"]]
     await client.set(clock, 1_000_000)
 
     async def batch(fence: int, *ops: object) -> list[object]:

@@ -3,7 +3,7 @@ admit a request (the onset ramp must still pace lower classes), and whether an a
 streams its body to measure latency (bounded, so the cost does not grow with the limit).
 
 The credit test runs the real script on a real Redis-protocol server with its clock frozen
-(`testclock`), so the ramp's bucket does not refill while the test runs, however loaded the box.
+(`admin_testclock`), so the ramp's bucket does not refill while the test runs, however loaded the box.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ async def admitter(stack: LocalStack) -> AsyncIterator[Admitter]:
     client = redis_client(url)
     a = Admitter(_config(url), client, metrics=Metrics(), gateway_id="gw")
     # The script's clock, frozen: the onset ramp's bucket does not refill during the test.
-    await client.set(key("p", "testclock"), 1_000_000)
+    await client.set(key("p", "admin_testclock"), 1_000_000)
     await a._start_pool(a.pools["p"])  # configure + first sync, without the background loops
     try:
         yield a

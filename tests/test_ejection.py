@@ -140,7 +140,7 @@ async def _pool(c: Any, pool: str, settings: PoolSettings) -> PoolState:
 async def test_script_picks_avoid_an_ejected_endpoint_until_it_ends(stack: LocalStack) -> None:
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
-    clock = key("ej", "testclock")
+    clock = key("ej", "admin_testclock")
     try:
         st = await _pool(c, "ej", PICK)
         await c.set(clock, 1_000_000)
@@ -203,7 +203,7 @@ async def test_script_pacing_ignores_an_ejected_endpoints_empty_estimate(stack: 
     it is left out of the pacing as of the pick (the model with the live endpoints only)."""
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
-    clock = key("ejp", "testclock")
+    clock = key("ejp", "admin_testclock")
     try:
         st = await _pool(c, "ejp", PACED)
         model = PrefillEstimate(PrefillSettings(rate=6000.0, request_tokens=512.0, pace_tokens=512.0))

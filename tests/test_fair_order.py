@@ -33,7 +33,7 @@ async def _pool(url: str, limit: int, fair: bool = True) -> tuple[PoolState, Any
     cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0, "fair_order": fair,
                                             "limit": {"mode": "static", "initial": limit}}]})
     c = redis_client(url, op_timeout_s=5)
-    await c.set(key("p", "testclock"), 1_000_000)  # the script's clock stands still
+    await c.set(key("p", "admin_testclock"), 1_000_000)  # the script's clock stands still
     st = PoolState(c, "p", lease_ttl_s=30, settings=pool_settings(cfg.pools[0]), gateway="g")
     await st.configure()
     await st.sync("g", 1, {}, {})

@@ -37,7 +37,7 @@ async def test_the_fallback_for_servers_without_hgetdel_keeps_the_same_state(sta
         b = await make(old, "p", gateway="ga", on_grant=grants_old, ttl=3)
         now = 1_000_000
         for c, st in ((new, a), (old, b)):
-            await c.set(st.keys[K["testclock"]], now)
+            await c.set(st.keys[K["admin_testclock"]], now)
             for g in ("ga", "gb"):
                 await st.sync(g, 1, {}, {})
         seqs = {"ga": 0, "gb": 0}
@@ -64,7 +64,7 @@ async def test_the_fallback_for_servers_without_hgetdel_keeps_the_same_state(sta
             if rng.random() < 0.25:
                 now += rng.choice([100, 700, 2000])
                 for c, st in ((new, a), (old, b)):
-                    await c.set(st.keys[K["testclock"]], now)
+                    await c.set(st.keys[K["admin_testclock"]], now)
         # Each server took its own path: HGETDEL where it exists, HGET + HDEL where it does not.
         assert await _calls(new, "hgetdel") > 0
         assert await _calls(old, "hgetdel") == 0

@@ -105,7 +105,7 @@ def test_lower_classes_wait_while_a_p0_runs_and_every_endpoint_has_prefill_queue
 
 
 async def _clock(client: object, pool: str, ms: int) -> None:
-    await client.set(key(pool, "testclock"), ms)  # type: ignore[attr-defined]
+    await client.set(key(pool, "admin_testclock"), ms)  # type: ignore[attr-defined]
 
 
 # a pool whose limit and partitions never refuse (limit 1000, no shares, ramp off), picking with

@@ -62,7 +62,7 @@ async def test_processor_credits_new_endpoints_to_the_ramp(stack: LocalStack) ->
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
     reg = Registry(c, "f")
-    await c.set(key("f", "testclock"), 1_000_000)  # the ramp's bucket accrues nothing meanwhile
+    await c.set(key("f", "admin_testclock"), 1_000_000)  # the ramp's bucket accrues nothing meanwhile
     a = picking_admitter(url, c, 16)
     held: list[Any] = []
     try:

@@ -63,10 +63,10 @@ async def test_a_wait_on_the_budget_counts_against_it_until_it_ends(admitter: Ad
     meanwhile is asked the strict 99 % and told at once, as it would be had the first already
     timed out. The wait's end is counted by outcome (`floodgate_budget_waits_total`)."""
     a, rt = admitter, admitter.pools["p"]
-    # The pool's clock (leases.lua's testclock, ms): 36 releases over 12 s, ~3 per second, a
+    # The pool's clock (leases.lua's admin_testclock, ms): 36 releases over 12 s, ~3 per second, a
     # rate measured on enough releases. One permit in flight then frees within the P2's 1 s
     # with ~95 % chance at that rate, under 99 % at its lower bound: a budget wait.
-    clock, now = rt.state.keys[SCRIPT_KEYS.index("testclock")], 1_000_000
+    clock, now = rt.state.keys[SCRIPT_KEYS.index("admin_testclock")], 1_000_000
     for _ in range(36):
         await a.client.set(clock, now)
         p = await a.admit("p", 1, "t")

@@ -24,11 +24,11 @@ TTL_S = 3.0
 
 
 async def test_a_waiter_granted_while_its_renewal_is_on_the_way_is_renewed(stack: LocalStack) -> None:
-    # The script's clock is frozen (`testclock`) and moved by hand: no timing on this box matters.
+    # The script's clock is frozen (`admin_testclock`) and moved by hand: no timing on this box matters.
     url = stack.start_redis()
     cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0, "limit": {"mode": "static", "initial": 1}}]})
     c = redis_client(url, op_timeout_s=5)
-    clock = key("p", "testclock")
+    clock = key("p", "admin_testclock")
     try:
         a = PoolState(c, "p", lease_ttl_s=TTL_S, settings=pool_settings(cfg.pools[0]), gateway="a")
         b = PoolState(c, "p", lease_ttl_s=TTL_S, settings=pool_settings(cfg.pools[0]), gateway="b")
@@ -146,6 +146,7 @@ async def test_a_renewal_drops_a_per_endpoint_count_that_is_not_a_count(stack: L
         await a.configure()
         await c.hset(key("p", "epinf"), mapping={"127.0.0.1:8000": "abc", "127.0.0.1:8001": "2"})
         await a.sync("a", 1, {}, {})
-        assert await c.hgetall(key("p", "epinf")) == {b"127.0.0.1:8001": b"2"}
+        # (and the 2 counts no lease routed there: recounted, tests/test_state.py)
+        assert await c.hgetall(key("p", "epinf")) == {}
     finally:
         await c.aclose()

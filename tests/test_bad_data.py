@@ -1,0 +1,59 @@
+"""Bad data in a pool key while permits are held and waiters queue: the processor says Redis
+answered with an error (not that it is unreachable), runs on local limits meanwhile, and its
+next renewal repairs the counts; no permit leaks (docs/operations.md, "A pool key deleted,
+evicted or overwritten")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from floodgate.extproc.backends import Permit
+from floodgate.extproc.schema import key
+
+from floodgate.stack import LocalStack
+from tests.helpers import one_processor, wait_until
+
+
+async def test_a_count_that_is_not_a_number_is_an_error_reply_repaired_by_the_renewal(
+        stack: LocalStack, caplog: pytest.LogCaptureFixture) -> None:
+    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
+                             poll_interval_s=0.25) as g:
+        admitter, metrics, raw = g.admitter, g.metrics, g.raw
+        rt = admitter.pools["a"]
+
+        def degraded() -> float:
+            return float(metrics.pool_degraded.labels("a")._value.get())
+
+        def transitions() -> float:
+            return float(metrics.degraded_transitions.labels("a")._value.get())
+
+        async def status_is(inflight: int, queued: int) -> bool:
+            st = await rt.state.status()
+            return st.inflight_total == inflight and st.queued_total == queued
+
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(3)]
+        assert await wait_until(lambda: status_is(2, 3), 10)
+        # A peer of another version, or a hand, writes a count the script cannot read.
+        await raw.hset(key("a", "counts"), "i1", "abc")
+        with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
+            late = asyncio.create_task(admitter.admit("a", 1, "t"))
+            # degraded (it may be back before a poll sees it), then back: the reconcile's
+            # renewal dropped and recounted the count
+            assert await wait_until(lambda: transitions() >= 1, 10)
+            assert await wait_until(lambda: degraded() == 0, 20)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("Redis answered with an error" in m and "not an outage" in m for m in said), said
+        assert not any(m.startswith("redis unreachable") for m in said), said
+        assert sum(s.value for m in metrics.redis_error_replies.collect() for s in m.samples
+                   if s.name.endswith("_total")) >= 1
+        assert (await raw.hget(key("a", "counts"), "i1")) not in (None, b"abc")
+        results = await asyncio.gather(*waiters, late)
+        for p in [*held, *results]:
+            if isinstance(p, Permit):
+                await admitter.release(p)
+        assert not rt.held
+        assert await wait_until(lambda: status_is(0, 0), 10)
