@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from typing import Any
+from typing import Any, Literal
 
 from floodgate.extproc.schema import DEMAND_OUTCOMES as COUNTERS
 from floodgate.extproc.schema import TURNED_AWAY
@@ -64,7 +64,7 @@ class DemandConfig(BaseModel):
                             "lower confidence bound at this many standard deviations (a count of a few seconds "
                             "is noisy, and the policy keeps the largest size it was asked for).")
     stale_after_s: float = Field(default=10.0, gt=0, description="A counter sample older than this is stale.")
-    exclude_classes: tuple[int, ...] = Field(
+    exclude_classes: tuple[Literal[0, 1, 2], ...] = Field(
         default=(), description="Classes whose turned-away demand does not drive scale-up "
         "(e.g. [2]: P2 the pool chooses to shed under load). They stay in the offered rate the decision "
         "log reports, and are left out of the demand the forecaster records.")

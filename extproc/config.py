@@ -21,6 +21,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    NonNegativeInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -209,7 +210,7 @@ class PoolConfig(_Strict):
         default_factory=dict,
         description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A listed class's body that cannot be rewritten is refused, never passed on (it could carry a priority its client wrote): not a JSON object in UTF-8 with 400, encoded with 415, larger than `engine_priority_max_body_bytes` or Envoy's buffer with 413 (floodgate_engine_priority_total). So a listed class serves JSON endpoints only: send multipart requests (audio transcriptions) in a class that is not listed. Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
     engine_priority_max_body_bytes: int = Field(
-        default=1 << 20, ge=0,
+        default=1 << 20, ge=1,
         description="With `engine_priority`: a listed class's request body larger than this (or than Envoy's buffer, `per_connection_buffer_limit_bytes`, 1 MiB by default) is refused with 413: it cannot be rewritten, and passed unchanged it would keep a priority its client wrote. Bounds the JSON parse on the processor's event loop.")
     limit: LimitConfig = LimitConfig()
     classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
@@ -286,6 +287,13 @@ class AdmissionConfig(_Strict):
     retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is spread uniformly over a band this wide (relative), also at the min/max clamps.")
     anonymous_tenant_cap: bool = Field(default=False, description="Apply `tenant_queue_share` to requests without a tenant header as if they were one tenant (default: they are not capped).")
 
+    @model_validator(mode="after")
+    def _two_headers(self) -> AdmissionConfig:
+        if self.priority_header.lower() == self.tenant_header.lower():
+            raise ValueError(f"priority_header and tenant_header are both {self.priority_header!r}: "
+                             "one header cannot carry both")
+        return self
+
     @field_validator("tenant_priorities")
     @classmethod
     def _tenant_names(cls, v: dict[str, int]) -> dict[str, int]:
@@ -314,6 +322,15 @@ class RedisConfig(_Strict):
     reconnect_interval_s: float = Field(default=0.5, gt=0, description="While degraded, how often Redis is retried.")
     degraded_full_share_after_s: float = Field(default=300, gt=0, description="While degraded (Redis unreachable), after this long each processor may admit up to its full rank share of the last seen limit instead of what it held when Redis went plus its share of what was free: set it to the longest a request can run (the route timeout; the shipped Envoy config's is 300 s), after which every permit held anywhere before the outage is surely gone, so the shares add up to L again. Lower is sooner service in a long outage, and overshoot above L while requests older than it still run (docs/admission.md, \"When Redis is unreachable\").")
     expected_gateways: int = Field(default=2, ge=1, description="Processors expected per pool: one that has never reached Redis admits limit.initial / this while degraded (afterwards it uses the last seen limit split over the live processors).")
+
+    @model_validator(mode="after")
+    def _ttl_outlasts_a_renewal(self) -> RedisConfig:
+        # A renewal's call may take two timeouts (one retry on a fresh connection): a TTL within
+        # that lets leases expire under live requests, and their permits go to others.
+        if self.lease_ttl_s <= 2 * self.op_timeout_s:
+            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must exceed two op_timeout_s ({self.op_timeout_s}): "
+                             "a renewal may take that long (docs/operations.md, \"Sizing\")")
+        return self
 
 
 class TlsConfig(_Strict):
@@ -354,7 +371,7 @@ class ServerConfig(_Strict):
     gateway_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                    description="Id of this processor in the shared state (default: host-pid-random). Two running processors must never share one (each would drop the other's permits): a processor whose id another live process renews refuses to start (exit 2, naming this field), and two that share one anyway log an error and count floodgate_gateway_id_conflicts_total. A restart may reuse it (a pod's name, compose's fixed ids): after a crash it waits until the dead process's claim on the id is one renewal old (at most lease_ttl_s / 3 + 1 s; none after a clean stop), then takes back at once what the dead process left in Redis.")
     gc_freeze: bool = Field(default=True, description="After start-up, move every object then alive (modules, protobuf descriptors, config) into Python's permanent generation (`gc.freeze()`), so no later collection walks them: a full collection then costs what the live requests cost, not what the process imported (measured: a generation-2 pass stopped the event loop 39-80 ms without, 4-9 ms with; docs/benchmarks.md). false: the interpreter's default.")
-    gc_threshold: tuple[int, int, int] | None = Field(default=None, description="Python's collection thresholds (`gc.set_threshold`: allocations before a generation-0 pass, and generation-0/1 passes before the next older one); unset: the interpreter's default (700, 10, 10). Larger values mean fewer, longer passes.")
+    gc_threshold: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] | None = Field(default=None, description="Python's collection thresholds (`gc.set_threshold`: allocations before a generation-0 pass, and generation-0/1 passes before the next older one); unset: the interpreter's default (700, 10, 10). Larger values mean fewer, longer passes.")
     switch_interval_s: float | None = Field(default=0.001, gt=0, le=0.1, description="How long Python lets one thread hold the interpreter lock while another waits for it (`sys.setswitchinterval`). gRPC's completion-queue thread hands every incoming message to the event loop through that lock, and the /metrics thread holds it for 10-20 ms per scrape: with the interpreter's 5 ms a message can wait 5 ms per hand-over. null: the interpreter's default (5 ms).")
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="After SIGTERM: how long requests in flight through this processor (streaming responses, queued requests) may still run before they are cut. Meanwhile health checks read NOT_SERVING, so Envoy sends new requests to the other processors, and this one keeps serving whatever still comes. Keep it below the orchestrator's kill deadline (Kubernetes `terminationGracePeriodSeconds`, compose `stop_grace_period`). A second SIGTERM cuts at once.")
     shutdown_quiet_s: float = Field(default=2.0, ge=0, description="After SIGTERM the processor stops as soon as nothing is in flight and no new stream has started for this long (Envoy has moved to the other processors: its health check interval, 2 s in envoy/floodgate-cluster.yaml), or when `shutdown_grace_s` is over.")

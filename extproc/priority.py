@@ -108,8 +108,10 @@ class PriorityResolver:
         header: int | None = None
         invalid = False
         if caller.priority_values:
-            parsed = {parse_priority(v) for v in caller.priority_values}
-            # Duplicates must agree; anything unparseable poisons the header.
+            # Repeated values, on lines of their own or comma-joined (Envoy joins a value an
+            # auth filter appends so), must agree; anything unparseable poisons the header.
+            parsed = {parse_priority(item) for v in caller.priority_values
+                      for item in (v.split(",") if len(v) <= 4 * MAX_HEADER_LEN else (v,))}
             if None in parsed or len(parsed) != 1:
                 invalid = True
             else:

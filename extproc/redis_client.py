@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -128,10 +129,22 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise RedisURLError(f"not a URL: {url!r} (expected redis://, rediss://, redis+sentinel:// or redis+cluster://)")
     scheme = url.split("://", 1)[0].lower()
     if scheme in _SINGLE:
-        try:  # redis-py's own parser is the reference for single-server URLs
-            aioredis.connection.parse_url(url)
-        except (ValueError, TypeError) as exc:
+        # redis-py's own parser is the reference for single-server URLs. It passes every query
+        # parameter on to the connection, so an unknown one (a typo, or a TLS parameter on a
+        # plain scheme) failed only at start-up, with a traceback: building a connection (it
+        # does not connect) checks them now, as --check-config runs.
+        try:
+            aioredis.ConnectionPool.from_url(url).make_connection()
+        except TypeError as exc:
+            bad = re.search(r"unexpected keyword argument '([^']*)'", str(exc))
+            if bad and bad[1] in (*TLS_PARAMETERS, "ssl_password") and scheme != "rediss":
+                raise RedisURLError(f"{bad[1]} needs TLS: use the rediss:// scheme") from None
+            raise RedisURLError(f"unknown URL parameter {bad[1]!r}" if bad else str(exc)) from None
+        except (ValueError, RedisError) as exc:
             raise RedisURLError(str(exc)) from None
+        query = {unquote(k): unquote(v) for k, _, v in
+                 (item.partition("=") for item in urlsplit(url).query.split("&") if item)}
+        _check_tls_files(query)
         return RedisTarget("single", url, tls=scheme == "rediss", display=redact_url(url))
     if scheme not in _SENTINEL + _CLUSTER:
         raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "
@@ -158,6 +171,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise RedisURLError(f"{', '.join(k for k, _ in tls_options)} needs TLS: use the rediss+ scheme")
     if dict(tls_options).get("ssl_cert_reqs", "required") not in ("required", "optional", "none"):
         raise RedisURLError("ssl_cert_reqs must be required, optional or none")
+    _check_tls_files(query)
     path = [p for p in parts.path.split("/") if p]
     if scheme in _SENTINEL:
         hosts = tuple(_host_port(h, 26379) for h in hostlist.split(","))
@@ -179,14 +193,24 @@ def parse_redis_url(url: str) -> RedisTarget:
     return RedisTarget("cluster", url, hosts, "", 0, username, password, None, tls, redact_url(url), tls_options)
 
 
+def _check_tls_files(query: dict[str, str]) -> None:
+    """The TLS files a URL names must be readable here: one that is not failed every connection,
+    and the processor ran on local limits for good, logged as an outage ("No such file")."""
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = query.get(name)
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise RedisURLError(f"{name}: {path!r} is not a readable file")
+
+
 def redact_url(url: str) -> str:
-    """The URL without its passwords (for logs)."""
+    """The URL without its passwords (for logs): the userinfo's, and every `*password` query
+    parameter's (`sentinel_password`, a TLS key's `ssl_password`)."""
     scheme, _, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")
     if at:
         user = userinfo.partition(":")[0]
         rest = f"{user}:***@{hosts}"
-    return re.sub(r"(sentinel_password=)[^&]*", r"\1***", f"{scheme}://{rest}")
+    return re.sub(r"([?&][^=&]*password=)[^&]*", r"\1***", f"{scheme}://{rest}")
 
 
 class _Sentinel(Sentinel):

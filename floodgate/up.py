@@ -380,11 +380,16 @@ def run(args: argparse.Namespace) -> int:
             except (RuntimeError, TimeoutError) as exc:
                 print(f"floodgate up: {exc}", file=sys.stderr)
                 return 1
+            from floodgate.extproc.redis_client import redact_url
+            from floodgate.extproc.schema import controller_leader_key
+
             print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; {_priority_hint(config)})\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
                   f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
                   f"  controller   http://127.0.0.1:{ctl_metrics}/metrics  (decision log: {ctl.log_path})\n"
                   f"  redis        {stack.redis_url}\n"
+                  f"  status       floodgate status --redis-url {redact_url(stack.redis_url)} "
+                  f"--leader-key {controller_leader_key(f'up:{ctl_metrics}')}\n"
                   f"  replicas     {', '.join(eps)} active (more, and a warm pool, managed by the controller)",
                   file=sys.stderr, flush=True)
             watched = [c for c in (stack.redis_child, envoy.child, ctl, *(p.child for p in stack.processors))

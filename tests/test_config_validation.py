@@ -68,6 +68,15 @@ PROCESSOR_BAD = [
     ({"server": {"shutdown_grace_s": float("inf")}}, "server.shutdown_grace_s"),
     ({"admission": {"retry_after_max_s": float("nan")}}, "admission.retry_after_max_s"),
     ({"pools": [{"name": "a", "limit": {"window_s": float("inf")}}]}, "pools.0.limit.window_s"),
+    # accepted before (a review): a negative collection threshold (a pass on nearly every
+    # allocation), one header for priority and tenant, a body cap no request body fits, a TTL a
+    # renewal can outlast
+    ({"server": {"gc_threshold": [-1, 0, 0]}}, "server.gc_threshold.0"),
+    ({"admission": {"priority_header": "X-Tenant-Id"}}, "admission"),
+    ({"pools": [{"name": "a", "engine_priority": {0: -1}, "engine_priority_max_body_bytes": 0}]},
+     "pools.0.engine_priority_max_body_bytes"),
+    ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 3}}, "redis"),
+    ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 0.5}}, "redis"),
 ]
 
 
@@ -94,6 +103,9 @@ CONTROLLER_BAD = [
     ({"pools": [{"name": "a", "actuator": {"kind": "kubernetes", "options": {"port": 0}}}]}, "pools.0.actuator"),
     ({"pools": [{"name": "a", "actuator": {"kind": "kubernetes", "options": {"deploymnet": "x"}}}]},
      "pools.0.actuator"),
+    # accepted before (a review): a class that does not exist, and no cluster to sum
+    ({"pools": [{"name": "default", "demand": {"exclude_classes": [7]}}]}, "pools.0.demand.exclude_classes.0"),
+    ({"envoy": {"clusters": []}}, "envoy.clusters"),
 ]
 
 

@@ -80,3 +80,19 @@ def test_agreeing_duplicates_are_fine() -> None:
 def test_no_header_is_default() -> None:
     d = R.resolve(Caller(source_ip="10.0.0.1"))
     assert (d.priority, d.invalid_header, d.untrusted_header) == (1, False, False)
+
+
+@pytest.mark.parametrize(("values", "want", "invalid"), [
+    (("0", "0"), 0, False),          # two header lines that agree
+    (("0, 0",), 0, False),           # the same, comma-joined (an auth filter that appends)
+    (("critical,0",), 0, False),
+    (("0, 2",), 1, True),            # conflicting: invalid, the default applies
+    (("0,",), 1, True),              # an empty item is no priority
+    (("0," * 200,), 1, True),        # long: not split, garbage
+])
+def test_a_comma_joined_priority_header_is_read_as_its_values(values: tuple[str, ...], want: int,
+                                                              invalid: bool) -> None:
+    # A review: `x-request-priority: 0, 0` from a trusted caller fell back to the default (P1)
+    # while two lines of `0` gave P0; the tenant header already reads comma lists.
+    d = R.resolve(Caller(source_ip="10.2.3.4", priority_values=values))
+    assert (d.priority, d.invalid_header) == (want, invalid)

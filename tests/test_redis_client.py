@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,21 +64,58 @@ def test_query_values_are_percent_decoded_once() -> None:
     assert parse_redis_url("redis+sentinel://:a%2541b+c@h/svc").password == t.sentinel_password
 
 
+@pytest.fixture
+def tls_files(tmp_path: Path) -> dict[str, str]:
+    """A CA bundle, a client certificate and its key (contents unread: the URL check needs
+    files it can read)."""
+    files = {}
+    for name, param in (("ca.crt", "ssl_ca_certs"), ("c.crt", "ssl_certfile"), ("c.key", "ssl_keyfile")):
+        (tmp_path / name).write_text("x")
+        files[param] = str(tmp_path / name)
+    return files
+
+
 @pytest.mark.parametrize("url", ["rediss+sentinel://h:26379/svc", "rediss+cluster://h:7000"])
-def test_ha_tls_urls_take_a_ca_bundle_and_client_certificate(url: str) -> None:
-    t = parse_redis_url(f"{url}?ssl_ca_certs=/etc/ca.crt&ssl_certfile=/c.crt&ssl_keyfile=/c.key&ssl_cert_reqs=required")
-    assert dict(t.tls_options) == {"ssl_ca_certs": "/etc/ca.crt", "ssl_certfile": "/c.crt",
-                                   "ssl_keyfile": "/c.key", "ssl_cert_reqs": "required"}
+def test_ha_tls_urls_take_a_ca_bundle_and_client_certificate(url: str, tls_files: dict[str, str]) -> None:
+    query = "&".join(f"{k}={v}" for k, v in tls_files.items())
+    t = parse_redis_url(f"{url}?{query}&ssl_cert_reqs=required")
+    assert dict(t.tls_options) == {**tls_files, "ssl_cert_reqs": "required"}
     with pytest.raises(RedisURLError, match="needs TLS"):
-        parse_redis_url(url.replace("rediss", "redis") + "?ssl_ca_certs=/etc/ca.crt")
+        parse_redis_url(url.replace("rediss", "redis") + f"?ssl_ca_certs={tls_files['ssl_ca_certs']}")
     with pytest.raises(RedisURLError, match="ssl_cert_reqs"):
         parse_redis_url(f"{url}?ssl_cert_reqs=maybe")
+    with pytest.raises(RedisURLError, match=r"ssl_ca_certs: '/nonexistent/ca\.crt' is not a readable file"):
+        parse_redis_url(f"{url}?ssl_ca_certs=/nonexistent/ca.crt")
 
 
-async def test_ha_clients_pass_the_tls_settings_to_every_connection() -> None:
-    ca = {"ssl_ca_certs": "/etc/ca.crt"}
-    sentinel = make_client("rediss+sentinel://127.0.0.1:1/svc?ssl_ca_certs=/etc/ca.crt")
-    cluster = make_client("rediss+cluster://127.0.0.1:1?ssl_ca_certs=/etc/ca.crt")
+@pytest.mark.parametrize(("url", "says"), [
+    # A review: each passed --check-config, then the process died with a TypeError traceback
+    # (the first two), or ran on local limits for good, logged as an outage (the last two).
+    ("rediss://127.0.0.1:1/0?ssl_ca_cert=/x", "unknown URL parameter 'ssl_ca_cert'"),
+    ("redis://127.0.0.1:1/0?ssl_ca_certs=/x", r"ssl_ca_certs needs TLS: use the rediss:// scheme"),
+    ("redis://127.0.0.1:1/0?tls=1", "unknown URL parameter 'tls'"),
+    ("rediss://127.0.0.1:1/0?ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag"),
+    ("rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent/ca.crt", "is not a readable file"),
+    ("redis://127.0.0.1:1/0?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+])
+def test_a_bad_single_server_url_parameter_is_a_config_error(url: str, says: str) -> None:
+    with pytest.raises(RedisURLError, match=says):
+        parse_redis_url(url)
+    with pytest.raises(ConfigError, match=r"redis\.url"):
+        load_config(None, {("redis", "url"): url})
+
+
+def test_single_server_urls_take_their_connection_parameters(tls_files: dict[str, str]) -> None:
+    assert parse_redis_url("redis://h:1/0?socket_timeout=3&health_check_interval=5").kind == "single"
+    t = parse_redis_url(f"rediss://u:pw@h:6380/0?ssl_ca_certs={tls_files['ssl_ca_certs']}&ssl_password=KEYPASS"
+                        "&ssl_cert_reqs=none")
+    assert t.tls and "KEYPASS" not in t.display and "pw@" not in t.display  # the key's passphrase too
+
+
+async def test_ha_clients_pass_the_tls_settings_to_every_connection(tls_files: dict[str, str]) -> None:
+    ca = {"ssl_ca_certs": tls_files["ssl_ca_certs"]}
+    sentinel = make_client(f"rediss+sentinel://127.0.0.1:1/svc?ssl_ca_certs={ca['ssl_ca_certs']}")
+    cluster = make_client(f"rediss+cluster://127.0.0.1:1?ssl_ca_certs={ca['ssl_ca_certs']}")
     try:
         assert ca.items() <= sentinel.connection_pool.connection_kwargs.items()
         assert all(ca.items() <= s.connection_pool.connection_kwargs.items()

@@ -78,6 +78,14 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
         text = (tmp_path / "up.err").read_text()
         assert f"gateway http://127.0.0.1:{port}/v1" in text
         assert _post(f"http://127.0.0.1:{port}") == 200
+        if stop == signal.SIGINT:
+            # The status command the banner prints finds the stack's controller (a review: the
+            # quickstart's `status --redis-url` alone said no controller runs).
+            cmd = re.search(r"status +floodgate (status .*)", text)
+            assert cmd is not None, text
+            r = subprocess.run([sys.executable, "-m", "floodgate", *cmd.group(1).split()],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and "controller: leader " in r.stdout, (r.stdout, r.stderr)
         # The warm pool fills in the background: 1 active + 1 warm replica process.
         _wait(lambda: _pool_filled(tmp_path / "up.err"), 30)
         pids = _descendants(proc.pid)
