@@ -36,12 +36,25 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default; macOS starts at 49152
 
 
+def _port_range() -> tuple[int, int]:
+    """[lo, hi) that free_port picks from: `FLOODGATE_PORT_RANGE=lo-hi` (inherited by child
+    processes: test workers running side by side each take a range of their own, so none picks
+    a port another has picked and not bound yet), else 20000 up to the ephemeral range."""
+    default = 20000, min(_ephemeral_low(), 32768)
+    raw = os.environ.get("FLOODGATE_PORT_RANGE", "")
+    try:
+        lo, hi = (int(x) for x in raw.split("-"))
+    except ValueError:
+        return default
+    return (lo, hi) if 1024 <= lo < hi <= 65536 else default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on, for a child process to bind. Chosen below the ephemeral range:
     a port that bind(0) hands out lies in it, where the kernel also picks the source port of
     every outgoing connection, so a client socket could take it before the child bound it (a
     fresh-clone CI run lost an Envoy to `Address already in use` that way)."""
-    lo, hi = 20000, min(_ephemeral_low(), 32768)
+    lo, hi = _port_range()
     for _ in range(200 if hi - lo >= 1000 else 0):
         port = _PORTS.randrange(lo, hi)
         if port in _HANDED_OUT:

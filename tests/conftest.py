@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,9 +12,20 @@ import redis.asyncio as aioredis
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
-from floodgate.supervisor import Supervisor, free_port
+from floodgate.supervisor import Supervisor, _ephemeral_low, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs two workers) each worker, and every process it
+    starts, picks free ports from a range of its own (floodgate.supervisor.free_port)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit() and int(count) > 1:
+        lo, hi = 20000, min(_ephemeral_low(), 32768)
+        size = (hi - lo) // int(count)
+        start = lo + int(worker[2:]) * size
+        os.environ["FLOODGATE_PORT_RANGE"] = f"{start}-{start + size}"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from floodgate.supervisor import _ephemeral_low, free_port
 
 
@@ -16,3 +18,12 @@ def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
     assert all(20000 <= p < min(_ephemeral_low(), 32768) for p in ports), ports
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_port_range_from_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Test workers side by side each take their own range (tests/conftest.py).
+    monkeypatch.setenv("FLOODGATE_PORT_RANGE", "24000-25000")
+    assert all(24000 <= free_port() < 25000 for _ in range(20))
+    for bad in ("", "x", "25000-24000", "1-2", "24000-70000"):
+        monkeypatch.setenv("FLOODGATE_PORT_RANGE", bad)
+        assert 20000 <= free_port() < min(_ephemeral_low(), 32768), bad
