@@ -122,13 +122,25 @@ class StatusLine:
     """One line a second: queue per priority, in-flight vs limit, admit/reject rates."""
 
     def __init__(self, metrics_urls: list[str], controller_url: str | None = None,
-                 children: Sequence[Child] = ()) -> None:
+                 children: Sequence[Child] = (), vital: Sequence[Sequence[Child]] = ()) -> None:
         self.urls = metrics_urls
         self.controller_url = controller_url
         self.last: dict[str, float] = {}
         self.last_t = time.monotonic()
         self.children = list(children)  # the stack's own processes, watched for an exit
         self.reported: set[str] = set()
+        # Groups of them without which the stack serves nothing (Redis; Envoy; the processors,
+        # any one of which is enough): one wholly gone stops `up` instead of a stack that
+        # answers only 503 while its status line goes on.
+        self.vital = [list(g) for g in vital if g]
+
+    def fatal(self) -> str | None:
+        """Why the stack cannot serve any more (a vital group wholly exited), or None."""
+        for group in self.vital:
+            if all(c.proc.poll() is not None for c in group):
+                names = ", ".join(c.name for c in group)
+                return f"{names} exited" if len(group) == 1 else f"every one of {names} exited"
+        return None
 
     def deaths(self) -> list[str]:
         """One line for each of the stack's processes that exited since the last look."""
@@ -255,6 +267,9 @@ async def _status_loop(status: StatusLine, stop: asyncio.Event, t0: float, quiet
         while not stop.is_set():
             for death in status.deaths():
                 print(death, file=sys.stderr, flush=True)
+            if (why := status.fatal()) is not None:
+                print(f"floodgate up: {why}: the stack cannot serve; stopping it", file=sys.stderr, flush=True)
+                return
             line = await status.line(session)
             now = time.monotonic()
             if interactive or line != last or now - last_at >= quiet_s:
@@ -394,12 +409,15 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
             watched = [c for c in (stack.redis_child, envoy.child, ctl, *(p.child for p in stack.processors))
                        if c is not None]
+            vital = [[c] for c in (stack.redis_child, envoy.child) if c is not None]
+            vital.append([p.child for p in stack.processors if p.child is not None])
             status = StatusLine([p.metrics_url for p in stack.processors],
-                                f"http://127.0.0.1:{ctl_metrics}/metrics", watched)
+                                f"http://127.0.0.1:{ctl_metrics}/metrics", watched, vital)
             if args.no_demo:
                 asyncio.run(_wait_forever(status))
-                return 0
-            return asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status, ctl.log_path))
+                return 1 if status.fatal() else 0
+            rc = asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status, ctl.log_path))
+            return 1 if status.fatal() else rc
         except KeyboardInterrupt:
             print("\nfloodgate up: stopping", file=sys.stderr)
             return 130

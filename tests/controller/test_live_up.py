@@ -119,6 +119,38 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
         err.close()
 
 
+def test_up_stops_once_no_processor_is_left(tmp_path: Path) -> None:
+    """A review: after its processors exited `up` went on printing `limit 0` while every request
+    got 503; now it says why and stops the stack (exit 1), leaving nothing behind."""
+    port, admin = free_port(), free_port()
+    err = (tmp_path / "up.err").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "0", "--processors", "1",
+         "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3"],
+        stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    pids: set[int] = set()
+    try:
+        _wait(lambda: "replicas active 1/1" in (tmp_path / "up.err").read_text(), 60)
+        pids = _descendants(proc.pid)
+        (extproc,) = [p for p in pids if "extproc" in psutil.Process(p).cmdline()]
+        os.kill(extproc, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        text = (tmp_path / "up.err").read_text()
+        assert "floodgate up: extproc0 exited: the stack cannot serve; stopping it" in text, text[-2000:]
+        with contextlib.suppress(AssertionError):
+            _wait(lambda: not any(_alive(p) for p in pids), 20)
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in pids:
+            if _alive(p):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p, signal.SIGKILL)
+        err.close()
+
+
 def _pool_filled(path: Path) -> bool:
     lines = [ln for ln in path.read_text().splitlines() if "replicas active" in ln]
     return bool(lines) and "warm pool 1" in lines[-1]
@@ -290,6 +322,12 @@ def test_status_line_reports_a_stack_process_that_exited_once() -> None:
         assert "extproc0 exited (code 3)" in line and str(dead.log_path) in line
         assert status.deaths() == []  # said once
         assert isinstance(alive.proc, sp.Popen) and alive.proc.poll() is None
+        # The stack serves while one processor of a group is left; not once none is.
+        assert StatusLine([], None, [dead, alive], [[alive], [dead, alive]]).fatal() is None
+        assert StatusLine([], None, [dead], [[alive], [dead]]).fatal() == "extproc0 exited"
+        alive.proc.kill()
+        alive.proc.wait(20)
+        assert StatusLine([], None, [], [[dead, alive]]).fatal() == "every one of extproc0, envoy exited"
 
 
 @pytest.mark.parametrize(("rules", "kept"), [
