@@ -419,6 +419,7 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "FLOODGATE_METRICS_LISTEN": ("server", "metrics_listen"),
     "FLOODGATE_GATEWAY_ID": ("server", "gateway_id"),
 }
+ENV_EMPTY_MEANS_OFF = ("FLOODGATE_METRICS_LISTEN",)  # set but empty: no metrics listener
 
 
 def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
@@ -427,10 +428,16 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
     raw: dict[str, Any] = read_mapping(path) if path is not None else {}
     environ: Mapping[str, str] = os.environ if env is None else env
     merged: dict[tuple[str, ...], Any] = {}
+    from_env: dict[tuple[str, ...], str] = {}
     for var, where in ENV_OVERRIDES.items():
-        if environ.get(var):
-            merged[where] = environ[var]
-    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        # An empty variable is unset, except where an empty value means something: metrics off
+        # (as `--metrics-listen ''`).
+        if environ.get(var) or (var in ENV_EMPTY_MEANS_OFF and var in environ):
+            merged[where], from_env[where] = environ[var], var
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    merged.update(flags)
+    for where in flags:
+        from_env.pop(where, None)
     for where, value in merged.items():
         node = raw
         for key in where[:-1]:
@@ -441,4 +448,12 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc)) from None
+        text = format_errors(exc)
+        # An error in a value the environment set names the variable too: the file may be fine.
+        lines = []
+        for line in text.splitlines():
+            for where, var in from_env.items():
+                if line.startswith(f"  {'.'.join(where)}:") or line.startswith(f"  {'.'.join(where)}."):
+                    line += f" (set by {var})"
+            lines.append(line)
+        raise ConfigError("\n".join(lines)) from None

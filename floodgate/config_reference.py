@@ -125,7 +125,9 @@ def render() -> str:
         "field (`pools.0.limit.max: Input should be greater than or equal to 1`).",
         "",
         section("Processor (`floodgate extproc --config FILE`)",
-                f"Environment overrides: {env}. Command-line flags win over both.", Config),
+                f"Environment overrides: {env}. Command-line flags win over both. An empty variable is "
+                "unset, except `FLOODGATE_METRICS_LISTEN`, where empty turns the metrics listener off (as "
+                "`--metrics-listen ''`); an error in a value a variable set names the variable.", Config),
         section("Controller (`floodgate controller --config FILE`)",
                 "See docs/controller.md for what each policy setting does. "
                 f"Environment overrides: {ctl_env}.", ControllerConfig),
@@ -134,4 +136,9 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m floodgate.config_reference",
+                            description="Print the configuration reference (docs/configuration.md) "
+                                        "generated from the config schemas.").parse_args()
     sys.stdout.write(render())

@@ -85,7 +85,7 @@ def check_redis_url(v: str) -> str:
         except RedisURLError as exc:
             raise ValueError(str(exc)) from None
         return v
-    _check_url(v, ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster"))
+    _check_url(v, ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"))
     parts = urlsplit(v)
     if v.startswith("unix") and not parts.path:
         raise ValueError(f"{v!r}: a unix:// URL needs a socket path")

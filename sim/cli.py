@@ -92,7 +92,7 @@ def register(subparsers: Any) -> None:
                      help="output length of chat requests with neither max_tokens nor "
                           "x-sim-output-tokens (completions default to 16, like vLLM)")
     srv.add_argument("--log-level", default="info",
-                     choices=("debug", "info", "warning", "error"), help="log verbosity on stderr (default: info)")
+                     choices=("debug", "info", "warning", "error"), help="log verbosity on stderr")
 
     eng = p.add_argument_group("engine model")
     eng.add_argument("--max-num-seqs", type=positive_int, default=_D.max_num_seqs,

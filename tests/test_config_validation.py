@@ -370,3 +370,21 @@ def test_tls_files_that_are_no_certificate_or_key_are_named(tmp_path: Path) -> N
         assert "server.tls" in str(exc.value) and words in str(exc.value), str(exc.value)
     load_config(None, {("server", "tls"): {"cert_file": str(a.cert), "key_file": str(a.key),
                                            "client_ca_file": str(pki.ca)}}, env={})
+
+
+def test_an_error_in_a_value_the_environment_set_names_the_variable(tmp_path: Path) -> None:
+    # A review: FLOODGATE_LISTEN=garbage reported `server.listen` while the file's was fine.
+    p = tmp_path / "p.yaml"
+    p.write_text("server: {listen: '127.0.0.1:50051'}\n")
+    with pytest.raises(ConfigError, match=r"  server\.listen: .* \(set by FLOODGATE_LISTEN\)"):
+        load_config(p, env={"FLOODGATE_LISTEN": "garbage"})
+    # a flag wins over the variable, and its error names no variable
+    with pytest.raises(ConfigError) as exc:
+        load_config(p, {("server", "listen"): "bad"}, env={"FLOODGATE_LISTEN": "127.0.0.1:1"})
+    assert "server.listen" in str(exc.value) and "FLOODGATE_LISTEN" not in str(exc.value)
+
+
+def test_an_empty_metrics_listen_variable_turns_metrics_off() -> None:
+    # as `--metrics-listen ''` does; other empty variables are unset
+    assert load_config(None, env={"FLOODGATE_METRICS_LISTEN": ""}).server.metrics_listen == ""
+    assert load_config(None, env={"FLOODGATE_LISTEN": ""}).server.listen == load_config(None, env={}).server.listen
