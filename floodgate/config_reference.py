@@ -135,10 +135,14 @@ def render() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     import argparse
 
     argparse.ArgumentParser(prog="python -m floodgate.config_reference",
                             description="Print the configuration reference (docs/configuration.md) "
-                                        "generated from the config schemas.").parse_args()
+                                        "generated from the config schemas.").parse_args(argv)
     sys.stdout.write(render())
+
+
+if __name__ == "__main__":
+    main()
