@@ -228,6 +228,16 @@ class PoolConfig(_Strict):
             raise ValueError(f"eject_max_s ({self.eject_max_s}) is below eject_base_s ({self.eject_base_s})")
         return self
 
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _known_classes(cls, v: Any) -> Any:
+        # Before each class is validated: a class 3 reported its missing fields first.
+        if isinstance(v, dict):
+            unknown = [k for k in v if str(k) not in ("0", "1", "2")]
+            if unknown:
+                raise ValueError(f"the classes are 0, 1 and 2: {unknown!r} is none of them")
+        return v
+
     @field_validator("classes")
     @classmethod
     def _three_classes(cls, v: dict[int, ClassConfig]) -> dict[int, ClassConfig]:

@@ -77,6 +77,8 @@ PROCESSOR_BAD = [
      "pools.0.engine_priority_max_body_bytes"),
     ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 3}}, "redis"),
     ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 0.5}}, "redis"),
+    # a class that does not exist is named before its fields are checked
+    ({"pools": [{"name": "a", "classes": {3: {"max_queue": 5}}}]}, "pools.0.classes"),
 ]
 
 
