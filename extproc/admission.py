@@ -674,9 +674,10 @@ class Admitter:
         if answered:
             # Each renewal while degraded drops and recounts counts that are not numbers; other
             # bad data (a key of the wrong type) stays until someone removes it.
-            log.error("Redis answered with an error (%s): not an outage, Redis is up; a pool key may hold "
-                      "data this version cannot read (docs/operations.md, \"A pool key deleted, evicted or "
-                      "overwritten\"): degraded to local limits %s", why, budgets)
+            log.error("Redis answered with an error (%s): not an outage, Redis is up and refused the call "
+                      "(the error says why: data in a pool key this version cannot read, docs/operations.md "
+                      "\"A pool key deleted, evicted or overwritten\"; an ACL rule; maxmemory): degraded to "
+                      "local limits %s", why, budgets)
         else:
             log.warning("redis unreachable (%s): degraded to local limits %s", why, budgets)
 
