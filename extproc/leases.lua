@@ -118,7 +118,8 @@ local LVL_S         -- the level as the snapshot reports it (nil: not yet; bump_
 -- few % of a decision's instructions. (`redis` stays global: the registration line needs it.)
 local tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type
 
-local function num(v, d) if v then return tonumber(v) end return d end
+-- (a value that is not a number, written by something else, is none: `d`)
+local function num(v, d) if v then return tonumber(v) or d end return d end
 
 -- An integer (ms timestamps, sequence numbers) as a decimal string: the same text as tostring,
 -- by sprintf's integer path instead of its floating-point one (%.14g: several times the work).
@@ -708,7 +709,8 @@ local function unqueue(ticket, meta, popped, c, tenant)
   if tenant ~= '' then  -- no cap applies to a request without a tenant: nothing to count
     add_named(c + 1, -1)
     local field = 't' .. CLS[c + 1] .. ':' .. tenant
-    if redis.call('HINCRBY', K.counts, field, -1) <= 0 then
+    local n = redis.pcall('HINCRBY', K.counts, field, -1)  -- (not a number: as its last waiter)
+    if type(n) ~= 'number' or n <= 0 then
       redis.call('HDEL', K.counts, field, flow_field(c + 1, tenant))  -- and its flow's tag: no backlog
       add_flow(c + 1, -1)
     end
@@ -752,8 +754,13 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   if not tail then  -- placed ahead of others (fair order): the memo's edges may both have moved
     if EDGE then EDGE[c + 1] = nil end
   elseif e then e[2] = deadline elseif e == false then EDGE[c + 1] = {deadline, deadline} end
-  if tenant ~= '' and redis.call('HINCRBY', K.counts, 't' .. CLS[c + 1] .. ':' .. tenant, 1) == 1 then
-    add_flow(c + 1, 1)
+  if tenant ~= '' then
+    -- (pcall: a count that is not a number, written by something else, restarts at 1; the next
+    -- renewal recounts it)
+    local f = 't' .. CLS[c + 1] .. ':' .. tenant
+    local n = redis.pcall('HINCRBY', K.counts, f, 1)
+    if type(n) ~= 'number' then redis.call('HSET', K.counts, f, 1) n = 1 end
+    if n == 1 then add_flow(c + 1, 1) end
   end
 end
 
@@ -777,7 +784,12 @@ end
 
 -- `count_rate`: a completion (rate and level events), not an idle credit handed back.
 local function drop_lease(ticket, count_rate)
-  if redis.call('ZREM', K.leases, ticket) == 0 then return false end
+  if redis.call('ZREM', K.leases, ticket) == 0 then
+    -- No lease (lost with the leases key, say): its meta and route go too. The counts are the
+    -- next renewal's to correct.
+    if redis.call('HDEL', K.lmeta, ticket) == 1 then redis.call('HDEL', K.lep, ticket) end
+    return false
+  end
   if count_rate then bump_level() end  -- sampled with the lease still counted
   local c = parse_lmeta(hgetdel(K.lmeta, ticket))
   add_inflight(c + 1, -1)
@@ -1349,7 +1361,11 @@ function OPS.sync(ARGV)
       -- gateway's previous liveness, the lease ran out under the live request if the next
       -- renewal came late, and its permit went to another gateway (2 of limit 1).
       redis.call('ZADD', K.leases, 'XX', EXPIRY_S, t)
-    elseif redis.call('HEXISTS', K.qmeta, t) == 0 then
+    elseif not redis.call('ZSCORE', K.queue, t) then
+      -- Missing from the queue (lost, or its key was): queued again. One whose meta survived
+      -- (the queue key alone lost) was passed over by every grant until its deadline.
+      local meta = redis.call('HGET', K.qmeta, t)
+      if meta then unqueue(t, meta) end
       put_waiter(t, tonumber(c), now + tonumber(remaining), gw, seq, tenant)
       requeued = requeued + 1
     end
@@ -1413,12 +1429,12 @@ function OPS.sync(ARGV)
     if kind == 't' then
       local n = per[cf[i]]
       seen[cf[i]] = true
-      if n ~= tonumber(cf[i + 1]) then
+      if n == nil or n ~= tonumber(cf[i + 1]) then  -- (no waiter: whatever it holds, a number or not)
         recounted = recounted + 1
         if n then redis.call('HSET', K.counts, cf[i], n) else redis.call('HDEL', K.counts, cf[i]) end
       end
-    elseif kind == 'f' and not per['t' .. c1 .. ':' .. rest] then
-      redis.call('HDEL', K.counts, cf[i])
+    elseif kind == 'f' and (not per['t' .. c1 .. ':' .. rest] or not string.match(cf[i + 1], '^%d+$')) then
+      redis.call('HDEL', K.counts, cf[i])  -- no waiter left, or no tag: the flow restarts at the virtual time
     end
   end
   for f, n in pairs(per) do  -- tenants waiting whose count was lost
@@ -1438,7 +1454,13 @@ function OPS.sync(ARGV)
   if redis.call('EXISTS', K.lep) == 1 or redis.call('EXISTS', K.epinf) == 1 then
     local per_ep = {}
     local lep = redis.call('HGETALL', K.lep)
-    for i = 1, #lep, 2 do per_ep[lep[i + 1]] = (per_ep[lep[i + 1]] or 0) + 1 end
+    for i = 1, #lep, 2 do
+      if redis.call('ZSCORE', K.leases, lep[i]) then
+        per_ep[lep[i + 1]] = (per_ep[lep[i + 1]] or 0) + 1
+      else  -- the route of a lease that is gone (lost with the leases key, say)
+        redis.call('HDEL', K.lep, lep[i])
+      end
+    end
     local ep = redis.call('HGETALL', K.epinf)
     for i = 1, #ep, 2 do
       if per_ep[ep[i]] ~= tonumber(ep[i + 1]) then

@@ -73,9 +73,11 @@ def answered_with_error(exc: BaseException) -> bool:
     is no outage: retrying elsewhere will not help, and logging it as "unreachable" sent
     operators after the network. Replies that mean the server is not serving now (a replica,
     loading, a busy script, a cluster or primary down) count as outages."""
-    from redis.exceptions import ReadOnlyError, ResponseError, TryAgainError
+    from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
 
-    if not isinstance(exc, ResponseError) or isinstance(exc, (ReadOnlyError, TryAgainError)):
+    # (redis-py strips the code from some: CLUSTERDOWN and MASTERDOWN arrive as ClusterDownError
+    # and its subclass MasterDownError, "The cluster is down")
+    if not isinstance(exc, ResponseError) or isinstance(exc, (ReadOnlyError, TryAgainError, ClusterDownError)):
         return False
     return not str(exc).startswith(("LOADING", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "READONLY"))
 
@@ -142,9 +144,8 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise RedisURLError(f"unknown URL parameter {bad[1]!r}" if bad else str(exc)) from None
         except (ValueError, RedisError) as exc:
             raise RedisURLError(str(exc)) from None
-        query = {unquote(k): unquote(v) for k, _, v in
-                 (item.partition("=") for item in urlsplit(url).query.split("&") if item)}
-        _check_tls_files(query)
+        # The files as redis-py reads the query ('+' is a space there)
+        _check_tls_files({k: str(v) for k, v in aioredis.connection.parse_url(url).items()})
         return RedisTarget("single", url, tls=scheme == "rediss", display=redact_url(url))
     if scheme not in _SENTINEL + _CLUSTER:
         raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "

@@ -301,8 +301,16 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
         from floodgate.sim.emulator import EmulatorConfig
 
         # The replicas come and go behind endpoint picking: name their model instead of asking.
-        result = await run_load_detailed(plan, target, model=EmulatorConfig().model, metrics_url=metrics_url,
-                                         request_timeout=60)
+        load = asyncio.create_task(run_load_detailed(plan, target, model=EmulatorConfig().model,
+                                                     metrics_url=metrics_url, request_timeout=60))
+        # The ticker returns early only when the stack cannot serve (status.fatal): stop the load.
+        await asyncio.wait((load, ticker), return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            return 1
+        result = load.result()
     finally:
         stop.set()
         await ticker

@@ -724,3 +724,74 @@ async def test_a_limit_or_clock_that_is_not_a_number_is_none(client: aioredis.Re
     assert (await st.acquire("a/1", "a", 1, 1, "")).granted  # the pool's initial limit, 2
     assert (await st.acquire("a/2", "a", 2, 1, "")).granted
     assert not (await st.acquire("a/3", "a", 3, 1, "")).granted
+
+
+async def test_a_lost_leases_key_leaves_no_route_of_an_ended_request(client: aioredis.Redis, listen: Listen) -> None:
+    # A review: with the leases key gone, two of four routed requests ended before the next
+    # renewal; their routes stayed and the endpoints kept two phantom permits for good (a drain
+    # of them never saw 0), and every renewal reported them dropped again.
+    pool = "lost-leases"
+    st = await make(client, pool, limit=4, shares=(0, 0, 0), picking=True)
+    await client.sadd(key(pool, "active"), "10.0.0.1:80", "10.0.0.2:80")
+    await listen(pool, "a")
+    await st.sync("a", 1, {}, {})
+    eps = {}
+    for i in range(1, 5):
+        snap = await st.acquire(f"a/{i}", "a", i, 1, "")
+        assert snap.granted
+        eps[f"a/{i}"] = snap.endpoint
+    await client.delete(key(pool, "leases"))
+    assert await st.release("a/1", "a/2") == 0  # those requests end: no lease found
+    held = {f"a/{i}": (1, i, eps[f"a/{i}"]) for i in (3, 4)}
+    await st.sync("a", 5, held, {})
+    res = await st.sync("a", 5, held, {})
+    assert res.dropped == 0 and res.recounted == 0
+    routes = {k.decode(): v.decode() for k, v in (await client.hgetall(key(pool, "lep"))).items()}
+    assert set(routes) == {"a/3", "a/4"}
+    counts = {k.decode(): int(v) for k, v in (await client.hgetall(key(pool, "epinf"))).items()}
+    assert counts == {e: list(routes.values()).count(e) for e in set(routes.values())}
+    await check_invariants(client, pool)
+
+
+async def test_a_lost_queue_key_is_refilled_by_the_waiters_renewal(client: aioredis.Redis, listen: Listen) -> None:
+    # A review: with the queue key gone (the waiters' metas kept) no renewal queued them again,
+    # and a newcomer took each freed permit while they waited to their deadlines.
+    pool = "lost-queue"
+    st = await make(client, pool, limit=2, shares=(0, 0, 0))
+    await listen(pool, "a", "b")
+    await st.sync("a", 1, {}, {})
+    await st.sync("b", 1, {}, {})
+    for i in (1, 2):
+        assert (await st.acquire(f"a/{i}", "a", i, 1, "")).granted
+    for i in (1, 2, 3):
+        assert not (await st.enqueue(f"b/{i}", "b", i, 1, "x" if i == 2 else "", 30)).granted
+    await client.delete(key(pool, "queue"))
+    waiting = {f"b/{i}": (1, i, 30.0, "x" if i == 2 else "") for i in (1, 2, 3)}
+    assert (await st.sync("b", 4, {}, waiting)).requeued == 3
+    await check_invariants(client, pool)
+    await st.release("a/1", "a/2")
+    assert len(await st.granted_among(list(waiting))) == 2  # the freed permits went to the waiters
+    assert not (await st.acquire("c/1", "c", 1, 1, "")).granted
+
+
+@pytest.mark.parametrize("field", ["t1:a", "f1:a"])
+async def test_a_tenant_count_or_tag_that_is_not_a_number_is_none(client: aioredis.Redis, listen: Listen,
+                                                                   field: str) -> None:
+    # A review: `t1:a` = "?" (tenant a not waiting) or `f1:a` = "?" (tenant a waiting) failed every
+    # call that queued a P1 request of tenant a, and no renewal dropped it.
+    pool = f"nan-{field[0]}"
+    st = await make(client, pool, limit=1, shares=(0, 0, 0))
+    await listen(pool, "a")
+    await st.sync("a", 1, {}, {})
+    assert (await st.acquire("a/1", "a", 1, 1, "a")).granted
+    waiting: dict[str, tuple[int, int, float, str]] = {}
+    if field.startswith("f"):
+        assert not (await st.enqueue("a/2", "a", 2, 1, "a", 30)).granted
+        waiting = {"a/2": (1, 2, 30.0, "a")}
+    await client.hset(key(pool, "counts"), field, "?")
+    assert not (await st.enqueue("a/3", "a", 3, 1, "a", 30)).granted  # queued: "?" read as none
+    waiting["a/3"] = (1, 3, 30.0, "a")
+    await st.sync("a", 4, {"a/1": (1, 1, "")}, waiting)
+    value = await client.hget(key(pool, "counts"), field)
+    assert value is None or value.decode().isdigit()
+    await check_invariants(client, pool)

@@ -119,13 +119,16 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
         err.close()
 
 
-def test_up_stops_once_no_processor_is_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [["--no-demo"], ["--demo-duration", "120", "--out", "{tmp}/report"]])
+def test_up_stops_once_no_processor_is_left(tmp_path: Path, mode: list[str]) -> None:
     """A review: after its processors exited `up` went on printing `limit 0` while every request
-    got 503; now it says why and stops the stack (exit 1), leaving nothing behind."""
+    got 503 (and a demo ran its load on to the end); now it says why and stops the stack (exit
+    1), leaving nothing behind."""
     port, admin = free_port(), free_port()
     err = (tmp_path / "up.err").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "0", "--processors", "1",
+        [sys.executable, "-m", "floodgate", "up", *(m.format(tmp=tmp_path) for m in mode), "--replicas", "1",
+         "--warm-pool", "0", "--processors", "1",
          "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3"],
         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     pids: set[int] = set()
@@ -360,6 +363,9 @@ async def test_the_status_line_to_a_log_prints_changes_only(capsys: pytest.Captu
     class Fake:
         def deaths(self) -> list[str]:
             return []
+
+        def fatal(self) -> str | None:
+            return None
 
         async def line(self, _session: object) -> str:
             text = next(lines, None)
