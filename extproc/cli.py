@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"floodgate extproc: {exc}", file=sys.stderr)
         return 2
+    for warning in (w for pool in cfg.pools for w in pool.class_warnings()):
+        logging.getLogger("floodgate.config").warning("%s", warning)
     if args.check_config:
         print(dump_redacted(cfg))
         return 0

@@ -105,6 +105,14 @@ class ClassConfig(_Strict):
         return 0 < self.slo_reject_s < self.queue_timeout_s
 
 
+# The shipped classes as written (`_default_classes`): a class a config leaves out is this.
+SHIPPED_CLASSES: dict[int, dict[str, Any]] = {
+    0: {"queue_wait_slo_share": 10, "max_queue": 1000, "share": 0.5, "headroom": 0.1},
+    1: {"queue_wait_slo_share": 0.75, "max_queue": 1000, "share": 0.1},
+    2: {"queue_wait_slo_share": 0.5, "max_queue": 500, "share": 0.0, "slo_reject_s": 0.01},
+}
+
+
 def _default_classes() -> dict[int, ClassConfig]:
     # Interactive SLO for every class (TTFT 2 s, TPOT 100 ms); what differs is how long each
     # may wait for it: critical waits well past its TTFT target rather than fail (10 x = 20 s),
@@ -114,11 +122,7 @@ def _default_classes() -> dict[int, ClassConfig]:
     # any flood of critical traffic, sheddable keeps nothing (it runs on what the others leave,
     # and is turned away at once while they are backlogged). Critical keeps 10 % of the limit
     # free as headroom so its arrivals rarely wait for a release (docs/admission.md, Guarantees).
-    return {
-        0: ClassConfig(queue_wait_slo_share=10, max_queue=1000, share=0.5, headroom=0.1),
-        1: ClassConfig(queue_wait_slo_share=0.75, max_queue=1000, share=0.1),
-        2: ClassConfig(queue_wait_slo_share=0.5, max_queue=500, share=0.0, slo_reject_s=0.01),
-    }
+    return {c: ClassConfig(**v) for c, v in SHIPPED_CLASSES.items()}
 
 
 class LimitConfig(_Strict):
@@ -213,7 +217,7 @@ class PoolConfig(_Strict):
         default=1 << 20, ge=1,
         description="With `engine_priority`: a listed class's request body larger than this (or than Envoy's buffer, `per_connection_buffer_limit_bytes`, 1 MiB by default) is refused with 413: it cannot be rewritten, and passed unchanged it would keep a priority its client wrote. Bounds the JSON parse on the processor's event loop.")
     limit: LimitConfig = LimitConfig()
-    classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable).")
+    classes: dict[int, ClassConfig] = Field(default_factory=_default_classes, description="Per-priority settings for 0 (critical), 1 (standard), 2 (sheddable). A class left out is the shipped one; a class you define is the whole class (the fields it leaves out take the generic defaults below, not the shipped class's: `--check-config` and start-up warn which shipped values that drops).")
 
     @field_validator("allowed_endpoints")
     @classmethod
@@ -231,12 +235,31 @@ class PoolConfig(_Strict):
     @field_validator("classes", mode="before")
     @classmethod
     def _known_classes(cls, v: Any) -> Any:
-        # Before each class is validated: a class 3 reported its missing fields first.
+        # Before each class is validated: a class 3 reported its missing fields first. A class
+        # left out is the shipped one (`classes: {2: {...}}` changes P2 alone).
         if isinstance(v, dict):
             unknown = [k for k in v if str(k) not in ("0", "1", "2")]
             if unknown:
                 raise ValueError(f"the classes are 0, 1 and 2: {unknown!r} is none of them")
+            given = {int(k) for k in v}
+            v = {**{c: dict(d) for c, d in SHIPPED_CLASSES.items() if c not in given}, **v}
         return v
+
+    def class_warnings(self) -> list[str]:
+        """A class this config defines is the whole class: fields it leaves out take the generic
+        defaults, not the shipped class's. Say which shipped values it drops that way."""
+        out = []
+        for c, cc in sorted(self.classes.items()):
+            shipped = SHIPPED_CLASSES[c]
+            if cc.model_fields_set == set(shipped):
+                continue  # the shipped class (left out, or written out as shipped)
+            dropped = {k: v for k, v in shipped.items()
+                       if k not in cc.model_fields_set and ClassConfig.model_fields[k].default != v}
+            if dropped:
+                out.append(f"pools[{self.name}].classes.{c} leaves out {', '.join(sorted(dropped))}: a class "
+                           f"you define is the whole class, so the generic defaults apply, not the shipped "
+                           f"{dropped} (set them to keep them; leave the class out for the shipped one)")
+        return out
 
     @field_validator("classes")
     @classmethod
@@ -244,7 +267,8 @@ class PoolConfig(_Strict):
         if set(v) != {0, 1, 2}:
             raise ValueError(f"must define exactly the classes 0, 1 and 2, got {sorted(v)}")
         if sum(c.share for c in v.values()) > 1.0 + 1e-9:
-            raise ValueError("class shares add up to more than 1")
+            shares = ", ".join(f"{k}: {c.share:g}" for k, c in sorted(v.items()))
+            raise ValueError(f"class shares add up to more than 1 ({shares}; a class left out has its shipped share)")
         return v
 
     def latency_target(self) -> float:

@@ -37,7 +37,8 @@ def test_env_and_flag_overrides(tmp_path: Path) -> None:
     ("redis: {urll: x}", "redis.urll"),
     ("admission: {trust: {cidrs: ['not-a-cidr']}}", "admission.trust.cidrs"),
     ("pools: [{name: 'bad name'}]", "pools.0.name"),
-    ("pools: [{name: a, classes: {0: {queue_timeout_s: 1, max_queue: 1, share: 0.1}}}]", "pools.0.classes"),
+    # a class left out is the shipped one: P0's share 0.9 and the shipped P1 0.1 make 1.0 + P2 0
+    ("pools: [{name: a, classes: {0: {queue_timeout_s: 1, max_queue: 1, share: 0.95}}}]", "pools.0.classes"),
     ("pools: [{name: a, classes: {0: {queue_timeout_s: 1, max_queue: 1, share: 0.9}, "
      "1: {queue_timeout_s: 1, max_queue: 1, share: 0.9}, 2: {queue_timeout_s: 1, max_queue: 1, share: 0.9}}}]",
      "pools.0.classes"),
@@ -75,3 +76,33 @@ def test_cli_check_config_prints_effective_config(tmp_path: Path) -> None:
                         "--redis-url", "redis://x:1/0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert '"chat"' in r.stdout and "redis://x:1/0" in r.stdout
+
+
+def test_a_class_left_out_is_the_shipped_one_and_a_defined_class_says_what_it_drops() -> None:
+    from floodgate.extproc.config import PoolConfig
+
+    shipped = PoolConfig().classes
+    pool = load_config(None, {("pools",): [{"name": "a", "classes": {2: {"max_queue": 100, "share": 0.0,
+                                                                          "slo_reject_s": 0.01}}}]},
+                       env={}).pools[0]
+    assert pool.classes[0] == shipped[0] and pool.classes[1] == shipped[1]
+    assert pool.classes[2].max_queue == 100 and pool.classes[2].queue_timeout_s == 1.5  # generic 0.75 x 2 s
+    (warning,) = pool.class_warnings()
+    assert "classes.2 leaves out queue_wait_slo_share" in warning and "0.5" in warning
+    assert PoolConfig().class_warnings() == []
+    from floodgate.extproc.config import SHIPPED_CLASSES
+
+    written_out = {c: dict(v) for c, v in SHIPPED_CLASSES.items()}  # the shipped classes, written out
+    assert load_config(None, {("pools",): [{"name": "a", "classes": written_out}]},
+                       env={}).pools[0].class_warnings() == []
+
+
+def test_check_config_warns_of_a_class_that_drops_shipped_values(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    p = write(tmp_path, "pools: [{name: a, classes: {0: {max_queue: 10, share: 0.5}}}]")
+    r = subprocess.run([sys.executable, "-m", "floodgate", "extproc", "--check-config", "--config", str(p)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pools[a].classes.0 leaves out headroom, queue_wait_slo_share" in r.stderr, r.stderr
