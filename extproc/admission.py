@@ -1371,18 +1371,7 @@ class Admitter:
             n, rt.credit_done = rt.credit_done, 0
             with contextlib.suppress(RedisDown):
                 await self.call(rt, "credit_done", lambda: rt.state.credit_done(n))
-        status = await self.call(rt, "status", lambda: rt.state.status(self.gateway_id))
-        self.observe(rt, status)
-        stored = rt.state.stored
-        if (not rt.limit.adaptive and stored is not None and stored.initial_limit == rt.cfg.limit.initial
-                and status.settings_epoch == stored.epoch and status.limit != stored.initial_limit):
-            # A static limit that something else rewrote (a buggy peer, a hand: a review's 1e9
-            # let 10 run upstream at limit 4) is put back within a tick. Only when this process's
-            # limit is the one stored, in the settings stored now: processors configured apart,
-            # or the old ones of a rolling settings change (`settings_epoch`), would fight over it.
-            log.warning("pool %s: the static limit in Redis read %s; set back to %d", rt.cfg.name,
-                        status.limit, stored.initial_limit)
-            await self._force_static_limit(rt)
+        self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)
         rt.credit_uses = 0

@@ -57,30 +57,3 @@ async def test_a_count_that_is_not_a_number_is_an_error_reply_repaired_by_the_re
                 await admitter.release(p)
         assert not rt.held
         assert await wait_until(lambda: status_is(0, 0), 10)
-
-
-async def test_a_static_limit_rewritten_in_redis_is_put_back_within_a_tick(
-        stack: LocalStack, caplog: pytest.LogCaptureFixture) -> None:
-    # A review: `state.limit` = 1e9 written on a static pool of limit 4 let 10 requests run
-    # upstream; the processors forced their static limit at start only.
-    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25) as g:
-        admitter, raw = g.admitter, g.raw
-        rt = admitter.pools["a"]
-        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
-        assert all(isinstance(p, Permit) for p in held)
-        with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
-            await raw.hset(key("a", "state"), "limit", "1000000000")
-
-            async def back() -> bool:
-                return (await rt.state.status()).limit == 2
-
-            assert await wait_until(back, 5)
-        assert any("the static limit in Redis read 1000000000; set back to 2" in r.getMessage() for r in caplog.records)
-        waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
-        await asyncio.sleep(0.3)
-        assert not waiter.done()  # queued at the limit again, not granted
-        await admitter.release(held[0])
-        third = await asyncio.wait_for(waiter, 5)
-        assert isinstance(third, Permit)
-        for p in (held[1], third):
-            await admitter.release(p)
