@@ -1371,7 +1371,15 @@ class Admitter:
             n, rt.credit_done = rt.credit_done, 0
             with contextlib.suppress(RedisDown):
                 await self.call(rt, "credit_done", lambda: rt.state.credit_done(n))
-        self.observe(rt, await self.call(rt, "status", lambda: rt.state.status(self.gateway_id)))
+        status = await self.call(rt, "status", lambda: rt.state.status(self.gateway_id))
+        self.observe(rt, status)
+        if 0 <= status.settings_epoch < rt.settings.epoch:
+            # Redis holds settings older than this process's: a restart emptied it during a
+            # rollout and an older processor stored its own first (a review: the pool then ran
+            # on the old epoch for good). The newer epoch replaces them, as at start.
+            log.warning("pool %s: Redis holds settings of epoch %d, older than this processor's %d: "
+                        "storing these", rt.cfg.name, status.settings_epoch, rt.settings.epoch)
+            await self._configure(rt)
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)
         rt.credit_uses = 0

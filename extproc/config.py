@@ -242,6 +242,8 @@ class PoolConfig(_Strict):
             if unknown:
                 raise ValueError(f"the classes are 0, 1 and 2: {unknown!r} is none of them")
             given = {int(k) for k in v}
+            if len(given) != len(v):
+                raise ValueError(f"a class is given twice ({list(v)!r}: 2 and \"2\" are the same class)")
             v = {**{c: dict(d) for c, d in SHIPPED_CLASSES.items() if c not in given}, **v}
         return v
 

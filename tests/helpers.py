@@ -143,8 +143,8 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def one_processor(stack: LocalStack, *, limit: int, lease_ttl_s: float, op_timeout_s: float,
-                        **redis: float) -> AsyncIterator[Gateway]:
-    """A started processor (gateway `gw`) with one pool `a` (static `limit`, no local credits)
+                        pool: dict[str, Any] | None = None, **redis: float) -> AsyncIterator[Gateway]:
+    """A started processor (gateway `gw`) with one pool `a` (static `limit`, no local credits; `pool`: more of its settings)
     on a fresh Redis-protocol server, with `redis.*` settings besides the URL and TTL (the poll
     interval 60 s unless given: only the test's calls and the renewal touch Redis). Stopped and
     its connections closed on exit."""
@@ -158,7 +158,7 @@ async def one_processor(stack: LocalStack, *, limit: int, lease_ttl_s: float, op
         "redis": {"url": url, "lease_ttl_s": lease_ttl_s, "op_timeout_s": op_timeout_s,
                   "poll_interval_s": 60, **redis},
         "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
-                   "limit": {"mode": "static", "initial": limit}}]})
+                   "limit": {"mode": "static", "initial": limit}, **(pool or {})}]})
     client = redis_client(url, op_timeout_s=op_timeout_s)
     raw = aioredis.Redis.from_url(url)
     metrics = Metrics()

@@ -57,3 +57,27 @@ async def test_a_count_that_is_not_a_number_is_an_error_reply_repaired_by_the_re
                 await admitter.release(p)
         assert not rt.held
         assert await wait_until(lambda: status_is(0, 0), 10)
+
+
+async def test_settings_an_older_processor_stored_after_a_restart_are_replaced(stack: LocalStack) -> None:
+    # A review: Redis emptied during a settings rollout (epoch 0 -> 1), the old processor's call
+    # came first and stored epoch 0; the new processor configured only at start, so the pool ran
+    # on the old settings for good, and its settings_mismatch read 0.
+    from floodgate.extproc.admission import pool_settings
+    from floodgate.extproc.config import PoolConfig
+    from floodgate.extproc.state import PoolState
+
+    async with one_processor(stack, limit=8, lease_ttl_s=3, op_timeout_s=0.25, pool={"settings_epoch": 1}) as g:
+        rt = g.admitter.pools["a"]
+        assert (await rt.state.status()).settings_epoch == 1
+        old = PoolState(g.client, "a", lease_ttl_s=3, gateway="old", settings=pool_settings(PoolConfig.model_validate(
+            {"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}})))
+        await g.raw.flushall()
+        await old.configure()  # the old processor's call comes first
+        assert (await rt.state.status()).settings_epoch == 0
+
+        async def newer_back() -> bool:
+            return (await rt.state.status()).settings_epoch == 1
+
+        assert await wait_until(newer_back, 5)
+        assert (await rt.state.configure()).initial_limit == 8  # (configure returns what is stored)

@@ -79,6 +79,8 @@ PROCESSOR_BAD = [
     ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 0.5}}, "redis"),
     # a class that does not exist is named before its fields are checked
     ({"pools": [{"name": "a", "classes": {3: {"max_queue": 5}}}]}, "pools.0.classes"),
+    ({"pools": [{"name": "a", "classes": {2: {"max_queue": 5, "share": 0}, "2": {"max_queue": 9, "share": 0}}}]},
+     "pools.0.classes"),
 ]
 
 
