@@ -676,8 +676,8 @@ class Admitter:
             # bad data (a key of the wrong type) stays until someone removes it.
             log.error("Redis answered with an error (%s): not an outage, Redis is up and refused the call "
                       "(the error says why: data in a pool key this version cannot read, docs/operations.md "
-                      "\"A pool key deleted, evicted or overwritten\"; an ACL rule; maxmemory): degraded to "
-                      "local limits %s", why, budgets)
+                      "\"A pool key deleted, evicted or overwritten\"; credentials or an ACL rule; maxmemory): "
+                      "degraded to local limits %s", why, budgets)
         else:
             log.warning("redis unreachable (%s): degraded to local limits %s", why, budgets)
 

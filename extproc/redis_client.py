@@ -70,10 +70,13 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterExcept
 def answered_with_error(exc: BaseException) -> bool:
     """Did Redis answer (an error reply) rather than fail to answer? A script error on data it
     cannot read (a key of the wrong type, a value written by something else) or an ACL refusal
-    is no outage: retrying elsewhere will not help, and logging it as "unreachable" sent
+    is no outage, nor are refused credentials: retrying will not help, and logging it as "unreachable" sent
     operators after the network. Replies that mean the server is not serving now (a replica,
     loading, a busy script, a cluster or primary down) count as outages."""
-    from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
+    from redis.exceptions import AuthenticationError, ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
+
+    if isinstance(exc, AuthenticationError):  # WRONGPASS, NOAUTH: the credentials, not the network
+        return True
 
     # (redis-py strips the code from some: CLUSTERDOWN and MASTERDOWN arrive as ClusterDownError
     # and its subclass MasterDownError, "The cluster is down")

@@ -244,3 +244,31 @@ async def test_a_sharded_subscription_to_a_frozen_node_fails_instead_of_waiting_
         await sub.aclose()
     finally:
         await sub_client.aclose()
+
+
+@pytest.mark.parametrize(("reply", "answered"), [
+    # Redis is up and refused the call: bad data, an ACL rule, credentials, memory
+    ("WRONGTYPE Operation against a key holding the wrong kind of value", True),
+    ("ERR user_function:173: attempt to perform arithmetic on a string value", True),
+    ("NOPERM User x has no permissions to access the 'fg:{a}:x' key", True),
+    ("WRONGPASS invalid username-password pair", True),
+    ("NOAUTH Authentication required.", True),
+    ("OOM command not allowed when used memory > 'maxmemory'.", True),
+    # the server is not serving now: outages (redis-py strips the code from some)
+    ("LOADING Redis is loading the dataset in memory", False),
+    ("BUSY Redis is busy running a script.", False),
+    ("READONLY You can't write against a read only replica.", False),
+    ("TRYAGAIN Multiple keys request during rehashing of slot", False),
+    ("CLUSTERDOWN The cluster is down", False),
+    ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", False),
+    ("NOREPLICAS Not enough good replicas to write.", False),
+])
+def test_an_error_reply_is_told_from_an_outage(reply: str, answered: bool) -> None:
+    # A review: every script error from bad data was logged "redis unreachable"; then CLUSTERDOWN
+    # and MASTERDOWN came out as "not an outage" (redis-py turns them into classes of their own).
+    from floodgate.extproc.redis_client import answered_with_error
+    from redis._parsers.base import BaseParser
+
+    assert answered_with_error(BaseParser.parse_error(reply)) is answered
+    assert answered_with_error(ConnectionError("refused")) is False
+    assert answered_with_error(TimeoutError()) is False
