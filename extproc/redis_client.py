@@ -73,7 +73,13 @@ def answered_with_error(exc: BaseException) -> bool:
     is no outage, nor are refused credentials: retrying will not help, and logging it as "unreachable" sent
     operators after the network. Replies that mean the server is not serving now (a replica,
     loading, a busy script, a cluster or primary down) count as outages."""
-    from redis.exceptions import AuthenticationError, ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
+    from redis.exceptions import (
+        AuthenticationError,
+        ClusterDownError,
+        ReadOnlyError,
+        ResponseError,
+        TryAgainError,
+    )
 
     if isinstance(exc, AuthenticationError):  # WRONGPASS, NOAUTH: the credentials, not the network
         return True
