@@ -112,7 +112,8 @@ async def scrape_envoy(session: aiohttp.ClientSession, admin_url: str, clusters:
             if r.status != 200:
                 return EnvoySample(now, ok=False, error=f"HTTP {r.status}")
             text = await r.text()
-        return parse_envoy(text, clusters, now, gateway_prefix)
+        # (in a worker thread: a mesh's stats page can run to megabytes, and the loop renews the lease)
+        return await asyncio.to_thread(parse_envoy, text, clusters, now, gateway_prefix)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return EnvoySample(now, ok=False, error=f"{type(exc).__name__}: {exc}")
 

@@ -6,6 +6,7 @@ client only does HTTP. Every call has a timeout: a hung replica must not stall t
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,12 @@ ITL = "vllm:inter_token_latency_seconds"
 KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+# A `/metrics` page larger than this is a failed scrape (vLLM's is ~100 KB; parsing runs ~0.5 s
+# per MB, and the body is foreign input).
+MAX_METRICS_BYTES = 4 << 20
+# More requests running or waiting on one replica than this is no engine's real queue (a review's
+# `num_requests_waiting 1e12` scaled an idle pool to its maximum): a failed scrape.
+MAX_PLAUSIBLE_REQUESTS = 100_000.0
 
 
 class VllmError(RuntimeError):
@@ -161,10 +168,10 @@ def parse_metrics(
         for s in fam.samples:
             n = s.name
             if n == WAITING:
-                waiting += _sane(n, s.value)
+                waiting += _sane(n, s.value, upper=MAX_PLAUSIBLE_REQUESTS)
                 seen.add(n)
             elif n == RUNNING:
-                running += _sane(n, s.value)
+                running += _sane(n, s.value, upper=MAX_PLAUSIBLE_REQUESTS)
                 seen.add(n)
             elif n in KV_NAMES:
                 kv[n] = max(kv.get(n, 0.0), _sane(n, s.value, upper=1.0))
@@ -264,14 +271,31 @@ class VllmClient:
         return status == 200
 
     async def metrics_text(self) -> str:
-        _, body = await self._call("GET", "/metrics")
+        """The `/metrics` page, at most MAX_METRICS_BYTES (a larger one is a failed scrape)."""
+        path = "/metrics"
+        try:
+            async with self.session.get(self.base + path, timeout=self.timeout) as r:
+                chunks, size = [], 0
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > MAX_METRICS_BYTES:
+                        raise VllmError(f"GET {self.endpoint}{path}: a page over {MAX_METRICS_BYTES >> 20} MiB")
+                    chunks.append(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise VllmError(f"GET {self.endpoint}{path}: {type(exc).__name__}: {exc}") from exc
+        body = b"".join(chunks)
+        if r.status != 200:
+            raise VllmError(f"GET {self.endpoint}{path}: HTTP {r.status} {body[:200]!r}")
         return body.decode("utf-8", errors="replace")
 
     async def scrape(self, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
-        """One `/metrics` scrape; failures (no answer, an error status, a page `parse_metrics`
-        rejects: MetricsError) come back marked (ok=False), never as zeros."""
+        """One `/metrics` scrape; failures (no answer, an error status, a page over the size cap,
+        a page `parse_metrics` rejects: MetricsError) come back marked (ok=False), never as zeros.
+        Parsed in a worker thread: a review's 22 MB page (valid text) held the controller's loop
+        for 12 s, past its leader lease."""
         try:
-            return parse_metrics(await self.metrics_text(), replica_id, now, prev)
+            text = await self.metrics_text()
+            return await asyncio.to_thread(parse_metrics, text, replica_id, now, prev)
         except VllmError as exc:
             return failed_sample(replica_id, now, str(exc), prev)
 

@@ -149,9 +149,12 @@ BAD_PAGES: dict[str, tuple[str, str]] = {
     "bucket_negative": (GOOD.replace('le="1.0",model_name="m"} 4', 'le="1.0",model_name="m"} -4'), "_bucket is -4"),
     "sum_inf": (_set(GOOD, "time_to_first_token_seconds_sum", "+Inf"), "_sum is inf"),
     "count_nan": (_set(GOOD, "time_to_first_token_seconds_count", "NaN"), "_count is nan"),
-    # Finite on every line, infinite once summed over label sets.
+    # Finite on every line, beyond any engine's queue (and infinite once summed over label sets).
     "waiting_overflows": (GOOD + "vllm:num_requests_waiting{model_name=\"a\"} 1e308\n"
-                          "vllm:num_requests_waiting{model_name=\"b\"} 1e308\n", "num_requests_waiting is inf"),
+                          "vllm:num_requests_waiting{model_name=\"b\"} 1e308\n", "num_requests_waiting is 1e+308"),
+    # A review: an idle replica reporting 1e12 waiting scaled its pool 1 -> 6 of 6 in 2 s.
+    "waiting_absurd": (_set(GOOD, "num_requests_waiting", "1e12"), "num_requests_waiting is 1000000000000.0"),
+    "running_absurd": (_set(GOOD, "num_requests_running", "250000"), "num_requests_running is 250000"),
     "garbage": ("<html>500 oops</html>\n", "unparseable page"),
 }
 
@@ -228,6 +231,10 @@ async def test_a_bad_page_is_a_failed_scrape_keeping_the_previous_histograms() -
             got = await vc.scrape("r", 2.0, prev=good)
             assert not got.metrics.ok and says in got.error, case
             assert got.ttft == good.ttft  # the next good scrape's delta covers the gap
+        # A review: a 22 MB page of valid text held the controller's loop past its leader lease.
+        page["text"] = GOOD + "".join(f'vllm:other_gauge{{n="{i}"}} 1\n' for i in range(250_000))
+        got = await vc.scrape("r", 3.0, prev=good)
+        assert not got.metrics.ok and "a page over 4 MiB" in got.error
 
 
 async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(
