@@ -61,6 +61,7 @@ from floodgate.controller.policy import (
     arriving_capacity,
     later_than_announced,
     replica_due,
+    stalled_wakes,
 )
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
@@ -199,6 +200,7 @@ class PoolController:
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
+        self._stalled_said: set[str] = set()  # stalled wakes already logged
         self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
         self._arriving_due: list[float] = []  # the times announced last, one per replica (controller clock)
         self.start_backoff = StartBackoff()  # failed starts in a row (controller.liveness)
@@ -368,7 +370,12 @@ class PoolController:
                                len(active_ids), saturated=fg.signal.ok and fg.signal.depth > 0)
         pool_signals = PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal,
                                    counters=fg.counters, gateway=gateway, latency=latency if active_ids else None)
-        signals = Signals(pool_signals, views)
+        stalled = stalled_wakes(views, self.start_times, now)
+        for rid in stalled - self._stalled_said:
+            log.warning("pool %s: %s has been waking for much longer than any wake measured: promoting "
+                        "another warm replica meanwhile (it still has until timeouts.wake_s)", self.pool, rid)
+        self._stalled_said = set(stalled)
+        signals = Signals(pool_signals, views, stalled)
         seq_before = self.state.next_seq
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
                                            "envoy_active": envoy.rq_active if envoy and envoy.ok else None})

@@ -280,11 +280,13 @@ def plan_pool(
     next_seq: int = 0,
     id_prefix: str = "r",
     returning: int = 0,
+    stalled: frozenset[str] = frozenset(),
 ) -> PoolPlan:
     """Actions that move `replicas` toward `desired_active` serving replicas and a warm pool of
     `warm_target`. New replicas get ids `f"{id_prefix}{seq}"` from `next_seq` on. `returning`:
     active replicas expected back in the pool (`returning_replicas`), counted toward it for
-    refills like drains in progress."""
+    refills like drains in progress. `stalled`: waking replicas that are not counted as serving
+    (`policy.stalled_wakes`): the next warm replica is promoted in their place."""
     if not cfg.enabled:
         warm_target = 0
     acts: list[Action] = []
@@ -306,7 +308,7 @@ def plan_pool(
             serving += 1
             active.append(r)
         elif st is S.WAKING:
-            serving += 1
+            serving += r.replica_id not in stalled
         elif st is S.WARM:
             warm.append(r)
         elif st in (S.COLD, S.LOADING, S.WARMING):

@@ -54,6 +54,7 @@ Rules (docs/controller.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from floodgate.controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
@@ -553,6 +554,30 @@ def replica_due(view: ReplicaView, started_at: float | None, times: StartTimes) 
             return None
         return started_at + max(times.cold) + max(times.wake_awake)
     return None
+
+
+# A wake is stalled once it has run this many times the longest wake of its kind measured, or
+# longer than the longest cold start measured (the warm pool exists because a wake is faster),
+# and at least STALLED_WAKE_MIN_S: a live but slow wake still has `timeouts.wake_s`, but the plan
+# stops counting a stalled one as serving and promotes the next warm replica meanwhile.
+STALLED_WAKE_FACTOR = 3.0
+STALLED_WAKE_MIN_S = 5.0
+
+
+def stalled_wakes(views: Sequence[ReplicaView], times: StartTimes, now: float) -> frozenset[str]:
+    """Replicas waking for much longer than this controller measured such a start to take
+    (pure): a hung pool replica (a review's SIGSTOPped sleeper held a burst's scale-up for the
+    whole 40 s wake timeout, and a fresh warm refill was put to sleep meanwhile). None without a
+    measurement of either kind."""
+    out = []
+    for v in views:
+        if v.state is not ReplicaState.WAKING:
+            continue
+        seen = times.wake_asleep if v.asleep else times.wake_awake
+        bounds = ([STALLED_WAKE_FACTOR * max(seen)] if seen else []) + ([max(times.cold)] if times.cold else [])
+        if bounds and now - v.state_since > max(min(bounds), STALLED_WAKE_MIN_S):
+            out.append(v.replica_id)
+    return frozenset(out)
 
 
 def arriving_capacity(desired: int, active: int, due: list[float | None], now: float,

@@ -353,3 +353,34 @@ async def test_a_late_replica_moves_its_time_and_tells_the_processors(stack: Loc
         await pubsub.aclose()
         await session.close()
         await c.aclose()
+
+
+def test_a_wake_far_past_every_measured_start_is_stalled() -> None:
+    # A review: a SIGSTOPped sleeping pool replica, promoted for a burst, held the scale-up for
+    # the whole wake timeout (41.3 s at 40 s) while a fresh warm refill was put to sleep.
+    from floodgate.controller.policy import stalled_wakes
+
+    asleep = ReplicaView("r0", S.WAKING, 100.0, asleep=True)
+    awake = ReplicaView("r1", S.WAKING, 100.0)
+    t = StartTimes(cold=(15.1, 15.3), wake_awake=(0.05,), wake_asleep=(1.0, 1.2))
+    assert stalled_wakes((asleep, awake), t, 104.0) == frozenset()  # within 5 s: live but slow
+    assert stalled_wakes((asleep, awake), t, 105.5) == {"r0", "r1"}  # 3 x 1.2 s and 3 x 0.05 s, at least 5 s
+    # no wake from sleep measured yet: longer than a cold start is stalled
+    first = StartTimes(cold=(8.0,), wake_awake=(0.05,))
+    assert stalled_wakes((asleep,), first, 107.9) == frozenset()
+    assert stalled_wakes((asleep,), first, 108.1) == {"r0"}
+    assert stalled_wakes((asleep,), StartTimes(), 1e6) == frozenset()  # nothing measured: no claim
+    assert stalled_wakes((ReplicaView("r2", S.LOADING, 0.0),), t, 1e6) == frozenset()
+
+
+def test_the_plan_promotes_the_next_warm_replica_past_a_stalled_wake() -> None:
+    from floodgate.controller.config import WarmPoolConfig
+    from floodgate.controller.lifecycle import ActionKind, plan_pool
+
+    reps = (ReplicaView("a", S.ACTIVE, 0.0), ReplicaView("hung", S.WAKING, 0.0, asleep=True),
+            ReplicaView("w", S.WARM, 0.0))
+    cfg = WarmPoolConfig(min_size=1, max_size=1)
+    before = plan_pool(2, reps, 1, 50.0, cfg)
+    assert not any(a.kind is ActionKind.PROMOTE for a in before.actions)  # the wake counts as serving
+    after = plan_pool(2, reps, 1, 50.0, cfg, stalled=frozenset({"hung"}))
+    assert [(a.kind, a.replica_id) for a in after.actions if a.kind is ActionKind.PROMOTE] == [(ActionKind.PROMOTE, "w")]

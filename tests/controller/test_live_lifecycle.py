@@ -264,3 +264,44 @@ async def _sleeping_now(pc: Any) -> str | None:
     slept = {e["replica"] for e in pc.events if e["event"] == "slept"}
     return next((rid for rid, rep in pc.replicas.items() if rid in asked - slept and rep.busy
                  and rep.view.state.value == "warm" and not rep.view.asleep), None)
+
+
+async def test_a_hung_sleeper_promoted_for_a_burst_does_not_hold_the_scale_up(stack: LocalStack) -> None:
+    # A review: a sleeping pool replica hung (SIGSTOP); a burst promoted it and the pool got its
+    # second active replica only when the wake timed out (41.3 s at wake_s 40), while a fresh
+    # warm refill was put to sleep. A wake past every measured start now counts as stalled: the
+    # next warm replica is promoted in its place.
+    import os
+    import signal
+
+    from floodgate.controller.actuators.process import read_table
+
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 4},
+                            warm_pool={"min_size": 1, "max_size": 1, "warm_min_age_s": 0},
+                            timeouts={"wake_s": 60})
+    act = process_actuator(stack, state_dir)
+    hung: int | None = None
+    async with running(cfg, act, holder="a") as ctl, aiohttp.ClientSession() as s:
+        try:
+            await wait_for(lambda: _states_are(url, active=1, sleeping=1), 60)
+            pc = ctl.pools["default"]
+            st = await registry_states(url)
+            sleeper = next(r for r, v in st.items() if v == "sleeping")
+            hung = int(read_table(state_dir)[1][sleeper]["pid"])
+            os.killpg(hung, signal.SIGSTOP)
+            active_ep = next(rep.endpoint for rep in pc.replicas.values() if rep.view.state.value == "active")
+            stats = StreamStats()
+            mark = ctl.clock()
+            streams = [asyncio.create_task(stream_once(s, f"http://{active_ep}", 400, stats)) for _ in range(8)]
+            await wait_for(lambda: _states_are(url, active=2), 40, interval=0.05)
+            took = ctl.clock() - mark
+            promoted = [e["replica"] for e in pc.events if float(e["ts"]) >= mark and e["event"] == "promoted"]
+            assert sleeper not in promoted and promoted, (promoted, sleeper)
+            assert took < 30, took  # well before the 60 s wake timeout
+            await asyncio.gather(*streams)
+            assert stats.failed == []
+        finally:
+            if hung is not None:
+                os.killpg(hung, signal.SIGCONT)
