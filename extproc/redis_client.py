@@ -40,8 +40,16 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 AnyRedis = aioredis.Redis | RedisCluster
 Kind = Literal["single", "sentinel", "cluster"]
@@ -73,22 +81,14 @@ def answered_with_error(exc: BaseException) -> bool:
     is no outage, nor are refused credentials: retrying will not help, and logging it as "unreachable" sent
     operators after the network. Replies that mean the server is not serving now (a replica,
     loading, a busy script, a cluster or primary down) count as outages."""
-    from redis.exceptions import (
-        AuthenticationError,
-        ClusterDownError,
-        ReadOnlyError,
-        ResponseError,
-        TryAgainError,
-    )
-
     if isinstance(exc, AuthenticationError):  # WRONGPASS, NOAUTH: the credentials, not the network
         return True
-
-    # (redis-py strips the code from some: CLUSTERDOWN and MASTERDOWN arrive as ClusterDownError
-    # and its subclass MasterDownError, "The cluster is down")
+    # redis-py's reply parser gives READONLY, TRYAGAIN, CLUSTERDOWN and MASTERDOWN classes of
+    # their own (stripping the code from the last two; LOADING is a ConnectionError); BUSY and
+    # NOREPLICAS arrive as plain ResponseErrors, told by their code.
     if not isinstance(exc, ResponseError) or isinstance(exc, (ReadOnlyError, TryAgainError, ClusterDownError)):
         return False
-    return not str(exc).startswith(("LOADING", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "READONLY"))
+    return not str(exc).startswith(("BUSY", "NOREPLICAS"))
 
 
 class RedisURLError(ValueError):
@@ -145,7 +145,8 @@ def parse_redis_url(url: str) -> RedisTarget:
         # plain scheme) failed only at start-up, with a traceback: building a connection (it
         # does not connect) checks them now, as --check-config runs.
         try:
-            aioredis.ConnectionPool.from_url(url).make_connection()
+            pool = aioredis.ConnectionPool.from_url(url)
+            pool.make_connection()
         except TypeError as exc:
             bad = re.search(r"unexpected keyword argument '([^']*)'", str(exc))
             if bad and bad[1] in (*TLS_PARAMETERS, "ssl_password") and scheme != "rediss":
@@ -153,8 +154,8 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise RedisURLError(f"unknown URL parameter {bad[1]!r}" if bad else str(exc)) from None
         except (ValueError, RedisError) as exc:
             raise RedisURLError(str(exc)) from None
-        # The files as redis-py reads the query ('+' is a space there)
-        _check_tls_files({k: str(v) for k, v in aioredis.connection.parse_url(url).items()})
+        # The files as redis-py read them from the query ('+' is a space there)
+        _check_tls_files({k: v for k, v in pool.connection_kwargs.items() if isinstance(v, str)})
         return RedisTarget("single", url, tls=scheme == "rediss", display=redact_url(url))
     if scheme not in _SENTINEL + _CLUSTER:
         raise RedisURLError(f"unknown scheme {scheme!r} (expected redis, rediss, unix, redis+sentinel, "
