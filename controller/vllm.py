@@ -252,11 +252,23 @@ class VllmClient:
         self.model = model
 
     async def _call(self, method: str, path: str, *, limit: aiohttp.ClientTimeout | None = None,
-                    json: object = None, ok: tuple[int, ...] = (200,)) -> tuple[int, bytes]:
+                    json: object = None, ok: tuple[int, ...] = (200,),
+                    max_bytes: int | None = None) -> tuple[int, bytes]:
+        """`max_bytes`: a longer body is a VllmError, read no further (a foreign page)."""
         try:
             async with self.session.request(method, self.base + path, json=json,
                                             timeout=limit or self.timeout) as r:
-                body = await r.read()
+                if max_bytes is None:
+                    body = await r.read()
+                else:
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in r.content.iter_chunked(1 << 16):
+                        size += len(chunk)
+                        if size > max_bytes:
+                            raise VllmError(f"{method} {self.endpoint}{path}: a page over {max_bytes >> 20} MiB")
+                        chunks.append(chunk)
+                    body = b"".join(chunks)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise VllmError(f"{method} {self.endpoint}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status not in ok:
@@ -272,20 +284,7 @@ class VllmClient:
 
     async def metrics_text(self) -> str:
         """The `/metrics` page, at most MAX_METRICS_BYTES (a larger one is a failed scrape)."""
-        path = "/metrics"
-        try:
-            async with self.session.get(self.base + path, timeout=self.timeout) as r:
-                chunks, size = [], 0
-                async for chunk in r.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
-                        raise VllmError(f"GET {self.endpoint}{path}: a page over {MAX_METRICS_BYTES >> 20} MiB")
-                    chunks.append(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise VllmError(f"GET {self.endpoint}{path}: {type(exc).__name__}: {exc}") from exc
-        body = b"".join(chunks)
-        if r.status != 200:
-            raise VllmError(f"GET {self.endpoint}{path}: HTTP {r.status} {body[:200]!r}")
+        _, body = await self._call("GET", "/metrics", max_bytes=MAX_METRICS_BYTES)
         return body.decode("utf-8", errors="replace")
 
     async def scrape(self, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
