@@ -36,11 +36,16 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default; macOS starts at 49152
 
 
+def default_port_range() -> tuple[int, int]:
+    """[lo, hi) free_port picks from without `FLOODGATE_PORT_RANGE`: 20000 up to the ephemeral range."""
+    return 20000, min(_ephemeral_low(), 32768)
+
+
 def _port_range() -> tuple[int, int]:
     """[lo, hi) that free_port picks from: `FLOODGATE_PORT_RANGE=lo-hi` (inherited by child
     processes: test workers running side by side each take a range of their own, so none picks
-    a port another has picked and not bound yet), else 20000 up to the ephemeral range."""
-    default = 20000, min(_ephemeral_low(), 32768)
+    a port another has picked and not bound yet), else `default_port_range()`."""
+    default = default_port_range()
     raw = os.environ.get("FLOODGATE_PORT_RANGE", "")
     try:
         lo, hi = (int(x) for x in raw.split("-"))

@@ -12,9 +12,10 @@ import redis.asyncio as aioredis
 from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
-from floodgate.supervisor import Supervisor, _ephemeral_low, free_port
+from floodgate.supervisor import Supervisor, default_port_range, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,11 +23,10 @@ def pytest_configure(config: pytest.Config) -> None:
     starts, picks free ports from a range of its own (floodgate.supervisor.free_port)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and count.isdigit() and int(count) > 1:
-        lo, hi = 20000, min(_ephemeral_low(), 32768)
+        lo, hi = default_port_range()
         size = (hi - lo) // int(count)
         start = lo + int(worker[2:]) * size
         os.environ["FLOODGATE_PORT_RANGE"] = f"{start}-{start + size}"
-SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture
