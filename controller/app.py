@@ -160,6 +160,8 @@ class Replica:
     sample: VllmSample | None = None
     unresponsive: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed scrapes while active
     probe: asyncio.Task[None] | None = None  # a liveness check of an unresponsive replica in flight
+    pool_health: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed /health checks while in the warm pool
+    pool_probed_at: float | None = None  # clock() of its last warm-pool /health check
 
     @property
     def busy(self) -> bool:
@@ -359,6 +361,7 @@ class PoolController:
             else:
                 rep.unresponsive = Unresponsive()
         await self._fail_unresponsive(now)
+        self._probe_pool(now)
 
         views = tuple(replace(r.view, busy=True) if r.busy else r.view for r in self.replicas.values())
         # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway
@@ -661,6 +664,43 @@ class PoolController:
         await self._fail(rep, f"unresponsive: scrapes failing for {self.clock() - since:.0f} s, "
                               f"/health not answering within {t.liveness_probe_s:g} s")
         self.kick()
+
+    def _probe_pool(self, now: float) -> None:
+        """Start a /health check of each warm-pool replica due one (`timeouts.pool_probe_s`).
+        Pool replicas are not scraped: without this a hung one (a frozen process, a wedged
+        server) was found only when a burst promoted it, and the burst waited for its wake to
+        time out."""
+        t = self.cfg.timeouts
+        for rep in self.replicas.values():
+            if rep.view.state is not S.WARM:
+                rep.pool_health, rep.pool_probed_at = Unresponsive(), None
+                continue
+            if t.pool_probe_s <= 0 or rep.busy or not rep.endpoint or (rep.probe is not None and not rep.probe.done()):
+                continue
+            if rep.pool_probed_at is None:
+                rep.pool_probed_at = now  # first seen in the pool: its bring-up or sleep just talked to it
+                continue
+            if now - rep.pool_probed_at >= t.pool_probe_s:
+                rep.pool_probed_at = now
+                rep.probe = asyncio.create_task(self._probe_pooled(rep), name=f"{self.pool}:{rep.view.replica_id}:pool")
+
+    async def _probe_pooled(self, rep: Replica) -> None:
+        """One /health check of a warm-pool replica; a run of failures lasting `unresponsive_s`
+        fails it (the plan then refills the pool)."""
+        t = self.cfg.timeouts
+        assert rep.endpoint is not None
+        ok = await self._client_at(rep.endpoint, t.liveness_probe_s).health()
+        now = self.clock()
+        if rep.view.state is not S.WARM or rep.busy:
+            return  # promoted, put to sleep or stopped while the check ran
+        rep.pool_health = rep.pool_health.observe(now, ok)
+        if not ok:
+            self.emit("pool_probe_failed", replica=rep.view.replica_id, since=rep.pool_health.since)
+        if rep.pool_health.due(now, t.unresponsive_s):
+            self.metrics.unresponsive.labels(pool=self.pool).inc()
+            since = rep.pool_health.since or now
+            await self._fail(rep, f"unresponsive in the warm pool: /health failing for {now - since:.0f} s")
+            self.kick()
 
     async def _fail(self, rep: Replica, why: str, start_failed: bool = True) -> None:
         if start_failed and rep.view.state in (S.COLD, S.LOADING, S.WARMING):

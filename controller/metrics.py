@@ -51,8 +51,9 @@ class ControllerMetrics:
                                  "(learned from TTFT/ITL, else target_concurrency).", ["pool"], registry=r)
         self.scrape_failures = Counter("floodgate_scrape_failures_total", "Failed scrapes (marked, never read as zero).",
                                        ["source"], registry=r)
-        self.unresponsive = Counter("floodgate_replicas_unresponsive_total", "Active replicas failed because their "
-                                    "scrapes failed for timeouts.unresponsive_s and /health did not answer.",
+        self.unresponsive = Counter("floodgate_replicas_unresponsive_total", "Replicas failed because they stopped "
+                                    "answering: active ones whose scrapes failed for timeouts.unresponsive_s and "
+                                    "whose /health did not answer, warm-pool ones whose /health checks failed that long.",
                                     ["pool"], registry=r)
         self.ceiling = Gauge("floodgate_admission_ceiling", "Admission ceiling published for the processors, per "
                              "active endpoint, while cold starts are awaited; NaN when none is published.",

@@ -4,6 +4,7 @@ the pure rules, and the live controller with the process actuator and real emula
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -74,6 +75,48 @@ async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -
             assert ctl.metrics.unresponsive.labels(pool="default")._value.get() == 1
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.integration
+async def test_a_hung_warm_pool_replica_is_failed_and_replaced_before_any_burst(stack: LocalStack) -> None:
+    # A warm-pool replica is not scraped: a hung one (SIGSTOP) was found only when a burst
+    # promoted it, and the burst waited for its wake. Its /health checks (`pool_probe_s`) now
+    # find it while it waits: it is failed and stopped, and the plan cold-starts a refill.
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2},
+                            warm_pool={"min_size": 1, "max_size": 1, "max_total": 3},
+                            timeouts={"unresponsive_s": 2, "pool_probe_s": 0.5, "liveness_probe_s": 0.5})
+    async with running(cfg, act) as ctl:
+        pc = ctl.pools["default"]
+        await wait_for(lambda: _pool_is(url, active=1, spare=1), 40)
+        (hung,) = [rid for rid, r in pc.replicas.items() if r.view.state.value == "warm"]
+        await wait_for(lambda: _is(url, hung, "sleeping"), 30)  # put to sleep: nothing talks to it now
+        pid = int(next(h for h in await act.list() if h.replica_id == hung).labels["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: _spare_is_not(url, hung), 40)
+            failed = [e for e in pc.events if e["event"] == "failed" and e["replica"] == hung]
+            assert failed and failed[0]["why"].startswith("unresponsive in the warm pool"), failed
+            assert [e for e in pc.events if e["event"] == "pool_probe_failed" and e["replica"] == hung]
+            await wait_for(lambda: _stopped(act, hung), 15)  # stopped (SIGTERM, then SIGKILL), not left hanging
+            assert not any(e["event"] == "failed" and e["replica"] != hung for e in pc.events)  # the others pass their checks
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+async def _stopped(act: ProcessActuator, rid: str) -> bool:
+    return rid not in {h.replica_id for h in await act.list() if h.running}
+
+
+async def _is(url: str, rid: str, state: str) -> bool:
+    return (await registry_states(url)).get(rid) == state
+
+
+async def _spare_is_not(url: str, rid: str) -> bool:
+    st = await registry_states(url)
+    return count(st, "active") == 1 and count(st, "warm") + count(st, "sleeping") >= 1 and rid not in st
 
 
 async def _pool_is(url: str, *, active: int, spare: int) -> bool:
