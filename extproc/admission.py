@@ -206,6 +206,7 @@ class PoolRuntime:
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     credit_done: int = 0  # credit-admitted requests completed since the last report (`credit_done`)
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
+    pending_refund: list[tuple[str, float]] = field(default_factory=list)  # (endpoint, tokens), sent with them
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
@@ -874,7 +875,7 @@ class Admitter:
                queued: bool = False, credit: bool = False) -> Permit:
         now = self.clock()
         p = Permit(rt.cfg.name, ticket, req.priority, now - req.started, now, endpoint, queued, credit,
-                   _seq_of(ticket), on_finish=self.finish)
+                   _seq_of(ticket), req.tokens, on_finish=self.finish)
         rt.held[ticket] = p
         return p
 

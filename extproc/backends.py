@@ -17,6 +17,7 @@ import asyncio
 import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from floodgate.extproc.limit import Latency
@@ -34,6 +35,7 @@ from floodgate.extproc.policy import (
     timeout_reject,
     waits_on_budget,
 )
+from floodgate.extproc.prefill import unanswered_tokens
 from floodgate.extproc.schema import PoolSettings, PoolStatus
 
 if TYPE_CHECKING:
@@ -59,6 +61,8 @@ class Permit:
     queued: bool = False  # waited in the queue (vs admitted by the first acquire)
     credit: bool = False  # admitted from a local credit (no Redis round trip)
     seq: int = 0  # the ticket's number (`sync` watermark)
+    tokens: float | None = None  # prompt tokens its grant added to its endpoint's prefill estimate (None: pf_size)
+    unanswered: bool = False  # it ended with nothing back from the upstream (set before its release)
     released: bool = False
     finished: bool = False  # its outcome went to the limit (finish)
     on_finish: Callable[[Permit, str, Latency | None], None] | None = field(default=None, repr=False, compare=False)
@@ -333,15 +337,33 @@ class SharedBackend:
             return None
         # Releases that arrive in the same event-loop turn share one script call.
         rt.pending_release.append(permit.ticket)
+        refund = self._unanswered(rt, permit)
+        if refund > 0:
+            rt.pending_refund.append((permit.endpoint, refund))
         return self._flush(rt) if len(rt.pending_release) == 1 else None
+
+    def _unanswered(self, rt: PoolRuntime, permit: Permit) -> float:
+        """What a request that ended unanswered still counts for in its endpoint's prefill
+        estimate (prefill.unanswered_tokens; 0 when the pool does not estimate prefill)."""
+        cfg = rt.cfg
+        if not (permit.unanswered and permit.endpoint and cfg.endpoint_picking and cfg.prefill_tokens_per_s > 0):
+            return 0.0
+        size = cfg.prefill_request_tokens if permit.tokens is None else permit.tokens
+        return unanswered_tokens(size, self.a.clock() - permit.admitted_at, cfg.prefill_tokens_per_s)
 
     async def _flush(self, rt: PoolRuntime) -> None:
         await asyncio.sleep(0)
         tickets, rt.pending_release = rt.pending_release, []
-        try:
-            await self.a.call(rt, "release", lambda: rt.state.release(*tickets))
-        except RedisDown:
-            pass  # not renewed any more: the leases expire, or the next sync drops them
+        refunds, rt.pending_refund = rt.pending_refund, []
+        # The refunds go first, in the same batch (state.PoolState sends what one event-loop
+        # turn queued as one call, in order): the release's grant loop sees the estimate they
+        # lowered.
+        calls = [self.a.call(rt, "refund", partial(rt.state.refund, ep, n)) for ep, n in refunds]
+        calls.append(self.a.call(rt, "release", lambda: rt.state.release(*tickets)))
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, BaseException) and not isinstance(r, RedisDown):
+                raise r
+            # RedisDown: not renewed any more: the leases expire, or the next sync drops them
 
 
 class LocalBackend:

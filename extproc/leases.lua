@@ -1280,6 +1280,24 @@ function OPS.release(ARGV)
   return released
 end
 
+function OPS.refund(ARGV)
+  -- ARGV 3 endpoint, 4 prompt tokens: a request routed there ended with nothing back from it
+  -- (its body never came, its client left first): the part of its prompt the estimate still
+  -- counts (prefill.unanswered_tokens, the processor's) leaves that endpoint's estimate, never
+  -- below 0 (prefill.PrefillEstimate.refunded). Without it a header claiming a 48 KB body and
+  -- closed at once held lower classes back behind 8,192 tokens of prefill that never came (a
+  -- review). Sent before the request's release in the same batch, whose grant loop then sees it.
+  local ep, size = ARGV[3], size_arg(ARGV[4])
+  if not ep or not size or size <= 0 or not pf_on() then return 0 end
+  local l, ts = string.match(redis.call('HGET', K.epfill, ep) or '', '^([^|]*)|([^|]*)$')
+  l, ts = tonumber(l or ''), tonumber(ts or '')
+  if not l or not ts then return 0 end
+  local v = math.max(0, math.max(0, l - S.pf_rate_ms * math.max(0, now - ts)) - size)
+  redis.call('HSET', K.epfill, ep, string.format('%.17g|%d', v, now))
+  if PF and PF.lv[ep] then PF.lv[ep] = v end
+  return 1
+end
+
 function OPS.credit_done(ARGV)
   -- ARGV 3: requests admitted from this gateway's idle credits that completed since its last
   -- report. Their credits went back to the gateway, not here, so no release counted them: the
@@ -1584,7 +1602,7 @@ end
 -- the released permit again, for nobody, until its TTL).
 local BATCHABLE = {acquire = OPS.acquire, admit = OPS.admit, enqueue = OPS.enqueue, cancel = OPS.cancel,
                    release = OPS.release, return_credits = OPS.return_credits, sync = OPS.sync,
-                   credit_done = OPS.credit_done}
+                   credit_done = OPS.credit_done, refund = OPS.refund}
 
 function OPS.batch(ARGV)
   -- The admission calls a processor made in one event-loop turn, run in order in one call:

@@ -57,7 +57,8 @@ def prompt_tokens(content_length: Sequence[str] | None, content_encoding: Sequen
     `bytes_per_token` 0 (reading it is off). Never raises: a bad header only loses the estimate.
 
     A client controls this number (within the clamp) by the size of the body it sends, not by
-    the header alone: Envoy frames the body by it (HTTP/1.1) or rejects a mismatch (HTTP/2)."""
+    the header alone: Envoy frames the body by it (HTTP/1.1) or rejects a mismatch (HTTP/2), and
+    a request that ends unanswered (its body never came) takes it back (`unanswered_tokens`)."""
     if bytes_per_token <= 0 or not content_length or len(set(content_length)) != 1:
         return default
     if body_encoded(content_encoding):
@@ -90,6 +91,19 @@ class PrefillSettings:
 def drained(level: float, ts_ms: int, now_ms: int, rate_ms: float) -> float:
     """An estimate stored at `ts_ms`, brought to `now_ms`."""
     return max(0.0, level - rate_ms * max(0, now_ms - ts_ms))
+
+
+def unanswered_tokens(tokens: float, held_s: float, rate: float) -> float:
+    """The part of a request's prompt its endpoint's estimate still counts when the request
+    ended with nothing back from the upstream (no response headers: its body never came, or its
+    client left first) after `held_s` seconds routed there: its size less what the estimate
+    drained meanwhile at `rate`, never below 0 (0 when pacing is off). A request that ran
+    longer than its own prefill takes counts for nothing more, so ending early buys a client
+    no more than sending the prompt would: the estimate then counted the request only for as
+    long as it held its permit."""
+    if rate <= 0:
+        return 0.0
+    return max(0.0, tokens - rate * max(0.0, held_s))
 
 
 @dataclass
@@ -125,6 +139,12 @@ class PrefillEstimate:
         `request_tokens`) joins the estimate."""
         size = self.settings.request_tokens if tokens is None else tokens
         self.levels[endpoint] = (self.level(endpoint, now_ms) + size, now_ms)
+
+    def refunded(self, endpoint: str, now_ms: int, tokens: float) -> None:
+        """A request routed to `endpoint` ended unanswered: `tokens` (`unanswered_tokens`) leave
+        its estimate, never below 0 (the script's `refund`)."""
+        if endpoint in self.levels and tokens > 0:
+            self.levels[endpoint] = (max(0.0, self.level(endpoint, now_ms) - tokens), now_ms)
 
     def open(self, cls: int, p0_inflight: int, endpoints: Sequence[str], now_ms: int) -> bool:
         """May a grant to class `cls` (0-based) go ahead as far as prefill pacing goes? P0

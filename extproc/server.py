@@ -524,6 +524,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             reason = release_reason(reason, status=ex.status, finished=ex.finished)
+            result.unanswered = ex.status is None  # (its prompt leaves the prefill estimate: backends)
             if sampled:
                 self.admitter.sampled_done(pool)
             self._finish(pool, ex, reason)

@@ -140,7 +140,8 @@ def _size(tokens: float | None) -> tuple[str, ...]:
 # `sync` rides with them so that one processor's writes to a pool reach Redis in the order it
 # made them: a renewal sent beside a batch could land after a release made later and lease the
 # released permit again (a phantom until its TTL).
-BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits", "sync", "credit_done"})
+BATCHED = frozenset({"acquire", "admit", "enqueue", "cancel", "release", "return_credits", "sync", "credit_done",
+                     "refund"})
 
 _Pending = tuple[str, Sequence[Any], "asyncio.Future[Any]"]
 
@@ -303,6 +304,11 @@ class PoolState:
         """`n` requests admitted from this gateway's idle credits completed (their credits came
         back here, not to Redis): counted in the pool's release rate."""
         return int(await self._run("credit_done", n)) if n > 0 else 0
+
+    async def refund(self, endpoint: str, tokens: float) -> int:
+        """A request routed to `endpoint` ended with nothing back from it: `tokens` of its
+        prompt leave the endpoint's prefill estimate (prefill.unanswered_tokens). 1 if applied."""
+        return int(await self._run("refund", endpoint, repr(float(tokens))))
 
     async def release(self, *tickets: str) -> int:
         return int(await self._run("release", *tickets)) if tickets else 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import random
 import sys
@@ -17,6 +18,7 @@ from floodgate.extproc.prefill import (
     PrefillSettings,
     drained,
     prompt_tokens,
+    unanswered_tokens,
 )
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.schema import PoolSettings, key
@@ -49,6 +51,22 @@ def test_routed_adds_the_requests_own_size_or_the_pools_mean() -> None:
     est.routed("b", 0, 0.0)
     assert est.level("a", 0) == 612.0 and est.level("b", 0) == 0.0
     assert est.pick(["a", "b"], {}, start=0, now_ms=0) == "b"
+
+
+def test_an_unanswered_request_takes_back_what_the_estimate_still_counts_of_it() -> None:
+    assert unanswered_tokens(2000.0, 0.1, 6000.0) == 1400.0  # 600 drained while it was routed
+    assert unanswered_tokens(2000.0, 1.0, 6000.0) == 0.0  # longer than its own prefill: nothing
+    assert unanswered_tokens(2000.0, -1.0, 6000.0) == 2000.0  # a clock step back drains nothing
+    assert unanswered_tokens(2000.0, 0.0, 0.0) == 0.0  # pacing off
+    est = PrefillEstimate(ON)
+    est.routed("a", 0, 2000.0)
+    est.routed("a", 0, 300.0)
+    est.refunded("a", 100, 1400.0)
+    assert est.level("a", 100) == 2300.0 - 600.0 - 1400.0
+    est.refunded("a", 100, 5000.0)
+    assert est.level("a", 100) == 0.0  # never below zero
+    est.refunded("never", 100, 5.0)
+    assert "never" not in est.levels
 
 
 def _tokens(cl: list[str] | None, ce: list[str] | None = None, bpt: float = 4.0) -> float:
@@ -278,6 +296,50 @@ async def test_script_counts_each_requests_own_size_as_the_model(stack: LocalSta
         await c.aclose()
 
 
+async def test_script_refunds_as_the_model(stack: LocalStack) -> None:
+    """Random routed sizes and refunds at random script times (some of an endpoint with no
+    estimate, some for more than it holds): the script's `refund` leaves every estimate where
+    the model's `refunded` does; with pacing off, or a size that is not a number, it changes
+    nothing."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    pool = "rf"
+    try:
+        st = await _picking_pool(c, pool, EPS)
+        model = PrefillEstimate(ON)
+        rng = random.Random(5)
+        now, rr, held = 1_000_000, 0, {}
+        for i in range(300):
+            now += rng.choice((0, 1, 10, 50, 200))
+            await _clock(c, pool, now)
+            if rng.random() < 0.5:
+                size = rng.choice((1.0, 100.0, 2000.0, 8192.0))
+                got = await st.acquire(f"g:{i}", "g", i + 1, 0, "", 0, size)  # P0: never paced
+                rr += 1
+                loads = {ep: sum(1 for e in held.values() if e == ep) for ep in EPS}
+                ep = model.pick(EPS, loads, rr % len(EPS), now)
+                assert got.granted and got.endpoint == ep
+                model.routed(ep, now, size)
+                held[f"g:{i}"] = ep
+            else:
+                ep = rng.choice([*EPS, "10.9.9.9:1"])
+                n = rng.choice((10.0, 700.0, 3000.0, 1e6))
+                applied = await st.refund(ep, n)
+                assert applied == (1 if ep in model.levels else 0)
+                model.refunded(ep, now, n)
+            for ep in EPS:
+                raw = await c.hget(key(pool, "epfill"), ep)
+                lv, ts = (0.0, now) if raw is None else (float(raw.decode().split("|")[0]), int(raw.decode().split("|")[1]))
+                assert drained(lv, ts, now, ON.rate_ms) == pytest.approx(model.level(ep, now), abs=1e-6), (i, ep)
+        before = await c.hget(key(pool, "epfill"), EPS[0])
+        assert await st._run("refund", EPS[0], "nan") == 0 and await st._run("refund", EPS[0], "x") == 0
+        off = await _picking_pool(c, "rf-off", EPS, replace(PACED, pf_rate=0.0))
+        assert await off.refund(EPS[0], 10.0) == 0
+        assert await c.hget(key(pool, "epfill"), EPS[0]) == before
+    finally:
+        await c.aclose()
+
+
 async def test_sync_drops_sizes_whose_waiter_left_without_them(stack: LocalStack) -> None:
     """A waiter popped by an older version's grant loop leaves its size in `qsize`: the next
     renewal (`sync`) of any gateway drops sizes with no waiter, and keeps the others."""
@@ -420,6 +482,72 @@ async def test_processor_counts_the_content_length_of_requests_through_envoy(sta
             assert await level() == base + 3512.0
     finally:
         await c.aclose()
+
+
+@pytest.mark.integration
+async def test_a_request_whose_body_never_comes_leaves_the_estimate_and_holds_nobody_back(stack: LocalStack) -> None:
+    """A review's attack: request headers claiming a 60 KB body, no body, the connection closed
+    at once. The grant counted the claimed size (the pool's max, 2,000 tokens) in the endpoint's
+    estimate, nothing took it back, and while a P0 ran every lower-class request waited behind
+    prefill that never came: three such requests (300 bytes of headers) held an honest P1 past
+    its queue timeout (429). Now a request that ends with nothing back from the upstream takes
+    its unprefilled prompt out of the estimate (prefill.unanswered_tokens). Real Envoy,
+    processor, Redis and upstream; the estimate drains at 100 tokens/s here, so only the
+    refunds can bring it down in time."""
+    url = stack.start_redis()
+    port = free_port()
+    stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(port)],
+                         name="up", port=port)
+    stack.start_processor({"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
+                           "pools": [{"name": "default", "endpoint_picking": True,
+                                      "prefill_tokens_per_s": 100, "prefill_max_request_tokens": 2000,
+                                      "limit": {"mode": "static", "initial": 50}}]})
+    envoy = stack.start_envoy([], picking=True)
+    c = redis_client(url, op_timeout_s=5)
+    ep = f"127.0.0.1:{port}"
+    try:
+        await Registry(c, "default").set(ep, "active", "r0")
+
+        async def level() -> float:
+            raw = await c.hget(key("default", "epfill"), ep)
+            if raw is None:
+                return 0.0
+            lv, ts = raw.decode().split("|")
+            t = await c.time()
+            return max(0.0, float(lv) - 0.1 * (t[0] * 1000 + t[1] // 1000 - int(ts)))
+
+        async def headers_only() -> None:
+            _, w = await asyncio.open_connection("127.0.0.1", envoy.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b"x-request-priority: 1\r\ncontent-length: 60000\r\n\r\n")
+            await w.drain()
+            await asyncio.sleep(0.3)  # admitted and routed; the upstream waits for a body
+            w.close()
+
+        async with aiohttp.ClientSession() as s:
+            async def send(body: bytes, **headers: str) -> int:
+                async with s.post(envoy.url + "/v1/completions", data=body,
+                                  headers={"content-type": "application/json", **headers}) as r:
+                    await r.read()
+                    return r.status
+
+            assert await wait_until(lambda: _served(send), 5)
+            await asyncio.gather(*(headers_only() for _ in range(3)))
+            # each counted 2,000 tokens when granted; back out once their streams ended
+            assert await wait_until(lambda: _below(level, 400.0), 5), await level()
+            p0 = asyncio.create_task(send(b'{"prompt": "x"}', **{"x-request-priority": "0", "x-test-chunks": "40",
+                                                                  "x-test-delay-ms": "100"}))
+            await asyncio.sleep(0.5)  # the P0 runs (4 s): lower classes are paced behind the estimate
+            t0 = asyncio.get_running_loop().time()
+            assert await send(b'{"prompt": "honest"}', **{"x-request-priority": "1"}) == 200
+            assert asyncio.get_running_loop().time() - t0 < 1.0  # not held for its 1.5 s queue timeout
+            assert await p0 == 200
+    finally:
+        await c.aclose()
+
+
+async def _below(level: Any, bound: float) -> bool:
+    return bool(await level() < bound)
 
 
 async def _served(send: Any) -> bool:
