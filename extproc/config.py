@@ -212,7 +212,7 @@ class PoolConfig(_Strict):
     eject_max_s: float = Field(default=120.0, gt=0, le=3600, description="With `eject_after_failures`: the longest an ejection lasts (each further one doubles the one before).")
     engine_priority: dict[Priority, int] = Field(
         default_factory=dict,
-        description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A listed class's body that cannot be rewritten is refused, never passed on (it could carry a priority its client wrote): not a JSON object in UTF-8 with 400, encoded with 415, larger than `engine_priority_max_body_bytes` or Envoy's buffer with 413 (floodgate_engine_priority_total). So a listed class serves JSON endpoints only: send multipart requests (audio transcriptions) in a class that is not listed. Example: {0: -1} puts P0 first in the engines' waiting queues (docs/admission.md, \"Engine priority\").")
+        description="Class -> vLLM request `priority` (lower is scheduled first) written into the JSON body of that class's admitted requests, for engines started with `--scheduling-policy priority` (vLLM answers 400 to a non-zero priority under its default fcfs policy: leave this empty there). Only the listed classes' request bodies are buffered and rewritten (an existing `priority` is overwritten); the others pass untouched, so a caller of an unlisted class could send its own. A listed class's body that cannot be rewritten is refused, never passed on (it could carry a priority its client wrote): not a JSON object in UTF-8 with 400, encoded with 415, larger than `engine_priority_max_body_bytes` or Envoy's buffer with 413 (floodgate_engine_priority_total). So a listed class serves JSON endpoints only: send multipart requests (audio transcriptions) in a class that is not listed. Example: {0: -1, 1: 0, 2: 1} puts P0 first in the engines' waiting queues and P2 last, every body rewritten; {0: -1} alone buffers less but lets P1/P2 callers write their own priority (start-up and --check-config warn) (docs/admission.md, \"Engine priority\").")
     engine_priority_max_body_bytes: int = Field(
         default=1 << 20, ge=1,
         description="With `engine_priority`: a listed class's request body larger than this (or than Envoy's buffer, `per_connection_buffer_limit_bytes`, 1 MiB by default) is refused with 413: it cannot be rewritten, and passed unchanged it would keep a priority its client wrote. Bounds the JSON parse on the processor's event loop.")
@@ -248,8 +248,10 @@ class PoolConfig(_Strict):
         return v
 
     def class_warnings(self) -> list[str]:
-        """A class this config defines is the whole class: fields it leaves out take the generic
-        defaults, not the shipped class's. Say which shipped values it drops that way."""
+        """Warnings about the classes, logged at start and by `--check-config`: a class this
+        config defines is the whole class (fields it leaves out take the generic defaults, not
+        the shipped class's: say which shipped values it drops), and `engine_priority` that
+        leaves a class out lets that class's callers write their own engine priority."""
         out = []
         for c, cc in sorted(self.classes.items()):
             shipped = SHIPPED_CLASSES[c]
@@ -261,6 +263,13 @@ class PoolConfig(_Strict):
                 out.append(f"pools[{self.name}].classes.{c} leaves out {', '.join(sorted(dropped))}: a class "
                            f"you define is the whole class, so the generic defaults apply, not the shipped "
                            f"{dropped} (set them to keep them; leave the class out for the shipped one)")
+        if self.engine_priority and len(self.engine_priority) < 3:
+            unlisted = sorted({0, 1, 2} - set(self.engine_priority))
+            out.append(f"pools[{self.name}].engine_priority lists classes {sorted(self.engine_priority)} only: the "
+                       f"request bodies of class{'es' if len(unlisted) > 1 else ''} "
+                       f"{', '.join(map(str, unlisted))} pass untouched, so their callers can write their own "
+                       f"vLLM `priority` into the body and run ahead of the listed ones (list every class, "
+                       f"e.g. {{0: -1, 1: 0, 2: 1}}, to have the gateway overwrite it for everyone)")
         return out
 
     @field_validator("classes")

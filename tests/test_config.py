@@ -97,6 +97,18 @@ def test_a_class_left_out_is_the_shipped_one_and_a_defined_class_says_what_it_dr
                        env={}).pools[0].class_warnings() == []
 
 
+def test_engine_priority_that_leaves_a_class_out_warns_that_its_callers_pick_their_own() -> None:
+    # A review: `{0: -1}` (the docs' old example) passes P1/P2 bodies untouched, so a P1 caller
+    # could write `"priority": -5` and run ahead of P0 in the engines.
+    def warns(ep: dict[int, int]) -> list[str]:
+        return load_config(None, {("pools",): [{"name": "a", "engine_priority": ep}]}, env={}).pools[0].class_warnings()
+
+    (warning,) = warns({0: -1})
+    assert "engine_priority lists classes [0] only" in warning and "classes 1, 2 pass untouched" in warning
+    assert "class 2 pass untouched" in warns({0: -1, 1: 0})[0]
+    assert warns({0: -1, 1: 0, 2: 1}) == [] and warns({}) == []
+
+
 def test_check_config_warns_of_a_class_that_drops_shipped_values(tmp_path: Path) -> None:
     import subprocess
     import sys
