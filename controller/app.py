@@ -18,7 +18,7 @@ transition goes through `lifecycle.apply_event`, so an illegal one is a bug, not
 
 Restart safety: all state that matters is outside the process. Replicas come from the
 actuator's list, their roles from the registry (active / draining / warm / sleeping / loading),
-the forecast history from Redis. A restarted (or newly elected) controller rebuilds its view
+the last desired count and the forecast history from Redis. A restarted (or newly elected) controller rebuilds its view
 from those and continues half-finished drains instead of starting or stopping anything twice.
 """
 
@@ -64,7 +64,13 @@ from floodgate.controller.policy import (
     stalled_wakes,
 )
 from floodgate.controller.scrape import EnvoySample, ReplicaScraper, scrape_envoy, scrape_floodgate
-from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView, count_states
+from floodgate.controller.signals import (
+    INCOMING_STATES,
+    PoolSignals,
+    ReplicaState,
+    ReplicaView,
+    count_states,
+)
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
 from floodgate.extproc.redis_client import OUTAGE_ERRORS, follow_sentinel_primary, parse_redis_url
@@ -200,6 +206,8 @@ class PoolController:
         self.envoy: EnvoySample | None = None
         self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
+        self._k_desired = schema.key(cfg.name, schema.CTL_DESIRED)
+        self._desired_stored: int | None = None  # the value last written to _k_desired
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._stalled_said: set[str] = set()  # stalled wakes already logged
@@ -243,6 +251,7 @@ class PoolController:
         next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix),
                        int(stored_seq) if stored_seq else 0)
         self.state = replace(self.state, next_seq=next_seq)
+        self._resume_desired(await self.redis.get(self._k_desired))
         raw = await self.redis.get(self._k_history)
         if raw:
             with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -251,6 +260,25 @@ class PoolController:
         assert self.state.history is not None
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
                   next_seq=self.state.next_seq, history_end=self.state.history.end_minute)
+
+    def _resume_desired(self, raw: bytes | str | None) -> None:
+        """Start the policy from the last leader's desired count, bounded by the serving and
+        incoming replicas found (never more than exist: a count from a controller that stopped
+        long ago must not start replicas by itself). Without it a new leader counted every
+        replica in its cold start as wanted serving capacity, a warm-pool refill included, and
+        cold-started another refill (a review: one needless cold start and ~120 replica-s per
+        restart during a scale-up)."""
+        try:
+            stored = int(raw) if raw is not None else None
+        except (TypeError, ValueError):
+            stored = None
+        if stored is None or stored < 0:
+            return
+        found = sum(1 for r in self.replicas.values() if r.view.state is S.ACTIVE or r.view.state in INCOMING_STATES)
+        desired = min(stored, found)
+        self.state = replace(self.state, policy=replace(self.state.policy, desired=desired))
+        self._desired_stored = stored
+        self.emit("resume", stored_desired=stored, found=found, desired=desired)
 
     async def _forget(self, h: ReplicaHandle) -> None:
         """A replica the actuator lists but that no longer runs, and that this controller never
@@ -502,7 +530,12 @@ class PoolController:
         self._arriving_set = bool(at)
 
     async def _persist(self, d: Decision, seq_before: int) -> None:
-        """Write what must survive a restart: the replica id counter and the demand history."""
+        """Write what must survive a restart: the replica id counter, the desired count and the
+        demand history."""
+        if d.plan.desired != self._desired_stored:
+            with contextlib.suppress(*OUTAGE_ERRORS):
+                await self.redis.set(self._k_desired, d.plan.desired)
+                self._desired_stored = d.plan.desired
         if self.state.next_seq != seq_before:
             with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.redis.set(self._k_seq, self.state.next_seq)

@@ -96,6 +96,10 @@ def peer_arrivals(shared: Mapping[str, str], me: str, wall_ms: float,
     return slow, fast
 CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
 CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
+# STRING: the last desired active count the leader decided. A new leader (a restart, a
+# takeover) starts from it, bounded by the replicas it finds running, so a cold start it adopts
+# that was a warm-pool refill is not counted as wanted serving capacity (and refilled again).
+CTL_DESIRED = "ctl:desired"
 # STRING: the controller's admission ceiling, in concurrent requests per active endpoint (the
 # per-replica capacity it sizes the pool with x a headroom); written every tick with a TTL, so a
 # controller that stops stops capping. The processors hold their shared limit at or below this

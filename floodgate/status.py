@@ -107,7 +107,8 @@ def _durable() -> tuple[str, ...]:
 
     # Keys without a TTL that a pool keeps once written, idle or not: its settings, limit and
     # demand counters (processors), its registry, replica id sequence and demand history (controller).
-    return ("settings", "state", schema.DEMAND, schema.ENDPOINTS, schema.CTL_SEQ, schema.CTL_HISTORY)
+    return ("settings", "state", schema.DEMAND, schema.ENDPOINTS, schema.CTL_SEQ, schema.CTL_HISTORY,
+            schema.CTL_DESIRED)
 
 
 async def pools_in(client: Any) -> tuple[list[str], list[str]]:

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from floodgate.controller.actuators.process import (
@@ -222,3 +223,42 @@ async def test_a_restarted_controller_leaves_freed_static_endpoints_asleep(stack
             assert not [m for m in moves if m[1] in ("waking", "active", "loading", "warming")], moves
     finally:
         await second.close()
+
+
+async def test_a_controller_restarted_during_cold_starts_starts_nothing_more(stack: LocalStack) -> None:
+    # A review: min 2 and a warm pool of 1, the controller restarted while all three replicas
+    # (2 to serve, 1 pool refill) were still loading. The new leader counted all three as wanted
+    # serving capacity (desired 3), so the pool looked empty and it cold-started a fourth, which
+    # sat in the pool for `warm_min_age_s`. It now starts from the last leader's desired count.
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    act.command = [a if a != "0.5" else "4" for a in act.command]  # --cold-start 4 s: still loading at the restart
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 4},
+                            warm_pool={"min_size": 1, "max_size": 1, "max_total": 4}, leader=LEASE)
+    async with running(cfg, act, holder="a") as ctl:
+        pc = ctl.pools["default"]
+        await wait_for(lambda: _loading(pc, 3), 10)
+        await wait_for(lambda: _listed(act, 3), 10)  # their processes started (a start runs in a task)
+    started = {h.replica_id for h in await act.list()}
+    assert len(started) == 3, started
+    async with running(cfg, act, holder="b") as ctl:
+        pc = ctl.pools["default"]
+        await wait_for(lambda: _serving_and_pooled(url), 30)
+        await asyncio.sleep(2)  # a few more ticks: nothing more is started
+        starts = [e for e in pc.events if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
+        assert not starts, starts
+        assert {h.replica_id for h in await act.list()} == started
+        assert next(e for e in pc.events if e["event"] == "resume")["desired"] == 2
+
+
+async def _listed(act: ProcessActuator, n: int) -> bool:
+    return len([h for h in await act.list() if h.running]) == n
+
+
+async def _loading(pc: Any, n: int) -> bool:
+    return sum(1 for r in pc.replicas.values() if r.view.state.value == "loading") == n
+
+
+async def _serving_and_pooled(url: str) -> bool:
+    st = await registry_states(url)
+    return count(st, "active") == 2 and count(st, "warm") + count(st, "sleeping") == 1
