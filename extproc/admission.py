@@ -880,8 +880,12 @@ class Admitter:
         return p
 
     def no_endpoints(self, rt: PoolRuntime, priority: int) -> Reject:
+        # No queue is involved: the pool has no endpoint to send to (a cold start, a registry
+        # being rewritten). Retry soon, whatever the class: the class's queue timeout (what an
+        # unknown wait falls back to) told P0 to come back after 20-24 s and P2 after 1-2 s.
         c = rt.cfg.classes[priority]
-        return Reject("no_endpoints", retry_after(None, c, self.cfg.admission, self.rng()), status=503)
+        return Reject("no_endpoints", retry_after(self.cfg.admission.retry_after_min_s, c, self.cfg.admission,
+                                                  self.rng()), status=503)
 
     def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
         rt.demand[(cls, outcome)] += 1

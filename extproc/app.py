@@ -118,6 +118,10 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     await admitter.start()
 
     server = grpc.aio.server(options=[
+        # gRPC turns SO_REUSEPORT on by default: a second processor (a stale one, a unit started
+        # twice) on the same port then bound too and logged "listening", and Envoy's connections
+        # were split between the two. A port in use is a start-up error (exit 2), as for metrics.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", 100000),
         ("grpc.keepalive_permit_without_calls", 1),
         # Envoy pings each connection every 10 s (envoy/floodgate-cluster.yaml), and an admitted
@@ -144,7 +148,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     health_server = None
     if cfg.server.health_listen:
         # Health only: nothing on this port can open an ext_proc stream.
-        health_server = grpc.aio.server()
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         try:
             health_server.add_insecure_port(cfg.server.health_listen)

@@ -157,13 +157,19 @@ def test_cli_rejects_bad_values_at_check_and_at_start(tmp_path: Path, command: s
     ("controller", {"pools": [{"name": "a", "actuator": {"kind": "static", "endpoints": ["127.0.0.1:1"]}}],
                     "metrics_listen": "127.0.0.1:{busy}"}, "metrics_listen"),
 ])
+@pytest.mark.parametrize("reuseport", [False, True], ids=["plain", "so_reuseport"])
 def test_a_busy_address_stops_start_up_naming_the_setting(tmp_path: Path, command: str, raw: dict,
-                                                          field: str) -> None:
+                                                          field: str, reuseport: bool) -> None:
+    # so_reuseport: the port is held the way another processor (gRPC sets SO_REUSEPORT by
+    # default) or Envoy holds it. The processor used to bind beside it and log "listening"
+    # (a review: two processors on one port, Envoy's connections split between them).
     import socket
 
     from floodgate.supervisor import free_port
 
     with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         # No Redis on this port: the processor starts degraded, the controller stands by; neither

@@ -93,6 +93,11 @@ async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: Loca
             r = await post(s, envoy.url)
             assert r.status == 503 and r.headers["x-floodgate-reject-reason"] == "no_endpoints"
             assert r.json()["error"]["code"] == "no_endpoints"
+            # No queue is involved: every class is told to come back soon (P0 was told 20-24 s,
+            # its queue timeout, and P2 1-2 s: a review). Shipped min 1 s, jitter 0.5.
+            for prio in ("0", "1", "2") * 3:
+                r = await post(s, envoy.url, headers={"x-request-priority": prio})
+                assert r.status == 503 and int(r.headers["retry-after"]) in (1, 2), (prio, r.headers)
             await reg.set(f"127.0.0.1:{ports[0]}", "active", "r0")
             await reg.set(f"127.0.0.1:{ports[1]}", "active", "r1")
             await reg.set(f"127.0.0.1:{ports[2]}", "draining", "r2")
