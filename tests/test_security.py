@@ -52,7 +52,9 @@ async def test_vllm_admin_paths_are_not_routable(stack: LocalStack, upstream: in
                     assert (await r.json())["error"]["type"] == "not_found"
         async with s.get(envoy.url + "/nope") as r:  # outside /v1/: the catch-all 404
             assert r.status == 404 and r.headers["content-type"] == "application/json", r.headers
-            assert (await r.json())["error"]["type"] == "not_found"
+            # the same OpenAI shape as every other error body (`param` was missing: review user)
+            assert await r.json() == {"error": {"message": "Not found", "type": "not_found", "param": None,
+                                                "code": None}}
         for path in RAW_PATHS:
             status = await raw_status(envoy.port, "POST", path)
             assert status in (301, 307, 400, 404), (path, status)
