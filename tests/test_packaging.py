@@ -16,9 +16,16 @@ def test_every_subpackage_is_listed_under_the_floodgate_namespace() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([name, *rel.parts]) if rel.parts else name)
-    # Data-only packages (no __init__.py, e.g. floodgate.envoy = envoy/) must ship their files.
-    data_only = {name for name, folder in package_dir.items() if not (ROOT / folder / "__init__.py").exists()}
+    # Data-only packages (no __init__.py, e.g. floodgate.envoy = envoy/, floodgate.sim.data =
+    # sim/data/) must ship their files; listed, setuptools installs them without warnings.
+    def folder_of(pkg: str) -> Path:
+        base = max((n for n in package_dir if pkg == n or pkg.startswith(n + ".")), key=len)
+        return ROOT / package_dir[base] / Path(*pkg[len(base):].split(".")[1:]) if pkg != base else ROOT / package_dir[base]
+
+    data_only = {name for name in listed if not (folder_of(name) / "__init__.py").exists()}
     assert data_only <= set(tool.get("package-data", {})), f"data-only packages without package-data: {data_only}"
+    for name in data_only:
+        assert all(any(folder_of(name).glob(pat)) for pat in tool["package-data"][name]), name
     listed -= data_only
     assert found == listed, f"pyproject [tool.setuptools] packages differ: missing {found - listed}, extra {listed - found}"
     assert all(p == "floodgate" or p.startswith("floodgate.") for p in listed)
