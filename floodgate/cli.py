@@ -76,6 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
+    import os
+
+    from floodgate.supervisor import port_range_error
+
+    bad_range = port_range_error(os.environ.get("FLOODGATE_PORT_RANGE", ""))
+    if bad_range:
+        print(f"floodgate {args.command}: {bad_range}", file=sys.stderr)
+        return 2
     try:
         return int(handler(args) or 0)
     except KeyboardInterrupt:

@@ -41,17 +41,31 @@ def default_port_range() -> tuple[int, int]:
     return 20000, min(_ephemeral_low(), 32768)
 
 
-def _port_range() -> tuple[int, int]:
-    """[lo, hi) that free_port picks from: `FLOODGATE_PORT_RANGE=lo-hi` (inherited by child
-    processes: test workers running side by side each take a range of their own, so none picks
-    a port another has picked and not bound yet), else `default_port_range()`."""
-    default = default_port_range()
-    raw = os.environ.get("FLOODGATE_PORT_RANGE", "")
+def port_range_error(raw: str) -> str | None:
+    """Why `FLOODGATE_PORT_RANGE=raw` is not a range free_port can use (None: it is, or unset).
+    The CLI stops on it (exit 2) before anything starts: ignored, it left a user's range
+    unapplied without a word (review user)."""
+    if raw == "":
+        return None
     try:
         lo, hi = (int(x) for x in raw.split("-"))
     except ValueError:
-        return default
-    return (lo, hi) if 1024 <= lo < hi <= 65536 else default
+        return f"FLOODGATE_PORT_RANGE={raw!r}: expected LO-HI, e.g. 40000-41000"
+    if not 1024 <= lo < hi <= 65536:
+        return f"FLOODGATE_PORT_RANGE={raw!r}: expected 1024 <= LO < HI <= 65536"
+    return None
+
+
+def _port_range() -> tuple[int, int]:
+    """[lo, hi) that free_port picks from: `FLOODGATE_PORT_RANGE=lo-hi` (inherited by child
+    processes: test workers running side by side each take a range of their own, so none picks
+    a port another has picked and not bound yet), else `default_port_range()` (also for a value
+    `port_range_error` refuses: the CLI has said so already)."""
+    raw = os.environ.get("FLOODGATE_PORT_RANGE", "")
+    if port_range_error(raw) is not None or raw == "":
+        return default_port_range()
+    lo, hi = (int(x) for x in raw.split("-"))
+    return lo, hi
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -27,3 +27,17 @@ def test_a_port_range_from_the_environment_is_kept(monkeypatch: pytest.MonkeyPat
     for bad in ("", "x", "25000-24000", "1-2", "24000-70000"):
         monkeypatch.setenv("FLOODGATE_PORT_RANGE", bad)
         assert 20000 <= free_port() < min(_ephemeral_low(), 32768), bad
+
+
+@pytest.mark.parametrize("bad", ["abc", "50000-40000", "80-90"])
+def test_a_port_range_that_cannot_be_used_stops_the_cli_naming_the_variable(bad: str) -> None:
+    # It was ignored without a word: `floodgate up` ran on the default range (review user).
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FLOODGATE_PORT_RANGE": bad}
+    r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", "redis://127.0.0.1:1/0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert f"FLOODGATE_PORT_RANGE={bad!r}" in r.stderr and "Traceback" not in r.stderr, r.stderr
