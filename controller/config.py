@@ -37,7 +37,7 @@ from floodgate.extproc.schema import controller_leader_key
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL, check_listen
-from floodgate.yamlconfig import STRICT, ConfigError, format_errors, read_mapping
+from floodgate.yamlconfig import STRICT, ConfigError, format_errors, name_env_sources, read_mapping
 
 __all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir", "table_owner"]
 
@@ -229,6 +229,7 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
 def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> ControllerConfig:
     raw = dict(raw)
     environ: Mapping[str, str] = os.environ if env is None else env
+    from_env: dict[tuple[str, ...], str] = {}
     for var, where in ENV_OVERRIDES.items():
         if environ.get(var):
             node = raw
@@ -236,10 +237,12 @@ def parse_config(raw: dict[str, Any], env: Mapping[str, str] | None = None) -> C
                 node[key] = dict(node.get(key) or {})
                 node = node[key]
             node[where[-1]] = environ[var]
+            from_env[where] = var
     try:
         return ControllerConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, "invalid controller config")) from None
+        # An error in a value the environment set names the variable, as the processor's do.
+        raise ConfigError(name_env_sources(format_errors(exc, "invalid controller config"), from_env)) from None
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> ControllerConfig:

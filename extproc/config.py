@@ -33,7 +33,7 @@ from floodgate.validators import (
     RedisURL,
     check_optional_listen,
 )
-from floodgate.yamlconfig import STRICT, ConfigError, format_errors, read_mapping
+from floodgate.yamlconfig import STRICT, ConfigError, format_errors, name_env_sources, read_mapping
 
 __all__ = ["POOL_NAME_PATTERN", "Config", "ConfigError", "PoolName", "check_pool_name", "load_config"]
 
@@ -492,12 +492,4 @@ def load_config(path: str | Path | None = None, overrides: dict[tuple[str, ...],
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        text = format_errors(exc)
-        # An error in a value the environment set names the variable too: the file may be fine.
-        lines = []
-        for line in text.splitlines():
-            for where, var in from_env.items():
-                if line.startswith(f"  {'.'.join(where)}:") or line.startswith(f"  {'.'.join(where)}."):
-                    line += f" (set by {var})"
-            lines.append(line)
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(name_env_sources(format_errors(exc), from_env)) from None

@@ -101,6 +101,18 @@ def format_errors(exc: ValidationError, title: str = "invalid config") -> str:
     return f"{title}:\n" + "\n".join(lines)
 
 
+def name_env_sources(text: str, from_env: dict[tuple[str, ...], str]) -> str:
+    """`format_errors` text with each error in a value an environment variable set ending in
+    "(set by VAR)": the file may be fine, and the user reading it would not see the value."""
+    lines = []
+    for line in text.splitlines():
+        for where, var in from_env.items():
+            if line.startswith(f"  {'.'.join(where)}:") or line.startswith(f"  {'.'.join(where)}."):
+                line += f" (set by {var})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def dump_redacted(cfg: BaseModel) -> str:
     """The validated config as `--check-config` prints it: JSON, with the Redis password and the
     passwords in the Redis URL replaced by `***` (a config check's output lands in CI logs and

@@ -394,6 +394,23 @@ def test_an_error_in_a_value_the_environment_set_names_the_variable(tmp_path: Pa
     assert "server.listen" in str(exc.value) and "FLOODGATE_LISTEN" not in str(exc.value)
 
 
+@pytest.mark.parametrize(("var", "value", "field"), [
+    ("FLOODGATE_REDIS_URL", "http://x", "redis.url"),
+    ("FLOODGATE_CONTROLLER_METRICS_LISTEN", "bad", "metrics_listen"),
+    ("FLOODGATE_ENVOY_ADMIN_URL", "localhost:9901", "envoy.admin_url"),
+])
+def test_a_controller_error_in_a_value_the_environment_set_names_the_variable(var: str, value: str,
+                                                                             field: str) -> None:
+    # The processor's errors said so; the controller's did not (review user): the file looked fine.
+    from floodgate.controller.config import parse_config
+
+    raw = {"pools": [{"name": "a", "actuator": {"kind": "process"}}]}
+    with pytest.raises(ConfigError) as exc:
+        parse_config(raw, env={var: value})
+    line = next(ln for ln in str(exc.value).splitlines() if ln.startswith(f"  {field}"))
+    assert line.endswith(f"(set by {var})"), str(exc.value)
+
+
 def test_an_empty_metrics_listen_variable_turns_metrics_off() -> None:
     # as `--metrics-listen ''` does; other empty variables are unset
     assert load_config(None, env={"FLOODGATE_METRICS_LISTEN": ""}).server.metrics_listen == ""
