@@ -72,7 +72,12 @@ def _run_live(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from floodgate.controller.config import ConfigError, check_state_dirs, load_config
+    from floodgate.controller.config import (
+        ConfigError,
+        check_commands,
+        check_state_dirs,
+        load_config,
+    )
 
     from floodgate.yamlconfig import dump_redacted
 
@@ -80,6 +85,7 @@ def _run_live(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         # --check-config only tries (and removes what it made); start-up keeps the directories.
         check_state_dirs(cfg, create=not args.check_config)
+        check_commands(cfg)
     except ConfigError as exc:
         print(f"floodgate controller: {exc}", file=sys.stderr)
         return 2

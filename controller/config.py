@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +40,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from floodgate.validators import OptionalHttpURL, OptionalListenAddress, RedisURL, check_listen
 from floodgate.yamlconfig import STRICT, ConfigError, format_errors, name_env_sources, read_mapping
 
-__all__ = ["ConfigError", "ControllerConfig", "check_state_dirs", "load_config", "parse_config", "process_state_dir", "table_owner"]
+__all__ = ["ConfigError", "ControllerConfig", "check_commands", "check_state_dirs", "load_config", "parse_config", "process_state_dir", "table_owner"]
 
 
 class _Strict(BaseModel):
@@ -289,6 +290,30 @@ def check_state_dirs(cfg: ControllerConfig, *, create: bool) -> None:
                     why = str(exc)
             if why:
                 problems.append(f"  pools.{i}.actuator.state_dir: {why}")
+    if problems:
+        raise ConfigError("invalid controller config:\n" + "\n".join(problems))
+
+
+def check_commands(cfg: ControllerConfig) -> None:
+    """Every `process` actuator's command must name an executable this host can run (as found on
+    the `PATH` its replicas get: `actuator.env`'s, else the controller's): else every start
+    fails at run time, backing off for good (a review: the docs' own `command: [floodgate, sim,
+    ...]` passed `--check-config` where `floodgate` was `.venv/bin/floodgate`, not on `PATH`)."""
+    problems = []
+    for i, pool in enumerate(cfg.pools):
+        a = pool.actuator
+        if a.kind != "process" or not a.command:
+            continue
+        exe = a.command[0]
+        path = (a.env or {}).get("PATH", os.environ.get("PATH", os.defpath))
+        if "/" in exe:
+            ok = os.path.isfile(exe) and os.access(exe, os.X_OK)
+        else:
+            ok = shutil.which(exe, path=path) is not None
+        if not ok:
+            where = "not an executable file" if "/" in exe else "not found on PATH"
+            problems.append(f"  pools.{i}.actuator.command: {exe!r} is {where} (give its full path, e.g. "
+                            "/opt/floodgate/.venv/bin/floodgate)")
     if problems:
         raise ConfigError("invalid controller config:\n" + "\n".join(problems))
 

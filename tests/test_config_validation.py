@@ -184,6 +184,27 @@ def test_a_busy_address_stops_start_up_naming_the_setting(tmp_path: Path, comman
     assert f"error: {field} " in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("check", [True, False], ids=["check-config", "start"])
+@pytest.mark.parametrize("exe", ["no-such-floodgate-binary", "/nonexistent/bin/floodgate"])
+def test_a_process_command_that_cannot_run_stops_check_and_start(tmp_path: Path, exe: str, check: bool) -> None:
+    # It passed --check-config and every start failed at run time, backing off for good (review
+    # user: the docs' own `command: [floodgate, sim, ...]` where floodgate is not on PATH).
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"pools": [{"name": "a", "actuator": {
+        "kind": "process", "state_dir": str(tmp_path / "st"), "command": [exe, "sim", "--port", "{port}"]}}]}))
+    argv = [sys.executable, "-m", "floodgate", "controller", "--config", str(p), *(["--check-config"] if check else [])]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "pools.0.actuator.command:" in r.stderr and exe in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # the interpreter, by its full path, is fine
+    p.write_text(yaml.safe_dump({"pools": [{"name": "a", "actuator": {
+        "kind": "process", "state_dir": str(tmp_path / "st"), "command": [sys.executable, "-m", "floodgate", "sim",
+                                                                          "--port", "{port}"]}}]}))
+    r = subprocess.run([sys.executable, "-m", "floodgate", "controller", "--config", str(p), "--check-config"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 PROCESS = {"kind": "process"}
 STATIC2 = {"kind": "static", "endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}
 
