@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8); its pools pick only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
-    p.add_argument("--demo-rate", type=float, default=0.0,
-                   help="steady demo rate in req/s (default: 70%% of the pool's estimated capacity)")
+    p.add_argument("--demo-rate", type=float, default=None,
+                   help="steady demo rate in req/s, above 0 (default: 70%% of the pool's estimated capacity)")
     p.add_argument("--demo-duration", type=float, default=90.0,
                    help="demo length in seconds (default: %(default)s): steady for the first quarter, burst in the second, recovery after")
     p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes (default: %(default)s)")
@@ -285,7 +285,7 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
     from floodgate.sim.loadgen import run_load_detailed
     from floodgate.sim.report import SLO, summarize, write_report
 
-    rate = args.demo_rate or 0.7 * PER_REPLICA_RPS * args.replicas
+    rate = args.demo_rate if args.demo_rate is not None else 0.7 * PER_REPLICA_RPS * args.replicas
     d = args.demo_duration
     b0, b1 = d / 4, d / 2
     profile = burst_profile(rate, d, burst_start=b0, burst_duration=b1 - b0, multiplier=BURST_MULTIPLIER)
@@ -454,8 +454,10 @@ def check_args(args: argparse.Namespace, pool: str = "default") -> str | None:
         return f"--processors must be 1 or more, got {args.processors}"
     if args.sim_cold_start < 0:
         return f"--sim-cold-start must be 0 or more, got {args.sim_cold_start}"
-    if not args.no_demo and (args.demo_duration <= 0 or args.demo_rate < 0 or not (args.demo_rate or args.replicas)):
-        return ("the demo needs --demo-duration above 0, --demo-rate 0 or more, and --replicas or --demo-rate "
+    # (--demo-rate 0 ran the default-rate demo: the value read as "unset". No traffic is --no-demo.)
+    if not args.no_demo and (args.demo_duration <= 0 or (args.demo_rate is not None and args.demo_rate <= 0)
+                             or not (args.demo_rate or args.replicas)):
+        return ("the demo needs --demo-duration above 0, --demo-rate above 0, and --replicas or --demo-rate "
                 "above 0 (or pass --no-demo)")
     # The ports, paths and Redis URL are placeholders here; the values the flags give are real.
     raw = controller_config(args, args.redis_url or "redis://127.0.0.1:6379/0", 9901, 9465,

@@ -231,6 +231,10 @@ def test_up_check_args_accepts_the_defaults_and_the_documented_ones() -> None:
                  ["--replicas", "0", "--max-replicas", "2", "--no-demo"]):
         assert check_args(parser.parse_args(["up", *argv])) is None, argv
     assert check_args(parser.parse_args(["up", "--replicas", "0", "--max-replicas", "2"])) is not None  # no demo load
+    # --demo-rate 0 ran the default-rate demo (0 read as unset: review user); no load is --no-demo
+    said = check_args(parser.parse_args(["up", "--demo-rate", "0"]))
+    assert said is not None and "--demo-rate above 0" in said
+    assert check_args(parser.parse_args(["up", "--demo-rate", "3"])) is None
 
 
 def test_choose_port_takes_a_free_one_only_when_asked() -> None:
