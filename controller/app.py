@@ -163,6 +163,7 @@ class Replica:
     cold_for_demand: bool = False  # cold-started for a scale-up (a pool miss, not a later hit)
     started_at: float | None = None  # clock() when this controller started it (None: adopted)
     warmed_at: float | None = None  # clock() when its bring-up's warm-up request succeeded
+    proven: bool = False  # up for timeouts.crash_loop_s since warmed_at: the start backoff was reset
     sample: VllmSample | None = None
     unresponsive: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed scrapes while active
     probe: asyncio.Task[None] | None = None  # a liveness check of an unresponsive replica in flight
@@ -390,6 +391,9 @@ class PoolController:
                 rep.unresponsive = Unresponsive()
         await self._fail_unresponsive(now)
         self._probe_pool(now)
+        for rep in self.replicas.values():
+            if rep.view.state not in (S.FAILED, S.TERMINATED):
+                self._prove(rep, self.clock())
 
         views = tuple(replace(r.view, busy=True) if r.busy else r.view for r in self.replicas.values())
         # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway
@@ -735,9 +739,18 @@ class PoolController:
             await self._fail(rep, f"unresponsive in the warm pool: /health failing for {now - since:.0f} s")
             self.kick()
 
+    def _prove(self, rep: Replica, now: float) -> None:
+        """A replica up for `timeouts.crash_loop_s` resets the start backoff (once)."""
+        if not rep.proven and rep.warmed_at is not None and now - rep.warmed_at >= self.cfg.timeouts.crash_loop_s:
+            rep.proven = True
+            self.start_backoff = self.start_backoff.succeeded()
+
     async def _fail(self, rep: Replica, why: str, start_failed: bool = True) -> None:
-        if start_failed and rep.view.state in (S.COLD, S.LOADING, S.WARMING):
-            # it never came up: the next start waits (a missing binary, a crashing command)
+        crashed_young = rep.warmed_at is not None and not rep.proven  # died within crash_loop_s of coming up
+        live = rep.view.state not in (S.FAILED, S.TERMINATED)
+        if start_failed and live and (rep.view.state in (S.COLD, S.LOADING, S.WARMING) or crashed_young):
+            # it never came up, or died soon after: the next start waits (a missing binary, a
+            # crashing command, an engine that dies on its first batches)
             self.start_backoff = self.start_backoff.failed(
                 self.clock(), self.cfg.timeouts.start_backoff_s, self.cfg.timeouts.start_backoff_max_s)
             self.emit("start_backoff", failures=self.start_backoff.failures,
@@ -792,8 +805,8 @@ class PoolController:
             await client.wake(t.wake_s)  # adopted asleep (static endpoint, restart mid-recycle)
         await client.warmup(t.warmup_s)
         self._event(rep, Event.WARMUP_OK, asleep=False)
-        self.start_backoff = self.start_backoff.succeeded()
         rep.warmed_at = self.clock()
+        self._prove(rep, rep.warmed_at)  # (crash_loop_s 0: up is proven)
         if rep.started_at is not None:
             self.start_times = self.start_times.observe("cold", self.clock() - rep.started_at)
         await self._set_registry(rep)

@@ -148,6 +148,32 @@ async def test_failing_starts_back_off(stack: LocalStack, tmp_path: Path) -> Non
     assert backoffs and backoffs[-1]["failures"] in (len(starts) - 1, len(starts)), backoffs
 
 
+@pytest.mark.integration
+async def test_a_replica_that_dies_soon_after_coming_up_backs_off_too(stack: LocalStack, tmp_path: Path) -> None:
+    # A real emulator that comes up (cold start 0.3 s), passes /health and its warm-up, is
+    # promoted, and is killed 1.5 s after spawn: an engine that dies on its first batches. Its
+    # deaths did not count toward the backoff (only failures before coming up did), so it was
+    # restarted as fast as it died: 16 cold starts in 40 s in a review (8 in this test's 12 s).
+    # Now each death within `crash_loop_s` of coming up counts: waits of 1, 2, 4 s.
+    url = stack.start_redis()
+    sim = f"{sys.executable} -m floodgate sim --port $0 --cold-start 0.3 --log-level warning"
+    act = ProcessActuator(["sh", "-c", f"{sim} & p=$!; sleep 1.5; kill -9 $p; exit 1", "{port}"],
+                          tmp_path / "replicas", supervisor=stack.sup)
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False}, tick=0.1,
+                            timeouts={"start_backoff_s": 1, "start_backoff_max_s": 60, "adopt_grace_s": 0,
+                                      "crash_loop_s": 30})
+    async with running(cfg, act) as ctl:
+        pc = ctl.pools["default"]
+        await asyncio.sleep(12)
+        starts = [e for e in pc.events if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
+        backoffs = [e for e in pc.events if e["event"] == "start_backoff"]
+        came_up = [e for e in pc.events if e["event"] == "promoted"]
+    assert came_up, "the replica never came up: this is the early-crash case, not this test's"
+    # each round ~2 s (spawn to death) plus its wait (1, 2, 4 s): 3-4 starts in 12 s, not ~8
+    assert 2 <= len(starts) <= 4, [(e["ts"], e["actions"]) for e in starts]
+    assert backoffs and [e["failures"] for e in backoffs] == list(range(1, len(backoffs) + 1)), backoffs
+
+
 PAGE = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 3
 # TYPE vllm:num_requests_waiting gauge
