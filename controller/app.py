@@ -209,6 +209,7 @@ class PoolController:
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
         self._k_desired = schema.key(cfg.name, schema.CTL_DESIRED)
         self._desired_stored: int | None = None  # the value last written to _k_desired
+        self._orphans: set[str] = set()  # registry endpoints of no known replica at the last tick
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._stalled_said: set[str] = set()  # stalled wakes already logged
@@ -569,6 +570,26 @@ class PoolController:
             except OUTAGE_ERRORS:
                 self.metrics.scrape_failures.labels(source="registry").inc()
                 return
+        await self._drop_orphans(eps)
+
+    async def _drop_orphans(self, eps: dict[str, Endpoint]) -> None:
+        """Remove registry entries of no replica this controller knows, once seen on two ticks
+        in a row: a removal lost to a Redis blip (`_fail` and `_stop` forget the replica after
+        trying) or an old leader's late write left a dead endpoint `active` for good, and
+        processors kept routing to it; only `rebuild` removed such entries (a review: one
+        survived 120 ticks)."""
+        known_eps = {r.endpoint for r in self.replicas.values() if r.endpoint}
+        known_ids = set(self.replicas)
+        orphans = {ep for ep, e in eps.items() if ep not in known_eps and e.replica_id not in known_ids}
+        for ep in orphans & self._orphans:
+            try:
+                await self.registry.remove(ep)
+            except OUTAGE_ERRORS:
+                self.metrics.scrape_failures.labels(source="registry").inc()
+                return
+            self.emit("registry_sync", replica=eps[ep].replica_id, endpoint=ep, frm=eps[ep].state, to=None,
+                      why="no such replica")
+        self._orphans = orphans - self._orphans
 
     async def _registry_endpoints(self) -> dict[str, Endpoint] | None:
         try:

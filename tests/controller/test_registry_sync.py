@@ -68,3 +68,30 @@ async def test_lost_drain_write_is_rewritten_next_tick(stack: LocalStack) -> Non
         await pc.tick()
         assert len([e for e in pc.events if e["event"] == "registry_sync"]) == 1
     await rc.aclose()
+
+
+async def test_an_entry_of_no_known_replica_is_removed_on_the_second_tick(stack: LocalStack) -> None:
+    # A removal lost to a Redis blip (or an old leader's late write) left a dead endpoint
+    # `active` for good while the leader ran, and processors routed to it; only a restart's
+    # rebuild removed it (a review: 120 ticks). Now the second tick that sees it removes it.
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    reg = Registry(rc, "default")
+    eps = {"r0": f"127.0.0.1:{free_port()}"}
+    dead = f"127.0.0.1:{free_port()}"
+    await reg.set(eps["r0"], "active", "r0")
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        pc.replicas = {"r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, pc.clock() - 600), eps["r0"])}
+        await pc.tick()
+        await reg.set(dead, "active", "r99")  # appears while the leader runs
+        await pc.tick()  # seen once: could be a write racing this tick
+        assert dead in await reg.endpoints()
+        await pc.tick()
+        after = await reg.endpoints()
+        assert dead not in after and eps["r0"] in after
+        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
+        dropped = [e for e in pc.events if e["event"] == "registry_sync" and e.get("why") == "no such replica"]
+        assert [(e["replica"], e["endpoint"]) for e in dropped] == [("r99", dead)]
+    await rc.aclose()
