@@ -83,6 +83,13 @@ class LeaderLease:
             self.changed.set()
         return now_leader
 
+    def lost(self) -> None:
+        """Redis names another holder: stop counting as leader now, not at the next renewal."""
+        if self._valid_until > 0:
+            self._valid_until = 0.0
+            log.info("leader lease %s: lost (%s): another controller holds it", self.key, self.holder)
+            self.changed.set()
+
     async def holder_now(self) -> str | None:
         v = await self.client.get(self.key)
         return v.decode() if isinstance(v, bytes) else v

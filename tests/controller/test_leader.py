@@ -61,3 +61,46 @@ async def test_two_controllers_only_one_acts(stack: LocalStack) -> None:
 
 async def _ready(ctl: object) -> bool:
     return bool(ctl.ready.is_set())  # type: ignore[attr-defined]
+
+
+async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(stack: LocalStack) -> None:
+    # Redis lost the lease (a flush, a failover) and a standby took it: the old leader trusted
+    # its last renewal for up to a renewal period and acted beside the new one (a review: two
+    # leaders for 0.9 s and an extra cold start). Now it asks Redis before it acts. Here its
+    # replica dies right after the lease changed hands: it must not start a replacement.
+    import os
+    import signal
+
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool={"enabled": False},
+                            leader={"ttl_s": 60},  # renewed every 20 s: none in this test's window
+                            timeouts={"crash_loop_s": 0})  # (a young replica's death would hold the start back)
+    c = redis_client(url, op_timeout_s=2)
+    try:
+        async with running(cfg, act, holder="a") as ctl:
+            pc = ctl.pools["default"]
+            await wait_for(lambda: _one_active(pc), 30)
+            (h,) = [h for h in await act.list() if h.running]
+            await wait_for(lambda: _just_renewed(c, cfg.leader.key), 30)
+            await c.set(cfg.leader.key, "b", px=60_000)  # a standby holds it now
+            os.kill(int(h.labels["pid"]), signal.SIGKILL)
+            await wait_for(lambda: _stepped_down(ctl), 10)
+            skipped = [e for e in pc.events if e["event"] == "not_leader"]
+            assert skipped and any(a.startswith("start:") for e in skipped for a in e["skipped"]), list(pc.events)[-5:]
+            await asyncio.sleep(1)
+            assert [x.replica_id for x in await act.list() if x.running] == []  # no replacement started
+    finally:
+        await c.aclose()
+
+
+async def _one_active(pc: object) -> bool:
+    return sum(1 for r in pc.replicas.values() if r.view.state.value == "active") == 1  # type: ignore[attr-defined]
+
+
+async def _just_renewed(c: object, key: str) -> bool:
+    return int(await c.pttl(key)) > 58_000  # type: ignore[attr-defined]
+
+
+async def _stepped_down(ctl: object) -> bool:
+    return not ctl.is_leader  # type: ignore[attr-defined]
