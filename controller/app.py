@@ -111,7 +111,7 @@ def registry_state(view: ReplicaView) -> str | None:
 
 
 def adopted_view(rid: str, entry: Endpoint | None, now: float, role: Role | None = None,
-                 probe: tuple[bool, bool | None] | None = None) -> ReplicaView:
+                 probe: tuple[bool, bool | None] | None = None, redis_now_ms: int | None = None) -> ReplicaView:
     """The lifecycle state of a replica found running, from its registry entry (pure).
 
     Anything not known to have passed its warm-up (no entry, `loading`) restarts the
@@ -135,7 +135,12 @@ def adopted_view(rid: str, entry: Endpoint | None, now: float, role: Role | None
             if role is not None:
                 return ReplicaView(rid, S.WARM, now)
         return ReplicaView(rid, S.LOADING, now)
-    since = entry.since_ms / 1000.0
+    # How long it has been in its state, on the clock that wrote it: Redis's (`redis_now_ms`, the
+    # server's TIME when this controller read the registry; Registry.set stamps entries with it),
+    # carried over to this controller's clock. Read against this host's clock, a clock step or a
+    # skew between leader and standby aged a 3 s drain past `max_drain_s` and cut its streams
+    # (a review). Not below 0: an entry stamped "later" (an older writer's clock) is new.
+    since = entry.since_ms / 1000.0 if redis_now_ms is None else now - max(0, redis_now_ms - entry.since_ms) / 1000.0
     if entry.state == "active":
         return ReplicaView(rid, S.ACTIVE, since, inflight=entry.inflight)
     if entry.state == "draining":
@@ -234,6 +239,7 @@ class PoolController:
         now = self.clock()
         handles = await self.actuator.list()
         eps = await self.registry.endpoints()
+        redis_now_ms = await self.registry.server_ms()
         by_rid = {e.replica_id: e for e in eps.values()}
         seen_eps: set[str] = set()
         entries = {h.replica_id: by_rid.get(h.replica_id) or (eps.get(h.endpoint) if h.endpoint else None)
@@ -246,7 +252,7 @@ class PoolController:
             if not h.running:
                 await self._forget(h)
                 continue
-            self._adopt(h, entries[h.replica_id], now, probes.get(h.replica_id))
+            self._adopt(h, entries[h.replica_id], now, probes.get(h.replica_id), redis_now_ms)
             if h.endpoint:
                 seen_eps.add(h.endpoint)
         for ep, e in eps.items():
@@ -310,8 +316,8 @@ class PoolController:
             return False, None
 
     def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float,
-               probe: tuple[bool, bool | None] | None = None) -> Replica:
-        view = adopted_view(h.replica_id, entry, now, h.role, probe)
+               probe: tuple[bool, bool | None] | None = None, redis_now_ms: int | None = None) -> Replica:
+        view = adopted_view(h.replica_id, entry, now, h.role, probe, redis_now_ms)
         rep = Replica(view, h.endpoint)
         self.replicas[h.replica_id] = rep
         self.emit("adopt", replica=h.replica_id, endpoint=h.endpoint, state=view.state.value,

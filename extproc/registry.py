@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +59,9 @@ class Registry:
         """Record an endpoint's state; only `active` endpoints receive new requests."""
         if state not in STATES:
             raise ValueError(f"unknown endpoint state {state!r} (one of {', '.join(STATES)})")
-        doc = json.dumps({"state": state, "replica": replica_id, "since_ms": int(time.time() * 1000),
+        # Stamped with Redis's clock, not the writer's: the next controller (another host, or
+        # this one after a clock step) compares it with Redis's TIME (controller.app.adopted_view).
+        doc = json.dumps({"state": state, "replica": replica_id, "since_ms": await self.server_ms(),
                           "meta": meta or {}})
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(self.k_endpoints, endpoint, doc)
@@ -71,6 +72,11 @@ class Registry:
             _, changed = await pipe.execute()
         if changed:
             await self.notify()
+
+    async def server_ms(self) -> int:
+        """Redis's clock (TIME), in ms: what `since_ms` is stamped with and read against."""
+        sec, usec = await self.client.time()
+        return int(sec) * 1000 + int(usec) // 1000
 
     async def remove(self, endpoint: str) -> None:
         async with self.client.pipeline(transaction=True) as pipe:

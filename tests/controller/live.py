@@ -55,10 +55,16 @@ def process_actuator(stack: LocalStack, state_dir: Path, *extra: str) -> Process
 
 @contextlib.asynccontextmanager
 async def running(cfg: ControllerConfig, actuator: ProcessActuator, holder: str = "test",
-                  wait_ready: bool = True, stop_replicas_on_exit: bool = False) -> AsyncIterator[Controller]:
+                  wait_ready: bool = True, stop_replicas_on_exit: bool = False,
+                  clock_skew_s: float = 0.0) -> AsyncIterator[Controller]:
     """A controller ticking in the background; on exit it stops gracefully (replicas stay,
-    unless `stop_replicas_on_exit` and it leads then)."""
-    ctl = Controller(cfg, {cfg.pools[0].name: actuator}, holder=holder, stop_replicas_on_exit=stop_replicas_on_exit)
+    unless `stop_replicas_on_exit` and it leads then). `clock_skew_s`: its clock runs that far
+    ahead of this host's (a standby on a host whose clock is off, or a step)."""
+    from floodgate.controller.app import STEADY_CLOCK
+
+    kw = {"clock": lambda: STEADY_CLOCK() + clock_skew_s} if clock_skew_s else {}
+    ctl = Controller(cfg, {cfg.pools[0].name: actuator}, holder=holder, stop_replicas_on_exit=stop_replicas_on_exit,
+                     **kw)
     stop = asyncio.Event()
     task = asyncio.create_task(ctl.run(stop))
     try:

@@ -41,3 +41,12 @@ def test_a_replica_found_asleep_without_entry_or_role_is_a_sleeping_pool_replica
     # role after a restart: brought up again, it was woken and counted as arriving capacity.
     v = adopted_view("r1", None, 9.0, None, (True, True))
     assert v.state is S.WARM and v.asleep
+
+
+def test_an_entrys_age_is_read_on_redis_clock_and_carried_to_this_controllers() -> None:
+    # Stamped 3 s ago on Redis's clock (since_ms 5000, Redis now 8000): 3 s old on this
+    # controller's clock, whatever it reads (here 409.0: 400 s ahead of the writer's).
+    v = adopted_view("r1", _entry("draining"), 409.0, redis_now_ms=8000)
+    assert v.state is S.DRAINING and v.state_since == 406.0
+    # an entry stamped after Redis's now (an older writer's clock ahead): new, never in the future
+    assert adopted_view("r1", _entry("sleeping"), 9.0, redis_now_ms=4000).state_since == 9.0

@@ -120,7 +120,12 @@ async def test_warm_promotion_then_drain_under_streaming_load(stack: LocalStack)
         assert 'floodgate_drain_duration_seconds_count{outcome="recycled",pool="default"} 1.0' in m
 
 
-async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack) -> None:
+@pytest.mark.parametrize("skew", [0.0, 400.0], ids=["same-clock", "clock-400s-ahead"])
+async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack, skew: float) -> None:
+    # clock-400s-ahead: the controller that takes the drain over runs on a clock 400 s ahead (a
+    # step, or a standby on another host). It read the drain's start, stamped with the old
+    # writer's clock, against its own: the 3 s drain looked 400 s old, past max_drain_s, and was
+    # force-stopped with its streams (a review). Entries are stamped and read on Redis's clock.
     url = stack.start_redis()
     stack.start_processor(picking_config())
     envoy = stack.start_envoy([], picking=True)
@@ -144,13 +149,15 @@ async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack)
         mid = await registry_states(url)
         draining_id = next(r for r, st in mid.items() if st == "draining")
         act_c = process_actuator(stack, state_dir)
-        async with running(one, act_c, holder="c") as ctl:
+        async with running(one, act_c, holder="c", clock_skew_s=skew) as ctl:
             pc = ctl.pools["default"]
             await wait_for(lambda: _states_are(url, active=1, sleeping=1), 30)
             adopted = {e["replica"]: e["state"] for e in pc.events if e["event"] == "adopt"}
             assert adopted[draining_id] == "draining"
             assert not any(e["event"] == "transition" and e["frm"] == "cold" for e in pc.events)
             assert not any(e["event"] == "stopped" for e in pc.events)
+            assert not any(e["event"] == "decision" and any("drain_timeout" in a for a in e["actions"])
+                           for e in pc.events)
         await asyncio.gather(*streams)
         after = await act_c.list()
         assert sorted(h.replica_id for h in after) == ids  # none lost, none duplicated
