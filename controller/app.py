@@ -679,6 +679,12 @@ class PoolController:
         elif kind is ActionKind.DRAIN:
             self._act(rep, kind)
             await self._set_registry(rep)  # from now on the processor routes nothing new here
+        elif kind is ActionKind.UNDRAIN:
+            m.drain.labels(pool=self.pool, outcome="undrained").observe(now - rep.view.state_since)
+            self._act(rep, kind)
+            await self._set_registry(rep)  # routed to again at once
+            with contextlib.suppress(Exception):
+                await self.actuator.set_role(rid, "active")
         elif kind is ActionKind.RECYCLE:
             m.drain.labels(pool=self.pool, outcome="recycled").observe(now - rep.view.state_since)
             self._act(rep, kind)

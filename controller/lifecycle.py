@@ -44,6 +44,7 @@ class Event(StrEnum):
     PROMOTE = "promote"
     WAKE_OK = "wake_ok"
     DRAIN = "drain"
+    UNDRAIN = "undrain"
     DRAINED = "drained"
     DRAIN_TIMEOUT = "drain_timeout"
     FAIL = "fail"
@@ -71,6 +72,7 @@ _TABLE: dict[tuple[ReplicaState, Event], ReplicaState] = {
     (S.WARM, Event.PROMOTE): S.WAKING,
     (S.WAKING, Event.WAKE_OK): S.ACTIVE,
     (S.ACTIVE, Event.DRAIN): S.DRAINING,
+    (S.DRAINING, Event.UNDRAIN): S.ACTIVE,  # wanted again before its drain ended: loaded, awake
     (S.DRAINING, Event.DRAINED): S.WARM,  # or TERMINATED when not recycled, see transition()
     (S.DRAINING, Event.DRAIN_TIMEOUT): S.TERMINATED,
     **{(s, Event.FAIL): S.FAILED for s in _LIVE},
@@ -223,6 +225,7 @@ class ActionKind(StrEnum):
     PROMOTE = "promote"  # warm → waking → active
     SLEEP = "sleep"  # put an awake pool replica to sleep
     DRAIN = "drain"  # active → draining
+    UNDRAIN = "undrain"  # draining → active: a scale-up takes a replica being drained back first
     RECYCLE = "recycle"  # finished drain → warm pool
     TERMINATE = "terminate"  # stop a non-serving replica
     FORCE_STOP = "force_stop"  # drain exceeded max_drain_s
@@ -235,6 +238,7 @@ _ACTION_EVENT: dict[ActionKind, Event] = {
     ActionKind.START: Event.START,
     ActionKind.PROMOTE: Event.PROMOTE,
     ActionKind.DRAIN: Event.DRAIN,
+    ActionKind.UNDRAIN: Event.UNDRAIN,
     ActionKind.RECYCLE: Event.DRAINED,
     ActionKind.FORCE_STOP: Event.DRAIN_TIMEOUT,
 }
@@ -296,6 +300,7 @@ def plan_pool(
     active: list[ReplicaView] = []
     draining_busy = 0
     finished: list[ReplicaView] = []
+    undrainable: list[ReplicaView] = []  # draining, within max_drain_s, no operation in flight
     live = 0
     for r in replicas:
         st = r.state
@@ -316,12 +321,27 @@ def plan_pool(
         elif st is S.DRAINING:
             if now - r.state_since >= cfg.max_drain_s:
                 acts.append(Action(ActionKind.FORCE_STOP, r.replica_id, "drain_timeout"))
-            elif r.inflight == 0 and r.running == 0:
+                continue
+            if not r.busy:
+                undrainable.append(r)
+            if r.inflight == 0 and r.running == 0:
                 finished.append(r)
             else:
                 draining_busy += 1
 
     deficit = desired_active - serving
+    # A replica being drained is the cheapest capacity there is (loaded, awake, serving within a
+    # tick): a scale-up takes those back first, the busiest first (their streams never stopped),
+    # before it wakes a pool replica or cold-starts one (a review: a burst during a drain
+    # cold-started a replica while the loaded one sat draining for 26 s more).
+    undrained = sorted(undrainable, key=lambda r: (-(r.inflight + r.running), r.replica_id))[: max(0, deficit)]
+    for r in undrained:
+        acts.append(Action(ActionKind.UNDRAIN, r.replica_id, "scale_up"))
+        if r.inflight == 0 and r.running == 0:
+            finished.remove(r)
+        else:
+            draining_busy -= 1
+    deficit -= len(undrained)
     # Awake replicas promote fastest; ids break ties so plans are deterministic. A replica with
     # an operation in flight (going to sleep) comes last: its promotion would wait for that
     # operation, while an idle sleeping one wakes at once.

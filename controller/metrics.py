@@ -27,7 +27,7 @@ class ControllerMetrics:
                                     ["pool", "direction", "reason"], registry=r)
         self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions executed.",
                                ["pool", "action", "outcome"], registry=r)
-        self.drain = Histogram("floodgate_drain_duration_seconds", "Drain start to idle (or force stop).",
+        self.drain = Histogram("floodgate_drain_duration_seconds", "Drain start to its end, by outcome: recycled or terminated (idle), forced (max_drain_s), undrained (taken back by a scale-up).",
                                ["pool", "outcome"], registry=r,
                                buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
         self.warm_hits = Counter("floodgate_warm_pool_hits_total", "Scale-ups served by promoting a warm replica.",

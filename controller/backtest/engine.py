@@ -330,6 +330,10 @@ def run_policy(
             elif kind is ActionKind.DRAIN:
                 drains += 1
                 epoch[rid] += 1  # its heap slots are void: no new requests
+            elif kind is ActionKind.UNDRAIN:
+                views[rid] = apply_action(v, kind, t)
+                activate(rid, t)  # its slots take new requests again
+                continue
             elif kind is ActionKind.FORCE_STOP:
                 forced += 1
                 for c, f in enumerate(slots[rid]):  # streams cut off mid-response: SLO misses

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from floodgate.controller.lifecycle import (
     Action,
@@ -10,6 +12,7 @@ from floodgate.controller.lifecycle import (
     Event,
     InvalidTransition,
     WarmPoolConfig,
+    apply_action,
     apply_event,
     observe_burst,
     plan_pool,
@@ -97,7 +100,7 @@ def test_every_state_event_pair_is_either_defined_or_rejected() -> None:
                 valid += 1
             except InvalidTransition:
                 pass
-    assert valid == 8 + 7 + 6  # main path + fail from 7 live states + terminate from 6
+    assert valid == 9 + 7 + 6  # main path (with undrain) + fail from 7 live states + terminate from 6
 
 
 def test_apply_event_updates_since_and_sleep() -> None:
@@ -289,10 +292,33 @@ def test_finished_drain_recycled_when_pool_below_target_else_terminated() -> Non
     assert kinds(plan_pool(1, reps, 5, NOW, off).actions) == [("terminate", "d0")]
 
 
-def test_finished_drain_covers_new_demand_before_a_cold_start() -> None:
+def test_a_drain_is_taken_back_before_a_pool_replica_is_woken_or_one_cold_started() -> None:
+    # A drained (idle) or draining (streams still on it) replica is loaded and awake: it serves
+    # again at once (undrain). Before, a finished drain was recycled into the pool first, and a
+    # busy one sat draining while a cold start was made (a review: 26 s, a needless cold start).
     reps = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 30))
     p = plan_pool(2, reps, 0, NOW, CFG)
-    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("recycle", "d0", "scale_up")]
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("undrain", "d0", "scale_up")]
+    busy = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 3, inflight=1, running=1),
+            rv("w0", S.WARM, asleep=True))
+    p = plan_pool(2, busy, 1, NOW, CFG)
+    assert kinds(p.actions) == [("undrain", "d0")]  # not a promotion of w0, not a start
+    p = plan_pool(3, busy, 1, NOW, CFG)
+    assert kinds(p.actions)[:2] == [("undrain", "d0"), ("promote", "w0")]
+    # the busiest drain first; the rest drain on
+    two = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 3, inflight=1, running=1),
+           rv("d1", S.DRAINING, NOW - 3, inflight=3, running=3))
+    assert kinds(plan_pool(2, two, 0, NOW, CFG).actions) == [("undrain", "d1")]
+    # past max_drain_s it is stuck: force-stopped, not taken back; with an operation in flight, skipped
+    stuck = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 301, inflight=2, running=2))
+    assert kinds(plan_pool(2, stuck, 0, NOW, CFG).actions) == [("force_stop", "d0"), ("start", "r0")]
+    held = (rv("a0", S.ACTIVE), replace(rv("d0", S.DRAINING, NOW - 3), busy=True))
+    assert ("undrain", "d0") not in kinds(plan_pool(2, held, 0, NOW, CFG).actions)
+
+
+def test_undrain_makes_it_active_again() -> None:
+    v = apply_action(rv("d0", S.DRAINING, NOW - 3, inflight=1, running=1), ActionKind.UNDRAIN, NOW)
+    assert (v.state, v.state_since, v.asleep) == (S.ACTIVE, NOW, False)
 
 
 def test_force_stop_after_max_drain_time() -> None:

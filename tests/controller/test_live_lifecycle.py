@@ -168,6 +168,38 @@ async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack,
         assert stats.failed == [] and stats.ok == 4
 
 
+async def test_a_burst_during_a_drain_takes_the_draining_replica_back(stack: LocalStack) -> None:
+    # A review: a drain in progress (a loaded, awake replica finishing its streams) and a burst:
+    # the controller cold-started a new replica while that one sat draining for 26 s more. Now
+    # the scale-up takes it back (undrain): serving again at once, no cold start, no stream cut.
+    url = stack.start_redis()
+    stack.start_processor(picking_config())
+    envoy = stack.start_envoy([], picking=True)
+    state_dir = stack.sup.workdir / "replicas"
+    pool = {"enabled": False, "max_drain_s": 60}
+    two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, warm_pool=pool)
+    one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool=pool)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with running(two, process_actuator(stack, state_dir), holder="a"):
+            await wait_for(lambda: _states_are(url, active=2), 40)
+        ids = sorted(h.replica_id for h in await process_actuator(stack, state_dir).list())
+        stats = StreamStats()
+        streams = [asyncio.create_task(stream_once(s, envoy.url, 300, stats)) for _ in range(2)]
+        await asyncio.sleep(0.5)  # one long stream on each replica
+        async with running(one, process_actuator(stack, state_dir), holder="b") as ctl:
+            pc = ctl.pools["default"]
+            await wait_for(lambda: _states_are(url, active=1, draining=1), 20, interval=0.02)
+            # the burst: more streams than the one active replica's 2 slots
+            streams += [asyncio.create_task(stream_once(s, envoy.url, 100, stats)) for _ in range(8)]
+            await wait_for(lambda: _states_are(url, active=2), 20, interval=0.02)
+            acts = [a for e in pc.events if e["event"] == "decision" for a in e["actions"]]
+            assert any(a.startswith("undrain:") for a in acts), acts
+            assert not any(a.startswith("start:") for a in acts), acts
+        await asyncio.gather(*streams)
+        assert sorted(h.replica_id for h in await process_actuator(stack, state_dir).list()) == ids
+        assert stats.failed == [] and stats.ok == 10
+
+
 async def _has(pc: Any, on: str) -> bool:
     return any(e["event"] == "transition" and e["on"] == on for e in pc.events)
 
