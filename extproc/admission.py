@@ -32,7 +32,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from floodgate.extproc import gateway_claim
+from floodgate.extproc import gateway_claim, schema
 from floodgate.extproc.backends import (
     Backend,
     LocalBackend,
@@ -207,6 +207,7 @@ class PoolRuntime:
     credit_done: int = 0  # credit-admitted requests completed since the last report (`credit_done`)
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
     pending_refund: list[tuple[str, float]] = field(default_factory=list)  # (endpoint, tokens), sent with them
+    wrong_type: bool = False  # a call failed with WRONGTYPE: the next reconcile repairs the keys (`_repair`)
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
@@ -553,6 +554,8 @@ class Admitter:
             answered = answered_with_error(exc)
             if answered:
                 self.metrics.redis_error_replies.labels(op).inc()
+                if "WRONGTYPE" in str(exc):
+                    rt.wrong_type = True  # the next reconcile repairs the pool's keys first
             self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
             raise RedisDown(op) from exc
 
@@ -673,8 +676,8 @@ class Admitter:
         self.metrics.degraded.set(1)
         budgets = {rt.cfg.name: (rt.budget, len(rt.held)) for rt in pools}
         if answered:
-            # Each renewal while degraded drops and recounts counts that are not numbers; other
-            # bad data (a key of the wrong type) stays until someone removes it.
+            # Each renewal while degraded drops and recounts counts that are not numbers; a key
+            # of the wrong type is deleted by the next reconcile (`_repair`).
             log.error("Redis answered with an error (%s): not an outage, Redis is up and refused the call "
                       "(the error says why: data in a pool key this version cannot read, docs/operations.md "
                       "\"A pool key deleted, evicted or overwritten\"; credentials or an ACL rule; maxmemory): "
@@ -699,6 +702,8 @@ class Admitter:
         and drop the rest there; with `switch`, leave degraded mode and queue the local waiters
         in Redis. False if the pool's Redis is still unreachable."""
         try:
+            if rt.wrong_type:
+                await self._repair(rt)
             if rt.state.stored is None:
                 await self._configure(rt)
             await self._sync(rt, reconcile=True, reserve=not switch)
@@ -722,6 +727,20 @@ class Admitter:
         # Permits admitted locally while the reconcile call was in flight: assert them now.
         self.spawn(self._quietly_sync(rt))
         return True
+
+    async def _repair(self, rt: PoolRuntime) -> None:
+        """A call failed with WRONGTYPE: a pool key holds another type than the script writes
+        (a hand, another tool). Every call of the pool failed until someone removed it; now the
+        key goes, and this reconcile asserts this process's permits and waiters into fresh keys
+        (each other processor's renewal does the same with its own)."""
+        gone = await self.call(rt, "repair", rt.state.repair)
+        rt.wrong_type = False
+        if gone:
+            rt.state.stored = None  # the settings may have gone with them: store them again
+            self.metrics.reconciled.labels(rt.cfg.name, "repaired_keys").inc(len(gone))
+            log.error("pool %s: Redis keys of the wrong type deleted: %s (written by something else: each "
+                      "processor asserts its permits and waiters into fresh ones)", rt.cfg.name,
+                      ", ".join(schema.key(rt.cfg.name, g) for g in gone))
 
     async def _quietly_sync(self, rt: PoolRuntime) -> None:
         with contextlib.suppress(RedisDown):

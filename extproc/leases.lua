@@ -1664,6 +1664,33 @@ function OPS.batch(ARGV)
   return {replies, MINE, last or ''}
 end
 
+-- The type each pool key this script writes must have (`active` and `admin_testclock` are
+-- not the processors' to write: the controller's registry sync and tests write them).
+local KEY_TYPES = {leases = 'zset', lmeta = 'hash', queue = 'zset', qmeta = 'hash', qdl = 'zset',
+                   counts = 'hash', state = 'hash', gws = 'zset', epinf = 'hash', lep = 'hash',
+                   creditors = 'set', epfill = 'hash', settings = 'hash', qsize = 'hash'}
+
+function OPS.repair(ARGV)
+  -- A pool key of the wrong type (a hand, another tool, a key name collision) fails every call
+  -- of the pool with WRONGTYPE, and the processors ran on local limits until someone removed
+  -- it. Delete the pool keys whose type is wrong, and return their names; the caller's
+  -- reconcile then asserts its permits and waiters again into fresh keys (and `configure`
+  -- stores the settings again). Runs without the settings (they may be the key that is wrong).
+  local gone = {}
+  for _, name in ipairs(KEY_NAMES) do
+    local want = KEY_TYPES[name]
+    if want then
+      local t = redis.call('TYPE', K[name])
+      t = type(t) == 'table' and t.ok or t
+      if t ~= 'none' and t ~= want then
+        redis.call('DEL', K[name])
+        gone[#gone + 1] = name
+      end
+    end
+  end
+  return gone
+end
+
 -- Reads: never reclaim, grant or store anything.
 local READS = {}
 
@@ -1717,6 +1744,7 @@ local function main(KEYS, ARGV)
   if READS[op] then return READS[op](ARGV) end
   local f = OPS[op]
   if not f then return redis.error_reply('unknown op ' .. tostring(op)) end
+  if op == 'repair' then return OPS.repair(ARGV) end
   if op ~= 'configure' and not load_settings() then
     return redis.error_reply('FGNOSETTINGS pool settings missing')
   end

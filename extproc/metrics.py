@@ -134,7 +134,8 @@ class Metrics:
             "Corrections a sync made in Redis: reasserted (permits live requests hold that Redis had "
             "lost), requeued (waiters it had lost), dropped (entries this process no longer holds), "
             "recounted (shared counts that disagreed with the permits and waiters they count: a key "
-            "deleted, evicted or written by something else).",
+            "deleted, evicted or written by something else), repaired_keys (pool keys of the wrong "
+            "type, deleted: every call failed with WRONGTYPE).",
             ["pool", "kind"], registry=r)
         self.gateway_id_conflicts = Counter(
             "floodgate_gateway_id_conflicts",

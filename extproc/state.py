@@ -310,6 +310,11 @@ class PoolState:
         prompt leave the endpoint's prefill estimate (prefill.unanswered_tokens). 1 if applied."""
         return int(await self._run("refund", endpoint, repr(float(tokens))))
 
+    async def repair(self) -> list[str]:
+        """Delete this pool's keys whose type is wrong (a WRONGTYPE on every call); their names."""
+        gone = await self._script(self.keys, ["repair", self._ttl])
+        return [g.decode() if isinstance(g, bytes) else str(g) for g in gone or []]
+
     async def release(self, *tickets: str) -> int:
         return int(await self._run("release", *tickets)) if tickets else 0
 

@@ -81,3 +81,49 @@ async def test_settings_an_older_processor_stored_after_a_restart_are_replaced(s
 
         assert await wait_until(newer_back, 5)
         assert (await rt.state.configure()).initial_limit == 8  # (configure returns what is stored)
+
+
+WANT_TYPE = {"counts": b"hash", "queue": b"zset", "leases": b"zset", "state": b"hash", "settings": b"hash",
+             "qmeta": b"hash", "gws": b"zset"}
+
+
+@pytest.mark.parametrize("name", sorted(WANT_TYPE))
+async def test_a_pool_key_of_the_wrong_type_is_deleted_and_rebuilt(
+        stack: LocalStack, caplog: pytest.LogCaptureFixture, name: str) -> None:
+    # Permits held and waiters queued when something writes a list where a pool key is: every
+    # call failed with WRONGTYPE and the processor ran on local limits for good, until someone
+    # removed the key. Its reconcile now deletes the keys of the wrong type and asserts its
+    # permits and waiters into fresh ones; nothing leaks.
+    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
+                             poll_interval_s=0.25) as g:
+        admitter, metrics, raw = g.admitter, g.metrics, g.raw
+        rt = admitter.pools["a"]
+
+        def degraded() -> float:
+            return float(metrics.pool_degraded.labels("a")._value.get())
+
+        async def status_is(inflight: int, queued: int) -> bool:
+            st = await rt.state.status()
+            return st.inflight_total == inflight and st.queued_total == queued
+
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
+        assert await wait_until(lambda: status_is(2, 2), 10)
+        await raw.delete(key("a", name))
+        await raw.rpush(key("a", name), "junk")
+        with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
+            late = asyncio.create_task(admitter.admit("a", 1, "t"))
+            assert await wait_until(lambda: float(metrics.degraded_transitions.labels("a")._value.get()) >= 1, 10)
+            assert await wait_until(lambda: degraded() == 0, 20), "still degraded: the key was not repaired"
+        said = [r.getMessage() for r in caplog.records]
+        assert any("wrong type deleted" in m and key("a", name) in m for m in said), said
+        assert (await raw.type(key("a", name))) in (WANT_TYPE[name], b"none")
+        assert metrics.reconciled.labels("a", "repaired_keys")._value.get() >= 1
+        for p in held:
+            await admitter.release(p)
+        for p in await asyncio.gather(*waiters, late):
+            if isinstance(p, Permit):
+                await admitter.release(p)
+        assert not rt.held
+        assert await wait_until(lambda: status_is(0, 0), 10)
