@@ -276,6 +276,13 @@ def _unreachable(target: str, timeout_s: float = 5.0) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def base_url(target: str) -> str:
+    """`target` without a trailing /v1: the paths sent already start with /v1 (an OpenAI client's
+    base_url ends in /v1, so users pass it; it used to send every request to /v1/v1/... -> 404)."""
+    stripped = target.rstrip("/")
+    return stripped[: -len("/v1")] if stripped.endswith("/v1") else target
+
+
 def main(args: argparse.Namespace) -> int:
     from floodgate.sim.loadgen import run_load_detailed
     from floodgate.sim.report import SLO, render_markdown, summarize, summarize_window, write_report
@@ -303,6 +310,11 @@ def main(args: argparse.Namespace) -> int:
         print("floodgate load: the plan is empty (rate, duration or trace window too small)", file=sys.stderr)
         return 2
 
+    target = base_url(args.target)
+    if target != args.target:
+        print(f"floodgate load: --target is the base URL without /v1; sending to {target}/v1/...",
+              file=sys.stderr)
+        args.target = target
     unreachable = _unreachable(args.target)
     if unreachable:
         # Before the run, not after it: with nothing listening every request fails at once,

@@ -281,12 +281,28 @@ async def _attempt(
     return a
 
 
+def _error_message(body: Any) -> str | None:
+    """The human message in a JSON error body, for the shapes servers use: OpenAI's
+    {"error": {"message"}} (Floodgate's 429s, vLLM), {"error": "..."}, vLLM's top-level
+    {"object": "error", "message"} and FastAPI's {"detail": "..."}; None for anything else."""
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    for value in (err, body.get("message"), body.get("detail")):
+        if isinstance(value, str):
+            return value
+    return None
+
+
 def _error_text(status: int, text: str) -> str:
-    # 429s carry {"error": {"message", "type", "code"}}; keep the message, not the JSON.
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        err = json.loads(text)["error"]
-        return f"HTTP {status}: {err.get('message')}"[:300]
-    return f"HTTP {status}: {text.strip()}"[:300]
+    # Keep the message, not the JSON; a body of another shape is kept as it came. Never raises:
+    # a failure here would lose the status and read as a loadgen bug (it did, for {"detail"}).
+    message = None
+    with contextlib.suppress(ValueError):
+        message = _error_message(json.loads(text))
+    return f"HTTP {status}: {message if message is not None else text.strip()}"[:300]
 
 
 def _is_rejection(a: _Attempt) -> bool:
@@ -358,11 +374,23 @@ async def send_one(
 
 
 async def resolve_model(session: aiohttp.ClientSession, target: str) -> str:
-    """The first model the target lists at /v1/models, else DEFAULT_MODEL."""
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-        async with session.get(target.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            if r.status == 200:
-                return str((await r.json(content_type=None))["data"][0]["id"])
+    """The first model the target lists at /v1/models, else DEFAULT_MODEL with a warning on
+    stderr saying why (a real server serves no model of that name: every request would fail)."""
+    url = target.rstrip("/") + "/v1/models"
+    why: str
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                why = f"it answered HTTP {r.status}"
+            else:
+                try:
+                    return str((await r.json(content_type=None))["data"][0]["id"])
+                except (ValueError, KeyError, IndexError, TypeError):
+                    why = "its answer lists no model"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    print(f"floodgate load: warning: no model from {url} ({why}); sending model {DEFAULT_MODEL!r} "
+          "(pass --model NAME)", file=sys.stderr)
     return DEFAULT_MODEL
 
 

@@ -14,10 +14,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from floodgate.sim.arrivals import PlannedRequest
-from floodgate.sim.loadgen import ERROR, OK, REJECTED, run_load, run_load_detailed
+from floodgate.sim.loadgen import (
+    DEFAULT_MODEL,
+    ERROR,
+    OK,
+    REJECTED,
+    _error_text,
+    resolve_model,
+    run_load,
+    run_load_detailed,
+)
 from floodgate.sim.report import summarize
 
 from floodgate.cli import main as floodgate_main
@@ -99,6 +109,56 @@ def test_cli_writes_report(emulator: str, tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     assert "| overall | 15 | 15 | 0 | 0 |" in md and "## Window: mid" in md
     assert (out / "rates.png").exists() and (out / "latency.png").exists()
+
+
+async def test_a_json_error_without_an_error_key_keeps_its_status(emulator: str) -> None:
+    # The emulator answers an unknown path like vLLM's FastAPI: 404 {"detail": "Not Found"}. That
+    # used to raise KeyError in the loadgen: status None, "loadgen: KeyError('error')", exit 1.
+    recs = await run_load(plan(2, rate=20.0, output_tokens=4), emulator + "/v1", model="floodgate-sim-8b",
+                          request_timeout=10)
+    for r in recs:
+        assert r.outcome == ERROR and r.status == 404, r
+        assert r.error == "HTTP 404: Not Found"
+
+
+@pytest.mark.parametrize(("body", "text"), [
+    ('{"error": {"message": "no", "type": "x"}}', "HTTP 400: no"),
+    ('{"object": "error", "message": "bad model", "type": "NotFoundError"}', "HTTP 400: bad model"),
+    ('{"error": "plain"}', "HTTP 400: plain"),
+    ('{"detail": [{"loc": ["body"], "msg": "field required"}]}',
+     'HTTP 400: {"detail": [{"loc": ["body"], "msg": "field required"}]}'),
+    ('["a"]', 'HTTP 400: ["a"]'),
+    ("null", "HTTP 400: null"),
+    ("upstream connect error ", "HTTP 400: upstream connect error"),
+])
+def test_error_text_of_other_json_shapes(body: str, text: str) -> None:
+    assert _error_text(400, body) == text
+
+
+def test_cli_takes_a_target_ending_in_v1_as_its_base_url(emulator: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # An OpenAI client's base_url ends in /v1; requests went to /v1/v1/completions (404, exit 1).
+    out = tmp_path / "run"
+    rc = floodgate_main([
+        "load", "--target", emulator + "/v1/", "--shape", "constant", "--rate", "10", "--duration", "0.5",
+        "--prompt-mean", "16", "--output-mean", "4", "--output-sigma", "0", "--no-plots", "--out", str(out), "--quiet",
+    ])
+    assert rc == 0
+    assert f"--target is the base URL without /v1; sending to {emulator}/v1/..." in capsys.readouterr().err
+    data = json.loads((out / "requests.json").read_text())
+    assert data["meta"]["target"] == emulator
+    assert {r["outcome"] for r in data["records"]} == {OK}
+
+
+async def test_model_fallback_is_announced(emulator: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # No /v1/models under this prefix (404): the fallback name is served by no server, so say so.
+    async with aiohttp.ClientSession() as session:
+        assert await resolve_model(session, emulator) == "floodgate-sim-8b"
+        assert capsys.readouterr().err == ""
+        assert await resolve_model(session, emulator + "/nowhere") == DEFAULT_MODEL
+    err = capsys.readouterr().err
+    assert f"warning: no model from {emulator}/nowhere/v1/models (it answered HTTP 404)" in err
+    assert f"sending model {DEFAULT_MODEL!r} (pass --model NAME)" in err
 
 
 def test_unreachable_target_exits_nonzero_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
