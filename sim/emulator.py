@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +40,8 @@ from floodgate.sim.engine import (
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from floodgate.runtime import ListenError
 
 log = logging.getLogger("floodgate.sim")
 
@@ -602,6 +606,19 @@ class Emulator:
         return web.json_response({"is_sleeping": self.engine.is_sleeping})
 
 
+def _listen_error(host: str, port: int, exc: OSError) -> ListenError:
+    """One line naming the option at fault (exit 2 via run_until_signalled), not a traceback."""
+    if isinstance(exc, socket.gaierror):
+        return ListenError(f"--host {host}: not a known host name or address ({exc.strerror or exc})")
+    # uvloop's strerror is a whole sentence; the errno's own text is the reason.
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        return ListenError(f"--port {port}: cannot listen on {host}:{port}: {reason}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ListenError(f"--host {host}: not an address of this host ({reason})")
+    return ListenError(f"--host {host} --port {port}: cannot listen: {reason}")
+
+
 async def serve(config: EmulatorConfig, host: str, port: int,
                 stop: asyncio.Event | None = None) -> None:
     """Run the emulator until `stop` is set (or forever)."""
@@ -610,7 +627,11 @@ async def serve(config: EmulatorConfig, host: str, port: int,
     runner = web.AppRunner(emulator.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise _listen_error(host, port, exc) from None
     log.info("floodgate sim serving model %s on http://%s:%d (ready in %.1fs)",
              config.model, host, port, config.cold_start_s)
     try:

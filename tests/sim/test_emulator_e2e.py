@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -377,3 +379,29 @@ async def test_a_request_body_over_one_mib_is_served_as_vllm_serves_it(server: S
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": image}}]}]}
     async with aiohttp.ClientSession() as s, s.post(server.base + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, (r.status, (await r.text())[:200])
+
+
+def _sim_exit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "floodgate", "sim", "--cold-start", "0", *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_port_in_use_is_one_line_naming_port(server: Server) -> None:
+    # A second `floodgate sim` on the first one's port used to end in an OSError traceback, exit 1.
+    r = _sim_exit("--port", str(server.port))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: --port {server.port}: cannot listen on 127.0.0.1:{server.port}: Address already in use"]
+
+
+@pytest.mark.parametrize(("host", "reason"), [
+    ("999.1.1.1", "not a known host name or address"),  # was a socket.gaierror traceback
+    ("192.0.2.1", "not an address of this host"),  # TEST-NET-1: nobody's address
+])
+def test_a_host_it_cannot_listen_on_is_one_line_naming_host(host: str, reason: str) -> None:
+    r = _sim_exit("--host", host, "--port", str(free_port()))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --host {host}: {reason} ("), r.stderr
