@@ -118,6 +118,21 @@ def header(text: str) -> tuple[str, str]:
     return k.strip(), v.strip()
 
 
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host: anything else would fail every request or scrape."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # ValueError when out of range or not a number
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "load",
@@ -182,7 +197,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("report")
     g.add_argument("--slo-ttft", type=positive, default=2.0, help="goodput SLO on TTFT, s (default: %(default)s)")
     g.add_argument("--slo-tpot", type=positive, default=0.1, help="goodput SLO on TPOT, s (default: %(default)s)")
-    g.add_argument("--metrics-url", help="Prometheus endpoint to sample during the run, e.g. http://127.0.0.1:9464/metrics")
+    g.add_argument("--metrics-url", type=http_url, help="Prometheus endpoint to sample during the run, e.g. http://127.0.0.1:9464/metrics")
     g.add_argument("--metrics", default="floodgate_queue_depth,floodgate_limit,floodgate_inflight",
                    help="comma-separated metric names to sample (summed across labels; default: %(default)s)")
     g.add_argument("--sample-interval", type=positive, default=1.0, help="metrics scrape period, s (default: %(default)s)")
@@ -285,7 +300,14 @@ def base_url(target: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from floodgate.sim.loadgen import run_load_detailed
-    from floodgate.sim.report import SLO, render_markdown, summarize, summarize_window, write_report
+    from floodgate.sim.report import (
+        SLO,
+        render_markdown,
+        scrape_failure,
+        summarize,
+        summarize_window,
+        write_report,
+    )
 
     try:
         plan, windows = build_plan(args)
@@ -342,6 +364,9 @@ def main(args: argparse.Namespace) -> int:
             md += "\n" + render_markdown(summarize_window(result.records, t0, t1, slo), {},
                                          title=f"Window: {name}", level=2)
         print(md)
+    scrape_warning = scrape_failure(result.meta)
+    if scrape_warning:
+        print(f"floodgate load: warning: {scrape_warning}", file=sys.stderr)
     if all(r.status is None for r in result.records):
         first = next((r.error for r in result.records if r.error), "no response")
         print(f"floodgate load: no request got a response from {args.target}: {first}", file=sys.stderr)

@@ -162,10 +162,12 @@ class MetricsSampler:
         self.metrics = tuple(metrics)
         self.interval = interval
         self.samples: list[Sample] = []
+        self.scrapes = 0
         self.errors = 0
         self.last_error: str | None = None
 
     async def scrape_once(self, session: aiohttp.ClientSession, t: float) -> None:
+        self.scrapes += 1
         try:
             async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=max(self.interval, 1.0))) as r:
                 text = await r.text()
@@ -489,7 +491,9 @@ async def run_load_detailed(
         "retry": retry,
         "metrics_url": metrics_url,
         "metrics": list(metrics) if metrics_url else [],
+        "scrapes": sampler.scrapes if sampler else 0,
         "scrape_errors": sampler.errors if sampler else 0,
+        "scrape_last_error": sampler.last_error if sampler else None,
         # How late the client sent requests; a large value means the generator itself saturated.
         "send_lag_p99_s": lags[int(0.99 * (len(lags) - 1))] if lags else None,
         "send_lag_max_s": lags[-1] if lags else None,

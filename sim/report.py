@@ -187,6 +187,16 @@ def _num(v: float | None, fmt: str = ".1f") -> str:
     return "–" if v is None else format(v, fmt)
 
 
+def scrape_failure(meta: dict[str, Any]) -> str | None:
+    """Why no metric was sampled when every scrape of --metrics-url failed, else None. The run
+    still counts (the requests are what it measures), but it must not look as if it sampled."""
+    url, scrapes, errors = meta.get("metrics_url"), meta.get("scrapes") or 0, meta.get("scrape_errors") or 0
+    if not url or not scrapes or errors < scrapes:
+        return None
+    return (f"every scrape of --metrics-url {url} failed ({errors} of {scrapes}, last: "
+            f"{meta.get('scrape_last_error')}): no metrics sampled")
+
+
 def render_markdown(
     summary: Summary, meta: dict[str, Any] | None = None, title: str = "Load run summary", level: int = 1
 ) -> str:
@@ -210,6 +220,12 @@ def render_markdown(
     if isinstance(lag, float) and lag > 0.1:
         lines.append(f"- WARNING: the client sent requests up to {lag:.2f} s late (p99); "
                      "the generator itself was saturated, offered load is lower than planned")
+    scrape_warning = scrape_failure(meta)
+    if scrape_warning:
+        lines.append(f"- WARNING: {scrape_warning}")
+    elif meta.get("scrape_errors"):
+        lines.append(f"- metrics scrapes failed: {meta['scrape_errors']} of {meta.get('scrapes', '?')} "
+                     f"(last: {meta.get('scrape_last_error')})")
     lines += ["", f"{h2} Admission", ""]
     lines.append("| class | offered | admitted | rejected | errors | success | SLO met | retries |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -161,6 +161,33 @@ async def test_model_fallback_is_announced(emulator: str, capsys: pytest.Capture
     assert f"sending model {DEFAULT_MODEL!r} (pass --model NAME)" in err
 
 
+def test_cli_says_when_every_metrics_scrape_failed(emulator: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens at the metrics URL: the run succeeds but must not look as if it sampled.
+    metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
+    out = tmp_path / "run"
+    rc = floodgate_main([
+        "load", "--target", emulator, "--shape", "constant", "--rate", "10", "--duration", "0.5",
+        "--prompt-mean", "16", "--output-mean", "4", "--output-sigma", "0", "--metrics-url", metrics_url,
+        "--sample-interval", "0.2", "--no-plots", "--out", str(out), "--quiet",
+    ])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert f"floodgate load: warning: every scrape of --metrics-url {metrics_url} failed (" in err
+    assert "no metrics sampled" in err and "ClientConnectorError" in err
+    assert f"- WARNING: every scrape of --metrics-url {metrics_url} failed (" in (out / "summary.md").read_text()
+    meta = json.loads((out / "requests.json").read_text())["meta"]
+    assert meta["scrapes"] >= 1 and meta["scrape_errors"] == meta["scrapes"]
+    # Scrapes that work: no warning.
+    rc = floodgate_main([
+        "load", "--target", emulator, "--shape", "constant", "--rate", "10", "--duration", "0.5",
+        "--prompt-mean", "16", "--output-mean", "4", "--output-sigma", "0", "--metrics-url", emulator + "/metrics",
+        "--metrics", "vllm:num_requests_running", "--no-plots", "--out", str(out), "--quiet",
+    ])
+    assert rc == 0 and "scrape" not in capsys.readouterr().err
+    assert "scrape" not in (out / "summary.md").read_text()
+
+
 def test_unreachable_target_exits_nonzero_before_the_run(capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()  # nothing listens here
     rc = floodgate_main(["load", "--target", f"http://127.0.0.1:{port}", "--rate", "5",

@@ -90,6 +90,17 @@ def test_markdown_sections() -> None:
     assert "| overall | 60 |" in md
 
 
+def test_markdown_tells_failed_metrics_scrapes() -> None:
+    summary = summarize(make_records())
+    meta = {"metrics_url": "http://m/metrics", "scrapes": 4, "scrape_errors": 4,
+            "scrape_last_error": "ClientConnectorError: refused"}
+    assert ("- WARNING: every scrape of --metrics-url http://m/metrics failed (4 of 4, last: "
+            "ClientConnectorError: refused): no metrics sampled") in render_markdown(summary, meta)
+    md = render_markdown(summary, {**meta, "scrape_errors": 1})
+    assert "WARNING" not in md and "- metrics scrapes failed: 1 of 4 (last: ClientConnectorError: refused)" in md
+    assert "scrape" not in render_markdown(summary, {**meta, "scrape_errors": 0})
+
+
 def test_write_report_files_and_roundtrip(tmp_path: Path) -> None:
     recs = make_records()
     samples = [Sample(float(t), {"floodgate_queue_depth": float(t % 5), "floodgate_limit": 10.0})

@@ -82,6 +82,14 @@ def test_load_rejects_bad_numbers(option: str, value: str, message: str,
     assert f"floodgate load: error: argument {option}: {message}" in err
 
 
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1/metrics", "http://", "127.0.0.1:9464/metrics",
+                                 "http://127.0.0.1:99999/metrics"])
+def test_load_refuses_a_metrics_url_that_is_not_http(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was accepted and every scrape failed silently (exit 0, only meta.scrape_errors told).
+    err = _usage_error(["load", "--metrics-url", url, "--dry-run"], capsys)
+    assert f"floodgate load: error: argument --metrics-url: expected an http:// or https:// URL, got {url!r}" in err
+
+
 def test_load_options_that_disagree_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error(["load", "--shape", "burst", "--duration", "60", "--burst-start", "50", "--dry-run"], capsys)
     assert "floodgate load: error: --shape burst: burst window [50.0, 70.0) must lie inside [0, 60.0]" in err
