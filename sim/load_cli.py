@@ -146,8 +146,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("target")
-    g.add_argument("--target", default="http://127.0.0.1:10000",
-                   help="base URL (default: %(default)s, Envoy's local listener)")
+    g.add_argument("--target", default="http://127.0.0.1:10000", type=http_url,
+                   help="base URL, http:// or https:// (default: %(default)s, Envoy's local listener)")
     g.add_argument("--api", choices=("completions", "chat"), default="completions",
                    help="/v1/completions or /v1/chat/completions (default: %(default)s)")
     g.add_argument("--model", help="model name (default: first of the target's /v1/models)")

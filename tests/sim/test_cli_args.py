@@ -90,6 +90,13 @@ def test_load_refuses_a_metrics_url_that_is_not_http(url: str, capsys: pytest.Ca
     assert f"floodgate load: error: argument --metrics-url: expected an http:// or https:// URL, got {url!r}" in err
 
 
+@pytest.mark.parametrize("url", ["ftp://x", "localhost:10000", "http://"])
+def test_load_refuses_a_target_that_is_not_http(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # ftp://x ran and exited 1 "cannot reach" (a review expected the usage error it now gets).
+    err = _usage_error(["load", "--target", url, "--dry-run"], capsys)
+    assert f"floodgate load: error: argument --target: expected an http:// or https:// URL, got {url!r}" in err
+
+
 def test_load_options_that_disagree_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error(["load", "--shape", "burst", "--duration", "60", "--burst-start", "50", "--dry-run"], capsys)
     assert "floodgate load: error: --shape burst: burst window [50.0, 70.0) must lie inside [0, 60.0]" in err
