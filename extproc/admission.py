@@ -27,7 +27,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -245,6 +245,9 @@ class PoolRuntime:
     budget_waiting: list[int] = field(default_factory=lambda: [0 for _ in CLASSES])
     endpoints_applied: int = 0  # active endpoint count this process last matched the limit to
     limit_seen: int | None = None  # the shared limit as this process last saw it (changes end a round trip)
+    # The shared limiter state as this process last read or wrote it (the limit kept current by
+    # every status read): written back if Redis comes back without one (`_restore_limit`).
+    last_limit: LimitState | None = None
     sampled: int = 0  # admitted requests of this process streaming their body to measure latency now
     ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
     uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
@@ -724,6 +727,7 @@ class Admitter:
                 w.future.exception()
         log.warning("redis reachable again: pool %s resumed shared admission state (reconciled %d permits)",
                     rt.cfg.name, len(rt.held))
+        self.spawn(self._quietly_restore_limit(rt))
         # Permits admitted locally while the reconcile call was in flight: assert them now.
         self.spawn(self._quietly_sync(rt))
         return True
@@ -741,6 +745,10 @@ class Admitter:
             log.error("pool %s: Redis keys of the wrong type deleted: %s (written by something else: each "
                       "processor asserts its permits and waiters into fresh ones)", rt.cfg.name,
                       ", ".join(schema.key(rt.cfg.name, g) for g in gone))
+
+    async def _quietly_restore_limit(self, rt: PoolRuntime) -> None:
+        with contextlib.suppress(RedisDown):
+            await self._restore_limit(rt)
 
     async def _quietly_sync(self, rt: PoolRuntime) -> None:
         with contextlib.suppress(RedisDown):
@@ -831,6 +839,10 @@ class Admitter:
         rt.last_status = st
         rt.last_status_at = self.clock()
         self._limit_seen(rt, st.limit)
+        # (The initial limit is what a pool whose state Redis lost reads too: not a limit to
+        # restore, and a status read between the loss and the restore must not forget the last.)
+        if st.limit != rt.cfg.limit.initial and (rt.last_limit is None or rt.last_limit.limit != st.limit):
+            rt.last_limit = replace(rt.last_limit, limit=st.limit) if rt.last_limit else LimitState(st.limit)
         rt.held_seen = len(rt.held) + len(rt.credits)
         # The gauges move together with what was enforced, from one consistent read.
         name = rt.cfg.name
@@ -1096,10 +1108,13 @@ class Admitter:
         with contextlib.suppress(RedisDown):
             for _ in range(5):  # compare-and-set; another gateway may win the race
                 rec = await self.call(rt, "get_limit", rt.state.get_limit)
+                if rec.version > 0:  # (version 0: nothing stored, or Redis lost it)
+                    rt.last_limit = rec.state
                 new = self._capped(rt, rt.limit.update(rec.state, sample, self.rng()), rt.endpoints_seen)
                 if new == rec.state:
                     return
                 if await self.call(rt, "set_limit", partial(rt.state.set_limit, rec.version, new)):
+                    rt.last_limit = new
                     self.metrics.limit_updates.labels(rt.cfg.name).inc()
                     self.metrics.limit.labels(rt.cfg.name).set(max(1, int(new.limit)))
                     self._limit_seen(rt, new.limit)
@@ -1218,8 +1233,30 @@ class Admitter:
     async def _resync(self, rt: PoolRuntime) -> None:
         try:
             await self._quietly_sync(rt)
+            with contextlib.suppress(RedisDown):
+                await self._restore_limit(rt)
         finally:
             rt.resyncing = False
+
+    async def _restore_limit(self, rt: PoolRuntime) -> None:
+        """Redis lost the shared limiter state (restarted empty, flushed, failed over to a
+        replica without it): write back the one this process last saw, rather than let the pool
+        start again from `limit.initial`. An operator's review: a pool at limit 322 with 110 in
+        flight fell to 38 after a FLUSHALL and turned away 230 of 1,165 requests over the ~20 s
+        Vegas took to climb back. Adaptive limits only (a fixed one is its config); the first
+        processor to write it wins (compare-and-set on version 0), the others find it there."""
+        if not rt.limit.adaptive or rt.last_limit is None:
+            return
+        rec = await self.call(rt, "get_limit", rt.state.get_limit)
+        if rec.version != 0 or rec.state.limit == rt.last_limit.limit:
+            return  # stored (by a peer, or never lost), or nothing to restore
+        back = self._capped(rt, rt.last_limit, rt.endpoints_seen)
+        if await self.call(rt, "set_limit", partial(rt.state.set_limit, 0, back)):
+            self.metrics.limit_updates.labels(rt.cfg.name).inc()
+            self.metrics.limit.labels(rt.cfg.name).set(max(1, int(back.limit)))
+            self._limit_seen(rt, back.limit)
+            log.warning("pool %s: Redis had lost the shared limit (it read %.1f, the initial): restored the "
+                        "%.1f this process last saw", rt.cfg.name, rec.state.limit, back.limit)
 
     def _granted(self, rt: PoolRuntime, ticket: str, endpoint: str) -> None:
         """A grant to one of this processor's waiters (by pub/sub, in a batch's reply, or found

@@ -127,3 +127,35 @@ async def test_a_pool_key_of_the_wrong_type_is_deleted_and_rebuilt(
                 await admitter.release(p)
         assert not rt.held
         assert await wait_until(lambda: status_is(0, 0), 10)
+
+
+async def test_a_shared_limit_redis_lost_is_restored_from_what_the_processor_last_saw(
+        stack: LocalStack, caplog: pytest.LogCaptureFixture) -> None:
+    # An operator's review: a Vegas pool at limit 322 fell to 38 (the initial) after a FLUSHALL
+    # and turned away 230 of 1,165 requests while it climbed back. The processor that notices
+    # the loss (its next call finds its fence gone) writes back the limit it last saw.
+    from floodgate.extproc.limit import LimitState
+
+    vegas = {"limit": {"mode": "vegas", "initial": 10, "min": 1, "max": 200}}
+    async with one_processor(stack, limit=10, lease_ttl_s=3, op_timeout_s=0.5, pool=vegas,
+                             poll_interval_s=0.25) as g:
+        admitter, raw = g.admitter, g.raw
+        rt = admitter.pools["a"]
+        rec = await rt.state.get_limit()
+        assert await rt.state.set_limit(rec.version, LimitState(50.0, rtt_noload=0.2))  # what Vegas learned
+        assert await wait_until(lambda: rt.last_status is not None and rt.last_status.limit == 50.0, 5)
+        held = await admitter.admit("a", 1, "t")  # work in flight
+        assert isinstance(held, Permit)
+        await raw.flushall()
+        with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
+            more = await admitter.admit("a", 1, "t")  # its reply shows the fence gone: lost writes
+            assert await wait_until(lambda: _limit_is(rt, 50.0), 10), (await rt.state.get_limit()).state
+        said = [r.getMessage() for r in caplog.records]
+        assert any("restored the 50.0 this process last saw" in m for m in said), said
+        for p in (held, more):
+            if isinstance(p, Permit):
+                await admitter.release(p)
+
+
+async def _limit_is(rt: object, want: float) -> bool:
+    return bool((await rt.state.get_limit()).state.limit == want)  # type: ignore[attr-defined]
