@@ -286,7 +286,12 @@ class PoolController:
         if stored is None or stored < 0:
             return
         found = sum(1 for r in self.replicas.values() if r.view.state is S.ACTIVE or r.view.state in INCOMING_STATES)
-        desired = min(stored, found)
+        # ...and never below the replicas serving or being promoted: the count only tells which
+        # replicas in their cold start were wanted to serve. A lower count (a controller that
+        # stopped long ago, another config) would drain serving replicas on a stale first tick,
+        # past the scale-down step and stabilization (a review's repro: 4 busy, stored 1).
+        serving = sum(1 for r in self.replicas.values() if r.view.state in (S.ACTIVE, S.WAKING))
+        desired = max(serving, min(stored, found))
         self.state = replace(self.state, policy=replace(self.state.policy, desired=desired))
         self._desired_stored = stored
         self.emit("resume", stored_desired=stored, found=found, desired=desired)
@@ -424,16 +429,18 @@ class PoolController:
         seq_before = self.state.next_seq
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
                                            "envoy_active": envoy.rq_active if envoy and envoy.ok else None})
+        if self.confirm is not None and not await self.confirm():
+            # Another controller took the lease since this one last renewed it (Redis lost it,
+            # a pause): whatever this tick writes — replicas started or stopped, the desired
+            # count, the registry, the ceiling — would fight the new leader's. Nothing.
+            if self.logged_actions:
+                self.emit("not_leader", skipped=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in self.logged_actions])
+            return d.plan
         await self._persist(d, seq_before)
         # The actions the decision log named (`step`), less any that became skippable while the
         # plan was persisted: filtering d.actions afresh here started a replica the log did not
         # name when a start backoff ended in between (a flaky test, and a log that undercounts).
         todo = [a for a in self.logged_actions if not self._skip(a.replica_id, a.kind)]
-        if todo and self.confirm is not None and not await self.confirm():
-            # Another controller took the lease since this one last renewed it (Redis lost it,
-            # a pause): acting now would start or stop replicas beside the new leader's plan.
-            self.emit("not_leader", skipped=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in todo])
-            return d.plan
         for a in todo:
             await self._execute(a.kind, a.replica_id, a.reason, now)
         await self._publish_ceiling(d)  # after the promotions: they count as coming within a wake

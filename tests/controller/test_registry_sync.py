@@ -3,10 +3,13 @@ registry write lost to a Redis blip (a DRAIN that the processors never saw) is r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import aiohttp
 from floodgate.controller.actuators.base import ReplicaHandle
 from floodgate.controller.app import PoolController, Replica
 from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.policy import PolicyState
 from floodgate.controller.signals import ReplicaState, ReplicaView
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.state import redis_client
@@ -94,4 +97,29 @@ async def test_an_entry_of_no_known_replica_is_removed_on_the_second_tick(stack:
         assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
         dropped = [e for e in pc.events if e["event"] == "registry_sync" and e.get("why") == "no such replica"]
         assert [(e["replica"], e["endpoint"]) for e in dropped] == [("r99", dead)]
+    await rc.aclose()
+
+
+async def test_a_resumed_desired_count_never_drains_what_serves(stack: LocalStack) -> None:
+    # The last leader's desired count (ctl:desired) tells a new leader which replicas in their
+    # cold start were wanted to serve. Below what serves (a controller stopped long ago, another
+    # config) it drained serving replicas on a stale first tick (a review's repro: 4 busy, 1).
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed({}), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        now = pc.clock()
+
+        def resumed(states: list[ReplicaState], stored: bytes | None) -> int | None:
+            pc.replicas = {f"r{i}": Replica(ReplicaView(f"r{i}", st, now), None) for i, st in enumerate(states)}
+            pc.state = replace(pc.state, policy=PolicyState())
+            pc._resume_desired(stored)
+            return pc.state.policy.desired
+
+        A, L, W = ReplicaState.ACTIVE, ReplicaState.LOADING, ReplicaState.WAKING
+        assert resumed([A, A, A, A], b"1") == 4  # never below what serves
+        assert resumed([L, L, L], b"2") == 2  # the third cold start is the pool's refill
+        assert resumed([A, W, L], b"9") == 3  # never above what exists
+        assert resumed([A, L], b"garbage") is None and resumed([A, L], None) is None  # found decides, as before
     await rc.aclose()
