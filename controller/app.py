@@ -425,7 +425,11 @@ class PoolController:
             log.warning("pool %s: %s has been waking for much longer than any wake measured: promoting "
                         "another warm replica meanwhile (it still has until timeouts.wake_s)", self.pool, rid)
         self._stalled_said = set(stalled)
-        signals = Signals(pool_signals, views, stalled)
+        # A draining replica whose scrape failed reads as busy (unknown is not idle): taking it
+        # back would put a hung replica first in line for the burst (a review).
+        unhealthy = frozenset(rid for rid, r in self.replicas.items() if r.view.state is S.DRAINING
+                              and (rid not in samples or not samples[rid].metrics.ok))
+        signals = Signals(pool_signals, views, stalled, unhealthy)
         seq_before = self.state.next_seq
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
                                            "envoy_active": envoy.rq_active if envoy and envoy.ok else None})

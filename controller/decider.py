@@ -67,6 +67,7 @@ class Signals:
     pool: PoolSignals
     replicas: tuple[ReplicaView, ...]
     stalled: frozenset[str] = frozenset()  # waking replicas not counted as serving (policy.stalled_wakes)
+    unhealthy: frozenset[str] = frozenset()  # draining replicas whose last scrape failed: not taken back
 
 
 _NO_FORECAST = fc.Forecast(False, "short_history", None, 0, None)
@@ -144,7 +145,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas)
     pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix,
                    returning=returning_replicas(bursts, now, plan.desired, cfg.warm_pool),
-                   stalled=signals.stalled)
+                   stalled=signals.stalled, unhealthy=signals.unhealthy)
 
     new_state = replace(
         state,

@@ -285,12 +285,14 @@ def plan_pool(
     id_prefix: str = "r",
     returning: int = 0,
     stalled: frozenset[str] = frozenset(),
+    unhealthy: frozenset[str] = frozenset(),
 ) -> PoolPlan:
     """Actions that move `replicas` toward `desired_active` serving replicas and a warm pool of
     `warm_target`. New replicas get ids `f"{id_prefix}{seq}"` from `next_seq` on. `returning`:
     active replicas expected back in the pool (`returning_replicas`), counted toward it for
     refills like drains in progress. `stalled`: waking replicas that are not counted as serving
-    (`policy.stalled_wakes`): the next warm replica is promoted in their place."""
+    (`policy.stalled_wakes`): the next warm replica is promoted in their place. `unhealthy`:
+    draining replicas whose last scrape failed, never taken back (a hung one reads as busy)."""
     if not cfg.enabled:
         warm_target = 0
     acts: list[Action] = []
@@ -322,7 +324,7 @@ def plan_pool(
             if now - r.state_since >= cfg.max_drain_s:
                 acts.append(Action(ActionKind.FORCE_STOP, r.replica_id, "drain_timeout"))
                 continue
-            if not r.busy:
+            if not r.busy and r.replica_id not in unhealthy:
                 undrainable.append(r)
             if r.inflight == 0 and r.running == 0:
                 finished.append(r)

@@ -1250,7 +1250,10 @@ class Admitter:
         rec = await self.call(rt, "get_limit", rt.state.get_limit)
         if rec.version != 0 or rec.state.limit == rt.last_limit.limit:
             return  # stored (by a peer, or never lost), or nothing to restore
-        back = self._capped(rt, rt.last_limit, rt.endpoints_seen)
+        # Within this process's limit settings (they may have changed since) and the ceiling.
+        c = rt.cfg.limit
+        back = self._capped(rt, replace(rt.last_limit, limit=min(c.max, max(c.min, rt.last_limit.limit))),
+                            rt.endpoints_seen)
         if await self.call(rt, "set_limit", partial(rt.state.set_limit, 0, back)):
             self.metrics.limit_updates.labels(rt.cfg.name).inc()
             self.metrics.limit.labels(rt.cfg.name).set(max(1, int(back.limit)))

@@ -314,6 +314,10 @@ def test_a_drain_is_taken_back_before_a_pool_replica_is_woken_or_one_cold_starte
     assert kinds(plan_pool(2, stuck, 0, NOW, CFG).actions) == [("force_stop", "d0"), ("start", "r0")]
     held = (rv("a0", S.ACTIVE), replace(rv("d0", S.DRAINING, NOW - 3), busy=True))
     assert ("undrain", "d0") not in kinds(plan_pool(2, held, 0, NOW, CFG).actions)
+    # one whose last scrape failed (hung: it reads as busy) is not taken back; the next one is
+    hung = (rv("a0", S.ACTIVE), rv("d0", S.DRAINING, NOW - 3, inflight=5, running=5),
+            rv("d1", S.DRAINING, NOW - 3, inflight=1, running=1))
+    assert kinds(plan_pool(2, hung, 0, NOW, CFG, unhealthy=frozenset({"d0"})).actions) == [("undrain", "d1")]
 
 
 def test_undrain_makes_it_active_again() -> None:
