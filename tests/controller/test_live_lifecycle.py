@@ -42,6 +42,9 @@ async def test_cold_start_passes_warmup_before_active(stack: LocalStack) -> None
             return count(st, "active") == 1
 
         await wait_for(active_now, 30, interval=0.02)
+        pc = ctl.pools["default"]
+        # (the registry says active before the promotion's event is logged: wait for that too)
+        await wait_for(lambda: _promoted_since(pc, 0.0), 5, interval=0.02)
         (h,) = await act.list()
         m = await metrics(s, f"http://{h.endpoint}/metrics")
         # Nothing can reach a replica before it is active (picking), so a finished request at
@@ -84,6 +87,7 @@ async def test_warm_promotion_then_drain_under_streaming_load(stack: LocalStack)
         await wait_for(lambda: _states_are(url, active=2), 20, interval=0.02)
         t_serving = time.monotonic()
         up = next(e for e in pc.events if e["event"] == "decision" and e["direction"] == "up")
+        await wait_for(lambda: _promoted_since(pc, float(up["ts"])), 5, interval=0.02)
         promoted = next(e for e in pc.events if e["event"] == "promoted" and e["ts"] >= up["ts"])
         assert up["reason"] in ("queue_pressure", "demand")
         print(f"\nburst -> 2 active in {t_serving - t_burst:.2f} s; promotion (wake + warm-up) "
@@ -285,6 +289,8 @@ async def test_a_burst_promotes_an_idle_sleeper_not_the_replica_going_to_sleep(s
         mark = ctl.clock()
         streams = [asyncio.create_task(stream_once(s, f"http://{active_ep}", 200, stats)) for _ in range(8)]
         await wait_for(lambda: _states_are(url, active=2), 30, interval=0.02)
+        # (the registry says active before the promotion's event is logged: wait for that too)
+        await wait_for(lambda: _promoted_since(pc, mark), 5, interval=0.02)
         since = [e for e in pc.events if float(e["ts"]) >= mark]
         promoted = [e["replica"] for e in since if e["event"] == "promoted"]
         slept = [e["replica"] for e in since if e["event"] == "slept"]
@@ -294,6 +300,10 @@ async def test_a_burst_promotes_an_idle_sleeper_not_the_replica_going_to_sleep(s
                     if a.startswith("start:") and a.endswith(":scale_up")]  # no cold start for it
         await asyncio.gather(*streams)
         assert stats.failed == []
+
+
+async def _promoted_since(pc: Any, mark: float) -> bool:
+    return any(e["event"] == "promoted" and float(e["ts"]) >= mark for e in pc.events)
 
 
 async def _sleeping_now(pc: Any) -> str | None:
@@ -336,6 +346,7 @@ async def test_a_hung_sleeper_promoted_for_a_burst_does_not_hold_the_scale_up(st
             streams = [asyncio.create_task(stream_once(s, f"http://{active_ep}", 400, stats)) for _ in range(8)]
             await wait_for(lambda: _states_are(url, active=2), 40, interval=0.05)
             took = ctl.clock() - mark
+            await wait_for(lambda: _promoted_since(pc, mark), 5, interval=0.02)
             promoted = [e["replica"] for e in pc.events if float(e["ts"]) >= mark and e["event"] == "promoted"]
             assert sleeper not in promoted and promoted, (promoted, sleeper)
             assert took < 30, took  # well before the 60 s wake timeout
