@@ -35,7 +35,6 @@ from floodgate.extproc.policy import (
     timeout_reject,
     waits_on_budget,
 )
-from floodgate.extproc.prefill import unanswered_tokens
 from floodgate.extproc.schema import PoolSettings, PoolStatus
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ class Permit:
     credit: bool = False  # admitted from a local credit (no Redis round trip)
     seq: int = 0  # the ticket's number (`sync` watermark)
     tokens: float | None = None  # prompt tokens its grant added to its endpoint's prefill estimate (None: pf_size)
-    unanswered: bool = False  # it ended with nothing back from the upstream (set before its release)
+    unprefilled: bool = False  # it ended unprefilled: prefill.unprefilled (set before its release)
     released: bool = False
     finished: bool = False  # its outcome went to the limit (finish)
     on_finish: Callable[[Permit, str, Latency | None], None] | None = field(default=None, repr=False, compare=False)
@@ -337,19 +336,19 @@ class SharedBackend:
             return None
         # Releases that arrive in the same event-loop turn share one script call.
         rt.pending_release.append(permit.ticket)
-        refund = self._unanswered(rt, permit)
+        refund = self._refund(rt, permit)
         if refund > 0:
             rt.pending_refund.append((permit.endpoint, refund))
         return self._flush(rt) if len(rt.pending_release) == 1 else None
 
-    def _unanswered(self, rt: PoolRuntime, permit: Permit) -> float:
-        """What a request that ended unanswered still counts for in its endpoint's prefill
-        estimate (prefill.unanswered_tokens; 0 when the pool does not estimate prefill)."""
+    @staticmethod
+    def _refund(rt: PoolRuntime, permit: Permit) -> float:
+        """The prompt tokens a request that ended unprefilled takes out of its endpoint's
+        estimate: the size its grant added (0 when the pool does not estimate prefill)."""
         cfg = rt.cfg
-        if not (permit.unanswered and permit.endpoint and cfg.endpoint_picking and cfg.prefill_tokens_per_s > 0):
+        if not (permit.unprefilled and permit.endpoint and cfg.endpoint_picking and cfg.prefill_tokens_per_s > 0):
             return 0.0
-        size = cfg.prefill_request_tokens if permit.tokens is None else permit.tokens
-        return unanswered_tokens(size, self.a.clock() - permit.admitted_at, cfg.prefill_tokens_per_s)
+        return cfg.prefill_request_tokens if permit.tokens is None else permit.tokens
 
     async def _flush(self, rt: PoolRuntime) -> None:
         await asyncio.sleep(0)

@@ -1281,10 +1281,9 @@ function OPS.release(ARGV)
 end
 
 function OPS.refund(ARGV)
-  -- ARGV 3 endpoint, 4 prompt tokens: a request routed there ended with nothing back from it
-  -- (its body never came, its client left first): the part of its prompt the estimate still
-  -- counts (prefill.unanswered_tokens, the processor's) leaves that endpoint's estimate, never
-  -- below 0 (prefill.PrefillEstimate.refunded). Without it a header claiming a 48 KB body and
+  -- ARGV 3 endpoint, 4 prompt tokens: a request routed there ended unprefilled (no answer from
+  -- it: its body never came; or refused, 4xx/5xx: prefill.unprefilled, the processor's): its
+  -- size leaves that endpoint's estimate, never below 0 (prefill.PrefillEstimate.refunded). Without it a header claiming a 48 KB body and
   -- closed at once held lower classes back behind 8,192 tokens of prefill that never came (a
   -- review). Sent before the request's release in the same batch, whose grant loop then sees it.
   local ep, size = ARGV[3], size_arg(ARGV[4])

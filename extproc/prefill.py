@@ -58,7 +58,8 @@ def prompt_tokens(content_length: Sequence[str] | None, content_encoding: Sequen
 
     A client controls this number (within the clamp) by the size of the body it sends, not by
     the header alone: Envoy frames the body by it (HTTP/1.1) or rejects a mismatch (HTTP/2), and
-    a request that ends unanswered (its body never came) takes it back (`unanswered_tokens`)."""
+    a request that ends unprefilled (its body never came, the upstream refused it) takes it
+    back (`unprefilled`)."""
     if bytes_per_token <= 0 or not content_length or len(set(content_length)) != 1:
         return default
     if body_encoded(content_encoding):
@@ -93,17 +94,18 @@ def drained(level: float, ts_ms: int, now_ms: int, rate_ms: float) -> float:
     return max(0.0, level - rate_ms * max(0, now_ms - ts_ms))
 
 
-def unanswered_tokens(tokens: float, held_s: float, rate: float) -> float:
-    """The part of a request's prompt its endpoint's estimate still counts when the request
-    ended with nothing back from the upstream (no response headers: its body never came, or its
-    client left first) after `held_s` seconds routed there: its size less what the estimate
-    drained meanwhile at `rate`, never below 0 (0 when pacing is off). A request that ran
-    longer than its own prefill takes counts for nothing more, so ending early buys a client
-    no more than sending the prompt would: the estimate then counted the request only for as
-    long as it held its permit."""
-    if rate <= 0:
-        return 0.0
-    return max(0.0, tokens - rate * max(0.0, held_s))
+def unprefilled(status: int | None) -> bool:
+    """Did a request end without its prompt having been prefilled, as far as the gateway can
+    tell: no response headers came back (its body never came, or its client left before a
+    non-streaming answer), or the upstream refused it (a status of 400 or more: a route or
+    method the engine does not serve, a malformed body, an engine error). Its whole size then
+    leaves its endpoint's estimate (the script's `refund`, floored at 0). The estimate's drain
+    over the time it was routed belonged to the requests that were prefilled, not to it: taking
+    back only its size less that drain left most of it counted when many were held at once (a
+    review: 30 header-only requests held 0.5 s left 78k tokens, 13 s of pacing). A request
+    prefilled and then cancelled before a non-streaming answer also counts as unprefilled:
+    the estimate then undercounts by that one prompt, which its client paid for in full."""
+    return status is None or status >= 400
 
 
 @dataclass
@@ -141,7 +143,7 @@ class PrefillEstimate:
         self.levels[endpoint] = (self.level(endpoint, now_ms) + size, now_ms)
 
     def refunded(self, endpoint: str, now_ms: int, tokens: float) -> None:
-        """A request routed to `endpoint` ended unanswered: `tokens` (`unanswered_tokens`) leave
+        """A request routed to `endpoint` ended unprefilled (`unprefilled`): its `tokens` leave
         its estimate, never below 0 (the script's `refund`)."""
         if endpoint in self.levels and tokens > 0:
             self.levels[endpoint] = (max(0.0, self.level(endpoint, now_ms) - tokens), now_ms)

@@ -34,7 +34,7 @@ from floodgate.extproc.config import TENANT_MAX_CHARS, Config
 from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
-from floodgate.extproc.prefill import body_encoded, prompt_tokens
+from floodgate.extproc.prefill import body_encoded, prompt_tokens, unprefilled
 from floodgate.extproc.priority import Caller, PriorityResolver, source_ip_of
 
 log = logging.getLogger("floodgate.server")
@@ -524,7 +524,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             reason = release_reason(reason, status=ex.status, finished=ex.finished)
-            result.unanswered = ex.status is None  # (its prompt leaves the prefill estimate: backends)
+            result.unprefilled = unprefilled(ex.status)  # (its prompt leaves the prefill estimate: backends)
             if sampled:
                 self.admitter.sampled_done(pool)
             self._finish(pool, ex, reason)

@@ -307,7 +307,7 @@ class PoolState:
 
     async def refund(self, endpoint: str, tokens: float) -> int:
         """A request routed to `endpoint` ended with nothing back from it: `tokens` of its
-        prompt leave the endpoint's prefill estimate (prefill.unanswered_tokens). 1 if applied."""
+        prompt leave the endpoint's prefill estimate (prefill.unprefilled). 1 if applied."""
         return int(await self._run("refund", endpoint, repr(float(tokens))))
 
     async def repair(self) -> list[str]:

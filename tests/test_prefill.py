@@ -18,7 +18,7 @@ from floodgate.extproc.prefill import (
     PrefillSettings,
     drained,
     prompt_tokens,
-    unanswered_tokens,
+    unprefilled,
 )
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.schema import PoolSettings, key
@@ -53,16 +53,14 @@ def test_routed_adds_the_requests_own_size_or_the_pools_mean() -> None:
     assert est.pick(["a", "b"], {}, start=0, now_ms=0) == "b"
 
 
-def test_an_unanswered_request_takes_back_what_the_estimate_still_counts_of_it() -> None:
-    assert unanswered_tokens(2000.0, 0.1, 6000.0) == 1400.0  # 600 drained while it was routed
-    assert unanswered_tokens(2000.0, 1.0, 6000.0) == 0.0  # longer than its own prefill: nothing
-    assert unanswered_tokens(2000.0, -1.0, 6000.0) == 2000.0  # a clock step back drains nothing
-    assert unanswered_tokens(2000.0, 0.0, 0.0) == 0.0  # pacing off
+def test_a_request_ended_unanswered_or_refused_is_unprefilled() -> None:
+    assert unprefilled(None) and unprefilled(404) and unprefilled(405) and unprefilled(500)
+    assert not unprefilled(200) and not unprefilled(206)
     est = PrefillEstimate(ON)
     est.routed("a", 0, 2000.0)
     est.routed("a", 0, 300.0)
     est.refunded("a", 100, 1400.0)
-    assert est.level("a", 100) == 2300.0 - 600.0 - 1400.0
+    assert est.level("a", 100) == 2300.0 - 600.0 - 1400.0  # (drained 600 in 100 ms)
     est.refunded("a", 100, 5000.0)
     assert est.level("a", 100) == 0.0  # never below zero
     est.refunded("never", 100, 5.0)
@@ -491,7 +489,7 @@ async def test_a_request_whose_body_never_comes_leaves_the_estimate_and_holds_no
     estimate, nothing took it back, and while a P0 ran every lower-class request waited behind
     prefill that never came: three such requests (300 bytes of headers) held an honest P1 past
     its queue timeout (429). Now a request that ends with nothing back from the upstream takes
-    its unprefilled prompt out of the estimate (prefill.unanswered_tokens). Real Envoy,
+    its prompt out of the estimate (prefill.unprefilled), as does one the upstream refuses. Real Envoy,
     processor, Redis and upstream; the estimate drains at 100 tokens/s here, so only the
     refunds can bring it down in time."""
     url = stack.start_redis()
@@ -516,12 +514,12 @@ async def test_a_request_whose_body_never_comes_leaves_the_estimate_and_holds_no
             t = await c.time()
             return max(0.0, float(lv) - 0.1 * (t[0] * 1000 + t[1] // 1000 - int(ts)))
 
-        async def headers_only() -> None:
+        async def headers_only(path: str = "/v1/completions", method: str = "POST") -> None:
             _, w = await asyncio.open_connection("127.0.0.1", envoy.port)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                    b"x-request-priority: 1\r\ncontent-length: 60000\r\n\r\n")
+            w.write(f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    "x-request-priority: 1\r\ncontent-length: 60000\r\n\r\n".encode())
             await w.drain()
-            await asyncio.sleep(0.3)  # admitted and routed; the upstream waits for a body
+            await asyncio.sleep(0.5)  # admitted and routed; the upstream waits for a body (or answers 404)
             w.close()
 
         async with aiohttp.ClientSession() as s:
@@ -532,7 +530,11 @@ async def test_a_request_whose_body_never_comes_leaves_the_estimate_and_holds_no
                     return r.status
 
             assert await wait_until(lambda: _served(send), 5)
-            await asyncio.gather(*(headers_only() for _ in range(3)))
+            # held at once (a second review: refunding only the size less the drain left most of
+            # 30 such requests counted), and on a path the upstream refuses (404: response headers
+            # came back, and nothing was refunded)
+            await asyncio.gather(*(headers_only() for _ in range(6)), headers_only("/v1/nope"),
+                                 headers_only("/v1/completions", "PUT"))
             # each counted 2,000 tokens when granted; back out once their streams ended
             assert await wait_until(lambda: _below(level, 400.0), 5), await level()
             p0 = asyncio.create_task(send(b'{"prompt": "x"}', **{"x-request-priority": "0", "x-test-chunks": "40",
