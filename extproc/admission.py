@@ -919,9 +919,11 @@ class Admitter:
                                                   self.rng()), status=503)
 
     def count(self, rt: PoolRuntime, cls: int, outcome: str) -> None:
-        rt.demand[(cls, outcome)] += 1
         if outcome == "abandoned":  # the one decision that ends with no reply: counted here
             self.child(self.metrics.decisions, (rt.cfg.name, PRIORITY_LABELS[cls], "abandoned", "client_gone")).inc()
+        if rt.degraded and outcome in TURNED_AWAY:
+            outcome = "degraded"  # for want of shared state, not of capacity: no demand (schema.NOT_DEMAND)
+        rt.demand[(cls, outcome)] += 1
         if outcome in TURNED_AWAY or outcome in NOT_DEMAND:
             self._demand_soon(rt)
 
@@ -978,7 +980,8 @@ class Admitter:
             rt.rejections[priority].bump(now)
             if result.reason == "queue_timeout":
                 rt.slow_rejections[priority].bump(now)
-            rt.demand[(priority, result.reason)] += 1
+            # on local limits: for want of shared state, not of capacity (no demand, `count`)
+            rt.demand[(priority, "degraded" if rt.degraded and result.reason in TURNED_AWAY else result.reason)] += 1
             self._demand_soon(rt)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:

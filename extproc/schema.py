@@ -127,8 +127,11 @@ TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_en
 #                  header_limit, a refused engine-priority body): Envoy counts them among its
 #                  ext_proc immediate responses, which the controller must not read as turned away
 #   unadmitted     passed without a permit (pools[].unadmitted_paths / unadmitted_methods)
+#   degraded       turned away while the processor ran on local limits (Redis unreachable, or the
+#                  replica registry lost): what it lacked was the shared state, not capacity (an
+#                  operator's review: ~2 s of these after a FLUSHALL woke two warm replicas)
 # The controller subtracts them from Envoy's gateway counters (controller/demand.py).
-NOT_DEMAND = ("refused", "unadmitted")
+NOT_DEMAND = ("refused", "unadmitted", "degraded")
 DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY, *NOT_DEMAND)
 
 

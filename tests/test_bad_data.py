@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import pytest
 from floodgate.extproc.backends import Permit
@@ -159,3 +160,33 @@ async def test_a_shared_limit_redis_lost_is_restored_from_what_the_processor_las
 
 async def _limit_is(rt: object, want: float) -> bool:
     return bool((await rt.state.get_limit()).state.limit == want)  # type: ignore[attr-defined]
+
+
+async def test_requests_turned_away_on_local_limits_are_no_demand(stack: LocalStack) -> None:
+    # An operator's review: after a FLUSHALL the processors ran ~2 s on local limits, turned a
+    # few requests away, and the controller read them as demand the pool lacked and woke two
+    # warm replicas. Turned away for want of shared state, they are counted as `degraded` (no
+    # demand: schema.NOT_DEMAND), not as early drops or timeouts.
+    from floodgate.controller.demand import ClassCounters
+    from floodgate.extproc.state import read_demand
+
+    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
+                             poll_interval_s=0.25) as g:
+        admitter, metrics = g.admitter, g.metrics
+        rt = admitter.pools["a"]
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        assert stack.redis_child is not None
+        stack.redis_child.kill(signal.SIGSTOP)
+        try:
+            assert await wait_until(lambda: rt.degraded, 10)
+            turned = await asyncio.gather(*(admitter.admit("a", 2, "t") for _ in range(3)))  # the pool is full
+            assert all(not isinstance(p, Permit) for p in turned), turned
+        finally:
+            stack.redis_child.kill(signal.SIGCONT)
+        assert await wait_until(lambda: float(metrics.pool_degraded.labels("a")._value.get()) == 0, 20)
+        await admitter._flush_demand(rt)
+        counts = ClassCounters.from_mapping((await read_demand(g.client, "a")).get(2, {}))
+        assert counts.degraded == 3 and counts.turned_away == 0, counts
+        for p in held:
+            await admitter.release(p)
