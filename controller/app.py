@@ -408,7 +408,7 @@ class PoolController:
         self._probe_pool(now)
         for rep in self.replicas.values():
             if rep.view.state not in (S.FAILED, S.TERMINATED):
-                self._prove(rep, self.clock())
+                self._prove(rep, now)
 
         views = tuple(replace(r.view, busy=True) if r.busy else r.view for r in self.replicas.values())
         # Offered demand and learned capacity inputs: Floodgate's counters, Envoy's gateway

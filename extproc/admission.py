@@ -980,9 +980,7 @@ class Admitter:
             rt.rejections[priority].bump(now)
             if result.reason == "queue_timeout":
                 rt.slow_rejections[priority].bump(now)
-            # on local limits: for want of shared state, not of capacity (no demand, `count`)
-            rt.demand[(priority, "degraded" if rt.degraded and result.reason in TURNED_AWAY else result.reason)] += 1
-            self._demand_soon(rt)
+            self.count(rt, priority, result.reason)  # (every reason here is a TURNED_AWAY one)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key_ = (id(metric), labels)
