@@ -8,56 +8,71 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Any
 
 import pytest
 from floodgate.extproc.backends import Permit
 from floodgate.extproc.schema import key
 
 from floodgate.stack import LocalStack
-from tests.helpers import one_processor, wait_until
+from tests.helpers import Gateway, one_processor, wait_until
+
+# A processor of limit 2 that notices a failing call, reconnects and polls within a fraction of a
+# second: degraded and back within seconds.
+QUICK: dict[str, Any] = {"limit": 2, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2, "poll_interval_s": 0.25}
+
+
+def _degraded(g: Gateway) -> float:
+    return float(g.metrics.pool_degraded.labels("a")._value.get())
+
+
+def _transitions(g: Gateway) -> float:
+    return float(g.metrics.degraded_transitions.labels("a")._value.get())
+
+
+async def _status_is(g: Gateway, inflight: int, queued: int) -> bool:
+    st = await g.admitter.pools["a"].state.status()
+    return st.inflight_total == inflight and st.queued_total == queued
+
+
+async def _hold_and_queue(g: Gateway, waiting: int) -> tuple[list[object], list[asyncio.Task[Any]]]:
+    """Both permits held and `waiting` P1 requests queued behind them."""
+    held = [await g.admitter.admit("a", 1, "t") for _ in range(2)]
+    assert all(isinstance(p, Permit) for p in held)
+    waiters = [asyncio.create_task(g.admitter.admit("a", 1, "t")) for _ in range(waiting)]
+    assert await wait_until(lambda: _status_is(g, 2, waiting), 10)
+    return held, waiters
+
+
+async def _release_all(g: Gateway, results: list[object]) -> None:
+    """Release every permit among `results`; then none is held, here or in Redis."""
+    for p in results:
+        if isinstance(p, Permit):
+            await g.admitter.release(p)
+    assert not g.admitter.pools["a"].held
+    assert await wait_until(lambda: _status_is(g, 0, 0), 10)
 
 
 async def test_a_count_that_is_not_a_number_is_an_error_reply_repaired_by_the_renewal(
         stack: LocalStack, caplog: pytest.LogCaptureFixture) -> None:
-    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
-                             poll_interval_s=0.25) as g:
+    async with one_processor(stack, **QUICK) as g:
         admitter, metrics, raw = g.admitter, g.metrics, g.raw
-        rt = admitter.pools["a"]
-
-        def degraded() -> float:
-            return float(metrics.pool_degraded.labels("a")._value.get())
-
-        def transitions() -> float:
-            return float(metrics.degraded_transitions.labels("a")._value.get())
-
-        async def status_is(inflight: int, queued: int) -> bool:
-            st = await rt.state.status()
-            return st.inflight_total == inflight and st.queued_total == queued
-
-        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
-        assert all(isinstance(p, Permit) for p in held)
-        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(3)]
-        assert await wait_until(lambda: status_is(2, 3), 10)
+        held, waiters = await _hold_and_queue(g, 3)
         # A peer of another version, or a hand, writes a count the script cannot read.
         await raw.hset(key("a", "counts"), "i1", "abc")
         with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
             late = asyncio.create_task(admitter.admit("a", 1, "t"))
             # degraded (it may be back before a poll sees it), then back: the reconcile's
             # renewal dropped and recounted the count
-            assert await wait_until(lambda: transitions() >= 1, 10)
-            assert await wait_until(lambda: degraded() == 0, 20)
+            assert await wait_until(lambda: _transitions(g) >= 1, 10)
+            assert await wait_until(lambda: _degraded(g) == 0, 20)
         said = [r.getMessage() for r in caplog.records]
         assert any("Redis answered with an error" in m and "not an outage" in m for m in said), said
         assert not any(m.startswith("redis unreachable") for m in said), said
         assert sum(s.value for m in metrics.redis_error_replies.collect() for s in m.samples
                    if s.name.endswith("_total")) >= 1
         assert (await raw.hget(key("a", "counts"), "i1")) not in (None, b"abc")
-        results = await asyncio.gather(*waiters, late)
-        for p in [*held, *results]:
-            if isinstance(p, Permit):
-                await admitter.release(p)
-        assert not rt.held
-        assert await wait_until(lambda: status_is(0, 0), 10)
+        await _release_all(g, [*held, *await asyncio.gather(*waiters, late)])
 
 
 async def test_settings_an_older_processor_stored_after_a_restart_are_replaced(stack: LocalStack) -> None:
@@ -95,39 +110,20 @@ async def test_a_pool_key_of_the_wrong_type_is_deleted_and_rebuilt(
     # call failed with WRONGTYPE and the processor ran on local limits for good, until someone
     # removed the key. Its reconcile now deletes the keys of the wrong type and asserts its
     # permits and waiters into fresh ones; nothing leaks.
-    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
-                             poll_interval_s=0.25) as g:
+    async with one_processor(stack, **QUICK) as g:
         admitter, metrics, raw = g.admitter, g.metrics, g.raw
-        rt = admitter.pools["a"]
-
-        def degraded() -> float:
-            return float(metrics.pool_degraded.labels("a")._value.get())
-
-        async def status_is(inflight: int, queued: int) -> bool:
-            st = await rt.state.status()
-            return st.inflight_total == inflight and st.queued_total == queued
-
-        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
-        assert all(isinstance(p, Permit) for p in held)
-        waiters = [asyncio.create_task(admitter.admit("a", 1, "t")) for _ in range(2)]
-        assert await wait_until(lambda: status_is(2, 2), 10)
+        held, waiters = await _hold_and_queue(g, 2)
         await raw.delete(key("a", name))
         await raw.rpush(key("a", name), "junk")
         with caplog.at_level(logging.WARNING, logger="floodgate.admission"):
             late = asyncio.create_task(admitter.admit("a", 1, "t"))
-            assert await wait_until(lambda: float(metrics.degraded_transitions.labels("a")._value.get()) >= 1, 10)
-            assert await wait_until(lambda: degraded() == 0, 20), "still degraded: the key was not repaired"
+            assert await wait_until(lambda: _transitions(g) >= 1, 10)
+            assert await wait_until(lambda: _degraded(g) == 0, 20), "still degraded: the key was not repaired"
         said = [r.getMessage() for r in caplog.records]
         assert any("wrong type deleted" in m and key("a", name) in m for m in said), said
         assert (await raw.type(key("a", name))) in (WANT_TYPE[name], b"none")
         assert metrics.reconciled.labels("a", "repaired_keys")._value.get() >= 1
-        for p in held:
-            await admitter.release(p)
-        for p in await asyncio.gather(*waiters, late):
-            if isinstance(p, Permit):
-                await admitter.release(p)
-        assert not rt.held
-        assert await wait_until(lambda: status_is(0, 0), 10)
+        await _release_all(g, [*held, *await asyncio.gather(*waiters, late)])
 
 
 async def test_a_shared_limit_redis_lost_is_restored_from_what_the_processor_last_saw(
@@ -170,12 +166,10 @@ async def test_requests_turned_away_on_local_limits_are_no_demand(stack: LocalSt
     from floodgate.controller.demand import ClassCounters
     from floodgate.extproc.state import read_demand
 
-    async with one_processor(stack, limit=2, lease_ttl_s=3, op_timeout_s=0.25, reconnect_interval_s=0.2,
-                             poll_interval_s=0.25) as g:
-        admitter, metrics = g.admitter, g.metrics
+    async with one_processor(stack, **QUICK) as g:
+        admitter = g.admitter
         rt = admitter.pools["a"]
-        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
-        assert all(isinstance(p, Permit) for p in held)
+        held, _ = await _hold_and_queue(g, 0)
         assert stack.redis_child is not None
         stack.redis_child.kill(signal.SIGSTOP)
         try:
@@ -184,9 +178,8 @@ async def test_requests_turned_away_on_local_limits_are_no_demand(stack: LocalSt
             assert all(not isinstance(p, Permit) for p in turned), turned
         finally:
             stack.redis_child.kill(signal.SIGCONT)
-        assert await wait_until(lambda: float(metrics.pool_degraded.labels("a")._value.get()) == 0, 20)
+        assert await wait_until(lambda: _degraded(g) == 0, 20)
         await admitter._flush_demand(rt)
         counts = ClassCounters.from_mapping((await read_demand(g.client, "a")).get(2, {}))
         assert counts.degraded == 3 and counts.turned_away == 0, counts
-        for p in held:
-            await admitter.release(p)
+        await _release_all(g, held)

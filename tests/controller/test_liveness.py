@@ -15,7 +15,7 @@ from aiohttp import web
 from floodgate.controller.actuators.process import ProcessActuator
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import Controller
-from floodgate.controller.config import parse_config
+from floodgate.controller.config import ControllerConfig, parse_config
 from floodgate.controller.liveness import StartBackoff, Unresponsive
 
 from floodgate.stack import LocalStack
@@ -59,14 +59,12 @@ async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -
     # a /health that does not answer, it is failed, leaves the registry, and the warm one serves.
     url = stack.start_redis()
     act = process_actuator(stack, stack.sup.workdir / "replicas")
-    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2},
-                            warm_pool={"min_size": 1, "max_size": 1, "max_total": 3},
-                            timeouts={"unresponsive_s": 2, "scrape_s": 0.5})
+    cfg = _one_and_a_spare(url, unresponsive_s=2, scrape_s=0.5)
     async with running(cfg, act) as ctl:
         pc = ctl.pools["default"]
         await wait_for(lambda: _pool_is(url, active=1, spare=1), 40)
         (hung,) = [rid for rid, r in pc.replicas.items() if r.view.state.value == "active"]
-        pid = int(next(h for h in await act.list() if h.replica_id == hung).labels["pid"])
+        pid = await _pid(act, hung)
         os.kill(pid, signal.SIGSTOP)
         try:
             await wait_for(lambda: _active_is_not(url, hung), 30)
@@ -84,15 +82,13 @@ async def test_a_hung_warm_pool_replica_is_failed_and_replaced_before_any_burst(
     # find it while it waits: it is failed and stopped, and the plan cold-starts a refill.
     url = stack.start_redis()
     act = process_actuator(stack, stack.sup.workdir / "replicas")
-    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2},
-                            warm_pool={"min_size": 1, "max_size": 1, "max_total": 3},
-                            timeouts={"unresponsive_s": 2, "pool_probe_s": 0.5, "liveness_probe_s": 0.5})
+    cfg = _one_and_a_spare(url, unresponsive_s=2, pool_probe_s=0.5, liveness_probe_s=0.5)
     async with running(cfg, act) as ctl:
         pc = ctl.pools["default"]
         await wait_for(lambda: _pool_is(url, active=1, spare=1), 40)
         (hung,) = [rid for rid, r in pc.replicas.items() if r.view.state.value == "warm"]
         await wait_for(lambda: _is(url, hung, "sleeping"), 30)  # put to sleep: nothing talks to it now
-        pid = int(next(h for h in await act.list() if h.replica_id == hung).labels["pid"])
+        pid = await _pid(act, hung)
         os.kill(pid, signal.SIGSTOP)
         try:
             await wait_for(lambda: _spare_is_not(url, hung), 40)
@@ -104,6 +100,16 @@ async def test_a_hung_warm_pool_replica_is_failed_and_replaced_before_any_burst(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def _one_and_a_spare(url: str, **timeouts: float) -> ControllerConfig:
+    """One active replica and one in the warm pool (room for a replacement), with `timeouts`."""
+    return controller_config(url, policy={"min_replicas": 1, "max_replicas": 2},
+                             warm_pool={"min_size": 1, "max_size": 1, "max_total": 3}, timeouts=timeouts)
+
+
+async def _pid(act: ProcessActuator, rid: str) -> int:
+    return int(next(h for h in await act.list() if h.replica_id == rid).labels["pid"])
 
 
 async def _stopped(act: ProcessActuator, rid: str) -> bool:
