@@ -112,6 +112,7 @@ class ClassCounters:
     refused: float = 0.0  # answered by the processor as malformed (400/431): no demand
     unadmitted: float = 0.0  # passed without a permit (a body-less GET, ...): no demand
     degraded: float = 0.0  # turned away on a processor's local limits (no shared state): no demand
+    retried: float = 0.0  # turned away, a client's retry of a request counted before: no demand
 
     @property
     def turned_away(self) -> float:
@@ -281,7 +282,7 @@ def floodgate_rates(a: FloodgateCounters, b: FloodgateCounters) -> tuple[dict[in
 
 
 def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[float, float]:
-    """(refused + degraded, those + unadmitted) per second over Floodgate's window (0, 0 when stale):
+    """(refused + degraded + retried, those + unadmitted) per second over Floodgate's window (0, 0 when stale):
     requests Envoy's gateway counters count (as arrivals; the refused also as the processor's
     immediate responses) that are no demand (`schema.NOT_DEMAND`)."""
     if not _fresh(w.floodgate, now, cfg):
@@ -293,8 +294,10 @@ def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[flo
     refused = unadmitted = 0.0
     for c, cb in b.classes.items():
         ca = a.classes.get(c, ClassCounters())
-        # (turned away on local limits: answered by the processor like the refused, no demand)
-        refused += max(0.0, cb.refused - ca.refused) + max(0.0, cb.degraded - ca.degraded)
+        # (turned away on local limits, or a retry turned away again: answered by the processor
+        # like the refused, no demand)
+        refused += (max(0.0, cb.refused - ca.refused) + max(0.0, cb.degraded - ca.degraded)
+                    + max(0.0, cb.retried - ca.retried))
         unadmitted += max(0.0, cb.unadmitted - ca.unadmitted)
     return refused / dt, (refused + unadmitted) / dt
 

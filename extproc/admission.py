@@ -873,9 +873,12 @@ class Admitter:
 
     # ---------------------------------------------------------------- admission
 
-    async def admit(self, pool: str, priority: int, tenant: str, tokens: float | None = None) -> Permit | Reject:
+    async def admit(self, pool: str, priority: int, tenant: str, tokens: float | None = None, *,
+                    retry: bool = False) -> Permit | Reject:
         """`tokens`: the request's prompt tokens for the prefill estimate (`prompt_tokens`;
-        None: the pool's `prefill_request_tokens`)."""
+        None: the pool's `prefill_request_tokens`). `retry`: the client says it sent this
+        request before (`admission.retry_count_header`); if turned away it is counted as
+        `retried`, no demand (schema.NOT_DEMAND)."""
         rt = self.pools[pool]
         started = self.clock()
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
@@ -899,7 +902,7 @@ class Admitter:
         if isinstance(result, Permit) and not rt.picker.accept(result.endpoint):
             await self.release(result, "no_endpoints")
             result = self.no_endpoints(rt, priority)
-        self._count_result(rt, priority, result)
+        self._count_result(rt, priority, result, retry)
         return result
 
     def permit(self, rt: PoolRuntime, ticket: str, req: Request, endpoint: str, *,
@@ -966,7 +969,7 @@ class Admitter:
             except RedisDown:
                 rt.demand.update(counts)
 
-    def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject) -> None:
+    def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject, retry: bool = False) -> None:
         # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
@@ -980,7 +983,8 @@ class Admitter:
             rt.rejections[priority].bump(now)
             if result.reason == "queue_timeout":
                 rt.slow_rejections[priority].bump(now)
-            self.count(rt, priority, result.reason)  # (every reason here is a TURNED_AWAY one)
+            # (every reason here is a TURNED_AWAY one; a retry's first attempt was counted already)
+            self.count(rt, priority, "retried" if retry else result.reason)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key_ = (id(metric), labels)

@@ -330,12 +330,17 @@ class AdmissionConfig(_Strict):
     retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
     retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is spread uniformly over a band this wide (relative), also at the min/max clamps.")
     anonymous_tenant_cap: bool = Field(default=False, description="Apply `tenant_queue_share` to requests without a tenant header as if they were one tenant (default: they are not capped).")
+    retry_count_header: str = Field(default="x-stainless-retry-count", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]*$", description="Header in which a client says how many times it sent this request before (OpenAI's SDKs send `x-stainless-retry-count` and retry a 429 twice by default). A request turned away with a count above 0 is counted as `retried`, not as demand: its first attempt was counted already, and counting every retry made the controller read up to 3x the demand admission turned away. Admission itself ignores it. Empty: every turned-away request counts.")
 
     @model_validator(mode="after")
     def _two_headers(self) -> AdmissionConfig:
         if self.priority_header.lower() == self.tenant_header.lower():
             raise ValueError(f"priority_header and tenant_header are both {self.priority_header!r}: "
                              "one header cannot carry both")
+        retry = self.retry_count_header.lower()
+        if retry and retry in (self.priority_header.lower(), self.tenant_header.lower()):
+            raise ValueError(f"retry_count_header {self.retry_count_header!r} is also the priority or tenant "
+                             "header: one header cannot carry both")
         return self
 
     @field_validator("tenant_priorities")

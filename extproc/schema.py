@@ -130,8 +130,12 @@ TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_en
 #   degraded       turned away while the processor ran on local limits (Redis unreachable, or the
 #                  replica registry lost): what it lacked was the shared state, not capacity (an
 #                  operator's review: ~2 s of these after a FLUSHALL woke two warm replicas)
+#   retried        turned away, and the request said it is a client's retry of one sent before
+#                  (`admission.retry_count_header` above 0: OpenAI's SDKs retry a 429 twice by
+#                  default): its first attempt was counted, so each retry would count the same
+#                  request again (up to 3x the demand admission turned away)
 # The controller subtracts them from Envoy's gateway counters (controller/demand.py).
-NOT_DEMAND = ("refused", "unadmitted", "degraded")
+NOT_DEMAND = ("refused", "unadmitted", "degraded", "retried")
 DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY, *NOT_DEMAND)
 
 

@@ -141,6 +141,16 @@ def tenant_values(values: list[str] | None) -> list[str]:
     return out
 
 
+def is_retry(values: list[str] | None) -> bool:
+    """Does the retry-count header (`admission.retry_count_header`) say the client sent this
+    request before? Its first value, read as a whole number above 0; anything else (absent,
+    empty, not a number, negative) says nothing: a malformed header changes no decision."""
+    if not values:
+        return False
+    text = values[0].split(",", 1)[0].strip(" \t")
+    return text.isascii() and text.isdigit() and text.lstrip("0") != ""  # (no int(): 5,000 digits raise)
+
+
 def tenant_key(tenant: str) -> str:
     """The name a tenant is resolved and counted by: itself up to `TENANT_MAX_CHARS`, else its
     first 64 characters and a 128-bit digest of the whole. (Cut to the first 128 characters,
@@ -295,7 +305,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
         self._wanted = frozenset({":authority", ":path", ":method", "upgrade", DESTINATION_HEADER,
                                   cfg.admission.priority_header.lower(), cfg.admission.tenant_header.lower(),
-                                  "content-length", "content-encoding", *METHOD_OVERRIDE_HEADERS})
+                                  "content-length", "content-encoding", *METHOD_OVERRIDE_HEADERS}
+                                 | ({cfg.admission.retry_count_header.lower()} if cfg.admission.retry_count_header
+                                    else set()))
         # Pools whose grants count each request's own prompt size (prefill-aware picking on and
         # the size read): its content-length as prompt tokens (prefill.prompt_tokens).
         self._sized = {p.name: functools.partial(prompt_tokens, bytes_per_token=p.prefill_bytes_per_token,
@@ -457,7 +469,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             child(m.untrusted_priority, (pool,)).inc()
         sized = self._sized.get(pool)
         tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
-        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens)
+        retry = (is_retry(headers.get(self.cfg.admission.retry_count_header.lower()))
+                 if self.cfg.admission.retry_count_header else False)
+        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens, retry=retry)
         if isinstance(result, Reject):
             reply = reject_response(result, decision.priority)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", result.reason)).observe(

@@ -153,7 +153,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--model", help="model name (default: first of the target's /v1/models)")
     g.add_argument("--timeout", type=positive, default=120.0, help="per-request timeout, s (default: %(default)s)")
     g.add_argument("--retry", type=non_negative_int, default=0, metavar="N",
-                   help="retry a rejected request up to N times after its Retry-After (default: 0)")
+                   help="retry a rejected request up to N times after its Retry-After, each retry saying so "
+                        "in x-stainless-retry-count as OpenAI's SDKs do (default: 0)")
     g.add_argument("--retry-max-wait", type=non_negative, default=30.0,
                    help="cap on one Retry-After wait, s (default: %(default)s)")
     g.add_argument("--header", type=header, action="append", default=[], metavar="NAME:VALUE",

@@ -352,6 +352,8 @@ async def send_one(
                 # Honour Retry-After (bounded); without one, back off a second.
                 wait = a.retry_after if a.retry_after is not None else 1.0
                 await asyncio.sleep(min(max(wait, 0.0), retry_max_wait))
+                # As OpenAI's SDKs say it (Floodgate counts a retry turned away again as no demand).
+                headers = {**headers, "x-stainless-retry-count": str(rec.retries)}
                 continue
             break
         rec.queue_ms = a.queue_ms

@@ -105,6 +105,54 @@ async def test_429_shape_and_early_drop(stack: LocalStack, upstream: int) -> Non
         assert 'floodgate_gc_pause_seconds_count{generation="2"}' in m
 
 
+async def test_a_retry_turned_away_again_is_no_new_demand(stack: LocalStack, upstream: int) -> None:
+    """A client's retry (OpenAI's SDKs say `x-stainless-retry-count: N`) that is turned away
+    again is counted `retried`, no demand: its first attempt was counted (each retry of a 429
+    counted the same request again). A count that is not a whole number above 0 says nothing
+    and fails nothing. The official `openai` client, retrying as it ships (twice, as told by
+    Retry-After), is counted once."""
+    import openai
+    import redis.asyncio as aioredis
+    from floodgate.extproc.state import read_demand
+
+    url = stack.start_redis()
+    cfg = static(1, classes={**classes(), 2: {"queue_timeout_s": 5, "max_queue": 0, "share": 0.1}})
+    cfg["admission"] = {**cfg["admission"], "retry_after_min_s": 1, "retry_after_max_s": 1}  # (the SDK waits as told)
+    stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    not_retries = ["0", "", "abc", "-1", "1.5", "\u00b2", "0" * 5000]
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="8000")))
+        assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+        first = await post(s, envoy.url, headers=hdr(2))
+        retries = [await post(s, envoy.url, headers={**hdr(2), "x-stainless-retry-count": n}) for n in ("1", "2", " 3", "9" * 5000)]
+        others = [await post(s, envoy.url, headers={**hdr(2), "x-stainless-retry-count": n}) for n in not_retries]
+        for r in (first, *retries, *others):
+            assert r.status == 429 and r.headers["x-floodgate-reject-reason"] == "queue_full", r.body
+            assert int(r.headers["retry-after"]) == 1
+        sdk = openai.AsyncOpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=2, default_headers=hdr(2))
+        with pytest.raises(openai.RateLimitError):
+            await sdk.completions.create(model="m", prompt="x", max_tokens=2)  # 3 attempts, all 429
+        await sdk.close()
+        assert (await hold).status == 200
+        # Counted as demand: the first request, the malformed counts and the SDK's first
+        # attempt; as retries: the four that said so and the SDK's two.
+        demand, retried = 1 + len(others) + 1, len(retries) + 2
+        c = aioredis.Redis.from_url(url)
+        try:
+            async def counted() -> bool:
+                d = (await read_demand(c, "default"))[2]
+                return d["retried"] + d["queue_full"] == demand + retried
+            assert await wait_until(counted, 10)
+            d = (await read_demand(c, "default"))[2]
+            assert d["retried"] == retried and d["queue_full"] == demand, d
+        finally:
+            await c.aclose()
+        # Every decision is still in the metrics under its reason: the retry is a demand label only.
+        m = await metrics(s, stack.processors[0].metrics_url)
+        assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == demand + retried
+
+
 async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalStack, upstream: int) -> None:
     """P2 behind a backlogged P0 in a pool of 2 (P2's share rounds to no reservation) is never
     reached by the grant loop: early drop. Once the processor has seen that (a P2 decided

@@ -73,6 +73,8 @@ PROCESSOR_BAD = [
     # renewal can outlast
     ({"server": {"gc_threshold": [-1, 0, 0]}}, "server.gc_threshold.0"),
     ({"admission": {"priority_header": "X-Tenant-Id"}}, "admission"),
+    ({"admission": {"retry_count_header": "x-tenant-id"}}, "admission"),
+    ({"admission": {"retry_count_header": "retry count"}}, "admission.retry_count_header"),
     ({"pools": [{"name": "a", "engine_priority": {0: -1}, "engine_priority_max_body_bytes": 0}]},
      "pools.0.engine_priority_max_body_bytes"),
     ({"redis": {"lease_ttl_s": 1, "op_timeout_s": 3}}, "redis"),

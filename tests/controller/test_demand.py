@@ -75,6 +75,24 @@ def test_envoy_excess_is_spread_and_envoy_alone_is_unclassed() -> None:
     assert d.source == "floodgate" and d.turned_away_rate == pytest.approx({0: 1.0, 1: 3.0})
 
 
+def test_retries_turned_away_again_are_no_demand_in_either_source() -> None:
+    # 10 s: P1 admitted 40, 20 first attempts turned away, and their 40 retries turned away
+    # again (OpenAI's SDKs retry a 429 twice). Envoy saw every one of the 60 immediate
+    # responses. Offered is the 60 requests, not the 100 attempts; the retries are not Envoy
+    # "excess" either (turned away without the processors counting them).
+    a = FloodgateCounters(100.0, True, {1: ClassCounters()})
+    b = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=20, retried=40)})
+    ga, gb = GatewayCounters(100.0, True, 0, 0), GatewayCounters(110.0, True, 100, 60)
+    d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG)
+    assert d.source == "floodgate+envoy" and d.envoy_excess_rate == 0.0
+    assert d.turned_away_rate == pytest.approx({1: 2.0}) and d.offered_rate == pytest.approx({1: 6.0})
+    # Without the processors' `retried` count (a processor before it, or the header off), the
+    # same attempts read as 6/s turned away: 3x the requests that went unserved.
+    b_old = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=60)})
+    d = offered(feed([(100.0, a, ga), (110.0, b_old, gb)]), 110.0, CFG)
+    assert d.turned_away_rate == pytest.approx({1: 6.0})
+
+
 def test_stale_and_missing_are_never_zero() -> None:
     a = fg(100.0, {1: (0, 0, 0, 0)})
     b = fg(110.0, {1: (10, 0, 90, 0)})

@@ -225,6 +225,9 @@ async def test_rejection_headers_and_bounded_retry() -> None:
     assert err.outcome == ERROR and err.status == 503 and err.retries == 0
     first = next(s for s in seen if s["headers"]["x-tenant-id"] == "noisy")
     assert sum(s["headers"]["x-tenant-id"] == "noisy" for s in seen) == 3  # 1 + 2 retries
+    # Each retry says so, as OpenAI's SDKs do (the processors count one turned away again as no demand).
+    assert [s["headers"].get("x-stainless-retry-count") for s in seen if s["headers"]["x-tenant-id"] == "noisy"] \
+        == [None, "1", "2"]
     h, body = first["headers"], first["body"]
     assert h["x-request-priority"] == "2" and h["x-sim-output-tokens"] == "7" and h["x-sim-prompt-tokens"] == "40"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
