@@ -356,11 +356,19 @@ def reach_chance(drift: float, var: float, t: float, m: float, at_end: bool = Fa
     second (the reflection formula): the chance that releases minus higher-class arrivals
     (a random walk) ever get `m` ahead within t. Its continuous stand-in for counts.
     `at_end`: P(X(t) >= m) instead (where it ends, not the most it reached: with a negative
-    drift it may end below 0, so m <= 0 is not certain)."""
+    drift it may end below 0, so m <= 0 is not certain).
+
+    Capped by the chance of `m` up-steps at all (releases at (drift + var) / 2 per second, read
+    as Poisson): the walk gets ahead only by releases, whatever the arrivals' spread. Brownian
+    motion borrows the arrivals' variance to climb, so with a few steps to go and many arrivals
+    it read most of the time it could not reach as reached (P2 told 0.9 s where one release
+    in 5 s was needed, 2.5 s with fewer arrivals)."""
     if m <= 0 and not at_end:
         return 1.0
+    up = (drift + var) / 2
     if var <= 0 or t <= 0:
         return 1.0 if drift * t >= m else 0.0
+    cap = poisson_tail(up * t, math.ceil(m)) if m > 0 else 1.0
     sd = math.sqrt(var * t)
 
     def phi(x: float) -> float:
@@ -368,10 +376,10 @@ def reach_chance(drift: float, var: float, t: float, m: float, at_end: bool = Fa
 
     first = phi((drift * t - m) / sd)
     if at_end:
-        return first
+        return min(cap, first)
     expo = 2 * drift * m / var
     second = math.exp(expo) * phi((-m - drift * t) / sd) if expo < 700 else 0.0
-    return min(1.0, first + second)
+    return min(cap, first + second)
 
 
 @dataclass(frozen=True)
@@ -611,7 +619,7 @@ class WaitEstimate:
 
 def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
                   headroom: Sequence[float] = (0.0, 0.0, 0.0), *, reject_fast: bool = False,
-                  point: bool = False) -> WaitEstimate:
+                  point: bool = False, arrivals_low: bool = False) -> WaitEstimate:
     """Where a new request of class `cls` stands in the grant order and how fast it advances
     (see `WaitEstimate`). Higher classes' arrival rates come from `snap.arrival_rates`; when
     they are unknown, the open path counts only when no higher class waits (as if none
@@ -631,7 +639,10 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     (seed 4) 18 releases per second where 32 came, and six P2s were turned away in the 1.5 s
     after the new replicas served while every P1 and P2 let in then waited at most 85 ms.
     Scaled by in-flight alone (no cap), the overload bench's fixed pool had P2 wait and time out
-    beyond the slow-rejection budget (7 queue timeouts of 550 P2 rejections, p99 1 s)."""
+    beyond the slow-rejection budget (7 queue timeouts of 550 P2 rejections, p99 1 s).
+
+    `arrivals_low` (Retry-After, `retry_wait`): the higher classes' arrivals at their lower
+    confidence bound, counting the ~rate x `ARRIVAL_TAU_S` arrivals the decayed rate rests on."""
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
@@ -678,6 +689,8 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         # as arrivals still to come, so the higher classes' arrivals are read at their 2 s rate.
         fast = snap.arrival_rates_fast if fast_ok and snap.arrival_rates_fast is not None else snap.arrival_rates
         lam = sum(max(snap.arrival_rates[k], fast[k]) for k in higher)
+        if arrivals_low:
+            lam = max(0.0, lam - CONFIDENCE_Z * math.sqrt(lam / ARRIVAL_TAU_S))
         open_rate = max(0.0, r - lam)
     per_permit = r / total if total > 0 else 0.0
     gap = max(0, res[cls] - inflight[cls] - free)
@@ -835,8 +848,19 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> 
     """The wait Retry-After tells a rejected request of class `cls`: the point estimate, read
     neutrally. The drop decision of a class told at once reads the rates pessimistically (the
     releases low, the higher arrivals high), and in a steady state, where those balance, that
-    reading said never: P2 was told 50-60 s and got in 2.6 s later (a review)."""
-    return predicted_wait(cls, snap, [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES])
+    reading said never: P2 was told 50-60 s and got in 2.6 s later (a review).
+
+    The higher classes' arrivals (which jump ahead of it during the wait) are read at their
+    lower confidence bound: a rate that rests on a handful of arrivals is not a stream. The
+    requests that just filled a small pool read as one (two P1s: 0.24/s, about the release
+    rate of two 5 s requests), the walk of releases minus arrivals had no drift, and P2 was
+    told 48-60 s while a permit freed within 3 s (an HTTP review; the `openai` client sleeps
+    as told, up to 60 s). A sustained stream (tens of arrivals behind the rate) reads as
+    before, so a class starved by one is still told the clamp. The costs are lopsided too: a
+    wait told too short costs one more rejection, decided without a round trip; one told too
+    long idles the client while the pool has room."""
+    return wait_estimate(cls, snap, [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES],
+                         arrivals_low=True).seconds
 
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],

@@ -153,6 +153,37 @@ async def test_a_retry_turned_away_again_is_no_new_demand(stack: LocalStack, ups
         assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == demand + retried
 
 
+async def test_retry_after_while_a_small_pool_is_filled_says_when_it_frees(stack: LocalStack, upstream: int) -> None:
+    """An HTTP review: a pool of 2 filled by two ~5 s requests, P2 probes every 0.4 s were
+    told Retry-After 50-60 s while a permit freed within 3-7 s (the two P1s that filled it
+    read as a P1 stream as fast as the releases, so the wait said never). Three fills, a few
+    seconds apart (the rates then rest on a few releases, as after any idle spell): every
+    told wait stays within two holds, where it was 58-60 on the third."""
+    stack.start_redis()
+    stack.start_processor(static(2))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    told: list[tuple[int, float, float]] = []  # (fill, seconds into it, Retry-After)
+    async with aiohttp.ClientSession() as s:
+        for fill in range(3):
+            t0 = time.monotonic()
+            fills = [asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="2", delay_ms="2000")))
+                     for _ in range(2)]
+            assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 2), 10)
+            while True:
+                r = await post(s, envoy.url, headers=hdr(2))
+                if r.status == 200:
+                    break
+                assert r.status == 429 and r.headers["x-floodgate-reject-reason"] == "early_drop", r
+                told.append((fill, time.monotonic() - t0, int(r.headers["retry-after"])))
+                assert time.monotonic() - t0 < 20, told
+                await asyncio.sleep(0.4)
+            freed = time.monotonic() - t0  # the P2 got in: the pool had room
+            assert all(ra <= 2 * freed for f, _, ra in told if f == fill), (freed, told)
+            assert all(r.status == 200 for r in await asyncio.gather(*fills))
+            await asyncio.sleep(3 + 3 * fill)
+    assert len(told) >= 20, told  # it was full for most of each fill
+
+
 async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalStack, upstream: int) -> None:
     """P2 behind a backlogged P0 in a pool of 2 (P2's share rounds to no reservation) is never
     reached by the grant loop: early drop. Once the processor has seen that (a P2 decided

@@ -808,3 +808,41 @@ def test_retry_after_is_the_median_wait_when_the_mean_says_never() -> None:
     # Higher arrivals well above the releases: it stays out of reach, Retry-After at its max
     flood = replace(s, arrival_rates=(0.0, 40.0, 3.0))
     assert wait_estimate(2, flood, SHIPPED_SHARES).seconds == float("inf")
+
+
+def test_the_walk_climbs_only_by_releases() -> None:
+    """Brownian motion stands in for releases minus arrivals, and borrowed the arrivals'
+    variance to climb: one release at 0.4/s with 4 arrivals/s read as reached within 1 s with
+    ~45 % chance. The walk cannot be ahead by more releases than came."""
+    r, lam = 0.4, 4.0
+    for t in (0.5, 1.0, 2.0, 5.0):
+        for m in (0.5, 1.5, 2.5):
+            p = reach_chance(r - lam, r + lam, t, m)
+            assert p <= poisson_tail(r * t, math.ceil(m)) + 1e-12
+            assert reach_chance(r - lam, r + lam, t, m, at_end=True) <= p + 1e-12
+    # many releases to go: the bound is far above the walk's own reading, which stands
+    assert reach_chance(0.0, 4.0, 1.0, 2.0) == pytest.approx(math.erfc(2 / math.sqrt(8)))
+
+
+def test_retry_after_of_a_pool_two_requests_just_filled() -> None:
+    """An HTTP review (the snapshots of its repro, logged): a pool of 2 filled by two ~5 s P1s
+    after an idle spell; P2 probes were told 198 s, 48 s, 18 s (Retry-After 58-60 at the clamp)
+    while a permit freed within 3 s. The two P1 arrivals read as a 0.24/s stream, as fast as
+    the releases of two 5 s requests: a walk without drift. At their lower bound (two
+    arrivals are no stream) the wait is the releases' own: a few seconds."""
+    from floodgate.extproc.config import _default_classes
+    from floodgate.extproc.policy import retry_wait
+
+    classes = _default_classes()
+    for p1, rate in ((0.237, 0.227), (0.194, 0.201), (0.158, 0.201)):
+        s = Snapshot(2, (0, 2, 0), (0, 0, 0), 0, grant_rate=rate, release_n=6, inflight_avg=1.87,
+                     arrival_rates=(0.0, p1, 2.2), arrival_rates_fast=(0.0, 0.01, 3.6), ramp=True, ramp_refill=8.0)
+        assert wait_estimate(2, s, SHIPPED_SHARES, [classes[k].headroom for k in (0, 1, 2)]).seconds > 15  # before
+        wait = retry_wait(2, s, classes)
+        assert wait is not None and wait <= 1 / s.release_rate() + 1e-9, wait  # one release's mean: ~4.4 s
+    # A stream that many arrivals prove (40/s for 2 s) starves P2 as before: told the clamp.
+    flood = Snapshot(8, (0, 8, 0), (0, 2, 3), 0, grant_rate=16.0, release_n=400, inflight_avg=8.0,
+                     arrival_rates=(0.0, 40.0, 3.0))
+    assert retry_wait(2, flood, classes) == float("inf")
+    d = queue_decision(2, replace(flood, queued=(0, 2, 12)), classes, ADM, rand=0.5)
+    assert isinstance(d, Reject) and d.retry_after_s >= 50
