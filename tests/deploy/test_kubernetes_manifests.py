@@ -515,3 +515,42 @@ def test_keda_mode_leaves_the_controller_no_write_rights() -> None:
     assert {d["kind"] for d in docs} >= {"Deployment", "ScaledObject", "NetworkPolicy"}  # the whole deployment
     base = kustomize(KDIR)
     assert any(d["kind"] == "Role" and d["metadata"]["name"] == "floodgate-controller" for d in base)
+
+
+def test_keda_overlay_ships_a_metrics_only_controller_config_that_fits_the_scaledobject(tmp_path: Path) -> None:
+    """The ConfigMap as `kubectl apply -k deploy/kubernetes-keda` creates it: its controller
+    config must run the metrics-only actuator (the overlay removed the Kubernetes actuator's
+    write Role, so kind `kubernetes` would get 403 on every call), find the pods through the
+    overlay's headless Service, and never ask for more pods than KEDA may start."""
+    from floodgate.controller.config import load_config
+    from floodgate.controller.discovery import EndpointSliceConfig
+
+    docs = kustomize(KEDA_DIR)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "floodgate-config")
+    path = tmp_path / "controller.yaml"
+    path.write_text(cm["data"]["controller.yaml"])
+    cfg = load_config(path, env={})
+    so = next(d for d in docs if d["kind"] == "ScaledObject")
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "vllm")
+    inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm")
+    for pool in cfg.pools:
+        assert pool.actuator.kind == "endpointslices", f"pool {pool.name}: {pool.actuator.kind}"
+        ecfg = EndpointSliceConfig.model_validate(pool.actuator.options)
+        assert ecfg.in_cluster
+        assert (ecfg.namespace, ecfg.service) == (svc["metadata"]["namespace"], svc["metadata"]["name"])
+        assert ecfg.port_name in {p["name"] for p in svc["spec"]["ports"]}
+        assert svc["spec"]["selector"] == inference["spec"]["selector"]["matchLabels"]
+        # KEDA scales to desired (≤ max_replicas) + warm target (≤ warm max_size).
+        needs = pool.policy.max_replicas + pool.warm_pool.max_size
+        assert so["spec"]["maxReplicaCount"] >= needs, (pool.name, so["spec"]["maxReplicaCount"], needs)
+        assert so["spec"]["minReplicaCount"] <= pool.policy.min_replicas
+    # The rest of the controller config is the base's (only the actuator differs).
+    base = yaml.safe_load(config_data()["controller.yaml"])
+    keda = yaml.safe_load(cm["data"]["controller.yaml"])
+    assert {k: v for k, v in keda.items() if k != "pools"} == {k: v for k, v in base.items() if k != "pools"}
+    assert [{k: v for k, v in p.items() if k != "actuator"} for p in keda["pools"]] == \
+        [{k: v for k, v in p.items() if k != "actuator"} for p in base["pools"]]
+    # The base keeps its own actuator (the patch is the overlay's only).
+    assert all(p["actuator"]["kind"] == "kubernetes" for p in base["pools"])
+    # The processor config is the base's, byte for byte.
+    assert cm["data"]["processor.yaml"] == config_data()["processor.yaml"]
