@@ -421,9 +421,21 @@ def test_redis_has_acl_users_with_passwords_from_the_secret() -> None:
     assert not [d for _, d in all_docs() if d["kind"] == "Secret"]
 
 
+def _label_selector_matches(sel: dict[str, Any], labels: dict[str, str]) -> bool:
+    """metav1.LabelSelector: matchLabels AND every matchExpression; `{}` selects everything."""
+    if not all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
 def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
-    sel = policy["spec"]["podSelector"].get("matchLabels", {})
-    return all(labels.get(k) == v for k, v in sel.items())
+    return _label_selector_matches(policy["spec"]["podSelector"], labels)
 
 
 def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> None:
@@ -446,7 +458,9 @@ def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> No
 
     gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": GATEWAY_NS}},
                "podSelector": {"matchLabels": {"floodgate.io/gateway": "true"}}}
-    assert peers("floodgate-extproc", "grpc") == [gateway]  # nothing else opens ext_proc streams
+    sidecars = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MODELS_NS}},
+                "podSelector": {"matchLabels": {"app": "vllm", "floodgate.io/gateway": "true"}}}
+    assert peers("floodgate-extproc", "grpc") == [gateway, sidecars]  # nothing else opens ext_proc streams
     redis_peers = peers("floodgate-redis", "redis")
     assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in redis_peers) == [
         "floodgate-controller", "floodgate-extproc"]
@@ -457,36 +471,54 @@ def test_network_policies_deny_by_default_and_open_only_the_needed_paths() -> No
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "floodgate-controller"}}} in model_peers
 
 
-def _peer_matches(peer: dict[str, Any], policy_ns: str, src_ns: str, src_labels: dict[str, str]) -> bool:
-    """NetworkPolicy `from` entry semantics: a podSelector alone means the policy's namespace."""
+def _peer_matches(peer: dict[str, Any], policy_ns: str, src_ns: str, src_ns_labels: dict[str, str],
+                  src_labels: dict[str, str]) -> bool:
+    """One `from` element (NetworkPolicyPeer): its selectors are ANDed; a podSelector alone means
+    the policy's namespace, a namespaceSelector alone every pod of the namespaces it selects.
+    Every namespace carries kubernetes.io/metadata.name (set by the API server)."""
     if "ipBlock" in peer:
-        return False
+        return False  # pod-to-pod traffic is judged by selectors here, not by address
+    ns_labels = {**src_ns_labels, "kubernetes.io/metadata.name": src_ns}
     ns_sel = peer.get("namespaceSelector")
-    ns_ok = src_ns == policy_ns if ns_sel is None else all(
-        {"kubernetes.io/metadata.name": src_ns}.get(k) == v for k, v in ns_sel.get("matchLabels", {}).items())
-    pod_ok = all(src_labels.get(k) == v for k, v in peer.get("podSelector", {}).get("matchLabels", {}).items())
-    return ns_ok and pod_ok
+    ns_ok = src_ns == policy_ns if ns_sel is None else _label_selector_matches(ns_sel, ns_labels)
+    return ns_ok and _label_selector_matches(peer.get("podSelector", {}), src_labels)
 
 
-def reaches(src_ns: str, src_labels: dict[str, str], dep_name: str, port: str) -> bool:
-    """Whether a pod (namespace, labels) may open a connection to a Deployment's named port
-    under the shipped NetworkPolicies (ingress is denied unless some policy allows it)."""
+def _port_matches(rule: dict[str, Any], port: str, container_ports: dict[str, int]) -> bool:
+    """No `ports` allows every port; a named port matches the container port's name, a number its number."""
+    if not rule.get("ports"):
+        return True
+    return any(x.get("protocol", "TCP") == "TCP" and x["port"] in (port, container_ports[port]) for x in rule["ports"])
+
+
+def reaches(src_ns: str, src_labels: dict[str, str], dep_name: str, port: str,
+            src_ns_labels: dict[str, str] | None = None) -> bool:
+    """Whether a pod (namespace, its labels, pod labels) may open a connection to a Deployment's
+    named port under the shipped NetworkPolicies. A pod no Ingress policy selects is open; one
+    that some policy selects is reachable only through a rule of one of them (OR across
+    policies, rules and `from` elements; AND of port and peer within a rule). No `from` admits
+    every source."""
     dep = find("Deployment", dep_name)
     ns, labels = dep["metadata"]["namespace"], dep["spec"]["template"]["metadata"]["labels"]
+    cports = ports(container(dep))
+    selected = False
     for p in (d for _, d in all_docs() if d["kind"] == "NetworkPolicy"):
-        if p["metadata"]["namespace"] != ns or not _selects(p, labels):
+        if p["metadata"]["namespace"] != ns or not _selects(p, labels) or \
+                "Ingress" not in p["spec"].get("policyTypes", ["Ingress"]):
             continue
+        selected = True
         for rule in p["spec"].get("ingress", []):
-            if any(x["port"] == port for x in rule.get("ports", [])) and any(
-                    _peer_matches(peer, ns, src_ns, src_labels) for peer in rule.get("from", [])):
+            if _port_matches(rule, port, cports) and (not rule.get("from") or any(
+                    _peer_matches(peer, ns, src_ns, src_ns_labels or {}, src_labels) for peer in rule["from"])):
                 return True
-    return False
+    return not selected
 
 
 def test_only_the_gateway_namespace_carries_gateway_rights() -> None:
     """The gateway label is something any pod in any namespace can give itself: it grants
     ext_proc streams (any priority, destination picks) and the model port (no admission, and
-    vLLM's admin paths share it) only in the gateway's namespace. Monitoring scrapes the
+    vLLM's admin paths share it) only in the gateway's namespace (50051 also to labelled
+    inference pods in floodgate-models: mesh mode, whose sidecars run the filter). Monitoring scrapes the
     processors' and the controller's metrics, never the model port (it carries /sleep)."""
     gw = {"floodgate.io/gateway": "true"}
     assert reaches(GATEWAY_NS, gw, "floodgate-extproc", "grpc") and reaches(GATEWAY_NS, gw, "vllm", "http")
@@ -499,6 +531,55 @@ def test_only_the_gateway_namespace_carries_gateway_rights() -> None:
     assert reaches("monitoring", {}, "floodgate-controller", "metrics")
     assert reaches(CONTROL_NS, {"app.kubernetes.io/name": "floodgate-controller"}, "vllm", "http")
     assert not reaches(CONTROL_NS, {"app.kubernetes.io/name": "floodgate-extproc"}, "vllm", "http")
+
+
+def _mesh_setup() -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """What docs/mesh.md tells the user to run for the NetworkPolicy: the inference pods' labels
+    after its `kubectl patch deployment vllm`, and the caller namespaces and the label of its
+    `kubectl label namespace`."""
+    import json
+    import re
+
+    doc = (ROOT / "docs" / "mesh.md").read_text()
+    (patch,) = re.findall(rf"^\s*kubectl -n {MODELS_NS} patch deployment vllm --type=merge -p '(.+)'$", doc, re.M)
+    labels = {**find("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"],
+              **json.loads(patch)["spec"]["template"]["metadata"]["labels"]}
+    (cmd,) = re.findall(r"^\s*kubectl label namespace ((?:[a-z0-9-]+ )+)([\w./-]+)=(\S+)$", doc, re.M)
+    return labels, cmd[0].split(), {cmd[1]: cmd[2]}
+
+
+def test_mesh_mode_sidecars_reach_the_processors_and_callers_reach_the_replicas() -> None:
+    """Mesh mode (docs/mesh.md) on the shipped NetworkPolicies: the ext_proc filter runs in the
+    inference pods' sidecars (namespace floodgate-models), and callers reach the replicas on
+    port 8000 directly, each call admitted by the replica's sidecar. Both must pass once the
+    user has done what docs/mesh.md says, and no more than that."""
+    sidecar, callers, ns_label = _mesh_setup()
+    # (a) Who opens ext_proc streams: the gateway, and the labelled inference pods' sidecars.
+    assert reaches(GATEWAY_NS, {"floodgate.io/gateway": "true"}, "floodgate-extproc", "grpc")
+    assert reaches(MODELS_NS, sidecar, "floodgate-extproc", "grpc")
+    unlabelled = find("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"]
+    assert not reaches(MODELS_NS, unlabelled, "floodgate-extproc", "grpc"), "opt-in by label only"
+    assert not reaches(MODELS_NS, {"floodgate.io/gateway": "true"}, "floodgate-extproc", "grpc"), "not a vllm pod"
+    for ns in ("tenant-a", "default", *callers):
+        assert not reaches(ns, sidecar, "floodgate-extproc", "grpc", ns_label), ns
+    # (b) Mesh callers reach the replicas' port in the namespaces the docs label, nowhere else.
+    from floodgate.extproc.config import load_config
+
+    cfg = load_config(ROOT / "deploy" / "istio" / "processor.yaml", env={})
+    spiffe = [*cfg.admission.trust.spiffe_ids, *cfg.admission.trust.spiffe_priorities]
+    expected = {i.split("/ns/", 1)[1].split("/", 1)[0] for i in spiffe}
+    assert expected <= set(callers), "every caller namespace of deploy/istio/processor.yaml is labelled"
+    for ns in callers:
+        assert reaches(ns, {}, "vllm", "http", ns_label), ns
+    assert not reaches("tenant-a", {}, "vllm", "http")  # a namespace nobody labelled
+    assert not reaches(callers[0], {}, "vllm", "http"), "reached through the label, not the name"
+    # Never "any namespace": every namespaceSelector selects by some label.
+    for p in (d for _, d in all_docs() if d["kind"] == "NetworkPolicy"):
+        for rule in p["spec"].get("ingress", []):
+            assert rule.get("from"), f"{p['metadata']['name']}: a rule without `from` admits everyone"
+            for peer in rule["from"]:
+                ns_sel = peer.get("namespaceSelector")
+                assert ns_sel is None or ns_sel.get("matchLabels") or ns_sel.get("matchExpressions"), peer
 
 
 def test_keda_mode_leaves_the_controller_no_write_rights() -> None:

@@ -256,11 +256,15 @@ def _request(url: str, method: str = "GET", body: bytes | None = None) -> int:
         return int(exc.code)
 
 
-def _streams(admin_port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats?format=json&filter=ext_proc.streams_started$",
+def _ext_proc_stat(admin_port: int, name: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats?format=json&filter=ext_proc.{name}$",
                                 timeout=2) as r:
         stats = json.load(r)["stats"]
     return sum(int(s["value"]) for s in stats)
+
+
+def _streams(admin_port: int) -> int:
+    return _ext_proc_stat(admin_port, "streams_started")
 
 
 def _start_sidecar(stack: LocalStack, filt: dict[str, Any], processor_port: int, app_port: int) -> tuple[int, int]:
@@ -305,8 +309,10 @@ def test_sidecar_filter_admits_inference_calls_and_skips_the_rest(stack: LocalSt
 @pytest.mark.integration
 def test_sidecar_filter_fails_open_as_shipped_and_closed_when_set(stack: LocalStack, upstream: int) -> None:
     dead = free_port()  # no processor listens here
-    port, _ = _start_sidecar(stack, load_yaml(SIDECAR_FILTER), dead, upstream)
+    port, admin = _start_sidecar(stack, load_yaml(SIDECAR_FILTER), dead, upstream)
     assert _request(f"http://127.0.0.1:{port}/v1/completions", "POST", COMPLETION) == 200
+    # The only trace of a call that passed unadmitted: the stat docs/mesh.md tells operators to watch.
+    assert _ext_proc_stat(admin, "failure_mode_allowed") == 1
     closed = load_yaml(SIDECAR_FILTER)
     ext_proc_config(closed)["failure_mode_allow"] = False
     port, _ = _start_sidecar(stack, closed, dead, upstream)
