@@ -26,7 +26,13 @@ from floodgate.controller.config import load_config as load_controller_config
 from floodgate.extproc.config import load_config
 
 from floodgate.binaries import envoy_binary
-from floodgate.envoy_config import COMPOSE_BOOTSTRAP, COMPOSE_HEADER, dump_yaml, render_compose
+from floodgate.envoy_config import (
+    COMPOSE_BOOTSTRAP,
+    COMPOSE_HEADER,
+    dump_yaml,
+    load_yaml,
+    render_compose,
+)
 from tests.test_envoy_config import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,6 +329,42 @@ def test_controller_config_validates_as_the_container_loads_it() -> None:
     for pool in cfg.pools:
         assert pool.warm_pool.sleep_enabled  # the replicas run with --enable-sleep-mode
         assert pool.policy.max_replicas <= len(pool.actuator.endpoints or {})
+
+
+def _routed_clusters(listener: dict[str, Any]) -> set[str]:
+    """The upstream clusters a listener's routes forward to (`cluster` or `weighted_clusters`)."""
+    out: set[str] = set()
+    for fc in listener["filter_chains"]:
+        for f in fc["filters"]:
+            for vh in f["typed_config"].get("route_config", {}).get("virtual_hosts", []):
+                for r in vh["routes"]:
+                    route = r.get("route", {})
+                    assert "cluster_header" not in route and "cluster_specifier_plugin" not in route, r
+                    if "cluster" in route:
+                        out.add(route["cluster"])
+                    out |= {c["name"] for c in route.get("weighted_clusters", {}).get("clusters", [])}
+    return out
+
+
+def test_controller_sums_exactly_the_clusters_the_gateway_routes_models_to() -> None:
+    """The controller's Envoy signals (rq_active, pending, 429, 5xx) sum `envoy.clusters`; unset
+    it sums every cluster but floodgate_*, which in compose includes `envoy_admin`, the cluster
+    its own stats scrape goes through (1 active request on every scrape)."""
+    svc = services()["controller"]
+    cfg = load_controller_config(host_path(svc, _flag(svc["command"], "--config") or ""),
+                                 env=svc.get("environment") or {})
+    envoy = load_yaml(COMPOSE_BOOTSTRAP)["static_resources"]
+    defined = {c["name"] for c in envoy["clusters"]}
+    by_prefix = {f["typed_config"]["stat_prefix"]: lst for lst in envoy["listeners"]
+                 for fc in lst["filter_chains"] for f in fc["filters"]}
+    gateway = by_prefix[cfg.envoy.gateway_stat_prefix or ""]  # the listener the demand signal reads
+    others = set().union(*(_routed_clusters(lst) for lst in envoy["listeners"] if lst is not gateway))
+    assert cfg.envoy.clusters is not None, "unset sums the admin cluster the scrape itself uses"
+    listed = set(cfg.envoy.clusters)
+    assert listed <= defined, f"not in deploy/compose/envoy.yaml: {listed - defined}"
+    assert listed == _routed_clusters(gateway), "every cluster the gateway reaches models through, and only those"
+    assert not listed & others, f"stats/admin clusters listed: {listed & others}"
+    assert not any(c.startswith("floodgate_") for c in listed)
 
 
 def test_prometheus_scrapes_every_component_where_it_listens() -> None:
