@@ -635,3 +635,32 @@ def test_keda_overlay_ships_a_metrics_only_controller_config_that_fits_the_scale
     assert all(p["actuator"]["kind"] == "kubernetes" for p in base["pools"])
     # The processor config is the base's, byte for byte.
     assert cm["data"]["processor.yaml"] == config_data()["processor.yaml"]
+
+
+def test_endpoint_allowlist_admits_the_common_pod_cidrs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The shipped allowlist, through the real guard: a pod IP of any common pod CIDR passes on
+    the vLLM port (kubeadm/flannel 10.244/16, Calico's default 192.168/16, EKS VPC-CNI in a
+    default VPC 172.31/16, GKE 10.x), so no cluster gets a total 503 no_endpoints as applied;
+    other ports and public addresses do not. A refused endpoint is an ERROR naming it and the
+    allowlist, the operator's only clue besides the 503s."""
+    import logging
+
+    from floodgate.extproc.config import load_config
+    from floodgate.extproc.endpoint_guard import make_guard
+
+    path = tmp_path / "processor.yaml"
+    path.write_text(config_data()["processor.yaml"])
+    (pool,) = load_config(path, env={}).pools
+    guard = make_guard(pool.name, pool.allowed_endpoints)
+    assert guard is not None, "picking needs an allowlist (the processor warns without one)"
+    port = ports(container(find("Deployment", "vllm"), "vllm"))["http"]
+    for pod_ip in ("10.244.1.7", "192.168.3.4", "172.31.20.5", "172.16.0.9", "10.8.0.12"):
+        assert guard(f"{pod_ip}:{port}"), pod_ip
+    with caplog.at_level(logging.ERROR, logger="floodgate.endpoint_guard"):
+        for refused in ("203.0.113.7:8000", f"10.244.1.7:{port + 1}", "172.32.0.1:8000"):
+            assert not guard(refused), refused
+            assert not guard(refused)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 3, "once per endpoint"
+    for msg, refused in zip(logged, ("203.0.113.7:8000", f"10.244.1.7:{port + 1}", "172.32.0.1:8000"), strict=True):
+        assert refused in msg and str(pool.allowed_endpoints) in msg and pool.name in msg
