@@ -436,13 +436,22 @@ class _PlainSubscription(Subscription):
                 self._pinged = now
             check_at = (self._pinged + self._pong_timeout_s if self._pinged is not None
                         else self._heard + self._ping_idle_s)
-            raw = await self._ps.get_message(ignore_subscribe_messages=True,
+            raw = await self._ps.get_message(ignore_subscribe_messages=False,
                                              timeout=max(0.0, min(deadline, check_at + 0.01) - now))
             if raw is not None:
                 self._heard = loop.time()
-                if raw.get("type") == "pong":
+                kind = raw.get("type")
+                if kind == "pong":
                     self._pinged = None
                     continue
+                if kind in ("sunsubscribe", "unsubscribe"):
+                    # Never asked for: the server ended it. A Cluster node does so the moment a
+                    # subscribed slot leaves it (a slot migration); before, this was swallowed as a
+                    # confirmation and the processor stayed deaf until the slot-map check 5 s
+                    # later (a review: 13-51 waiters dropped at their turns per migration).
+                    ch = raw.get("channel")
+                    name = ch.decode("utf-8", "replace") if isinstance(ch, bytes) else str(ch)
+                    raise RedisConnectionError(f"the server ended the subscription to {name} (its slot moved)")
             got = _message(raw)
             if got is not None or loop.time() >= deadline:
                 return got
@@ -565,7 +574,7 @@ async def subscribe(client: AnyRedis, channels: Sequence[str], *, connect_timeou
             await sub.aclose()
             raise
         return sub
-    ps = client.pubsub(ignore_subscribe_messages=True)
+    ps = client.pubsub()  # confirmations read (and skipped) by _PlainSubscription
     try:
         if sharded is False:
             await ps.subscribe(*channels)
@@ -577,7 +586,7 @@ async def subscribe(client: AnyRedis, channels: Sequence[str], *, connect_timeou
                 if sharded:
                     raise
                 await ps.aclose()
-                ps = client.pubsub(ignore_subscribe_messages=True)
+                ps = client.pubsub()  # confirmations read (and skipped) by _PlainSubscription
                 await ps.subscribe(*channels)
     except BaseException:
         await ps.aclose()

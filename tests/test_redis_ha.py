@@ -221,6 +221,49 @@ async def test_one_subscription_for_pools_in_different_slots_of_one_shard(cluste
         await sub_client.aclose()
 
 
+async def test_a_slot_migration_ends_the_subscription_at_once(cluster: ClusterTopology) -> None:  # noqa: F811
+    """The node a subscribed slot leaves pushes an `sunsubscribe` (slot migration, here as
+    `valkey-cli --cluster reshard` does it: MIGRATE in batches, then SETSLOT NODE). It was read
+    as a confirmation and skipped: the processor heard nothing on its grant channel until its
+    slot-map check 5 s later, and Redis dropped its waiters at their turns (an HA review:
+    13-51 per migration). Now the subscription fails at once, and one made anew hears the
+    grants at the new owner."""
+    pool = cluster.key_on_shard(0)
+    ch = gateway_channel("a", pool)
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
+    src, dst = cluster.shards[0].primary, cluster.shards[1].primary
+    s, d = src.client(), dst.client()
+    try:
+        await client.set(key(pool, "state"), "x")  # a key to carry over
+        sub = await subscribe(sub_client, [ch])
+        assert await publish(client, ch, "before") == 1 and await sub.get_message(2) == (ch, b"before")
+        slot = cluster.slot_of(ch)
+        sid, did = (x.execute_command("CLUSTER", "MYID").decode() for x in (s, d))
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", sid)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", did)
+        while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10):
+            s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "REPLACE", "KEYS", *keys)
+        for node in (dst, src, cluster.shards[2].primary):
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", did)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(RedisError, match="slot moved"):
+            while asyncio.get_running_loop().time() - t0 < 4.0:  # the slot-map check: 5 s
+                await sub.get_message(0.5)
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        await sub.aclose()
+
+        async def resubscribe() -> Any:
+            return await subscribe(sub_client, [ch])
+        sub, _ = await eventually(resubscribe)
+        assert dst.client().execute_command("PUBSUB", "SHARDNUMSUB", ch)[1] == 1
+        assert await publish(client, ch, "after") == 1 and await sub.get_message(2) == (ch, b"after")
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
 async def test_cluster_primary_failover_under_use(cluster: ClusterTopology) -> None:  # noqa: F811
     client = make_client(cluster.url, op_timeout_s=0.5)
     sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
