@@ -145,6 +145,8 @@ async def pools_in(client: Any) -> tuple[list[str], list[str]]:
 async def _scan_node(client: Any, node: Any, match: str) -> Any:
     """SCAN one Cluster node, on a connection of its own with the cluster client's settings."""
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
 
     from floodgate.extproc.redis_client import TLS_PARAMETERS
 
@@ -154,7 +156,9 @@ async def _scan_node(client: Any, node: Any, match: str) -> Any:
     if any(k in kw for k in TLS_PARAMETERS) or issubclass(ckw.get("connection_class", object),
                                                           aioredis.SSLConnection):
         kw["ssl"] = True
-    one = aioredis.Redis(host=node.host, port=node.port, **kw)
+    # No retries: a frozen node is reported unreachable after one timeout, not after redis-py's
+    # default retries and backoff (an HA review: 27 s with one shard frozen, past a probe's timeout).
+    one = aioredis.Redis(host=node.host, port=node.port, retry=Retry(NoBackoff(), 0), **kw)
     try:
         async for k in one.scan_iter(match=match, count=500):
             yield k
@@ -282,7 +286,9 @@ async def collect(redis_url: str, password: str | None = None, pools: list[str] 
     try:
         got = await _collect_pools(client, pools)
         try:
-            got.leader = await read_leader(client, leader_key or controller_leader_key())
+            # Bounded: on a Cluster the client retries a frozen node's slot several times over.
+            got.leader = await asyncio.wait_for(read_leader(client, leader_key or controller_leader_key()),
+                                                2 * op_timeout_s)
         except OUTAGE_ERRORS as exc:
             if not got.unreachable:  # one server: it answered the pools a moment ago; say what failed
                 raise

@@ -771,3 +771,30 @@ def test_status_with_one_shard_down_reports_the_live_shards(cluster: ClusterTopo
             cluster.kill(node)
     down = status()
     assert down.returncode == 1 and "Traceback" not in down.stderr and "cannot read" in down.stderr, down.stderr
+
+
+def test_status_with_one_shard_frozen_answers_before_a_probe_gives_up(cluster: ClusterTopology) -> None:  # noqa: F811
+    """A frozen shard (SIGSTOP: connections hang, nothing is refused) cost `floodgate status`
+    27-29 s (an HA review): the per-node scan and the leader read went through redis-py's
+    retries. Now one timeout each: the live shards' pools and the unreachable node, exit 1,
+    within a 15 s probe timeout."""
+    import subprocess
+    import sys
+
+    live, frozen = cluster.key_on_shard(0, "live"), cluster.key_on_shard(2, "frozen")
+    rc = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    for p in (live, frozen):
+        rc.hset(f"fg:{{{p}}}:settings", "limit", 4)
+    rc.close()
+    stopped = (cluster.shards[2].primary, *cluster.shards[2].replicas)
+    for node in stopped:
+        node.child.kill(signal.SIGSTOP)
+    try:
+        r = subprocess.run([sys.executable, "-m", "floodgate", "status", "--redis-url", cluster.url, "--json"],
+                           capture_output=True, text=True, timeout=15)
+    finally:
+        for node in stopped:
+            node.child.kill(signal.SIGCONT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    assert [p["pool"] for p in doc["pools"]] == [live] and len(doc["unreachable"]) >= 1, doc
