@@ -2,7 +2,7 @@
 
 Fair order (pools[].fair_order) puts a tenant with no waiter at the head of its class. With a
 tenant header the client chooses, a fresh tenant per request jumps the queue every time
-(/work/review/deploy/fair_repro.py showed it through the real Envoy), so a shipped processor
+(a review showed it through the real Envoy: a late request passed five waiters), so a shipped processor
 config may keep fair_order on only if the Envoy config shipped with it sets or removes that
 header before the ext_proc filter sees it (an auth filter). The same goes for
 tenant_priorities: a tenant mapped to a priority is a claim anyone can make.
