@@ -477,7 +477,7 @@ class PoolController:
         m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
-        actions = [a for a in d.actions if not self._skip(a.replica_id, a.kind)]
+        actions = self._cap_starts([a for a in d.actions if not self._skip(a.replica_id, a.kind)])
         if not any(a.kind is ActionKind.START for a in actions):
             # Starts held back (a start backoff) take no ids: the next planned start gets the
             # same one, so ids stay consecutive.
@@ -622,6 +622,21 @@ class PoolController:
         except OUTAGE_ERRORS:
             self.metrics.scrape_failures.labels(source="registry").inc()
             return None
+
+    def _cap_starts(self, actions: list[Action]) -> list[Action]:
+        """Drop the starts beyond what the start backoff allows now (`StartBackoff.starts_allowed`)."""
+        starting = sum(r.view.state in (S.COLD, S.LOADING, S.WARMING) for r in self.replicas.values())
+        cap = self.start_backoff.starts_allowed(starting)
+        if cap is None:
+            return actions
+        out: list[Action] = []
+        for a in actions:
+            if a.kind is ActionKind.START:
+                if cap <= 0:
+                    continue
+                cap -= 1
+            out.append(a)
+        return out
 
     def _skip(self, rid: str, kind: ActionKind) -> bool:
         if kind is ActionKind.START:
@@ -858,6 +873,7 @@ class PoolController:
         await client.warmup(t.warmup_s)
         self._event(rep, Event.WARMUP_OK, asleep=False)
         rep.warmed_at = self.clock()
+        self.start_backoff = self.start_backoff.up()
         self._prove(rep, rep.warmed_at)  # (crash_loop_s 0: up is proven)
         if rep.started_at is not None:
             self.start_times = self.start_times.observe("cold", self.clock() - rep.started_at)

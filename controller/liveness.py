@@ -40,17 +40,33 @@ class Unresponsive:
 
 @dataclass(frozen=True, slots=True)
 class StartBackoff:
-    """Failed starts in a row and when the next may go."""
+    """Failed starts in a row, when the next may go, and whether a replica came up since the
+    last failure (then starts are trusted again, `starts_allowed`)."""
 
     failures: int = 0
     until: float = 0.0
+    came_up: bool = False
 
     def failed(self, now: float, base_s: float, max_s: float) -> StartBackoff:
         n = self.failures + 1
-        return replace(self, failures=n, until=now + min(max_s, base_s * 2.0 ** (n - 1)))
+        return StartBackoff(n, now + min(max_s, base_s * 2.0 ** (n - 1)))
+
+    def up(self) -> StartBackoff:
+        """A replica came up (it may still die young: that is a failure again)."""
+        return replace(self, came_up=True) if self.failures else self
 
     def succeeded(self) -> StartBackoff:
         return StartBackoff()
 
     def blocks(self, now: float) -> bool:
         return now < self.until
+
+    def starts_allowed(self, starting: int) -> int | None:
+        """How many starts may go now, with `starting` replicas started and not yet up (None:
+        no cap). After failed starts, one at a time until a replica comes up: a circuit
+        breaker's half-open state. When the wait ended every planned start went at once, so a
+        crashing command or an engine that dies on its first batches failed N at a time, N
+        model loads a round; the first to come up lets the rest start together."""
+        if self.failures == 0 or self.came_up:
+            return None
+        return 0 if starting else 1

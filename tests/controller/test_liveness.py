@@ -52,6 +52,18 @@ def test_start_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
     assert b.succeeded() == StartBackoff()
 
 
+def test_after_failed_starts_one_goes_at_a_time_until_a_replica_comes_up() -> None:
+    b = StartBackoff()
+    assert b.starts_allowed(0) is None and b.starts_allowed(3) is None  # no failure: no cap
+    assert b.up() == b  # (coming up means nothing without a failure)
+    b = b.failed(0.0, 1.0, 60.0)
+    assert b.starts_allowed(0) == 1 and b.starts_allowed(1) == 0  # the probe, and only one
+    b = b.up()
+    assert b.starts_allowed(1) is None  # it came up: the rest start together
+    b = b.failed(10.0, 1.0, 60.0)  # then died young (or another failed): one at a time again
+    assert b.failures == 2 and not b.came_up and b.starts_allowed(0) == 1
+
+
 @pytest.mark.integration
 async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -> None:
     # SIGSTOP: the process runs (the actuator lists it running) but answers nothing. It used to
@@ -178,6 +190,29 @@ async def test_a_replica_that_dies_soon_after_coming_up_backs_off_too(stack: Loc
     # each round ~2 s (spawn to death) plus its wait (1, 2, 4 s): 3-4 starts in 12 s, not ~8
     assert 2 <= len(starts) <= 4, [(e["ts"], e["actions"]) for e in starts]
     assert backoffs and [e["failures"] for e in backoffs] == list(range(1, len(backoffs) + 1)), backoffs
+
+
+@pytest.mark.integration
+async def test_after_failed_starts_the_pool_starts_one_replica_until_one_comes_up(stack: LocalStack,
+                                                                                  tmp_path: Path) -> None:
+    # The first three starts fail (the command exits); a real emulator comes up from the fourth
+    # on. Three are wanted: when the backoff ended, every planned start went at once (three
+    # more failures a round with a command that keeps failing). Now one start goes alone, and
+    # once it is up the other two start together.
+    url = stack.start_redis()
+    calls = tmp_path / "calls"
+    sim = f"{sys.executable} -m floodgate sim --port $0 --cold-start 0.3 --log-level warning"
+    act = ProcessActuator(["sh", "-c", f"echo x >> {calls}; [ $(wc -l < {calls}) -le 3 ] && exit 1; exec {sim}",
+                           "{port}"], tmp_path / "replicas", supervisor=stack.sup)
+    cfg = controller_config(url, policy={"min_replicas": 3}, warm_pool={"enabled": False}, tick=0.1,
+                            timeouts={"start_backoff_s": 1, "start_backoff_max_s": 60, "adopt_grace_s": 0})
+    async with running(cfg, act) as ctl:
+        pc = ctl.pools["default"]
+        await wait_for(lambda: _pool_is(url, active=3, spare=0), 40)
+        rounds = [sum(a.startswith("start:") for a in e["actions"]) for e in pc.events
+                  if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
+    assert rounds[0] == 3, rounds  # the first round: no failure yet
+    assert rounds[1:] == [1, 2], rounds  # after the failures: the probe alone, then the rest
 
 
 PAGE = """# TYPE vllm:num_requests_running gauge
