@@ -95,6 +95,7 @@ from floodgate.extproc.schema import (
     ACTIVE,
     CTL_ARRIVING,
     CTL_CEILING,
+    ENDPOINTS,
     NOT_DEMAND,
     REGISTRY_CHANGED,
     REGISTRY_SEEN,
@@ -252,6 +253,7 @@ class PoolRuntime:
     ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
     uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
     registry_due: bool = False  # the controller said the registry changed (schema.REGISTRY_CHANGED): read it now
+    refused_endpoints: set[str] = field(default_factory=set)  # unregistered endpoints grants named (logged once)
     # Replicas the controller announced on their way (schema.CTL_ARRIVING): (clock() when each
     # serves, replicas, clock() until which it may still come: its time plus the controller's
     # grace); early drop counts the permits they bring (policy.Snapshot.arriving).
@@ -899,11 +901,38 @@ class Admitter:
                 break
         if result is None:
             result = Reject("queue_timeout", retry_after(None, rt.cfg.classes[priority], self.cfg.admission, self.rng()))
-        if isinstance(result, Permit) and not rt.picker.accept(result.endpoint):
+        if isinstance(result, Permit) and not (rt.picker.accept(result.endpoint)
+                                               and await self._registered(rt, result.endpoint)):
             await self.release(result, "no_endpoints")
             result = self.no_endpoints(rt, priority)
         self._count_result(rt, priority, result, retry)
         return result
+
+    async def _registered(self, rt: PoolRuntime, endpoint: str) -> bool:
+        """Is a granted endpoint one the controller registered? A grant names its endpoint (the
+        message `pool|ticket|endpoint`, or the lease the poll reads), and anyone with the
+        processors' Redis credentials can publish or write one: a review sent 19 of 20 prompts
+        to its own listener that way while the registry, which that user cannot write, never
+        changed. The active endpoints this process last read are the answer; one it has not seen
+        yet (a replica promoted since its last read) is looked up in the registry's hash,
+        which holds draining replicas too (a grant made just before a drain began is good)."""
+        if not endpoint or not rt.picker.enabled or endpoint in rt.picker.active:
+            return True
+        try:
+            async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
+                known = bool(await rt.client.hexists(key(rt.cfg.name, ENDPOINTS), endpoint))
+        except OUTAGE_ERRORS:
+            known = False  # unverifiable: not sent (a 503 now beats a prompt sent who knows where)
+        if known:
+            rt.registry_due = True  # this process's view is behind: read it now
+            return True
+        self.child(self.metrics.unregistered_grants, (rt.cfg.name,)).inc()
+        if endpoint not in rt.refused_endpoints:
+            rt.refused_endpoints.add(endpoint)
+            log.warning("pool %s: a grant named endpoint %s, which the controller has not registered: refused "
+                        "(503 no_endpoints). Someone with the processors' Redis credentials may be forging grants",
+                        rt.cfg.name, endpoint)
+        return False
 
     def permit(self, rt: PoolRuntime, ticket: str, req: Request, endpoint: str, *,
                queued: bool = False, credit: bool = False) -> Permit:

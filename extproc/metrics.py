@@ -96,6 +96,11 @@ class Metrics:
             "engine_priority_max_body_bytes) and partial (over Envoy's buffer) 413, encoded (content-encoding) "
             "415, not_json and not_object 400.",
             ["pool", "priority", "outcome"], registry=r)
+        self.unregistered_grants = Counter(
+            "floodgate_unregistered_grants", "Grants that named an endpoint the controller has not registered "
+            "(not in the pool's replica registry): refused, the request answered 503 no_endpoints. A forged grant "
+            "message or a tampered script from someone with the processors' Redis credentials; never in normal "
+            "operation.", ["pool"], registry=r)
         self.untrusted_priority = Counter(
             "floodgate_untrusted_priority_header", "Priority headers ignored because the caller is not trusted.",
             ["pool"], registry=r)

@@ -557,6 +557,67 @@ async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack
         await processor.aclose()
 
 
+async def test_a_forged_grant_sends_no_prompt_to_an_endpoint_the_controller_did_not_register(
+        stack: LocalStack, upstream: int, tmp_path: Path) -> None:
+    """A grant names its endpoint (`pool|ticket|endpoint` on the waiter's channel), and the
+    processors' user may publish there: a review, with only that user's password, set the
+    limit to 1, read the queued tickets and published grants naming its own listener; 19 of
+    20 prompts went there while the registry never changed. Now a grant to an endpoint the
+    controller has not registered is refused (503 no_endpoints, counted, logged), and the
+    honest grant that follows is not blocked by it."""
+    from floodgate.extproc.registry import Registry
+
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER
+
+    evil_port = free_port()
+    stack.start_upstream([sys.executable, str(ROOT / "tests" / "upstream.py"), "--port", str(evil_port)],
+                         name="evil", port=evil_port)
+    evil = f"127.0.0.1:{evil_port}"
+    port = start_acl_redis(stack, tmp_path)
+    controller = aioredis.Redis(port=port, username=CONTROLLER_USER, password="ctl-pw")
+    attacker = aioredis.Redis(port=port, username=PROCESSOR_USER, password="proc-pw", decode_responses=True)
+    try:
+        await Registry(controller, "default").set(f"127.0.0.1:{upstream}", "active", "r0")
+        stack.redis_url = f"redis://{PROCESSOR_USER}@127.0.0.1:{port}/0"
+        proc = stack.start_processor({
+            "redis": {"password": "proc-pw"},
+            "pools": [{"name": "default", "endpoint_picking": True, "allowed_endpoints": ["127.0.0.1/32"],
+                       "limit": {"mode": "static", "initial": 1, "min": 1, "max": 1},
+                       "classes": {0: {"queue_timeout_s": 20, "max_queue": 100, "share": 0.5},
+                                   1: {"queue_timeout_s": 10, "max_queue": 100, "share": 0.3},
+                                   2: {"queue_timeout_s": 1, "max_queue": 100, "share": 0.0}}}]})
+        envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
+        await asyncio.sleep(1.2)  # the processor's active-endpoint refresh
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> int:
+                async with s.post(envoy.url + "/v1/completions", json={"prompt": f"secret {i}"},
+                                  headers={"x-test-delay-ms": "1500", "x-test-id": str(i)}) as r:
+                    await r.read()
+                    return r.status
+            held = asyncio.create_task(one(0))  # takes the only permit
+            await asyncio.sleep(0.5)
+            queued = [asyncio.create_task(one(i)) for i in (1, 2)]
+            forged = 0
+            for _ in range(100):  # as the review did: a grant naming our listener for every waiter
+                for ticket, meta in (await attacker.hgetall("fg:{default}:qmeta")).items():
+                    if ticket != "~" and "|" in meta:
+                        gw = meta.split("|")[2]
+                        forged += await attacker.spublish(f"fg:{{default}}:gw:{gw}", f"default|{ticket}|{evil}")
+                if forged >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            statuses = [await held, *[await q for q in queued]]
+            stolen = await get_json(s, f"http://{evil}/stats")
+            m = await metrics(s, proc.metrics_url)
+        assert forged >= 2  # the forged grants were delivered to the processor
+        assert stolen["total"] == 0, stolen  # no prompt reached the attacker's listener
+        assert statuses[0] == 200 and all(st in (200, 503) for st in statuses[1:]), statuses
+        assert m['floodgate_unregistered_grants_total{pool="default"}'] >= 1, m
+    finally:
+        await controller.aclose()
+        await attacker.aclose()
+
+
 async def test_a_library_loaded_in_floodgates_name_cannot_write_with_the_readers_rights(
         stack: LocalStack, tmp_path: Path) -> None:
     """Processors load their function library with FUNCTION LOAD REPLACE, so any holder of
