@@ -105,8 +105,9 @@ def choose_port(port: int, flag: str, any_port: bool) -> int:
 
 DEMO_CONFIG: dict[str, Any] = {
     "admission": {"trust": {"cidrs": ["127.0.0.0/8", "::1/128"]}},
-    # The replicas are the emulators on loopback: the allowlist keeps every pick there, whatever
-    # the registry says (anyone on a shared host can write to the demo's passwordless Valkey).
+    # The replicas are the emulators on loopback: the allowlist keeps every pick on this host,
+    # whatever the registry says. It cannot tell our emulators from another local user's
+    # listener: the local stack is for a machine of one user (docs/quickstart.md, "Who can reach it").
     "pools": [{"name": "default", "endpoint_picking": True, "allowed_endpoints": ["127.0.0.1/32"],
                "limit": {"mode": "vegas", "initial": 32, "max": 512}}],
 }
