@@ -9,6 +9,7 @@ from floodgate.sim.loadgen import ERROR, OK, REJECTED, LoadResult, Record, Sampl
 from floodgate.sim.report import (
     SLO,
     load_json,
+    produced_goodput,
     rate_series,
     render_markdown,
     summarize,
@@ -119,3 +120,29 @@ def test_write_report_files_and_roundtrip(tmp_path: Path) -> None:
     # No samples: no metrics plot, everything else still written.
     paths2 = write_report(tmp_path / "b", LoadResult(recs), plots=True)
     assert "metrics" not in paths2 and paths2["rates"].exists()
+
+
+def _ok(t_sent: float, ttft: float, tpot: float, tokens: int) -> Record:
+    r = Record(0, t_sent, 1, "t", 100, tokens)
+    r.t_sent, r.outcome, r.status, r.tokens, r.ttft_s, r.tpot_s = t_sent, OK, 200, tokens, ttft, tpot
+    r.t_done = t_sent + ttft + tpot * (tokens - 1)
+    return r
+
+
+def test_goodput_is_counted_where_the_tokens_were_produced() -> None:
+    slo = SLO(ttft_s=2.0, tpot_s=0.1)
+    # Arrived in [10, 20), 101 tokens over 10 s (0.1 s each) from 15 s: half of them after 20 s.
+    late = _ok(14.0, 1.0, 0.1, 101)
+    assert produced_goodput([late], slo, 10.0, 20.0) == pytest.approx(50.5 / 10)
+    # Counted by arrival, all 101 fell in the window: the burst read ~2x what it produced.
+    assert summarize([late], slo, window=(10.0, 20.0)).overall.goodput_tok_s == pytest.approx(101 / 10)
+    # A request from before the window produces inside it: counted there.
+    early = _ok(5.0, 0.5, 0.1, 101)  # tokens over 5.5-15.5 s
+    assert produced_goodput([early], slo, 10.0, 20.0) == pytest.approx(101 * 5.5 / 10 / 10)
+    # A steady flow reads the same either way (edges cancel); SLO misses and one-token answers.
+    steady = [_ok(t * 0.5, 0.2, 0.05, 41) for t in range(200)]  # 2 req/s, 2 s each
+    by_prod = produced_goodput(steady, slo, 20.0, 80.0)
+    by_arrival = summarize(steady, slo, window=(20.0, 80.0)).overall.goodput_tok_s
+    assert by_prod == pytest.approx(by_arrival, rel=0.01)
+    assert produced_goodput([_ok(12.0, 3.0, 0.05, 41)], slo, 10.0, 20.0) == 0.0  # TTFT over the SLO
+    assert produced_goodput([_ok(12.0, 0.2, 0.0, 1)], slo, 10.0, 20.0) == pytest.approx(0.1)
