@@ -883,7 +883,7 @@ The box (2 cores) is shared: 1-minute load average at the end of each run
 
 ![timeline]({rel_out}/timeline.png)
 
-### Verdict (Floodgate, shipped defaults)
+### Verdict (Floodgate, shipped defaults; controller tick 0.5 s, see Configurations)
 
 A burst "fits the pool" when active + pooled replicas at its start cover its load (loads are
 multiples of one replica's capacity); then the deadline is one warm promotion, else one cold
