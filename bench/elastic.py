@@ -611,7 +611,8 @@ def replica_seconds(samples: Sequence[ReplicaSample], t_end: float) -> tuple[flo
         a = s.states.get("active", 0.0) + s.states.get("draining", 0.0) + s.states.get("waking", 0.0)
         act += a * dt
         pooled += s.states.get("warm", 0.0) * dt
-        starting += sum(s.states.get(k, 0.0) for k in ("cold", "loading", "warming")) * dt
+        # (a failed replica holds its GPU until it is stopped: counted with the starts)
+        starting += sum(s.states.get(k, 0.0) for k in ("cold", "loading", "warming", "failed")) * dt
         peak = max(peak, s.states.get("active", 0.0))
     return act, pooled, starting, peak
 
@@ -875,7 +876,7 @@ burst); "SLO ≥ 99 % after" = seconds from the burst's start until every later 
 to the next burst is at or above 99 % SLO (never: the last bin is still bad);
 burst 2: active and pooled replicas at its start, detection, rejection settle time and its
 SLO attainment; replica-seconds over the plan: active (incl. waking and draining), pooled
-(warm or asleep), starting (cold starts). offered = ok + 429 + errors holds for every row
+(warm or asleep), starting (cold starts, and failed replicas until stopped). offered = ok + 429 + errors holds for every row
 (checked).
 The box (2 cores) is shared: 1-minute load average at the end of each run
 {', '.join(f"{r.config} {_num(r.loadavg_1m, '.1f')}" for r in rows)}; client send lag p99

@@ -88,3 +88,13 @@ def test_scaling_only_processor_admits_everything_without_pacing() -> None:
     assert scaling.limit.mode == "static" and scaling.limit.initial >= 100000
     floodgate = Config.model_validate(elastic.processor_config("floodgate", w, 2.0)).pools[0]
     assert floodgate.endpoint_picking and floodgate.prefill_tokens_per_s > 0
+
+
+def test_replica_seconds_count_every_state_that_holds_a_replica() -> None:
+    from floodgate.bench.elastic import ReplicaSample, replica_seconds
+
+    samples = [ReplicaSample(0.0, {"active": 2.0, "warm": 1.0}),
+               ReplicaSample(10.0, {"active": 1.0, "draining": 1.0, "waking": 1.0, "loading": 1.0, "failed": 1.0}),
+               ReplicaSample(20.0, {"active": 3.0})]
+    act, pooled, starting, peak = replica_seconds(samples, 30.0)
+    assert (act, pooled, starting, peak) == (20 + 30 + 30, 10.0, 20.0, 3.0)  # a failed one costs until stopped
