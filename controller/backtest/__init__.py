@@ -3,6 +3,6 @@
 workload  request traces and synthetic days/weeks, with the forecaster's history
 engine    the discrete-event replica model; runs any controller, Floodgate's is `decider.decide`
 baselines HPA- and KPA-style autoscalers over a plain ReplicaSet
-oracle    the exact zero-wait oracle and the lower bound
+oracle    the zero-wait reference (a yardstick, not a bound) and the lower bound
 report    side-by-side comparison, tables, plots
 """

@@ -10,7 +10,7 @@ Model (docs/controller.md, "Backtest"):
   a request queued `queue_timeout_s` is rejected (429) and misses, as does one still queued
   at the end.
 * Admission (`SimConfig.admission` and a controller with `admission`, i.e. Floodgate; the
-  oracle and the HPA/KPA baselines run without it): the processor's early drop. A request
+  zero-wait reference and the HPA/KPA baselines run without it): the processor's early drop. A request
   that finds no free slot (the requests queued ahead of it, those arrived before it this tick
   and let in, less the expected starts since the tick, take the free slots first) is judged
   by the processor's own rule, `extproc.policy.WaitEstimate.certainly_over` for a standard
@@ -38,7 +38,7 @@ Model (docs/controller.md, "Backtest"):
   draining, awake warm) at weight 1, sleeping warm-pool replicas at `warm_cost_weight`
   (default 1: under Kubernetes with one GPU per pod a sleeping pod keeps its GPU; a value below
   1 is real only if the freed GPU memory is handed to another model, or with sleep level 2 and
-  the GPU released). An instant start (the oracle) is charged `start_cost_s`.
+  the GPU released). An instant start (the zero-wait reference) is charged `start_cost_s`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class SimConfig:
 
 class SimController(Protocol):
     name: str
-    instant_start: bool  # started replicas serve at once (the oracle), charged start_cost_s
+    instant_start: bool  # started replicas serve at once (the zero-wait reference), charged start_cost_s
     admission: bool  # Floodgate's admission in front (early drop, demand counters to the controller)
 
     def step(self, signals: Signals, now: float) -> Sequence[Action]:
@@ -307,7 +307,7 @@ def run_policy(
                 new_replica(rid, apply_action(ReplicaView(rid, S.COLD, t), kind, t), t)
                 cold_starts += 1
                 if ctl.instant_start:
-                    # The oracle started it the shortest start ago: charge that, serve now.
+                    # The reference started it the shortest start ago: charge that, serve now.
                     if scoring:
                         charged += sim.start_cost_s
                     v = views[rid]

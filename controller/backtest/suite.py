@@ -1,5 +1,5 @@
-"""The backtest suite: several kinds of traffic × seeds, every policy beside the exact zero-wait
-oracle and the lower bound, plus the Pareto curve of SLO against cost over the warm-pool size
+"""The backtest suite: several kinds of traffic × seeds, every policy beside the zero-wait
+reference and the lower bound, plus the Pareto curve of SLO against cost over the warm-pool size
 (`floodgate controller suite`, results in docs/benchmarks.md).
 
 Scenarios (8 days each, day 8 evaluated, days 1–7 the forecaster's history, 2 h warm-up):
@@ -32,9 +32,16 @@ from floodgate.controller.policy import PolicyConfig
 Trace = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 SLO_GOAL = 0.99
-COST_GOAL = 1.25  # × the exact zero-wait oracle, unweighted
+# × the zero-wait reference, unweighted: a yardstick, not a claim of near-optimality (real
+# policies meeting the SLO can cost less than the reference; docs/controller.md, "Backtest").
+COST_GOAL = 1.25
 POOL_SIZES: tuple[int, ...] = (0, 1, 2, 4, 8, 12, 16)  # the Pareto sweep (fixed warm pool)
-SUITE_POLICIES: tuple[str, ...] = ("floodgate", "floodgate-no-forecast", "floodgate-no-warm-pool", "hpa", "kpa", "oracle")
+GOAL_NOTE = (
+    f"Goal per run: ≥ {SLO_GOAL:.0%} SLO, cost ≤ {COST_GOAL:g}× the zero-wait reference (unweighted), ahead of HPA "
+    "and KPA on SLO at ≤ their cost. The zero-wait reference is the cheapest schedule with zero wait on the "
+    "engine's ticks, not a bound: real policies meeting the SLO can cost less; the lower bound is the only bound."
+)
+SUITE_POLICIES: tuple[str, ...] = ("floodgate", "floodgate-no-forecast", "floodgate-no-warm-pool", "hpa", "kpa", report.ZERO_WAIT)
 
 
 @dataclass(frozen=True)
@@ -158,9 +165,11 @@ def _by(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def verdict(res: dict[str, Any]) -> dict[str, Any]:
-    """The goal, checked for one (scenario, seed) on unweighted cost."""
+    """The goal, checked for one (scenario, seed) on unweighted cost: ≥ `SLO_GOAL`, ≤ `COST_GOAL`×
+    the zero-wait reference (a yardstick: real policies meeting the SLO can cost less than the
+    reference), ahead of HPA and KPA on SLO at ≤ their cost."""
     by = _by(res)
-    f, o = by["floodgate"], by["oracle"]
+    f, o = by["floodgate"], by[report.ZERO_WAIT]
     ratio = f["unweighted"] / o["unweighted"]
     ahead = {b: f["slo"] > by[b]["slo"] for b in ("hpa", "kpa")}
     cheaper = {b: f["unweighted"] <= by[b]["unweighted"] for b in ("hpa", "kpa")}
@@ -169,31 +178,31 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
             "met": f["slo"] >= SLO_GOAL and ratio <= COST_GOAL and all(ahead.values()) and all(cheaper.values())}
 
 
-def _cell(r: dict[str, Any], oracle: dict[str, Any]) -> str:
-    return f"{r['slo'] * 100:.2f}% / {r['unweighted'] / oracle['unweighted']:.2f}×"
+def _cell(r: dict[str, Any], ref: dict[str, Any]) -> str:
+    return f"{r['slo'] * 100:.2f}% / {r['unweighted'] / ref['unweighted']:.2f}×"
 
 
 def markdown(results: Sequence[dict[str, Any]]) -> str:
-    """One table per scenario: SLO / cost ÷ exact oracle for every policy and seed; the lower
-    bound ÷ oracle; the verdict against the goal."""
+    """One table per scenario: SLO / cost ÷ the zero-wait reference for every policy and seed;
+    the lower bound ÷ the reference; the verdict against the goal."""
     lines: list[str] = []
     compares = [r for r in results if r["kind"] == "compare"]
     for name in dict.fromkeys(r["scenario"] for r in compares):
         rows = sorted((r for r in compares if r["scenario"] == name), key=lambda r: r["seed"])
         lines.append(f"**{name}** — {rows[0]['workload']}")
         lines.append("")
-        pols = [p for p in SUITE_POLICIES if p != "oracle"]
+        pols = [p for p in SUITE_POLICIES if p != report.ZERO_WAIT]
         lines.append("| seed | requests | " + " | ".join(pols) + " | lower bound | goal |")
         lines.append("|" + "---|" * (len(pols) + 4))
         for r in rows:
             by = _by(r)
-            o = by["oracle"]
+            o = by[report.ZERO_WAIT]
             v = verdict(r)
             miss = []
             if not v["slo_ok"]:
                 miss.append("SLO")
             if not v["cost_ok"]:
-                miss.append(f"cost {v['ratio']:.2f}×")
+                miss.append(f"cost {v['ratio']:.2f}× zero-wait")
             miss += [f"not ahead of {b}" for b, ok in v["ahead"].items() if not ok]
             miss += [f"dearer than {b}" for b, ok in v["cheaper"].items() if not ok]
             cells = [_cell(by[p], o) for p in pols]
@@ -211,7 +220,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
 
 
 def pareto_markdown(results: Sequence[dict[str, Any]]) -> str:
-    """SLO and cost ÷ oracle for each fixed warm-pool size, beside Floodgate's default."""
+    """SLO and cost ÷ the zero-wait reference for each fixed warm-pool size, beside Floodgate's default."""
     par = {r["scenario"]: r for r in results if r["kind"] == "pareto"}
     comp = {(r["scenario"], r["seed"]): r for r in results if r["kind"] == "compare"}
     lines = ["| scenario | " + " | ".join(f"pool {k}" for k in POOL_SIZES) + " | floodgate (default) | hpa | kpa |",
@@ -221,10 +230,10 @@ def pareto_markdown(results: Sequence[dict[str, Any]]) -> str:
         if c is None:
             continue
         by = _by(c)
-        o = by["oracle"]["unweighted"]
+        o = by[report.ZERO_WAIT]["unweighted"]
         cells = [f"{pt['slo'] * 100:.2f}% / {pt['cost_s'] / o:.2f}×" for pt in p["points"]]
         lines.append(f"| {name} (seed {p['seed']}) | " + " | ".join(cells) + " | "
-                     + " | ".join(_cell(by[n], by["oracle"]) for n in ("floodgate", "hpa", "kpa")) + " |")
+                     + " | ".join(_cell(by[n], by[report.ZERO_WAIT]) for n in ("floodgate", "hpa", "kpa")) + " |")
     return "\n".join(lines)
 
 
@@ -249,7 +258,7 @@ def pareto_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
         if c is None:
             continue
         by = _by(c)
-        o = by["oracle"]["unweighted"]
+        o = by[report.ZERO_WAIT]["unweighted"]
         xs = [pt["cost_s"] / o for pt in p["points"]]
         ys = [pt["slo"] * 100 for pt in p["points"]]
         ax.plot(xs, ys, "o-", color="C0", label="floodgate, fixed pool k")
@@ -257,7 +266,8 @@ def pareto_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
             ax.annotate(str(pt["pool"]), (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
         # Zoom on the curve; a baseline far below it is drawn on the bottom edge, labelled.
         lo = max(min(min(ys), by["floodgate"]["slo"] * 100, 99.0) - 1.0, 80.0)
-        for name, mk, col in (("floodgate", "*", "C3"), ("hpa", "s", "C1"), ("kpa", "^", "C2"), ("oracle", "D", "k")):
+        for name, mk, col in (("floodgate", "*", "C3"), ("hpa", "s", "C1"), ("kpa", "^", "C2"),
+                               (report.ZERO_WAIT, "D", "k")):
             r = by[name]
             y = r["slo"] * 100
             ax.plot(r["unweighted"] / o, max(y, lo), mk, color=col, ms=9 if mk == "*" else 6,
@@ -268,7 +278,7 @@ def pareto_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
         ax.axhline(SLO_GOAL * 100, color="0.6", lw=0.8, ls="--")
         ax.axvline(COST_GOAL, color="0.6", lw=0.8, ls="--")
         ax.set_title(f"{p['scenario']} (seed {p['seed']})", fontsize=9)
-        ax.set_xlabel("cost / exact zero-wait oracle (unweighted)", fontsize=8)
+        ax.set_xlabel("cost / zero-wait reference (unweighted)", fontsize=8)
         ax.set_ylabel("SLO attainment %", fontsize=8)
         ax.set_ylim(lo - 0.3, 100.2)
         ax.tick_params(labelsize=7)
@@ -285,6 +295,6 @@ def write(results: Sequence[dict[str, Any]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "table"} for r in results]
     (out / "suite.json").write_text(json.dumps(slim, indent=1, default=str))
-    md = markdown(results) + "\n\nPareto (SLO / cost ÷ oracle; seed shown):\n\n" + pareto_markdown(results) + "\n"
+    md = GOAL_NOTE + "\n\n" + markdown(results) + "\n\nPareto (SLO / cost ÷ zero-wait reference; seed shown):\n\n" + pareto_markdown(results) + "\n"
     (out / "suite.md").write_text(md)
     pareto_plot(results, out / "pareto.png")

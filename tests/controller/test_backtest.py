@@ -1,4 +1,4 @@
-"""Backtest: the yardstick (exact zero-wait oracle, lower bound), the baselines, the numbers
+"""Backtest: the yardstick (zero-wait reference, lower bound), the baselines, the numbers
 reported, the CLI. Short synthetic runs only (the full runs are in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -57,21 +57,22 @@ def test_every_policy_reported_with_consistent_numbers(comparison: report.Compar
         if r.rejected == 0:
             assert r.unweighted >= comparison.lower_bound_s
     by = comparison.by_name()
-    assert by["oracle"].slo == 1.0 and by["oracle"].max_wait == 0.0
+    assert by["zero-wait"].slo == 1.0 and by["zero-wait"].max_wait == 0.0
     assert by["floodgate-reactive"].warm_s == 0
     assert by["floodgate"].warm_s > 0
     # Baselines borrow nothing from the warm pool: nothing sleeps, nothing is woken.
-    for name in ("hpa", "kpa", "oracle"):
+    for name in ("hpa", "kpa", "zero-wait"):
         assert by[name].warm_s == 0 and by[name].wakes == 0
 
 
-def test_table_prints_oracle_and_lower_bound_beside_every_policy(comparison: report.Comparison) -> None:
+def test_table_prints_zero_wait_and_lower_bound_beside_every_policy(comparison: report.Comparison) -> None:
     table = report.markdown_table(comparison)
     lines = table.splitlines()
     assert len(lines) == 2 + len(report.POLICY_NAMES) + 1
     for name in report.POLICY_NAMES:
         assert any(line.startswith(f"| {name} |") for line in lines)
-    assert "| oracle | 100.00% | 0.00 |" in table
+    assert "| zero-wait | 100.00% | 0.00 |" in table
+    assert "cost / zero-wait" in lines[0] and "oracle" not in table
     assert lines[-1].startswith("| lower bound")
     assert "sleeping ×" not in table  # unweighted: no second cost column
     weighted = report.Comparison(comparison.workload, engine.SimConfig(warm_cost_weight=0.25),
@@ -93,20 +94,20 @@ def test_peak_concurrency_is_exact_within_each_tick() -> None:
         assert got[k] == max(conc)
 
 
-def test_oracle_has_zero_wait_even_on_spiky_short_requests() -> None:
+def test_zero_wait_reference_has_zero_wait_even_on_spiky_short_requests() -> None:
     # Bursts of simultaneous short requests: a tick-start count would miss them.
     rng = np.random.default_rng(1)
     bursts = np.repeat(np.arange(0.0, 1800.0, 37.0), 40) + rng.uniform(0, 0.5, 40 * 49)
     arr = np.sort(np.concatenate([bursts, rng.uniform(0, 1800, 3000)]))
     svc = rng.uniform(0.2, 3.0, len(arr))
     w = workload.Workload("spiky", arr, svc, np.ones(len(arr)), 0.0, 1800.0, None, "")
-    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["oracle", "hpa"])
-    orc = c.by_name()["oracle"]
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["zero-wait", "hpa"])
+    orc = c.by_name()["zero-wait"]
     assert orc.slo == 1.0 and orc.max_wait == 0.0
     assert orc.unweighted >= c.lower_bound_s
 
 
-def test_oracle_schedule_bridges_short_gaps_only() -> None:
+def test_zero_wait_schedule_bridges_short_gaps_only() -> None:
     arr = np.array([0.5, 0.6, 0.7, 10.0, 500.0])
     svc = np.array([5.0, 5.0, 5.0, 1.0, 1.0])
     w = workload.Workload("t", arr, svc, np.ones(5), 0.0, 600.0, None, "")
@@ -160,14 +161,27 @@ def test_sliding_max_matches_brute_force() -> None:
 def test_cli_simulate_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main([
         "controller", "simulate", "--mode", "synthetic", "--days", "2", "--eval-hours", "0.2",
-        "--peak-rps", "2", "--policies", "floodgate,hpa,oracle", "--out", str(tmp_path),
+        "--peak-rps", "2", "--policies", "floodgate,hpa,zero-wait", "--out", str(tmp_path),
     ])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| floodgate |" in out and "| hpa |" in out and "| oracle |" in out and "| lower bound" in out
+    assert "| floodgate |" in out and "| hpa |" in out and "| zero-wait |" in out and "| lower bound" in out
     data = json.loads((tmp_path / "simulate.json").read_text())
-    assert [r["name"] for r in data["results"]] == ["floodgate", "hpa", "oracle"]
+    assert [r["name"] for r in data["results"]] == ["floodgate", "hpa", "zero-wait"]
     assert (tmp_path / "replicas.png").stat().st_size > 1000
+
+
+def test_oracle_is_an_old_alias_of_zero_wait(capsys: pytest.CaptureFixture[str]) -> None:
+    # The policy was called "oracle" until the bench review (D3): the old name still runs, as zero-wait.
+    assert report.canonical_policy("oracle") == "zero-wait" == report.canonical_policy("zero-wait")
+    rc = main(["controller", "simulate", "--mode", "synthetic", "--days", "1", "--eval-hours", "0.1",
+               "--warmup-hours", "0", "--peak-rps", "1", "--policies", "hpa,oracle"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| zero-wait | 100.00% | 0.00 |" in out and "| oracle |" not in out
+    with pytest.raises(SystemExit):
+        main(["controller", "simulate", "--help"])
+    assert "`oracle` is accepted as an old alias of zero-wait" in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli_bare_controller_prints_help() -> None:
@@ -199,7 +213,7 @@ def test_trace_tile_and_replay() -> None:
     assert 1000 < ctx.mean() < 1300 and 150 < gen.mean() < 260
     w = workload.make_day_workload(days=2, peak_rps=4.0, sim=SIM, trace=trace, tile=True, eval_hours=0.25, seed=2)
     assert w.history is not None and len(w.arrivals) > 500
-    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "oracle"])
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "zero-wait"])
     assert c.results[1].slo == 1.0
     rep = workload.make_replay_workload(trace, SIM, rate_scale=1.5)
     scored = rep.arrivals >= rep.scored_from
@@ -215,12 +229,12 @@ def test_evaluated_day_starts_from_the_warm_up_state() -> None:
                                    seed=1, warmup_hours=0.5)
     assert w.eval_start == workload.DAY_S and w.start == workload.DAY_S - 1800
     assert w.history is not None and w.history.end_minute == int(w.start // 60) - 1
-    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "oracle"])
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate", "zero-wait"])
     scored = int(np.count_nonzero(w.arrivals >= w.eval_start))
     assert 0 < scored < len(w.arrivals)
     assert all(r.requests == scored for r in c.results)
     # Only the evaluated window is charged (15 min of at least one replica, not 45).
-    assert c.by_name()["oracle"].replica_s < 0.25 * 3600 * c.by_name()["oracle"].peak_active * 1.01 + SIM.start_cost_s * 20
+    assert c.by_name()["zero-wait"].replica_s < 0.25 * 3600 * c.by_name()["zero-wait"].peak_active * 1.01 + SIM.start_cost_s * 20
 
 
 def test_week_shape_weekend_trend_holidays() -> None:

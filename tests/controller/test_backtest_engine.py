@@ -120,7 +120,7 @@ def test_cli_simulate_rejects_out_of_range_options_before_running(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rc = main(["controller", "simulate", "--days", "1", "--eval-hours", "0.2", "--warmup-hours", "0",
-               "--policies", "hpa,oracle", *argv])
+               "--policies", "hpa,zero-wait", *argv])
     out, err = capsys.readouterr()
     assert rc != 0
     assert flag in err and "Traceback" not in err

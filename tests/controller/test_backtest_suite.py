@@ -22,7 +22,7 @@ def test_suite_tables_verdict_and_pareto(results: list[dict[str, object]], tmp_p
     by = {r["name"]: r for r in comp["results"]}  # type: ignore[index]
     assert set(by) == set(suite.SUITE_POLICIES)
     v = suite.verdict(comp)  # type: ignore[arg-type]
-    f, o = by["floodgate"], by["oracle"]
+    f, o = by["floodgate"], by["zero-wait"]
     assert v["ratio"] == pytest.approx(f["unweighted"] / o["unweighted"])
     assert v["met"] == (f["slo"] >= 0.99 and v["ratio"] <= 1.25 and all(v["ahead"].values())
                         and all(v["cheaper"].values()))
@@ -33,7 +33,9 @@ def test_suite_tables_verdict_and_pareto(results: list[dict[str, object]], tmp_p
     assert "**smooth-long**" in md and "| 1 |" in md and ("met" in md or "missed" in md)
     suite.write(results, tmp_path)  # type: ignore[arg-type]
     assert (tmp_path / "pareto.png").stat().st_size > 1000
-    assert "pool 16" in (tmp_path / "suite.md").read_text()
+    written = (tmp_path / "suite.md").read_text()
+    assert "pool 16" in written
+    assert "1.25× the zero-wait reference" in written and "not a bound" in written and "oracle" not in written
     assert len(json.loads((tmp_path / "suite.json").read_text())) == 2
 
 

@@ -1,4 +1,4 @@
-"""Backtest yardstick: the exact zero-wait oracle is the cheapest zero-wait schedule on the
+"""Backtest yardstick: the zero-wait reference is the cheapest zero-wait schedule on the
 engine's ticks (gaps bridged iff keeping a level on is no dearer than a stop and a charged
 start), the lower bound counts only service inside the scored window, an idle window works.
 Real modules only (engine, oracle, baselines); short synthetic workloads."""
@@ -66,7 +66,7 @@ def _gap_workload(gap_ticks: int) -> Workload:
 
 
 @pytest.mark.parametrize("gap_ticks", [30, 45, 59, 60, 61, 62, 75, 90, 105, 120, 121, 122, 150, 181])
-def test_oracle_bridges_a_gap_iff_keeping_on_is_no_dearer_than_a_start(gap_ticks: int) -> None:
+def test_zero_wait_bridges_a_gap_iff_keeping_on_is_no_dearer_than_a_start(gap_ticks: int) -> None:
     # 0.5x .. 3x the start cost (121 s = 60.5 ticks), above all 1x-2x, which the old
     # min(forward max, backward max) cut at both ends with an "on" band in its middle.
     sim = engine.SimConfig(slots_per_replica=1)
@@ -92,7 +92,7 @@ def test_close_gaps_matches_a_per_level_run_length_fill() -> None:
         assert np.array_equal(oracle.close_gaps(need, bridge), per_level_fill(need, bridge)), (need.tolist(), bridge)
 
 
-def test_oracle_schedule_is_the_cheapest_schedule_that_covers_the_need() -> None:
+def test_zero_wait_schedule_is_the_cheapest_schedule_that_covers_the_need() -> None:
     # Brute force over every schedule >= need on short arrays: none is cheaper (on-time plus a
     # charged start per level switched on). Start cost 5 s on 2 s ticks: gaps of <= 2 bridged.
     tick, start = 2.0, 5.0
@@ -111,7 +111,7 @@ def _workloads() -> list[Workload]:
     rng = np.random.default_rng(5)
     out = []
     # A background needing 1 replica and a 10 s spike needing 2, every `period` s (the review's
-    # case: at 200 s a fixed ReplicaSet of 2 was 22 % cheaper than the oracle).
+    # case: at 200 s a fixed ReplicaSet of 2 was 22 % cheaper than the zero-wait reference).
     for period in (150.0, 200.0, 300.0):
         bg = np.arange(0.0, 3600.0, 1.0)
         sp = np.repeat(np.arange(100.0, 3600.0, period), 8)
@@ -129,16 +129,16 @@ def _workloads() -> list[Workload]:
 
 
 @pytest.mark.parametrize("w", _workloads(), ids=lambda w: w.name)
-def test_no_fixed_replicaset_is_cheaper_than_the_oracle_at_zero_wait(w: Workload) -> None:
+def test_no_fixed_replicaset_is_cheaper_than_the_zero_wait_reference_at_zero_wait(w: Workload) -> None:
     sched = oracle.zero_wait_schedule(w, SIM)
-    orc = engine.run_policy(w, oracle.OracleController("oracle", sched, w.start, SIM.tick_s), SIM, int(sched[0]))
+    orc = engine.run_policy(w, oracle.ZeroWaitController("zero-wait", sched, w.start, SIM.tick_s), SIM, int(sched[0]))
     assert orc.slo == 1.0 and orc.max_wait == 0.0 and orc.rejected == 0
     zero_wait = 0
     for k in range(1, int(sched.max()) + 3):
         st = engine.run_policy(w, Static(k), SIM, k)
         if st.max_wait == 0.0 and st.rejected == 0:
             zero_wait += 1
-            assert st.unweighted >= orc.unweighted, f"{st.name} {st.unweighted:.0f} < oracle {orc.unweighted:.0f}"
+            assert st.unweighted >= orc.unweighted, f"{st.name} {st.unweighted:.0f} < zero-wait {orc.unweighted:.0f}"
     assert zero_wait > 0
     assert oracle.lower_bound_s(w, SIM) <= orc.unweighted
 
@@ -166,5 +166,5 @@ def test_idle_window_runs_with_an_empty_schedule() -> None:
     assert not oracle.peak_concurrency(w.arrivals, w.service, np.arange(0.0, 10.0, 2.0)).any()
     sched = oracle.zero_wait_schedule(w, SIM)
     assert len(sched) > 1000 and sched.max() == 0
-    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["oracle", "hpa"])
-    assert c.by_name()["oracle"].requests == 0 and c.lower_bound_s == 0.0
+    c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["zero-wait", "hpa"])
+    assert c.by_name()["zero-wait"].requests == 0 and c.lower_bound_s == 0.0
