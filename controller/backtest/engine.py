@@ -38,7 +38,10 @@ Model (docs/controller.md, "Backtest"):
   draining, awake warm) at weight 1, sleeping warm-pool replicas at `warm_cost_weight`
   (default 1: under Kubernetes with one GPU per pod a sleeping pod keeps its GPU; a value below
   1 is real only if the freed GPU memory is handed to another model, or with sleep level 2 and
-  the GPU released). An instant start (the zero-wait reference) is charged `start_cost_s`.
+  the GPU released). An instant start (the zero-wait reference) is charged `start_cost_s`,
+  the lead it would have been started with, but only the part of that lead inside the scored
+  window: a start at t is charged min(start_cost_s, t − the first scored tick), as a replica
+  started start_cost_s before t would have been by the per-tick accounting.
 """
 
 from __future__ import annotations
@@ -240,6 +243,7 @@ def run_policy(
         return bisect.bisect_left(drops, b) - bisect.bisect_left(drops, a)
     replica_s = warm_s = 0.0
     charged = 0.0
+    scored_t0: float | None = None  # the first scored tick
     nxt = 0
     tl: dict[str, list[float]] = {k: [] for k in ("t", "active", "warm", "loading", "demand_slots")}
     next_record = scored_from
@@ -250,6 +254,8 @@ def run_policy(
 
     while t < end:
         scoring = t >= scored_from - 1e-9
+        if scoring and scored_t0 is None:
+            scored_t0 = t
         # 1. Lifecycle events that fell due.
         for rid, (when, ev) in list(due.items()):
             if when <= t:
@@ -307,9 +313,10 @@ def run_policy(
                 new_replica(rid, apply_action(ReplicaView(rid, S.COLD, t), kind, t), t)
                 cold_starts += 1
                 if ctl.instant_start:
-                    # The reference started it the shortest start ago: charge that, serve now.
-                    if scoring:
-                        charged += sim.start_cost_s
+                    # A clairvoyant schedule began it the shortest start ago: charge that lead's
+                    # part inside the scored window (none before it), serve now.
+                    if scored_t0 is not None:
+                        charged += min(sim.start_cost_s, t - scored_t0)
                     v = views[rid]
                     for ev in (Event.LOADED, Event.WARMUP_OK, Event.PROMOTE, Event.WAKE_OK):
                         v = apply_event(v, ev, t)

@@ -11,7 +11,9 @@ meet the SLO can cost less than it; `lower_bound_s` is the only bound.
   every longer one left off. Cost decomposes per level (on-ticks × tick_s + start_cost_s per
   off→on transition) and the gaps of one level are independent, so this is the cheapest
   zero-wait schedule on the engine's ticks; the per-level bridging of all levels at once is a
-  grey-scale closing (`close_gaps`).
+  grey-scale closing (`close_gaps`). Near the scored window's start the engine charges a start
+  only its part inside the window, and the schedule stays the cheapest there too (bridging a
+  gap that ends within `start_cost_s` of the window's start costs what restarting does).
 * It is the cheapest schedule with **zero** wait, not the cheapest that meets the SLO. The SLO
   allows `slo_wait_s` of wait, so a policy that lets some requests wait a little (HPA, a fixed
   ReplicaSet on steady traffic) can cost less at 100 % SLO, and one that meets a 99 % SLO less
@@ -20,7 +22,8 @@ meet the SLO can cost less than it; `lower_bound_s` is the only bound.
 * `ZeroWaitController` (policy "zero-wait"; "oracle" is accepted as an alias, report.py):
   follows that schedule through the same engine as every policy, over a plain ReplicaSet; its
   starts are instant and each is charged `SimConfig.start_cost_s` (the fastest cold start +
-  warm-up — it would have been started that much earlier). It has no sleep state. Zero wait holds by
+  warm-up — it would have been started that much earlier), clipped to the part of that lead
+  inside the scored window (engine.py). It has no sleep state. Zero wait holds by
   construction: at every arrival fewer than active×slots requests run on active replicas, so
   a slot is free (`tests/controller/test_backtest.py`).
 * `lower_bound_s`: Σ service / slots within the scored window — every served request holds one

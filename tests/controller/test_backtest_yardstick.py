@@ -143,6 +143,29 @@ def test_no_fixed_replicaset_is_cheaper_than_the_zero_wait_reference_at_zero_wai
     assert oracle.lower_bound_s(w, SIM) <= orc.unweighted
 
 
+@pytest.mark.parametrize("step_after_s", [0.0, 10.0, 60.0, 120.0, 130.0])
+def test_zero_wait_reference_starting_near_the_window_start_is_charged_only_inside_it(step_after_s: float) -> None:
+    # The review's window-edge case (bench review D3b): one slot per replica; a 1-s request every
+    # 4 s through the warm-up [0, 600) and up to the step, then 4 concurrent 1-s requests every
+    # second from `step_after_s` after the scored window [600, 900) opens. The reference starts 3 replicas at the step; a
+    # clairvoyant schedule would have begun them start_cost_s (121 s) earlier, so only the part
+    # of that lead inside the scored window is charged. Charged in full, the reference cost 1533
+    # replica-s at a 10 s step against 1200 for a fixed ReplicaSet of 4 with zero wait too.
+    sim = engine.SimConfig(slots_per_replica=1)
+    t0, end, step = 600.0, 900.0, 600.0 + step_after_s
+    arr = np.concatenate([np.arange(0.0, step, 4.0), np.repeat(np.arange(step, end, 1.0), 4)])
+    w = Workload("edge", arr, np.full(len(arr), 1.0), np.full(len(arr), 500.0), 0.0, end, None, "", eval_start=t0)
+    sched = oracle.zero_wait_schedule(w, sim)
+    ref = engine.run_policy(w, oracle.ZeroWaitController("zero-wait", sched, w.start, sim.tick_s), sim, int(sched[0]))
+    assert ref.slo == 1.0 and ref.max_wait == 0.0 and ref.rejected == 0
+    fixed = engine.run_policy(w, Static(4), sim, 4)
+    assert fixed.max_wait == 0.0 and fixed.rejected == 0
+    assert ref.unweighted <= fixed.unweighted + 1e-6, f"zero-wait {ref.unweighted:.0f} > static-4 {fixed.unweighted:.0f}"
+    # One replica all window, three more from the step on, each start charged min(121 s, its lead inside).
+    lead = min(sim.start_cost_s, step_after_s)
+    assert ref.unweighted == pytest.approx((end - t0) + 3 * (end - step) + 3 * lead)
+
+
 def test_lower_bound_counts_only_service_inside_the_scored_window() -> None:
     # 16 streams of 3600 s start 10 s before the end of a 10-minute window: the engine charges
     # no replica past the end, so neither may the bound (it read 7260 replica-s, 4x static-3).
