@@ -7,10 +7,22 @@ One invocation starts, side by side, a fast upstream (a second Envoy answering
 * `noop`       Envoy + `bench.noop_processor` (empty replies): the ceiling a Python grpc.aio
                processor can reach, and the reference for every ratio;
 * `floodgate`  Envoy + the real `floodgate extproc` on a real Redis, static limit 100000 (never
-               queues), `sample_rate` 0: the plain admission path (local credits, else acquire +
-               release in Redis);
+               queues), `sample_rate` 0, no endpoint picking: the plain admission path (local
+               credits, else acquire + release in Redis);
 * `floodgate-sampled`  the same with a Vegas limit and the default `sample_rate` (0.5), so a
-               half of the requests also stream their response body to the processor.
+               half of the requests also stream their response body to the processor. Still no
+               endpoint picking, so it admits from local credits: how a config without picking
+               runs (the mesh sidecars, deploy/istio/processor.yaml);
+* `floodgate-picking`  `floodgate-sampled` with endpoint picking, as the shipped compose,
+               Kubernetes and `floodgate up` deployments route: the upstream registered active in
+               the pool's Redis registry, Envoy's ORIGINAL_DST cluster (`model_picked`) steered by
+               the processor. Local credits are not used with picking: every request does its own
+               acquire (the pick) and release in Redis.
+
+Each run also counts the requests Envoy sent through the `model_picked` cluster (the endpoint
+the processor picked) and the Lua script calls (FCALL) Redis served: a picking row whose
+requests did not all go through `model_picked` is an error, so the row cannot silently measure
+the credits path.
 
 `wrk` drives each (config, connections) pair for `--duration` seconds. Runs are interleaved
 (every config at one concurrency, then the next concurrency, then the next round) so noise from
@@ -20,12 +32,14 @@ every wrk socket error is reported, and each ext_proc config must have opened on
 stream per request.
 
     floodgate bench overhead                       # defaults: 8 s x 2 rounds at 1, 16, 64 conns
+    floodgate bench overhead --duration 2 --rounds 1 --connections 1 --configs noop floodgate-picking
     floodgate bench overhead --duration 2 --rounds 1 --connections 1 16 --configs noop floodgate
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import statistics
@@ -39,15 +53,26 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import redis
 
 from floodgate.envoy_config import write_config
 from floodgate.stack import Envoy, LocalStack, Processor
 from floodgate.supervisor import Supervisor, free_port, wait_for_port
 
 SUMMARY = "admission overhead: Envoy alone vs no-op processor vs Floodgate (wrk)"
-CONFIGS = ("envoy", "noop", "floodgate", "floodgate-sampled")
+CONFIGS = ("envoy", "noop", "floodgate", "floodgate-sampled", "floodgate-picking")
 REFERENCE = "noop"
 DEFAULT_CONFIGS = CONFIGS
+# The configs with endpoint picking (Envoy's ORIGINAL_DST cluster `model_picked`).
+PICKING_CONFIGS = ("floodgate-picking",)
+# Which row stands for which deployment, in the order the verdict prints them.
+ROLES = {
+    "floodgate-picking": "the shipped gateway deployments (compose, Kubernetes, `floodgate up`): "
+                         "endpoint picking, acquire + release in Redis per request",
+    "floodgate-sampled": "no endpoint picking (the mesh sidecars, deploy/istio): Vegas, "
+                         "sample_rate 0.5, local credits",
+    "floodgate": "no endpoint picking, static limit, sample_rate 0: local credits",
+}
 # Targets of issue 2 item 9.
 TARGET_THROUGHPUT_RATIO = 0.80
 TARGET_ADDED_P50_MS = 0.5
@@ -96,6 +121,13 @@ _SAMPLED_POOL: dict[str, Any] = {"name": "bench-sampled", "limit": {
     # direct_response body is one chunk, which gives no TPOT.
     "mode": "vegas", "initial": 100000, "min": 50000, "max": 100000, "signal": "ttft"}}
 # (sample_rate: the shipped default)
+# The shipped compose / Kubernetes pool (deploy/compose/processor.yaml,
+# deploy/kubernetes/config.yaml): endpoint picking (with the default prefill-aware picking), an
+# allowlist, fair_order off; the limit as in `floodgate-sampled`, never binding.
+_PICKING_POOL: dict[str, Any] = {
+    "name": "bench-picking", "endpoint_picking": True, "allowed_endpoints": ["127.0.0.1/32"],
+    "fair_order": False, "limit": dict(_SAMPLED_POOL["limit"])}
+_POOLS = {"floodgate": _FLOODGATE_POOL, "floodgate-sampled": _SAMPLED_POOL, "floodgate-picking": _PICKING_POOL}
 
 
 @dataclass
@@ -105,6 +137,8 @@ class Target:
     name: str
     envoy: Envoy
     cpu_pids: dict[str, int] = field(default_factory=dict)  # role -> pid whose CPU we account
+    redis_url: str | None = None  # whose script calls we count
+    picking: bool = False
 
 
 @dataclass
@@ -122,6 +156,13 @@ class Run:
     socket_errors: int
     ext_proc_streams: int | None
     cpu_us_per_req: dict[str, float]
+    # Requests Envoy sent through `model_picked` (the endpoint the processor picked); None
+    # without picking.
+    picked: int | None = None
+    completed: int | None = None  # requests the front Envoy completed (wrk's and cut-off ones)
+    # Lua script calls (FCALL / FCALL_RO) Redis served during the run, per request: the
+    # processors' background calls (renewals, status) are in it too, a few per second.
+    redis_calls_per_req: float | None = None
 
 
 @dataclass
@@ -137,6 +178,8 @@ class Row:
     socket_errors: int
     proc_cpu_us: float | None
     redis_cpu_us: float | None
+    redis_calls_per_req: float | None = None
+    picked_share: float | None = None  # requests routed via `model_picked` / requests served
     throughput_ratio: float | None = None
     added_p50_ms: float | None = None
     added_p99_ms: float | None = None
@@ -203,7 +246,19 @@ def envoy_stats(envoy: Envoy, pattern: str) -> dict[str, int]:
     return {s["name"]: int(s["value"]) for s in stats if "value" in s and isinstance(s["value"], int)}
 
 
-_STATS_RE = r"^(http\.gateway\.(downstream_rq_[0-9]xx|downstream_rq_completed)|.*ext_proc\.streams_started)$"
+_STATS_RE = (r"^(http\.gateway\.(downstream_rq_[0-9]xx|downstream_rq_completed)|.*ext_proc\.streams_started"
+             r"|cluster\.model_picked\.upstream_rq_total)$")
+
+
+def redis_script_calls(url: str) -> int:
+    """Lua script calls (FCALL, FCALL_RO, EVALSHA, EVAL) the Redis server has served so far."""
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(v["calls"]) for k, v in stats.items()
+               if k in ("cmdstat_fcall", "cmdstat_fcall_ro", "cmdstat_evalsha", "cmdstat_eval"))
 
 
 def _sum(stats: dict[str, int], suffix: str) -> int:
@@ -232,6 +287,7 @@ def start_targets(stack: LocalStack, configs: Sequence[str]) -> list[Target]:
     if any(c.startswith("floodgate") for c in configs):
         stack.start_redis()
     redis_pid = stack.redis_child.proc.pid if stack.redis_child else None
+    redis_url = stack.redis_url or None
     for name in configs:
         if name == "envoy":
             env = stack.start_envoy(upstreams, processors=[], name="envoy-alone", admission=False)
@@ -243,21 +299,45 @@ def start_targets(stack: LocalStack, configs: Sequence[str]) -> list[Target]:
             proc = Processor(child, port, 0, Path("/dev/null"))
             env = stack.start_envoy(upstreams, processors=[proc], name="envoy-noop")
             targets.append(Target(name, env, {"proc": child.proc.pid}))
-        elif name in ("floodgate", "floodgate-sampled"):
-            pool = _FLOODGATE_POOL if name == "floodgate" else _SAMPLED_POOL
+        elif name in _POOLS:
+            pool = _POOLS[name]
+            picking = name in PICKING_CONFIGS
+            if picking:
+                # What the scaling controller writes in a deployment (this bench runs none): the
+                # upstream as the pool's one active endpoint.
+                asyncio.run(register_active(stack.redis_url, pool["name"], upstreams))
             proc = stack.start_processor({"pools": [pool]}, name=f"extproc-{name}")
-            env = stack.start_envoy(upstreams, processors=[proc], name=f"envoy-{name}")
+            env = stack.start_envoy(upstreams, processors=[proc], name=f"envoy-{name}", picking=picking)
             pids = {"proc": proc.child.proc.pid}
             if redis_pid is not None:
                 pids["redis"] = redis_pid
-            targets.append(Target(name, env, pids))
+            targets.append(Target(name, env, pids, redis_url, picking))
         else:
             raise ValueError(f"unknown config {name!r} (choose from {', '.join(CONFIGS)})")
     for t in targets:
+        before = envoy_stats(t.envoy, _STATS_RE) if t.picking else {}
         headers = probe(t.envoy)
         if t.name.startswith("floodgate") and "x-floodgate-priority" not in headers:
             raise RuntimeError(f"{t.name}: response lacks x-floodgate-priority; admission did not run")
+        if t.picking and _sum(envoy_stats(t.envoy, _STATS_RE), "model_picked.upstream_rq_total") \
+                <= _sum(before, "model_picked.upstream_rq_total"):
+            raise RuntimeError(f"{t.name}: the probe did not go through the model_picked cluster; "
+                               "endpoint picking is not in effect")
     return targets
+
+
+async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[str, int]]) -> None:
+    """The upstreams in the pool's registry as active endpoints (bench/overload.py's `@picking`)."""
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
+
+    client = redis_client(redis_url, op_timeout_s=5)
+    try:
+        reg = Registry(client, pool)
+        for i, (host, port) in enumerate(upstreams):
+            await reg.set(f"{host}:{port}", "active", f"upstream{i}")
+    finally:
+        await client.aclose()
 
 
 # ------------------------------------------------------------------------- load
@@ -265,12 +345,14 @@ def start_targets(stack: LocalStack, configs: Sequence[str]) -> list[Target]:
 def run_wrk(wrk: str, script: Path, target: Target, connections: int, duration: float,
             threads: int, round_no: int) -> Run:
     before = envoy_stats(target.envoy, _STATS_RE)
+    calls0 = redis_script_calls(target.redis_url) if target.redis_url else 0
     cpu0 = {role: cpu_seconds(pid) for role, pid in target.cpu_pids.items()}
     argv = [wrk, "-t", str(max(1, min(threads, connections))), "-c", str(connections),
             "-d", f"{duration:g}s", "--timeout", "5s", "--latency", "-s", str(script), target.envoy.url]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
     cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in target.cpu_pids.items()}
     after = envoy_stats(target.envoy, _STATS_RE)
+    calls = redis_script_calls(target.redis_url) - calls0 if target.redis_url else None
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("FLOODGATE_BENCH ")), None)
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
@@ -290,6 +372,10 @@ def run_wrk(wrk: str, script: Path, target: Target, connections: int, duration: 
         socket_errors=sum(int(w[k]) for k in ("connect", "read", "write", "timeout")),
         ext_proc_streams=streams,
         cpu_us_per_req={role: s * 1e6 / max(1, requests) for role, s in cpu.items()},
+        # Envoy's counters, not wrk's: they include the requests wrk cut off at the end.
+        picked=_sum(diff, "model_picked.upstream_rq_total") if target.picking else None,
+        completed=completed,
+        redis_calls_per_req=None if calls is None else calls / max(1, completed),
     )
 
 
@@ -313,7 +399,12 @@ def summarize(runs: Sequence[Run], configs: Sequence[str], levels: Sequence[int]
                 p99_ms=statistics.median(r.p99_ms for r in rs),
                 rps_min=min(r.rps for r in rs), rps_max=max(r.rps for r in rs),
                 non_2xx=sum(r.non_2xx for r in rs), socket_errors=sum(r.socket_errors for r in rs),
-                proc_cpu_us=med_cpu("proc"), redis_cpu_us=med_cpu("redis"))
+                proc_cpu_us=med_cpu("proc"), redis_cpu_us=med_cpu("redis"),
+                redis_calls_per_req=(statistics.median(r.redis_calls_per_req for r in rs
+                                                       if r.redis_calls_per_req is not None)
+                                     if any(r.redis_calls_per_req is not None for r in rs) else None),
+                picked_share=(sum(r.picked or 0 for r in rs) / max(1, sum(r.completed or 0 for r in rs))
+                              if any(r.picked is not None for r in rs) else None))
         ref = level_rows.get(REFERENCE)
         for row in level_rows.values():
             if ref is not None:
@@ -331,37 +422,49 @@ def _f(v: float | None, fmt: str) -> str:
 def table(rows: Sequence[Row]) -> str:
     """A Markdown table: readable in a terminal and pasteable into docs/benchmarks.md."""
     head = ("config", "conns", "req/s", "p50 ms", "p99 ms", f"req/s vs {REFERENCE}",
-            "+p50 ms", "+p99 ms", "non-2xx", "sock err", "proc CPU µs/req", "redis CPU µs/req")
+            "+p50 ms", "+p99 ms", "non-2xx", "sock err", "proc CPU µs/req", "redis CPU µs/req",
+            "redis calls/req")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         ratio = "-" if r.throughput_ratio is None else f"{r.throughput_ratio:.2f}"
         cells = (r.config, str(r.connections), f"{r.rps:,.0f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", ratio,
                  _f(r.added_p50_ms, "+.2f"), _f(r.added_p99_ms, "+.2f"), str(r.non_2xx), str(r.socket_errors),
-                 _f(r.proc_cpu_us, ".0f"), _f(r.redis_cpu_us, ".0f"))
+                 _f(r.proc_cpu_us, ".0f"), _f(r.redis_cpu_us, ".0f"), _f(r.redis_calls_per_req, ".2f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def verdict(rows: Sequence[Row]) -> tuple[bool, list[str]]:
-    """Check the issue's targets for the plain admission path (`floodgate` vs `noop`)."""
-    fg = [r for r in rows if r.config == "floodgate" and r.throughput_ratio is not None]
-    if not fg:
-        return True, ["(no floodgate + noop pair measured: no verdict)"]
-    ok = True
+def headline(configs: Sequence[str]) -> list[str]:
+    """Which measured row stands for which deployment."""
+    return [f"- {c}: {ROLES[c]}" for c in ROLES if c in configs]
+
+
+def verdict(rows: Sequence[Row]) -> tuple[dict[str, bool], list[str]]:
+    """Check the issue's targets for each Floodgate row against `noop` of the same run: the
+    shipped gateway path (`floodgate-picking`) first, then the local-credits rows."""
+    met: dict[str, bool] = {}
     notes: list[str] = []
-    for r in fg:
-        assert r.throughput_ratio is not None
-        good = r.throughput_ratio >= TARGET_THROUGHPUT_RATIO
+    for cfg in ROLES:
+        fg = [r for r in rows if r.config == cfg and r.throughput_ratio is not None]
+        if not fg:
+            continue
+        ok = True
+        for r in fg:
+            assert r.throughput_ratio is not None
+            good = r.throughput_ratio >= TARGET_THROUGHPUT_RATIO
+            ok &= good
+            notes.append(f"{cfg}: {'PASS' if good else 'FAIL'} throughput at {r.connections} conns: "
+                         f"{r.throughput_ratio:.0%} of noop (target >= {TARGET_THROUGHPUT_RATIO:.0%})")
+        low = min(fg, key=lambda r: r.connections)
+        assert low.added_p50_ms is not None
+        good = low.added_p50_ms <= TARGET_ADDED_P50_MS
         ok &= good
-        notes.append(f"{'PASS' if good else 'FAIL'} throughput at {r.connections} conns: "
-                     f"{r.throughput_ratio:.0%} of noop (target >= {TARGET_THROUGHPUT_RATIO:.0%})")
-    low = min(fg, key=lambda r: r.connections)
-    assert low.added_p50_ms is not None
-    good = low.added_p50_ms <= TARGET_ADDED_P50_MS
-    ok &= good
-    notes.append(f"{'PASS' if good else 'FAIL'} added p50 at {low.connections} conns: "
-                 f"{low.added_p50_ms:+.2f} ms over noop (target <= +{TARGET_ADDED_P50_MS} ms)")
-    return ok, notes
+        notes.append(f"{cfg}: {'PASS' if good else 'FAIL'} added p50 at {low.connections} conns: "
+                     f"{low.added_p50_ms:+.2f} ms over noop (target <= +{TARGET_ADDED_P50_MS} ms)")
+        met[cfg] = ok
+    if not met:
+        notes.append("(no Floodgate + noop pair measured: no verdict)")
+    return met, notes
 
 
 def measure(configs: Sequence[str], levels: Sequence[int], duration: float, rounds: int,
@@ -396,6 +499,9 @@ def measure(configs: Sequence[str], levels: Sequence[int], duration: float, roun
                     if r.ext_proc_streams is not None and r.ext_proc_streams < r.requests:
                         print(f"  warning: {r.ext_proc_streams} ext_proc streams for {r.requests} "
                               "requests: some requests bypassed the processor", file=log, flush=True)
+                    if r.picked is not None and r.picked < (r.completed or 0):
+                        print(f"  error: {r.picked} of {r.completed} requests went through model_picked: "
+                              "the rest were not routed by endpoint picking", file=log, flush=True)
         for t in targets:
             for role, pid in t.cpu_pids.items():
                 if not any(c.proc.pid == pid and c.alive() for c in sup.children):
@@ -433,10 +539,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     runs = measure(configs, levels, args.duration, args.rounds, args.threads, args.warmup, args.workdir)
     rows = summarize(runs, configs, levels)
-    ok, notes = verdict(rows)
+    met, notes = verdict(rows)
     print()
     print(f"Admission overhead (wrk -t{args.threads}, {args.duration:g} s x {args.rounds} rounds, "
           f"median; one Envoy worker; took {time.monotonic() - t0:.0f} s)")
+    roles = headline(configs)
+    if roles:
+        print()
+        print("Which row is which (ratios against noop of this run):")
+        for line in roles:
+            print(line)
     print()
     print(table(rows))
     print()
@@ -445,8 +557,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [r for r in rows if r.non_2xx or r.socket_errors]
     for r in bad:
         print(f"ERROR {r.config} at {r.connections} conns: {r.non_2xx} non-2xx, {r.socket_errors} socket errors")
+    unpicked = [r for r in rows if r.picked_share is not None and r.picked_share < 1]
+    for r in unpicked:
+        print(f"ERROR {r.config} at {r.connections} conns: only {r.picked_share:.1%} of the requests went "
+              "through the model_picked cluster (endpoint picking not in effect)")
     if args.json:
         args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "rows": [asdict(r) for r in rows],
-                                         "targets_met": ok}, indent=1))
+                                         "targets_met": met}, indent=1))
     # Missing the performance target is a finding, not a failure; wrong answers are.
-    return 1 if bad else 0
+    return 1 if bad or unpicked else 0
