@@ -69,9 +69,10 @@ def test_picking_row_takes_the_per_request_path(tmp_path: Path) -> None:
     runs = {r["config"]: r for r in data["runs"]}
     pick, credits = runs["floodgate-picking"], runs["floodgate-sampled"]
     assert pick["requests"] > 0 and pick["non_2xx"] == 0 and pick["socket_errors"] == 0, pick
-    # Every request the front Envoy completed went to the endpoint the processor picked.
+    # Every request the front Envoy completed went to the endpoint the processor picked (give or
+    # take the one in flight when the counters were read).
     assert pick["completed"] >= pick["requests"], pick
-    assert pick["picked"] == pick["completed"], pick
+    assert abs(pick["picked"] - pick["completed"]) <= 1, pick
     assert pick["ext_proc_streams"] >= pick["requests"], pick
     # One acquire + one release per request (at one connection releases are not batched).
     assert pick["redis_calls_per_req"] >= 1.5, pick
@@ -79,13 +80,15 @@ def test_picking_row_takes_the_per_request_path(tmp_path: Path) -> None:
     assert credits["picked"] is None, credits
     assert credits["redis_calls_per_req"] < 0.5, credits
     rows = {r["config"]: r for r in data["rows"]}
-    assert rows["floodgate-picking"]["picked_share"] == 1.0, rows["floodgate-picking"]
+    assert rows["floodgate-picking"]["picked_share"] >= 0.99, rows["floodgate-picking"]
+    assert rows["floodgate-picking"]["unpicked"] == 0, rows["floodgate-picking"]
     assert set(data["targets_met"]) == {"floodgate-picking", "floodgate-sampled"}, data["targets_met"]
 
 
 def test_summary_reports_the_share_routed_by_picking() -> None:
-    """A picking row with requests that bypassed `model_picked` shows a share below 1 (`run`
-    prints it as an ERROR and exits 1); rows without picking have no share."""
+    """A picking row with requests that bypassed `model_picked` counts them as `unpicked` (`run`
+    prints an ERROR and exits 1), allowing one per connection and run in flight at the counters'
+    read; rows without picking have no share."""
     from floodgate.bench.overhead import Run, summarize
 
     def run(config: str, picked: int | None, completed: int) -> Run:
@@ -98,6 +101,10 @@ def test_summary_reports_the_share_routed_by_picking() -> None:
         [run("noop", None, 100), run("floodgate-sampled", None, 80), run("floodgate-picking", 30, 60)],
         ["noop", "floodgate-sampled", "floodgate-picking"], [1])}
     assert rows["floodgate-picking"].picked_share == 0.5
+    assert rows["floodgate-picking"].unpicked == 29  # 60 served, 30 picked, 1 in flight allowed
     assert rows["floodgate-picking"].redis_calls_per_req == 2.0
     assert rows["floodgate-sampled"].picked_share is None
     assert rows["floodgate-picking"].throughput_ratio == 0.6
+    edge = {r.config: r for r in summarize([run("floodgate-picking", 60, 61), run("floodgate-picking", 41, 40)],
+                                           ["floodgate-picking"], [1])}["floodgate-picking"]
+    assert edge.unpicked == 0 and edge.picked_share == 1.0  # requests straddling a run's edges
