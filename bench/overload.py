@@ -1055,7 +1055,7 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 same emulated pool in several configurations, each on fresh processes, and prints the table
 below. Raw data (every request record and metric sample, gzipped JSON as written by
 `sim.report.write_json`) and `results.json` are in `{rel_out}/`.
-Reproduce: `floodgate bench overload` (about 17 minutes with the reference pass, the two `@engine-priority` and the two `@picking` rows; `--help` for a shorter run).
+Reproduce: `floodgate bench overload` (about 21 minutes with the reference pass, the static sweep 64/96/128/160, the two `@engine-priority` and the two `@picking` rows; `--help` for a shorter run).
 
 **Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
 {w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST; `@picking` rows: ORIGINAL_DST, the processor picks).
