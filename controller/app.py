@@ -626,7 +626,8 @@ class PoolController:
     def _cap_starts(self, actions: list[Action]) -> list[Action]:
         """Drop the starts beyond what the start backoff allows now (`StartBackoff.starts_allowed`)."""
         starting = sum(r.view.state in (S.COLD, S.LOADING, S.WARMING) for r in self.replicas.values())
-        cap = self.start_backoff.starts_allowed(starting)
+        t = self.cfg.timeouts
+        cap = self.start_backoff.starts_allowed(starting, self.clock(), max(t.start_backoff_max_s, t.crash_loop_s))
         if cap is None:
             return actions
         out: list[Action] = []

@@ -40,16 +40,17 @@ class Unresponsive:
 
 @dataclass(frozen=True, slots=True)
 class StartBackoff:
-    """Failed starts in a row, when the next may go, and whether a replica came up since the
-    last failure (then starts are trusted again, `starts_allowed`)."""
+    """Failed starts in a row, when the next may go, when the last one failed, and whether a
+    replica came up since (then starts are trusted again, `starts_allowed`)."""
 
     failures: int = 0
     until: float = 0.0
     came_up: bool = False
+    failed_at: float = 0.0
 
     def failed(self, now: float, base_s: float, max_s: float) -> StartBackoff:
         n = self.failures + 1
-        return StartBackoff(n, now + min(max_s, base_s * 2.0 ** (n - 1)))
+        return StartBackoff(n, now + min(max_s, base_s * 2.0 ** (n - 1)), failed_at=now)
 
     def up(self) -> StartBackoff:
         """A replica came up (it may still die young: that is a failure again)."""
@@ -61,12 +62,18 @@ class StartBackoff:
     def blocks(self, now: float) -> bool:
         return now < self.until
 
-    def starts_allowed(self, starting: int) -> int | None:
+    def starts_allowed(self, starting: int, now: float, forget_s: float) -> int | None:
         """How many starts may go now, with `starting` replicas started and not yet up (None:
-        no cap). After failed starts, one at a time until a replica comes up: a circuit
+        no cap). After a failed start, one at a time until a replica comes up: a circuit
         breaker's half-open state. When the wait ended every planned start went at once, so a
-        crashing command or an engine that dies on its first batches failed N at a time, N
-        model loads a round; the first to come up lets the rest start together."""
+        missing binary, a crashing command or an endpoint that never gets healthy failed N at a
+        time, N model loads a round; the first to come up lets the rest start together. A
+        replica that dies young after coming up (`crash_loop_s`) is a failure again, which
+        puts starts back to one at a time. A failure `forget_s` old with no start since is
+        forgotten: one pod lost mid-load must not hold a burst hours later to one start a
+        cold start (a review); while a probe is loading, the cap stays."""
         if self.failures == 0 or self.came_up:
             return None
-        return 0 if starting else 1
+        if starting:
+            return 0  # the probe is still on its way (a model load can take minutes)
+        return None if now - self.failed_at >= forget_s else 1

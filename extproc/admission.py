@@ -925,6 +925,7 @@ class Admitter:
             known = False  # unverifiable: not sent (a 503 now beats a prompt sent who knows where)
         if known:
             rt.registry_due = True  # this process's view is behind: read it now
+            rt.wake.set()
             return True
         self.child(self.metrics.unregistered_grants, (rt.cfg.name,)).inc()
         if endpoint not in rt.refused_endpoints:

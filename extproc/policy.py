@@ -351,24 +351,29 @@ def poisson_tail(mean: float, n: int) -> float:
     return max(0.0, 1.0 - total)
 
 
-def reach_chance(drift: float, var: float, t: float, m: float, at_end: bool = False) -> float:
+def reach_chance(drift: float, var: float, t: float, m: float, at_end: bool = False,
+                 releases: float | None = None, refill: float = 0.0) -> float:
     """P(max over [0, t] of X >= m) for a Brownian motion X with this drift and variance per
     second (the reflection formula): the chance that releases minus higher-class arrivals
     (a random walk) ever get `m` ahead within t. Its continuous stand-in for counts.
     `at_end`: P(X(t) >= m) instead (where it ends, not the most it reached: with a negative
     drift it may end below 0, so m <= 0 is not certain).
 
-    Capped by the chance of `m` up-steps at all (releases at (drift + var) / 2 per second, read
-    as Poisson): the walk gets ahead only by releases, whatever the arrivals' spread. Brownian
-    motion borrows the arrivals' variance to climb, so with a few steps to go and many arrivals
-    it read most of the time it could not reach as reached (P2 told 0.9 s where one release
-    in 5 s was needed, 2.5 s with fewer arrivals)."""
+    Given the walk's up-steps (`releases` per second, read as Poisson, plus the onset ramp's
+    fixed `refill` per second), capped by the chance of `m` of them at all: the walk gets ahead
+    only by those, whatever the arrivals' spread. Brownian motion borrows the arrivals'
+    variance to climb, so with a few steps to go and many arrivals it read most of the time it
+    could not reach as reached (P2 told 0.9 s where one release in 5 s was needed, 2.5 s with
+    fewer arrivals). The refill is a sure step count (`refill` x t), not a Poisson one: read as
+    half a Poisson rate, it dropped requests the ramp alone held back that it would have let in
+    in time (a review: 108 decisions of a grid)."""
     if m <= 0 and not at_end:
         return 1.0
-    up = (drift + var) / 2
     if var <= 0 or t <= 0:
         return 1.0 if drift * t >= m else 0.0
-    cap = poisson_tail(up * t, math.ceil(m)) if m > 0 else 1.0
+    cap = 1.0
+    if releases is not None and m > 0:
+        cap = poisson_tail(releases * t, math.ceil(m) - math.floor(refill * t + 1e-9))
     sd = math.sqrt(var * t)
 
     def phi(x: float) -> float:
@@ -524,7 +529,8 @@ class WaitEstimate:
             return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked - extra - math.floor(ref)))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
-            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + ahead - 0.5, at_end))
+            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + ahead - 0.5, at_end,
+                                           releases=r, refill=self.refill))
         # Its reservation turns over while the higher classes take the other releases (and
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
         turn = self.class_rate * scale * t
@@ -532,11 +538,12 @@ class WaitEstimate:
         if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
             tr = self.class_rate * scale
             return max(p_res, reach_chance(other + tr + self.refill - lam, other + tr + lam, t,
-                                           n + ahead - 0.5, at_end))
+                                           n + ahead - 0.5, at_end, releases=other + tr, refill=self.refill))
         p, term = 0.0, math.exp(-turn)
         # terms beyond ~12 standard deviations of the turnover count weigh nothing
         for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
-            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + ahead - 0.5, at_end)
+            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + ahead - 0.5, at_end,
+                                     releases=other, refill=self.refill)
             term *= turn / (j + 1)
         return min(1.0, p + poisson_tail(turn, n))
 
@@ -855,8 +862,9 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> 
     requests that just filled a small pool read as one (two P1s: 0.24/s, about the release
     rate of two 5 s requests), the walk of releases minus arrivals had no drift, and P2 was
     told 48-60 s while a permit freed within 3 s (an HTTP review; the `openai` client sleeps
-    as told, up to 60 s). A sustained stream (tens of arrivals behind the rate) reads as
-    before, so a class starved by one is still told the clamp. The costs are lopsided too: a
+    as told, up to 60 s). A stream well above the releases still reads as never (the clamp);
+    one near them reads a long finite wait (P1 at 15/s against 10 releases/s: 27 s, not 60).
+    The costs are lopsided too: a
     wait told too short costs one more rejection, decided without a round trip; one told too
     long idles the client while the pool has room."""
     return wait_estimate(cls, snap, [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES],

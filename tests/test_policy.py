@@ -817,11 +817,31 @@ def test_the_walk_climbs_only_by_releases() -> None:
     r, lam = 0.4, 4.0
     for t in (0.5, 1.0, 2.0, 5.0):
         for m in (0.5, 1.5, 2.5):
-            p = reach_chance(r - lam, r + lam, t, m)
+            p = reach_chance(r - lam, r + lam, t, m, releases=r)
             assert p <= poisson_tail(r * t, math.ceil(m)) + 1e-12
-            assert reach_chance(r - lam, r + lam, t, m, at_end=True) <= p + 1e-12
+            assert reach_chance(r - lam, r + lam, t, m, at_end=True, releases=r) <= p + 1e-12
+    capped = reach_chance(r - lam, r + lam, 1.0, 0.5, releases=r)  # one release at 0.4/s: 33 %, not the walk's 44 %
+    assert capped == pytest.approx(poisson_tail(r, 1)) and capped < reach_chance(r - lam, r + lam, 1.0, 0.5)
     # many releases to go: the bound is far above the walk's own reading, which stands
-    assert reach_chance(0.0, 4.0, 1.0, 2.0) == pytest.approx(math.erfc(2 / math.sqrt(8)))
+    assert reach_chance(0.0, 4.0, 1.0, 2.0, releases=2.0) == pytest.approx(math.erfc(2 / math.sqrt(8)))
+    # The onset ramp's refill is a sure count of steps, not half a Poisson rate: 8 tokens in 1 s
+    # cover 4 steps whatever the releases.
+    assert reach_chance(2.0 + 8.0 - 0.5, 2.5, 1.0, 3.5, releases=2.0, refill=8.0) > 0.99
+
+
+def test_a_class_paced_only_by_the_onset_ramp_waits_for_its_refill() -> None:
+    """A review of the cap above: a P2 held back only by the onset ramp (P0 in flight, permits
+    free for every waiter, the bucket empty; 8 tokens/s) with 3 waiters ahead is reached in its
+    1 s timeout for certain, but the cap read the refill at half its rate and turned it away."""
+    from floodgate.extproc.config import PoolConfig as Pool
+
+    classes = Pool().classes
+    s = Snapshot(20, (2, 10, 2), (0, 0, 3), 0, grant_rate=2.0, release_n=400, inflight_avg=14.0,
+                 arrival_rates=(0.25, 0.25, 1.0), arrival_rates_fast=(0.25, 0.25, 1.0), ramp=True, ramp_refill=8.0)
+    est = wait_estimate(2, s, [classes[k].share for k in (0, 1, 2)], [classes[k].headroom for k in (0, 1, 2)],
+                        reject_fast=True)
+    assert est.refill == 8.0  # only the ramp's pacing in the way
+    assert isinstance(queue_decision(2, s, classes, ADM, rand=0.5), Enqueue)
 
 
 def test_retry_after_of_a_pool_two_requests_just_filled() -> None:

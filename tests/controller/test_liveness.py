@@ -54,14 +54,18 @@ def test_start_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
 
 def test_after_failed_starts_one_goes_at_a_time_until_a_replica_comes_up() -> None:
     b = StartBackoff()
-    assert b.starts_allowed(0) is None and b.starts_allowed(3) is None  # no failure: no cap
+    assert b.starts_allowed(0, 0.0, 60.0) is None and b.starts_allowed(3, 0.0, 60.0) is None  # no failure
     assert b.up() == b  # (coming up means nothing without a failure)
     b = b.failed(0.0, 1.0, 60.0)
-    assert b.starts_allowed(0) == 1 and b.starts_allowed(1) == 0  # the probe, and only one
+    assert b.starts_allowed(0, 1.0, 60.0) == 1 and b.starts_allowed(1, 1.0, 60.0) == 0  # the probe only
     b = b.up()
-    assert b.starts_allowed(1) is None  # it came up: the rest start together
+    assert b.starts_allowed(1, 2.0, 60.0) is None  # it came up: the rest start together
     b = b.failed(10.0, 1.0, 60.0)  # then died young (or another failed): one at a time again
-    assert b.failures == 2 and not b.came_up and b.starts_allowed(0) == 1
+    assert b.failures == 2 and not b.came_up and b.starts_allowed(0, 11.0, 60.0) == 1
+    # A failure long ago with nothing started since is forgotten (a review: one pod lost
+    # mid-load held a burst six hours later to one start); a probe still loading keeps the cap.
+    assert b.starts_allowed(0, 6 * 3600.0, 60.0) is None
+    assert b.starts_allowed(0, 69.9, 60.0) == 1 and b.starts_allowed(1, 6 * 3600.0, 60.0) == 0
 
 
 @pytest.mark.integration
