@@ -54,6 +54,7 @@ from typing import Any
 
 import psutil
 import redis
+from floodgate.sim.cli import non_negative_int, positive_int
 
 from floodgate.envoy_config import write_config
 from floodgate.stack import Envoy, LocalStack, Processor
@@ -518,8 +519,9 @@ def measure(configs: Sequence[str], levels: Sequence[int], duration: float, roun
 # ------------------------------------------------------------------------- CLI
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=8.0, metavar="S",
-                   help="seconds of load per (config, connections) run (default 8)")
+    # Whole seconds: wrk's -d takes no fraction (1.5 failed the run after the set-up).
+    p.add_argument("--duration", type=positive_int, default=8, metavar="S",
+                   help="whole seconds of load per (config, connections) run (default 8)")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved rounds; the table shows the median (default 2)")
     p.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64], metavar="N",
@@ -527,7 +529,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIGS,
                    help="which stacks to measure (default all)")
     p.add_argument("--threads", type=int, default=1, help="wrk threads (default 1: the box has 2 cores)")
-    p.add_argument("--warmup", type=float, default=1.0, metavar="S", help="warm-up seconds per config")
+    p.add_argument("--warmup", type=non_negative_int, default=1, metavar="S",
+                   help="whole warm-up seconds per config (0: none)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every run and the summary here")
     p.add_argument("--workdir", type=Path, metavar="DIR",
                    help="where process logs and configs go (default: a new temp directory)")

@@ -145,3 +145,14 @@ def test_load_replays_a_good_trace(tmp_path: Path, capsys: pytest.CaptureFixture
                     "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0000000,100,10\n")
     assert main(["load", "--shape", "trace", "--trace", str(path), "--dry-run"]) == 0
     assert capsys.readouterr().out.startswith("2 requests over")
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--duration", "1.5", "expected an integer >= 1"),  # wrk's -d takes whole seconds: it failed after the set-up
+    ("--duration", "0", "must be >= 1"),
+    ("--warmup", "0.5", "expected an integer >= 0"),
+])
+def test_bench_overhead_takes_whole_seconds(option: str, value: str, message: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["bench", "overhead", option, value], capsys)
+    assert f"floodgate bench overhead: error: argument {option}: {message}" in err
