@@ -495,7 +495,9 @@ class PoolController:
                       offered=None if d.offered is None else {
                           "source": d.offered.source, "stale": d.offered.stale,
                           "rate": round(d.offered.offered_total, 2),
-                          "turned_away": round(d.offered.lacking_rate(), 2)},
+                          "turned_away": round(d.offered.lacking_rate(), 2),
+                          **({"unanswered": round(d.offered.unanswered_rate, 2)}
+                             if d.offered.unanswered_rate > 0 else {})},
                       **(extra or {}),
                       actions=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in actions])
         self.last_reason = plan.reason

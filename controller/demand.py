@@ -70,7 +70,9 @@ class DemandConfig(BaseModel):
         "log reports, and are left out of the demand the forecaster records.")
     default_class: int = Field(default=1, ge=0, le=2, description="Class of unclassed (Envoy-only) demand.")
     use_envoy: bool = Field(default=True, description="Reconcile with Envoy's gateway listener counters "
-                            "(only correct when the listener serves this pool alone).")
+                            "(only correct when the listener serves this pool alone and `envoy.admin_url` is the "
+                            "one Envoy every request of the pool passes: with several gateway Envoys set false, "
+                            "or their counts read as the pool's and hold Floodgate's turned-away to one Envoy's).")
     max_service_s: float = Field(default=600.0, gt=0, description="Upper bound on the measured seconds a request holds a slot.")
     burst: bool = Field(default=True, description="Also size scale-up from the offered rate since a step "
                         "(the burst estimate; `burst_concurrency`). Never used for scale-down.")
@@ -173,6 +175,7 @@ class OfferedDemand:
     admitted_rate: dict[int, float]
     turned_away_rate: dict[int, float]
     envoy_excess_rate: float = 0.0  # turned away per Envoy but missing from Floodgate's counters
+    unanswered_rate: float = 0.0  # turned away per Floodgate beyond what Envoy answered: not counted
 
     @property
     def offered_total(self) -> float:
@@ -302,6 +305,21 @@ def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[flo
     return refused / dt, (refused + unadmitted) / dt
 
 
+# Floodgate's counters may claim more turned away than Envoy answered by this much (the two are
+# read at different moments over the same window) before the excess is taken for forged.
+ANSWERED_TOLERANCE = 0.25
+ANSWERED_SLACK_RPS = 1.0
+
+
+def answered_bound(claimed: float, answered: float) -> float:
+    """What Floodgate's turned-away rate (abandoned left out) may count, given the immediate
+    responses Envoy sent for them: every request a processor turns away gets one (a 429/503
+    the processor answers through Envoy), so a counter above that is written by someone else.
+    The processors' Redis user can write the demand counters; a review wrote them and the
+    controller read the forged rates (a pool pushed to `max_replicas` is the harm)."""
+    return min(claimed, answered * (1 + ANSWERED_TOLERANCE) + ANSWERED_SLACK_RPS)
+
+
 def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     """Reconciled offered demand at `now` (see the module doc)."""
     fg_ok = _fresh(w.floodgate, now, cfg)
@@ -325,6 +343,16 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # ones it refused as malformed (a review: 30 req/s of `x-tenant-id: a,b`, each a 400,
     # scaled a pool for one replica's load 1 -> 8, its max, in 28 s).
     refused, _ = not_demand_rate(w, now, cfg)
+    a_, b_ = w.floodgate[0], w.floodgate[-1]
+    left = sum(max(0.0, cb.abandoned - a_.classes.get(c, ClassCounters()).abandoned)
+               for c, cb in b_.classes.items()) / (b_.taken_at - a_.taken_at)
+    claimed = max(0.0, sum(away.values()) - left)  # (a client that left while queued got no reply)
+    answered = max(0.0, g_away - refused)
+    unanswered = claimed - answered_bound(claimed, answered)
+    if unanswered > 0:
+        keep = (claimed - unanswered + left) / (claimed + left)
+        away = {c: v * keep for c, v in away.items()}
+        off = {c: max(adm.get(c, 0.0), off.get(c, 0.0) - (v / keep - v)) for c, v in away.items()}
     excess = max(0.0, g_away - sum(away.values()) - refused)
     if excess > 0:
         total = sum(away.values())
@@ -332,7 +360,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
         for c, s in shares.items():
             away[c] = away.get(c, 0.0) + excess * s
             off[c] = off.get(c, 0.0) + excess * s
-    return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess)
+    return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess, max(0.0, unanswered))
 
 
 def recent(w: DemandWindow, now: float, span_s: float) -> DemandWindow:

@@ -93,6 +93,26 @@ def test_retries_turned_away_again_are_no_demand_in_either_source() -> None:
     assert d.turned_away_rate == pytest.approx({1: 6.0})
 
 
+def test_floodgate_counters_never_claim_more_turned_away_than_envoy_answered() -> None:
+    # The processors' Redis user can write the demand counters: a review wrote them and the
+    # controller read the forged rates. Every request a processor turns away (but one whose
+    # client left while queued) gets an immediate response through Envoy, so Floodgate's
+    # turned-away rate is held to what Envoy answered, with room for the reads' misalignment.
+    a = FloodgateCounters(100.0, True, {1: ClassCounters(), 2: ClassCounters()})
+    forged = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=1000),
+                                             2: ClassCounters(early_drop=1000, abandoned=10)})
+    ga, gb = GatewayCounters(100.0, True, 0, 0), GatewayCounters(110.0, True, 100, 60)  # 6/s answered
+    d = offered(feed([(100.0, a, ga), (110.0, forged, gb)]), 110.0, CFG)
+    left = 1.0  # abandoned/s: no reply, not held to Envoy's count
+    assert sum(d.turned_away_rate.values()) == pytest.approx(6 * 1.25 + 1.0 + left)
+    assert d.unanswered_rate == pytest.approx(200 - 6 * 1.25 - 1.0)
+    assert d.turned_away_rate[2] / d.turned_away_rate[1] == pytest.approx(101 / 100)  # split as claimed
+    # Honest counters a little off Envoy's (read at another moment) are left alone.
+    honest = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=65), 2: ClassCounters()})
+    d = offered(feed([(100.0, a, ga), (110.0, honest, gb)]), 110.0, CFG)
+    assert d.unanswered_rate == 0.0 and d.turned_away_rate[1] == pytest.approx(6.5)
+
+
 def test_stale_and_missing_are_never_zero() -> None:
     a = fg(100.0, {1: (0, 0, 0, 0)})
     b = fg(110.0, {1: (10, 0, 90, 0)})
