@@ -28,7 +28,7 @@ is derived first from the pure engine model (`sim/engine.py`, the same code the 
 and, by default, the pool's best steady goodput is then measured on the real pool with a short
 step sweep without admission control.
 
-    floodgate bench overload                                  # the headline, shipped defaults, ~17 min
+    floodgate bench overload                                  # the headline, shipped defaults, ~21 min
     floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
 
 Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,

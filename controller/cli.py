@@ -306,8 +306,8 @@ def _simulate(args: argparse.Namespace) -> int:
         f"SLO: queueing delay ≤ {sim.slo_wait_s:g} s (rejections after {sim.queue_timeout_s:g} s count as misses); "
         f"cost = replica-seconds of every replica holding a GPU, sleeping warm-pool replicas × "
         f"{sim.warm_cost_weight:g}; zero-wait = the cheapest zero-wait schedule (a yardstick, not a bound), "
-        f"each start charged {sim.start_cost_s:g} s, only its part inside the scored window; "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"each start charged {sim.start_cost_s:g} s, only its part inside the scored window. "
+        f"Simulated in {time.perf_counter() - t0:.0f} s."
     )
     if args.out is not None:
         report.write_outputs(args.out, c, {"policy": policy.model_dump(), "forecast": forecast.model_dump(),

@@ -921,8 +921,11 @@ class Admitter:
         try:
             async with asyncio.timeout(self.cfg.redis.op_timeout_s * 2):
                 known = bool(await rt.client.hexists(key(rt.cfg.name, ENDPOINTS), endpoint))
-        except OUTAGE_ERRORS:
-            known = False  # unverifiable: not sent (a 503 now beats a prompt sent who knows where)
+        except OUTAGE_ERRORS as exc:
+            # Unverifiable: not sent (a 503 now beats a prompt sent who knows where), but no
+            # sign of forgery either: not counted as an unregistered grant.
+            log.debug("pool %s: could not look up granted endpoint %s in the registry: %s", rt.cfg.name, endpoint, exc)
+            return False
         if known:
             rt.registry_due = True  # this process's view is behind: read it now
             rt.wake.set()

@@ -61,5 +61,18 @@ def shell_template() -> list[str]:
                      controller_password="$REDIS_CONTROLLER_PASSWORD")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m floodgate.redis_acl",
+        description="Print the ACL file of Floodgate's Redis users (one `user` line each: `default` the "
+                    "operator's, floodgate-processor, floodgate-controller; see this module's doc), with the "
+                    "passwords as $REDIS_PASSWORD, $REDIS_PROCESSOR_PASSWORD and $REDIS_CONTROLLER_PASSWORD for "
+                    "a start script to substitute.").parse_args(argv)
     sys.stdout.write("\n".join(shell_template()) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

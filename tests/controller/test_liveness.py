@@ -216,7 +216,9 @@ async def test_after_failed_starts_the_pool_starts_one_replica_until_one_comes_u
         rounds = [sum(a.startswith("start:") for a in e["actions"]) for e in pc.events
                   if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
     assert rounds[0] == 3, rounds  # the first round: no failure yet
-    assert rounds[1:] == [1, 2], rounds  # after the failures: the probe alone, then the rest
+    # After the failures: the probe alone, then the rest ([1, 2]; on a loaded box a failure of
+    # the first round noticed after the probe came up puts starts back to one at a time: [1, 1, 1]).
+    assert rounds[1] == 1 and sum(rounds[1:]) == 3, rounds
 
 
 PAGE = """# TYPE vllm:num_requests_running gauge
