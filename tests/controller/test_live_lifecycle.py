@@ -143,9 +143,11 @@ async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack,
             await wait_for(lambda: _states_are(url, active=2), 40)
         ids = sorted(h.replica_id for h in await process_actuator(stack, state_dir).list())
         pids = {h.replica_id: h.labels["pid"] for h in await process_actuator(stack, state_dir).list()}
-        # Long streams on both replicas, then a controller that wants one replica fewer.
+        # Long streams on both replicas, then a controller that wants one replica fewer. (150
+        # tokens, ~3 s, ended before the handover on a loaded CI box: the drain was over and
+        # "b" had stopped before the test read the registry.)
         stats = StreamStats()
-        streams = [asyncio.create_task(stream_once(s, envoy.url, 150, stats)) for _ in range(4)]
+        streams = [asyncio.create_task(stream_once(s, envoy.url, 500, stats)) for _ in range(4)]
         await asyncio.sleep(0.5)
         async with running(one, process_actuator(stack, state_dir), holder="b"):
             await wait_for(lambda: _states_are(url, active=1, draining=1), 20, interval=0.02)
