@@ -331,8 +331,11 @@ def start_targets(stack: LocalStack, configs: Sequence[str]) -> list[Target]:
     return targets
 
 
-async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[str, int]]) -> None:
-    """The upstreams in the pool's registry as active endpoints (bench/overload.py's `@picking`)."""
+async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[str, int]],
+                          replica_prefix: str = "upstream") -> None:
+    """The upstreams in the pool's registry as active endpoints, replicas `<prefix><i>` (what the
+    scaling controller writes in a deployment; the picking rows here and bench/overload.py's
+    `@picking` run none)."""
     from floodgate.extproc.registry import Registry
     from floodgate.extproc.state import redis_client
 
@@ -340,7 +343,7 @@ async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[s
     try:
         reg = Registry(client, pool)
         for i, (host, port) in enumerate(upstreams):
-            await reg.set(f"{host}:{port}", "active", f"upstream{i}")
+            await reg.set(f"{host}:{port}", "active", f"{replica_prefix}{i}")
     finally:
         await client.aclose()
 

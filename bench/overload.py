@@ -58,7 +58,7 @@ import psutil
 from floodgate.bench.doc_section import kept_notes, replace_section
 from floodgate.bench.doc_section import num as _num
 from floodgate.bench.doc_section import pct as _pct
-from floodgate.bench.overhead import cpu_seconds
+from floodgate.bench.overhead import cpu_seconds, register_active
 from floodgate.extproc.config import PoolConfig
 
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
@@ -496,7 +496,7 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
         if cfg.floodgate:
             stack.start_redis()
             if cfg.picking:
-                asyncio.run(register_active(stack.redis_url, "default", upstreams))
+                asyncio.run(register_active(stack.redis_url, "default", upstreams, replica_prefix="sim"))
             proc = stack.start_processor(floodgate_config(cfg, classes))
             envoy = stack.start_envoy(upstreams, processors=[proc], access_log=access_log, picking=cfg.picking)
             metrics_url, metrics = proc.metrics_url, FLOODGATE_METRICS
@@ -559,21 +559,6 @@ def run_config(cfg: BenchConfig, w: Workload, plan: Sequence[Any], *, timeout_s:
                 raise RuntimeError(f"{c.name} died during the {cfg.name} run:\n{c.log_tail()}")
     result.meta["config"] = cfg.name
     return RunOutput(cfg, result, cpu, machine)
-
-
-async def register_active(redis_url: str, pool: str, upstreams: Sequence[tuple[str, int]]) -> None:
-    """`@picking` rows: the replicas in the pool's registry as active endpoints (what the scaling
-    controller writes in a deployment; this bench runs none)."""
-    from floodgate.extproc.registry import Registry
-    from floodgate.extproc.state import redis_client
-
-    client = redis_client(redis_url, op_timeout_s=5)
-    try:
-        reg = Registry(client, pool)
-        for i, (host, port) in enumerate(upstreams):
-            await reg.set(f"{host}:{port}", "active", f"sim{i}")
-    finally:
-        await client.aclose()
 
 
 def probe_access_lines(path: Path, n: int, wait_s: float = 5.0) -> dict[int, dict[str, Any]]:
