@@ -477,7 +477,7 @@ class PoolController:
         m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
-        actions = self._cap_starts([a for a in d.actions if not self._skip(a.replica_id, a.kind)])
+        actions = self._cap_starts([a for a in d.actions if not self._skip(a.replica_id, a.kind)], now)
         if not any(a.kind is ActionKind.START for a in actions):
             # Starts held back (a start backoff) take no ids: the next planned start gets the
             # same one, so ids stay consecutive.
@@ -625,11 +625,11 @@ class PoolController:
             self.metrics.scrape_failures.labels(source="registry").inc()
             return None
 
-    def _cap_starts(self, actions: list[Action]) -> list[Action]:
+    def _cap_starts(self, actions: list[Action], now: float) -> list[Action]:
         """Drop the starts beyond what the start backoff allows now (`StartBackoff.starts_allowed`)."""
         starting = sum(r.view.state in (S.COLD, S.LOADING, S.WARMING) for r in self.replicas.values())
         t = self.cfg.timeouts
-        cap = self.start_backoff.starts_allowed(starting, self.clock(), max(t.start_backoff_max_s, t.crash_loop_s))
+        cap = self.start_backoff.starts_allowed(starting, now, max(t.start_backoff_max_s, t.crash_loop_s))
         if cap is None:
             return actions
         out: list[Action] = []

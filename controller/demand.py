@@ -294,15 +294,17 @@ def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[flo
     dt = b.taken_at - a.taken_at
     if dt <= 0:
         return 0.0, 0.0
-    refused = unadmitted = 0.0
-    for c, cb in b.classes.items():
-        ca = a.classes.get(c, ClassCounters())
-        # (turned away on local limits, or a retry turned away again: answered by the processor
-        # like the refused, no demand)
-        refused += (max(0.0, cb.refused - ca.refused) + max(0.0, cb.degraded - ca.degraded)
-                    + max(0.0, cb.retried - ca.retried))
-        unadmitted += max(0.0, cb.unadmitted - ca.unadmitted)
+    # (turned away on local limits, or a retry turned away again: answered by the processor
+    # like the refused, no demand)
+    refused = counted_between(a, b, "refused", "degraded", "retried")
+    unadmitted = counted_between(a, b, "unadmitted")
     return refused / dt, (refused + unadmitted) / dt
+
+
+def counted_between(a: FloodgateCounters, b: FloodgateCounters, *outcomes: str) -> float:
+    """How many requests these outcomes counted between two reads, all classes (never below 0)."""
+    return sum(max(0.0, getattr(cb, n) - getattr(a.classes.get(c, ClassCounters()), n))
+               for c, cb in b.classes.items() for n in outcomes)
 
 
 # Floodgate's counters may claim more turned away than Envoy answered by this much (the two are
@@ -344,8 +346,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # scaled a pool for one replica's load 1 -> 8, its max, in 28 s).
     refused, _ = not_demand_rate(w, now, cfg)
     a_, b_ = w.floodgate[0], w.floodgate[-1]
-    left = sum(max(0.0, cb.abandoned - a_.classes.get(c, ClassCounters()).abandoned)
-               for c, cb in b_.classes.items()) / (b_.taken_at - a_.taken_at)
+    left = counted_between(a_, b_, "abandoned") / (b_.taken_at - a_.taken_at)
     claimed = max(0.0, sum(away.values()) - left)  # (a client that left while queued got no reply)
     answered = max(0.0, g_away - refused)
     unanswered = claimed - answered_bound(claimed, answered)
