@@ -863,10 +863,9 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> 
     rate of two 5 s requests), the walk of releases minus arrivals had no drift, and P2 was
     told 48-60 s while a permit freed within 3 s (an HTTP review; the `openai` client sleeps
     as told, up to 60 s). A stream well above the releases still reads as never (the clamp);
-    one near them reads a long finite wait.
-    The costs are lopsided too: a
-    wait told too short costs one more rejection, decided without a round trip; one told too
-    long idles the client while the pool has room."""
+    one near them reads a long finite wait. The costs are lopsided too: a wait told too short
+    costs one more rejection, decided without a round trip; one told too long idles the client
+    while the pool has room."""
     return wait_estimate(cls, snap, [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES],
                          arrivals_low=True).seconds
 

@@ -303,11 +303,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
         self._unadmitted_methods = {p.name: frozenset(p.unadmitted_methods) for p in cfg.pools}
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
+        self._retry_header = cfg.admission.retry_count_header.lower()  # "" = off
         self._wanted = frozenset({":authority", ":path", ":method", "upgrade", DESTINATION_HEADER,
                                   cfg.admission.priority_header.lower(), cfg.admission.tenant_header.lower(),
                                   "content-length", "content-encoding", *METHOD_OVERRIDE_HEADERS}
-                                 | ({cfg.admission.retry_count_header.lower()} if cfg.admission.retry_count_header
-                                    else set()))
+                                 | ({self._retry_header} if self._retry_header else set()))
         # Pools whose grants count each request's own prompt size (prefill-aware picking on and
         # the size read): its content-length as prompt tokens (prefill.prompt_tokens).
         self._sized = {p.name: functools.partial(prompt_tokens, bytes_per_token=p.prefill_bytes_per_token,
@@ -469,8 +469,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             child(m.untrusted_priority, (pool,)).inc()
         sized = self._sized.get(pool)
         tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
-        retry = (is_retry(headers.get(self.cfg.admission.retry_count_header.lower()))
-                 if self.cfg.admission.retry_count_header else False)
+        retry = bool(self._retry_header) and is_retry(headers.get(self._retry_header))
         result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens, retry=retry)
         if isinstance(result, Reject):
             reply = reject_response(result, decision.priority)
