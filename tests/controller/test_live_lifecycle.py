@@ -145,15 +145,25 @@ async def test_restart_mid_drain_neither_loses_nor_duplicates(stack: LocalStack,
         pids = {h.replica_id: h.labels["pid"] for h in await process_actuator(stack, state_dir).list()}
         # Long streams on both replicas, then a controller that wants one replica fewer. (150
         # tokens, ~3 s, ended before the handover on a loaded CI box: the drain was over and
-        # "b" had stopped before the test read the registry.)
+        # "b" had stopped before the test read the registry. And streams sent before the
+        # processor saw both replicas active all went to one: the other drained empty, at once.)
+        endpoints = {h.replica_id: h.endpoint for h in await process_actuator(stack, state_dir).list()}
+        warmup = StreamStats()
+        await wait_for(lambda: _serves_both(s, envoy.url, endpoints, warmup), 20, interval=0.1)
         stats = StreamStats()
         streams = [asyncio.create_task(stream_once(s, envoy.url, 500, stats)) for _ in range(4)]
-        await asyncio.sleep(0.5)
-        async with running(one, process_actuator(stack, state_dir), holder="b"):
+        await wait_for(lambda: _each_runs(s, endpoints, 1), 10, interval=0.05)
+        t0 = time.monotonic()
+        async with running(one, process_actuator(stack, state_dir), holder="b") as ctl_b:
+            events_b = ctl_b.pools["default"].events
             await wait_for(lambda: _states_are(url, active=1, draining=1), 20, interval=0.02)
+            t_drain = time.monotonic() - t0
         # Controller "b" stopped mid-drain; "c" picks the drain up where it was.
         mid = await registry_states(url)
-        draining_id = next(r for r, st in mid.items() if st == "draining")
+        draining_id = next((r for r, st in mid.items() if st == "draining"), None)
+        assert draining_id is not None, (
+            f"no drain left to take over: {mid}, {stats}, drain seen {t_drain:.2f} s and b stopped "
+            f"{time.monotonic() - t0:.2f} s after b started; b's events: {list(events_b)}")
         act_c = process_actuator(stack, state_dir)
         async with running(one, act_c, holder="c", clock_skew_s=skew) as ctl:
             pc = ctl.pools["default"]
@@ -204,6 +214,19 @@ async def test_a_burst_during_a_drain_takes_the_draining_replica_back(stack: Loc
         await asyncio.gather(*streams)
         assert sorted(h.replica_id for h in await process_actuator(stack, state_dir).list()) == ids
         assert stats.failed == [] and stats.ok == 10
+
+
+async def _serves_both(s: aiohttp.ClientSession, url: str, endpoints: dict[str, str], stats: StreamStats) -> bool:
+    """One short request through Envoy; True once every replica has served one (the
+    processor's view holds them all)."""
+    await stream_once(s, url, 1, stats)
+    done = [await metrics(s, f"http://{ep}/metrics") for ep in endpoints.values()]
+    return all(sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")) > 0 for m in done)
+
+
+async def _each_runs(s: aiohttp.ClientSession, endpoints: dict[str, str], n: int) -> bool:
+    ms = [await metrics(s, f"http://{ep}/metrics") for ep in endpoints.values()]
+    return all(sum(v for k, v in m.items() if k.startswith("vllm:num_requests_running")) >= n for m in ms)
 
 
 async def _has(pc: Any, on: str) -> bool:
