@@ -225,6 +225,10 @@ class PoolController:
         self._arriving_due: list[float] = []  # the times announced last, one per replica (controller clock)
         self.start_backoff = StartBackoff()  # failed starts in a row (controller.liveness)
         self.logged_actions: list[Action] = []  # the last step's actions, as the decision log names them
+        # A pool that had no replica at all when this controller took it over starts its first
+        # ones for min_replicas: no warm-pool miss (there was never a pool to hit) until one is active.
+        self._booting = False
+        metrics.prepare(self.pool)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -269,6 +273,7 @@ class PoolController:
                 retention = self.cfg.forecast.retention_days * fc.MINUTES_PER_DAY
                 self.state = replace(self.state, history=fc.DemandHistory.from_dict(json.loads(raw), retention))
         assert self.state.history is not None
+        self._booting = not self.replicas
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},
                   next_seq=self.state.next_seq, history_end=self.state.history.end_minute)
 
@@ -369,7 +374,8 @@ class PoolController:
                 continue  # list() may lag behind start()
             if rep.busy and rep.task is not None:
                 rep.task.cancel()
-            await self._fail(rep, "vanished" if cur is None else "not_running")
+            why = "vanished" if cur is None else "not_running"
+            await self._fail(rep, why, kind=why)
 
     # ---- the tick ------------------------------------------------------------------------
 
@@ -451,6 +457,9 @@ class PoolController:
         await self._publish_arriving(d, now)
         await self._sync_registry(eps, {a.replica_id for a in todo})
         self.metrics.set_states(self.pool, count_states(tuple(r.view for r in self.replicas.values())))
+        self.metrics.start_backoff.labels(pool=self.pool).set(max(0.0, self.start_backoff.until - self.clock()))
+        if self._booting and any(r.view.state is S.ACTIVE for r in self.replicas.values()):
+            self._booting = False
         return d.plan
 
     def step(self, signals: Signals, now: float, extra: dict[str, Any] | None = None) -> Decision:
@@ -688,7 +697,7 @@ class PoolController:
         m = self.metrics
         m.actions.labels(pool=self.pool, action=kind.value, outcome="issued").inc()
         if kind is ActionKind.START:
-            if reason == "scale_up":
+            if reason == "scale_up" and not self._booting:
                 m.warm_misses.labels(pool=self.pool).inc()
             rep = Replica(apply_action(ReplicaView(rid, S.COLD, now), kind, now), None, placeholder=True,
                           cold_for_demand=reason == "scale_up", started_at=now)
@@ -740,7 +749,7 @@ class PoolController:
         except Exception as exc:
             self.metrics.actions.labels(pool=self.pool, action=what, outcome="error").inc()
             self.emit("action_failed", replica=rep.view.replica_id, action=what, error=f"{type(exc).__name__}: {exc}")
-            await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, NoCapacity))
+            await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, NoCapacity), kind="action_failed")
         finally:
             self.kick()  # the next tick should see the outcome at once
 
@@ -769,7 +778,7 @@ class PoolController:
             return  # it moved on while the check ran (a scrape came back, a drain began)
         self.metrics.unresponsive.labels(pool=self.pool).inc()
         await self._fail(rep, f"unresponsive: scrapes failing for {self.clock() - since:.0f} s, "
-                              f"/health not answering within {t.liveness_probe_s:g} s")
+                              f"/health not answering within {t.liveness_probe_s:g} s", kind="unresponsive")
         self.kick()
 
     def _probe_pool(self, now: float) -> None:
@@ -806,7 +815,7 @@ class PoolController:
         if rep.pool_health.due(now, t.unresponsive_s):
             self.metrics.unresponsive.labels(pool=self.pool).inc()
             since = rep.pool_health.since or now
-            await self._fail(rep, f"unresponsive in the warm pool: /health failing for {now - since:.0f} s")
+            await self._fail(rep, f"unresponsive in the warm pool: /health failing for {now - since:.0f} s", kind="pool_unresponsive")
             self.kick()
 
     def _prove(self, rep: Replica, now: float) -> None:
@@ -815,7 +824,10 @@ class PoolController:
             rep.proven = True
             self.start_backoff = self.start_backoff.succeeded()
 
-    async def _fail(self, rep: Replica, why: str, start_failed: bool = True) -> None:
+    async def _fail(self, rep: Replica, why: str, start_failed: bool = True, *, kind: str) -> None:
+        """Mark `rep` failed (`why` for the log; `kind`, one of metrics.FAILURE_REASONS, for the
+        failures counter), hold the next start back if it never came up or died young, and take
+        it out of the registry."""
         crashed_young = rep.warmed_at is not None and not rep.proven  # died within crash_loop_s of coming up
         live = rep.view.state not in (S.FAILED, S.TERMINATED)
         if start_failed and live and (rep.view.state in (S.COLD, S.LOADING, S.WARMING) or crashed_young):
@@ -827,6 +839,7 @@ class PoolController:
                       seconds=round(self.start_backoff.until - self.clock(), 3))
         if rep.view.state not in (S.FAILED, S.TERMINATED):
             self._event(rep, Event.FAIL)
+            self.metrics.failures.labels(pool=self.pool, reason=kind).inc()
             self.emit("failed", replica=rep.view.replica_id, why=why)
         if rep.endpoint:
             with contextlib.suppress(*OUTAGE_ERRORS):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from floodgate.controller.lifecycle import ActionKind
 from floodgate.controller.signals import ReplicaState
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,6 +16,9 @@ from prometheus_client import (
 
 from floodgate.runtime import ListenError
 
+FAILURE_REASONS = ("not_running", "vanished", "action_failed", "unresponsive", "pool_unresponsive")
+SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate")
+
 
 class ControllerMetrics:
     def __init__(self) -> None:
@@ -25,8 +29,21 @@ class ControllerMetrics:
         self.warm_target = Gauge("floodgate_warm_pool_target", "Warm-pool target size.", ["pool"], registry=r)
         self.scale_events = Counter("floodgate_scale_events_total", "Changes of the desired count.",
                                     ["pool", "direction", "reason"], registry=r)
-        self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions executed.",
+        self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions: outcome `issued` once per "
+                               "action the controller takes (every kind: start, promote, sleep, drain, undrain, "
+                               "recycle, terminate, force_stop); the operations that run on beside the ticks "
+                               "(start, bring_up: a replica found loading brought to warm, promote, sleep) also "
+                               "count how they ended, `ok` or `error`. Count actions by `issued`.",
                                ["pool", "action", "outcome"], registry=r)
+        self.failures = Counter("floodgate_replica_failures_total", "Replicas the controller marked failed (then "
+                                "terminated), by why: not_running (its process or pod ended), vanished (gone from "
+                                "the actuator's list), action_failed (a start, wake, sleep or stop failed), "
+                                "unresponsive (an active one: scrapes failing, /health not answering), "
+                                "pool_unresponsive (a warm-pool one's /health checks failing).",
+                                ["pool", "reason"], registry=r)
+        self.start_backoff = Gauge("floodgate_start_backoff_seconds", "Seconds until the next replica start is "
+                                   "allowed after failed starts in a row (0: none held back): a crash-looping "
+                                   "model server shows here.", ["pool"], registry=r)
         self.drain = Histogram("floodgate_drain_duration_seconds", "Drain start to its end, by outcome: recycled or terminated (idle), forced (max_drain_s), undrained (taken back by a scale-up).",
                                ["pool", "outcome"], registry=r,
                                buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
@@ -65,6 +82,23 @@ class ControllerMetrics:
                                       "decision and actions (each pool ticks in its own loop).", ["pool"],
                                       buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
                                       registry=r)
+
+    def prepare(self, pool: str) -> None:
+        """Create the pool's label sets of the counters at 0, so that the first event of a kind
+        is an increase: Prometheus's rate() and increase() need two samples of a series, and a
+        series first seen at 1 adds nothing (a first failure or cold start never showed)."""
+        for kind in ActionKind:
+            self.actions.labels(pool=pool, action=kind.value, outcome="issued")
+        for what in ("start", "bring_up", "promote", "sleep"):
+            for outcome in ("ok", "error"):
+                self.actions.labels(pool=pool, action=what, outcome=outcome)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(pool=pool, reason=reason)
+        for c in (self.warm_hits, self.warm_misses, self.unresponsive):
+            c.labels(pool=pool)
+        self.start_backoff.labels(pool=pool).set(0)
+        for source in SCRAPE_SOURCES:
+            self.scrape_failures.labels(source=source)
 
     def set_states(self, pool: str, counts: dict[ReplicaState, int]) -> None:
         for st, n in counts.items():

@@ -393,6 +393,7 @@ class Admitter:
             self.pools[p.name] = rt
             self.metrics.limit.labels(p.name).set(p.limit.initial)
             self.metrics.pool_degraded.labels(p.name).set(0)
+            self.metrics.prepare(p.name)
 
     @property
     def degraded(self) -> bool:
@@ -433,6 +434,7 @@ class Admitter:
         """A background loop that an unexpected error must not end silently: a dead sync loop
         stops renewing this process's liveness, and Redis then takes back its waiters' grants.
         The error is logged and counted; the loop starts again after `reconnect_interval_s`."""
+        self.metrics.loop_restarts.labels(name)  # at 0 (Metrics.prepare)
         async def run() -> None:
             while not self._closing:
                 try:

@@ -16,6 +16,16 @@ _PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 
 
+# The closed label sets whose counters are created at 0 (`Metrics.prepare`): the Redis calls the
+# admitter names (`Admitter.call`), the rejection reasons, how a permit is released.
+REDIS_OPS = ("acquire", "admit", "arrivals", "arriving", "cancel", "ceiling", "configure", "credit_done", "demand",
+             "eject", "ejections", "enqueue", "gateways", "get_limit", "leave", "mine", "refund", "registry",
+             "release", "repair", "return_credits", "set_limit", "status", "sync", "uneject")
+REJECT_REASONS = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "header_limit",
+                  "conflicting_tenant")
+RELEASE_REASONS = ("stream_end", "cancelled", "upstream_error", "abandoned_grant", "no_endpoints")
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -82,9 +92,12 @@ class Metrics:
             "dropped (an overload 502/503/504), ignored (cancelled, another 5xx, a dead endpoint, a sampled "
             "stream cut before its end).", ["pool", "outcome"], registry=r)
         self.releases = Counter(
-            "floodgate_releases", "Permits released, by how the request ended (cancelled: the stream "
+            "floodgate_releases", "Permits released, by how the request ended (stream_end; cancelled: the stream "
             "was reset; a client that leaves an unsampled response usually ends it as stream_end, "
-            "indistinguishable from a completion: Envoy's downstream_rq_rx_reset counts client cancels).",
+            "indistinguishable from a completion: Envoy's downstream_rq_rx_reset counts client cancels; "
+            "upstream_error: a 5xx), or given back undecided: abandoned_grant (its waiter was gone), no_endpoints "
+            "(granted for an endpoint the processor would not send to; the request answered 503). So releases = "
+            "admitted + abandoned_grant + no_endpoints.",
             ["pool", "reason"], registry=r)
         self.invalid_priority = Counter(
             "floodgate_invalid_priority_header", "Requests whose priority header was unparseable or conflicting.",
@@ -162,3 +175,33 @@ class Metrics:
             "floodgate_gc_pause_seconds",
             "Duration of each Python garbage collection in the processor (the event loop stops meanwhile), "
             "by generation.", ["generation"], buckets=_PAUSE_BUCKETS, registry=r)
+        for op in REDIS_OPS:
+            self.redis_errors.labels(op)
+            self.redis_error_replies.labels(op)
+
+    def prepare(self, pool: str) -> None:
+        """Create the pool's label sets of the counters at 0, so that the first event of a kind
+        is an increase: Prometheus's rate() and increase() need two samples of a series, and a
+        series first seen at 1 adds nothing (a processor's first degraded spell, first lost
+        lease or first queue_full never showed on the dashboard)."""
+        for prio in ("0", "1", "2"):
+            self.decisions.labels(pool, prio, "admitted", "immediate")
+            self.decisions.labels(pool, prio, "admitted", "queued")
+            self.decisions.labels(pool, prio, "abandoned", "client_gone")
+            for reason in REJECT_REASONS:
+                self.decisions.labels(pool, prio, "rejected", reason)
+            self.local_rejections.labels(pool, prio)
+        for reason in RELEASE_REASONS:
+            self.releases.labels(pool, reason)
+        for outcome in ("success", "dropped", "ignored"):
+            self.outcomes.labels(pool, outcome)
+        for kind in ("reasserted", "requeued", "dropped", "recounted", "repaired_keys"):
+            self.reconciled.labels(pool, kind)
+        for outcome in ("held", "taken_back"):
+            self.grants_confirmed.labels(pool, outcome)
+        for reason in ("path", "method"):
+            self.unadmitted.labels(pool, reason)
+        for c in (self.degraded_transitions, self.lost_leases, self.waiters_dropped, self.state_rollbacks,
+                  self.gateway_id_conflicts, self.unregistered_grants, self.ejections, self.invalid_priority,
+                  self.untrusted_priority, self.limit_updates):
+            c.labels(pool)

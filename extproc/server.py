@@ -467,6 +467,27 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             child(m.invalid_priority, (pool,)).inc()
         if decision.untrusted_header:
             child(m.untrusted_priority, (pool,)).inc()
+        strip_priority = decision.source != "header"
+        prio_header = self.cfg.admission.priority_header.lower()
+        engine_prio = self._engine_priority[pool].get(decision.priority)
+        buffer_body = engine_prio is not None and not first.request_headers.end_of_stream
+        remove = ((prio_header,) if strip_priority and prio_header in headers else ()) + \
+            (("content-length",) if buffer_body and "content-length" in headers else ())
+        # (content-length: a rewritten body has another length, and Envoy refuses a body
+        # mutation that does not match the request's content-length (500); without it Envoy
+        # sends the body upstream chunked, rewritten or not.)
+        n_headers = len(first.request_headers.headers.headers)
+        dest_present = DESTINATION_HEADER in headers
+        # Would the admission headers pass Envoy's limit? Asked before admission, with the
+        # destination header a picking pool may add: refused then, the request took no permit and
+        # is no admission (counted admitted and then answered 431, any client could swell the
+        # admitted count with requests it had refused: a review). Whatever admission returns,
+        # its mutation is no larger than this one.
+        if not admit_mutation(n_headers, self.cfg.server.max_headers,
+                              "-" if self.cfg.pool(pool).endpoint_picking else "", remove, dest_present)[0]:
+            self._count_refusal(pool, decision.priority, "header_limit", headers_in)
+            yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
+            return
         sized = self._sized.get(pool)
         tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
         retry = bool(self._retry_header) and is_retry(headers.get(self._retry_header))
@@ -482,23 +503,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         reason = "cancelled"
         try:
             queue_ms = str(int(result.queue_s * 1000))
-            strip_priority = decision.source != "header"
-            prio_header = self.cfg.admission.priority_header.lower()
-            engine_prio = self._engine_priority[pool].get(decision.priority)
-            buffer_body = engine_prio is not None and not first.request_headers.end_of_stream
-            remove = ((prio_header,) if strip_priority and prio_header in headers else ()) + \
-                ((DESTINATION_HEADER,) if DESTINATION_HEADER in headers and not result.endpoint else ()) + \
-                (("content-length",) if buffer_body and "content-length" in headers else ())
-            # (content-length: a rewritten body has another length, and Envoy refuses a body
-            # mutation that does not match the request's content-length (500); without it Envoy
-            # sends the body upstream chunked, rewritten or not.)
-            fits, info = admit_mutation(len(first.request_headers.headers.headers), self.cfg.server.max_headers,
-                                        result.endpoint, remove, DESTINATION_HEADER in headers)
-            if not fits:
-                reason = "header_limit"
-                self.admitter.count_not_demand(pool, decision.priority, "refused")
-                yield reject_response(Reject("header_limit", 0, status=431), decision.priority)
-                return
+            if dest_present and not result.endpoint:
+                remove += (DESTINATION_HEADER,)
+            _, info = admit_mutation(n_headers, self.cfg.server.max_headers, result.endpoint, remove, dest_present)
             if engine_prio is not None and not buffer_body:
                 child(m.engine_priority, (pool, PRIORITY_LABELS[decision.priority], "no_body")).inc()
             reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, sampled, info, buffer_body)

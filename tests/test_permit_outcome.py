@@ -61,4 +61,5 @@ def test_a_5xx_response_releases_as_upstream_error(ended: str, finished: bool) -
 
 
 def test_other_reasons_pass_unchanged() -> None:
-    assert release_reason("header_limit", status=None, finished=False) == "header_limit"
+    assert release_reason("stream_end", status=None, finished=False) == "stream_end"
+    assert release_reason("cancelled", status=None, finished=False) == "cancelled"

@@ -127,6 +127,18 @@ async def test_routing_through_envoy_spreads_load_and_skips_draining(stack: Loca
             pad = {f"x-pad-{i}": "v" for i in range(93)}
             async with s.get(envoy.url + "/v1/models", headers=pad) as resp:
                 assert resp.status == 431, (resp.status, await resp.text())
+            # An admitted path too: refused before admission, so no permit and no admission (it
+            # was counted admitted and then answered 431: any client could swell the admitted
+            # count with requests it had refused, a review). A POST carries two headers more.
+            before = await metrics(s, stack.processors[0].metrics_url)
+            big = await post(s, envoy.url, headers=dict(list(pad.items())[:91]))
+            assert big.status == 431 and big.headers["x-floodgate-reject-reason"] == "header_limit", big
+            after = await metrics(s, stack.processors[0].metrics_url)
+            refused = 'floodgate_decisions_total{outcome="rejected",pool="default",priority="1",reason="header_limit"}'
+            assert after[admitted] == before[admitted]
+            assert after[refused] == before.get(refused, 0) + 1
+            assert not any(k.startswith("floodgate_releases_total") and after[k] != before.get(k, 0) for k in after)
+            assert after['floodgate_process_inflight{pool="default"}'] == 0
     finally:
         await c.aclose()
 

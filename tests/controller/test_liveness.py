@@ -17,6 +17,7 @@ from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.app import Controller
 from floodgate.controller.config import ControllerConfig, parse_config
 from floodgate.controller.liveness import StartBackoff, Unresponsive
+from floodgate.controller.metrics import FAILURE_REASONS
 
 from floodgate.stack import LocalStack
 from tests.controller.live import (
@@ -79,6 +80,11 @@ async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -
     async with running(cfg, act) as ctl:
         pc = ctl.pools["default"]
         await wait_for(lambda: _pool_is(url, active=1, spare=1), 40)
+        # The counters of a first failure exist at 0 before it (rate() needs two samples), and
+        # the boot's starts are no warm-pool misses (there was no pool to hit).
+        m = ctl.metrics.render().decode()
+        assert 'floodgate_replica_failures_total{pool="default",reason="unresponsive"} 0.0' in m
+        assert 'floodgate_warm_pool_misses_total{pool="default"} 0.0' in m
         (hung,) = [rid for rid, r in pc.replicas.items() if r.view.state.value == "active"]
         pid = await _pid(act, hung)
         os.kill(pid, signal.SIGSTOP)
@@ -87,6 +93,7 @@ async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -
             failed = [e for e in pc.events if e["event"] == "failed" and e["replica"] == hung]
             assert failed and failed[0]["why"].startswith("unresponsive"), failed
             assert ctl.metrics.unresponsive.labels(pool="default")._value.get() == 1
+            assert ctl.metrics.failures.labels(pool="default", reason="unresponsive")._value.get() == 1
         finally:
             os.kill(pid, signal.SIGCONT)
 
@@ -111,6 +118,7 @@ async def test_a_hung_warm_pool_replica_is_failed_and_replaced_before_any_burst(
             failed = [e for e in pc.events if e["event"] == "failed" and e["replica"] == hung]
             assert failed and failed[0]["why"].startswith("unresponsive in the warm pool"), failed
             assert [e for e in pc.events if e["event"] == "pool_probe_failed" and e["replica"] == hung]
+            assert ctl.metrics.failures.labels(pool="default", reason="pool_unresponsive")._value.get() == 1
             await wait_for(lambda: _stopped(act, hung), 15)  # stopped (SIGTERM, then SIGKILL), not left hanging
             assert not any(e["event"] == "failed" and e["replica"] != hung for e in pc.events)  # the others pass their checks
         finally:
@@ -161,10 +169,18 @@ async def test_failing_starts_back_off(stack: LocalStack, tmp_path: Path) -> Non
     cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False}, tick=0.05,
                             timeouts={"start_backoff_s": 1, "start_backoff_max_s": 60, "adopt_grace_s": 0})
     async with running(cfg, act) as ctl:
-        await asyncio.sleep(6)
+        held = 0.0  # the longest start backoff the metrics showed
+        for _ in range(60):
+            await asyncio.sleep(0.1)
+            held = max(held, ctl.metrics.start_backoff.labels(pool="default")._value.get())
         pc = ctl.pools["default"]
         starts = [e for e in pc.events if e["event"] == "decision" and any(a.startswith("start:") for a in e["actions"])]
         backoffs = [e for e in pc.events if e["event"] == "start_backoff"]
+        failed = [e for e in pc.events if e["event"] == "failed"]
+        counted = sum(ctl.metrics.failures.labels(pool="default", reason=r)._value.get() for r in FAILURE_REASONS)
+    # a crash loop shows in the metrics: every failure counted, the backoff as a gauge
+    assert failed and counted == len(failed), (counted, failed)
+    assert held >= 0.5, held
     # waits of 1, 2, 4 s: starts at ~0, 1, 3 (and the next at 7, after the window)
     assert 2 <= len(starts) <= 4, [(e["ts"], e["actions"]) for e in starts]
     assert backoffs and backoffs[-1]["failures"] in (len(starts) - 1, len(starts)), backoffs

@@ -58,3 +58,26 @@ def test_panels_do_not_overlap() -> None:
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, p["title"]
                 cells.add((x, y))
+
+
+def _labels_by_name() -> dict[str, set[str]]:
+    """Every exported series name -> the labels it carries."""
+    out: dict[str, set[str]] = {}
+    for metrics in (Metrics(CollectorRegistry()), ControllerMetrics()):
+        for m in vars(metrics).values():
+            if hasattr(m, "_labelnames"):  # a prometheus_client metric (its _name has no _total)
+                for suffix in ("", "_total", "_sum", "_count"):
+                    out[m._name + suffix] = set(m._labelnames)
+                out[m._name + "_bucket"] = {*m._labelnames, "le"}
+    return out
+
+
+def test_every_label_a_query_matches_on_exists() -> None:
+    """A matcher on a label the metric does not have selects nothing: the panel stays empty."""
+    labels = _labels_by_name()
+    dash = json.loads(DASHBOARD.read_text())
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            for metric, matchers in re.findall(r"\b(floodgate_[a-z_]+)\{([^}]*)\}", t["expr"]):
+                used = set(re.findall(r"([a-z_]+)\s*(?:=~|!=|!~|=)", matchers))
+                assert used <= labels[metric] | {"instance", "job"}, (p["title"], metric, used - labels[metric])
