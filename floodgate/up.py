@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import shutil
 import signal
 import socket
 import sys
@@ -57,6 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
     p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8); its pools pick only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
+    p.add_argument("--keep-logs", action="store_true", help="keep the work directory (every process's log, the "
+                   "generated configs) after a clean stop too; it is always kept after a failure")
     p.add_argument("--demo-rate", type=float, default=None,
                    help="steady demo rate in req/s, above 0 (default: 70%% of the pool's estimated capacity)")
     p.add_argument("--demo-duration", type=float, default=90.0,
@@ -368,8 +371,11 @@ def run(args: argparse.Namespace) -> int:
     # die_with_parent: a SIGKILLed `up` cannot clean up; its children get SIGTERM from the kernel.
     with Supervisor(die_with_parent=True) as sup:
         stack = LocalStack(sup)
+        status: StatusLine | None = None
+        clean = False  # stopped as asked with nothing failed: the work directory can go
         try:
-            print(f"floodgate up: logs and configs in {sup.workdir}", file=sys.stderr)
+            print(f"floodgate up: logs and configs in {sup.workdir} (removed when it stops cleanly; "
+                  "kept after a failure or with --keep-logs)", file=sys.stderr)
             if args.redis_url:
                 problem = _redis_problem(args.redis_url)
                 if problem:  # before anything starts against it
@@ -424,15 +430,24 @@ def run(args: argparse.Namespace) -> int:
                                 f"http://127.0.0.1:{ctl_metrics}/metrics", watched, vital)
             if args.no_demo:
                 asyncio.run(_wait_forever(status))
-                return 1 if status.fatal() else 0
+                clean = not status.fatal()
+                return 0 if clean else 1
             rc = asyncio.run(_demo(args, envoy.url, stack.processors[0].metrics_url, status, ctl.log_path))
+            clean = rc == 0 and not status.fatal()
             return 1 if status.fatal() else rc
         except KeyboardInterrupt:
             print("\nfloodgate up: stopping", file=sys.stderr)
+            clean = status is not None and not status.fatal()  # (before it served: a start-up cut short)
             return 130
         finally:
             sup.stop_all()  # the controller stops its replicas on SIGTERM ...
             _kill_leftover_replicas(sup.workdir / "replicas")  # ... and if it could not, we do
+            # One directory per run under /tmp, each with every child's log: kept only where
+            # someone will want to read them (a review found hundreds left behind).
+            if clean and not args.keep_logs:
+                shutil.rmtree(sup.workdir, ignore_errors=True)
+            else:
+                print(f"floodgate up: logs and configs kept in {sup.workdir}", file=sys.stderr)
 
 
 def check_args(args: argparse.Namespace, pool: str = "default") -> str | None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,14 +62,17 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
     """SIGINT (Ctrl-C) and SIGHUP (a closed terminal) take the cleanup path; after SIGKILL, which
     nothing can catch, the kernel sends each child SIGTERM (`Supervisor.die_with_parent`) and the
     controller stops its replicas. Before: SIGHUP and SIGKILL left Redis, the processors, the
-    controller and its replicas running (8 processes)."""
+    controller and its replicas running (8 processes). A clean stop removes the work directory
+    (a review found hundreds left under /tmp); --keep-logs (given with SIGHUP here) keeps it."""
     port, admin = free_port(), free_port()
     err = (tmp_path / "up.err").open("wb")
+    keep = ["--keep-logs"] if stop == signal.SIGHUP else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "1", "--processors", "1",
-         "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3"],
+         "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3", *keep],
         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     pids: set[int] = set()
+    workdir: Path | None = None
     try:
         def status_line() -> bool:
             assert proc.poll() is None, (tmp_path / "up.err").read_text()
@@ -86,6 +90,17 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
             r = subprocess.run([sys.executable, "-m", "floodgate", *cmd.group(1).split()],
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 0 and "controller: leader " in r.stdout, (r.stdout, r.stderr)
+        found = re.search(r"logs and configs in (\S+)", text)
+        assert found is not None
+        workdir = Path(found.group(1))
+        # Picks stay on loopback whatever the (passwordless) demo Valkey's registry says; the
+        # request above was picked and served under that allowlist.
+        import yaml
+        cfg = yaml.safe_load((workdir / "extproc0.yaml").read_text())
+        assert [p["allowed_endpoints"] for p in cfg["pools"]] == [["127.0.0.1/32"]]
+        # the controller says at start what it runs (the processor always did)
+        banner = (workdir / "controller.log").read_text()
+        assert "floodgate controller started (metrics 127.0.0.1:" in banner and "['default: process']" in banner
         # The warm pool fills in the background: 1 active + 1 warm replica process.
         _wait(lambda: _pool_filled(tmp_path / "up.err"), 30)
         pids = _descendants(proc.pid)
@@ -98,17 +113,13 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
             _wait(lambda: not any(_alive(p) for p in pids), 20)
         left = [(p, psutil.Process(p).cmdline()[:3]) for p in pids if _alive(p)]
         assert left == [], f"left behind: {left}"
-        workdir = re.search(r"logs and configs in (\S+)", text)
-        assert workdir is not None
-        # Picks stay on loopback whatever the (passwordless) demo Valkey's registry says; the
-        # request above was picked and served under that allowlist.
-        import yaml
-        cfg = yaml.safe_load((Path(workdir.group(1)) / "extproc0.yaml").read_text())
-        assert [p["allowed_endpoints"] for p in cfg["pools"]] == [["127.0.0.1/32"]]
-        # the controller says at start what it runs (the processor always did)
-        banner = (Path(workdir.group(1)) / "controller.log").read_text()
-        assert "floodgate controller started (metrics 127.0.0.1:" in banner and "['default: process']" in banner
+        # SIGKILL: nothing could clean up; SIGHUP: kept as asked; SIGINT: a clean stop, removed
+        assert workdir.exists() == (stop != signal.SIGINT), (stop, workdir)
+        if stop == signal.SIGHUP:
+            assert f"logs and configs kept in {workdir}" in (tmp_path / "up.err").read_text()
     finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -143,6 +154,9 @@ def test_up_stops_once_no_processor_is_left(tmp_path: Path, mode: list[str]) -> 
         with contextlib.suppress(AssertionError):
             _wait(lambda: not any(_alive(p) for p in pids), 20)
         assert [p for p in pids if _alive(p)] == []
+        kept = re.search(r"logs and configs kept in (\S+)", text)  # a failure: its logs are wanted
+        assert kept is not None and (Path(kept.group(1)) / "extproc0.log").exists(), text[-2000:]
+        shutil.rmtree(kept.group(1), ignore_errors=True)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
