@@ -537,11 +537,12 @@ class Admitter:
         if self._background:
             await asyncio.wait(self._background, timeout=2)
 
-    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run a coroutine that must finish even if the request that started it is cancelled."""
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def new_ticket(self) -> tuple[int, str]:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
@@ -891,22 +892,31 @@ class Admitter:
         rt.arrivals[priority].bump(started)
         rt.arrivals_fast[priority].bump(started)
         result: Permit | Reject | None = None
-        for _ in range(8):  # a request follows the mode switches while it waits
-            result = await self.backend(rt).admit(rt, req)
-            if (isinstance(result, Permit) and not result.endpoint and rt.picker.enabled and rt.picker.active
-                    and await self.registry_gone(rt)):
-                # Granted with no endpoint to pick: the registry is gone from Redis (see
-                # `registry_gone`); again, on local picks.
+        try:
+            for _ in range(8):  # a request follows the mode switches while it waits
+                result = await self.backend(rt).admit(rt, req)
+                if (isinstance(result, Permit) and not result.endpoint and rt.picker.enabled and rt.picker.active
+                        and await self.registry_gone(rt)):
+                    # Granted with no endpoint to pick: the registry is gone from Redis (see
+                    # `registry_gone`); again, on local picks.
+                    await self.release(result, "no_endpoints")
+                    continue
+                if result is not None:
+                    break
+            if result is None:
+                result = Reject("queue_timeout", retry_after(None, rt.cfg.classes[priority], self.cfg.admission,
+                                                             self.rng()))
+            if isinstance(result, Permit) and not (rt.picker.accept(result.endpoint)
+                                                   and await self._registered(rt, result.endpoint)):
                 await self.release(result, "no_endpoints")
-                continue
-            if result is not None:
-                break
-        if result is None:
-            result = Reject("queue_timeout", retry_after(None, rt.cfg.classes[priority], self.cfg.admission, self.rng()))
-        if isinstance(result, Permit) and not (rt.picker.accept(result.endpoint)
-                                               and await self._registered(rt, result.endpoint)):
-            await self.release(result, "no_endpoints")
-            result = self.no_endpoints(rt, priority)
+                result = self.no_endpoints(rt, priority)
+        except asyncio.CancelledError:
+            # The client went away (Envoy cancelled the stream) between the grant and the reply:
+            # the permit is in `held`, which the sync renews for good, and the caller, which
+            # releases what it got, never got it (a review read this leak in the registry look-up).
+            if isinstance(result, Permit):
+                self.release_soon(result, "cancelled")  # (a no-op for one already given back)
+            raise
         self._count_result(rt, priority, result, retry)
         return result
 
@@ -1078,10 +1088,12 @@ class Admitter:
     # ---------------------------------------------------------------- release
 
     async def release(self, permit: Permit, reason: str = "completed") -> None:
-        """Return the permit. Safe to call more than once; only the first call counts."""
+        """Return the permit. Safe to call more than once; only the first call counts. A caller
+        cancelled meanwhile does not cancel the Redis call: the permit has left `held` (no
+        renewal), so Redis would keep it until its lease expired."""
         pending = self._release(permit, reason)
         if pending is not None:
-            await pending
+            await asyncio.shield(self.spawn(pending))
 
     def release_soon(self, permit: Permit, reason: str) -> None:
         """`release` for code that cannot await (a stream's `finally`): the Redis part, if

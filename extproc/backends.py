@@ -218,9 +218,11 @@ class SharedBackend:
             rt.waiting.pop(ticket, None)  # a waiter queued by a call whose reply was lost: the next sync drops it
             return None
         except asyncio.CancelledError:
-            if one_call:  # the client went away: leave the queue, or hand back a permit
-                rt.waiting.pop(ticket, None)
-                a.spawn(self._abandon(rt, ticket))
+            # The client went away with the call in the air: leave the queue, or hand back a
+            # permit the call granted (a plain acquire's too: left, it held a permit until its
+            # lease expired, lease_ttl_s later; a review).
+            rt.waiting.pop(ticket, None)
+            a.spawn(self._abandon(rt, ticket))
             raise
         finally:
             rt.pending.pop(ticket, None)
