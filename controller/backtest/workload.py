@@ -165,10 +165,10 @@ def _split(
     sim_start = min(sim_start, eval_start)
     hist: fc.DemandHistory | None = None
     before = t < sim_start
-    if before.any():
-        first = int(t[before][0] // 60)
-        end_minute = int(sim_start // 60) - 1
-        n_min = end_minute - first + 1
+    first = int(t[before][0] // 60) if before.any() else 0
+    end_minute = int(sim_start // 60) - 1
+    n_min = end_minute - first + 1
+    if before.any() and n_min > 0:  # (arrivals only in sim_start's own minute: no whole minute to remember)
         vals = np.full(max(n_min, retention_days * fc.MINUTES_PER_DAY), np.nan)
         vals[-n_min:] = per_minute_demand(t[before], svc[before], first, n_min)[-len(vals):]
         vals.flags.writeable = False

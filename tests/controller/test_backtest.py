@@ -263,3 +263,14 @@ def test_multi_day_replay_feeds_the_forecaster_from_the_traces_own_days() -> Non
     assert "from the trace itself" in w.description
     c = report.compare(w, SIM, PolicyConfig(), ForecastConfig(), WarmPoolConfig(), ["floodgate"])
     assert "forecast engaged" in c.results[0].notes and "engaged 0%" not in c.results[0].notes
+
+
+def test_a_warm_up_that_starts_within_the_traces_first_minute_has_no_history() -> None:
+    # A review: a trace whose warm-up began 0.8 s after its first request (`--warmup-hours 1` on
+    # a 3 h trace, 2 h evaluated) crashed the replay: less than a minute before the warm-up left
+    # n_min = 0, and `vals[-0:]` is the whole array (ValueError: could not broadcast).
+    t = np.array([10.0, 11.0, 70.0, 3600.0 + 12.0, 3700.0])
+    svc, tok = np.full(len(t), 2.0), np.full(len(t), 10.0)
+    w = workload._split("edge", t, svc, tok, eval_start=3610.8, eval_end=3800.0, warmup_s=3600.0, description="")
+    assert w.start == pytest.approx(10.8) and w.history is None
+    assert list(w.arrivals) == [11.0, 70.0, 3612.0, 3700.0]
