@@ -20,7 +20,16 @@ concurrency rises:
 * SLO met at c (r <= 1): capacity >= c * aim, and we never extrapolate beyond
   `max_extrapolation` x c (a light load with flat latency says little about the limit); such a
   window lowers the estimate only when its latency is above the aimed share of the SLO;
-* SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r.
+* SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r — if the
+  latency is the load's. A miss is read as the load's unless a recent window shows latency
+  that did not follow concurrency: one at a clearly lower concurrency (by `LOAD_STEP`) that was
+  about as slow (within `LATENCY_STEP`), or one at a clearly higher concurrency that was no
+  slower. Then the latency is a floor the load does not move (long prompts: prefill alone
+  took 2-8 s at any load, a review) and more replicas cannot meet the SLO: the window does not
+  lower the estimate, and the lowering such windows made is undone. Before, every window
+  "missed", each lowered the estimate, the pool grew, the concurrency per replica fell, and
+  the next window missed again: the estimate sat at `min_factor` and the pool ran 4x the
+  replicas at the same SLO;
 
 * admission held requests back (a queue at the gateway, or requests turned away) on most
   ticks of a window: the replicas ran at what admission judged they sustain (a concurrency
@@ -93,6 +102,35 @@ class Window:
     tainted: bool = False  # a stale tick fell inside: the window proves nothing
 
 
+# A miss at concurrency c is not the load's when a window at c / LOAD_STEP (or less) was within
+# LATENCY_STEP of its latency, or one at c x LOAD_STEP (or more) no slower (`estimate_window`).
+LOAD_STEP = 1.25
+LATENCY_STEP = 1.1
+RECENT_WINDOWS = 8  # closed windows remembered for that comparison (with the window's length: minutes)
+# A floor once shown is remembered this long after it last matched: a miss within LATENCY_STEP
+# of it is the floor's too. (Without it the comparison forgot the lighter windows after
+# RECENT_WINDOWS, and every few minutes one window lowered the estimate and the next undid it.)
+FLOOR_MEMORY_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A closed window that measured something: its concurrency per replica, its latency as a
+    share of the SLO, and the estimate before it was folded in."""
+
+    concurrency: float
+    ratio: float
+    before: float
+
+
+def floor_bound(c: float, r: float, recent: tuple[Seen, ...]) -> list[Seen]:
+    """The recent windows that show the latency at `c` (ratio `r`) is not the load's: at a
+    clearly lower concurrency about as slow, or at a clearly higher one no slower (pure)."""
+    return [s for s in recent
+            if (s.concurrency * LOAD_STEP <= c and s.ratio * LATENCY_STEP >= r)
+            or (s.concurrency >= c * LOAD_STEP and s.ratio <= r * LATENCY_STEP)]
+
+
 @dataclass(frozen=True, slots=True)
 class CapacityState:
     """The estimate (None: still the prior) and the window being filled."""
@@ -104,6 +142,10 @@ class CapacityState:
     rejected: int = 0  # windows closed without an update (empty, stale, too light)
     last_raw: float | None = None  # the last window's bounded raw estimate (for the log)
     last_ratio: float | None = None  # its latency as a share of the SLO
+    recent: tuple[Seen, ...] = ()  # the last RECENT_WINDOWS closed windows that measured something
+    floor_windows: int = 0  # windows whose SLO miss was a latency floor, not the load (`floor_bound`)
+    floor_ratio: float | None = None  # that floor's latency as a share of the SLO, remembered ...
+    floor_until: float = 0.0  # ... until then
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +191,18 @@ def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig) -> float
     return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
 
 
+def window_point(w: Window, cfg: CapacityConfig) -> tuple[float, float] | None:
+    """(concurrency per replica, latency ratio) of a closed window that measured enough."""
+    if w.tainted or w.ticks == 0 or w.ttft.count < cfg.min_ttft or w.itl.count < cfg.min_itl:
+        return None
+    r = latency_ratio(w.ttft, w.itl, cfg)
+    c = w.conc_sum / w.ticks
+    return None if r is None or c <= 0 else (c, r)
+
+
 def estimate_window(w: Window, current: float, prior: float, cfg: CapacityConfig) -> tuple[float | None, float | None]:
     """(bounded raw estimate, latency ratio) of a closed window, or (None, ratio) when the
-    window proves nothing."""
+    window proves nothing. (A miss whose latency is a floor: `update`, `floor_bound`.)"""
     if w.tainted or w.ticks == 0 or w.ttft.count < cfg.min_ttft or w.itl.count < cfg.min_itl:
         return None, None
     r = latency_ratio(w.ttft, w.itl, cfg)
@@ -199,15 +250,34 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
     if now - w.started < cfg.window_s:
         return replace(state, window=w)
     current = capacity(state, prior, cfg)
+    point = window_point(w, cfg)
+    recent = state.recent if point is None else (*state.recent, Seen(*point, current))[-RECENT_WINDOWS:]
+    if point is not None and point[1] > 1.0:
+        miss = point[1]
+        floor = floor_bound(*point, state.recent)
+        remembered = (state.floor_ratio is not None and now < state.floor_until
+                      and miss <= state.floor_ratio * LATENCY_STEP)
+        if floor or remembered:
+            # The SLO missed at a latency the load does not move: undo the lowering the
+            # windows of that floor made (the estimate before the first of them), lower nothing.
+            undo = max((s.before for s in floor), default=current)
+            restored = min(max(current, undo), cfg.max_factor * prior)
+            level = max(miss, *(s.ratio for s in floor), state.floor_ratio if remembered and state.floor_ratio else 0.0)
+            return replace(state, estimate=restored if state.estimate is not None else None, window=Window(now),
+                           rejected=state.rejected + 1, last_ratio=miss, recent=recent,
+                           floor_windows=state.floor_windows + 1, floor_ratio=level,
+                           floor_until=now + FLOOR_MEMORY_S)
     raw, r = estimate_window(w, current, prior, cfg)
     if raw is None:
-        return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r)
+        return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)
     blended = current + cfg.smoothing * (raw - current)
     lo, hi = current * (1 - cfg.max_step), current * (1 + cfg.max_step)
     new = min(max(blended, lo), hi)
     new = min(max(new, cfg.min_factor * prior), cfg.max_factor * prior)
     return CapacityState(estimate=new, window=Window(now), updated_at=now, accepted=state.accepted + 1,
-                         rejected=state.rejected, last_raw=raw, last_ratio=r)
+                         rejected=state.rejected, last_raw=raw, last_ratio=r, recent=recent,
+                         floor_windows=state.floor_windows, floor_ratio=state.floor_ratio,
+                         floor_until=state.floor_until)
 
 
 def replicas_for(demand: float, per_replica: float) -> int:

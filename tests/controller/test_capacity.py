@@ -9,8 +9,10 @@ import pytest
 from floodgate.controller.capacity import (
     CapacityConfig,
     CapacityState,
+    Seen,
     TickLatency,
     capacity,
+    floor_bound,
     replicas_for,
     tick_latency,
     update,
@@ -76,6 +78,40 @@ def test_closes_the_37_5_percent_capacity_mismatch() -> None:
     n = sizes[-1]
     assert n >= math.ceil(demand / TRUE_CAPACITY) - 1 and n <= math.ceil(demand / TRUE_CAPACITY) + 1
     assert itl_of(demand / n) <= 0.1 * CFG.aim * 1.05  # meets the SLO with the aimed headroom
+
+
+def test_a_latency_floor_above_the_slo_is_not_read_as_capacity() -> None:
+    """Long prompts (a review, 8-32k tokens): prefill alone takes 3 s at any load, above the
+    2 s TTFT SLO. Every window missed, each lowered the estimate, the pool grew, the load per
+    replica fell and the next window missed again: the estimate sat at min_factor x prior (the
+    pool ran 4x the replicas at the same SLO). Windows at different loads with the same latency
+    show the floor: the estimate returns to the prior and stays there."""
+    def floor_tick(c: float, replicas: int) -> TickLatency:
+        n = max(1, round(c))
+        return tick_latency([(hist(3.0, n, TTFT_LE), hist(itl_of(c), 10 * n, ITL_LE), c)] * replicas, replicas)
+
+    prior, demand = 7.0, 35.0
+    st = CapacityState()
+    sizes = []
+    for i in range(600):
+        n = max(1, replicas_for(demand, capacity(st, prior, CFG)))
+        sizes.append(n)
+        st = update(st, floor_tick(demand / n, n), 1000.0 + i, prior, CFG)
+    assert st.floor_windows >= 1
+    assert capacity(st, prior, CFG) == pytest.approx(prior)
+    assert max(sizes[-300:]) == replicas_for(demand, prior)  # 5, not the 20 of min_factor
+    # The -37.5 % mismatch (latency that does follow the load) is still closed: test above.
+
+
+def test_floor_bound_reads_latency_that_does_not_follow_the_load() -> None:
+    recent = (Seen(8.0, 1.5, 7.0),)
+    assert floor_bound(4.0, 1.5, recent) == list(recent)  # twice the load, no slower
+    assert floor_bound(4.0, 1.6, recent) == list(recent)  # within 10 %
+    assert floor_bound(4.0, 1.2, ()) == []
+    assert floor_bound(4.0, 1.0, recent) == []  # more load was slower: the load's latency
+    assert floor_bound(7.0, 1.5, recent) == []  # not clearly another load
+    assert floor_bound(12.0, 1.6, recent) == list(recent)  # less load, about as slow
+    assert floor_bound(12.0, 2.0, recent) == []  # more load, slower: the load's
 
 
 def test_converges_upward_from_a_pessimistic_prior_only_when_allowed() -> None:
