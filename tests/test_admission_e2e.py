@@ -205,7 +205,7 @@ async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalSta
         # releases against P0 arrivals gets a P2 past within its 1 s
         clients = [asyncio.create_task(p0_client(s)) for _ in range(40)]
         try:
-            # >= 20 releases behind the rate, then a P2 decided with a Redis reply
+            # enough releases behind the rate (MIN_RELEASES), then a P2 decided with a Redis reply
             await asyncio.sleep(2.0)
             reasons = []
             for _ in range(20):

@@ -9,6 +9,7 @@ import pytest
 from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
 from floodgate.extproc.permits import PermitTable
 from floodgate.extproc.policy import (
+    MIN_RELEASES,
     Enqueue,
     Reject,
     Snapshot,
@@ -234,7 +235,7 @@ def test_tenant_cap_applies_to_named_tenants_only() -> None:
 def test_unknown_or_thin_rate_never_early_drops() -> None:
     fresh = {"head_left": (0.0, 14.9, 0.0), "tail_left": (0.0, 15.0, 0.0)}
     assert isinstance(queue_decision(1, full((0, 99, 0), rate=0.0, **fresh), CLASSES, ADM, 0.0), Enqueue)
-    d = queue_decision(1, full((0, 99, 0), n=10, **fresh), CLASSES, ADM, 0.0)
+    d = queue_decision(1, full((0, 99, 0), n=MIN_RELEASES - 1, **fresh), CLASSES, ADM, 0.0)
     assert isinstance(d, Enqueue) and d.predicted_wait_s == pytest.approx(50.0)
 
 
@@ -277,7 +278,8 @@ def test_certain_reject_from_the_last_snapshot() -> None:
     assert certain_reject(2, Snapshot(10, (5, 3, 1), (0, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
     # ... but a free permit that a waiting P0 takes first is not this request's
     assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is not None
-    assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=10), CLASSES, ADM, 0.0) is None
+    assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=MIN_RELEASES - 1), CLASSES, ADM,
+                          0.0) is None
 
 
 def test_certain_reject_when_only_the_headroom_of_a_higher_class_is_free() -> None:
