@@ -188,6 +188,7 @@ class PoolRuntime:
     unsure_until: float = 0.0
     reserve_seq: int = 0  # degraded: the ticket number of this outage's reserve leases (`_sync`)
     budget: int = 0  # degraded: this process's local budget (its share of L, `_local_limit`)
+    stored_epoch: int = -1  # the settings epoch Redis held at this process's last `_configure`
     budget_open: bool = False  # degraded: the local table may use the whole budget (`_open_budget`)
     degraded_at: float = 0.0  # clock() when the pool last switched to local limits
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts the sync loop's sleep short
@@ -451,8 +452,13 @@ class Admitter:
     async def _start_pool(self, rt: PoolRuntime) -> None:
         await self._check_gateway_id(rt)
         try:
-            await self._configure(rt)
-            if not rt.limit.adaptive:
+            agreed = await self._configure(rt)
+            if not rt.limit.adaptive and agreed:
+                # A static limit is a setting like the others: stored by the processors whose
+                # settings are the stored ones (the same, or a newer settings_epoch). Forced by
+                # every processor at its start, the first one restarted with another limit
+                # changed the pool's while the error said the stored one applied, and one
+                # restarted on the old config would have changed it back (a review).
                 await self._force_static_limit(rt)
             await self._sync(rt)
             await self._claim_gateway_id(rt)
@@ -567,15 +573,21 @@ class Admitter:
             self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
             raise RedisDown(op) from exc
 
-    async def _configure(self, rt: PoolRuntime) -> None:
+    async def _configure(self, rt: PoolRuntime) -> bool:
+        """Store this processor's pool settings, or read the ones stored (a newer epoch, or the
+        same epoch stored first); True when they are this processor's."""
         stored = await self.call(rt, "configure", rt.state.configure)
         diff = rt.settings.differences(stored)
+        if stored.epoch > rt.settings.epoch:
+            diff = diff or [f"settings_epoch: {rt.settings.epoch} here, {stored.epoch} stored"]
         self.metrics.settings_mismatch.labels(rt.cfg.name).set(1 if diff else 0)
+        rt.stored_epoch = stored.epoch
         if diff:
             log.error("pool %s: this processor's settings differ from the ones stored in Redis "
                       "(epoch %d), which every grant uses: %s. Make the configs agree, or raise "
                       "pools[].settings_epoch to replace the stored settings.",
                       rt.cfg.name, stored.epoch, "; ".join(diff))
+        return not diff
 
     def _local_limit(self, rt: PoolRuntime) -> int:
         """This process's budget while Redis is unreachable (the permits it still holds count
@@ -1495,6 +1507,11 @@ class Admitter:
             # on the old epoch for good). The newer epoch replaces them, as at start.
             log.warning("pool %s: Redis holds settings of epoch %d, older than this processor's %d: "
                         "storing these", rt.cfg.name, status.settings_epoch, rt.settings.epoch)
+            await self._configure(rt)
+        elif status.settings_epoch > max(rt.settings.epoch, rt.stored_epoch):
+            # A newer epoch was stored since (a rollout under way): this processor's settings are
+            # no longer the pool's. Said once per epoch (the gauge, an error); its static limit
+            # is left to the processors of that epoch.
             await self._configure(rt)
         if rt.credit_uses == 0:  # quiet for a tick: idle credits should not look busy
             self._return_credits(rt)

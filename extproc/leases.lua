@@ -302,8 +302,11 @@ local function load_settings()
        -- prefill-aware picking (absent in older settings: off); tokens per ms of the script's clock
        pf_rate_ms = tonumber(f.pf_rate or '0') / 1000, pf_size = tonumber(f.pf_size or '512'),
        pf_k = tonumber(f.pf_k or '512'),
-       -- the fair order over tenants (absent in older settings: on); off: one flow, arrival order
-       fair = f.fair ~= '0'}
+       -- the fair order over tenants; off: one flow, arrival order. Absent (settings stored by
+       -- a version before it, which queued in arrival order): off, as they ran, like every
+       -- other field added since (read as on, an upgrade turned it on under configs that say
+       -- `fair_order: false`, where clients choose their tenant: a review)
+       fair = f.fair == '1'}
   for k = 1, 3 do
     S.shares[k] = tonumber(f['share' .. (k - 1)])
     S.always[k] = f['always' .. (k - 1)] == '1'

@@ -269,7 +269,7 @@ class PoolSettings:
             # settings stored by a version without prefill-aware picking have it off
             pf_rate=float(f.get("pf_rate", "0")), pf_size=float(f.get("pf_size", "512")),
             pf_k=float(f.get("pf_k", "512")),
-            fair=f.get("fair", "1") == "1")  # (absent in older settings: on, as this version queues)
+            fair=f.get("fair", "0") == "1")  # (absent in older settings: off, as they queued: leases.lua)
 
     def differences(self, other: PoolSettings) -> list[str]:
         mine, theirs = self.fields(), other.fields()

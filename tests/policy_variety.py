@@ -12,6 +12,7 @@ class was next granted a permit in the replay.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
@@ -214,7 +215,19 @@ def summarize(res):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    for name in sys.argv[1:] or SHAPES:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", nargs="*", metavar="shape", help=f"shapes to run (default: all of {', '.join(SHAPES)})")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per shape (default: %(default)s)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    for name in args.shapes or SHAPES:
         t0 = time.time()
-        print(summarize(run(name, range(3))), f"  [{time.time() - t0:.0f}s]", flush=True)
+        print(summarize(run(name, range(args.seeds))), f"  [{time.time() - t0:.0f}s]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

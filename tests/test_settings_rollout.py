@@ -1,0 +1,96 @@
+"""Pool settings rolled out processor by processor (a rolling-upgrade review, real Redis).
+
+- A static limit is a setting like the others: the processors whose settings are the stored
+  ones set it. Every processor forced its own at start: the first one restarted with limit 16
+  beside one at 8 ran the pool at 16 while its error said the stored 8 applied, and one
+  restarted on the old config would have set 8 again.
+- A processor whose settings a newer `settings_epoch` replaced says so (the gauge and an
+  error), not only at its start.
+- Settings stored by a version before the fair order have no `fair` field: read as off, as
+  that version queued (read as on, an upgrade turned the fair order on under configs that say
+  `fair_order: false`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+from floodgate.extproc.admission import Admitter, pool_settings
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.schema import key
+from floodgate.extproc.state import PoolState, redis_client
+
+from floodgate.stack import LocalStack
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _config(url: str, limit: int, epoch: int) -> Config:
+    return Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 1},
+        "pools": [{"name": "a", "local_credits": 0, "settings_epoch": epoch,
+                   "limit": {"mode": "static", "initial": limit}}]})
+
+
+async def _processor(stack: AsyncExitStack, url: str, gid: str, limit: int, epoch: int) -> Admitter:
+    client = redis_client(url, op_timeout_s=1)
+    stack.push_async_callback(client.aclose)
+    a = Admitter(_config(url, limit, epoch), client, metrics=Metrics(), gateway_id=gid)
+    await a.start()
+    stack.push_async_callback(a.stop)
+    return a
+
+
+def _mismatch(a: Admitter) -> float:
+    return float(a.metrics.settings_mismatch.labels("a")._value.get())
+
+
+async def _limit(a: Admitter) -> float:
+    return (await a.pools["a"].state.status()).limit
+
+
+async def test_a_static_limit_changes_with_the_settings_epoch_only(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    async with AsyncExitStack() as s:
+        old = await _processor(s, url, "old", limit=8, epoch=0)
+        assert await _limit(old) == 8
+        # A config with another limit but the same epoch: the stored settings (limit 8) apply,
+        # as its error says.
+        same_epoch = await _processor(s, url, "b", limit=16, epoch=0)
+        assert _mismatch(same_epoch) == 1 and await _limit(old) == 8
+        # The new epoch replaces the stored settings and the limit with them ...
+        new = await _processor(s, url, "new", limit=16, epoch=1)
+        assert _mismatch(new) == 0 and await _limit(new) == 16
+
+        # ... and the processor still on epoch 0 says its settings are no longer the pool's.
+        async def old_says_so() -> bool:
+            return _mismatch(old) == 1
+
+        assert await wait_until(old_says_so, 10)
+        # One restarted on the old config does not set the old limit again.
+        again = await _processor(s, url, "again", limit=8, epoch=0)
+        assert _mismatch(again) == 1 and await _limit(again) == 16
+
+
+async def test_settings_stored_without_the_fair_order_read_as_arrival_order(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    cfg = Config.model_validate({"pools": [{"name": "p", "local_credits": 0, "fair_order": True,
+                                            "limit": {"mode": "static", "initial": 1}}]})
+    c = redis_client(url, op_timeout_s=5)
+    try:
+        st = PoolState(c, "p", lease_ttl_s=30, settings=pool_settings(cfg.pools[0]), gateway="g")
+        await st.configure()
+        # As a version before the fair order stored them: no `fair` field.
+        await c.hdel(key("p", "settings"), "fair")
+        assert (await st.configure()).fair is False
+        assert (await st.acquire("g/1", "g", 1, 1, "noisy")).granted
+        for i in range(2, 5):
+            assert (await st.admit(f"g/{i}", "g", i, 1, "noisy", 0, 30.0)).enqueued
+        quiet: Any = await st.admit("g/5", "g", 5, 1, "quiet", 0, 30.0)
+        assert quiet.enqueued and quiet.ahead == 3, quiet  # behind the flood: arrival order
+    finally:
+        await c.aclose()
