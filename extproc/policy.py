@@ -33,11 +33,13 @@ from floodgate.extproc.config import REJECT_SLO_QUANTILE, AdmissionConfig, Class
 CLASSES = (0, 1, 2)
 RATE_TAU_S = 10.0  # decay time of the event rates (leases.lua RATE_TAU_MS)
 # Below this many freed permits behind the release rate (at most rate x RATE_TAU_S), a standard
-# class never drops early and a class told at once is always turned away. 20 kept a pool that
-# frees under 2 permits a second (one 8-slot replica with 10 s generations) "unsure" for good:
-# its P0/P1 waited their whole timeouts (a review: 1,002 of 1,060 queued P1 timed out, no early
-# drop). At 8 the rate's upper bound (1 + 2/sqrt(8): 1.7x) still keeps drops rare where wrong.
-MIN_RELEASES = 8
+# class never drops early and a class told at once is always turned away. A pool that frees
+# fewer than 2 permits a second is therefore always "unsure" (docs/admission.md). 8 was tried
+# and reverted: after an idle spell the decayed rate reads about n / 10 s for the first n
+# releases (its warm-up correction covers only the pool's first seconds), and at 8 P0 requests
+# a grant loop would have served were dropped from the 9th release of a burst (a review: 18
+# drops, 14 wrong by the counterfactual judge; 0 at 20).
+MIN_RELEASES = 20
 ARRIVAL_TAU_S = 2.0  # decay time of the per-class arrival rates (they must follow a burst's onset)
 ARRIVAL_FAST_TAU_S = 0.5  # the fast-reacting arrival rates (a 3x onset reads ~1.8x after 0.25 s, ~2.7x after 1 s)
 CONFIDENCE_Z = 2.0  # standard errors of margin on the measured rate before a wait counts as too long
