@@ -20,16 +20,18 @@ concurrency rises:
 * SLO met at c (r <= 1): capacity >= c * aim, and we never extrapolate beyond
   `max_extrapolation` x c (a light load with flat latency says little about the limit); such a
   window lowers the estimate only when its latency is above the aimed share of the SLO;
-* SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r — if the
-  latency is the load's. A miss is read as the load's unless a recent window shows latency
-  that did not follow concurrency: one at a clearly lower concurrency (by `LOAD_STEP`) that was
-  about as slow (within `LATENCY_STEP`), or one at a clearly higher concurrency that was no
-  slower. Then the latency is a floor the load does not move (long prompts: prefill alone
-  took 2-8 s at any load, a review) and more replicas cannot meet the SLO: the window does not
-  lower the estimate, and the lowering such windows made is undone. Before, every window
-  "missed", each lowered the estimate, the pool grew, the concurrency per replica fell, and
-  the next window missed again: the estimate sat at `min_factor` and the pool ran 4x the
-  replicas at the same SLO;
+* SLO missed at c (r > 1): capacity < c, so the estimate is at most c * aim / r — unless the
+  SLO cannot be met at any load. With a recent window at a clearly different concurrency (by
+  `LOAD_STEP`), the line through the two (latency against concurrency, its slope at least 0)
+  gives the latency at no load: at or above the SLO, it is a floor the load does not move
+  (long prompts: prefill alone took 2-8 s at any load, a review) and more replicas cannot meet
+  the SLO: the window does not lower the estimate, the lowering such windows made is undone,
+  and the floor is remembered. Before, every window "missed", each lowered the estimate, the
+  pool grew, the concurrency per replica fell, and the next window missed again: the estimate
+  sat at `min_factor` and the pool ran 4x the replicas at the same SLO. (A first version read
+  any latency within 10 % over a 25 % change of load as a floor, and so kept a pool whose
+  latency rises slowly with load, meeting the SLO below some concurrency, at the prior: SLO
+  missed for good where lowering met it. The intercept tells the two apart.);
 
 * admission held requests back (a queue at the gateway, or requests turned away) on most
   ticks of a window: the replicas ran at what admission judged they sustain (a concurrency
@@ -102,14 +104,15 @@ class Window:
     tainted: bool = False  # a stale tick fell inside: the window proves nothing
 
 
-# A miss at concurrency c is not the load's when a window at c / LOAD_STEP (or less) was within
-# LATENCY_STEP of its latency, or one at c x LOAD_STEP (or more) no slower (`estimate_window`).
+# Two windows show a latency floor when their concurrencies differ by LOAD_STEP or more and the
+# line through them puts the latency at no load at or above the SLO (`floor_bound`).
 LOAD_STEP = 1.25
-LATENCY_STEP = 1.1
 RECENT_WINDOWS = 8  # closed windows remembered for that comparison (with the window's length: minutes)
-# A floor once shown is remembered this long after it last matched: a miss within LATENCY_STEP
-# of it is the floor's too. (Without it the comparison forgot the lighter windows after
-# RECENT_WINDOWS, and every few minutes one window lowered the estimate and the next undid it.)
+# A floor once shown is remembered this long after two windows last showed it: meanwhile no miss
+# lowers the estimate (the SLO cannot be met at any load; latency says nothing of capacity), and
+# the estimate goes back to where it was before the floor's windows lowered it. Without it the
+# comparison forgot the lighter windows after RECENT_WINDOWS, and a noisy window (p90 of a few
+# long prefills: 3.3-4.2 x the SLO in one review trace) lowered the estimate step by step.
 FLOOR_MEMORY_S = 600.0
 
 
@@ -123,12 +126,26 @@ class Seen:
     before: float
 
 
-def floor_bound(c: float, r: float, recent: tuple[Seen, ...]) -> list[Seen]:
-    """The recent windows that show the latency at `c` (ratio `r`) is not the load's: at a
-    clearly lower concurrency about as slow, or at a clearly higher one no slower (pure)."""
-    return [s for s in recent
-            if (s.concurrency * LOAD_STEP <= c and s.ratio * LATENCY_STEP >= r)
-            or (s.concurrency >= c * LOAD_STEP and s.ratio <= r * LATENCY_STEP)]
+def no_load_ratio(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+    """The latency ratio at no load on the line through two (concurrency, ratio) windows whose
+    concurrencies differ by LOAD_STEP or more (the slope taken as at least 0: latency that fell
+    with load is noise, read as flat); None for windows too alike in load to say (pure)."""
+    lo, hi = sorted((a, b))
+    if lo[0] <= 0 or hi[0] < lo[0] * LOAD_STEP:
+        return None
+    slope = max(0.0, (hi[1] - lo[1]) / (hi[0] - lo[0]))
+    return lo[1] - slope * lo[0]
+
+
+def floor_bound(c: float, r: float, recent: tuple[Seen, ...]) -> list[tuple[Seen, float]]:
+    """The recent windows that, with this one (concurrency `c`, ratio `r`), put the latency at
+    no load at or above the SLO, each with that no-load ratio (pure)."""
+    out = []
+    for s in recent:
+        floor = no_load_ratio((c, r), (s.concurrency, s.ratio))
+        if floor is not None and floor >= 1.0:
+            out.append((s, floor))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +161,9 @@ class CapacityState:
     last_ratio: float | None = None  # its latency as a share of the SLO
     recent: tuple[Seen, ...] = ()  # the last RECENT_WINDOWS closed windows that measured something
     floor_windows: int = 0  # windows whose SLO miss was a latency floor, not the load (`floor_bound`)
-    floor_ratio: float | None = None  # that floor's latency as a share of the SLO, remembered ...
-    floor_until: float = 0.0  # ... until then
+    floor_ratio: float | None = None  # that floor: the latency at no load as a share of the SLO ...
+    floor_until: float = 0.0  # ... remembered until then
+    floor_restore: float = 0.0  # the estimate before the floor's windows lowered it
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,18 +273,18 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
     if point is not None and point[1] > 1.0:
         miss = point[1]
         floor = floor_bound(*point, state.recent)
-        remembered = (state.floor_ratio is not None and now < state.floor_until
-                      and miss <= state.floor_ratio * LATENCY_STEP)
+        remembered = state.floor_ratio is not None and now < state.floor_until
         if floor or remembered:
             # The SLO missed at a latency the load does not move: undo the lowering the
             # windows of that floor made (the estimate before the first of them), lower nothing.
-            undo = max((s.before for s in floor), default=current)
+            undo = max([state.floor_restore if remembered else 0.0, *(s.before for s, _ in floor)])
             restored = min(max(current, undo), cfg.max_factor * prior)
-            level = max(miss, *(s.ratio for s in floor), state.floor_ratio if remembered and state.floor_ratio else 0.0)
             return replace(state, estimate=restored if state.estimate is not None else None, window=Window(now),
                            rejected=state.rejected + 1, last_ratio=miss, recent=recent,
-                           floor_windows=state.floor_windows + 1, floor_ratio=level,
-                           floor_until=now + FLOOR_MEMORY_S)
+                           floor_windows=state.floor_windows + 1,
+                           floor_ratio=min(f for _, f in floor) if floor else state.floor_ratio,
+                           floor_until=now + FLOOR_MEMORY_S if floor else state.floor_until,
+                           floor_restore=undo)
     raw, r = estimate_window(w, current, prior, cfg)
     if raw is None:
         return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)
@@ -277,7 +295,7 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
     return CapacityState(estimate=new, window=Window(now), updated_at=now, accepted=state.accepted + 1,
                          rejected=state.rejected, last_raw=raw, last_ratio=r, recent=recent,
                          floor_windows=state.floor_windows, floor_ratio=state.floor_ratio,
-                         floor_until=state.floor_until)
+                         floor_until=state.floor_until, floor_restore=state.floor_restore)
 
 
 def replicas_for(demand: float, per_replica: float) -> int:
