@@ -163,6 +163,14 @@ def per_class_rates(tau: float) -> ClassRates:
     return DecayingRate(tau=tau), DecayingRate(tau=tau), DecayingRate(tau=tau)
 
 
+def _note_failure(task: asyncio.Task[object]) -> None:
+    """A background task's error, read (asyncio would log "Task exception was never retrieved"
+    for one a cancelled caller stopped awaiting: `release`) and logged at debug: the call that
+    failed was already counted and logged where it was made (`Admitter.call`)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("background task %s failed: %r", task.get_name(), task.exception())
+
+
 @dataclass
 class PoolRuntime:
     cfg: PoolConfig
@@ -452,14 +460,7 @@ class Admitter:
     async def _start_pool(self, rt: PoolRuntime) -> None:
         await self._check_gateway_id(rt)
         try:
-            agreed = await self._configure(rt)
-            if not rt.limit.adaptive and agreed:
-                # A static limit is a setting like the others: stored by the processors whose
-                # settings are the stored ones (the same, or a newer settings_epoch). Forced by
-                # every processor at its start, the first one restarted with another limit
-                # changed the pool's while the error said the stored one applied, and one
-                # restarted on the old config would have changed it back (a review).
-                await self._force_static_limit(rt)
+            await self._store_settings(rt)
             await self._sync(rt)
             await self._claim_gateway_id(rt)
         except RedisDown:
@@ -548,6 +549,7 @@ class Admitter:
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_note_failure)
         return task
 
     def new_ticket(self) -> tuple[int, str]:
@@ -572,6 +574,17 @@ class Admitter:
                     rt.wrong_type = True  # the next reconcile repairs the pool's keys first
             self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
             raise RedisDown(op) from exc
+
+    async def _store_settings(self, rt: PoolRuntime) -> None:
+        """`_configure`, and a static limit set when this processor's settings are the stored
+        ones. A static limit is a setting like the others: set by the processors whose
+        settings are stored (the same, or a newer settings_epoch). Forced by every processor at
+        its start, the first one restarted with another limit changed the pool's while the
+        error said the stored one applied, and one restarted on the old config would have
+        changed it back; and after a Redis flush mid-rollout the old processor's first call
+        wrote its limit, which the newer epoch's settings then kept (reviews)."""
+        if await self._configure(rt) and not rt.limit.adaptive:
+            await self._force_static_limit(rt)
 
     async def _configure(self, rt: PoolRuntime) -> bool:
         """Store this processor's pool settings, or read the ones stored (a newer epoch, or the
@@ -725,7 +738,7 @@ class Admitter:
             if rt.wrong_type:
                 await self._repair(rt)
             if rt.state.stored is None:
-                await self._configure(rt)
+                await self._store_settings(rt)
             await self._sync(rt, reconcile=True, reserve=not switch)
         except RedisDown:
             self._open_budget(rt)
@@ -1507,7 +1520,7 @@ class Admitter:
             # on the old epoch for good). The newer epoch replaces them, as at start.
             log.warning("pool %s: Redis holds settings of epoch %d, older than this processor's %d: "
                         "storing these", rt.cfg.name, status.settings_epoch, rt.settings.epoch)
-            await self._configure(rt)
+            await self._store_settings(rt)
         elif status.settings_epoch > max(rt.settings.epoch, rt.stored_epoch):
             # A newer epoch was stored since (a rollout under way): this processor's settings are
             # no longer the pool's. Said once per epoch (the gauge, an error); its static limit

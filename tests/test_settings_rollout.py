@@ -94,3 +94,28 @@ async def test_settings_stored_without_the_fair_order_read_as_arrival_order(stac
         assert quiet.enqueued and quiet.ahead == 3, quiet  # behind the flood: arrival order
     finally:
         await c.aclose()
+
+
+async def test_a_redis_flush_mid_rollout_ends_on_the_new_epochs_limit(stack: LocalStack) -> None:
+    """A review: epoch-0 (static 8) and epoch-1 (static 16) processors side by side, Redis
+    emptied; the old processor's first call stored its settings and limit again, the new one put
+    back its newer settings at its next status tick but not the limit: the pool ran at 8 under
+    the epoch-1 settings and nothing reported it."""
+    url = stack.start_redis()
+    async with AsyncExitStack() as s:
+        old = await _processor(s, url, "old", limit=8, epoch=0)
+        new = await _processor(s, url, "new", limit=16, epoch=1)
+        assert await _limit(new) == 16
+        c = redis_client(url, op_timeout_s=2)
+        try:
+            await c.flushall()
+            await old.pools["a"].state.configure()  # the old processor's call comes first
+        finally:
+            await c.aclose()
+
+        async def back_to_the_new_epoch() -> bool:
+            st = await new.pools["a"].state.status()
+            return st.settings_epoch == 1 and st.limit == 16
+
+        assert await wait_until(back_to_the_new_epoch, 15)
+        assert _mismatch(new) == 0
