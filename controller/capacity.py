@@ -210,22 +210,23 @@ def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig) -> float
 
 
 def window_point(w: Window, cfg: CapacityConfig) -> tuple[float, float] | None:
-    """(concurrency per replica, latency ratio) of a closed window that measured enough."""
+    """(concurrency per replica, latency ratio) of a closed window that measured enough
+    (untainted, with `min_ttft`/`min_itl` observations); None otherwise."""
     if w.tainted or w.ticks == 0 or w.ttft.count < cfg.min_ttft or w.itl.count < cfg.min_itl:
         return None
     r = latency_ratio(w.ttft, w.itl, cfg)
-    c = w.conc_sum / w.ticks
-    return None if r is None or c <= 0 else (c, r)
+    return None if r is None else (w.conc_sum / w.ticks, r)
 
 
-def estimate_window(w: Window, current: float, prior: float, cfg: CapacityConfig) -> tuple[float | None, float | None]:
-    """(bounded raw estimate, latency ratio) of a closed window, or (None, ratio) when the
-    window proves nothing. (A miss whose latency is a floor: `update`, `floor_bound`.)"""
-    if w.tainted or w.ticks == 0 or w.ttft.count < cfg.min_ttft or w.itl.count < cfg.min_itl:
+def estimate_window(w: Window, point: tuple[float, float] | None, current: float, prior: float,
+                    cfg: CapacityConfig) -> tuple[float | None, float | None]:
+    """(bounded raw estimate, latency ratio) of a closed window whose `window_point` is
+    `point`, or (None, ratio) when the window proves nothing. (A miss whose latency is a
+    floor: `update`, `floor_bound`.)"""
+    if point is None:
         return None, None
-    r = latency_ratio(w.ttft, w.itl, cfg)
-    c = w.conc_sum / w.ticks
-    if r is None or c <= 0:
+    c, r = point
+    if c <= 0:
         return None, r
     if r <= 1.0:
         saturated = 2 * w.saturated_ticks >= w.ticks
@@ -269,10 +270,11 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
         return replace(state, window=w)
     current = capacity(state, prior, cfg)
     point = window_point(w, cfg)
-    recent = state.recent if point is None else (*state.recent, Seen(*point, current))[-RECENT_WINDOWS:]
-    if point is not None and point[1] > 1.0:
-        miss = point[1]
-        floor = floor_bound(*point, state.recent)
+    loaded = point if point is not None and point[0] > 0 else None
+    recent = state.recent if loaded is None else (*state.recent, Seen(*loaded, current))[-RECENT_WINDOWS:]
+    if loaded is not None and loaded[1] > 1.0:
+        miss = loaded[1]
+        floor = floor_bound(*loaded, state.recent)
         remembered = state.floor_ratio is not None and now < state.floor_until
         if floor or remembered:
             # The SLO missed at a latency the load does not move: undo the lowering the
@@ -285,7 +287,7 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
                            floor_ratio=min(f for _, f in floor) if floor else state.floor_ratio,
                            floor_until=now + FLOOR_MEMORY_S if floor else state.floor_until,
                            floor_restore=undo)
-    raw, r = estimate_window(w, current, prior, cfg)
+    raw, r = estimate_window(w, point, current, prior, cfg)
     if raw is None:
         return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)
     blended = current + cfg.smoothing * (raw - current)
