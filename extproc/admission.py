@@ -196,7 +196,6 @@ class PoolRuntime:
     unsure_until: float = 0.0
     reserve_seq: int = 0  # degraded: the ticket number of this outage's reserve leases (`_sync`)
     budget: int = 0  # degraded: this process's local budget (its share of L, `_local_limit`)
-    stored_epoch: int = -1  # the settings epoch Redis held at this process's last `_configure`
     budget_open: bool = False  # degraded: the local table may use the whole budget (`_open_budget`)
     degraded_at: float = 0.0  # clock() when the pool last switched to local limits
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts the sync loop's sleep short
@@ -594,7 +593,6 @@ class Admitter:
         if stored.epoch > rt.settings.epoch:
             diff = diff or [f"settings_epoch: {rt.settings.epoch} here, {stored.epoch} stored"]
         self.metrics.settings_mismatch.labels(rt.cfg.name).set(1 if diff else 0)
-        rt.stored_epoch = stored.epoch
         if diff:
             log.error("pool %s: this processor's settings differ from the ones stored in Redis "
                       "(epoch %d), which every grant uses: %s. Make the configs agree, or raise "
@@ -1521,7 +1519,7 @@ class Admitter:
             log.warning("pool %s: Redis holds settings of epoch %d, older than this processor's %d: "
                         "storing these", rt.cfg.name, status.settings_epoch, rt.settings.epoch)
             await self._store_settings(rt)
-        elif status.settings_epoch > max(rt.settings.epoch, rt.stored_epoch):
+        elif status.settings_epoch > max(rt.settings.epoch, rt.state.stored.epoch if rt.state.stored else -1):
             # A newer epoch was stored since (a rollout under way): this processor's settings are
             # no longer the pool's. Said once per epoch (the gauge, an error); its static limit
             # is left to the processors of that epoch.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
+from floodgate.extproc.limit import Outcome
+from floodgate.extproc.schema import TURNED_AWAY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -21,8 +25,8 @@ _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 REDIS_OPS = ("acquire", "admit", "arrivals", "arriving", "cancel", "ceiling", "configure", "credit_done", "demand",
              "eject", "ejections", "enqueue", "gateways", "get_limit", "leave", "mine", "refund", "registry",
              "release", "repair", "return_credits", "set_limit", "status", "sync", "uneject")
-REJECT_REASONS = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_endpoints", "header_limit",
-                  "conflicting_tenant")
+# (every turned-away outcome but `abandoned`, which is no rejection, and the server's refusals)
+REJECT_REASONS = (*(r for r in TURNED_AWAY if r != "abandoned"), "header_limit", "conflicting_tenant")
 RELEASE_REASONS = ("stream_end", "cancelled", "upstream_error", "abandoned_grant", "no_endpoints")
 
 
@@ -193,7 +197,7 @@ class Metrics:
             self.local_rejections.labels(pool, prio)
         for reason in RELEASE_REASONS:
             self.releases.labels(pool, reason)
-        for outcome in ("success", "dropped", "ignored"):
+        for outcome in get_args(Outcome):
             self.outcomes.labels(pool, outcome)
         for kind in ("reasserted", "requeued", "dropped", "recounted", "repaired_keys"):
             self.reconciled.labels(pool, kind)
