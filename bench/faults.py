@@ -687,12 +687,14 @@ FAULTS += [
           bound=_FAILOVER_BOUND,
           # sentinel down-after (1 s) + election, then one reconnect and the reconcile
           target=lambda o: 5.0 + o.reconnect_s),
-    # No server fails: the processors follow the sentinels (every 0.5 s) and move every
-    # connection when the primary moves; writes made on the old one in that window are the
-    # ones a failover loses, so the failover bound applies.
+    # No server fails and no processor leaves shared state: the processors follow the sentinels
+    # (every 0.5 s) and move every connection when the primary moves. The writes made on the old
+    # primary after the promotion are lost; the first processor on the new one finds that and
+    # Redis holds its grants until every processor has re-asserted there (leases.lua `held`), so
+    # the bound is L (it read 14 of L 8 before the hold, in a loaded CI run).
     Fault("sentinel-switchover", "SENTINEL FAILOVER (planned: every server stays up, the old primary "
           "writable until Sentinel demotes it)", _sentinel_switchover, _nothing, measure_from="inject",
-          topology="sentinel", bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),
+          topology="sentinel", target=lambda o: 5.0 + o.reconnect_s),
     Fault("cluster-failover", "SIGKILL the Cluster primary holding the pool's slot; its replica takes over",
           _cluster_kill_pool_primary, _nothing, measure_from="inject", topology="cluster",
           bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),

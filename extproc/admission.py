@@ -99,6 +99,7 @@ from floodgate.extproc.schema import (
     NOT_DEMAND,
     REGISTRY_CHANGED,
     REGISTRY_SEEN,
+    RESYNC,
     TURNED_AWAY,
     PoolSettings,
     PoolStatus,
@@ -1263,6 +1264,10 @@ class Admitter:
                         if ticket == "!return":  # a queue formed somewhere: stop using credits
                             rt.queue_clear = False
                             self._return_credits(rt)
+                            continue
+                        if ticket == RESYNC:  # Redis lost writes and holds its grants until we sync
+                            rt.sync_due = True
+                            rt.wake.set()
                             continue
                         if ticket == REGISTRY_CHANGED:  # the sync loop reads the registry at once
                             rt.registry_due = True

@@ -67,7 +67,7 @@ local CLASS_HI = {'(4294967296', '(8589934592', '(12884901888'}    -- (exclusive
 -- read, look up and write back). The Vegas fields (rtt_noload, probe_count, probe_jitter,
 -- vegas_x) are read only by get_limit.
 local STATE_FIELDS = {'limit', 'version', 'seq', 'rr', 'due', 'lvl:p', 'rate:p', 'g0:p', 'g1:p', 'g2:p', 'ramp:p',
-                      'ramp:x', 'ej', 'fq'}
+                      'ramp:x', 'ej', 'fq', 'hold'}
 -- A waiter's place within its class: ties of the fair order's tags go by arrival, the
 -- queue sequence modulo this as the score's fraction (exact in a double: scores < 2^34).
 local TIE_SPAN = 65536
@@ -112,6 +112,7 @@ local QSEQ          -- the queue sequence (state `seq`) as a number, written bac
 local RES, RES_L    -- eligible(): reservations and higher-class headroom at limit RES_L
 local RRATE         -- read_rate() results of this call by rate name (bump_rate drops one)
 local LVL_S         -- the level as the snapshot reports it (nil: not yet; bump_level drops it)
+local HOLD          -- the hold after lost writes (held()): {until_ms, gateways left}, false: none, nil: not read
 
 -- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
 -- reaches a global through its environment's fallback (they are not reachable at load time), a
@@ -486,6 +487,67 @@ local function gateway_alive(gw)
   return ALIVE[gw]
 end
 
+-- The hold after lost writes (OPS.batch): Redis answered without writes it had acknowledged
+-- (a failover to a replica that missed them, a planned switchover where the old primary took
+-- writes after the promotion), so the permits it counts are stale for every gateway, not only
+-- for the one that noticed: each may hold permits leased in the lost writes, and the freed
+-- ones it shows would be granted twice. No permit is granted (leases re-asserted by `sync`
+-- still are) until every gateway that was alive in the state Redis went back to has synced,
+-- or is dead, or the hold runs out (one renewal period and a second: every live gateway syncs
+-- within a renewal period). State field `hold` = "until_ms|gw gw ...", '' when none.
+local function held()
+  if HOLD == nil then
+    HOLD = false
+    local v = state().hold
+    if v and v ~= '' then
+      local u, rest = string.match(v, '^([^|]*)|(.*)$')
+      u = tonumber(u or '')
+      local left = {}
+      if u and now < u then
+        for gw in string.gmatch(rest, '%S+') do
+          if gateway_alive(gw) then table.insert(left, gw) end
+        end
+      end
+      if #left > 0 then
+        HOLD = {u, left}
+        local text = intstr(u) .. '|' .. table.concat(left, ' ')
+        if text ~= v then set_state('hold', text) end
+      else
+        set_state('hold', '')  -- over: the next grant loop grants again
+      end
+    end
+  end
+  return HOLD ~= false
+end
+
+-- Lost writes seen (OPS.batch): hold the grants until every live gateway has synced, and ask
+-- each (but the caller, whose processor re-asserts by itself) to sync now.
+local function start_hold()
+  local gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf')
+  if #gws == 0 then return end
+  local u = now + math.floor(ttl / 3) + 1000
+  HOLD = {u, gws}
+  set_state('hold', intstr(u) .. '|' .. table.concat(gws, ' '))
+  for _, gw in ipairs(gws) do
+    if gw ~= MY_GW then notify(gw, S.pool .. '|!resync|') end
+  end
+end
+
+-- A gateway re-asserted everything it holds (`sync`): the hold no longer waits for it.
+local function hold_synced(gw)
+  if not held() then return end
+  local left = {}
+  for _, g in ipairs(HOLD[2]) do if g ~= gw then table.insert(left, g) end end
+  if #left == #HOLD[2] then return end
+  if #left == 0 then
+    HOLD = false
+    set_state('hold', '')
+  else
+    HOLD[2] = left
+    set_state('hold', intstr(HOLD[1]) .. '|' .. table.concat(left, ' '))
+  end
+end
+
 -- Prefill-aware picking, mirrored from extproc/prefill.py (PrefillEstimate): with picking and
 -- `pf_rate`, each active endpoint has an estimate of the prompt tokens routed to it and not yet
 -- prefilled, `epfill` endpoint -> "level|ms": every request routed there adds its prompt size
@@ -836,6 +898,7 @@ local function pop_head(c, queued)
 end
 
 local function grant_loop()
+  if held() then return 0 end
   local L = int_limit(true)
   local granted = 0
   local inflight, queued = counts()
@@ -1107,6 +1170,7 @@ end
 local function try_lease(ticket, gw, seq, c, wanted, size)
   reclaim()
   grant_loop()
+  if held() then return nil end  -- waits in the queue for the hold's end (a refusal, not a drop)
   local L = int_limit(true)
   local inflight, queued = counts()
   local ok = eligible(c, L, inflight, queued)
@@ -1502,6 +1566,7 @@ function OPS.sync(ARGV)
       if redis.call('HEXISTS', K.qmeta, t) == 0 then redis.call('HDEL', K.qsize, t) end
     end
   end
+  hold_synced(gw)
   reclaim()
   grant_loop()
   return snapshot({'granted', '0', 'reasserted', reasserted, 'requeued', requeued, 'dropped', dropped,
@@ -1628,6 +1693,15 @@ function OPS.batch(ARGV)
   -- that finds it below the fence of a batch whose reply it already had knows that Redis lost
   -- writes it acknowledged (a failover to a replica that had not received them, a restart) and
   -- re-asserts its permits and waiters at once instead of at its next renewal.
+  --
+  -- The processor also sends that fence (ARGV 5 '@<fence>': the highest of a batch whose reply
+  -- it had), so the loss is seen here too, before this batch's ops run: the other gateways'
+  -- permits in the lost writes are missing as well, and what they freed is counted free. The
+  -- pool then holds its grants (held()) until each gateway alive in this state has synced; each
+  -- is told to sync now ('!resync' on its channel). Without it a switchover read 14 in flight
+  -- of L 8: the first processor on the new primary granted the permits the other had taken on
+  -- the old one since the promotion. Only a gateway this state knows alive starts a hold (one
+  -- declared dead, or an emptied Redis, has no fence here: nothing to compare).
   MY_GW, MINE = ARGV[3], {}
   local replies = {}
   local i = 4
@@ -1635,6 +1709,11 @@ function OPS.batch(ARGV)
   local last
   if fence then
     i = 5
+    local acked
+    if string.sub(ARGV[5] or '', 1, 1) == '@' then
+      acked = tonumber(string.sub(ARGV[5], 2))
+      i = 6
+    end
     local fx = 'bx:' .. MY_GW
     last = state()[fx]
     if last and fence < last + 0 and gateway_alive(MY_GW) then
@@ -1644,6 +1723,7 @@ function OPS.batch(ARGV)
       end
       return {replies, MINE, last}
     end
+    if last and acked and last + 0 < acked and gateway_alive(MY_GW) and not held() then start_hold() end
     if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
   end
   while i <= #ARGV do
@@ -1719,6 +1799,15 @@ function READS.get_limit()
           'probe_jitter', s[4] or '1', 'version', s[5] or '0', 'extra', s[6] or ''}
 end
 
+-- The per-call memos that start empty (a function of its own: a Lua function reaches at most
+-- 60 upvalues, and `main` would pass that).
+local function reset_memos()
+  EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
+  RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
+  LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S, HOLD = nil, nil, nil, nil, {}, nil, nil
+  NQ, NQ0, NF, NF0, FQ, FQ_DIRTY = nil, nil, nil, nil, nil, false
+end
+
 local function main(KEYS, ARGV)
   tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type =
     _G.tonumber, _G.tostring, _G.string, _G.table, _G.math, _G.pcall, _G.unpack, _G.ipairs, _G.pairs, _G.next, _G.type
@@ -1726,10 +1815,7 @@ local function main(KEYS, ARGV)
   ttl = ARGV[2] + 0
   S, ST, ST_DIRTY, INF, QUE, CNT_DIRTY, ALIVE, LIVE_UNTIL, DUE = nil, nil, nil, nil, nil, false, {}, {}, nil
   REG, CALL_SNAP, HEARS, CALLER = {}, false, {}, nil
-  EDGE, LIVE, NACTIVE, MY_GW, MINE, HAS_LEP = {}, nil, nil, nil, nil, nil
-  RT, LVL_DONE, NO_CREDITORS, RAMP, RAMPX, PF = {}, false, false, nil, nil, nil
-  LIM, ILIM, QSEQ, RES_L, RRATE, LVL_S = nil, nil, nil, nil, {}, nil
-  NQ, NQ0, NF, NF0, FQ, FQ_DIRTY = nil, nil, nil, nil, nil, false
+  reset_memos()
   -- A clock only tests set (the processors' ACL user may not write keys starting with `a`);
   -- a value that is not a number is none.
   local fake = tonumber(redis.call('GET', K.admin_testclock))

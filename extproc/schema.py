@@ -159,6 +159,11 @@ REGISTRY_SEEN = "regseen"
 # ceiling changed (`pool|!registry`; registry.Registry.notify): refresh them now.
 REGISTRY_CHANGED = "!registry"
 
+# The message a gateway's channel carries when Redis found it had lost acknowledged writes and
+# holds the pool's grants until every live gateway has re-asserted (`pool|!resync|`; leases.lua
+# `start_hold`): sync now.
+RESYNC = "!resync"
+
 
 def gateway_channel(gateway_id: str, pool: str) -> str:
     """Pub/sub channel of one processor for one pool: grants (`pool|ticket|endpoint`) and credit

@@ -222,6 +222,8 @@ class PoolState:
             # (A state without a gateway, a tool's or a test's, is not one sender: no fence.)
             fence = self._fence = max(self._fence + 1, time.time_ns() // 1000)
             argv.append(fence)
+            if self._acked:  # so Redis sees a loss of acknowledged writes too (and holds its grants)
+                argv.append(f"@{self._acked}")
         for op, args, _ in todo:
             argv += [op, len(args), *args]
         self.batches += 1

@@ -444,3 +444,59 @@ def test_expand_snapshots_completes_each_from_the_calls_whole_one() -> None:
     assert (st.limit, st.grant_rate, st.release_n, st.inflight_avg, st.tail_left) == (8, 5.0, 40, 7.5, (0.0, 4.9, 0.0))
     with pytest.raises(ValueError):
         expand_snapshots([[b"granted", b"0", b"snapo", own.encode()]])
+
+
+async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_died_or_its_time_ran_out(
+        client: aioredis.Redis) -> None:
+    """Redis answering below a fence the gateway had acknowledged holds every grant (leases.lua
+    `held`) until each gateway alive in that state has synced, has died, or one renewal period
+    and a second have passed (TTL 3 s: 2 s). Fake clock; the loss is made by lowering the stored
+    fence, as a replica that missed the last batches holds it."""
+    ga = await make(client, "hold", gateway="ga", limit=2, ttl=3)
+    gb = await make(client, "hold", gateway="gb", limit=2, ttl=3)
+    clock, state = ga.keys[K["admin_testclock"]], ga.keys[K["state"]]
+    t0 = 1_000_000
+    await client.set(clock, t0)
+    await gb.sync("gb", 1, {}, {})
+    await ga.sync("ga", 1, {}, {})
+    seq = iter(range(1, 100))
+
+    async def take(st: PoolState, gw: str) -> bool:
+        n = next(seq)
+        return (await st.acquire(f"{gw}/{n}", gw, n, 1, "t")).granted
+
+    async def lose() -> None:
+        await client.hset(state, "bx:ga", "1")  # below every fence ga sent
+
+    # Held until both synced: ga's own sync is not enough, gb's ends it.
+    await lose()
+    assert not await take(ga, "ga")  # the call that finds the loss is refused, with both permits free
+    assert (await client.hget(state, "hold") or b"").startswith(str(t0 + 2000).encode())
+    await ga.sync("ga", 100, {}, {})
+    assert not await take(ga, "ga") and not await take(gb, "gb")
+    await gb.sync("gb", 100, {}, {})
+    assert await client.hget(state, "hold") == b""
+    assert await take(ga, "ga")
+    await ga.release("ga/4")
+
+    # Held until its time runs out when a gateway never syncs.
+    await lose()
+    assert not await take(ga, "ga")
+    await ga.sync("ga", 100, {}, {})
+    await client.set(clock, t0 + 1999)
+    assert not await take(ga, "ga")
+    await client.set(clock, t0 + 2000)
+    assert await take(ga, "ga")
+    await ga.release("ga/7")
+
+    # A gateway that dies during the hold is not waited for.
+    await client.set(clock, t0 + 2500)
+    await ga.sync("ga", 100, {}, {})  # gb's liveness ends at t0 + 3000 (its last sync)
+    await lose()
+    assert not await take(ga, "ga")
+    await ga.sync("ga", 100, {}, {})
+    await client.set(clock, t0 + 2999)
+    assert not await take(ga, "ga")
+    await client.set(clock, t0 + 3000)
+    assert await take(ga, "ga")  # the hold would run until t0 + 4500
+    assert await client.hget(state, "hold") == b""

@@ -15,12 +15,17 @@ the past, as a promoted replica is); tests/test_redis_ha.py has the real Sentine
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from floodgate.extproc.admission import Admitter
 from floodgate.extproc.backends import Permit
-from floodgate.extproc.schema import script_keys
+from floodgate.extproc.config import Config
+from floodgate.extproc.metrics import Metrics
+from floodgate.extproc.schema import SCRIPT_KEYS, script_keys
+from floodgate.extproc.state import redis_client
 
 from floodgate.stack import LocalStack
 from tests.helpers import Gateway, one_processor, wait_until
@@ -101,3 +106,79 @@ async def test_an_emptied_redis_is_corrected_at_the_next_call(gw: Gateway) -> No
     assert await wait_until(lambda: not rt.resyncing, 5)
     assert await leased(raw, "a") == sorted(p.ticket for p in held[1:])
     assert metrics.state_rollbacks.labels("a")._value.get() == 1
+
+
+@contextlib.asynccontextmanager
+async def two_processors(stack: LocalStack, *, limit: int) -> AsyncIterator[tuple[Admitter, Admitter, aioredis.Redis]]:
+    """Processors `ga` and `gb` sharing pool `a` (static `limit`, no credits) on a fresh server;
+    TTL 30 s (renewals 10 s away) and polls every 60 s: only the test's calls, the loss
+    detection and what Redis tells them reach Redis within a test."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
+        "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                   "limit": {"mode": "static", "initial": limit}}]})
+    clients = [redis_client(url, op_timeout_s=0.5) for _ in range(2)]
+    raw = aioredis.Redis.from_url(url)
+    admitters = [Admitter(cfg, c, metrics=Metrics(), gateway_id=g) for c, g in zip(clients, ("ga", "gb"), strict=True)]
+    for a in admitters:
+        await a.start()
+    try:
+        yield admitters[0], admitters[1], raw
+    finally:
+        for a in admitters:
+            await a.stop()
+        for c in clients:
+            await c.aclose()
+        await raw.aclose()
+
+
+async def hold(raw: aioredis.Redis, pool: str) -> str:
+    v = await raw.hget(script_keys(pool)[SCRIPT_KEYS.index("state")], "hold")
+    return (v or b"").decode()
+
+
+async def test_after_a_rollback_no_permit_is_granted_until_every_gateway_has_re_asserted(stack: LocalStack) -> None:
+    """L 3: `ga` holds two permits, `gb` one. Then `ga` releases one and `gb` takes it; Redis
+    rolls back to before (it counts ga 2, gb 1: a promoted replica that missed both writes).
+    `ga`'s next call finds the loss and re-asserts its one permit, which frees one in Redis, but
+    `gb` holds two, so the pool is full: the permit `ga`'s waiter could take is `gb`'s. Before,
+    `ga`'s re-assertion granted it (4 in flight of L 3 until `gb`'s renewal, up to 10 s here;
+    the suite's switchover read 14 of L 8 so). Now Redis holds the grants and tells `gb` to
+    re-assert; the waiter waits for a real release."""
+    async with two_processors(stack, limit=3) as (ga, gb, raw):
+        a1, a2, b1 = await ga.admit("a", 0, "t"), await ga.admit("a", 0, "t"), await gb.admit("a", 0, "t")
+        assert isinstance(a1, Permit) and isinstance(a2, Permit) and isinstance(b1, Permit)
+        before = await snapshot(raw, "a")
+        await ga.release(a2)
+        b2 = await gb.admit("a", 0, "t")  # leased in the writes about to be lost
+        assert isinstance(b2, Permit)
+        await roll_back(raw, "a", before)
+        assert await leased(raw, "a") == sorted([a1.ticket, a2.ticket, b1.ticket])
+
+        waiter = asyncio.create_task(ga.admit("a", 0, "t"))  # ga's next call: its reply shows the loss
+        want = sorted([a1.ticket, b1.ticket, b2.ticket])
+        assert await _until(raw, lambda lease, h: lease == want and h == "", 5), \
+            (await leased(raw, "a"), await hold(raw, "a"))  # both re-asserted (gb told to), the hold is over
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # the pool is full: 3 of L 3 (a1, b1, b2)
+        assert len(ga.pools["a"].held) + len(gb.pools["a"].held) == 3
+        assert ga.metrics.state_rollbacks.labels("a")._value.get() == 1
+        await gb.release(b2)  # a real release: the waiter's turn
+        got = await asyncio.wait_for(waiter, 5)
+        assert isinstance(got, Permit)
+        assert len(ga.pools["a"].held) + len(gb.pools["a"].held) == 3
+        for p in (a1, got):
+            await ga.release(p)
+        await gb.release(b1)
+        assert await leased(raw, "a") == []
+
+
+async def _until(raw: aioredis.Redis, pred: Callable[[list[str], str], bool], timeout: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        if pred(await leased(raw, "a"), await hold(raw, "a")):
+            return True
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
