@@ -222,7 +222,7 @@ class SharedBackend:
             # permit the call granted (a plain acquire's too: left, it held a permit until its
             # lease expired, lease_ttl_s later; a review).
             rt.waiting.pop(ticket, None)
-            a.spawn(self._abandon(rt, ticket))
+            a.spawn(self._abandon(rt, ticket, credits=wanted))
             raise
         finally:
             rt.pending.pop(ticket, None)
@@ -321,12 +321,19 @@ class SharedBackend:
                 rt.budget_waiting[cls] -= 1
                 a.child(a.metrics.budget_waits, (rt.cfg.name, str(cls), outcome)).inc()
 
-    async def _abandon(self, rt: PoolRuntime, ticket: str) -> None:
+    async def _abandon(self, rt: PoolRuntime, ticket: str, credits: int = 0) -> None:
+        """Leave the queue, or hand back the permit granted meanwhile. `credits`: the call in
+        the air asked for that many local credits, which a grant leased as `<ticket>:c<i>`
+        (leases.lua `try_lease`) and nobody will use: handed back too (not as completions), or
+        they stayed leased until the next renewal dropped them."""
         a = self.a
         try:
             if await a.call(rt, "cancel", lambda: rt.state.cancel(ticket)) == 1:
                 await a.call(rt, "release", lambda: rt.state.release(ticket))
                 a.metrics.releases.labels(rt.cfg.name, "abandoned_grant").inc()
+                if credits:
+                    await a.call(rt, "return_credits", lambda: rt.state.return_credits(
+                        *(f"{ticket}:c{i}" for i in range(1, credits + 1))))
         except RedisDown:
             pass  # the next sync drops what this gateway no longer asserts
 
