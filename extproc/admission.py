@@ -1250,11 +1250,21 @@ class Admitter:
             pubsub: Subscription | None = None
             try:
                 pubsub = await subscribe(client, channels, connect_timeout_s=self.cfg.redis.op_timeout_s)
-                failures = 0
                 for pool_rt in rts:
+                    if failures:
+                        # Subscribed again after a loss (a failover moved the primary or the
+                        # slot's owner): a `!resync` published meanwhile was missed, so
+                        # re-assert now (Redis may hold its grants until this process has).
+                        pool_rt.sync_due = True
+                        pool_rt.wake.set()
                     pool_rt.unsubscribed = False
+                failures = 0
                 while not self._closing:
                     msg = await pubsub.get_message(1.0)
+                    if pubsub.reconnected():  # as after a loss (above): a `!resync` may have been missed
+                        for pool_rt in rts:
+                            pool_rt.sync_due = True
+                            pool_rt.wake.set()
                     if msg is not None:
                         data = msg[1].decode()
                         pool, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
@@ -1266,6 +1276,9 @@ class Admitter:
                             self._return_credits(rt)
                             continue
                         if ticket == RESYNC:  # Redis lost writes and holds its grants until we sync
+                            log.warning("pool %s: Redis lost acknowledged writes (a failover) and holds the "
+                                        "pool's grants until every processor has re-asserted: re-asserting "
+                                        "now", rt.cfg.name)
                             rt.sync_due = True
                             rt.wake.set()
                             continue
@@ -1306,7 +1319,9 @@ class Admitter:
             return
         log.warning("pool %s: Redis lacks writes of this processor it had acknowledged (a failover to a "
                     "replica that missed them, a restart, or this process stalled past the lease TTL): "
-                    "re-asserting its permits and waiters now", rt.cfg.name)
+                    "re-asserting its permits and waiters now (after a failover Redis grants no permit "
+                    "until every processor has re-asserted, at most %.1f s)", rt.cfg.name,
+                    self.cfg.redis.lease_ttl_s / 3 + 1)
         rt.resyncing = True
         self.spawn(self._resync(rt))
 

@@ -112,7 +112,7 @@ local QSEQ          -- the queue sequence (state `seq`) as a number, written bac
 local RES, RES_L    -- eligible(): reservations and higher-class headroom at limit RES_L
 local RRATE         -- read_rate() results of this call by rate name (bump_rate drops one)
 local LVL_S         -- the level as the snapshot reports it (nil: not yet; bump_level drops it)
-local HOLD          -- the hold after lost writes (held()): {until_ms, gateways left}, false: none, nil: not read
+local HOLD          -- the hold after lost writes (held()): {until_ms, start_ms, gateways left}, false: none, nil: not read
 
 -- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
 -- reaches a global through its environment's fallback (they are not reachable at load time), a
@@ -493,24 +493,29 @@ end
 -- for the one that noticed: each may hold permits leased in the lost writes, and the freed
 -- ones it shows would be granted twice. No permit is granted (leases re-asserted by `sync`
 -- still are) until every gateway that was alive in the state Redis went back to has synced,
--- or is dead, or the hold runs out (one renewal period and a second: every live gateway syncs
--- within a renewal period). State field `hold` = "until_ms|gw gw ...", '' when none.
+-- or is dead, or has not been heard here (`hears`: subscribed, or polling) HOLD_QUIET_MS after
+-- the hold began (a processor killed around the failover: otherwise it held every grant for
+-- the whole hold; a live one moves its connections here within a follower interval and a
+-- reconnect), or the hold runs out (one renewal period and a second: every live gateway syncs
+-- within a renewal period). State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
+local HOLD_QUIET_MS = 2000
 local function held()
   if HOLD == nil then
     HOLD = false
     local v = state().hold
     if v and v ~= '' then
-      local u, rest = string.match(v, '^([^|]*)|(.*)$')
-      u = tonumber(u or '')
+      local u, t0, rest = string.match(v, '^([^|]*)|([^|]*)|(.*)$')
+      u, t0 = tonumber(u or ''), tonumber(t0 or '')
       local left = {}
-      if u and now < u then
+      if u and t0 and now < u then
+        local quiet = now - t0 >= HOLD_QUIET_MS
         for gw in string.gmatch(rest, '%S+') do
-          if gateway_alive(gw) then table.insert(left, gw) end
+          if gateway_alive(gw) and not (quiet and not hears(gw)) then table.insert(left, gw) end
         end
       end
       if #left > 0 then
-        HOLD = {u, left}
-        local text = intstr(u) .. '|' .. table.concat(left, ' ')
+        HOLD = {u, t0, left}
+        local text = intstr(u) .. '|' .. intstr(t0) .. '|' .. table.concat(left, ' ')
         if text ~= v then set_state('hold', text) end
       else
         set_state('hold', '')  -- over: the next grant loop grants again
@@ -526,8 +531,8 @@ local function start_hold()
   local gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf')
   if #gws == 0 then return end
   local u = now + math.floor(ttl / 3) + 1000
-  HOLD = {u, gws}
-  set_state('hold', intstr(u) .. '|' .. table.concat(gws, ' '))
+  HOLD = {u, now, gws}
+  set_state('hold', intstr(u) .. '|' .. NOW_S .. '|' .. table.concat(gws, ' '))
   for _, gw in ipairs(gws) do
     if gw ~= MY_GW then notify(gw, S.pool .. '|!resync|') end
   end
@@ -537,14 +542,14 @@ end
 local function hold_synced(gw)
   if not held() then return end
   local left = {}
-  for _, g in ipairs(HOLD[2]) do if g ~= gw then table.insert(left, g) end end
-  if #left == #HOLD[2] then return end
+  for _, g in ipairs(HOLD[3]) do if g ~= gw then table.insert(left, g) end end
+  if #left == #HOLD[3] then return end
   if #left == 0 then
     HOLD = false
     set_state('hold', '')
   else
-    HOLD[2] = left
-    set_state('hold', intstr(HOLD[1]) .. '|' .. table.concat(left, ' '))
+    HOLD[3] = left
+    set_state('hold', intstr(HOLD[1]) .. '|' .. intstr(HOLD[2]) .. '|' .. table.concat(left, ' '))
   end
 end
 

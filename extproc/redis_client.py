@@ -396,6 +396,11 @@ class Subscription:
     async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
         raise NotImplementedError
 
+    def reconnected(self) -> bool:
+        """Whether the connection was made again (redis-py re-subscribes by itself when a read
+        fails once) since the last call: messages published meanwhile were missed."""
+        return False
+
     async def aclose(self) -> None:
         raise NotImplementedError
 
@@ -422,6 +427,16 @@ class _PlainSubscription(Subscription):
         self._pong_timeout_s = pong_timeout_s
         self._heard = asyncio.get_running_loop().time()
         self._pinged: float | None = None
+        self._reconnects = 0
+        if getattr(pubsub, "connection", None) is not None:  # (a weak reference: kept as long as we are)
+            pubsub.connection.register_connect_callback(self._on_reconnect)
+
+    def _on_reconnect(self, _connection: Any) -> None:
+        self._reconnects += 1
+
+    def reconnected(self) -> bool:
+        got, self._reconnects = self._reconnects > 0, 0
+        return got
 
     async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
         # An ignored (un)subscribe confirmation also returns None: keep reading until the timeout.
@@ -476,6 +491,7 @@ class _ShardedSubscription(Subscription):
         self._clients: list[aioredis.Redis] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._owners: dict[str, str] = {}
+        self._subs: list[_PlainSubscription] = []
 
     def _owner_map(self) -> dict[str, ClusterNode]:
         out: dict[str, ClusterNode] = {}
@@ -510,6 +526,7 @@ class _ShardedSubscription(Subscription):
         # Checked like a single server's: a node that froze, or a flow dropped on the way, must
         # end the subscription (the slot map does not change for either).
         sub = _PlainSubscription(ps)
+        self._subs.append(sub)
         try:
             while True:
                 got = await sub.get_message(1.0)
@@ -537,6 +554,9 @@ class _ShardedSubscription(Subscription):
             if owners != self._owners:
                 self._queue.put_nowait(RedisError("a subscribed slot moved to another node"))
                 return
+
+    def reconnected(self) -> bool:
+        return any([s.reconnected() for s in self._subs])  # (each one's flag cleared)
 
     async def get_message(self, wait_s: float) -> tuple[str, bytes] | None:
         try:

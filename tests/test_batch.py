@@ -34,7 +34,7 @@ from floodgate.extproc.state import FUNCTION, PoolState
 from redis.exceptions import ResponseError
 
 from floodgate.stack import LocalStack
-from tests.helpers import one_processor, wait_until
+from tests.helpers import listening, one_processor, wait_until
 
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
 SHARES = (0.5, 0.3, 0.1)
@@ -500,3 +500,43 @@ async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_died_or_
     await client.set(clock, t0 + 3000)
     assert await take(ga, "ga")  # the hold would run until t0 + 4500
     assert await client.hget(state, "hold") == b""
+
+
+async def test_the_hold_stops_waiting_for_a_gateway_not_heard_after_its_quiet_time(client: aioredis.Redis) -> None:
+    """A gateway listed alive in the state Redis went back to, but neither subscribed to its
+    channel nor polling (a processor killed around the failover), is waited for 2 s, not the
+    whole hold (TTL 15 s: 6 s; a review read P0 waiting 6 s, P1 timed out, P2 turned away). One
+    that is subscribed (a live processor) is waited for until it syncs or the hold runs out."""
+    ga = await make(client, "quiet", gateway="ga", limit=2, ttl=15)
+    gb = await make(client, "quiet", gateway="gb", limit=2, ttl=15)
+    clock, state = ga.keys[K["admin_testclock"]], ga.keys[K["state"]]
+    t0 = 1_000_000
+    await client.set(clock, t0)
+    await gb.sync("gb", 1, {}, {})
+    await ga.sync("ga", 1, {}, {})
+    seq = iter(range(1, 100))
+
+    async def take() -> bool:
+        n = next(seq)
+        return (await ga.acquire(f"ga/{n}", "ga", n, 1, "t")).granted
+
+    async def lose_then_sync() -> None:
+        await client.hset(state, "bx:ga", "1")
+        assert not await take()  # finds the loss: held
+        await ga.sync("ga", 100, {}, {})
+
+    await lose_then_sync()  # gb silent: not heard
+    await client.set(clock, t0 + 1999)
+    assert not await take()
+    await client.set(clock, t0 + 2000)
+    assert await take()  # gb not heard 2 s after the hold began: not waited for
+    await ga.sync("ga", 100, {}, {})  # (the taken permit is not asserted: dropped)
+
+    async with listening(client, "quiet", "gb"):  # gb subscribed: a live processor, waited for
+        await client.set(clock, t0 + 3000)
+        await gb.sync("gb", 1, {}, {})
+        await lose_then_sync()
+        await client.set(clock, t0 + 3000 + 5999)
+        assert not await take()
+        await client.set(clock, t0 + 3000 + 6000)  # the hold ran out (15 s / 3 + 1 s)
+        assert await take()

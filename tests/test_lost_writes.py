@@ -182,3 +182,28 @@ async def _until(raw: aioredis.Redis, pred: Callable[[list[str], str], bool], ti
         if asyncio.get_running_loop().time() >= deadline:
             return False
         await asyncio.sleep(0.02)
+
+
+async def test_a_processor_whose_subscription_was_made_again_re_asserts_at_once(gw: Gateway) -> None:
+    """A `!resync` published while a processor's subscription was down (a failover moved the
+    primary or the slot's owner) never reaches it, and a hold would wait for its renewal (10 s
+    here). redis-py makes a killed pub/sub connection again and re-subscribes by itself, so the
+    processor saw nothing before; now a subscription made again (by redis-py or by the
+    processor) is followed by a sync at once. Fails before: the next sync was the renewal."""
+    gws = script_keys("a")[SCRIPT_KEYS.index("gws")]
+    before = await gw.raw.zscore(gws, "gw")
+    assert before is not None
+    await asyncio.sleep(0.05)  # (a later sync has a later score)
+    await gw.raw.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    assert await _until_score(gw.raw, gws, lambda s: s is not None and s > before, 5), \
+        (before, await gw.raw.zscore(gws, "gw"))
+
+
+async def _until_score(raw: aioredis.Redis, gws: str, pred: Callable[[float | None], bool], timeout: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        if pred(await raw.zscore(gws, "gw")):
+            return True
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
