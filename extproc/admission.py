@@ -1276,6 +1276,7 @@ class Admitter:
                             self._return_credits(rt)
                             continue
                         if ticket == RESYNC:  # Redis lost writes and holds its grants until we sync
+                            self.metrics.resync_requests.labels(rt.cfg.name).inc()
                             log.warning("pool %s: Redis lost acknowledged writes (a failover) and holds the "
                                         "pool's grants until every processor has re-asserted: re-asserting "
                                         "now", rt.cfg.name)
@@ -1532,6 +1533,7 @@ class Admitter:
                 await self.call(rt, "credit_done", lambda: rt.state.credit_done(n))
         status = await self.call(rt, "status", lambda: rt.state.status(self.gateway_id))
         self.observe(rt, status)
+        self.metrics.grants_held.labels(rt.cfg.name).set(1 if status.hold_s > 0 else 0)
         if 0 <= status.settings_epoch < rt.settings.epoch:
             # Redis holds settings older than this process's: a restart emptied it during a
             # rollout and an older processor stored its own first (a review: the pool then ran

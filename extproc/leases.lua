@@ -1782,9 +1782,15 @@ end
 local READS = {}
 
 function READS.status(ARGV)
-  -- ARGV 3 (optional) gateway for its rank.
+  -- ARGV 3 (optional) gateway for its rank. While the grants are held after lost writes
+  -- (held()), `hold` ms left and `hold_gws` the gateways it waits for (read, not written back).
   load_settings()
-  return snapshot({'granted', '0'}, nil, nil, ARGV[3])
+  local out = snapshot({'granted', '0'}, nil, nil, ARGV[3])
+  if held() then
+    table.insert(out, 'hold') table.insert(out, intstr(HOLD[1] - now))
+    table.insert(out, 'hold_gws') table.insert(out, table.concat(HOLD[3], ' '))
+  end
+  return out
 end
 
 function READS.ejections()

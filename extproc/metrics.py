@@ -127,6 +127,15 @@ class Metrics:
         self.pool_degraded = Gauge(
             "floodgate_pool_degraded", "1 while the pool's Redis (on a Cluster: the shard of its slot) is "
             "unreachable and the pool admits on this processor's local share.", ["pool"], registry=r)
+        self.grants_held = Gauge(
+            "floodgate_grants_held", "1 while Redis grants no permit of the pool after losing acknowledged "
+            "writes (a failover), until every processor has re-asserted there (read at each 1 s status tick: "
+            "a shorter hold may not show; floodgate_resync_requests_total and floodgate_state_rollbacks_total "
+            "count them).", ["pool"], registry=r)
+        self.resync_requests = Counter(
+            "floodgate_resync_requests", "Times Redis asked this processor to re-assert its permits at once: "
+            "another processor found that Redis had lost acknowledged writes (a failover), and the pool's "
+            "grants are held until every processor has.", ["pool"], registry=r)
         self.degraded_transitions = Counter(
             "floodgate_degraded_transitions", "Entries of a pool into degraded mode.", ["pool"], registry=r)
         self.redis_errors = Counter("floodgate_redis_errors", "Failed or timed-out Redis calls.", ["op"], registry=r)
@@ -205,7 +214,8 @@ class Metrics:
             self.grants_confirmed.labels(pool, outcome)
         for reason in ("path", "method"):
             self.unadmitted.labels(pool, reason)
+        self.grants_held.labels(pool)
         for c in (self.degraded_transitions, self.lost_leases, self.waiters_dropped, self.state_rollbacks,
-                  self.gateway_id_conflicts, self.unregistered_grants, self.ejections, self.invalid_priority,
-                  self.untrusted_priority, self.limit_updates):
+                  self.resync_requests, self.gateway_id_conflicts, self.unregistered_grants, self.ejections,
+                  self.invalid_priority, self.untrusted_priority, self.limit_updates):
             c.labels(pool)

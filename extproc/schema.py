@@ -363,6 +363,10 @@ class PoolStatus:
     # for a tenant with fewer waiters than others.
     ahead: int | None = None
     named_queued: tuple[int, int, int] | None = None  # waiters with a tenant per class (`n0`..`n2`)
+    # `status` only: while Redis holds the pool's grants after lost writes (leases.lua `held`),
+    # the seconds it has left at most and the gateways it waits for.
+    hold_s: float = 0.0
+    hold_waiting: tuple[str, ...] = ()
 
     @property
     def inflight_total(self) -> int:
@@ -402,4 +406,6 @@ class PoolStatus:
             pf_backlog=float(f.get("pfb", 0)),
             ahead=int(f["ahead"]) if "ahead" in f else None,
             named_queued=(int(f["n0"]), int(f["n1"]), int(f["n2"])) if "n0" in f else None,
+            hold_s=int(f.get("hold", 0)) / 1000,
+            hold_waiting=tuple(f.get("hold_gws", "").split()),
         )

@@ -92,6 +92,10 @@ class PoolReport:
     queued: dict[str, int]
     gateways: list[GatewayStatus] = field(default_factory=list)
     registry: dict[str, list[EndpointStatus]] = field(default_factory=dict)
+    # While Redis holds the pool's grants after lost writes: seconds left at most, and the
+    # gateways it waits for (docs/admission.md, "After lost writes, no grant ...").
+    hold_s: float = 0.0
+    hold_waiting: list[str] = field(default_factory=list)
 
     @property
     def degraded(self) -> list[str]:
@@ -244,7 +248,7 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
         eps.sort(key=lambda e: e.endpoint)
     return PoolReport(pool, st.limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
                       {f"P{c}": n for c, n in enumerate(st.queued)},
-                      sorted(gateways.values(), key=lambda g: g.gateway), registry)
+                      sorted(gateways.values(), key=lambda g: g.gateway), registry, st.hold_s, list(st.hold_waiting))
 
 
 async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]:
@@ -358,6 +362,9 @@ def render(reports: list[PoolReport]) -> str:
         lines.append(f"pool {r.pool}: limit {r.limit}, in-flight {inflight} "
                      f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}), "
                      f"queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
+        if r.hold_s > 0:
+            lines.append(f"  GRANTS HELD: Redis lost acknowledged writes (a failover); no permit is granted until "
+                         f"{', '.join(r.hold_waiting)} re-assert (at most {r.hold_s:.1f} s more)")
         live = [g for g in r.gateways if g.live]
         down = len(r.gateways) - len(live)
         lines.append(f"  gateways: {len(live)} live" + (f", {down} DEGRADED or gone" if down else "")

@@ -34,6 +34,7 @@ from floodgate.extproc.state import FUNCTION, PoolState
 from redis.exceptions import ResponseError
 
 from floodgate.stack import LocalStack
+from floodgate.status import read_pool, render
 from tests.helpers import listening, one_processor, wait_until
 
 K = {name: i for i, name in enumerate(SCRIPT_KEYS)}
@@ -472,10 +473,18 @@ async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_died_or_
     await lose()
     assert not await take(ga, "ga")  # the call that finds the loss is refused, with both permits free
     assert (await client.hget(state, "hold") or b"").startswith(str(t0 + 2000).encode())
+    st = await ga.status()  # what `floodgate status` and the processors' gauge read
+    assert st.hold_s == 2.0 and st.hold_waiting == ("ga", "gb")
+    report = await read_pool(client, "hold")
+    assert "GRANTS HELD" in render([report]) and "ga, gb re-assert" in render([report])
     await ga.sync("ga", 100, {}, {})
     assert not await take(ga, "ga") and not await take(gb, "gb")
+    assert (await ga.status()).hold_waiting == ("gb",)
     await gb.sync("gb", 100, {}, {})
     assert await client.hget(state, "hold") == b""
+    st = await ga.status()
+    assert st.hold_s == 0 and st.hold_waiting == ()
+    assert "GRANTS HELD" not in render([await read_pool(client, "hold")])
     assert await take(ga, "ga")
     await ga.release("ga/4")
 
