@@ -24,7 +24,7 @@ SCRIPT_KEYS = (
     "qmeta",      # HASH ticket -> "class|deadline_ms|gateway|tenant"
     "qdl",        # ZSET ticket -> deadline (ms), to reap abandoned waiters
     "counts",     # HASH i0..i2 in-flight, q0..q2 queued, t<class>:<tenant> queued per tenant
-    "state",      # HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, event rates
+    "state",      # HASH limit, rtt_noload, probe_count, probe_jitter, version, seq, event rates, hold
     "gws",        # ZSET gateway -> liveness expiry (ms); refreshed only by `sync`
     "active",     # SET  endpoints that may receive new requests (the registry's active ones)
     "epinf",      # HASH endpoint -> permits held by requests routed to it
