@@ -53,7 +53,7 @@ from floodgate.controller.lifecycle import (
     apply_event,
 )
 from floodgate.controller.liveness import StartBackoff, Unresponsive
-from floodgate.controller.metrics import ControllerMetrics
+from floodgate.controller.metrics import BackgroundOp, ControllerMetrics
 from floodgate.controller.policy import (
     ScalePlan,
     StartTimes,
@@ -739,7 +739,7 @@ class PoolController:
             self._act(rep, kind)
             self._spawn(rep, self._stop(rep))
 
-    async def _guard(self, rep: Replica, what: str, coro: Coroutine[Any, Any, None]) -> None:
+    async def _guard(self, rep: Replica, what: BackgroundOp, coro: Coroutine[Any, Any, None]) -> None:
         """Run one replica operation; any failure marks the replica failed (then terminated)."""
         try:
             await coro

@@ -337,7 +337,8 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     dc = cfg.default_class
     if not fg_ok:
         return OfferedDemand(False, "envoy", {dc: g_off}, {dc: max(0.0, g_off - g_away)}, {dc: g_away})
-    off, adm, away = floodgate_rates(w.floodgate[0], w.floodgate[-1])
+    fa, fb = w.floodgate[0], w.floodgate[-1]
+    off, adm, away = floodgate_rates(fa, fb)
     if not gw_ok:
         return OfferedDemand(False, "floodgate", off, adm, away)
     # Envoy's immediate responses beyond what the processors counted as turned away: requests
@@ -345,8 +346,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # ones it refused as malformed (a review: 30 req/s of `x-tenant-id: a,b`, each a 400,
     # scaled a pool for one replica's load 1 -> 8, its max, in 28 s).
     refused, _ = not_demand_rate(w, now, cfg)
-    a_, b_ = w.floodgate[0], w.floodgate[-1]
-    left = counted_between(a_, b_, "abandoned") / (b_.taken_at - a_.taken_at)
+    left = counted_between(fa, fb, "abandoned") / (fb.taken_at - fa.taken_at)
     claimed = max(0.0, sum(away.values()) - left)  # (a client that left while queued got no reply)
     answered = max(0.0, g_away - refused)
     unanswered = claimed - answered_bound(claimed, answered)

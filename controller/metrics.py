@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from aiohttp import web
 from floodgate.controller.lifecycle import ActionKind
 from floodgate.controller.signals import ReplicaState
@@ -17,6 +19,9 @@ from prometheus_client import (
 from floodgate.runtime import ListenError
 
 FAILURE_REASONS = ("not_running", "vanished", "action_failed", "unresponsive", "pool_unresponsive")
+# The replica operations the controller runs in the background (app.py `_guard`), each counted
+# in floodgate_controller_actions_total with outcome ok or error.
+BackgroundOp = Literal["start", "bring_up", "promote", "sleep"]
 SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate")
 
 
@@ -89,7 +94,7 @@ class ControllerMetrics:
         series first seen at 1 adds nothing (a first failure or cold start never showed)."""
         for kind in ActionKind:
             self.actions.labels(pool=pool, action=kind.value, outcome="issued")
-        for what in ("start", "bring_up", "promote", "sleep"):
+        for what in get_args(BackgroundOp):
             for outcome in ("ok", "error"):
                 self.actions.labels(pool=pool, action=what, outcome=outcome)
         for reason in FAILURE_REASONS:
