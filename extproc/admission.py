@@ -688,6 +688,7 @@ class Admitter:
             # (a processor that started since the last sync is in the status, not the sync).
             rt.live_before = max((s.live_gateways for s in (rt.last_sync, rt.last_status) if s is not None), default=0)
             self.metrics.pool_degraded.labels(rt.cfg.name).set(1)
+            self.metrics.grants_held.labels(rt.cfg.name).set(0)  # (not read while degraded)
             self.metrics.degraded_transitions.labels(rt.cfg.name).inc()
             # Idle credits are leases nobody uses: forget them, they expire in Redis. The
             # permits live requests still hold count against the local share.
@@ -1316,6 +1317,11 @@ class Admitter:
         requests hold (more than L elsewhere). Re-assert everything now rather than at the next
         renewal (up to `lease_ttl_s / 3` away). While degraded every reconcile does that anyway."""
         self.metrics.state_rollbacks.labels(rt.cfg.name).inc()
+        if rt.resyncing and not rt.degraded and not self._closing:
+            # Found again while a resync runs: its sync may have gone before this loss, and
+            # Redis may hold the pool's grants until this process has re-asserted: once more.
+            rt.sync_due = True
+            rt.wake.set()
         if rt.degraded or rt.resyncing or self._closing:
             return
         log.warning("pool %s: Redis lacks writes of this processor it had acknowledged (a failover to a "

@@ -112,7 +112,7 @@ local QSEQ          -- the queue sequence (state `seq`) as a number, written bac
 local RES, RES_L    -- eligible(): reservations and higher-class headroom at limit RES_L
 local RRATE         -- read_rate() results of this call by rate name (bump_rate drops one)
 local LVL_S         -- the level as the snapshot reports it (nil: not yet; bump_level drops it)
-local HOLD          -- the hold after lost writes (held()): {until_ms, start_ms, gateways left}, false: none, nil: not read
+local HOLD          -- the hold after lost writes (held()): {until_ms, start_ms, listed, waited for}, false: none, nil: not read
 
 -- The standard functions the hot path uses, as upvalues bound by main() on each call: a library
 -- reaches a global through its environment's fallback (they are not reachable at load time), a
@@ -499,26 +499,38 @@ end
 -- reconnect), or the hold runs out (one renewal period and a second: every live gateway syncs
 -- within a renewal period). State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
 local HOLD_QUIET_MS = 2000
-local function held()
+-- A hold's length: one renewal period and a second, at the caller's lease TTL.
+local function hold_ms() return math.floor(ttl / 3) + 1000 end
+
+-- The stored list keeps every listed gateway until it syncs (`hold_synced`); the ones waited
+-- for are those of them alive and, after HOLD_QUIET_MS, heard. An ended hold leaves
+-- "0|start_ms|gateways that never synced" (start_hold reads it). `capped` (every call but a
+-- status read, whose TTL is a tool's): a start in the future or an end further than one hold's
+-- length from it (the server's clock stepped back, a value written by something else) ends
+-- it, so a hold never lasts for good.
+local function held(capped)
   if HOLD == nil then
     HOLD = false
     local v = state().hold
     if v and v ~= '' then
       local u, t0, rest = string.match(v, '^([^|]*)|([^|]*)|(.*)$')
       u, t0 = tonumber(u or ''), tonumber(t0 or '')
-      local left = {}
-      if u and t0 and now < u then
-        local quiet = now - t0 >= HOLD_QUIET_MS
-        for gw in string.gmatch(rest, '%S+') do
-          if gateway_alive(gw) and not (quiet and not hears(gw)) then table.insert(left, gw) end
-        end
-      end
-      if #left > 0 then
-        HOLD = {u, t0, left}
-        local text = intstr(u) .. '|' .. intstr(t0) .. '|' .. table.concat(left, ' ')
-        if text ~= v then set_state('hold', text) end
+      if u == 0 then
+        if not t0 or t0 > now or now - t0 >= 2 * hold_ms() then set_state('hold', '') end  -- forgotten
       else
-        set_state('hold', '')  -- over: the next grant loop grants again
+        local listed, left = {}, {}
+        for gw in string.gmatch(rest or '', '%S+') do table.insert(listed, gw) end
+        if u and t0 and t0 <= now and now < u and (capped == false or u - t0 <= hold_ms()) then
+          local quiet = now - t0 >= HOLD_QUIET_MS
+          for _, gw in ipairs(listed) do
+            if gateway_alive(gw) and not (quiet and not hears(gw)) then table.insert(left, gw) end
+          end
+        end
+        if #left > 0 then
+          HOLD = {u, t0, listed, left}
+        else  -- over: the next grant loop grants again
+          set_state('hold', '0|' .. (t0 and t0 <= now and intstr(t0) or '') .. '|' .. table.concat(listed, ' '))
+        end
       end
     end
   end
@@ -526,14 +538,30 @@ local function held()
 end
 
 -- Lost writes seen (OPS.batch): hold the grants until every live gateway has synced, and ask
--- each (but the caller, whose processor re-asserts by itself) to sync now.
+-- each (but the caller, whose processor re-asserts by itself) to sync now. A gateway that an
+-- earlier hold (begun less than two holds' length ago) listed and that never synced is that
+-- loss arriving late (it was dropped as not heard, or came after the hold ran out): its hold
+-- lists only itself and the gateways that have not synced since that hold began (the others
+-- re-asserted after the loss), not everyone once more (a review: each late processor had every
+-- other refused and told to sync again).
 local function start_hold()
-  local gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf')
-  if #gws == 0 then return end
-  local u = now + math.floor(ttl / 3) + 1000
-  HOLD = {u, now, gws}
-  set_state('hold', intstr(u) .. '|' .. NOW_S .. '|' .. table.concat(gws, ' '))
-  for _, gw in ipairs(gws) do
+  local gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf', 'WITHSCORES')
+  local prev, never = string.match(state().hold or '', '^0|([^|]*)|(.*)$')
+  prev = tonumber(prev or '')
+  local late = false
+  if prev and prev <= now and now - prev < 2 * hold_ms() then
+    for gw in string.gmatch(never or '', '%S+') do if gw == MY_GW then late = true end end
+  end
+  local list = {}
+  for i = 1, #gws, 2 do
+    -- (gws holds each gateway's last sync + the TTL: every processor of a pool runs the same)
+    if not late or gws[i] == MY_GW or gws[i + 1] - ttl < prev then table.insert(list, gws[i]) end
+  end
+  if #list == 0 then return end
+  local u = now + hold_ms()
+  HOLD = {u, now, list, list}
+  set_state('hold', intstr(u) .. '|' .. NOW_S .. '|' .. table.concat(list, ' '))
+  for _, gw in ipairs(list) do
     if gw ~= MY_GW then notify(gw, S.pool .. '|!resync|') end
   end
 end
@@ -541,16 +569,12 @@ end
 -- A gateway re-asserted everything it holds (`sync`): the hold no longer waits for it.
 local function hold_synced(gw)
   if not held() then return end
-  local left = {}
-  for _, g in ipairs(HOLD[3]) do if g ~= gw then table.insert(left, g) end end
-  if #left == #HOLD[3] then return end
-  if #left == 0 then
-    HOLD = false
-    set_state('hold', '')
-  else
-    HOLD[3] = left
-    set_state('hold', intstr(HOLD[1]) .. '|' .. intstr(HOLD[2]) .. '|' .. table.concat(left, ' '))
-  end
+  local listed = {}
+  for _, g in ipairs(HOLD[3]) do if g ~= gw then table.insert(listed, g) end end
+  if #listed == #HOLD[3] then return end
+  set_state('hold', (#listed > 0 and intstr(HOLD[1]) or '0') .. '|' .. intstr(HOLD[2]) .. '|' ..
+            table.concat(listed, ' '))
+  HOLD = nil  -- read again: the ones left may all be dead or not heard
 end
 
 -- Prefill-aware picking, mirrored from extproc/prefill.py (PrefillEstimate): with picking and
@@ -1786,9 +1810,9 @@ function READS.status(ARGV)
   -- (held()), `hold` ms left and `hold_gws` the gateways it waits for (read, not written back).
   load_settings()
   local out = snapshot({'granted', '0'}, nil, nil, ARGV[3])
-  if held() then
+  if held(false) then
     table.insert(out, 'hold') table.insert(out, intstr(HOLD[1] - now))
-    table.insert(out, 'hold_gws') table.insert(out, table.concat(HOLD[3], ' '))
+    table.insert(out, 'hold_gws') table.insert(out, table.concat(HOLD[4], ' '))
   end
   return out
 end

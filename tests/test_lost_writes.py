@@ -115,10 +115,10 @@ async def two_processors(stack: LocalStack, *, limit: int) -> AsyncIterator[tupl
     detection and what Redis tells them reach Redis within a test."""
     url = stack.start_redis()
     cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 0.5, "poll_interval_s": 60},
+        "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 2, "poll_interval_s": 60},
         "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
                    "limit": {"mode": "static", "initial": limit}}]})
-    clients = [redis_client(url, op_timeout_s=0.5) for _ in range(2)]
+    clients = [redis_client(url, op_timeout_s=2) for _ in range(2)]
     raw = aioredis.Redis.from_url(url)
     admitters = [Admitter(cfg, c, metrics=Metrics(), gateway_id=g) for c, g in zip(clients, ("ga", "gb"), strict=True)]
     for a in admitters:
@@ -158,7 +158,7 @@ async def test_after_a_rollback_no_permit_is_granted_until_every_gateway_has_re_
 
         waiter = asyncio.create_task(ga.admit("a", 0, "t"))  # ga's next call: its reply shows the loss
         want = sorted([a1.ticket, b1.ticket, b2.ticket])
-        assert await _until(raw, lambda lease, h: lease == want and h == "", 5), \
+        assert await _until(raw, lambda lease, h: lease == want and h.startswith("0|"), 5), \
             (await leased(raw, "a"), await hold(raw, "a"))  # both re-asserted (gb told to), the hold is over
         await asyncio.sleep(0.3)
         assert not waiter.done()  # the pool is full: 3 of L 3 (a1, b1, b2)
