@@ -435,7 +435,12 @@ class Admitter:
     def _primary_moved(self) -> None:
         """Sentinel named a new primary: every pool re-asserts its permits, waiters and
         liveness there now, not at its next renewal."""
-        for rt in self.pools.values():
+        self._sync_soon(*self.pools.values())
+
+    @staticmethod
+    def _sync_soon(*rts: PoolRuntime) -> None:
+        """Each pool's sync loop re-asserts its permits, waiters and liveness now."""
+        for rt in rts:
             rt.sync_due = True
             rt.wake.set()
 
@@ -1251,21 +1256,18 @@ class Admitter:
             pubsub: Subscription | None = None
             try:
                 pubsub = await subscribe(client, channels, connect_timeout_s=self.cfg.redis.op_timeout_s)
+                if failures:
+                    # Subscribed again after a loss (a failover moved the primary or the slot's
+                    # owner): a `!resync` published meanwhile was missed, so re-assert now
+                    # (Redis may hold its grants until this process has).
+                    self._sync_soon(*rts)
                 for pool_rt in rts:
-                    if failures:
-                        # Subscribed again after a loss (a failover moved the primary or the
-                        # slot's owner): a `!resync` published meanwhile was missed, so
-                        # re-assert now (Redis may hold its grants until this process has).
-                        pool_rt.sync_due = True
-                        pool_rt.wake.set()
                     pool_rt.unsubscribed = False
                 failures = 0
                 while not self._closing:
                     msg = await pubsub.get_message(1.0)
                     if pubsub.reconnected():  # as after a loss (above): a `!resync` may have been missed
-                        for pool_rt in rts:
-                            pool_rt.sync_due = True
-                            pool_rt.wake.set()
+                        self._sync_soon(*rts)
                     if msg is not None:
                         data = msg[1].decode()
                         pool, ticket, endpoint = [*data.split("|", 2), "", ""][:3]
@@ -1281,8 +1283,7 @@ class Admitter:
                             log.warning("pool %s: Redis lost acknowledged writes (a failover) and holds the "
                                         "pool's grants until every processor has re-asserted: re-asserting "
                                         "now", rt.cfg.name)
-                            rt.sync_due = True
-                            rt.wake.set()
+                            self._sync_soon(rt)
                             continue
                         if ticket == REGISTRY_CHANGED:  # the sync loop reads the registry at once
                             rt.registry_due = True
@@ -1320,8 +1321,7 @@ class Admitter:
         if rt.resyncing and not rt.degraded and not self._closing:
             # Found again while a resync runs: its sync may have gone before this loss, and
             # Redis may hold the pool's grants until this process has re-asserted: once more.
-            rt.sync_due = True
-            rt.wake.set()
+            self._sync_soon(rt)
         if rt.degraded or rt.resyncing or self._closing:
             return
         log.warning("pool %s: Redis lacks writes of this processor it had acknowledged (a failover to a "
