@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import random
 import signal
+from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -447,68 +448,99 @@ def test_expand_snapshots_completes_each_from_the_calls_whole_one() -> None:
         expand_snapshots([[b"granted", b"0", b"snapo", own.encode()]])
 
 
+T0 = 1_000_000  # the hold tests' fake clock starts here (ms)
+
+
+@dataclasses.dataclass
+class ClockedPool:
+    """Gateways of one pool on the script's fake clock, each synced once at T0 (the hold tests).
+    `take` acquires a P1 permit with the next ticket number (shared by all gateways); `lose`
+    lowers a gateway's stored fence below every one it sent, as a replica that missed its last
+    batches holds it: its next call finds the loss."""
+
+    client: aioredis.Redis
+    st: dict[str, PoolState]
+    seq: Iterator[int] = dataclasses.field(default_factory=lambda: iter(range(1, 100)))
+
+    @property
+    def state_key(self) -> str:
+        return next(iter(self.st.values())).keys[K["state"]]
+
+    async def at(self, ms: int) -> None:
+        await self.client.set(next(iter(self.st.values())).keys[K["admin_testclock"]], T0 + ms)
+
+    async def take(self, gw: str) -> bool:
+        n = next(self.seq)
+        return (await self.st[gw].acquire(f"{gw}/{n}", gw, n, 1, "t")).granted
+
+    async def lose(self, gw: str) -> None:
+        await self.client.hset(self.state_key, f"bx:{gw}", "1")
+
+    async def sync(self, gw: str, watermark: int = 100) -> None:
+        await self.st[gw].sync(gw, watermark, {}, {})
+
+    async def hold(self) -> bytes:
+        return await self.client.hget(self.state_key, "hold") or b""
+
+
+async def clocked_pool(client: aioredis.Redis, pool: str, gateways: tuple[str, ...], *, limit: int,
+                       ttl: float) -> ClockedPool:
+    p = ClockedPool(client, {g: await make(client, pool, gateway=g, limit=limit, ttl=ttl) for g in gateways})
+    await p.at(0)
+    for g in gateways:
+        await p.sync(g, 1)
+    return p
+
+
 async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_died_or_its_time_ran_out(
         client: aioredis.Redis) -> None:
     """Redis answering below a fence the gateway had acknowledged holds every grant (leases.lua
     `held`) until each gateway alive in that state has synced, has died, or one renewal period
     and a second have passed (TTL 3 s: 2 s). Fake clock; the loss is made by lowering the stored
     fence, as a replica that missed the last batches holds it."""
-    ga = await make(client, "hold", gateway="ga", limit=2, ttl=3)
-    gb = await make(client, "hold", gateway="gb", limit=2, ttl=3)
-    clock, state = ga.keys[K["admin_testclock"]], ga.keys[K["state"]]
-    t0 = 1_000_000
-    await client.set(clock, t0)
-    await gb.sync("gb", 1, {}, {})
-    await ga.sync("ga", 1, {}, {})
-    seq = iter(range(1, 100))
-
-    async def take(st: PoolState, gw: str) -> bool:
-        n = next(seq)
-        return (await st.acquire(f"{gw}/{n}", gw, n, 1, "t")).granted
-
-    async def lose() -> None:
-        await client.hset(state, "bx:ga", "1")  # below every fence ga sent
+    p = await clocked_pool(client, "hold", ("gb", "ga"), limit=2, ttl=3)
+    ga = p.st["ga"]
 
     # Held until both synced: ga's own sync is not enough, gb's ends it.
-    await lose()
-    assert not await take(ga, "ga")  # the call that finds the loss is refused, with both permits free
-    assert (await client.hget(state, "hold") or b"").startswith(str(t0 + 2000).encode())
+    await p.lose("ga")
+    assert not await p.take("ga")  # the call that finds the loss is refused, with both permits free
+    assert (await p.hold()).startswith(str(T0 + 2000).encode())
     st = await ga.status()  # what `floodgate status` and the processors' gauge read
     assert st.hold_s == 2.0 and st.hold_waiting == ("ga", "gb")
     report = await read_pool(client, "hold")
     assert "GRANTS HELD" in render([report]) and "ga, gb re-assert" in render([report])
-    await ga.sync("ga", 100, {}, {})
-    assert not await take(ga, "ga") and not await take(gb, "gb")
+    await p.sync("ga")
+    assert not await p.take("ga") and not await p.take("gb")
     assert (await ga.status()).hold_waiting == ("gb",)
-    await gb.sync("gb", 100, {}, {})
-    assert (await client.hget(state, "hold") or b"").startswith(b"0|")  # over (its start kept)
+    await p.sync("gb")
+    assert (await p.hold()).startswith(b"0|")  # over (its start kept)
     st = await ga.status()
     assert st.hold_s == 0 and st.hold_waiting == ()
     assert "GRANTS HELD" not in render([await read_pool(client, "hold")])
-    assert await take(ga, "ga")
+    assert await p.take("ga")
     await ga.release("ga/4")
 
     # Held until its time runs out when a gateway never syncs.
-    await lose()
-    assert not await take(ga, "ga")
-    await ga.sync("ga", 100, {}, {})
-    await client.set(clock, t0 + 1999)
-    assert not await take(ga, "ga")
-    await client.set(clock, t0 + 2000)
-    assert await take(ga, "ga")
+    await p.lose("ga")
+    assert not await p.take("ga")
+    await p.sync("ga")
+    await p.at(1999)
+    assert not await p.take("ga")
+    await p.at(2000)
+    assert await p.take("ga")
     await ga.release("ga/7")
 
     # A gateway that dies during the hold is not waited for.
-    await client.set(clock, t0 + 2500)
-    await ga.sync("ga", 100, {}, {})  # gb's liveness ends at t0 + 3000 (its last sync)
-    await lose()
-    assert not await take(ga, "ga")
-    await ga.sync("ga", 100, {}, {})
-    await client.set(clock, t0 + 2999)
-    assert not await take(ga, "ga")
-    await client.set(clock, t0 + 3000)
-    assert await take(ga, "ga")  # the hold would run until t0 + 4500
-    assert (await client.hget(state, "hold") or b"").startswith(b"0|")
+    await p.at(2500)
+    await p.sync("ga")  # gb's liveness ends at T0 + 3000 (its last sync)
+    await p.lose("ga")
+    assert not await p.take("ga")
+    await p.sync("ga")
+    await p.at(2999)
+    assert not await p.take("ga")
+    await p.at(3000)
+    assert await p.take("ga")  # the hold would run until T0 + 4500
+    assert (await p.hold()).startswith(b"0|")
 
 
 async def test_the_hold_stops_waiting_for_a_gateway_not_heard_after_its_quiet_time(client: aioredis.Redis) -> None:
@@ -516,39 +548,28 @@ async def test_the_hold_stops_waiting_for_a_gateway_not_heard_after_its_quiet_ti
     channel nor polling (a processor killed around the failover), is waited for 2 s, not the
     whole hold (TTL 15 s: 6 s; a review read P0 waiting 6 s, P1 timed out, P2 turned away). One
     that is subscribed (a live processor) is waited for until it syncs or the hold runs out."""
-    ga = await make(client, "quiet", gateway="ga", limit=2, ttl=15)
-    gb = await make(client, "quiet", gateway="gb", limit=2, ttl=15)
-    clock, state = ga.keys[K["admin_testclock"]], ga.keys[K["state"]]
-    t0 = 1_000_000
-    await client.set(clock, t0)
-    await gb.sync("gb", 1, {}, {})
-    await ga.sync("ga", 1, {}, {})
-    seq = iter(range(1, 100))
-
-    async def take() -> bool:
-        n = next(seq)
-        return (await ga.acquire(f"ga/{n}", "ga", n, 1, "t")).granted
+    p = await clocked_pool(client, "quiet", ("gb", "ga"), limit=2, ttl=15)
 
     async def lose_then_sync() -> None:
-        await client.hset(state, "bx:ga", "1")
-        assert not await take()  # finds the loss: held
-        await ga.sync("ga", 100, {}, {})
+        await p.lose("ga")
+        assert not await p.take("ga")  # finds the loss: held
+        await p.sync("ga")
 
     await lose_then_sync()  # gb silent: not heard
-    await client.set(clock, t0 + 1999)
-    assert not await take()
-    await client.set(clock, t0 + 2000)
-    assert await take()  # gb not heard 2 s after the hold began: not waited for
-    await ga.sync("ga", 100, {}, {})  # (the taken permit is not asserted: dropped)
+    await p.at(1999)
+    assert not await p.take("ga")
+    await p.at(2000)
+    assert await p.take("ga")  # gb not heard 2 s after the hold began: not waited for
+    await p.sync("ga")  # (the taken permit is not asserted: dropped)
 
     async with listening(client, "quiet", "gb"):  # gb subscribed: a live processor, waited for
-        await client.set(clock, t0 + 3000)
-        await gb.sync("gb", 1, {}, {})
+        await p.at(3000)
+        await p.sync("gb", 1)
         await lose_then_sync()
-        await client.set(clock, t0 + 3000 + 5999)
-        assert not await take()
-        await client.set(clock, t0 + 3000 + 6000)  # the hold ran out (15 s / 3 + 1 s)
-        assert await take()
+        await p.at(3000 + 5999)
+        assert not await p.take("ga")
+        await p.at(3000 + 6000)  # the hold ran out (15 s / 3 + 1 s)
+        assert await p.take("ga")
 
 
 async def test_a_late_gateway_holds_the_grants_only_for_those_not_synced_since_the_last_hold(
@@ -559,34 +580,25 @@ async def test_a_late_gateway_holds_the_grants_only_for_those_not_synced_since_t
     sync again, once per late processor). A start in the future or an end further than one
     hold's length from it (a clock stepped back, a value written by something else) ends a
     hold: it never lasts for good (a review's forged end held at +600 s)."""
-    sts = {g: await make(client, "late", gateway=g, limit=4, ttl=3) for g in ("ga", "gb", "gc")}
-    clock, state = sts["ga"].keys[K["admin_testclock"]], sts["ga"].keys[K["state"]]
-    t0 = 1_000_000
-    await client.set(clock, t0)
-    for g, st in sts.items():
-        await st.sync(g, 1, {}, {})
-    seq = iter(range(1, 100))
+    p = await clocked_pool(client, "late", ("ga", "gb", "gc"), limit=4, ttl=3)
+    ga = p.st["ga"]
 
-    async def take(g: str) -> bool:
-        n = next(seq)
-        return (await sts[g].acquire(f"{g}/{n}", g, n, 1, "t")).granted
-
-    await client.hset(state, "bx:ga", "1")
-    assert not await take("ga")  # the first hold: ga, gb, gc
-    assert (await sts["ga"].status()).hold_waiting == ("ga", "gb", "gc")
-    await client.set(clock, t0 + 500)
-    await sts["ga"].sync("ga", 100, {}, {})
-    await sts["gb"].sync("gb", 100, {}, {})
-    await client.set(clock, t0 + 2000)  # it ran out (TTL 3 s: 2 s) before gc came
-    await sts["ga"].sync("ga", 100, {}, {})  # (a renewal)
-    assert await take("ga")
-    await client.hset(state, "bx:gc", "1")  # gc's own loss reaches Redis now
-    assert not await take("gc")
-    assert (await sts["ga"].status()).hold_waiting == ("gc",)  # not ga and gb once more
-    await sts["gc"].sync("gc", 100, {}, {})
-    assert await take("gb")
+    await p.lose("ga")
+    assert not await p.take("ga")  # the first hold: ga, gb, gc
+    assert (await ga.status()).hold_waiting == ("ga", "gb", "gc")
+    await p.at(500)
+    await p.sync("ga")
+    await p.sync("gb")
+    await p.at(2000)  # it ran out (TTL 3 s: 2 s) before gc came
+    await p.sync("ga")  # (a renewal)
+    assert await p.take("ga")
+    await p.lose("gc")  # gc's own loss reaches Redis now
+    assert not await p.take("gc")
+    assert (await ga.status()).hold_waiting == ("gc",)  # not ga and gb once more
+    await p.sync("gc")
+    assert await p.take("gb")
 
     # Written by something else: an end far away, or a start ahead of the server's clock.
-    for bad in (f"{t0 + 600_000}|{t0 + 2000}|ga gb gc", f"{t0 + 9000}|{t0 + 5000}|ga gb gc"):
-        await client.hset(state, "hold", bad)
-        assert await take("ga"), bad
+    for bad in (f"{T0 + 600_000}|{T0 + 2000}|ga gb gc", f"{T0 + 9000}|{T0 + 5000}|ga gb gc"):
+        await client.hset(p.state_key, "hold", bad)
+        assert await p.take("ga"), bad
