@@ -502,6 +502,11 @@ local HOLD_QUIET_MS = 2000
 -- A hold's length: one renewal period and a second, at the caller's lease TTL.
 local function hold_ms() return math.floor(ttl / 3) + 1000 end
 
+-- Write the state field: `u` nil for an ended hold ("0"), `t0` nil when unknown.
+local function store_hold(u, t0, gws)
+  set_state('hold', (u and intstr(u) or '0') .. '|' .. (t0 and intstr(t0) or '') .. '|' .. table.concat(gws, ' '))
+end
+
 -- The stored list keeps every listed gateway until it syncs (`hold_synced`); the ones waited
 -- for are those of them alive and, after HOLD_QUIET_MS, heard. An ended hold leaves
 -- "0|start_ms|gateways that never synced" (start_hold reads it). `capped` (every call but a
@@ -529,7 +534,7 @@ local function held(capped)
         if #left > 0 then
           HOLD = {u, t0, listed, left}
         else  -- over: the next grant loop grants again
-          set_state('hold', '0|' .. (t0 and t0 <= now and intstr(t0) or '') .. '|' .. table.concat(listed, ' '))
+          store_hold(nil, t0 and t0 <= now and t0 or nil, listed)
         end
       end
     end
@@ -560,7 +565,7 @@ local function start_hold()
   if #list == 0 then return end
   local u = now + hold_ms()
   HOLD = {u, now, list, list}
-  set_state('hold', intstr(u) .. '|' .. NOW_S .. '|' .. table.concat(list, ' '))
+  store_hold(u, now, list)
   for _, gw in ipairs(list) do
     if gw ~= MY_GW then notify(gw, S.pool .. '|!resync|') end
   end
@@ -572,8 +577,7 @@ local function hold_synced(gw)
   local listed = {}
   for _, g in ipairs(HOLD[3]) do if g ~= gw then table.insert(listed, g) end end
   if #listed == #HOLD[3] then return end
-  set_state('hold', (#listed > 0 and intstr(HOLD[1]) or '0') .. '|' .. intstr(HOLD[2]) .. '|' ..
-            table.concat(listed, ' '))
+  store_hold(#listed > 0 and HOLD[1] or nil, HOLD[2], listed)
   HOLD = nil  -- read again: the ones left may all be dead or not heard
 end
 
