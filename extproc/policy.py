@@ -597,18 +597,32 @@ class WaitEstimate:
     def median_seconds(self, horizon_s: float = 3600.0) -> float:
         """When the grant loop has reached this request with even odds (`chance` at the point
         estimates: 0.5), by bisection in log time to about 5 %; inf if not within `horizon_s`."""
-        if self.chance(horizon_s) < 0.5:
+        return self.seconds_to(0.5, horizon_s=horizon_s)
+
+    def seconds_to(self, need: float, scale: float = 1.0, horizon_s: float = 3600.0) -> float:
+        """When the grant loop has reached this request with chance `need` (`chance` at the rates
+        times `scale`), by bisection in log time to about 5 %; inf if not within `horizon_s`."""
+        if self.chance(horizon_s, scale) < need:
             return math.inf
         lo, hi = 1e-3, horizon_s
-        if self.chance(lo) >= 0.5:
+        if self.chance(lo, scale) >= need:
             return lo
         while hi / lo > 1.05:
             mid = math.sqrt(lo * hi)
-            if self.chance(mid) >= 0.5:
+            if self.chance(mid, scale) >= need:
                 hi = mid
             else:
                 lo = mid
         return hi
+
+    def admits_after(self, need: float, margin: bool = True) -> float | None:
+        """The deadline early drop's own test (`certainly_over`, not `reject_fast`) would pass at
+        `need`: the smallest t with the chance of being reached by t at least `need`, at the
+        same rates (releases at their upper bound unless `margin` is False). None when that
+        test is unsure (few releases: it drops nothing)."""
+        if self.rate <= 0 or self.samples < MIN_RELEASES:
+            return None
+        return self.seconds_to(need, 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0)
 
     def certainly_over(self, deadline_s: float, min_chance: float = 0.5, *, reject_fast: bool = False,
                        margin: bool = True) -> bool:
@@ -848,18 +862,34 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
                         point=_point(c, chance))
     if snap.queued[cls] >= c.max_queue:
-        return Reject("queue_full", retry_after(retry_wait(cls, snap, classes), c, cfg, rand))
+        return Reject("queue_full", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
     if named_tenant or cfg.anonymous_tenant_cap:
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
-            return Reject("tenant_cap", retry_after(retry_wait(cls, snap, classes), c, cfg, rand))
+            return Reject("tenant_cap", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
     if _drops(est, c, c.queue_timeout_s, chance):
-        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes), c, cfg, rand))
+        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
     return Enqueue(est.mean_seconds)
 
 
-def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> float | None:
-    """The wait Retry-After tells a rejected request of class `cls`: the point estimate, read
+def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
+               chance: float | None = None) -> float | None:
+    """The wait Retry-After tells a rejected request of class `cls`: when a request of its class
+    sent then would be let into the queue — the wait W of one arriving now less its class's
+    queue timeout T, `(W - T)+`: by then the queue ahead has drained to what a newcomer waits
+    out. Telling W itself idled the client a whole timeout too long: early drop turns a request
+    away just past the queue's edge (W a little over T), and one release later the next one
+    fits (a review's replays, `python -m tests.policy_variety`: P0 under P0 overload told a
+    median 26 s where the next P0 was admitted 0.17 s later).
+
+    For a class that waits when unsure (not `rejects_fast`), W is the deadline early drop's own
+    test would pass at (`WaitEstimate.admits_after`, at `chance` or the class's own, the
+    release rate at its upper bound as the test reads it): the retry meets the rule that turned
+    it away. Read neutrally instead, W stood ~15 % above it, a few seconds at P0's 20 s.
+    While that test is unsure (few releases: a queue_full or a timeout, not an early drop),
+    and for a class told at once, W is the point estimate below.
+
+    The point estimate is read
     neutrally. The drop decision of a class told at once reads the rates pessimistically (the
     releases low, the higher arrivals high), and in a steady state, where those balance, that
     reading said never: P2 was told 50-60 s and got in 2.6 s later (a review).
@@ -873,8 +903,15 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig]) -> 
     one near them reads a long finite wait. The costs are lopsided too: a wait told too short
     costs one more rejection, decided without a round trip; one told too long idles the client
     while the pool has room."""
-    return wait_estimate(cls, snap, [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES],
-                         arrivals_low=True).seconds
+    c = classes[cls]
+    shares, headroom = [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES]
+    wait = None
+    if not c.rejects_fast:
+        need = c.early_drop_min_chance if chance is None else chance
+        wait = wait_estimate(cls, snap, shares, headroom).admits_after(need, margin=not spends_budget(c, need))
+    if wait is None:
+        wait = wait_estimate(cls, snap, shares, headroom, arrivals_low=True).seconds
+    return None if wait is None else max(0.0, wait - c.queue_timeout_s)
 
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
@@ -911,7 +948,7 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
             return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast, point=_point(c, chance))
     if _drops(est, c, c.queue_timeout_s + max(0.0, age_s), chance):
-        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes), c, cfg, rand))
+        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
     return None
 
 

@@ -128,7 +128,12 @@ def test_queue_is_bounded_by_what_its_class_is_granted_in_time() -> None:
     long = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200)
     assert wait_estimate(2, long, SHARES).seconds == pytest.approx(7.0)
     d = queue_decision(2, long, classes, ADM, 0.0)  # P(>= 7) = 0.39
-    assert isinstance(d, Reject) and d.reason == "early_drop" and 7 <= d.retry_after_s <= 9
+    # Retry-After: when the same test would let a newcomer in, not the ~7 s this one would have
+    # waited: 7 releases of Poisson(t x 1.14) reach even odds at t ~ 5.85 s, 0.85 s past the
+    # timeout (one release of the class later); told the smallest, 1 s (jittered: 1 or 2)
+    after = wait_estimate(2, long, SHARES).admits_after(0.5)
+    assert after is not None and 0.6 < after - 5 < 1.1
+    assert isinstance(d, Reject) and d.reason == "early_drop" and d.retry_after_s in (1, 2)
     # its own recent grant rate does not count: it lags (a class that was granted fast before
     # the higher classes queued is granted only its reservation's turnover now)
     fast = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200, class_rate=4.0)
@@ -252,8 +257,11 @@ def test_retry_after_is_jittered_everywhere_including_the_clamps() -> None:
 
 
 def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
-    r = timeout_reject(1, full((0, 3, 0), rate=1.0), CLASSES, ADM, 0.0)
-    assert r.reason == "queue_timeout" and 4 <= r.retry_after_s <= 5
+    # 20 P1s queued at 1 release/s: a newcomer waits ~21 s, 6 s more than P1's 15 s timeout
+    r = timeout_reject(1, full((0, 20, 0), rate=1.0), CLASSES, ADM, 0.0)
+    assert r.reason == "queue_timeout" and 6 <= r.retry_after_s <= 8
+    # 3 queued: a newcomer would be served in time now, so the smallest Retry-After
+    assert timeout_reject(1, full((0, 3, 0), rate=1.0), CLASSES, ADM, 0.0).retry_after_s in (1, 2)
     assert 15 <= timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s <= 18
 
 

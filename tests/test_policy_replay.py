@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import statistics
 
 import pytest
 from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
@@ -387,6 +388,24 @@ def test_on_shapes_the_random_histories_lack_p0_is_never_wrongly_dropped(name: s
     p0, p1 = res["per_class"][0], res["per_class"][1]
     assert p0["wrong"] == 0, res["examples"]
     assert p1["wrong"] <= max(3, 0.12 * p1["drops"]), (p1, res["examples"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["mostlyp0", "p0ramp"])
+def test_retry_after_of_an_early_dropped_p0_says_when_the_next_one_gets_in(name: str) -> None:
+    """An independent review (tests/policy_variety.py, 'RA' lines): under P0 overload an
+    early-dropped P0 was told its own predicted wait, past its 20 s timeout by construction
+    (a median 26 s), while the next P0 the replay admitted and served came a median 0.16 s
+    later: a client that obeys idled the whole time. Told when the drop test would let a
+    newcomer in, it says the smallest Retry-After (1-2 s) nearly always."""
+    from tests.policy_variety import run
+
+    res = run(name, range(1), sample_cf=0)
+    told = [(ra, actual) for ra, actual in res["retry"][0] if math.isfinite(actual)]
+    assert len(told) > 100, len(told)  # P0 is early-dropped here
+    too_long = sum(1 for ra, actual in told if ra > max(3 * actual, 2))
+    assert too_long <= 0.05 * len(told), (too_long, len(told))  # before: all of them
+    assert statistics.median(ra for ra, _ in told) <= 2
 
 
 def _idle_then_flash(seed: int) -> list[Arrival]:
