@@ -32,6 +32,7 @@ from floodgate.extproc.policy import (
     ramp_floors,
     ramp_refill_rate,
     retry_after,
+    retry_wait,
     timeout_reject,
     waits_on_budget,
 )
@@ -277,8 +278,10 @@ class SharedBackend:
                     rt.pending.pop(ticket, None)
                 a.observe(rt, st)
             if st.rejected:
+                # The queue filled while the call was in the air: told from the state it found.
                 c = rt.cfg.classes[cls]
-                return Reject(st.rejected, retry_after(None, c, a.cfg.admission, a.rng()))
+                wait = retry_wait(cls, self._view(rt, st), rt.cfg.classes, need)
+                return Reject(st.rejected, retry_after(wait, c, a.cfg.admission, a.rng()))
             a.count(rt, cls, "queued")
             if st.granted:
                 outcome = "served"
