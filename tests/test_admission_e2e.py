@@ -184,6 +184,35 @@ async def test_retry_after_while_a_small_pool_is_filled_says_when_it_frees(stack
     assert len(told) >= 20, told  # it was full for most of each fill
 
 
+async def test_retry_after_of_an_early_dropped_p0_under_p0_overload(stack: LocalStack, upstream: int) -> None:
+    """P0 alone at ~3x a pool of 2 (0.5 s requests, a 4 s queue timeout): early drop keeps the
+    queue at what 4 s serve and turns the rest away. Retry-After says when a P0 sent then would
+    be let in, i.e. once the queue ahead has drained by what it is over that edge: about one
+    release, the smallest Retry-After. It said the dropped request's own predicted wait before
+    (past the 4 s timeout by construction: 5-7 s here), which idles an obedient client (the
+    `openai` SDK sleeps as told) while the queue admits again within a second."""
+    stack.start_redis()
+    stack.start_processor(static(2, classes=classes(p0=4)))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    told: list[int] = []
+    async with aiohttp.ClientSession() as s:
+        async def one() -> None:
+            r = await post(s, envoy.url, headers=hdr(0, chunks="1", delay_ms="500"))
+            if r.status == 429 and r.headers.get("x-floodgate-reject-reason") == "early_drop":
+                told.append(int(r.headers["retry-after"]))
+        sent = []
+        for _ in range(150):  # 12/s for 12.5 s against 4/s served
+            sent.append(asyncio.create_task(one()))
+            await asyncio.sleep(1 / 12)
+        await asyncio.gather(*sent)
+    assert len(told) >= 12, told  # early drop did turn P0s away (after its 20 releases)
+    # The queue grew past its edge while the rates rested on too few releases (nothing dropped
+    # then): the first drops are told the seconds it takes to drain back (3-4 here); once it is
+    # at its edge, the smallest. Before: 10-12 s, then 5-8 s.
+    assert max(told[len(told) * 2 // 3:]) <= 2 and sorted(told)[len(told) // 2] <= 3, told
+    assert (await drained(stack.redis_url)).inflight_total == 0
+
+
 async def test_certain_reject_from_the_last_state_needs_no_redis(stack: LocalStack, upstream: int) -> None:
     """P2 behind a backlogged P0 in a pool of 2 (P2's share rounds to no reservation) is never
     reached by the grant loop: early drop. Once the processor has seen that (a P2 decided
