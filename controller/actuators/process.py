@@ -9,6 +9,12 @@ and its standby) never act on a stale copy or drop each other's entries. The tab
 owner (the Redis it registers replicas in, the leader key and the pool): a table written for
 another deployment whose processes still run is refused, never adopted. Every call is
 idempotent.
+
+A start is recorded before the process exists: its entry, with no pid yet and a token that the
+process gets in its environment (`FLOODGATE_REPLICA_TOKEN`), is on disk first; the pid is added
+once it runs. A controller that dies in between (SIGKILL, OOM, its host's reboot) leaves an
+entry whose process the next reader finds by that token and adopts (or, if it never ran,
+forgets), instead of a model server nothing tracks or stops.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ from floodgate.controller.actuators.base import ReplicaHandle, Role
 from floodgate.supervisor import Supervisor, free_port
 
 Table = dict[str, dict[str, Any]]
+TOKEN_ENV = "FLOODGATE_REPLICA_TOKEN"  # names a start in its process's environment (see above)
 
 
 def sim_command(*extra: str) -> list[str]:
@@ -77,10 +85,39 @@ def read_table(state_dir: Path) -> tuple[str | None, Table]:
     return None, {k: v for k, v in data.items() if isinstance(v, dict)}
 
 
+def find_token(token: str) -> tuple[int, float] | None:
+    """(pid, create time) of the running process started with this replica token, if any."""
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(TOKEN_ENV) == token and p.status() != psutil.STATUS_ZOMBIE:
+                return p.pid, p.create_time()
+    return None
+
+
+def resolve_pending(table: Table) -> bool:
+    """Fill in the pid of each entry recorded without one (a start its controller did not live
+    to finish recording) whose process runs; True if any changed. Entries whose process is not
+    found stay pending (not alive) until stopped."""
+    changed = False
+    for e in table.values():
+        if e.get("pid") is None and isinstance(e.get("token"), str):
+            found = find_token(e["token"])
+            if found is not None:
+                e["pid"], e["created"] = found
+                changed = True
+    return changed
+
+
 def live_entries(table: Table) -> dict[str, int]:
-    """The table's replicas whose processes still run: id -> pid."""
+    """The table's replicas whose processes still run: id -> pid (a pending entry's process
+    found by its token)."""
     out = {}
     for rid, e in table.items():
+        if e.get("pid") is None and isinstance(e.get("token"), str):
+            found = find_token(e["token"])
+            if found is not None:
+                out[rid] = found[0]
+            continue
         with contextlib.suppress(KeyError, ValueError, TypeError):
             if pid_alive(int(e["pid"]), e.get("created")):
                 out[rid] = int(e["pid"])
@@ -124,6 +161,7 @@ class ProcessActuator:
         self.owner = owner
         check_owner(self.state_dir, owner)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # the ones this instance started
+        self._owner_seen: str | None = None  # the table's owner as last read under the lock
 
     @property
     def _path(self) -> Path:
@@ -139,13 +177,22 @@ class ProcessActuator:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 theirs, table = read_table(self.state_dir)
+                self._owner_seen = theirs
                 yield table
-                data = {"owner": self.owner if self.owner is not None else theirs, "replicas": table}
-                tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(data, indent=1))
-                tmp.replace(self._path)  # atomic: a crash never leaves half a table
+                self._write(table)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write(self, table: Table) -> None:
+        """Write the table (call with the lock held): atomically, and flushed to disk, so a
+        crash or a power loss never leaves half a table nor loses a start recorded before it."""
+        data = {"owner": self.owner if self.owner is not None else self._owner_seen, "replicas": table}
+        tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self._path)
 
     def _update(self, change: Callable[[Table], Any]) -> Any:
         with self._locked() as table:
@@ -155,14 +202,23 @@ class ProcessActuator:
         p = self._procs.get(rid)
         if p is not None:
             return p.poll() is None
+        if e.get("pid") is None:
+            return False  # a start whose process was not found (`resolve_pending`)
         return pid_alive(int(e["pid"]), e.get("created"))
 
     def _handle(self, rid: str, e: Mapping[str, Any]) -> ReplicaHandle:
         return ReplicaHandle(rid, e["endpoint"], self._alive(rid, e), e.get("role"),
                              {"pid": str(e["pid"]), "log": e.get("log", "")})
 
+    def _list_sync(self) -> Table:
+        table = self._table()
+        if any(e.get("pid") is None for e in table.values()):
+            self._update(resolve_pending)
+            table = self._table()
+        return table
+
     async def list(self) -> list[ReplicaHandle]:
-        table = await asyncio.to_thread(self._table)
+        table = await asyncio.to_thread(self._list_sync)
         return [self._handle(rid, table[rid]) for rid in sorted(table)]
 
     def _start_sync(self, replica_id: str) -> ReplicaHandle:
@@ -172,22 +228,37 @@ class ProcessActuator:
             e = table.get(replica_id)
             if e is not None and self._alive(replica_id, e):
                 return self._handle(replica_id, e)  # idempotent: already running
+            if e is not None and e.get("pid") is None and resolve_pending({replica_id: e}):
+                return self._handle(replica_id, e)  # a start its controller did not finish recording
             port = free_port(self.host)
             argv = [a.format(port=port, replica_id=replica_id, host=self.host) for a in self.command]
-            child = self.sup.start(f"replica-{replica_id}", argv, self.env or None)
-            self._procs[replica_id] = child.proc
+            name = f"replica-{replica_id}"
+            token = f"{replica_id}/{uuid.uuid4().hex}"
             e = table[replica_id] = {
-                "pid": child.proc.pid, "port": port, "endpoint": f"{self.host}:{port}",
-                "log": str(child.log_path), "started": time.time(), "role": None,
-                "created": _created(child.proc.pid)}
+                "pid": None, "token": token, "port": port, "endpoint": f"{self.host}:{port}",
+                "log": str(self.sup.workdir / f"{name}.log"), "started": time.time(), "role": None,
+                "created": None}
+            self._write(table)  # on disk before the process exists (module docstring)
+            child = self.sup.start(name, argv, {**self.env, TOKEN_ENV: token})
+            self._procs[replica_id] = child.proc
+            e.update(pid=child.proc.pid, created=_created(child.proc.pid), log=str(child.log_path))
             return self._handle(replica_id, e)
 
     async def start(self, replica_id: str) -> ReplicaHandle | None:
         return await asyncio.to_thread(self._start_sync, replica_id)
 
     async def stop(self, replica_id: str) -> None:
-        e = (await asyncio.to_thread(self._table)).get(replica_id)
+        e = (await asyncio.to_thread(self._list_sync)).get(replica_id)
         if e is None:
+            return
+        if e.get("pid") is None:  # its process never ran (or is gone): only forget the start
+            token = e.get("token")
+
+            def forget_pending(table: Table) -> None:
+                if table.get(replica_id, {}).get("token") == token and table[replica_id].get("pid") is None:
+                    del table[replica_id]
+
+            await asyncio.to_thread(self._update, forget_pending)
             return
         pid = int(e["pid"])
         proc = self._procs.pop(replica_id, None)

@@ -245,3 +245,84 @@ async def test_a_replica_that_died_while_no_controller_ran_is_forgotten(stack: L
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+# A controller that dies between spawning a replica and recording it (review ctl2 S1-1: a
+# SIGKILL 0-50 ms after its first `start:` left an orphan in 3 of 12 rounds, which a restarted
+# controller ran beside a replacement and nothing ever stopped). The crash is made exact here:
+# the controller process exits (os._exit, as SIGKILL: no cleanup) right after the real spawn,
+# or right before it.
+_DIES = '''
+import os, sys
+from pathlib import Path
+from floodgate.controller.actuators.process import ProcessActuator
+from floodgate.supervisor import Supervisor
+
+class Dies(Supervisor):
+    def start(self, *a, **k):
+        if sys.argv[2] == "after":
+            super().start(*a, **k)
+        os._exit(9)
+
+act = ProcessActuator(sys.argv[3:], Path(sys.argv[1]), supervisor=Dies(workdir=Path(sys.argv[1])))
+act._start_sync("r0")
+'''
+
+
+def _replica_cmd(marker: Path) -> list[str]:
+    return [sys.executable, "-c", "import time, sys; time.sleep(120)", "{port}", str(marker)]
+
+
+def _kill_marked(marker: Path) -> None:
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if str(marker) in p.cmdline():
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+async def test_a_start_its_controller_died_recording_is_adopted_not_orphaned(tmp_path: Path) -> None:
+    import subprocess
+
+    from floodgate.controller.actuators.process import read_table
+
+    state = tmp_path / "replicas"
+    cmd = _replica_cmd(tmp_path)
+    try:
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _DIES, str(state), "after", *cmd], timeout=60)
+        assert r.returncode == 9
+        act = ProcessActuator(cmd, state)
+        (h,) = await act.list()  # before: the table was empty and the replica ran on, untracked
+        assert h.replica_id == "r0" and h.running
+        pid = int(read_table(state)[1]["r0"]["pid"])
+        assert pid_alive(pid)
+        assert (await act.start("r0")) is not None and len(await act.list()) == 1  # adopted, not started again
+        await act.stop_all()
+        assert not pid_alive(pid) and read_table(state)[1] == {}
+    finally:
+        _kill_marked(tmp_path)
+
+
+async def test_a_start_whose_process_never_ran_is_forgotten(tmp_path: Path) -> None:
+    import subprocess
+
+    from floodgate.controller.actuators.process import read_table
+
+    state = tmp_path / "replicas"
+    cmd = _replica_cmd(tmp_path)
+    try:
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _DIES, str(state), "before", *cmd], timeout=60)
+        assert r.returncode == 9
+        act = ProcessActuator(cmd, state)
+        (h,) = await act.list()  # recorded, not running
+        assert h.replica_id == "r0" and not h.running
+        await act.stop("r0")
+        assert read_table(state)[1] == {}
+        h2 = await act.start("r0")  # and a new start under the id is a real one
+        assert h2 is not None and h2.running and pid_alive(int(read_table(state)[1]["r0"]["pid"]))
+        await act.stop_all()
+    finally:
+        _kill_marked(tmp_path)
