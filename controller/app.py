@@ -328,10 +328,16 @@ class PoolController:
     def _adopt(self, h: ReplicaHandle, entry: Endpoint | None, now: float,
                probe: tuple[bool, bool | None] | None = None, redis_now_ms: int | None = None) -> Replica:
         view = adopted_view(h.replica_id, entry, now, h.role, probe, redis_now_ms)
+        outdated = h.labels.get("outdated") == "1"
+        if outdated:
+            view = replace(view, outdated=True)
+            log.warning("pool %s: replica %s runs the command it was started with, not the one configured now: "
+                        "it serves on until replaced (drained first when the pool shrinks, retired from the "
+                        "warm pool once a replacement is warm)", self.pool, h.replica_id)
         rep = Replica(view, h.endpoint)
         self.replicas[h.replica_id] = rep
         self.emit("adopt", replica=h.replica_id, endpoint=h.endpoint, state=view.state.value,
-                  registry=entry.state if entry else None, role=h.role)
+                  registry=entry.state if entry else None, role=h.role, outdated=outdated)
         if view.state is S.LOADING and h.endpoint:
             self._spawn(rep, self._bring_up(rep))
         return rep

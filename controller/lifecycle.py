@@ -332,6 +332,7 @@ def plan_pool(
                 draining_busy += 1
 
     deficit = desired_active - serving
+    outdated_ids = {r.replica_id for r in replicas if r.outdated}
     # A replica being drained is the cheapest capacity there is (loaded, awake, serving within a
     # tick): a scale-up takes those back first, the busiest first (their streams never stopped),
     # before it wakes a pool replica or cold-starts one (a review: a burst during a drain
@@ -347,18 +348,26 @@ def plan_pool(
     # Awake replicas promote fastest; ids break ties so plans are deterministic. A replica with
     # an operation in flight (going to sleep) comes last: its promotion would wait for that
     # operation, while an idle sleeping one wakes at once.
-    warm.sort(key=lambda r: (r.busy, r.asleep, r.replica_id))
+    # An outdated replica (another command than the configured one) is promoted last.
+    warm.sort(key=lambda r: (r.outdated, r.busy, r.asleep, r.replica_id))
     promoted = warm[: max(0, deficit)]
     for r in promoted:
         acts.append(Action(ActionKind.PROMOTE, r.replica_id, "scale_up"))
     need = max(0, deficit) - len(promoted)  # still uncovered after promotion
     from_pipeline = min(need, pipeline)  # loading replicas will be promoted when warm
     need -= from_pipeline
-    pool = len(warm) - len(promoted) + pipeline - from_pipeline
+    # The pool counts only replicas of the configured command: outdated pool replicas are
+    # refilled (and retired below once their replacements are warm).
+    pool = sum(1 for r in warm[len(promoted):] if not r.outdated) + pipeline - from_pipeline
     room = cfg.max_total - live
 
-    # Finished drains: cover the remaining need first, then the pool, else terminate.
+    # Finished drains: cover the remaining need first, then the pool, else terminate. An
+    # outdated one is never recycled into the pool (it would keep the old command).
     for r in sorted(finished, key=lambda r: r.replica_id):
+        if r.outdated and need <= 0:
+            acts.append(Action(ActionKind.TERMINATE, r.replica_id, "outdated"))
+            room += 1
+            continue
         if cfg.enabled and (need > 0 or pool < warm_target):
             acts.append(Action(ActionKind.RECYCLE, r.replica_id, "scale_up" if need > 0 else "pool_refill"))
             if need > 0:
@@ -378,7 +387,8 @@ def plan_pool(
     new_drains = 0
     if deficit < 0:
         n = min(-deficit, cfg.max_concurrent_drains - draining_busy)
-        idle_first = sorted(active, key=lambda r: (r.inflight + r.running, r.last_busy_at, r.replica_id))
+        # Outdated replicas first (a scale-down replaces them), then the idlest.
+        idle_first = sorted(active, key=lambda r: (not r.outdated, r.inflight + r.running, r.last_busy_at, r.replica_id))
         for r in idle_first[: max(0, n)]:
             acts.append(Action(ActionKind.DRAIN, r.replica_id, "scale_down"))
             new_drains += 1
@@ -387,7 +397,11 @@ def plan_pool(
     # they count toward it here; no cold start while loaded replicas are on their way. The same
     # for the active replicas a burst will hand back (`returning`): they drain into the pool
     # when it passes.
-    pending = (draining_busy + new_drains + max(0, returning)) if cfg.enabled else 0
+    # (An outdated replica draining or drained now is retired, not recycled: it refills nothing.)
+    retiring = sum(1 for r in replicas if r.state is S.DRAINING and r.outdated and (r.inflight or r.running)
+                   and r.replica_id not in {u.replica_id for u in undrained})
+    retiring += sum(1 for a in acts if a.kind is ActionKind.DRAIN and a.replica_id in outdated_ids)
+    pending = (draining_busy - retiring + new_drains + max(0, returning)) if cfg.enabled else 0
     refill = max(0, warm_target - pool - pending)
     for _ in range(min(refill, max(0, room))):
         acts.append(Action(ActionKind.START, f"{id_prefix}{seq}", "pool_refill"))
@@ -395,10 +409,17 @@ def plan_pool(
         room -= 1
 
     spare = warm[len(promoted) :]
+    # Outdated pool replicas retire once the pool holds its target of warm replicas of the
+    # configured command (not before: the pool keeps its burst capacity meanwhile).
+    if sum(1 for r in spare if not r.outdated) >= warm_target:
+        for r in [r for r in spare if r.outdated and not r.busy]:
+            acts.append(Action(ActionKind.TERMINATE, r.replica_id, "outdated"))
+            spare = [s for s in spare if s is not r]
+    spare_current = [r for r in spare if not r.outdated]
     excess = pool - warm_target
     if excess > 0:
         # Shrink the pool from the longest-idle end, but never churn a fresh one.
-        for r in sorted(spare, key=lambda r: (r.state_since, r.replica_id)):
+        for r in sorted(spare_current, key=lambda r: (r.state_since, r.replica_id)):
             if excess <= 0:
                 break
             if now - r.state_since >= cfg.warm_min_age_s:

@@ -107,6 +107,9 @@ class ReplicaView:
     `running` is vLLM's `num_requests_running`. Both must reach 0 before a drain completes.
     `last_busy_at` orders replicas by idleness when choosing one to drain. `busy`: an operation
     on it is in flight (a sleep, a wake); the controller starts no other one until it ends.
+    `outdated`: it runs another command than the one configured now (the process actuator
+    records each replica's; a controller restarted with a new model or flags adopts the old
+    ones): replaced as the pool allows (`lifecycle.plan_pool`).
     """
 
     replica_id: str
@@ -117,6 +120,7 @@ class ReplicaView:
     asleep: bool = False
     last_busy_at: float = 0.0
     busy: bool = False
+    outdated: bool = False
 
 
 def count_states(replicas: tuple[ReplicaView, ...]) -> dict[ReplicaState, int]:

@@ -207,8 +207,13 @@ class ProcessActuator:
         return pid_alive(int(e["pid"]), e.get("created"))
 
     def _handle(self, rid: str, e: Mapping[str, Any]) -> ReplicaHandle:
-        return ReplicaHandle(rid, e["endpoint"], self._alive(rid, e), e.get("role"),
-                             {"pid": str(e["pid"]), "log": e.get("log", "")})
+        labels = {"pid": str(e["pid"]), "log": e.get("log", "")}
+        # Started with another command than the configured one (a restart with a new model or
+        # flags adopts the old processes): the controller replaces it (`ReplicaView.outdated`).
+        # An entry without one (a table of an older version) is taken as current.
+        if e.get("command") is not None and e["command"] != self.command:
+            labels["outdated"] = "1"
+        return ReplicaHandle(rid, e["endpoint"], self._alive(rid, e), e.get("role"), labels)
 
     def _list_sync(self) -> Table:
         table = self._table()
@@ -235,7 +240,7 @@ class ProcessActuator:
             name = f"replica-{replica_id}"
             token = f"{replica_id}/{uuid.uuid4().hex}"
             e = table[replica_id] = {
-                "pid": None, "token": token, "port": port, "endpoint": f"{self.host}:{port}",
+                "pid": None, "token": token, "command": self.command, "port": port, "endpoint": f"{self.host}:{port}",
                 "log": str(self.sup.workdir / f"{name}.log"), "started": time.time(), "role": None,
                 "created": None}
             self._write(table)  # on disk before the process exists (module docstring)

@@ -326,3 +326,21 @@ async def test_a_start_whose_process_never_ran_is_forgotten(tmp_path: Path) -> N
         await act.stop_all()
     finally:
         _kill_marked(tmp_path)
+
+
+async def test_a_replica_started_with_another_command_is_listed_outdated(tmp_path: Path) -> None:
+    """Review ctl2 S2-1: a controller restarted with `--model model-v2` adopted the v1 replicas
+    and said nothing; the table now records each replica's command."""
+    state = tmp_path / "replicas"
+    v1 = [*_replica_cmd(tmp_path), "model-v1"]
+    v2 = [*_replica_cmd(tmp_path), "model-v2"]
+    try:
+        act = ProcessActuator(v1, state)
+        assert await act.start("r0") is not None
+        (same,) = await ProcessActuator(v1, state).list()
+        assert same.running and "outdated" not in same.labels
+        (other,) = await ProcessActuator(v2, state).list()
+        assert other.running and other.labels.get("outdated") == "1"
+        await act.stop_all()
+    finally:
+        _kill_marked(tmp_path)

@@ -391,3 +391,42 @@ def test_scale_down_refills_the_pool_with_drained_replicas_not_cold_starts() -> 
     # A forced stop is not on its way to the pool: that one is refilled.
     stuck = (rv("a0", S.DRAINING, NOW - 301, inflight=1, running=1), *reps[1:2])
     assert kinds(plan_pool(1, stuck, 1, NOW, CFG).actions) == [("force_stop", "a0"), ("start", "r0")]
+
+
+# --- outdated replicas (another command than the configured one; review ctl2 S2-1) ---------------
+
+def test_an_outdated_replica_is_drained_first_and_never_recycled() -> None:
+    reps = (rv("a0", S.ACTIVE, inflight=0, running=0, last_busy_at=NOW - 50),
+            rv("a1", S.ACTIVE, inflight=3, running=3, outdated=True))
+    # The busier one goes, being outdated (the idlest would have gone before).
+    assert kinds(plan_pool(1, reps, 0, NOW, CFG).actions) == [("drain", "a1")]
+    # Its drain finished with the pool below target: retired, not recycled (it would keep the
+    # old command); the pool is refilled by a new start instead.
+    done = rv("a1", S.DRAINING, NOW - 30, inflight=0, running=0, outdated=True)
+    p = plan_pool(1, (reps[0], done), 1, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [
+        ("terminate", "a1", "outdated"), ("start", "r0", "pool_refill")]
+    # Draining with streams still on it: it refills nothing, so the pool starts one now.
+    busy = rv("a1", S.DRAINING, NOW - 30, inflight=2, running=2, outdated=True)
+    assert [(a.kind.value, a.reason) for a in plan_pool(1, (reps[0], busy), 1, NOW, CFG).actions] == [
+        ("start", "pool_refill")]
+
+
+def test_outdated_pool_replicas_are_refilled_then_retired_once_the_new_ones_are_warm() -> None:
+    active = rv("a0", S.ACTIVE)
+    old = rv("w0", S.WARM, asleep=True, outdated=True)
+    # The pool of 1 holds only an outdated replica: a replacement starts, the old one stays
+    # (the pool keeps its burst capacity meanwhile).
+    p = plan_pool(1, (active, old), 1, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [("start", "r0", "pool_refill")]
+    loading = rv("r0", S.LOADING, NOW - 5)
+    assert kinds(plan_pool(1, (active, old, loading), 1, NOW, CFG).actions) == []
+    # The replacement is warm: the outdated one retires, even though it is not old enough for
+    # an ordinary trim.
+    new = rv("r0", S.WARM, NOW - 1)
+    p = plan_pool(1, (active, old, new), 1, NOW, CFG)
+    assert [(a.kind.value, a.replica_id, a.reason) for a in p.actions] == [
+        ("terminate", "w0", "outdated"), ("sleep", "r0", "pool")]
+    # A scale-up promotes the current one first.
+    p = plan_pool(2, (active, old, replace(new, asleep=True)), 1, NOW, CFG)
+    assert ("promote", "r0") in kinds(p.actions) and ("promote", "w0") not in kinds(p.actions)
