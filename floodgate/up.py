@@ -656,13 +656,25 @@ async def _wait_forever(status: StatusLine) -> None:
 
 
 # Lifecycle transitions worth showing, by (from, to) state: what the controller did to a replica.
-_SHOWN = {("warm", "waking"): "promoted from the warm pool", ("cold", "loading"): "cold start",
-          ("warming", "warm"): "cold start ready (warm)", ("active", "draining"): "drain", ("draining", "warm"): "recycled into the warm pool",
-          ("draining", "terminated"): "terminated after drain", ("warm", "terminated"): "terminated (pool above target)"}
+# `warm -> waking` is a promotion, told apart in scaling_timeline; cold starts are `start:` actions.
+_SHOWN = {("warming", "warm"): "cold start ready (warm)", ("active", "draining"): "drain",
+          ("draining", "warm"): "recycled into the warm pool", ("draining", "terminated"): "terminated after drain",
+          ("warm", "terminated"): "terminated (pool above target)"}
+_POOL_PROMOTION = "promoted from the warm pool"
+_COLD_PROMOTION = "promoted after its cold start"
 
 
 def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, str]]:
-    """(seconds since the demo started, replica, what happened) from the decision log."""
+    """(seconds since the demo started, replica, what happened) from the decision log.
+
+    The controller logs no transition for a start: cold starts are the decision events'
+    `start:<replica>:<reason>` actions. A promotion (`warm -> waking`) counts as one from the
+    warm pool only when the replica was there before the scale-up: one started for demand
+    (reason `scale_up`), or during a scale-up (from a decision that raises the desired count to
+    the next that lowers it), is that scale-up's cold start, promoted once warm. That includes the
+    `pool_refill` starts replacing the pool replicas a burst promoted, which the next step up
+    takes as soon as they are warm (asleep a moment or not). The whole log is read (a start
+    before `t0` decides what a later promotion was); what happened from `t0` on is returned."""
     import json
 
     out: list[tuple[float, str, str]] = []
@@ -670,6 +682,8 @@ def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, 
         lines = controller_log.read_text().splitlines()
     except OSError:
         return out
+    scaling_up = False
+    cold: set[str] = set()  # cold-started for demand or during this scale-up, not promoted since
     for line in lines:
         if not line.startswith("{"):
             continue
@@ -677,9 +691,32 @@ def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, 
             rec = json.loads(line)
         except ValueError:
             continue
-        what = _SHOWN.get((rec.get("frm"), rec.get("to"))) if rec.get("event") == "transition" else None
-        if what and rec.get("ts", 0) >= t0:
-            out.append((float(rec["ts"]) - t0, str(rec.get("replica")), what))
+        if not isinstance(rec, dict):
+            continue
+        seen: list[tuple[str, str]] = []
+        if rec.get("event") == "decision":
+            if rec.get("direction") == "down":
+                scaling_up = False
+                cold.clear()  # what is still warm stays in the pool: a later promotion takes it from there
+            elif rec.get("direction") == "up":
+                scaling_up = True
+            for action in rec.get("actions") or []:
+                kind, _, rest = str(action).partition(":")
+                rid, _, reason = rest.rpartition(":")
+                if kind == "start":
+                    if scaling_up or reason == "scale_up":
+                        cold.add(rid)
+                    seen.append((rid, "cold start"))
+        elif rec.get("event") == "transition":
+            rid, step = str(rec.get("replica")), (rec.get("frm"), rec.get("to"))
+            if step == ("warm", "waking"):
+                seen.append((rid, _COLD_PROMOTION if rid in cold else _POOL_PROMOTION))
+                cold.discard(rid)
+            elif step in _SHOWN:
+                seen.append((rid, _SHOWN[step]))
+        ts = float(rec.get("ts", 0))
+        if ts >= t0:
+            out += [(ts - t0, rid, what) for rid, what in seen]
     return out
 
 

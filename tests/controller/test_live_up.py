@@ -327,6 +327,82 @@ def test_demo_controller_config_shows_promote_drain_and_recycle() -> None:
     assert final.count(S.ACTIVE) == 2 and final.count(S.WARM) == 2
 
 
+def test_the_scaling_report_tells_pool_promotions_from_cold_starts(tmp_path: Path) -> None:
+    """The "Scaling" section of `floodgate up`'s report, from a decision log shaped as a demo
+    run's (the controller logs a start only as a `start:` action, never as a transition). The
+    burst promotes the 2 pool replicas and cold-starts 2 more to refill the pool; the next steps up
+    promote those as soon as they are warm (one after a moment asleep). They are the burst's 2
+    cold starts, not promotions from the pool (the report said "promoted from the warm pool: 4"
+    and showed no cold start). After the burst, a replica drained back into the pool and promoted
+    again is a pool promotion. What happened before the demo is not shown."""
+    from itertools import pairwise
+
+    from floodgate.up import render_timeline, scaling_timeline
+
+    t0 = 1_000_000.0
+    recs: list[dict[str, object]] = []
+
+    def decision(t: float, direction: str, *actions: str) -> None:
+        recs.append({"ts": t0 + t, "pool": "default", "event": "decision", "direction": direction,
+                     "actions": list(actions)})
+
+    def moves(t: float, rid: str, *states: str) -> None:
+        recs.extend({"ts": t0 + t, "pool": "default", "event": "transition", "replica": rid, "frm": a, "to": b}
+                    for a, b in pairwise(states))
+
+    # Before the demo: 2 started for min_replicas and promoted, 2 pool refills put to sleep.
+    decision(-30, "none", "start:default-r0:scale_up", "start:default-r1:scale_up",
+             "start:default-r2:pool_refill", "start:default-r3:pool_refill")
+    for rid in ("default-r0", "default-r1", "default-r2", "default-r3"):
+        moves(-28, rid, "loading", "warming", "warm")
+    decision(-28, "none", "promote:default-r0:scale_up", "promote:default-r1:scale_up",
+             "sleep:default-r2:pool", "sleep:default-r3:pool")
+    moves(-28, "default-r0", "warm", "waking", "active")
+    moves(-28, "default-r1", "warm", "waking", "active")
+    # The burst: the pool promoted, and refilled with 2 cold starts ...
+    decision(23.3, "up", "promote:default-r2:scale_up", "promote:default-r3:scale_up",
+             "start:default-r4:pool_refill", "start:default-r5:pool_refill")
+    moves(23.3, "default-r2", "warm", "waking")
+    moves(23.3, "default-r3", "warm", "waking")
+    decision(24.3, "up")
+    moves(24.3, "default-r2", "waking", "active")
+    moves(24.3, "default-r3", "waking", "active")
+    # ... which the next steps up take as soon as they are warm.
+    moves(24.4, "default-r4", "loading", "warming", "warm")
+    decision(24.5, "none", "promote:default-r4:scale_up")
+    moves(24.5, "default-r4", "warm", "waking", "active")
+    moves(24.9, "default-r5", "loading", "warming", "warm")
+    decision(25.0, "none", "sleep:default-r5:pool")
+    decision(25.6, "up", "promote:default-r5:scale_up")
+    moves(25.6, "default-r5", "warm", "waking", "active")
+    # After the burst: r5 drained into the pool, then promoted from it.
+    decision(55, "down", "drain:default-r5:scale_down")
+    moves(55, "default-r5", "active", "draining")
+    decision(57, "none", "recycle:default-r5:pool_refill")
+    moves(57, "default-r5", "draining", "warm")
+    decision(70, "up", "promote:default-r5:scale_up")
+    moves(70, "default-r5", "warm", "waking")
+    log = tmp_path / "controller.log"
+    log.write_text("controller: starting\n" + "".join(json.dumps(r) + "\n" for r in recs))
+
+    timeline = scaling_timeline(log, t0)
+    in_burst: dict[str, list[str]] = {}
+    for t, rid, what in timeline:
+        if 22.5 <= t < 45:
+            in_burst.setdefault(what, []).append(rid)
+    assert in_burst == {
+        "cold start": ["default-r4", "default-r5"],
+        "promoted from the warm pool": ["default-r2", "default-r3"],
+        "cold start ready (warm)": ["default-r4", "default-r5"],
+        "promoted after its cold start": ["default-r4", "default-r5"],
+    }
+    assert (70.0, "default-r5", "promoted from the warm pool") in timeline
+    report = render_timeline([row for row in timeline if row[0] < 45], 22.5, 45)
+    assert "cold start: 2, promoted from the warm pool: 2, cold start ready (warm): 2, " \
+           "promoted after its cold start: 2." in report, report
+    assert "| 25.6 | default-r5 | promoted after its cold start |" in report, report
+
+
 def test_status_line_reports_a_stack_process_that_exited_once() -> None:
     import subprocess as sp
     import sys as _sys
