@@ -24,7 +24,9 @@ Model (docs/controller.md, "Backtest"):
   admission keeps short. The replicas' latency (TTFT = prefill, ITL = `tpot_s`, since the
   queue is held at the gateway) and concurrency go with it, for the learned capacity.
 * A request cut off by a forced stop (a drain that outlived `max_drain_s`) misses its SLO
-  and is counted in `Result.killed`.
+  and is counted in `Result.killed`; so does one still running on a replica the controller
+  terminates or recycles before its drain ended (the shipped planners never do: they wait for
+  the drain), so that no request is served by a replica that is no longer charged.
 * Lifecycle per `controller.lifecycle`, every planned action applied with
   `lifecycle.apply_action` (the mapping the live controller uses): a cold start takes
   U(cold_start_min_s, cold_start_max_s) plus a warm-up; promoting a sleeping warm replica
@@ -163,7 +165,7 @@ class Result:
     wakes: int
     drains: int
     forced_stops: int
-    killed: int  # requests cut off by a forced stop (a drain that outlived max_drain_s): SLO misses
+    killed: int  # requests cut off by a forced stop, or on a replica terminated or recycled mid-drain: SLO misses
     mean_active: float
     peak_active: int
     timeline: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -238,6 +240,20 @@ def run_policy(
     tick_ttft: list[float] = []  # replica-side TTFT of the requests started last tick
     last_turned = 0  # drops + timeouts as of the previous tick
     admit = sim.admission and ctl.admission
+
+    def cut_streams(rid: str, now: float) -> int:
+        """Cut off the requests still running on `rid` (it stops serving: force-stopped, or
+        terminated or recycled before its drain ended): SLO misses, their slots freed. So a
+        request that met its SLO was on a charged replica for its whole service time (what the
+        lower bounds in oracle.py rest on). Returns how many were cut."""
+        cut = 0
+        for c, f in enumerate(slots[rid]):
+            i = slot_req[rid][c]
+            if f > now and i >= 0 and not cut_off[i]:
+                cut_off[i] = True
+                cut += 1
+            slots[rid][c] = min(f, now)
+        return cut
 
     def drops_in(a: int, b: int) -> int:
         return bisect.bisect_left(drops, b) - bisect.bisect_left(drops, a)
@@ -343,13 +359,12 @@ def run_policy(
                 continue
             elif kind is ActionKind.FORCE_STOP:
                 forced += 1
-                for c, f in enumerate(slots[rid]):  # streams cut off mid-response: SLO misses
-                    i = slot_req[rid][c]
-                    if f > t and i >= 0 and not cut_off[i]:
-                        cut_off[i] = True
-                        killed += 1
+                killed += cut_streams(rid, t)
             elif kind is ActionKind.TERMINATE:
                 due.pop(rid, None)
+                killed += cut_streams(rid, t)  # none when its drain ended (as the planners wait for)
+            elif kind is ActionKind.RECYCLE:
+                killed += cut_streams(rid, t)  # likewise
             views[rid] = apply_action(v, kind, t)
         for rid in [rid for rid, v in views.items() if v.state is S.TERMINATED]:
             del views[rid]

@@ -15,7 +15,8 @@ import pytest
 from floodgate.controller.backtest import baselines, engine
 from floodgate.controller.backtest.workload import Workload
 from floodgate.controller.decider import Signals
-from floodgate.controller.lifecycle import Action
+from floodgate.controller.lifecycle import Action, ActionKind
+from floodgate.controller.signals import ReplicaState
 from floodgate.extproc.policy import MIN_RELEASES
 
 from floodgate.cli import main
@@ -94,6 +95,26 @@ def test_requests_cut_off_by_a_forced_stop_miss_their_slo() -> None:
     r = engine.run_policy(w, Shrink(2, False, max_drain_s=10.0), SIM, 2)
     assert r.forced_stops == 1 and r.killed == 8
     assert r.slo_ok == 8 and r.requests == 16 and r.slo == 0.5
+
+
+@pytest.mark.parametrize("finish", [ActionKind.TERMINATE, ActionKind.RECYCLE])
+def test_requests_on_a_replica_ended_mid_drain_are_cut_off(finish: ActionKind) -> None:
+    # A controller that ends a drain at once (the shipped planners wait for it): the 8 streams
+    # still running are cut off and miss, as with a forced stop; otherwise they would count as
+    # served by a replica no longer charged (a cost no serving policy could reach).
+    class EndsDrainsEarly:
+        name, instant_start, admission = "ends-drains-early", False, False
+
+        def step(self, signals: Signals, now: float) -> Sequence[Action]:
+            if now < 100:
+                return ()
+            return [Action(ActionKind.DRAIN if v.state is ReplicaState.ACTIVE else finish, v.replica_id, "test")
+                    for v in signals.replicas if v.state in (ReplicaState.ACTIVE, ReplicaState.DRAINING)]
+
+    w = Workload("cut", np.full(8, 10.0), np.full(8, 1000.0), np.full(8, 500.0), 0.0, 600.0, None, "")
+    r = engine.run_policy(w, EndsDrainsEarly(), SIM, 1)
+    assert r.killed == 8 and r.slo_ok == 0 and r.forced_stops == 0
+    assert r.cost < 8 * 1000.0 / SIM.slots_per_replica
 
 
 BAD_SIMULATE = [
