@@ -53,9 +53,13 @@ def test_every_policy_reported_with_consistent_numbers(comparison: report.Compar
         assert 0 < r.mean_active <= r.peak_active
         assert r.replica_s >= r.mean_active * (w.end - w.start) * 0.99
         assert len(r.timeline["t"]) == len(r.timeline["active"]) > 0
-        # The lower bound is below everything that served every request.
-        if r.rejected == 0:
+        # The all-served bound is below everything that served every request, the goal-level
+        # bound below everything that met the goal.
+        if r.rejected == 0 and r.killed == 0:
             assert r.unweighted >= comparison.lower_bound_s
+        if r.slo >= comparison.slo_goal:
+            assert r.unweighted >= comparison.goal_lower_bound_s
+    assert comparison.goal_lower_bound_s <= comparison.lower_bound_s
     by = comparison.by_name()
     assert by["zero-wait"].slo == 1.0 and by["zero-wait"].max_wait == 0.0
     assert by["floodgate-reactive"].warm_s == 0
@@ -68,15 +72,16 @@ def test_every_policy_reported_with_consistent_numbers(comparison: report.Compar
 def test_table_prints_zero_wait_and_lower_bound_beside_every_policy(comparison: report.Comparison) -> None:
     table = report.markdown_table(comparison)
     lines = table.splitlines()
-    assert len(lines) == 2 + len(report.POLICY_NAMES) + 1
+    assert len(lines) == 2 + len(report.POLICY_NAMES) + 2
     for name in report.POLICY_NAMES:
         assert any(line.startswith(f"| {name} |") for line in lines)
     assert "| zero-wait | 100.00% | 0.00 |" in table
     assert "cost / zero-wait" in lines[0] and "oracle" not in table
-    assert lines[-1].startswith("| lower bound")
+    assert lines[-2].startswith("| lower bound, all served") and "serve every request" in lines[-2]
+    assert lines[-1].startswith("| lower bound, ≥ 99% SLO") and "cost / ≥ 99% SLO bound" in lines[0]
     assert "sleeping ×" not in table  # unweighted: no second cost column
     weighted = report.Comparison(comparison.workload, engine.SimConfig(warm_cost_weight=0.25),
-                                 comparison.results, comparison.lower_bound_s)
+                                 comparison.results, comparison.lower_bound_s, comparison.goal_lower_bound_s)
     assert "sleeping ×0.25" in report.markdown_table(weighted)
 
 
