@@ -104,3 +104,23 @@ async def _just_renewed(c: object, key: str) -> bool:
 
 async def _stepped_down(ctl: object) -> bool:
     return not ctl.is_leader  # type: ignore[attr-defined]
+
+
+async def test_cancel_and_wait_cancels_again_a_task_that_lost_its_cancellation() -> None:
+    """A cancellation lost inside a library (Python 3.11's wait_for race) kept the controller's
+    stop waiting for a pool tick or a start's health polling; the stop cancels again."""
+    import asyncio
+
+    from floodgate.controller.app import cancel_and_wait
+
+    async def loses_one() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # lost, as inside the library
+        await asyncio.sleep(30)
+
+    t = asyncio.create_task(loses_one())
+    await asyncio.sleep(0)
+    await cancel_and_wait([t], nudge_s=0.05)
+    assert t.cancelled()  # a single cancel() and await would have run the second sleep out
