@@ -563,7 +563,7 @@ def _shard_down_rows(h: Harness) -> list[Row]:
 # A failover cannot be told from an outage by the processors: each runs on its local share
 # while the primary is gone; the first back re-asserts its permits and grants on shared state
 # before the other has re-synced, so the pool may run one processor's share over L.
-_FAILOVER_BOUND: Callable[[Options], int] = lambda o: o.limit + o.limit // 2  # noqa: E731
+_FAILOVER_BOUND: Callable[[Options], int] = lambda o: o.limit + -(-o.limit // 2)  # noqa: E731  (L + ceil(L / 2 processors))
 
 
 async def _nothing(h: Harness) -> None:
@@ -674,8 +674,9 @@ FAULTS: list[Fault] = [
     Fault("partition", "cut one processor's Redis connections for 1.5 TTL (the other keeps them)",
           _partition, _heal, hold_s=lambda o: 1.5 * o.ttl_s,
           # The cut-off processor keeps admitting its share while its leases expire in Redis
-          # (it cannot tell a partition from an outage), so the pool may run one share over.
-          bound=lambda o: o.limit + o.limit // 2),
+          # (it cannot tell a partition from an outage), so the pool may run one share over:
+          # L + ceil(L / processors) (the rank shares add up to L; the lower ranks hold the rest).
+          bound=lambda o: o.limit + -(-o.limit // 2)),
     Fault("client-disconnects", "10% of clients disconnect (queued or streaming)", _disconnects,
           _no_disconnects, hold_s=lambda o: 2 * o.before_s, measure_from=""),
     Fault("upstream-errors", "10% upstream answers: half 500s, half connection resets", _upstream_errors,
