@@ -903,6 +903,13 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     one near them reads a long finite wait. The costs are lopsided too: a wait told too short
     costs one more rejection, decided without a round trip; one told too long idles the client
     while the pool has room."""
+    wait = _newcomer_wait(cls, snap, classes, chance)
+    return None if wait is None else max(0.0, wait - classes[cls].queue_timeout_s)
+
+
+def _newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
+                   chance: float | None = None) -> float | None:
+    """W of `retry_wait`: the wait of a request of class `cls` arriving now."""
     c = classes[cls]
     shares, headroom = [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES]
     wait = None
@@ -910,8 +917,15 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         need = c.early_drop_min_chance if chance is None else chance
         wait = wait_estimate(cls, snap, shares, headroom).admits_after(need, margin=not spends_budget(c, need))
     if wait is None:
-        wait = wait_estimate(cls, snap, shares, headroom, arrivals_low=True).seconds
-    return None if wait is None else max(0.0, wait - c.queue_timeout_s)
+        est = wait_estimate(cls, snap, shares, headroom, arrivals_low=True)
+        wait = est.seconds
+        if wait is not None and est.samples < MIN_RELEASES:
+            # A rate resting on few releases says little: after an idle spell the decayed rate
+            # reads a fraction of what the pool frees (the first releases of a burst), and the
+            # wait 50-60 s while every permit freed within a second (a review: 40 P2 clients
+            # told 51-60 s, the pool idle meanwhile, 11 of them lost). At most one timeout then.
+            wait = min(wait, 2 * c.queue_timeout_s)
+    return wait
 
 
 def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
@@ -955,6 +969,15 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
 def timeout_reject(cls: int, snap: Snapshot | None, classes: Mapping[int, ClassConfig],
                    cfg: AdmissionConfig, rand: float) -> Reject:
     """A waiter whose deadline passed; `snap` should be the freshest state seen, not the one
-    from when it was enqueued, so Retry-After reflects the queue as it is now."""
-    wait = retry_wait(cls, snap, classes) if snap else None
+    from when it was enqueued, so Retry-After reflects the queue as it is now.
+
+    Waiters time out together (a queue longer than its timeout serves, formed while early drop
+    was unsure): told each the same `retry_wait`, they came back together — 92 P1s were told
+    24-27 s, returned at once after the pool had idled, and 100 took 70 s where the pool
+    serves them in 25 s (a review). So a timeout's Retry-After is spread uniformly over the
+    wait W of the queue it leaves (the waiters' own places in it included): the crowd comes
+    back at about the rate the pool frees permits."""
+    wait = _newcomer_wait(cls, snap, classes) if snap else None
+    if wait is not None and math.isfinite(wait):
+        wait *= (rand * 7919.0) % 1.0  # a uniform of its own (`retry_after` jitters with `rand`)
     return Reject("queue_timeout", retry_after(wait, classes[cls], cfg, rand))

@@ -257,11 +257,15 @@ def test_retry_after_is_jittered_everywhere_including_the_clamps() -> None:
 
 
 def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
-    # 20 P1s queued at 1 release/s: a newcomer waits ~21 s, 6 s more than P1's 15 s timeout
-    r = timeout_reject(1, full((0, 20, 0), rate=1.0), CLASSES, ADM, 0.0)
-    assert r.reason == "queue_timeout" and 6 <= r.retry_after_s <= 8
-    # 3 queued: a newcomer would be served in time now, so the smallest Retry-After
-    assert timeout_reject(1, full((0, 3, 0), rate=1.0), CLASSES, ADM, 0.0).retry_after_s in (1, 2)
+    # 20 P1s queued at 1 release/s: the queue a timed-out waiter leaves takes ~21 s. Waiters
+    # time out together, so each is told a point spread over that wait (a review: 92 told
+    # 24-27 s came back at once): the crowd returns at about the rate permits free.
+    told = sorted(timeout_reject(1, full((0, 20, 0), rate=1.0), CLASSES, ADM, k / 100).retry_after_s for k in range(100))
+    assert told[0] <= 2 and 18 <= told[-1] <= 26 and 8 <= told[50] <= 14, told
+    assert all(timeout_reject(1, full((0, 20, 0), rate=1.0), CLASSES, ADM, k / 100).reason == "queue_timeout"
+               for k in range(3))
+    # 3 queued: ~4 s to drain, so at most ~5
+    assert max(timeout_reject(1, full((0, 3, 0), rate=1.0), CLASSES, ADM, k / 100).retry_after_s for k in range(100)) <= 5
     assert 15 <= timeout_reject(1, None, CLASSES, ADM, 0.0).retry_after_s <= 18
 
 
@@ -876,3 +880,27 @@ def test_retry_after_of_a_pool_two_requests_just_filled() -> None:
     assert retry_wait(2, flood, classes) == float("inf")
     d = queue_decision(2, replace(flood, queued=(0, 2, 12)), classes, ADM, rand=0.5)
     assert isinstance(d, Reject) and d.retry_after_s >= 50
+
+
+def test_retry_after_after_an_idle_spell_is_not_the_decayed_rates_wait() -> None:
+    """A review: a pool of 4 that served 4/s sat idle 60 s and was filled again; the decayed
+    release rate (4 x e^-6) read a wait of minutes and every rejected P2 (and every P1 timeout)
+    was told 50-60 s while each permit freed within a second: 11 of 40 SDK clients lost. A rate
+    resting on fewer than 20 releases says at most one timeout."""
+    import math
+
+    from floodgate.extproc.config import PoolConfig
+    from floodgate.extproc.policy import retry_wait
+
+    classes = PoolConfig().classes
+    for idle in (30.0, 60.0, 120.0):
+        rate = 4.0 * math.exp(-idle / 10)
+        for cls in (1, 2):
+            inflight = (0, 4, 0) if cls == 1 else (0, 0, 4)
+            s = Snapshot(4, inflight, (0, 0, 0), 0, grant_rate=rate, release_n=500, inflight_avg=3.0,
+                         arrival_rates=(0.0, 0.0, 0.0), arrival_rates_fast=(0.0, 0.0, 0.0))
+            wait = retry_wait(cls, s, classes)
+            assert wait is not None and wait <= classes[cls].queue_timeout_s, (idle, cls, wait)
+            assert max(retry_after(wait, classes[cls], ADM, k / 20) for k in range(20)) <= 2
+            told = [timeout_reject(cls, s, classes, ADM, k / 20).retry_after_s for k in range(20)]
+            assert max(told) <= 4, told  # before: 50-60
