@@ -502,9 +502,11 @@ local HOLD_QUIET_MS = 2000
 -- A hold's length: one renewal period and a second, at the caller's lease TTL.
 local function hold_ms() return math.floor(ttl / 3) + 1000 end
 
--- Write the state field: `u` nil for an ended hold ("0"), `t0` nil when unknown.
-local function store_hold(u, t0, gws)
-  set_state('hold', (u and intstr(u) or '0') .. '|' .. (t0 and intstr(t0) or '') .. '|' .. table.concat(gws, ' '))
+-- Write the state field: `u` nil for an ended hold ("0"), `t0` nil when unknown; `jump`: a
+-- hold after the server's clock jumped (start_hold), marked by a 'j' after its start.
+local function store_hold(u, t0, gws, jump)
+  set_state('hold', (u and intstr(u) or '0') .. '|' .. (t0 and intstr(t0) or '') .. ((u and jump) and 'j' or '')
+            .. '|' .. table.concat(gws, ' '))
 end
 
 -- The stored list keeps every listed gateway until it syncs (`hold_synced`); the ones waited
@@ -519,6 +521,8 @@ local function held(capped)
     local v = state().hold
     if v and v ~= '' then
       local u, t0, rest = string.match(v, '^([^|]*)|([^|]*)|(.*)$')
+      local jump = string.sub(t0 or '', -1) == 'j'
+      if jump then t0 = string.sub(t0, 1, -2) end
       u, t0 = tonumber(u or ''), tonumber(t0 or '')
       if u == 0 then
         if not t0 or t0 > now or now - t0 >= 2 * hold_ms() then set_state('hold', '') end  -- forgotten
@@ -527,12 +531,14 @@ local function held(capped)
         for gw in string.gmatch(rest or '', '%S+') do table.insert(listed, gw) end
         if u and t0 and t0 <= now and now < u and (capped == false or u - t0 <= hold_ms()) then
           local quiet = now - t0 >= HOLD_QUIET_MS
+          -- (After a clock jump every listed gateway reads dead by the jumped clock: only
+          -- hearing it tells a live one.)
           for _, gw in ipairs(listed) do
-            if gateway_alive(gw) and not (quiet and not hears(gw)) then table.insert(left, gw) end
+            if (jump or gateway_alive(gw)) and not (quiet and not hears(gw)) then table.insert(left, gw) end
           end
         end
         if #left > 0 then
-          HOLD = {u, t0, listed, left}
+          HOLD = {u, t0, listed, left, jump}
         else  -- over: the next grant loop grants again
           store_hold(nil, t0 and t0 <= now and t0 or nil, listed)
         end
@@ -549,12 +555,27 @@ end
 -- lists only itself and the gateways that have not synced since that hold began (the others
 -- re-asserted after the loss), not everyone once more (a review: each late processor had every
 -- other refused and told to sync again).
-local function start_hold()
-  local gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf', 'WITHSCORES')
+--
+-- `jump`: the caller's own liveness ran out while it is calling, with its fence still here:
+-- the server's clock jumped forward (an NTP step, a VM resumed on the Redis host) past the
+-- lease TTL, and this call's reclaim is about to expire every lease and declare every gateway
+-- dead at once. Without a hold, a review read 10-13 in flight of L 8 (a 20 s step at TTL
+-- 15 s): the grants made before the processors re-asserted their permits came on top of the
+-- requests still running. The hold lists every gateway registered here (dead by the jumped
+-- clock, so only being heard keeps one listed) and asks each to sync, the caller too (its
+-- fence goes with the reclaim, so it would notice only at its next call). A processor that
+-- itself stalled past the TTL trips it too: a short pause of the grants until all re-assert.
+local function start_hold(jump)
+  local gws
+  if jump then
+    gws = redis.call('ZRANGE', K.gws, 0, -1, 'WITHSCORES')
+  else
+    gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf', 'WITHSCORES')
+  end
   local prev, never = string.match(state().hold or '', '^0|([^|]*)|(.*)$')
   prev = tonumber(prev or '')
   local late = false
-  if prev and prev <= now and now - prev < 2 * hold_ms() then
+  if prev and prev <= now and now - prev < 2 * hold_ms() and not jump then
     for gw in string.gmatch(never or '', '%S+') do if gw == MY_GW then late = true end end
   end
   local list = {}
@@ -564,10 +585,10 @@ local function start_hold()
   end
   if #list == 0 then return end
   local u = now + hold_ms()
-  HOLD = {u, now, list, list}
-  store_hold(u, now, list)
+  HOLD = {u, now, list, list, jump}
+  store_hold(u, now, list, jump)
   for _, gw in ipairs(list) do
-    if gw ~= MY_GW then notify(gw, S.pool .. '|!resync|') end
+    if gw ~= MY_GW or jump then notify(gw, S.pool .. '|!resync|') end
   end
 end
 
@@ -577,7 +598,7 @@ local function hold_synced(gw)
   local listed = {}
   for _, g in ipairs(HOLD[3]) do if g ~= gw then table.insert(listed, g) end end
   if #listed == #HOLD[3] then return end
-  store_hold(#listed > 0 and HOLD[1] or nil, HOLD[2], listed)
+  store_hold(#listed > 0 and HOLD[1] or nil, HOLD[2], listed, HOLD[5])
   HOLD = nil  -- read again: the ones left may all be dead or not heard
 end
 
@@ -1757,6 +1778,7 @@ function OPS.batch(ARGV)
       return {replies, MINE, last}
     end
     if last and acked and last + 0 < acked and gateway_alive(MY_GW) and not held() then start_hold() end
+    if last and not gateway_alive(MY_GW) and not held() then start_hold(true) end  -- the clock jumped
     if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
   end
   while i <= #ARGV do

@@ -385,8 +385,10 @@ async def test_an_older_fence_is_refused_only_while_its_gateway_lives(client: ai
     assert [r[0] for r in refused] == [b"err", b"err"] and all(b"FGSTALE" in r[1] for r in refused)
     assert (await st.status()).inflight_total == 0  # the refused admit leased nothing
     await client.set(clock, 1_000_000 + 3_001)  # the gateway's liveness ran out
-    taken = await batch(1, "admit", 7, "ga/2", "ga", 2, 1, "", 0, 1000)
-    assert taken[0][0] == b"granted" and (await st.status()).inflight_total == 1
+    # (Calling with its liveness run out and its fence still here reads as the server's clock
+    # having jumped: the grants wait until the gateways re-assert, here its own sync, first.)
+    taken = await batch(1, *sync, "admit", 7, "ga/2", "ga", 2, 1, "", 0, 1000)
+    assert taken[1][0] == b"granted" and (await st.status()).inflight_total == 1
     assert (await batch(2, *sync))[0][0] == b"granted"  # its fence is the low one now
 
 
@@ -602,3 +604,41 @@ async def test_a_late_gateway_holds_the_grants_only_for_those_not_synced_since_t
     for bad in (f"{T0 + 600_000}|{T0 + 2000}|ga gb gc", f"{T0 + 9000}|{T0 + 5000}|ga gb gc"):
         await client.hset(p.state_key, "hold", bad)
         assert await p.take("ga"), bad
+
+
+async def test_a_forward_clock_jump_past_the_ttl_holds_the_grants_until_the_gateways_re_assert(
+        client: aioredis.Redis) -> None:
+    """The server's clock steps ahead past the lease TTL (an NTP step, a VM resumed on the Redis
+    host): the next call's reclaim expires every lease and declares every gateway dead at once,
+    while their requests still run. A review (the same fake clock, through Envoy, TTL 15 s, a
+    20 s step) read 10-13 in flight of L 8: the grants made before the processors re-asserted
+    came on top. The caller, alive since it calls, finds its own liveness run out with its
+    fence still here: the grants are held until the gateways registered here re-assert."""
+    p = await clocked_pool(client, "jump", ("ga", "gb"), limit=2, ttl=3)
+    assert await p.take("ga") and await p.take("gb")  # ga/1, gb/2: the pool is full
+    await p.at(10_000)  # 10 s ahead: past the 3 s TTL
+    assert not await p.take("ga")  # before: both leases had expired, and this one was granted
+    hold = await p.hold()
+    assert b"j|" in hold and b"ga" in hold and b"gb" in hold, hold
+    await p.st["ga"].sync("ga", 100, {"ga/1": (1, 1, "")}, {})  # each re-asserts what it holds
+    assert not await p.take("ga")  # gb has not yet
+    await p.st["gb"].sync("gb", 100, {"gb/2": (1, 2, "")}, {})
+    assert (await p.hold()).startswith(b"0|")
+    assert not await p.take("ga")  # over, and the pool is full again: its two requests run
+    await p.st["ga"].release("ga/1")
+    assert await p.take("ga")
+
+
+async def test_a_clock_jump_hold_stops_waiting_for_a_gateway_not_heard(client: aioredis.Redis) -> None:
+    """After a jump every gateway reads dead by the jumped clock, so the hold waits for each
+    listed one only while it is heard: a processor that really died is waited for the quiet
+    time (2 s), not the whole hold."""
+    p = await clocked_pool(client, "jumpq", ("ga", "gb"), limit=2, ttl=15)
+    assert await p.take("ga")
+    await p.at(20_000)
+    assert not await p.take("ga")
+    await p.st["ga"].sync("ga", 100, {"ga/1": (1, 1, "")}, {})
+    await p.at(21_999)
+    assert not await p.take("ga")  # gb (silent) still waited for
+    await p.at(22_000)
+    assert await p.take("ga")  # not heard 2 s after the hold began: no longer waited for
