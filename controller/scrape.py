@@ -121,9 +121,12 @@ async def scrape_envoy(session: aiohttp.ClientSession, admin_url: str, clusters:
 async def scrape_floodgate(client: aioredis.Redis, pool: str, now: float, timeout_s: float = 1.0) -> FloodgateSample:
     """Queue depth, in-flight and limit, and the demand counters, of one pool. A failed read
     is marked (ok=False) for both: counters are never read as zeros."""
+    # asyncio.timeout, not wait_for around a gather: on Python 3.11 wait_for can lose a
+    # cancellation that arrives as the gather completes (the controller's stop then waited on a
+    # tick that scraped on), and a gather it cancelled logged "exception was never retrieved".
     try:
-        st, raw = await asyncio.wait_for(
-            asyncio.gather(read_pool_status(client, pool), read_demand(client, pool)), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            st, raw = await asyncio.gather(read_pool_status(client, pool), read_demand(client, pool))
     except OUTAGE_ERRORS as exc:
         return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"{type(exc).__name__}: {exc}",
                                counters=FloodgateCounters(now, ok=False))
