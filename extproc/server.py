@@ -268,7 +268,15 @@ def reject_response(reject: Reject, priority: int) -> pb.ProcessingResponse:
         etype = "rate_limit_exceeded"
     body = json.dumps({"error": {"message": message, "type": etype, "param": None, "code": reject.reason}})
     # Retry-After only where coming back later helps: not on a request that will fail as it is.
-    retry = () if reject.status in CLIENT_ERRORS else (_set("retry-after", str(reject.retry_after_s)),)
+    # `retry-after-ms` (policy.RetryAfter) gives clients that read it the jittered value itself.
+    retry: tuple[base_pb2.HeaderValueOption, ...] = ()
+    if reject.status not in CLIENT_ERRORS:
+        retry = (_set("retry-after", str(int(reject.retry_after_s))),)
+        ms = getattr(reject.retry_after_s, "ms", None)
+        if ms is not None:
+            retry += (base_pb2.HeaderValueOption(  # (not `_set`: these values rarely repeat)
+                header=base_pb2.HeaderValue(key="retry-after-ms", raw_value=str(ms).encode()),
+                append_action=_OVERWRITE),)
     headers = pb.HeaderMutation(set_headers=[
         *retry,
         _set("content-type", "application/json"),

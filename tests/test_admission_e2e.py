@@ -94,6 +94,7 @@ async def test_429_shape_and_early_drop(stack: LocalStack, upstream: int) -> Non
         assert r.headers["content-type"] == "application/json"
         retry = int(r.headers["retry-after"])
         assert 1 <= retry <= 60
+        assert abs(int(r.headers["retry-after-ms"]) / 1000 - retry) < 1  # the jittered value, in ms
         err = r.json()["error"]
         assert err["code"] == "queue_full" and err["type"] == "rate_limit_exceeded" and err["message"]
         assert r.elapsed < 0.5  # answered at once, not after a queue timeout

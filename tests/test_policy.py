@@ -904,3 +904,16 @@ def test_retry_after_after_an_idle_spell_is_not_the_decayed_rates_wait() -> None
             assert max(retry_after(wait, classes[cls], ADM, k / 20) for k in range(20)) <= 2
             told = [timeout_reject(cls, s, classes, ADM, k / 20).retry_after_s for k in range(20)]
             assert max(told) <= 4, told  # before: 50-60
+
+
+def test_retry_after_carries_its_jittered_value_in_ms() -> None:
+    """`retry-after-ms` (read first by OpenAI's SDKs): the jittered value itself, so clients told
+    the 1 s minimum come back spread over its band rather than within the same 100 ms."""
+    c = CLASSES[1]
+    at_min = [retry_after(0.01, c, ADM, rand=r / 100) for r in range(100)]
+    ms = sorted(a.ms for a in at_min)
+    assert ms[0] >= 1000 and ms[-1] <= 1200 and len(set(ms)) > 50  # spread over the 1-1.2 s band
+    for wait in (0.01, 3.3, 10.0, 59.0, float("inf"), None):
+        for r in range(20):
+            a = retry_after(wait, c, ADM, rand=r / 20)
+            assert isinstance(a, int) and abs(a.ms / 1000 - a) < 1, (wait, a, a.ms)  # the whole seconds round it
