@@ -212,6 +212,7 @@ class PoolController:
         self.events: deque[dict[str, Any]] = deque(maxlen=2000)  # the decision log, for tests/status
         self.last_plan: ScalePlan | None = None
         self.last_reason = ""
+        self.scale_up_since: float | None = None  # clock() of the decision that began the scale-up under way
         self.envoy: EnvoySample | None = None
         self._k_history = schema.key(cfg.name, schema.CTL_HISTORY)
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
@@ -492,6 +493,10 @@ class PoolController:
         m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
         if plan.direction != "none":
             m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
+        if plan.direction == "up" and self.scale_up_since is None:
+            self.scale_up_since = now  # a scale-up runs until the next step down (warm-pool hits)
+        elif plan.direction == "down":
+            self.scale_up_since = None
         actions = self._cap_starts([a for a in d.actions if not self._skip(a.replica_id, a.kind)], now)
         if not any(a.kind is ActionKind.START for a in actions):
             # Starts held back (a start backoff) take no ids: the next planned start gets the
@@ -713,7 +718,8 @@ class PoolController:
         rep = self.replicas[rid]
         if kind is ActionKind.PROMOTE:
             if reason == "scale_up" and not rep.cold_for_demand:
-                m.warm_hits.labels(pool=self.pool).inc()
+                hit = pool_hit(rep.started_at, self.scale_up_since)
+                (m.warm_hits if hit else m.warm_misses).labels(pool=self.pool).inc()
             rep.cold_for_demand = False
             self._act(rep, kind)
             await self._set_registry(rep)
@@ -959,6 +965,14 @@ class PoolController:
         """Cancel operations in flight (leadership lost / exit). Replicas are left as they are:
         the next leader adopts them."""
         await cancel_and_wait([t for r in self.replicas.values() for t in (r.task, r.probe) if t is not None])
+
+
+def pool_hit(started_at: float | None, scale_up_since: float | None) -> bool:
+    """Was a promotion for a scale-up served by the warm pool (pure)? Only a replica that was
+    in the pool before the scale-up began (`scale_up_since`; adopted ones, `started_at` None,
+    were): one started during it (a pool refill the next step promotes once warm) served the
+    scale-up after a cold start. `floodgate up`'s demo counted its burst's two refills as hits."""
+    return started_at is None or scale_up_since is None or started_at < scale_up_since
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task[Any]], nudge_s: float = 0.5) -> None:

@@ -124,3 +124,12 @@ async def test_cancel_and_wait_cancels_again_a_task_that_lost_its_cancellation()
     await asyncio.sleep(0)
     await cancel_and_wait([t], nudge_s=0.05)
     assert t.cancelled()  # a single cancel() and await would have run the second sleep out
+
+
+def test_a_promotion_is_a_pool_hit_only_for_a_replica_pooled_before_the_scale_up() -> None:
+    from floodgate.controller.app import pool_hit
+
+    assert pool_hit(started_at=100.0, scale_up_since=200.0)  # pooled before the burst
+    assert pool_hit(started_at=None, scale_up_since=200.0)  # adopted
+    assert not pool_hit(started_at=205.0, scale_up_since=200.0)  # a refill started during it
+    assert pool_hit(started_at=205.0, scale_up_since=None)  # no scale-up under way
