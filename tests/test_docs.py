@@ -773,6 +773,9 @@ def test_environment_variables_in_the_docs_are_read() -> None:
 
     read = set(extproc_config.ENV_OVERRIDES) | set(controller_config.ENV_OVERRIDES)
     read |= set(ENV_VARS.findall(inspect.getsource(supervisor)))  # the local stack's (free ports)
+    from floodgate.controller.actuators import process
+
+    read.add(process.TOKEN_ENV)  # read from the replicas' environments (a start's token)
     failures = [f"{doc.name}:{doc.line_of(m.start())}: {m.group(0)} is read by neither the processor, the "
                 f"controller nor the local stack" for doc in docs() for m in ENV_VARS.finditer(doc.text)
                 if m.group(0) not in read]
