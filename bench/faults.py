@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -353,6 +354,7 @@ class Harness:
         self.disconnect_fraction = 0.0
         self.upstream_fault_fraction = 0.0
         self.loaded_pools = loaded_pools
+        self.clock_task: asyncio.Task[None] | None = None  # `redis-clock-step`: keeps the script's clock ahead
 
     def processor_config(self) -> dict[str, Any]:
         # Shipped defaults, except a static limit (so "<= L" is a fixed line) and the TTL.
@@ -412,6 +414,10 @@ class Harness:
             await asyncio.to_thread(self.stack.start_envoy, [("127.0.0.1", self.upstream.port)], processors=[p])
 
     async def stop(self) -> None:
+        if self.clock_task is not None:
+            self.clock_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.clock_task
         for p in self.proxies:
             await p.stop()
         await self.upstream.stop()
@@ -428,6 +434,9 @@ class Harness:
         try:
             now_s, now_us = await c.time()
             now_ms = int(now_s) * 1000 + int(now_us) // 1000
+            fake = await c.get(key(pool, "admin_testclock"))  # the script's clock, when a fault set it
+            if fake is not None:
+                now_ms = int(fake)
             leases = await c.zcount(key(pool, "leases"), f"({now_ms}", "+inf")
             waiters = await c.zcard(key(pool, "queue"))
             return int(leases), int(waiters)
@@ -633,6 +642,29 @@ async def _unblackhole(h: Harness) -> None:
         p.set("pass")
 
 
+CLOCK_STEP_MS = 20_000  # past the shipped 15 s lease TTL
+
+
+async def _clock_step(h: Harness) -> None:
+    """The Redis host's clock steps ahead and stays (an NTP step, a VM resumed): the script's
+    clock (`admin_testclock`, which it reads instead of TIME when set) is kept at the server's
+    TIME + CLOCK_STEP_MS from now on, rewritten every 5 ms."""
+    from floodgate.extproc.schema import key
+    from floodgate.extproc.state import redis_client
+
+    async def keep() -> None:
+        c = redis_client(h.stack.redis_url, op_timeout_s=2)
+        try:
+            while True:
+                s, us = await c.time()
+                await c.set(key("default", "admin_testclock"), int(s) * 1000 + int(us) // 1000 + CLOCK_STEP_MS)
+                await asyncio.sleep(0.005)
+        finally:
+            await c.aclose()
+
+    h.clock_task = asyncio.create_task(keep())
+
+
 async def _disconnects(h: Harness) -> None:
     h.disconnect_fraction = 0.10
 
@@ -677,6 +709,10 @@ FAULTS: list[Fault] = [
           # (it cannot tell a partition from an outage), so the pool may run one share over:
           # L + ceil(L / processors) (the rank shares add up to L; the lower ranks hold the rest).
           bound=lambda o: o.limit + -(-o.limit // 2)),
+    # Every lease and gateway reads expired at once while the requests run: the gateway that
+    # calls next holds the grants until all have re-asserted (leases.lua `start_hold`, jump).
+    Fault("redis-clock-step", "the Redis host's clock steps 20 s ahead (past the TTL) and stays", _clock_step,
+          _nothing, measure_from=""),
     Fault("client-disconnects", "10% of clients disconnect (queued or streaming)", _disconnects,
           _no_disconnects, hold_s=lambda o: 2 * o.before_s, measure_from=""),
     Fault("upstream-errors", "10% upstream answers: half 500s, half connection resets", _upstream_errors,
