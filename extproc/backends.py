@@ -28,11 +28,11 @@ from floodgate.extproc.policy import (
     Snapshot,
     certain_reject,
     credit_admits,
+    newcomer_wait,
     queue_decision,
     ramp_floors,
     ramp_refill_rate,
     retry_after,
-    retry_wait,
     timeout_reject,
     waits_on_budget,
 )
@@ -278,9 +278,10 @@ class SharedBackend:
                     rt.pending.pop(ticket, None)
                 a.observe(rt, st)
             if st.rejected:
-                # The queue filled while the call was in the air: told from the state it found.
+                # The queue filled while the call was in the air: told from the state it found
+                # (a full queue, or the tenant's cap: the wait itself, `policy.queue_decision`).
                 c = rt.cfg.classes[cls]
-                wait = retry_wait(cls, self._view(rt, st), rt.cfg.classes, need)
+                wait = newcomer_wait(cls, self._view(rt, st), rt.cfg.classes, need)
                 return Reject(st.rejected, retry_after(wait, c, a.cfg.admission, a.rng()))
             a.count(rt, cls, "queued")
             if st.granted:

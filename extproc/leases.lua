@@ -1019,6 +1019,15 @@ local function reclaim()
   end
   local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', NOW_S, 'LIMIT', 0, 20)
   if #dead > 0 then
+    -- A gateway whose liveness ran out while its processor is still subscribed here: the
+    -- clock jumped (or the processor hangs with its connections open). Hold the grants until
+    -- the gateways re-assert (start_hold, jump) before their leases count free: whatever call
+    -- comes first after the jump (a batch, a waiters' poll), not only the caller's own batch.
+    if not held() then
+      for _, gw in ipairs(dead) do
+        if hears(gw) then start_hold(true) break end
+      end
+    end
     local is_dead = {}
     for _, gw in ipairs(dead) do is_dead[gw] = true ALIVE[gw] = false REG[gw] = nil end
     local all = redis.call('HGETALL', K.qmeta)

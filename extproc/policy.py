@@ -876,12 +876,16 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     shares = [classes[k].share for k in CLASSES]
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
                         point=_point(c, chance))
+    # A full queue (or a tenant's share of it) is a limit on its length, not on the wait: a
+    # place frees as the waiters ahead are served, so these are told the wait W itself. Told
+    # `(W - T)+` (the early drop's answer), a P0 queue that a fast pool drains within its
+    # timeout said 1 s, and a review's 200 P0 clients retrying twice as told lost 108 (17 on W).
     if snap.queued[cls] >= c.max_queue:
-        return Reject("queue_full", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
+        return Reject("queue_full", retry_after(newcomer_wait(cls, snap, classes, chance), c, cfg, rand))
     if named_tenant or cfg.anonymous_tenant_cap:
         tenant_cap = max(1, int(c.tenant_queue_share * c.max_queue))
         if snap.tenant_queued >= tenant_cap:
-            return Reject("tenant_cap", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
+            return Reject("tenant_cap", retry_after(newcomer_wait(cls, snap, classes, chance), c, cfg, rand))
     if _drops(est, c, c.queue_timeout_s, chance):
         return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
     return Enqueue(est.mean_seconds)
@@ -918,13 +922,14 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     one near them reads a long finite wait. The costs are lopsided too: a wait told too short
     costs one more rejection, decided without a round trip; one told too long idles the client
     while the pool has room."""
-    wait = _newcomer_wait(cls, snap, classes, chance)
+    wait = newcomer_wait(cls, snap, classes, chance)
     return None if wait is None else max(0.0, wait - classes[cls].queue_timeout_s)
 
 
-def _newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-                   chance: float | None = None) -> float | None:
-    """W of `retry_wait`: the wait of a request of class `cls` arriving now."""
+def newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
+                  chance: float | None = None) -> float | None:
+    """W of `retry_wait`: the wait of a request of class `cls` arriving now (what a full queue
+    or a tenant's cap, limits on length, tell as Retry-After)."""
     c = classes[cls]
     shares, headroom = [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES]
     wait = None
@@ -992,7 +997,7 @@ def timeout_reject(cls: int, snap: Snapshot | None, classes: Mapping[int, ClassC
     serves them in 25 s (a review). So a timeout's Retry-After is spread uniformly over the
     wait W of the queue it leaves (the waiters' own places in it included): the crowd comes
     back at about the rate the pool frees permits."""
-    wait = _newcomer_wait(cls, snap, classes) if snap else None
+    wait = newcomer_wait(cls, snap, classes) if snap else None
     if wait is not None and math.isfinite(wait):
         wait *= (rand * 7919.0) % 1.0  # a uniform of its own (`retry_after` jitters with `rand`)
     return Reject("queue_timeout", retry_after(wait, classes[cls], cfg, rand))

@@ -31,7 +31,8 @@ def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]],
     """Run `body(stop)`; SIGTERM and SIGINT set `stop` so the body can shut down cleanly.
     SIGHUP, which operators and tools send to ask for a config reload, stops the same way with a
     WARNING: the config is read only at start. Before, its default action killed the process
-    without a word (a controller's leader lease then stayed held until its TTL).
+    without a word (a controller's leader lease then stayed held until its TTL). A SIGHUP the
+    process was started ignoring (`nohup`) stays ignored.
     On uvloop when installed (it roughly halves per-request CPU in the servers)."""
 
     def on_sighup(stop: asyncio.Event) -> None:
@@ -46,7 +47,8 @@ def run_until_signalled(body: Callable[[asyncio.Event], Coroutine[Any, Any, T]],
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         sighup = getattr(signal, "SIGHUP", None)  # not on Windows
-        if sighup is not None:
+        # An ignored SIGHUP stays ignored (`nohup`: the terminal's hangup must not stop it).
+        if sighup is not None and signal.getsignal(sighup) is not signal.SIG_IGN:
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sighup, on_sighup, stop)
         return await body(stop)

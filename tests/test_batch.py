@@ -642,3 +642,27 @@ async def test_a_clock_jump_hold_stops_waiting_for_a_gateway_not_heard(client: a
     assert not await p.take("ga")  # gb (silent) still waited for
     await p.at(22_000)
     assert await p.take("ga")  # not heard 2 s after the hold began: no longer waited for
+
+
+async def test_a_clock_jump_is_held_whichever_call_comes_first(client: aioredis.Redis) -> None:
+    """A review of the jump hold: it was started only by a batch of a gateway that found its
+    own liveness run out, but the waiters' poll (`mine`, sent on its own) runs the reclaim and
+    the grant loop too: first after the jump, it expired every fence and lease and granted the
+    freed permits on top of the running requests (13 and 11 of L 8 through Envoy). The reclaim
+    now holds the grants when a gateway it finds expired is still subscribed here (heard)."""
+    p = await clocked_pool(client, "jumpp", ("ga", "gb"), limit=2, ttl=3)
+    ps = client.pubsub()
+    await ps.ssubscribe("fg:{jumpp}:gw:ga", "fg:{jumpp}:gw:gb")  # the processors, connected
+    try:
+        assert await p.take("ga") and await p.take("gb")  # ga/1, gb/2: the pool is full
+        await p.at(10_000)
+        assert await p.st["gb"].granted_among(["gb/9"]) == {}  # a poll comes first
+        assert not await p.take("ga")  # before: granted, a third request on a pool of 2
+        assert b"j|" in await p.hold()
+        await p.st["ga"].sync("ga", 100, {"ga/1": (1, 1, "")}, {})
+        await p.st["gb"].sync("gb", 100, {"gb/2": (1, 2, "")}, {})
+        assert not await p.take("ga")  # the hold is over, and the pool is full
+        await p.st["gb"].release("gb/2")
+        assert await p.take("ga")
+    finally:
+        await ps.aclose()

@@ -917,3 +917,15 @@ def test_retry_after_carries_its_jittered_value_in_ms() -> None:
         for r in range(20):
             a = retry_after(wait, c, ADM, rand=r / 20)
             assert isinstance(a, int) and abs(a.ms / 1000 - a) < 1, (wait, a, a.ms)  # the whole seconds round it
+
+
+def test_a_full_queue_is_told_the_wait_itself() -> None:
+    """A full queue (or a tenant's cap) limits its length, not the wait: a place frees as the
+    waiters ahead are served. Told `(W - T)+` like an early drop, a P0 queue that the pool
+    drains within its timeout said 1 s, and a review's 200 P0 clients retrying twice as told
+    lost 108 (17 told W)."""
+    classes = {**CLASSES, 0: ClassConfig(queue_timeout_s=20, max_queue=10, share=0.5)}
+    s = Snapshot(10, (5, 3, 2), (10, 0, 0), 0, grant_rate=2.0, release_n=200)
+    told = [queue_decision(0, s, classes, ADM, k / 20) for k in range(20)]
+    assert all(isinstance(d, Reject) and d.reason == "queue_full" for d in told)
+    assert min(d.retry_after_s for d in told if isinstance(d, Reject)) >= 4  # ~5.5 s to drain, not 1

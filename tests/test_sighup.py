@@ -71,3 +71,31 @@ def test_the_processor_drains_on_sighup_as_on_sigterm(stack: LocalStack, sig: si
     assert "shutting down: health NOT_SERVING" in log and "shutting down: releasing permits" in log, log
     assert (WARNING in log) == (sig is signal.SIGHUP), log
     assert "Traceback" not in log, log
+
+
+def test_a_sighup_the_process_was_started_ignoring_stays_ignored() -> None:
+    """`nohup floodgate ...`: the terminal's hangup must not stop a process started to outlive
+    it (a review: the handler replaced the inherited SIG_IGN, and such a processor stopped)."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import asyncio, signal\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it\n"
+        "from floodgate.runtime import run_until_signalled\n"
+        "async def body(stop):\n"
+        "    print('ready', flush=True)\n"
+        "    await stop.wait()\n"
+        "    print('stopped', flush=True)\n"
+        "run_until_signalled(body, use_uvloop=False)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGHUP)
+        time.sleep(0.5)  # (a stop on SIGHUP would have ended it by now; not a timing claim)
+        assert p.poll() is None  # still running
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0 and p.stdout.readline().strip() == "stopped"
+    finally:
+        p.kill()
