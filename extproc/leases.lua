@@ -1019,15 +1019,6 @@ local function reclaim()
   end
   local dead = redis.call('ZRANGEBYSCORE', K.gws, '-inf', NOW_S, 'LIMIT', 0, 20)
   if #dead > 0 then
-    -- A gateway whose liveness ran out while its processor is still subscribed here: the
-    -- clock jumped (or the processor hangs with its connections open). Hold the grants until
-    -- the gateways re-assert (start_hold, jump) before their leases count free: whatever call
-    -- comes first after the jump (a batch, a waiters' poll), not only the caller's own batch.
-    if not held() then
-      for _, gw in ipairs(dead) do
-        if hears(gw) then start_hold(true) break end
-      end
-    end
     local is_dead = {}
     for _, gw in ipairs(dead) do is_dead[gw] = true ALIVE[gw] = false REG[gw] = nil end
     local all = redis.call('HGETALL', K.qmeta)
@@ -1651,6 +1642,14 @@ function OPS.mine(ARGV)
     first = 6
   elseif gone then
     first = 4
+  end
+  -- The poll's gateway (its tickets are `<gateway>/<seq>`), calling with its own liveness run
+  -- out and its fence still here: the clock jumped, as a batch finds it (OPS.batch). A poll
+  -- is sent on its own, and came first after a jump in a review: its reclaim expired every
+  -- fence and lease and its grant loop granted on top (13 and 11 in flight of L 8).
+  local gw = ARGV[first] and string.match(ARGV[first], '^(.+)/[^/]+$')
+  if gw and not gateway_alive(gw) and redis.call('HEXISTS', K.state, 'bx:' .. gw) == 1 and not held() then
+    start_hold(true)
   end
   reclaim()
   grant_loop()

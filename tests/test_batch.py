@@ -648,8 +648,9 @@ async def test_a_clock_jump_is_held_whichever_call_comes_first(client: aioredis.
     """A review of the jump hold: it was started only by a batch of a gateway that found its
     own liveness run out, but the waiters' poll (`mine`, sent on its own) runs the reclaim and
     the grant loop too: first after the jump, it expired every fence and lease and granted the
-    freed permits on top of the running requests (13 and 11 of L 8 through Envoy). The reclaim
-    now holds the grants when a gateway it finds expired is still subscribed here (heard)."""
+    freed permits on top of the running requests (13 and 11 of L 8 through Envoy). A poll by a
+    gateway (its tickets name it) whose own liveness ran out with its fence still here starts
+    the hold too."""
     p = await clocked_pool(client, "jumpp", ("ga", "gb"), limit=2, ttl=3)
     ps = client.pubsub()
     await ps.ssubscribe("fg:{jumpp}:gw:ga", "fg:{jumpp}:gw:gb")  # the processors, connected
