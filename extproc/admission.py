@@ -1280,9 +1280,9 @@ class Admitter:
                             continue
                         if ticket == RESYNC:  # Redis lost writes and holds its grants until we sync
                             self.metrics.resync_requests.labels(rt.cfg.name).inc()
-                            log.warning("pool %s: Redis lost acknowledged writes (a failover) and holds the "
-                                        "pool's grants until every processor has re-asserted: re-asserting "
-                                        "now", rt.cfg.name)
+                            log.warning("pool %s: Redis holds the pool's grants until every processor has "
+                                        "re-asserted its permits (it lost acknowledged writes, a failover, or "
+                                        "its clock stepped past the lease TTL): re-asserting now", rt.cfg.name)
                             self._sync_soon(rt)
                             continue
                         if ticket == REGISTRY_CHANGED:  # the sync loop reads the registry at once
