@@ -615,14 +615,18 @@ class WaitEstimate:
                 lo = mid
         return hi
 
-    def admits_after(self, need: float, margin: bool = True) -> float | None:
+    def admits_after(self, need: float, margin: bool = True, enough_s: float = 0.0) -> float | None:
         """The deadline early drop's own test (`certainly_over`, not `reject_fast`) would pass at
         `need`: the smallest t with the chance of being reached by t at least `need`, at the
         same rates (releases at their upper bound unless `margin` is False). None when that
-        test is unsure (few releases: it drops nothing)."""
+        test is unsure (few releases: it drops nothing). `enough_s`: any t up to it is as good
+        (returned as is when the test passes there: no bisection)."""
         if self.rate <= 0 or self.samples < MIN_RELEASES:
             return None
-        return self.seconds_to(need, 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0)
+        scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0
+        if enough_s > 0 and self.chance(enough_s, scale) >= need:
+            return enough_s
+        return self.seconds_to(need, scale)
 
     def certainly_over(self, deadline_s: float, min_chance: float = 0.5, *, reject_fast: bool = False,
                        margin: bool = True) -> bool:
@@ -887,12 +891,13 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         if snap.tenant_queued >= tenant_cap:
             return Reject("tenant_cap", retry_after(newcomer_wait(cls, snap, classes, chance), c, cfg, rand))
     if _drops(est, c, c.queue_timeout_s, chance):
-        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
+        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance, cfg.retry_after_min_s), c, cfg,
+                                                rand))
     return Enqueue(est.mean_seconds)
 
 
 def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-               chance: float | None = None) -> float | None:
+               chance: float | None = None, floor_s: float = 0.0) -> float | None:
     """The wait Retry-After tells a rejected request of class `cls`: when a request of its class
     sent then would be let into the queue — the wait W of one arriving now less its class's
     queue timeout T, `(W - T)+`: by then the queue ahead has drained to what a newcomer waits
@@ -922,20 +927,23 @@ def retry_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     one near them reads a long finite wait. The costs are lopsided too: a wait told too short
     costs one more rejection, decided without a round trip; one told too long idles the client
     while the pool has room."""
-    wait = newcomer_wait(cls, snap, classes, chance)
+    wait = newcomer_wait(cls, snap, classes, chance, floor_s)
     return None if wait is None else max(0.0, wait - classes[cls].queue_timeout_s)
 
 
 def newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
-                  chance: float | None = None) -> float | None:
+                  chance: float | None = None, floor_s: float = 0.0) -> float | None:
     """W of `retry_wait`: the wait of a request of class `cls` arriving now (what a full queue
-    or a tenant's cap, limits on length, tell as Retry-After)."""
+    or a tenant's cap, limits on length, tell as Retry-After). `floor_s`: the smallest
+    Retry-After (`retry_after_min_s`): for P0/P1 a W up to the timeout plus that is told as
+    that, so it is not sought more finely (no bisection for a queue at its edge)."""
     c = classes[cls]
     shares, headroom = [classes[k].share for k in CLASSES], [classes[k].headroom for k in CLASSES]
     wait = None
     if not c.rejects_fast:
         need = c.early_drop_min_chance if chance is None else chance
-        wait = wait_estimate(cls, snap, shares, headroom).admits_after(need, margin=not spends_budget(c, need))
+        wait = wait_estimate(cls, snap, shares, headroom).admits_after(
+            need, margin=not spends_budget(c, need), enough_s=c.queue_timeout_s + floor_s if floor_s > 0 else 0.0)
     if wait is None:
         est = wait_estimate(cls, snap, shares, headroom, arrivals_low=True)
         wait = est.seconds
@@ -982,7 +990,8 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
             return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast, point=_point(c, chance))
     if _drops(est, c, c.queue_timeout_s + max(0.0, age_s), chance):
-        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance), c, cfg, rand))
+        return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance, cfg.retry_after_min_s), c, cfg,
+                                                rand))
     return None
 
 
