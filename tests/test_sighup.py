@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -20,6 +21,19 @@ from floodgate.supervisor import Child
 pytestmark = pytest.mark.integration
 
 WARNING = "WARNING floodgate.runtime SIGHUP: stopping as on SIGTERM. There is no config reload"
+
+
+@pytest.fixture(autouse=True)
+def sighup_not_ignored() -> Iterator[None]:
+    """The processes these tests start inherit this one's SIGHUP disposition, and a test run
+    started under `nohup` ignores it (then kept ignored, as it should be: see the last test).
+    Started with the default here, as a process is when run in the foreground."""
+    before = signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def _exit_code(child: Child, timeout: float) -> int:
