@@ -301,6 +301,7 @@ def plan_pool(
     pipeline = 0
     active: list[ReplicaView] = []
     draining_busy = 0
+    retiring = 0  # of those draining or drained now, the outdated ones: retired, they refill nothing
     finished: list[ReplicaView] = []
     undrainable: list[ReplicaView] = []  # draining, within max_drain_s, no operation in flight
     live = 0
@@ -330,9 +331,9 @@ def plan_pool(
                 finished.append(r)
             else:
                 draining_busy += 1
+                retiring += r.outdated
 
     deficit = desired_active - serving
-    outdated_ids = {r.replica_id for r in replicas if r.outdated}
     # A replica being drained is the cheapest capacity there is (loaded, awake, serving within a
     # tick): a scale-up takes those back first, the busiest first (their streams never stopped),
     # before it wakes a pool replica or cold-starts one (a review: a burst during a drain
@@ -344,6 +345,7 @@ def plan_pool(
             finished.remove(r)
         else:
             draining_busy -= 1
+            retiring -= r.outdated
     deficit -= len(undrained)
     # Awake replicas promote fastest; ids break ties so plans are deterministic. A replica with
     # an operation in flight (going to sleep) comes last: its promotion would wait for that
@@ -392,15 +394,12 @@ def plan_pool(
         for r in idle_first[: max(0, n)]:
             acts.append(Action(ActionKind.DRAIN, r.replica_id, "scale_down"))
             new_drains += 1
+            retiring += r.outdated
 
     # Replicas being drained are loaded: they refill the pool when they finish (recycle), so
     # they count toward it here; no cold start while loaded replicas are on their way. The same
     # for the active replicas a burst will hand back (`returning`): they drain into the pool
     # when it passes.
-    # (An outdated replica draining or drained now is retired, not recycled: it refills nothing.)
-    retiring = sum(1 for r in replicas if r.state is S.DRAINING and r.outdated and (r.inflight or r.running)
-                   and r.replica_id not in {u.replica_id for u in undrained})
-    retiring += sum(1 for a in acts if a.kind is ActionKind.DRAIN and a.replica_id in outdated_ids)
     pending = (draining_busy - retiring + new_drains + max(0, returning)) if cfg.enabled else 0
     refill = max(0, warm_target - pool - pending)
     for _ in range(min(refill, max(0, room))):

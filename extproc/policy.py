@@ -621,9 +621,9 @@ class WaitEstimate:
         same rates (releases at their upper bound unless `margin` is False). None when that
         test is unsure (few releases: it drops nothing). `enough_s`: any t up to it is as good
         (returned as is when the test passes there: no bisection)."""
-        if self.rate <= 0 or self.samples < MIN_RELEASES:
+        scale = self._bound_scale(margin)
+        if scale is None:
             return None
-        scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0
         if enough_s > 0 and self.chance(enough_s, scale) >= need:
             return enough_s
         return self.seconds_to(need, scale)
@@ -643,10 +643,17 @@ class WaitEstimate:
 
         `margin` False: the rates at their point estimates instead of a bound (a class spending
         its slow-rejection budget, see `spends_budget`)."""
-        if self.rate <= 0 or self.samples < MIN_RELEASES:
+        scale = self._bound_scale(margin)
+        if scale is None:
             return reject_fast
-        scale = 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0
         return self.chance(deadline_s, 1 / scale if reject_fast else scale) < min_chance
+
+    def _bound_scale(self, margin: bool) -> float | None:
+        """The factor early drop reads the release rate at (its confidence bound, or 1 without
+        `margin`); None while the rate rests on too few releases to be read at all."""
+        if self.rate <= 0 or self.samples < MIN_RELEASES:
+            return None
+        return 1 + CONFIDENCE_Z / math.sqrt(self.samples) if margin else 1.0
 
 
 def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],

@@ -111,13 +111,12 @@ def resolve_pending(table: Table) -> bool:
 def live_entries(table: Table) -> dict[str, int]:
     """The table's replicas whose processes still run: id -> pid (a pending entry's process
     found by its token)."""
+    table = {rid: dict(e) for rid, e in table.items()}  # (resolved here, not in the caller's)
+    resolve_pending(table)
     out = {}
     for rid, e in table.items():
-        if e.get("pid") is None and isinstance(e.get("token"), str):
-            found = find_token(e["token"])
-            if found is not None:
-                out[rid] = found[0]
-            continue
+        if e.get("pid") is None:
+            continue  # a start whose process was not found
         with contextlib.suppress(KeyError, ValueError, TypeError):
             if pid_alive(int(e["pid"]), e.get("created")):
                 out[rid] = int(e["pid"])

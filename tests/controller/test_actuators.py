@@ -284,16 +284,23 @@ def _kill_marked(marker: Path) -> None:
             pass
 
 
-async def test_a_start_its_controller_died_recording_is_adopted_not_orphaned(tmp_path: Path) -> None:
+async def _controller_died(tmp_path: Path, when: str) -> tuple[Path, list[str]]:
+    """A controller process that starts replica r0 and dies `when` ("before"/"after") the
+    spawn; the state dir and the replica command."""
     import subprocess
-
-    from floodgate.controller.actuators.process import read_table
 
     state = tmp_path / "replicas"
     cmd = _replica_cmd(tmp_path)
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _DIES, str(state), when, *cmd], timeout=60)
+    assert r.returncode == 9
+    return state, cmd
+
+
+async def test_a_start_its_controller_died_recording_is_adopted_not_orphaned(tmp_path: Path) -> None:
+    from floodgate.controller.actuators.process import read_table
+
     try:
-        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _DIES, str(state), "after", *cmd], timeout=60)
-        assert r.returncode == 9
+        state, cmd = await _controller_died(tmp_path, "after")
         act = ProcessActuator(cmd, state)
         (h,) = await act.list()  # before: the table was empty and the replica ran on, untracked
         assert h.replica_id == "r0" and h.running
@@ -307,15 +314,10 @@ async def test_a_start_its_controller_died_recording_is_adopted_not_orphaned(tmp
 
 
 async def test_a_start_whose_process_never_ran_is_forgotten(tmp_path: Path) -> None:
-    import subprocess
-
     from floodgate.controller.actuators.process import read_table
 
-    state = tmp_path / "replicas"
-    cmd = _replica_cmd(tmp_path)
     try:
-        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _DIES, str(state), "before", *cmd], timeout=60)
-        assert r.returncode == 9
+        state, cmd = await _controller_died(tmp_path, "before")
         act = ProcessActuator(cmd, state)
         (h,) = await act.list()  # recorded, not running
         assert h.replica_id == "r0" and not h.running
