@@ -267,7 +267,8 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     it is never more than the offered rate justifies; `max_replicas` bounds it as any rule.
 
     Only when the point estimate needs more replicas than the pool reaches without a cold
-    start (`reachable`: the current size plus the warm pool): a shortfall the warm pool can
+    start (`reachable`: the replicas serving within a wake: active, waking, warm and draining
+    ones; a replica still loading is a cold start under way, not counted): a shortfall the warm pool can
     fill is made up within a wake by the next decision, so the costs are no longer lopsided
     and the lower-bound rules size it (the elastic bench's burst 2, which its pool holds: the
     reaction asked 4 -> 7, 3 -> 7, 3 -> 6 where 4-5 carried it, with cold starts)."""
@@ -300,6 +301,7 @@ def decide(
     active_ids: set[str] = set()
     draining_ids: set[str] = set()
     incoming = 0
+    waking = 0  # of `incoming`, the promotions under way: serving within a wake
     warm = 0  # the warm pool: promoted within a wake, no cold start
     for r in replicas:
         if r.state is ReplicaState.ACTIVE:
@@ -308,6 +310,7 @@ def decide(
             draining_ids.add(r.replica_id)
         elif r.state in INCOMING_STATES:
             incoming += 1
+            waking += r.state is ReplicaState.WAKING
         elif r.state is ReplicaState.WARM:
             warm += 1
     active = len(active_ids)
@@ -429,8 +432,15 @@ def decide(
     react_until = state.react_until
     if now >= react_until:
         backlog = waiting > 0 or kv_high
+        # What serves within a wake without a cold start: the active, waking, warm and draining
+        # replicas (a drain is taken back first). A replica loading (a pool refill, or one
+        # ordered a tick ago) serves at the end of its cold start, not within a wake: counted
+        # here, a pool refill started by the step's first promotion kept the reaction from
+        # firing (elastic seed 1: 3 active + 1 waking + 1 refill loading "reached" the point
+        # estimate's 5, and the sixth replica was decided 1.6 s later by the queue rule).
+        wakeable = active + waking + warm + len(draining_ids)
         react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
-                               max(current, capacity) + warm, demand, active, waiting)
+                               wakeable, demand, active, waiting)
         if react is not None:
             panic = True
             react_until = now + cfg.panic_window_s

@@ -20,6 +20,7 @@ from floodgate.controller.demand import (
 from floodgate.controller.forecast import DemandHistory, ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig, burst_reaction
+from floodgate.controller.signals import ReplicaState, ReplicaView
 
 from tests.controller.conftest import FakeClock, signals, views
 
@@ -228,3 +229,40 @@ def test_a_step_the_warm_pool_holds_is_not_a_reaction() -> None:
 
     assert all(d.plan.reason != "burst_reaction" for d in step(8))
     assert any(d.plan.reason == "burst_reaction" and d.plan.desired == 15 for d in step(4))
+
+
+def _step_on(reps_at: object) -> list[Decision]:
+    """The 3x step above (point estimate 12 replicas) on the views `reps_at(now)` gives."""
+    clk = FakeClock()
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = reps_at(clk.now)  # type: ignore[operator]
+    total = adm = away = 0.0
+    out: list[Decision] = []
+    for i, n in enumerate([*BASE, 42.0, 42.0, 42.0]):
+        t = clk.advance(1.0)
+        a = min(n, 30.0)
+        total, adm, away = total + n, adm + a, away + n - a
+        fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away)})
+        gw = GatewayCounters(t, True, rq_total=total, rejected=away)
+        ps = replace(signals(t, reps, running=28.0, waiting=6.0 if i >= 10 else 0.0), counters=fc, gateway=gw)
+        st, d = decide(cfg(), st, Signals(ps, reps), t)
+        out.append(d)
+    return out
+
+
+def test_replicas_still_loading_are_not_reached_without_a_cold_start() -> None:
+    # Elastic seed 1, burst 1: the step's first promotion started a pool refill, and the
+    # refill loading was counted as reached without a cold start, so the reaction did not fire
+    # and the last replica was decided 1.6 s later. Loading replicas serve at the end of their
+    # cold start: 4 active + 2 loading + 6 warm is not 12 within a wake (reacts: 15, the 2
+    # loading among them), 4 active + 8 warm is (no reaction), and so are 4 active + 8
+    # draining (a drain is taken back first) and 4 active + 4 waking + 4 warm.
+    def reacted(ds: list[Decision]) -> list[int]:
+        return [d.plan.desired for d in ds if d.plan.reason == "burst_reaction"]
+
+    assert reacted(_step_on(lambda now: views(now, active=4, loading=2, warm=6))) == [15]
+    assert reacted(_step_on(lambda now: views(now, active=4, warm=8))) == []
+    assert reacted(_step_on(lambda now: views(now, active=4, draining=8))) == []
+    waking = lambda now: (*views(now, active=4, warm=4),  # noqa: E731
+                          *(ReplicaView(f"k{i}", ReplicaState.WAKING, now - 1) for i in range(4)))
+    assert reacted(_step_on(waking)) == []
