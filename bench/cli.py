@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "script-instr": "floodgate.bench.script_instr",
     "vegas-knee": "floodgate.bench.vegas_knee",
     "reject": "floodgate.bench.reject_latency",
+    "scrape": "floodgate.bench.scrape_cost",
     "faults": "floodgate.bench.faults",
 }
 

@@ -13,6 +13,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -114,6 +115,7 @@ class ControllerMetrics:
 
     async def serve(self, listen: str) -> web.AppRunner:
         host, _, port = listen.rpartition(":")
+        disable_created_metrics()  # as the processor: `*_created` samples are unused lines to format
 
         async def handler(_req: web.Request) -> web.Response:
             return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -18,7 +18,7 @@ from floodgate.extproc.redis_client import AnyRedis, make_client, parse_redis_ur
 from floodgate.extproc.server import Processor
 from floodgate.extproc.state import redis_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
+from prometheus_client import disable_created_metrics, start_http_server
 
 from floodgate.runtime import ListenError
 
@@ -159,6 +159,10 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         await health_server.start()
     if cfg.server.metrics_listen:
         host, port = _split(cfg.server.metrics_listen)
+        # No `*_created` samples (one per counter and histogram label set, unused by the text
+        # format): a scrape holds the interpreter lock while it formats every line, and the
+        # messages arriving meanwhile wait (`floodgate bench scrape`: 18 % fewer lines).
+        disable_created_metrics()
         try:
             start_http_server(port, addr=host, registry=metrics.registry)
         except OSError as exc:

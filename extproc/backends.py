@@ -422,7 +422,10 @@ class LocalBackend:
             outcome, granted = table.enqueue(ticket, cls, req.tenant, req.deadline, now)
             self.wake(rt, granted)
             if outcome in ("queue_full", "tenant_cap"):
-                return Reject(outcome, retry_after(None, rt.cfg.classes[cls], a.cfg.admission, a.rng()))
+                # Told from the table as it is (the wait of a request arriving now), as the
+                # shared path tells it, not the class timeout.
+                wait = newcomer_wait(cls, snap, rt.cfg.classes, rt.min_chance(cls, now))
+                return Reject(outcome, retry_after(wait, rt.cfg.classes[cls], a.cfg.admission, a.rng()))
             a.count(rt, cls, "queued")
             if outcome == "granted":
                 return self._permit(rt, ticket, req, queued=True)
