@@ -52,6 +52,9 @@ async def test_a_first_degraded_spell_is_an_increase_from_zero(stack: LocalStack
                        'floodgate_releases_total{pool="default",reason="no_endpoints"}',
                        'floodgate_background_loop_restarts_total{loop="fg-sync-default"}'):
             assert m.get(series) == 0, (series, {k: v for k, v in m.items() if k.startswith(series.split("{")[0])})
+        # ... and no `*_created` samples beside them (unused lines a scrape formats while it
+        # holds the interpreter: `floodgate bench scrape`).
+        assert m and not [k for k in m if k.split("{")[0].endswith("_created")]
         assert stack.redis_child is not None
         stack.redis_child.kill(signal.SIGSTOP)  # frozen: calls time out, the pool degrades
         try:
