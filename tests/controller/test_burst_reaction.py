@@ -7,6 +7,7 @@ empty window; at most once per panic window. Fake clock throughout."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -211,31 +212,17 @@ def test_a_step_the_warm_pool_holds_is_not_a_reaction() -> None:
     # cold start, so the other rules size it (promotions); with a pool of 4 it reacts. (The
     # views stay as given here: the first step tick's 4 -> 7 promotes nobody in this test.)
     def step(warm: int) -> list[Decision]:
-        clk = FakeClock()
-        st = DeciderState(history=DemandHistory.empty(8 * 1440))
-        reps = views(clk.now, active=4, warm=warm)
-        total = adm = away = 0.0
-        out: list[Decision] = []
-        for i, n in enumerate([*BASE, 42.0, 42.0, 42.0]):
-            t = clk.advance(1.0)
-            a = min(n, 30.0)
-            total, adm, away = total + n, adm + a, away + n - a
-            fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away)})
-            gw = GatewayCounters(t, True, rq_total=total, rejected=away)
-            ps = replace(signals(t, reps, running=28.0, waiting=6.0 if i >= 10 else 0.0), counters=fc, gateway=gw)
-            st, d = decide(cfg(), st, Signals(ps, reps), t)
-            out.append(d)
-        return out
+        return _step_on(lambda now: views(now, active=4, warm=warm))
 
     assert all(d.plan.reason != "burst_reaction" for d in step(8))
     assert any(d.plan.reason == "burst_reaction" and d.plan.desired == 15 for d in step(4))
 
 
-def _step_on(reps_at: object) -> list[Decision]:
+def _step_on(reps_at: Callable[[float], tuple[ReplicaView, ...]]) -> list[Decision]:
     """The 3x step above (point estimate 12 replicas) on the views `reps_at(now)` gives."""
     clk = FakeClock()
     st = DeciderState(history=DemandHistory.empty(8 * 1440))
-    reps = reps_at(clk.now)  # type: ignore[operator]
+    reps = reps_at(clk.now)
     total = adm = away = 0.0
     out: list[Decision] = []
     for i, n in enumerate([*BASE, 42.0, 42.0, 42.0]):
@@ -263,6 +250,7 @@ def test_replicas_still_loading_are_not_reached_without_a_cold_start() -> None:
     assert reacted(_step_on(lambda now: views(now, active=4, loading=2, warm=6))) == [15]
     assert reacted(_step_on(lambda now: views(now, active=4, warm=8))) == []
     assert reacted(_step_on(lambda now: views(now, active=4, draining=8))) == []
-    waking = lambda now: (*views(now, active=4, warm=4),  # noqa: E731
-                          *(ReplicaView(f"k{i}", ReplicaState.WAKING, now - 1) for i in range(4)))
+    def waking(now: float) -> tuple[ReplicaView, ...]:
+        return (*views(now, active=4, warm=4), *(ReplicaView(f"k{i}", ReplicaState.WAKING, now - 1) for i in range(4)))
+
     assert reacted(_step_on(waking)) == []
