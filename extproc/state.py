@@ -364,7 +364,14 @@ class PoolState:
 
     async def leave(self, gateway: str) -> None:
         """A gateway that stopped cleanly (its permits released) says so: it no longer counts as
-        live (`floodgate status`, the local shares of a Redis outage) for its last TTL."""
+        live (`floodgate status`, the local shares of a Redis outage) for its last TTL, and its
+        fields go with it, as the reclaim drops a dead gateway's: its highest ticket number, its
+        batch fence, its poll time and its place among the creditors. Left behind, each clean
+        exit under a new id (a rolling update: the pod name is the id) added two fields to the
+        state hash for good, and a restart under the same id found its old fence with no
+        liveness and held every grant of the pool as after a clock step (a soak review)."""
+        await self.client.hdel(key(self.pool, "state"), f"hw:{gateway}", f"bx:{gateway}", f"pl:{gateway}")
+        await self.client.srem(key(self.pool, "creditors"), gateway)
         await self.client.zrem(key(self.pool, "gws"), gateway)
 
     async def status(self, gateway: str = "") -> PoolStatus:

@@ -883,6 +883,27 @@ async def test_processor_stop_lets_streams_in_flight_finish(stack: LocalStack, u
     st = await drained(stack.redis_url)
     assert st.inflight_total == 0
     assert st.live_gateways == 1  # a clean stop leaves at once, not a lease TTL later
+    # ... and its fields with it (a soak review: each clean exit left its highest ticket and its
+    # batch fence in the state hash for good) ...
+    r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    try:
+        assert [f for f in r.hkeys("fg:{default}:state") if f.endswith(":extproc0")] == []
+        assert not r.sismember("fg:{default}:creditors", "extproc0")
+        assert [f for f in r.hkeys("fg:{default}:state") if f.endswith(":extproc1")]  # the live one keeps its
+    finally:
+        r.close()
+    # ... so a restart under the same id is a new gateway: it found its old fence with no
+    # liveness and held every grant of the pool as after a clock step, with a WARNING and a
+    # resync of every other processor (the same review).
+    async with aiohttp.ClientSession() as s:
+        resyncs = (await metrics(s, p1.metrics_url)).get('floodgate_resync_requests_total{pool="default"}')
+        again = stack.start_processor(static(20), name="extproc0", port=p0.port)
+        for _ in range(12):
+            assert (await post(s, envoy.url, headers=hdr(1, chunks="2", delay_ms="5"))).status == 200
+            await asyncio.sleep(0.25)
+        assert (await metrics(s, p1.metrics_url)).get('floodgate_resync_requests_total{pool="default"}') == resyncs
+    for p in (again, p1):
+        assert "holds the pool's grants" not in p.child.log_tail(200), p.child.log_tail(20)
 
 
 async def _exited(proc: Any) -> bool:
