@@ -115,7 +115,7 @@ class ControllerMetrics:
 
     async def serve(self, listen: str) -> web.AppRunner:
         host, _, port = listen.rpartition(":")
-        disable_created_metrics()  # as the processor: `*_created` samples are unused lines to format
+        disable_created_metrics()  # as the processor (extproc/app.py): no `*_created` samples
 
         async def handler(_req: web.Request) -> web.Response:
             return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

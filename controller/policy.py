@@ -267,8 +267,9 @@ def burst_reaction(cfg: PolicyConfig, mid: float, high: float, shed: bool, backl
     it is never more than the offered rate justifies; `max_replicas` bounds it as any rule.
 
     Only when the point estimate needs more replicas than the pool reaches without a cold
-    start (`reachable`: the replicas serving within a wake: active, waking, warm and draining
-    ones; a replica still loading is a cold start under way, not counted): a shortfall the warm pool can
+    start (`reachable`: the replicas serving within a wake: active, waking and warm ones and the
+    drains a scale-up takes back; a replica still loading is a cold start under way, not
+    counted): a shortfall the warm pool can
     fill is made up within a wake by the next decision, so the costs are no longer lopsided
     and the lower-bound rules size it (the elastic bench's burst 2, which its pool holds: the
     reaction asked 4 -> 7, 3 -> 7, 3 -> 6 where 4-5 carried it, with cold starts)."""
@@ -300,6 +301,7 @@ def decide(
     """
     active_ids: set[str] = set()
     draining_ids: set[str] = set()
+    idle_drains: set[str] = set()  # draining with no operation in flight (`lifecycle.plan_pool` takes those back)
     incoming = 0
     waking = 0  # of `incoming`, the promotions under way: serving within a wake
     warm = 0  # the warm pool: promoted within a wake, no cold start
@@ -308,6 +310,8 @@ def decide(
             active_ids.add(r.replica_id)
         elif r.state is ReplicaState.DRAINING:
             draining_ids.add(r.replica_id)
+            if not r.busy:
+                idle_drains.add(r.replica_id)
         elif r.state in INCOMING_STATES:
             incoming += 1
             waking += r.state is ReplicaState.WAKING
@@ -324,12 +328,14 @@ def decide(
     kv_sum = 0.0
     kv_n = 0
     fresh_active: set[str] = set()
+    takeable = 0  # drains a scale-up takes back: idle, their last scrape fresh (not `unhealthy`)
     for m in signals.replicas:
         is_active = m.replica_id in active_ids
         if not (is_active or m.replica_id in draining_ids):
             continue
         if not _fresh(m.scraped_at, m.ok, now, cfg):
             continue
+        takeable += m.replica_id in idle_drains
         waiting += m.waiting
         running += m.running
         if is_active:
@@ -432,13 +438,15 @@ def decide(
     react_until = state.react_until
     if now >= react_until:
         backlog = waiting > 0 or kv_high
-        # What serves within a wake without a cold start: the active, waking, warm and draining
-        # replicas (a drain is taken back first). A replica loading (a pool refill, or one
+        # What serves within a wake without a cold start: the active, waking and warm replicas
+        # and the drains a scale-up takes back (idle, scraped: `lifecycle.plan_pool`; a busy or
+        # unanswering one is not, and counted it kept the reaction from firing where only cold
+        # starts could serve, a review). A replica loading (a pool refill, or one
         # ordered a tick ago) serves at the end of its cold start, not within a wake: counted
         # here, a pool refill started by the step's first promotion kept the reaction from
         # firing (elastic seed 1: 3 active + 1 waking + 1 refill loading "reached" the point
         # estimate's 5, and the sixth replica was decided 1.6 s later by the queue rule).
-        wakeable = active + waking + warm + len(draining_ids)
+        wakeable = active + waking + warm + takeable
         react = burst_reaction(cfg, signals.burst_mid, signals.burst_high, signals.burst_shed, backlog, current, tc,
                                wakeable, demand, active, waiting)
         if react is not None:

@@ -159,9 +159,10 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         await health_server.start()
     if cfg.server.metrics_listen:
         host, port = _split(cfg.server.metrics_listen)
-        # No `*_created` samples (one per counter and histogram label set, unused by the text
-        # format): a scrape holds the interpreter lock while it formats every line, and the
-        # messages arriving meanwhile wait (`floodgate bench scrape`: 18 % fewer lines).
+        # No `*_created` samples (one per counter and histogram label set; Prometheus ingests
+        # them as series of their own unless its created-timestamps feature is on): a scrape
+        # formats every line in the metrics thread, taking the interpreter from the messages
+        # arriving meanwhile (`floodgate bench scrape`: 18 % fewer lines, ~0.86x the time).
         disable_created_metrics()
         try:
             start_http_server(port, addr=host, registry=metrics.registry)

@@ -487,6 +487,15 @@ local function gateway_alive(gw)
   return ALIVE[gw]
 end
 
+-- Its liveness is here and has run out: what a clock step past the TTL does to a live gateway
+-- (the jump hold below). A gateway with no liveness at all left cleanly (`leave`), or its
+-- fields outlived it (a clean stop before `leave` dropped them, a batch that landed after
+-- it): its old fence says nothing about the clock (a soak review: a restart under the same id
+-- after a clean stop held every grant of the pool).
+local function gateway_lapsed(gw)
+  return not gateway_alive(gw) and LIVE_UNTIL[gw] ~= nil and LIVE_UNTIL[gw] ~= false
+end
+
 -- The hold after lost writes (OPS.batch): Redis answered without writes it had acknowledged
 -- (a failover to a replica that missed them, a planned switchover where the old primary took
 -- writes after the promotion), so the permits it counts are stale for every gateway, not only
@@ -1648,7 +1657,7 @@ function OPS.mine(ARGV)
   -- is sent on its own, and came first after a jump in a review: its reclaim expired every
   -- fence and lease and its grant loop granted on top (13 and 11 in flight of L 8).
   local gw = ARGV[first] and string.match(ARGV[first], '^(.+)/[^/]+$')
-  if gw and not gateway_alive(gw) and redis.call('HEXISTS', K.state, 'bx:' .. gw) == 1 and not held() then
+  if gw and gateway_lapsed(gw) and redis.call('HEXISTS', K.state, 'bx:' .. gw) == 1 and not held() then
     start_hold(true)
   end
   reclaim()
@@ -1786,7 +1795,7 @@ function OPS.batch(ARGV)
       return {replies, MINE, last}
     end
     if last and acked and last + 0 < acked and gateway_alive(MY_GW) and not held() then start_hold() end
-    if last and not gateway_alive(MY_GW) and not held() then start_hold(true) end  -- the clock jumped
+    if last and gateway_lapsed(MY_GW) and not held() then start_hold(true) end  -- the clock jumped
     if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
   end
   while i <= #ARGV do

@@ -667,3 +667,25 @@ async def test_a_clock_jump_is_held_whichever_call_comes_first(client: aioredis.
         assert await p.take("ga")
     finally:
         await ps.aclose()
+
+
+async def test_a_fence_without_liveness_is_no_clock_jump(client: aioredis.Redis) -> None:
+    """A gateway with no liveness entry left cleanly: its fence, still here (left by a version
+    whose `leave` kept it, or written back by a batch that landed after the leave), says
+    nothing about the server's clock. A soak review restarted a processor under its id after a
+    clean stop: its first batch found the old fence with no liveness, took the jump branch and
+    held every grant of the pool, with a `!resync` of every processor. Only a liveness that is
+    here and has run out is a jump (the test above); neither a batch nor a poll of such a
+    gateway starts a hold, and its grants go on."""
+    p = await clocked_pool(client, "left", ("ga", "gb"), limit=2, ttl=3)
+    assert await p.take("ga")
+    await p.st["ga"].release("ga/1")
+    await client.zrem(p.st["ga"].keys[K["gws"]], "ga")  # its liveness gone, its fields kept
+    assert await client.hexists(p.state_key, "bx:ga")
+    await p.at(1_000)
+    assert await p.st["ga"].granted_among(["ga/9"]) == {}  # a poll of its tickets
+    assert await p.take("ga")  # a batch
+    assert await p.hold() == b""
+    await p.at(10_000)  # ... while a real jump still holds: gb's liveness is here and ran out
+    assert not await p.take("gb")
+    assert b"j|" in await p.hold()
