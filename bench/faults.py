@@ -569,10 +569,11 @@ def _shard_down_rows(h: Harness) -> list[Row]:
     ]
 
 
-# A failover cannot be told from an outage by the processors: each runs on its local share
-# while the primary is gone; the first back re-asserts its permits and grants on shared state
-# before the other has re-synced, so the pool may run one processor's share over L.
-_FAILOVER_BOUND: Callable[[Options], int] = lambda o: o.limit + -(-o.limit // 2)  # noqa: E731  (L + ceil(L / 2 processors))
+# One processor's share over L: L + ceil(L / 2 processors) (the rank shares add up to L; the
+# lower ranks hold the rest). A failover cannot be told from an outage by the processors: each
+# runs on its local share while the primary is gone; the first back re-asserts its permits and
+# grants on shared state before the other has re-synced. A partition the same way (below).
+_ONE_SHARE_OVER: Callable[[Options], int] = lambda o: o.limit + -(-o.limit // 2)  # noqa: E731
 
 
 async def _nothing(h: Harness) -> None:
@@ -706,9 +707,8 @@ FAULTS: list[Fault] = [
     Fault("partition", "cut one processor's Redis connections for 1.5 TTL (the other keeps them)",
           _partition, _heal, hold_s=lambda o: 1.5 * o.ttl_s,
           # The cut-off processor keeps admitting its share while its leases expire in Redis
-          # (it cannot tell a partition from an outage), so the pool may run one share over:
-          # L + ceil(L / processors) (the rank shares add up to L; the lower ranks hold the rest).
-          bound=lambda o: o.limit + -(-o.limit // 2)),
+          # (it cannot tell a partition from an outage), so the pool may run one share over.
+          bound=_ONE_SHARE_OVER),
     # Every lease and gateway reads expired at once while the requests run: the gateway that
     # calls next holds the grants until all have re-asserted (leases.lua `start_hold`, jump).
     Fault("redis-clock-step", "the Redis host's clock steps 20 s ahead (past the TTL) and stays", _clock_step,
@@ -721,7 +721,7 @@ FAULTS: list[Fault] = [
 FAULTS += [
     Fault("sentinel-failover", "SIGKILL the Sentinel-managed primary; a replica is promoted",
           _sentinel_kill_primary, _nothing, measure_from="inject", topology="sentinel",
-          bound=_FAILOVER_BOUND,
+          bound=_ONE_SHARE_OVER,
           # sentinel down-after (1 s) + election, then one reconnect and the reconcile
           target=lambda o: 5.0 + o.reconnect_s),
     # No server fails and no processor leaves shared state: the processors follow the sentinels
@@ -734,7 +734,7 @@ FAULTS += [
           topology="sentinel", target=lambda o: 5.0 + o.reconnect_s),
     Fault("cluster-failover", "SIGKILL the Cluster primary holding the pool's slot; its replica takes over",
           _cluster_kill_pool_primary, _nothing, measure_from="inject", topology="cluster",
-          bound=_FAILOVER_BOUND, target=lambda o: 5.0 + o.reconnect_s),
+          bound=_ONE_SHARE_OVER, target=lambda o: 5.0 + o.reconnect_s),
     Fault("cluster-shard-down", "three pools, one per shard, all loaded; SIGKILL the primary and "
           "replica of one pool's shard (nothing to fail over to), restart them after 2 x --before",
           _cluster_kill_other_shard, _cluster_restart_other_shard, hold_s=lambda o: 2 * o.before_s,
