@@ -59,6 +59,7 @@ from floodgate.controller.policy import (
     StartTimes,
     admission_ceiling,
     arriving_capacity,
+    health_poll_pause,
     later_than_announced,
     replica_due,
     stalled_wakes,
@@ -891,7 +892,7 @@ class PoolController:
         while not await client.health():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"/health not ready after {t.health_s:g} s")
-            await asyncio.sleep(delay)
+            await asyncio.sleep(health_poll_pause(delay, self.clock(), rep.started_at, self.start_times))
             # Short cap: every pause is time a loaded replica sits unused during a burst
             # (a 2 s cap cost up to 2 s of each 15 s scaled cold start in the elastic bench).
             delay = min(delay * 1.5, t.health_poll_s)

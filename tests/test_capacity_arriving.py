@@ -19,9 +19,11 @@ from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import (
+    HEALTH_POLL_FAST_S,
     PolicyConfig,
     StartTimes,
     arriving_capacity,
+    health_poll_pause,
     later_than_announced,
     replica_due,
 )
@@ -38,6 +40,20 @@ TIMES = StartTimes(cold=(15.1, 15.3), wake_awake=(0.05,), wake_asleep=(1.0, 1.2)
 
 STATIC = ActuatorConfig(kind="static", endpoints=["127.0.0.1:1"])  # as the StaticActuator below
 
+
+def test_a_loading_replica_is_polled_fast_from_a_second_before_its_measured_cold_start() -> None:
+    """The bring-up's /health backoff (up to `timeouts.health_poll_s`) noticed a loaded replica
+    0.125 s late on average; from a second before the shortest cold start measured, it polls
+    every HEALTH_POLL_FAST_S, and a pause never runs past that moment."""
+    t = StartTimes(cold=(15.1, 15.3))  # the shortest: 15.1 -> fast from started + 14.1
+    assert health_poll_pause(0.25, 105.0, 100.0, t) == 0.25  # far from it: the backoff
+    assert health_poll_pause(0.25, 113.95, 100.0, t) == pytest.approx(0.15)  # ends at 114.1
+    assert health_poll_pause(0.25, 114.08, 100.0, t) == HEALTH_POLL_FAST_S  # never below the fast pace
+    for now in (114.1, 115.0, 130.0):  # in the window, and past it (a slower start than measured)
+        assert health_poll_pause(0.25, now, 100.0, t) == HEALTH_POLL_FAST_S
+    assert health_poll_pause(0.01, 115.0, 100.0, t) == 0.01  # a shorter backoff stands
+    assert health_poll_pause(0.25, 115.0, 100.0, StartTimes()) == 0.25  # nothing measured
+    assert health_poll_pause(0.25, 115.0, None, t) == 0.25  # adopted: its start is unknown
 
 def test_start_times_keep_the_last_three_and_predict_the_longest() -> None:
     t = StartTimes()
