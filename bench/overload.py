@@ -11,6 +11,8 @@ arrival plan against each configuration in turn, every one on fresh processes:
 * `X@tuned`     a Floodgate config with hand-tuned class settings instead of the shipped ones;
 * `X@engine-priority` a Floodgate config with the emulators on vLLM's `--scheduling-policy
                 priority` and the pool's `engine_priority` {0: -1} (a deployment choice);
+* `X@sampleR`   a Vegas config with `limit.sample_rate` R (an A/B of the sampled response
+                streams' cost, e.g. `vegas-combined@sample0.1`);
 * `X@picking`   a Floodgate config with endpoint picking (the processor routes each request
                 through Envoy's ORIGINAL_DST cluster, as the shipped compose, Kubernetes and
                 `floodgate up` deployments do; the replicas are registered active in Redis),
@@ -307,6 +309,9 @@ class BenchConfig:
     engine_priority: bool = False
     # `@picking`: endpoint picking (ORIGINAL_DST cluster, the replicas registered active)
     picking: bool = False
+    # `@sampleR` (Vegas rows): `limit.sample_rate` R instead of the shipped one (an A/B of what
+    # the sampled response streams cost the processor, not a deployment choice)
+    sample: float | None = None
 
     @property
     def floodgate(self) -> bool:
@@ -320,6 +325,15 @@ ENGINE_PRIORITY = {0: -1}
 
 def parse_config(name: str) -> BenchConfig:
     base, at, suffix = name.partition("@")
+    if at and suffix.startswith("sample"):
+        cfg = parse_config(base)
+        try:
+            rate = float(suffix[len("sample"):])
+        except ValueError:
+            rate = -1.0
+        if cfg.kind != "vegas" or not 0 <= rate <= 1:
+            raise argparse.ArgumentTypeError(f"{name!r}: @sampleR is for Vegas rows, with R in [0, 1] (the sample rate)")
+        return replace(cfg, name=name, sample=rate)
     if at:
         if suffix not in ("tuned", "engine-priority", "picking"):
             raise argparse.ArgumentTypeError(
@@ -343,7 +357,7 @@ def parse_config(name: str) -> BenchConfig:
         return BenchConfig(f"vegas-{sig}", "vegas", signal=sig)
     raise argparse.ArgumentTypeError(
         f"unknown config {name!r}: none, adaptive, static-N, vegas, vegas-ttft|tpot|combined, "
-        "each Floodgate one optionally with @tuned, @engine-priority or @picking")
+        "each Floodgate one optionally with @tuned, @engine-priority or @picking (Vegas ones also @sampleR)")
 
 
 # The static limits swept in every default run: "best static" is the best of them in the same
@@ -426,6 +440,8 @@ def floodgate_config(cfg: BenchConfig, classes: dict[int, dict[str, Any]] | None
         limit = {"mode": "vegas"}
         if cfg.signal != LIMIT_SIGNAL:
             limit["signal"] = cfg.signal
+    if cfg.sample is not None:
+        limit["sample_rate"] = cfg.sample
     pool: dict[str, Any] = {"name": "default", "limit": limit}
     if cfg.engine_priority:
         pool["engine_priority"] = dict(ENGINE_PRIORITY)

@@ -130,6 +130,13 @@ def test_config_names() -> None:
     assert overload.parse_config("static-96@picking").picking and not overload.parse_config("static-96").picking
     with pytest.raises(argparse.ArgumentTypeError):
         overload.parse_config("static-x")
+    sampled = overload.parse_config("vegas-combined@sample0.1")
+    assert sampled.sample == 0.1 and sampled.name == "vegas-combined@sample0.1"
+    assert overload.floodgate_config(sampled)["pools"][0]["limit"] == {"mode": "vegas", "sample_rate": 0.1}
+    assert "sample_rate" not in overload.floodgate_config(overload.parse_config("vegas-combined"))["pools"][0]["limit"]
+    for bad in ("static-96@sample0.1", "vegas-combined@sample1.5", "vegas-combined@samplex"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            overload.parse_config(bad)
 
 
 def test_adaptive_concurrency_config_is_valid_envoy(tmp_path: Path) -> None:
