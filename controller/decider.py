@@ -130,7 +130,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     floor = fc.floor_replicas(fcast, tc, cfg.forecast.headroom)
     pool_floor = fc.floor_replicas(pool_fcast, tc, cfg.forecast.headroom)
 
-    plan, pstate = policy_decide(cfg.policy, pool, signals.replicas, state.policy, now, floor)
+    plan, pstate = policy_decide(cfg.policy, pool, signals.replicas, state.policy, now, floor, stalled=signals.stalled)
 
     # A stale tick only knows a lower bound of demand: it is not a sample (the minute stays
     # NaN rather than reading low). The history holds offered demand, so a day of shedding

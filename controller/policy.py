@@ -292,12 +292,14 @@ def decide(
     state: PolicyState,
     now: float,
     forecast_floor: int | None = None,
+    stalled: frozenset[str] = frozenset(),
 ) -> tuple[ScalePlan, PolicyState]:
     """Desired active replicas for one pool at `now`, and the next policy state.
 
     `replicas` is the lifecycle view (states decide active vs incoming capacity); `signals`
     carries the measurements. `forecast_floor` (replicas, from `controller.forecast`) may only
-    raise the result.
+    raise the result. `stalled`: waking replicas past their measured wake (`stalled_wakes`):
+    still incoming, but not serving within a wake (the first reaction's gate).
     """
     active_ids: set[str] = set()
     draining_ids: set[str] = set()
@@ -314,7 +316,7 @@ def decide(
                 idle_drains.add(r.replica_id)
         elif r.state in INCOMING_STATES:
             incoming += 1
-            waking += r.state is ReplicaState.WAKING
+            waking += r.state is ReplicaState.WAKING and r.replica_id not in stalled
         elif r.state is ReplicaState.WARM:
             warm += 1
     active = len(active_ids)
@@ -438,7 +440,8 @@ def decide(
     react_until = state.react_until
     if now >= react_until:
         backlog = waiting > 0 or kv_high
-        # What serves within a wake without a cold start: the active, waking and warm replicas
+        # What serves within a wake without a cold start: the active, waking (not stalled: a hung
+        # pool replica's wake serves nothing, `stalled_wakes`) and warm replicas
         # and the drains a scale-up takes back (idle, scraped: `lifecycle.plan_pool`; a busy or
         # unanswering one is not, and counted it kept the reaction from firing where only cold
         # starts could serve, a review). A replica loading (a pool refill, or one

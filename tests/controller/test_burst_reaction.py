@@ -218,9 +218,10 @@ def test_a_step_the_warm_pool_holds_is_not_a_reaction() -> None:
     assert any(d.plan.reason == "burst_reaction" and d.plan.desired == 15 for d in step(4))
 
 
-def _step_on(reps_at: Callable[[float], tuple[ReplicaView, ...]], drains_scraped: bool = True) -> list[Decision]:
+def _step_on(reps_at: Callable[[float], tuple[ReplicaView, ...]], drains_scraped: bool = True,
+             stalled: frozenset[str] = frozenset()) -> list[Decision]:
     """The 3x step above (point estimate 12 replicas) on the views `reps_at(now)` gives; the
-    draining ones scraped fresh each tick (`drains_scraped`) or never."""
+    draining ones scraped fresh each tick (`drains_scraped`) or never; `stalled` wakes."""
     clk = FakeClock()
     st = DeciderState(history=DemandHistory.empty(8 * 1440))
     reps = reps_at(clk.now)
@@ -236,7 +237,7 @@ def _step_on(reps_at: Callable[[float], tuple[ReplicaView, ...]], drains_scraped
         if drains_scraped:
             ps = replace(ps, replicas=ps.replicas + tuple(ReplicaMetrics(r.replica_id, t, True, 0.0, 0.0, 0.0)
                                                           for r in reps if r.state is ReplicaState.DRAINING))
-        st, d = decide(cfg(), st, Signals(ps, reps), t)
+        st, d = decide(cfg(), st, Signals(ps, reps, stalled), t)
         out.append(d)
     return out
 
@@ -264,3 +265,7 @@ def test_replicas_still_loading_are_not_reached_without_a_cold_start() -> None:
         return (*views(now, active=4, warm=4), *(ReplicaView(f"k{i}", ReplicaState.WAKING, now - 1) for i in range(4)))
 
     assert reacted(_step_on(waking)) == []
+    # A wake past its measured time (`policy.stalled_wakes`: a hung pool replica) serves
+    # nothing (the plan already leaves it out): counted as reached within a wake, it kept the
+    # reaction from firing.
+    assert reacted(_step_on(waking, stalled=frozenset(f"k{i}" for i in range(4)))) == [15]
