@@ -115,6 +115,9 @@ class ClassCounters:
     unadmitted: float = 0.0  # passed without a permit (a body-less GET, ...): no demand
     degraded: float = 0.0  # turned away on a processor's local limits (no shared state): no demand
     retried: float = 0.0  # turned away, a client's retry of a request counted before: no demand
+    # admitted (in `admitted` too), a retry whose first attempt was counted turned away: taken
+    # off the turned-away count (`net_of_retries`)
+    retried_admitted: float = 0.0
 
     @property
     def turned_away(self) -> float:
@@ -284,6 +287,26 @@ def floodgate_rates(a: FloodgateCounters, b: FloodgateCounters) -> tuple[dict[in
     return off, adm, away
 
 
+def net_of_retries(a: FloodgateCounters, b: FloodgateCounters, off: dict[int, float], adm: dict[int, float],
+                   away: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """(offered, turned away) per class without the first attempts that a retry admitted
+    between the two reads took back (`retried_admitted`, extproc/retry_match.py): a request
+    turned away once and then served is one request, counted among the admitted. At most
+    what the class turned away in the window (a retry admitted now may take back a first
+    attempt of an earlier window: that one was counted there)."""
+    dt = b.taken_at - a.taken_at
+    if dt <= 0:
+        return off, away
+    off, away = dict(off), dict(away)
+    for c, cb in b.classes.items():
+        back = max(0.0, cb.retried_admitted - a.classes.get(c, ClassCounters()).retried_admitted) / dt
+        m = min(back, away.get(c, 0.0))
+        if m > 0:
+            away[c] -= m
+            off[c] = max(adm.get(c, 0.0), off.get(c, 0.0) - m)
+    return off, away
+
+
 def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[float, float]:
     """(refused + degraded + retried, those + unadmitted) per second over Floodgate's window (0, 0 when stale):
     requests Envoy's gateway counters count (as arrivals; the refused also as the processor's
@@ -340,6 +363,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     fa, fb = w.floodgate[0], w.floodgate[-1]
     off, adm, away = floodgate_rates(fa, fb)
     if not gw_ok:
+        off, away = net_of_retries(fa, fb, off, adm, away)
         return OfferedDemand(False, "floodgate", off, adm, away)
     # Envoy's immediate responses beyond what the processors counted as turned away: requests
     # a processor turned away without counting them (it could not reach Redis) — but not the
@@ -361,6 +385,9 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
         for c, s in shares.items():
             away[c] = away.get(c, 0.0) + excess * s
             off[c] = off.get(c, 0.0) + excess * s
+    # Envoy answered every attempt, so the two sources are compared on what Floodgate turned
+    # away, before the retries admitted since take their first attempts back.
+    off, away = net_of_retries(fa, fb, off, adm, away)
     return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess, max(0.0, unanswered))
 
 

@@ -91,6 +91,7 @@ from floodgate.extproc.redis_client import (
     subscribe,
 )
 from floodgate.extproc.registry import parse_ceiling, read_arriving
+from floodgate.extproc.retry_match import RetryMatch
 from floodgate.extproc.schema import (
     ACTIVE,
     CTL_ARRIVING,
@@ -100,6 +101,7 @@ from floodgate.extproc.schema import (
     REGISTRY_CHANGED,
     REGISTRY_SEEN,
     RESYNC,
+    RETRIED_ADMITTED,
     TURNED_AWAY,
     PoolSettings,
     PoolStatus,
@@ -219,6 +221,7 @@ class PoolRuntime:
     pending_refund: list[tuple[str, float]] = field(default_factory=list)  # (endpoint, tokens), sent with them
     wrong_type: bool = False  # a call failed with WRONGTYPE: the next reconcile repairs the keys (`_repair`)
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
+    retries: RetryMatch = field(default_factory=RetryMatch)  # first attempts turned away, for their retries
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
     held_seen: int = 0  # permits + credits this process held when last_status was read, and still holds
@@ -913,7 +916,8 @@ class Admitter:
         """`tokens`: the request's prompt tokens for the prefill estimate (`prompt_tokens`;
         None: the pool's `prefill_request_tokens`). `retry`: the client says it sent this
         request before (`admission.retry_count_header`); if turned away it is counted as
-        `retried`, no demand (schema.NOT_DEMAND)."""
+        `retried`, no demand (schema.NOT_DEMAND); if admitted and its first attempt was turned
+        away here, also as `retried_admitted` (schema.RETRIED_ADMITTED, extproc/retry_match.py)."""
         rt = self.pools[pool]
         started = self.clock()
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
@@ -947,7 +951,7 @@ class Admitter:
             if isinstance(result, Permit):
                 self.release_soon(result, "cancelled")  # (a no-op for one already given back)
             raise
-        self._count_result(rt, priority, result, retry)
+        self._count_result(rt, priority, result, retry, tenant)
         return result
 
     async def _registered(self, rt: PoolRuntime, endpoint: str) -> bool:
@@ -1044,7 +1048,8 @@ class Admitter:
             except RedisDown:
                 rt.demand.update(counts)
 
-    def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject, retry: bool = False) -> None:
+    def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject, retry: bool = False,
+                      tenant: str = "") -> None:
         # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
@@ -1052,6 +1057,8 @@ class Admitter:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "admitted", reason)).inc()
             self.child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
             rt.demand[(priority, "admitted")] += 1
+            if retry and rt.retries.admitted_retry(priority, tenant, self.clock()):
+                rt.demand[(priority, RETRIED_ADMITTED)] += 1
         else:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
             now = self.clock()
@@ -1060,6 +1067,8 @@ class Admitter:
                 rt.slow_rejections[priority].bump(now)
             # (every reason here is a TURNED_AWAY one; a retry's first attempt was counted already)
             self.count(rt, priority, "retried" if retry else result.reason)
+            if not retry and not rt.degraded:  # counted as demand: its retry, if admitted, takes it back
+                rt.retries.turned_away(priority, tenant, now)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key_ = (id(metric), labels)

@@ -136,7 +136,12 @@ TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_en
 #                  request again (up to 3x the demand admission turned away)
 # The controller subtracts them from Envoy's gateway counters (controller/demand.py).
 NOT_DEMAND = ("refused", "unadmitted", "degraded", "retried")
-DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY, *NOT_DEMAND)
+# Admitted (and counted in `admitted` too), and the request said it is a client's retry of a
+# first attempt of the same class and tenant that this processor turned away and counted
+# (extproc/retry_match.py): the controller takes these off its class's turned-away count, so
+# a request refused once and then served counts once.
+RETRIED_ADMITTED = "retried_admitted"
+DEMAND_OUTCOMES = ("admitted", "queued", *TURNED_AWAY, *NOT_DEMAND, RETRIED_ADMITTED)
 
 
 def key(pool: str, name: str) -> str:

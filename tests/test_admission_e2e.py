@@ -154,6 +154,44 @@ async def test_a_retry_turned_away_again_is_no_new_demand(stack: LocalStack, ups
         assert m['floodgate_decisions_total{outcome="rejected",pool="default",priority="2",reason="queue_full"}'] == demand + retried
 
 
+async def test_a_retry_admitted_takes_its_first_attempt_back(stack: LocalStack, upstream: int) -> None:
+    """The official `openai` client is turned away once (a full pool), waits as told and is
+    served on its retry: one request, counted once — its first attempt as turned away, its
+    admitted retry as `retried_admitted`, which the controller takes off the turned-away count
+    (controller/demand.py `net_of_retries`). A retry of another tenant, whose first attempt this
+    processor never turned away, takes nothing back (a client cannot hide other tenants'
+    rejections by calling its own requests retries)."""
+    import openai
+    import redis.asyncio as aioredis
+    from floodgate.extproc.state import read_demand
+
+    url = stack.start_redis()
+    cfg = static(1, classes={**classes(), 2: {"queue_timeout_s": 5, "max_queue": 0, "share": 0.1}})
+    cfg["admission"] = {**cfg["admission"], "retry_after_min_s": 1, "retry_after_max_s": 1}  # (the SDK waits as told)
+    stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    c = aioredis.Redis.from_url(url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="700")))
+            assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+            sdk = openai.AsyncOpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=2,
+                                     default_headers={**hdr(2), "x-tenant-id": "a"})
+            raw = await sdk.completions.with_raw_response.create(model="m", prompt="x", max_tokens=2)
+            await sdk.close()
+            assert raw.http_response.status_code == 200 and raw.retries_taken == 1
+            assert (await hold).status == 200
+            other = await post(s, envoy.url, headers={**hdr(2), "x-tenant-id": "b", "x-stainless-retry-count": "1"})
+            assert other.status == 200
+
+            async def counted() -> bool:
+                return (await read_demand(c, "default"))[2]["admitted"] == 2
+            assert await wait_until(counted, 10)
+            d = (await read_demand(c, "default"))[2]
+            assert (d["queue_full"], d["admitted"], d["retried_admitted"], d["retried"]) == (1, 2, 1, 0), d
+    finally:
+        await c.aclose()
+
 async def test_retry_after_while_a_small_pool_is_filled_says_when_it_frees(stack: LocalStack, upstream: int) -> None:
     """An HTTP review: a pool of 2 filled by two ~5 s requests, P2 probes every 0.4 s were
     told Retry-After 50-60 s while a permit freed within 3-7 s (the two P1s that filled it

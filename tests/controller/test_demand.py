@@ -93,6 +93,28 @@ def test_retries_turned_away_again_are_no_demand_in_either_source() -> None:
     assert d.turned_away_rate == pytest.approx({1: 6.0})
 
 
+def test_a_retry_admitted_takes_its_first_attempt_back_in_either_source() -> None:
+    # 10 s: P1 admitted 40, of them 15 retries whose first attempts (among the 20 turned away)
+    # were counted: 45 requests came, 5 of them unserved. Envoy saw 60 attempts, 20 immediate
+    # responses: no excess (the retries took nothing from what Floodgate turned away that Envoy
+    # answered). Without the count, 60 requests and 20 turned away.
+    a = FloodgateCounters(100.0, True, {1: ClassCounters()})
+    b = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=20, retried_admitted=15)})
+    ga, gb = GatewayCounters(100.0, True, 0, 0), GatewayCounters(110.0, True, 60, 20)
+    for use_envoy in (True, False):
+        d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG.model_copy(update={"use_envoy": use_envoy}))
+        assert d.source == ("floodgate+envoy" if use_envoy else "floodgate")
+        assert d.turned_away_rate == pytest.approx({1: 0.5}) and d.offered_rate == pytest.approx({1: 4.5})
+        assert d.admitted_rate == pytest.approx({1: 4.0}) and d.envoy_excess_rate == 0.0
+    # At most what the class turned away in the window: retries admitted now of first attempts
+    # counted in an earlier window leave it at 0 turned away, never below what was admitted.
+    b2 = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=5, retried_admitted=15)})
+    d = offered(feed([(100.0, a, ga), (110.0, b2, GatewayCounters(110.0, True, 45, 5))]), 110.0, CFG)
+    assert d.turned_away_rate == pytest.approx({1: 0.0}) and d.offered_rate == pytest.approx({1: 4.0})
+    b_old = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=20)})
+    d = offered(feed([(100.0, a, ga), (110.0, b_old, gb)]), 110.0, CFG)
+    assert d.turned_away_rate == pytest.approx({1: 2.0}) and d.offered_rate == pytest.approx({1: 6.0})
+
 def test_floodgate_counters_never_claim_more_turned_away_than_envoy_answered() -> None:
     # The processors' Redis user can write the demand counters: a review wrote them and the
     # controller read the forged rates. Every request a processor turns away (but one whose

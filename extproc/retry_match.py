@@ -1,0 +1,66 @@
+"""Which admitted retries were counted before as turned away (pure: `now` is passed in).
+
+A client's retry says so (`admission.retry_count_header`, OpenAI's SDKs' `x-stainless-retry-count`
+above 0). Turned away again, it is no demand (`retried`): its first attempt was counted. Admitted,
+it used to count as demand a second time — the first attempt's rejection and the retry's
+admission are one request — so a burst that OpenAI's SDKs retried through read as more demand
+than came, and the forecaster recorded it. Now an admitted retry is counted `retried_admitted`
+(schema.RETRIED_ADMITTED), which the controller takes off the turned-away count of its class.
+
+The header is the client's word, so a retry is matched only against a first attempt of the same
+class and tenant that this processor turned away within `window_s`: a client cannot cancel the
+turned-away demand of other tenants by marking its own admitted requests as retries (a class-wide
+cancel would let one tenant's admitted traffic hide everyone's rejections from the controller).
+A retry that lands on another processor than its first attempt, or comes later than
+`window_s`, is not matched and counts as before (demand read high, never low). Tenant-less
+requests share one key per class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+# Retries come within the Retry-After told (at most `admission.retry_after_max_s`, 60 s shipped)
+# plus the client's own backoff.
+WINDOW_S = 90.0
+MAX_KEYS = 4096  # (class, tenant) entries kept; the least recently turned away go first
+MAX_PER_KEY = 10_000
+
+
+class RetryMatch:
+    """Per (class, tenant): how many first attempts this processor turned away that no
+    admitted retry has matched yet, until `window_s` after the last of them."""
+
+    def __init__(self, window_s: float = WINDOW_S, max_keys: int = MAX_KEYS) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._open: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()  # key -> (count, until)
+
+    def turned_away(self, cls: int, tenant: str, now: float) -> None:
+        """A first attempt (not a retry) was turned away and counted as demand."""
+        key = (cls, tenant)
+        n, until = self._open.pop(key, (0, 0.0))
+        if until <= now:
+            n = 0
+        self._open[key] = (min(MAX_PER_KEY, n + 1), now + self.window_s)
+        while len(self._open) > self.max_keys:
+            self._open.popitem(last=False)
+
+    def admitted_retry(self, cls: int, tenant: str, now: float) -> bool:
+        """A retry was admitted: True when it matches an unmatched first attempt (taken)."""
+        key = (cls, tenant)
+        got = self._open.get(key)
+        if got is None:
+            return False
+        n, until = got
+        if until <= now or n <= 0:
+            del self._open[key]
+            return False
+        if n == 1:
+            del self._open[key]
+        else:
+            self._open[key] = (n - 1, until)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._open)
