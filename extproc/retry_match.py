@@ -12,8 +12,9 @@ class and tenant that this processor turned away within `window_s`: a client can
 turned-away demand of other tenants by marking its own admitted requests as retries (a class-wide
 cancel would let one tenant's admitted traffic hide everyone's rejections from the controller).
 A retry that lands on another processor than its first attempt, or comes later than
-`window_s`, is not matched and counts as before (demand read high, never low). Tenant-less
-requests share one key per class.
+`window_s`, is not matched and counts as before (demand read high). A retry after an upstream
+error (its first attempt admitted) may take back another first attempt of its tenant and class
+that was never retried (demand read low by one). Tenant-less requests share one key per class.
 """
 
 from __future__ import annotations
