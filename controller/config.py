@@ -150,7 +150,8 @@ class TimeoutsConfig(_Strict):
     health_s: float = Field(default=600.0, gt=0, description="Cold start: longest wait for /health (model load).")
     health_poll_s: float = Field(default=0.25, gt=0, le=10, description="Cold start: longest pause between two "
                                  "/health polls (backs off from 0.1 s): how late a loaded replica is noticed. From a "
-                                 "second before the shortest cold start this controller measured, it polls every 0.05 s.")
+                                 "second before the shortest cold start this controller measured to a second after the "
+                                 "longest, it polls every 0.05 s.")
     warmup_s: float = Field(default=60.0, gt=0, description="Longest one-token warm-up request.")
     wake_s: float = Field(default=120.0, gt=0, description="Longest POST /wake_up.")
     sleep_s: float = Field(default=600.0, gt=0, description="Longest POST /sleep (mode=wait).")

@@ -308,9 +308,11 @@ def net_of_retries(a: FloodgateCounters, b: FloodgateCounters, off: dict[int, fl
 
 
 def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[float, float]:
-    """(refused + degraded + retried, those + unadmitted) per second over Floodgate's window (0, 0 when stale):
-    requests Envoy's gateway counters count (as arrivals; the refused also as the processor's
-    immediate responses) that are no demand (`schema.NOT_DEMAND`)."""
+    """(refused + degraded + retried, those + unadmitted + retried_admitted) per second over
+    Floodgate's window (0, 0 when stale): requests Envoy's gateway counters count (as arrivals;
+    the refused also as the processor's immediate responses) that are no new demand
+    (`schema.NOT_DEMAND`, and the admitted retries whose first attempts were counted,
+    `schema.RETRIED_ADMITTED`: arrivals for Envoy, not immediate responses)."""
     if not _fresh(w.floodgate, now, cfg):
         return 0.0, 0.0
     a, b = w.floodgate[0], w.floodgate[-1]
@@ -320,7 +322,7 @@ def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[flo
     # (turned away on local limits, or a retry turned away again: answered by the processor
     # like the refused, no demand)
     refused = counted_between(a, b, "refused", "degraded", "retried")
-    unadmitted = counted_between(a, b, "unadmitted")
+    unadmitted = counted_between(a, b, "unadmitted", "retried_admitted")
     return refused / dt, (refused + unadmitted) / dt
 
 
@@ -562,12 +564,12 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
     def arrivals(a: Any, b: Any) -> float:
         if use_gw:
             return max(0.0, b.rq_total - a.rq_total - bypass_rate * (b.taken_at - a.taken_at))
-        return sum(floodgate_rates(a, b)[0].values()) * (b.taken_at - a.taken_at)
+        return sum(net_of_retries(a, b, *floodgate_rates(a, b))[0].values()) * (b.taken_at - a.taken_at)
 
     def turned_away(a: Any, b: Any) -> float:
         if use_gw:
             return max(0.0, b.rejected - a.rejected - refused_rate * (b.taken_at - a.taken_at))
-        return sum(floodgate_rates(a, b)[2].values()) * (b.taken_at - a.taken_at)
+        return sum(net_of_retries(a, b, *floodgate_rates(a, b))[1].values()) * (b.taken_at - a.taken_at)
 
     z = cfg.burst_sigma
     first, last = src[0], src[-1]

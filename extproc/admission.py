@@ -91,7 +91,7 @@ from floodgate.extproc.redis_client import (
     subscribe,
 )
 from floodgate.extproc.registry import parse_ceiling, read_arriving
-from floodgate.extproc.retry_match import RetryMatch
+from floodgate.extproc.retry_match import RetryMatch, window_for
 from floodgate.extproc.schema import (
     ACTIVE,
     CTL_ARRIVING,
@@ -394,6 +394,7 @@ class Admitter:
                 state=PoolState(pc, p.name, lease_ttl_s=cfg.redis.lease_ttl_s, settings=settings,
                                 gateway=self.gateway_id, batch_timeout_s=cfg.redis.op_timeout_s * 2),
                 local=PermitTable(limit=p.limit.initial, shares=settings.shares, fair=settings.fair),
+                retries=RetryMatch(window_for(cfg.admission.retry_after_max_s)),
                 limit=limit_for(p),
                 picker=Picker(p.endpoint_picking, accept_endpoint or make_guard(p.name, p.allowed_endpoints)),
                 client=pc, pubsub_client=ps,
@@ -912,12 +913,13 @@ class Admitter:
     # ---------------------------------------------------------------- admission
 
     async def admit(self, pool: str, priority: int, tenant: str, tokens: float | None = None, *,
-                    retry: bool = False) -> Permit | Reject:
+                    retry: bool = False, caller: str = "") -> Permit | Reject:
         """`tokens`: the request's prompt tokens for the prefill estimate (`prompt_tokens`;
         None: the pool's `prefill_request_tokens`). `retry`: the client says it sent this
         request before (`admission.retry_count_header`); if turned away it is counted as
         `retried`, no demand (schema.NOT_DEMAND); if admitted and its first attempt was turned
-        away here, also as `retried_admitted` (schema.RETRIED_ADMITTED, extproc/retry_match.py)."""
+        away here, also as `retried_admitted` (schema.RETRIED_ADMITTED, extproc/retry_match.py).
+        `caller`: who sent it (mTLS peer or source address), part of that match."""
         rt = self.pools[pool]
         started = self.clock()
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
@@ -951,7 +953,7 @@ class Admitter:
             if isinstance(result, Permit):
                 self.release_soon(result, "cancelled")  # (a no-op for one already given back)
             raise
-        self._count_result(rt, priority, result, retry, tenant)
+        self._count_result(rt, priority, result, retry, tenant, caller)
         return result
 
     async def _registered(self, rt: PoolRuntime, endpoint: str) -> bool:
@@ -1049,7 +1051,7 @@ class Admitter:
                 rt.demand.update(counts)
 
     def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject, retry: bool = False,
-                      tenant: str = "") -> None:
+                      tenant: str = "", caller: str = "") -> None:
         # Label lookups cost more than the increments: keep the children.
         label = PRIORITY_LABELS[priority]
         if isinstance(result, Permit):
@@ -1057,7 +1059,7 @@ class Admitter:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "admitted", reason)).inc()
             self.child(self.metrics.queue_wait, (rt.cfg.name, label)).observe(result.queue_s)
             rt.demand[(priority, "admitted")] += 1
-            if retry and rt.retries.admitted_retry(priority, tenant, self.clock()):
+            if retry and rt.retries.admitted_retry(priority, tenant, self.clock(), caller):
                 rt.demand[(priority, RETRIED_ADMITTED)] += 1
         else:
             self.child(self.metrics.decisions, (rt.cfg.name, label, "rejected", result.reason)).inc()
@@ -1068,7 +1070,7 @@ class Admitter:
             # (every reason here is a TURNED_AWAY one; a retry's first attempt was counted already)
             self.count(rt, priority, "retried" if retry else result.reason)
             if not retry and not rt.degraded:  # counted as demand: its retry, if admitted, takes it back
-                rt.retries.turned_away(priority, tenant, now)
+                rt.retries.turned_away(priority, tenant, now, caller)
 
     def child(self, metric: Any, labels: tuple[str, ...]) -> Any:
         key_ = (id(metric), labels)

@@ -41,6 +41,14 @@ class Caller:
     tenant: str | None = None
     priority_values: tuple[str, ...] = ()  # every value of the priority header, in order
 
+    @property
+    def identity(self) -> str:
+        """Who this is, as far as Envoy vouches for it: the mTLS peer's SPIFFE ID, else the
+        source address ("" when Envoy sent neither)."""
+        if self.mtls and self.peer_uri_sans:
+            return self.peer_uri_sans[0]
+        return self.source_ip or ""
+
 
 @dataclass(frozen=True)
 class PriorityDecision:

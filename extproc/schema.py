@@ -137,7 +137,7 @@ TURNED_AWAY = ("early_drop", "queue_full", "tenant_cap", "queue_timeout", "no_en
 # The controller subtracts them from Envoy's gateway counters (controller/demand.py).
 NOT_DEMAND = ("refused", "unadmitted", "degraded", "retried")
 # Admitted (and counted in `admitted` too), and the request said it is a client's retry of a
-# first attempt of the same class and tenant that this processor turned away and counted
+# first attempt of the same class, tenant and caller that this processor turned away and counted
 # (extproc/retry_match.py): the controller takes these off its class's turned-away count, so
 # a request refused once and then served counts once.
 RETRIED_ADMITTED = "retried_admitted"

@@ -499,7 +499,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         sized = self._sized.get(pool)
         tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
         retry = bool(self._retry_header) and is_retry(headers.get(self._retry_header))
-        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens, retry=retry)
+        result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens, retry=retry,
+                                           caller=caller.identity)
         if isinstance(result, Reject):
             reply = reject_response(result, decision.priority)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", result.reason)).observe(

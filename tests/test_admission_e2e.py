@@ -158,9 +158,10 @@ async def test_a_retry_admitted_takes_its_first_attempt_back(stack: LocalStack, 
     """The official `openai` client is turned away once (a full pool), waits as told and is
     served on its retry: one request, counted once — its first attempt as turned away, its
     admitted retry as `retried_admitted`, which the controller takes off the turned-away count
-    (controller/demand.py `net_of_retries`). A retry of another tenant, whose first attempt this
-    processor never turned away, takes nothing back (a client cannot hide other tenants'
-    rejections by calling its own requests retries)."""
+    (controller/demand.py `net_of_retries`). A retry of another tenant, or of the same tenant
+    from another caller (here another source address), whose first attempt this processor never
+    turned away, takes nothing back: a client cannot hide other callers' rejections by calling
+    its own requests retries (a review hid 20 of tenant `acme`'s with 20 such requests)."""
     import openai
     import redis.asyncio as aioredis
     from floodgate.extproc.state import read_demand
@@ -181,14 +182,27 @@ async def test_a_retry_admitted_takes_its_first_attempt_back(stack: LocalStack, 
             await sdk.close()
             assert raw.http_response.status_code == 200 and raw.retries_taken == 1
             assert (await hold).status == 200
-            other = await post(s, envoy.url, headers={**hdr(2), "x-tenant-id": "b", "x-stainless-retry-count": "1"})
+            marked = {**hdr(2), "x-stainless-retry-count": "1"}
+            other = await post(s, envoy.url, headers={**marked, "x-tenant-id": "b"})
             assert other.status == 200
+            # Tenant a turned away once more from here; a marked request naming tenant a from
+            # 127.0.0.2 takes nothing back, the same from here takes it back.
+            hold = asyncio.create_task(post(s, envoy.url, headers=hdr(1, chunks="1", delay_ms="700")))
+            assert await wait_until(lambda: _eq(upstream_inflight(s, upstream), 1), 10)
+            assert (await post(s, envoy.url, headers={**hdr(2), "x-tenant-id": "a"})).status == 429
+            assert (await hold).status == 200
+            async def admitted(n: int) -> bool:
+                return (await read_demand(c, "default"))[2]["admitted"] == n
 
-            async def counted() -> bool:
-                return (await read_demand(c, "default"))[2]["admitted"] == 2
-            assert await wait_until(counted, 10)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as s2:
+                assert (await post(s2, envoy.url, headers={**marked, "x-tenant-id": "a"})).status == 200
+            assert await wait_until(lambda: admitted(3), 10)
             d = (await read_demand(c, "default"))[2]
-            assert (d["queue_full"], d["admitted"], d["retried_admitted"], d["retried"]) == (1, 2, 1, 0), d
+            assert (d["queue_full"], d["admitted"], d["retried_admitted"], d["retried"]) == (2, 3, 1, 0), d
+            assert (await post(s, envoy.url, headers={**marked, "x-tenant-id": "a"})).status == 200
+            assert await wait_until(lambda: admitted(4), 10)
+            d = (await read_demand(c, "default"))[2]
+            assert (d["queue_full"], d["admitted"], d["retried_admitted"], d["retried"]) == (2, 4, 2, 0), d
     finally:
         await c.aclose()
 

@@ -43,14 +43,17 @@ STATIC = ActuatorConfig(kind="static", endpoints=["127.0.0.1:1"])  # as the Stat
 
 def test_a_loading_replica_is_polled_fast_from_a_second_before_its_measured_cold_start() -> None:
     """The bring-up's /health backoff (up to `timeouts.health_poll_s`) noticed a loaded replica
-    0.125 s late on average; from a second before the shortest cold start measured, it polls
-    every HEALTH_POLL_FAST_S, and a pause never runs past that moment."""
-    t = StartTimes(cold=(15.1, 15.3))  # the shortest: 15.1 -> fast from started + 14.1
+    0.125 s late on average; from a second before the shortest cold start measured to a second
+    after the longest, it polls every HEALTH_POLL_FAST_S, and a pause never runs past the
+    window's start. A start slower than that is polled at the backoff again."""
+    t = StartTimes(cold=(15.1, 15.3))  # fast from started + 14.1 to started + 16.3
     assert health_poll_pause(0.25, 105.0, 100.0, t) == 0.25  # far from it: the backoff
     assert health_poll_pause(0.25, 113.95, 100.0, t) == pytest.approx(0.15)  # ends at 114.1
     assert health_poll_pause(0.25, 114.08, 100.0, t) == HEALTH_POLL_FAST_S  # never below the fast pace
-    for now in (114.1, 115.0, 130.0):  # in the window, and past it (a slower start than measured)
+    for now in (114.1, 115.0, 116.29):  # in the window
         assert health_poll_pause(0.25, now, 100.0, t) == HEALTH_POLL_FAST_S
+    for now in (116.3, 130.0, 700.0):  # slower than any start measured: the backoff
+        assert health_poll_pause(0.25, now, 100.0, t) == 0.25
     assert health_poll_pause(0.01, 115.0, 100.0, t) == 0.01  # a shorter backoff stands
     assert health_poll_pause(0.25, 115.0, 100.0, StartTimes()) == 0.25  # nothing measured
     assert health_poll_pause(0.25, 115.0, None, t) == 0.25  # adopted: its start is unknown

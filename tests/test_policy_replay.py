@@ -33,6 +33,7 @@ from floodgate.extproc.policy import (
 from tests.policy_replay import (
     Arrival,
     Outcome,
+    granted_in_time_at_current_rate,
     replay,
     wrong_drops_at_current_rate,
     wrongly_dropped,
@@ -434,3 +435,24 @@ def test_a_p0_burst_after_an_idle_spell_is_not_dropped_on_the_rates_warm_up(seed
     out = replay(8, PoolConfig().classes, h)
     dropped = [i for i, d in out.decisions.items() if d == "early_drop" and h[i].t >= 150]
     assert dropped == [] or not wrongly_dropped(8, PoolConfig().classes, h, out, judged=(0,)), dropped
+
+
+def test_the_judge_lets_a_lighter_tenant_pass_in_the_fair_order() -> None:
+    """`granted_in_time_at_current_rate` replays the grant loop's order: a later P1 of a tenant
+    with no waiter goes ahead of a tenant with two (leases.lua `fair`), so "me", the heavy
+    tenant's third, needs one release more. With releases for exactly three before its deadline
+    it is served in time without that arrival, and not with it; an arrival of the same tenant
+    (behind it) or in arrival order (`fair` off) changes nothing."""
+    def judge(future: list[tuple[float, int, str]], fair: bool = True) -> bool:
+        t = PermitTable(limit=2, shares=(0.0, 0.0, 0.0), headroom=(0.0, 0.0, 0.0), fair=fair)
+        assert t.try_acquire("a", 1, 0.0) and t.try_acquire("b", 1, 0.0)
+        for k in range(2):
+            t.enqueue(f"h{k}", 1, "heavy", math.inf, 0.0)
+        snap = Snapshot(limit=2, inflight=(0, 2, 0), queued=(0, 2, 0), tenant_queued=2, grant_rate=2.0)
+        return granted_in_time_at_current_rate(t, snap, 1, 1.6, 0.0, future, tenant="heavy")
+
+    assert judge([])  # releases at 0.5, 1.0, 1.5 s: h0, h1, me
+    assert not judge([(0.2, 1, "light")])  # "light" goes before "me": 4 releases needed
+    assert judge([(0.2, 1, "heavy")])  # behind it
+    assert judge([(0.2, 1, "light")], fair=False)  # arrival order: behind it
+    assert not judge([(0.2, 0, "anyone")])  # a higher class goes first in any order

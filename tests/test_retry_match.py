@@ -3,7 +3,7 @@ tenant that this processor turned away, within the window, once."""
 
 from __future__ import annotations
 
-from floodgate.extproc.retry_match import MAX_PER_KEY, RetryMatch
+from floodgate.extproc.retry_match import MAX_PER_KEY, WINDOW_S, RetryMatch, window_for
 
 
 def test_a_retry_takes_back_one_first_attempt_of_its_class_and_tenant() -> None:
@@ -44,3 +44,18 @@ def test_memory_is_bounded() -> None:
     while m.admitted_retry(2, "x", 7.0):
         taken += 1
     assert taken == MAX_PER_KEY
+
+
+def test_only_the_same_caller_takes_a_first_attempt_back() -> None:
+    """A review marked admitted requests as retries under another tenant's name (or none) and
+    hid that tenant's refusals: the caller (mTLS peer or source address) is part of the key."""
+    m = RetryMatch(window_s=60.0)
+    m.turned_away(1, "acme", 0.0, "10.0.0.1")
+    m.turned_away(1, "", 0.0, "10.0.0.1")
+    assert not m.admitted_retry(1, "acme", 1.0, "10.0.0.9")
+    assert not m.admitted_retry(1, "", 1.0, "10.0.0.9")
+    assert m.admitted_retry(1, "acme", 1.0, "10.0.0.1") and m.admitted_retry(1, "", 1.0, "10.0.0.1")
+
+
+def test_the_window_covers_the_longest_retry_after_told() -> None:
+    assert window_for(60.0) == WINDOW_S and window_for(300.0) == 330.0

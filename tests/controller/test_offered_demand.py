@@ -353,6 +353,32 @@ def test_burst_estimate_leaves_excluded_classes_out(clock: FakeClock) -> None:
     assert ds[-1].plan.burst == pytest.approx(lcb(42, 1) * 2 / 3) and ds[-1].plan.desired == 4  # type: ignore[attr-defined]
 
 
+def test_burst_estimate_counts_a_retry_served_after_a_refusal_once(clock: FakeClock) -> None:
+    # Step 14 -> 42 attempts/s at 2 s per request, 14/s admitted, and every admission after the
+    # step a client's retry whose first attempt was turned away and counted
+    # (`retried_admitted`): 28 new requests a second, not 42. From the processors' counters,
+    # exactly; from Envoy's, which count every attempt, the retries come off at their rate over
+    # Floodgate's window (as the refused and the retries turned away again do: the two sources
+    # are read at other moments), so a step's first tick keeps part of them.
+    for use_envoy in (True, False):
+        clk = FakeClock()
+        st = DeciderState(history=DemandHistory.empty(8 * 1440))
+        reps = views(clk.now, active=4)
+        total = adm = away = back = 0.0
+        for i in range(11):
+            t = clk.advance(1.0)
+            rate = 14.0 if i < 10 else 42.0
+            total, adm, away = total + rate, adm + 14.0, away + rate - 14.0
+            back += 14.0 if i >= 10 else 0.0
+            fc = FloodgateCounters(t, True, {1: ClassCounters(admitted=adm, early_drop=away, retried_admitted=back)})
+            gw = GatewayCounters(t, True, rq_total=total, rejected=away)
+            ps = replace(signals(t, reps, running=28.0), counters=fc, gateway=gw)
+            st, d = decide(cfg(burst_ticks=1, use_envoy=use_envoy), st, Signals(ps, reps), t)
+        if use_envoy:
+            assert lcb(28, 1) * 2 < d.plan.burst < lcb(42, 1) * 2 - 4
+        else:
+            assert d.plan.burst == pytest.approx(lcb(28, 1) * 2)
+
 def test_burst_counts_arrivals_from_envoy_when_redis_counters_are_batched(clock: FakeClock) -> None:
     # The processors flush their Redis counters every other tick (batches), Envoy's listener
     # counters are live. Step 14 -> 42 req/s, 14/s admitted, the rest turned away (429).
