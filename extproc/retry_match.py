@@ -15,10 +15,11 @@ own admitted requests as retries takes back only its own refusals, not other cal
 class-wide or tenant-wide match let a client's admitted traffic, under any tenant name, hide
 everyone's refusals from the controller: a review cancelled 20 refusals of tenant `acme` and
 tenant-less callers with 20 marked requests, and the turned-away demand read 2/s -> 0/s).
-A retry that lands on another processor than its first attempt, or comes later than
-`window_s`, is not matched and counts as before (demand read high). A retry after an upstream
-error (its first attempt admitted) may take back another first attempt of its tenant and class
-that was never retried (demand read low by one). Tenant-less requests of one caller share one key per class.
+A retry that lands on another processor than its first attempt takes back only a first attempt
+of the same caller that this one turned away, and one that comes later than `window_s` nothing:
+then it counts as before (demand read high). A retry after an upstream error (its first attempt
+admitted) may take back another first attempt of its caller that was never retried (demand read
+low by one). Tenant-less requests of one caller share one key per class.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from collections import OrderedDict
 # plus the client's own backoff: a first attempt is kept this much longer than the longest told.
 WINDOW_S = 90.0
 WINDOW_SLACK_S = 30.0
+# (class, tenant, caller) entries kept; the least recently turned away go first (an evicted one
+# takes nothing back: demand read high, as before)
+MAX_KEYS = 4096
+MAX_PER_KEY = 10_000
 
 
 def window_for(retry_after_max_s: float) -> float:
     """How long a first attempt waits for its retry: `WINDOW_S`, or the longest Retry-After
     told plus `WINDOW_SLACK_S` where that is longer."""
     return max(WINDOW_S, retry_after_max_s + WINDOW_SLACK_S)
-MAX_KEYS = 4096  # (class, tenant) entries kept; the least recently turned away go first
-MAX_PER_KEY = 10_000
 
 
 class RetryMatch:
