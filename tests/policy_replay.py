@@ -238,15 +238,14 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
     if total == 0:
         return False
     # Each class frees its permits at its share of the rate (what it holds now), evenly.
-    events = [(now + j * total / (rate * held[k]), 0, k) for k in CLASSES if held[k] > 0
+    events = [(now + j * total / (rate * held[k]), 0, k, "") for k in CLASSES if held[k] > 0
               for j in range(1, math.floor(timeout_s * rate * held[k] / total + 1e-9) + 1)]
-    arrivals = [(at, k, who if k == cls else "oracle") for at, k, who in (future or [])
-                if now < at <= deadline and (k < cls or (k == cls and t.fair))]
+    events += [(at, 1, k, who if k == cls else "oracle") for at, k, who in (future or [])
+               if now < at <= deadline and (k < cls or (k == cls and t.fair))]
     n = 0
-    for at, kind, k in sorted(events + [(at, 1, j) for j, (at, _, _) in enumerate(arrivals)]):
+    for at, kind, k, who in sorted(events):
         if kind == 1:
             n += 1
-            _, k, who = arrivals[k]
             if "me" in t.enqueue(f"f{n}", k, who, math.inf, at)[1]:
                 return True
             continue
