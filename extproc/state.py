@@ -370,9 +370,12 @@ class PoolState:
         exit under a new id (a rolling update: the pod name is the id) added two fields to the
         state hash for good, and a restart under the same id found its old fence with no
         liveness and held every grant of the pool as after a clock step (a soak review)."""
-        await self.client.hdel(key(self.pool, "state"), f"hw:{gateway}", f"bx:{gateway}", f"pl:{gateway}")
-        await self.client.srem(key(self.pool, "creditors"), gateway)
-        await self.client.zrem(key(self.pool, "gws"), gateway)
+        # (one round trip, in this order: the liveness goes last; the keys share the pool's slot)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hdel(key(self.pool, "state"), f"hw:{gateway}", f"bx:{gateway}", f"pl:{gateway}")
+            pipe.srem(key(self.pool, "creditors"), gateway)
+            pipe.zrem(key(self.pool, "gws"), gateway)
+            await pipe.execute()
 
     async def status(self, gateway: str = "") -> PoolStatus:
         """A read: never grants, reclaims or stores anything."""
