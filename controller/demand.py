@@ -322,8 +322,8 @@ def not_demand_rate(w: DemandWindow, now: float, cfg: DemandConfig) -> tuple[flo
     # (turned away on local limits, or a retry turned away again: answered by the processor
     # like the refused, no demand)
     refused = counted_between(a, b, "refused", "degraded", "retried")
-    unadmitted = counted_between(a, b, "unadmitted", "retried_admitted")
-    return refused / dt, (refused + unadmitted) / dt
+    passed = counted_between(a, b, "unadmitted", "retried_admitted")  # arrivals Envoy counts, no new demand
+    return refused / dt, (refused + passed) / dt
 
 
 def counted_between(a: FloodgateCounters, b: FloodgateCounters, *outcomes: str) -> float:
