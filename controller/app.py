@@ -74,6 +74,7 @@ from floodgate.controller.signals import (
 )
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
+from floodgate.extproc.cancel import cancel_and_wait
 from floodgate.extproc.redis_client import OUTAGE_ERRORS, follow_sentinel_primary, parse_redis_url
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
@@ -974,23 +975,6 @@ def pool_hit(started_at: float | None, scale_up_since: float | None) -> bool:
     were): one started during it (a pool refill the next step promotes once warm) served the
     scale-up after a cold start. `floodgate up`'s demo counted its burst's two refills as hits."""
     return started_at is None or scale_up_since is None or started_at < scale_up_since
-
-
-async def cancel_and_wait(tasks: list[asyncio.Task[Any]], nudge_s: float = 0.5) -> None:
-    """Cancel `tasks` and wait until each has ended, cancelling again every `nudge_s` the ones
-    still running. A cancellation can be lost inside a library (Python 3.11's `asyncio.wait_for`
-    returns the inner result when it completes just as the cancel arrives): such a task kept a
-    pool's tick scraping on and the controller's stop waiting 15 s (a test's controller stopped
-    mid-drain stopped only after the drain), and a start polling `/health` for its whole
-    `timeouts.health_s` (600 s) with the lease held (a review, 1 in 6-13 stops during a start)."""
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=nudge_s)
-    for t in tasks:
-        if not t.cancelled():
-            t.exception()  # retrieved: an operation's error was handled (or logged) by the task itself
 
 
 def build_actuator(cfg: PoolConfig, *, supervisor: Any = None, controller: ControllerConfig | None = None) -> Actuator:

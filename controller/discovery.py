@@ -35,6 +35,7 @@ from typing import Any
 from floodgate.controller.actuators.base import ReplicaHandle
 from floodgate.controller.actuators.static import StaticActuator
 from floodgate.controller.vllm import VllmError
+from floodgate.extproc.cancel import cancel_and_wait
 from pydantic import BaseModel, Field
 
 from floodgate.yamlconfig import STRICT
@@ -197,9 +198,7 @@ class EndpointSliceActuator(StaticActuator):
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
         await super().close()
         if self._owns_client and self._api_client is not None:

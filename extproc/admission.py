@@ -43,6 +43,7 @@ from floodgate.extproc.backends import (
     Switched,
     Waiter,
 )
+from floodgate.extproc.cancel import cancel_and_wait
 from floodgate.extproc.config import ClassConfig, Config, PoolConfig
 from floodgate.extproc.ejection import EjectionSettings, Ejector, EndpointOutcome, ejectable
 from floodgate.extproc.endpoint_guard import make_guard
@@ -527,11 +528,7 @@ class Admitter:
         for rt in self.pools.values():
             for w in [*rt.waiting.values(), *rt.local_waiting.values()]:
                 w.future.cancel()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)  # (a lost cancellation would hang the stop; cancel.py)
         for rt in self.pools.values():
             if rt.degraded:
                 continue

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+from floodgate.extproc.cancel import cancel_and_wait
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
@@ -568,11 +569,7 @@ class _ShardedSubscription(Subscription):
         return got
 
     async def aclose(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         for c in self._clients:
             with contextlib.suppress(Exception):
                 await c.aclose()

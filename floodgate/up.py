@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from floodgate.extproc.cancel import cancel_and_wait
 from floodgate.stack import LocalStack
 from floodgate.supervisor import Child, Supervisor, free_port
 
@@ -310,9 +311,7 @@ async def _demo(args: argparse.Namespace, target: str, metrics_url: str, status:
         # The ticker returns early only when the stack cannot serve (status.fatal): stop the load.
         await asyncio.wait((load, ticker), return_when=asyncio.FIRST_COMPLETED)
         if not load.done():
-            load.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await load
+            await cancel_and_wait([load])
             return 1
         result = load.result()
     finally:

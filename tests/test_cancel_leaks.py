@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from floodgate.extproc.admission import Admitter
+from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.state import redis_client
@@ -106,3 +107,37 @@ async def test_cancelled_with_its_acquire_in_the_air(stack: LocalStack, credits:
 
 async def _none_leased(a: Admitter) -> bool:
     return await _leased(a) == 0
+
+
+@pytest.mark.integration
+async def test_a_stop_ends_although_a_loop_lost_its_cancellation(stack: LocalStack) -> None:
+    """Python 3.11's `wait_for` (inside every redis-py command) can lose a cancellation; a
+    processor's stop that cancelled its loops once and awaited them then waited for ever, its
+    permits unreleased (they would have expired only one lease TTL later). The stop cancels
+    again and still hands its permits back."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    a = Admitter(_config(url, picking=False), c, gateway_id="a")
+    lost = asyncio.Event()
+    try:
+        await a.start()
+        permit = await a.admit("f", 0, "t")
+        assert isinstance(permit, Permit) and await _leased(a) == 1
+
+        async def loses_one() -> None:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                lost.set()  # as inside redis-py: the loop goes on
+            await asyncio.sleep(3600)
+
+        loop_task = asyncio.create_task(loses_one())
+        a._tasks.append(loop_task)
+        await asyncio.sleep(0)
+        stop = asyncio.create_task(a.stop())
+        done, _ = await asyncio.wait({stop}, timeout=30)  # (a failure detector; it ends at once)
+        assert stop in done, "the stop waits for the loop that lost its cancellation"
+        assert lost.is_set() and loop_task.cancelled()
+        assert await _leased(a) == 0  # handed back, not left to expire
+    finally:
+        await c.aclose()

@@ -111,7 +111,7 @@ async def test_cancel_and_wait_cancels_again_a_task_that_lost_its_cancellation()
     stop waiting for a pool tick or a start's health polling; the stop cancels again."""
     import asyncio
 
-    from floodgate.controller.app import cancel_and_wait
+    from floodgate.extproc.cancel import cancel_and_wait
 
     async def loses_one() -> None:
         try:
