@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import random
@@ -96,6 +97,7 @@ class Result:
     local_allowed: bool = True
     local_at_end: int = 0  # processors still on local limits for these pools one TTL after recovery
     notes: str = ""
+    injected_at: str = ""  # wall clock (UTC) of the injection, to read the processes' logs against
 
     def passed(self) -> bool:
         return ((self.local_allowed or self.local_entries == 0) and self.local_at_end == 0
@@ -835,6 +837,7 @@ async def run_fault(fault: Fault, opts: Options) -> list[Result]:
             load = asyncio.create_task(drive(h, opts, stop_at, recs, rng))
             await asyncio.sleep(max(0.0, inject_at - time.monotonic()))
             inject_at = time.monotonic()
+            injected_wall = datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S.%f")[:-3]
             await fault.inject(h)
             await asyncio.sleep(max(0.0, recover_at - time.monotonic()))
             recover_at = time.monotonic()
@@ -873,7 +876,8 @@ async def run_fault(fault: Fault, opts: Options) -> list[Result]:
             target_s=row.target(opts) if row.measure_from else -1.0,
             local_entries=sum(entries.get(p, 0) for p in row.pools), local_allowed=row.local_allowed,
             local_at_end=sum(local_now.get(p, 0) for p in row.pools),
-            notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else ""))
+            notes=("above the bound at " + ", ".join(over[:5]) + " from the fault") if over else "",
+            injected_at=injected_wall))
     return out
 
 

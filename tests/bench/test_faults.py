@@ -34,6 +34,16 @@ from floodgate.bench.faults import (
 SUITE_TTL_S = 2.0
 
 
+def explain(r: Result, workdir: Path) -> str:
+    """The result, and what the processes logged of the fault: a failure in a loaded CI run
+    must be readable after its work directory is gone."""
+    marks = ("WARNING", "ERROR", "+try-failover", "send-slaveof-noone", "+promoted-slave", "+switch-master")
+    lines = sorted(f"{log.stem}: {line.strip()}"[:300] for log in workdir.rglob("*.log")
+                   for line in log.read_text(errors="replace").splitlines()
+                   if any(m in line for m in marks) and "overcommit" not in line)
+    return f"{r}\ninjected at {r.injected_at} UTC; the processes logged:\n" + "\n".join(lines[:60])
+
+
 def back_in_time(r: Result) -> bool:
     return r.serving_again_s is not None and r.serving_again_s <= r.target_s + SUITE_TTL_S / 3
 
@@ -76,13 +86,13 @@ def test_fault_meets_targets(name: str, tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=SUITE_TTL_S, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
     (r,) = asyncio.run(run_fault(fault, opts))
-    assert r.ok > 50, r  # it really ran under load
-    assert r.max_concurrency <= r.bound, r
-    assert r.fivexx == 0 and r.hung == 0, r
-    assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
-    assert fault.measure_from == "" or back_in_time(r), r  # (a fault with no outage: nothing to come back from)
+    assert r.ok > 50, explain(r, tmp_path)  # it really ran under load
+    assert r.max_concurrency <= r.bound, explain(r, tmp_path)
+    assert r.fivexx == 0 and r.hung == 0, explain(r, tmp_path)
+    assert r.phantom_leases == 0 and r.phantom_waiters == 0, explain(r, tmp_path)
+    assert fault.measure_from == "" or back_in_time(r), explain(r, tmp_path)  # (a fault with no outage: nothing to come back from)
     if name.startswith("sigkill"):
-        assert r.fivexx_killed >= 1, r  # the victim really was carrying requests
+        assert r.fivexx_killed >= 1, explain(r, tmp_path)  # the victim really was carrying requests
 
 
 @pytest.mark.integration
@@ -94,11 +104,11 @@ def test_failover_meets_targets(name: str, tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.name == name)
     opts = Options(ttl_s=SUITE_TTL_S, reconnect_s=0.2, before_s=3.0, workdir=tmp_path)
     (r,) = asyncio.run(run_fault(fault, opts))
-    assert r.ok > 50, r
-    assert r.max_concurrency <= r.bound, r
-    assert r.fivexx == 0 and r.hung == 0, r
-    assert r.phantom_leases == 0 and r.phantom_waiters == 0, r
-    assert fault.measure_from == "" or back_in_time(r), r  # (a fault with no outage: nothing to come back from)
+    assert r.ok > 50, explain(r, tmp_path)
+    assert r.max_concurrency <= r.bound, explain(r, tmp_path)
+    assert r.fivexx == 0 and r.hung == 0, explain(r, tmp_path)
+    assert r.phantom_leases == 0 and r.phantom_waiters == 0, explain(r, tmp_path)
+    assert fault.measure_from == "" or back_in_time(r), explain(r, tmp_path)  # (a fault with no outage: nothing to come back from)
 
 
 @pytest.mark.integration
