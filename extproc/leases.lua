@@ -501,12 +501,13 @@ end
 -- writes after the promotion), so the permits it counts are stale for every gateway, not only
 -- for the one that noticed: each may hold permits leased in the lost writes, and the freed
 -- ones it shows would be granted twice. No permit is granted (leases re-asserted by `sync`
--- still are) until every gateway that was alive in the state Redis went back to has synced,
--- or is dead, or has not been heard here (`hears`: subscribed, or polling) HOLD_QUIET_MS after
--- the hold began (a processor killed around the failover: otherwise it held every grant for
--- the whole hold; a live one moves its connections here within a follower interval and a
--- reconnect), or the hold runs out (one renewal period and a second: every live gateway syncs
--- within a renewal period). State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
+-- still are) until every gateway that was alive in the state Redis went back to (or lapsed
+-- there within a TTL: its renewals may be among the lost writes) has synced, or has not been
+-- heard here (`hears`: subscribed, or polling) HOLD_QUIET_MS after the hold began (a processor
+-- killed around the failover: otherwise it held every grant for the whole hold; a live one
+-- moves its connections here within a follower interval and a reconnect), or the hold runs out
+-- (one renewal period and a second: every live gateway syncs within a renewal period). Its
+-- liveness here does not end the wait: it is as old as the lost state. State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
 local HOLD_QUIET_MS = 2000
 -- A hold's length: one renewal period and a second, at the caller's lease TTL.
 local function hold_ms() return math.floor(ttl / 3) + 1000 end
@@ -519,7 +520,7 @@ local function store_hold(u, t0, gws, jump)
 end
 
 -- The stored list keeps every listed gateway until it syncs (`hold_synced`); the ones waited
--- for are those of them alive and, after HOLD_QUIET_MS, heard. An ended hold leaves
+-- for are all of them and, after HOLD_QUIET_MS, those heard. An ended hold leaves
 -- "0|start_ms|gateways that never synced" (start_hold reads it). `capped` (every call but a
 -- status read, whose TTL is a tool's): a start in the future or an end further than one hold's
 -- length from it (the server's clock stepped back, a value written by something else) ends
@@ -540,10 +541,13 @@ local function held(capped)
         for gw in string.gmatch(rest or '', '%S+') do table.insert(listed, gw) end
         if u and t0 and t0 <= now and now < u and (capped == false or u - t0 <= hold_ms()) then
           local quiet = now - t0 >= HOLD_QUIET_MS
-          -- (After a clock jump every listed gateway reads dead by the jumped clock: only
-          -- hearing it tells a live one.)
+          -- Only hearing a listed gateway tells a live one, not its liveness here: after a
+          -- clock jump every one reads dead, and after lost writes its liveness is as old as
+          -- the rest of the state (it renewed on the server whose writes were lost; a
+          -- processor moving late, or reconnecting after its first call on the new primary
+          -- timed out, read dead here while its permits ran, and the grants filled them).
           for _, gw in ipairs(listed) do
-            if (jump or gateway_alive(gw)) and not (quiet and not hears(gw)) then table.insert(left, gw) end
+            if not (quiet and not hears(gw)) then table.insert(left, gw) end
           end
         end
         if #left > 0 then
@@ -579,7 +583,9 @@ local function start_hold(jump)
   if jump then
     gws = redis.call('ZRANGE', K.gws, 0, -1, 'WITHSCORES')
   else
-    gws = redis.call('ZRANGEBYSCORE', K.gws, NOW_EXCL_S, '+inf', 'WITHSCORES')
+    -- Alive here, or lapsed within a TTL: a liveness in the state Redis went back to may have
+    -- been renewed in the writes it lost.
+    gws = redis.call('ZRANGEBYSCORE', K.gws, '(' .. intstr(now - ttl), '+inf', 'WITHSCORES')
   end
   local prev, never = string.match(state().hold or '', '^0|([^|]*)|(.*)$')
   prev = tonumber(prev or '')
