@@ -75,7 +75,7 @@ class ClassConfig(_Strict):
     max_queue: int = Field(ge=0, description="Queue length of this class beyond which new requests are rejected at once (queue_full).")
     slo_reject_s: float = Field(default=0.0, ge=0, le=600, description="Time-to-429 target of this class at p99 (0 = none: a rejection may come at the queue timeout). Below `queue_timeout_s` it says the class would rather be told at once than wait and then fail (a request that times out misses it): a request of this class then waits only when the grant loop reaches it in time with 99 % chance (`early_drop_min_chance` derives 0.99) at the rates' pessimistic bounds, and is turned away at once otherwise, also while the rates rest on too few releases to tell (docs/admission.md, early drop).")
     early_drop_min_chance: float = Field(default=0.5, ge=0, le=1, description="Early drop turns a request of this class away at once when the chance that the grant loop reaches it before its queue timeout (releases as a Poisson process at the measured rates' upper bound, higher classes' arrivals jumping ahead; the pessimistic bounds for a class with an `slo_reject_s` below its queue timeout) is below this. Lower: fewer requests turned away that would have been served in time; higher: fewer that wait their whole timeout and then get 429 (docs/admission.md has the trade-off curve). Unset: 0.5, or 0.99 (the quantile of `slo_reject_s`) for a class that would rather be told at once.")
-    early_drop_counts_arrivals: bool | None = Field(default=None, description="Early drop counts, ahead of a request of this class, the higher-class requests expected to arrive while it waits (at their measured arrival rates). Unset: only for a class that would rather be told at once (an `slo_reject_s` below its queue timeout). Any other class is turned away early only when the waiters already queued and the release rate keep the grant loop from reaching it in time: a prediction of arrivals turned away requests the grant loop would have served in time wherever the arrivals fell (a burst's end); true: fewer requests that wait their whole timeout and then get 429, some turned away that would have been served.")
+    early_drop_counts_arrivals: bool = Field(default=True, description="Early drop counts, ahead of a request of this class, the higher-class requests expected to arrive while it waits (at their measured arrival rates). False: a request is turned away early only when the waiters already queued and the release rate keep the grant loop from reaching it in time. For a class without a reject target that removes the early drops of requests the grant loop would have served in time (the P1s a rate's prediction turned away where fewer higher-class requests came), at a cost: more of its requests wait their whole queue timeout and then get 429, and the ones that wait and are served keep the pool full where a drop left a permit free for the higher class (P0's TTFT p99 in the burst +63 % on the onset model; docs/admission.md, early drop).")
     share: float = Field(ge=0, le=1, description="Share of the limit this class keeps under contention (Netflix partitions).")
     headroom: float = Field(default=0.0, ge=0, le=1, description="Share of the limit that only this class and the classes above it may take: a lower class above its own `share` is admitted only while this many permits stay free. Arrivals of this class then find a free permit at once instead of waiting for a release while lower classes keep the pool full (at the cost of that many permits the lower classes cannot use).")
     tenant_queue_share: float = Field(default=0.5, gt=0, le=1, description="Most of this class's queue one named tenant may hold (tenant_cap).")
@@ -98,14 +98,6 @@ class ClassConfig(_Strict):
         """Does early drop spend this class's slow-rejection budget (policy.min_chance)? A class
         that would rather be told at once, whose `early_drop_min_chance` is derived, not set."""
         return self.rejects_fast and "early_drop_min_chance" not in self.model_fields_set
-
-    @property
-    def drop_counts_arrivals(self) -> bool:
-        """Does early drop count the higher-class requests still to arrive ahead of this class's
-        (`early_drop_counts_arrivals`; unset: a class that would rather be told at once)?"""
-        if self.early_drop_counts_arrivals is not None:
-            return self.early_drop_counts_arrivals
-        return self.rejects_fast
 
     @property
     def rejects_fast(self) -> bool:

@@ -683,14 +683,10 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
     `arrivals_low` (Retry-After, `retry_wait`): the higher classes' arrivals at their lower
     confidence bound, counting the ~rate x `ARRIVAL_TAU_S` arrivals the decayed rate rests on.
 
-    `arrivals` False (early drop of a class that does not count them, `ClassConfig.drop_counts_arrivals`:
-    shipped, every class without a reject target): no higher-class request that has not arrived
-    yet is counted ahead of it, only the waiters there are now, at the measured release rate.
-    Counting the arrivals a rate predicts turned away P1s that the grant loop would have served
-    in time wherever the arrivals fell (a burst's end, a quieter second): 21 of 15,001 P0/P1
-    early drops over the property test's 40 random histories and 19 over three of the overload
-    bench's bursts; none of either without, 129 more P1s served in time, and ~3,300 more that
-    waited their 1.5 s and then got 429 (tests/test_policy_replay.py)."""
+    `arrivals` False (early drop of a class configured not to count them,
+    `ClassConfig.early_drop_counts_arrivals`): no higher-class request that has not arrived yet
+    is counted ahead of it, only the waiters there are now, at the measured release rate.
+    """
     limit = max(1, snap.limit)
     res = reservations(limit, shares)
     q, inflight = snap.queued, snap.inflight
@@ -897,7 +893,7 @@ def queue_decision(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     c = classes[cls]
     shares = [classes[k].share for k in CLASSES]
     est = wait_estimate(cls, snap, shares, [classes[k].headroom for k in CLASSES], reject_fast=c.rejects_fast,
-                        point=_point(c, chance), arrivals=c.drop_counts_arrivals)
+                        point=_point(c, chance), arrivals=c.early_drop_counts_arrivals)
     # A full queue (or a tenant's share of it) is a limit on its length, not on the wait: a
     # place frees as the waiters ahead are served, so these are told the wait W itself. Told
     # `(W - T)+` (the early drop's answer), a P0 queue that a fast pool drains within its
@@ -1007,7 +1003,7 @@ def certain_reject(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
         if age_s * (snap.grant_rate + snap.ramp_refill + snap.pf_rate) > 1.0:
             return None
     est = wait_estimate(cls, snap, shares, headroom, reject_fast=c.rejects_fast, point=_point(c, chance),
-                        arrivals=c.drop_counts_arrivals)
+                        arrivals=c.early_drop_counts_arrivals)
     if _drops(est, c, c.queue_timeout_s + max(0.0, age_s), chance):
         return Reject("early_drop", retry_after(retry_wait(cls, snap, classes, chance, cfg.retry_after_min_s), c, cfg,
                                                 rand))

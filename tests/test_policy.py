@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
 
 import pytest
 from floodgate.extproc.config import AdmissionConfig, ClassConfig, PoolConfig
@@ -35,10 +34,6 @@ CLASSES = {
     2: ClassConfig(queue_timeout_s=5, max_queue=10, share=0.1, tenant_queue_share=0.5),
 }
 ADM = AdmissionConfig(retry_after_min_s=1, retry_after_max_s=60, retry_after_jitter=0.2)
-# The estimate's arithmetic with the higher classes' arrivals counted (a class without a reject
-# target counts them only when configured to, `early_drop_counts_arrivals`)
-COUNTS_ARRIVALS: dict[str, Any] = {"early_drop_counts_arrivals": True}
-ARRIVAL_CLASSES = {k: c.model_copy(update=COUNTS_ARRIVALS) for k, c in CLASSES.items()}
 
 
 def snap(limit: int = 10, inflight: tuple[int, int, int] = (0, 0, 0), queued: tuple[int, int, int] = (0, 0, 0),
@@ -125,7 +120,7 @@ def test_queue_is_bounded_by_what_its_class_is_granted_in_time() -> None:
     # permit comes back to P2 (1/10 of the 10 freed per second = 1/s); P2's permits above it go
     # to P0. With a 5 s timeout the queue holds what about five releases serve: waiter k needs
     # k releases, Poisson(5 x 1.14) of them come (upper bound of the rate: 200 releases)
-    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1, **COUNTS_ARRIVALS)}
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
     s = Snapshot(10, (5, 4, 1), (4, 0, 4), 0, grant_rate=10.0, release_n=200)
     est = wait_estimate(2, s, SHARES)
     assert est.class_rate == pytest.approx(1.0) and est.seconds == pytest.approx(5.0)
@@ -163,7 +158,7 @@ def test_a_class_above_its_reservation_first_sheds_its_excess() -> None:
     assert t.release("h22", 0.3)[1] == ["p2"]
     # with a 1 s timeout, one waiter in a 1 s turnover: P(>= 3 of Poisson(3.4)) = 0.66 -> waits;
     # two waiters ahead: P(>= 5) = 0.26 -> dropped (the old estimate, 1 permit, said 0.33 s)
-    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, **COUNTS_ARRIVALS)}
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
     assert isinstance(queue_decision(2, s, classes, ADM, 0.0), Enqueue)
     s2 = Snapshot(10, (5, 2, 3), (4, 0, 2), 0, grant_rate=10.0, release_n=200, arrival_rates=(8.0, 1.0, 3.0))
     assert isinstance(queue_decision(2, s2, classes, ADM, 0.0), Reject)
@@ -177,7 +172,7 @@ def test_higher_arrivals_during_the_wait_jump_ahead() -> None:
     drift 1/s getting 6 ahead, ~0.4 at the point estimates; at the confidence bounds — releases
     20 % faster, the higher arrivals 20 % slower, 200 releases behind the rate — ~0.58, so it
     waits; with 8 ahead it is dropped.)"""
-    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, **COUNTS_ARRIVALS)}
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
     quiet = Snapshot(10, (5, 4, 1), (0, 0, 5), 0, grant_rate=10.0, release_n=200, arrival_rates=(3.0, 6.0, 5.0))
     est = wait_estimate(2, quiet, SHARES)
     assert est.open_rate == pytest.approx(1.0) and est.seconds == pytest.approx(6.0)
@@ -205,8 +200,8 @@ def test_few_releases_are_read_as_poisson_not_as_a_mean() -> None:
     est = wait_estimate(2, s2, SHARES)
     assert est.class_rate == pytest.approx(2.0) and est.seconds == pytest.approx(1.0)
     assert 0.5 < est.chance(1.0, 1.1) < 0.7 and wait_estimate(2, s1, SHARES).chance(1.0, 1.1) > 0.85
-    strict = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, early_drop_min_chance=0.8, **COUNTS_ARRIVALS)}
-    lenient = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, **COUNTS_ARRIVALS)}
+    strict = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1, early_drop_min_chance=0.8)}
+    lenient = {**CLASSES, 2: ClassConfig(queue_timeout_s=1, max_queue=100, share=0.1)}
     assert isinstance(queue_decision(2, s2, lenient, ADM, 0.0), Enqueue)
     assert isinstance(queue_decision(2, s2, strict, ADM, 0.0), Reject)
     assert isinstance(queue_decision(2, s1, strict, ADM, 0.0), Enqueue)
@@ -278,13 +273,13 @@ def test_certain_reject_from_the_last_snapshot() -> None:
     # a full pool, P0 backlogged, P2 at its reservation of 1 turning over at 1/s: 40 P2 waiters
     # are ~40 s of work for a 5 s timeout
     s = Snapshot(10, (5, 4, 1), (4, 0, 40), 0, grant_rate=10.0, release_n=200)
-    r = certain_reject(2, s, ARRIVAL_CLASSES, ADM, 0.0, age_s=0.1)
+    r = certain_reject(2, s, CLASSES, ADM, 0.0, age_s=0.1)
     assert r is not None and r.reason == "early_drop"
     # seen 40 s ago, those waiters may all have been served since: not decided any more
-    assert certain_reject(2, s, ARRIVAL_CLASSES, ADM, 0.0, age_s=40.0) is None
+    assert certain_reject(2, s, CLASSES, ADM, 0.0, age_s=40.0) is None
     # at its bound for the 5 s timeout (queue_decision drops the 7th waiter, chance 0.39), but
     # 1 s older the window holds 6 releases (chance 0.6): ask Redis
-    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1, **COUNTS_ARRIVALS)}
+    classes = {**CLASSES, 2: ClassConfig(queue_timeout_s=5, max_queue=100, share=0.1)}
     s2 = Snapshot(10, (5, 4, 1), (4, 0, 6), 0, grant_rate=10.0, release_n=200)
     d = queue_decision(2, s2, classes, ADM, 0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
@@ -292,10 +287,10 @@ def test_certain_reject_from_the_last_snapshot() -> None:
     assert certain_reject(2, s2, classes, ADM, 0.0, age_s=1.0) is None
     # a pool with a free permit this class may take (nothing eligible waits above it), or few
     # releases behind the rate: never
-    assert certain_reject(2, Snapshot(10, (5, 3, 1), (0, 0, 40), 0, 10.0, release_n=200), ARRIVAL_CLASSES, ADM, 0.0) is None
+    assert certain_reject(2, Snapshot(10, (5, 3, 1), (0, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is None
     # ... but a free permit that a waiting P0 takes first is not this request's
-    assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), ARRIVAL_CLASSES, ADM, 0.0) is not None
-    assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=MIN_RELEASES - 1), ARRIVAL_CLASSES, ADM,
+    assert certain_reject(2, Snapshot(10, (5, 3, 1), (4, 0, 40), 0, 10.0, release_n=200), CLASSES, ADM, 0.0) is not None
+    assert certain_reject(2, Snapshot(10, (5, 3, 2), (4, 0, 40), 0, 10.0, release_n=MIN_RELEASES - 1), CLASSES, ADM,
                           0.0) is None
 
 
@@ -936,26 +931,25 @@ def test_a_full_queue_is_told_the_wait_itself() -> None:
     assert min(d.retry_after_s for d in told if isinstance(d, Reject)) >= 4  # ~5.5 s to drain, not 1
 
 
-def test_a_class_without_a_reject_target_is_not_dropped_on_arrivals_still_to_come() -> None:
-    """Shipped P1 (no reject target: it may be told at its queue timeout) is turned away early
-    only when the waiters already queued and the release rate keep the grant loop from reaching
-    it in time, not on the P0s a rate predicts: where fewer came (a burst's end), such drops were
-    of requests the grant loop would have served in time (21 of 15,001 over the property test's
-    histories, tests/test_policy_replay.py). Configured to count them, the same P1 is dropped."""
+def test_a_class_may_be_set_not_to_count_arrivals_still_to_come() -> None:
+    """`early_drop_counts_arrivals: false`: a request is turned away early only when the waiters
+    already queued and the release rate keep the grant loop from reaching it in time, not on the
+    higher-class requests a rate predicts (where fewer came, a burst's end, such drops were of
+    requests the grant loop would have served in time: 21 of 15,001 P0/P1 drops over the
+    property test's histories, tests/test_policy_replay.py). Shipped: counted."""
     shipped = PoolConfig().classes
-    assert not shipped[0].drop_counts_arrivals and not shipped[1].drop_counts_arrivals
-    assert shipped[2].drop_counts_arrivals  # P2 would rather be told at once: it counts them
+    assert all(c.early_drop_counts_arrivals for c in shipped.values())
     # A full pool of 20 freeing 10/s, P0 arriving at 9.5/s (none waiting), 8 P1s ahead: 9
     # releases, 0.9 s at the rate; counting the P0s to come, 0.5 releases per second reach P1.
     s = Snapshot(20, (10, 8, 2), (0, 8, 0), 0, grant_rate=10.0, release_n=400, arrival_rates=(9.5, 6.0, 3.0))
-    assert isinstance(queue_decision(1, s, shipped, ADM, 0.0), Enqueue)
-    counting = {**shipped, 1: shipped[1].model_copy(update=COUNTS_ARRIVALS)}
-    d = queue_decision(1, s, counting, ADM, 0.0)
+    d = queue_decision(1, s, shipped, ADM, 0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
+    waits = {**shipped, 1: shipped[1].model_copy(update={"early_drop_counts_arrivals": False})}
+    assert isinstance(queue_decision(1, s, waits, ADM, 0.0), Enqueue)
+    assert certain_reject(1, s, waits, ADM, 0.0, age_s=0.05) is None
     # Waiters already there that the grant loop serves first: 20 P0s and 8 P1s are 2.9 s of
     # releases for a 1.5 s timeout, dropped either way (and from the last snapshot, no round trip)
     backlog = replace(s, queued=(20, 8, 0))
-    d = queue_decision(1, backlog, shipped, ADM, 0.0)
+    d = queue_decision(1, backlog, waits, ADM, 0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
-    assert certain_reject(1, backlog, shipped, ADM, 0.0, age_s=0.05) is not None
-    assert certain_reject(1, s, shipped, ADM, 0.0, age_s=0.05) is None
+    assert certain_reject(1, backlog, waits, ADM, 0.0, age_s=0.05) is not None
