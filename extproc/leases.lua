@@ -1774,7 +1774,7 @@ function OPS.batch(ARGV)
   -- The processor also sends that fence (ARGV 5 '@<fence>': the highest of a batch whose reply
   -- it had), so the loss is seen here too, before this batch's ops run: the other gateways'
   -- permits in the lost writes are missing as well, and what they freed is counted free. The
-  -- pool then holds its grants (held()) until each gateway alive in this state has synced; each
+  -- pool then holds its grants (held()) until each gateway alive in this state has synced or gone unheard; each
   -- is told to sync now ('!resync' on its channel). Without it a switchover read 14 in flight
   -- of L 8: the first processor on the new primary granted the permits the other had taken on
   -- the old one since the promotion. Only a gateway this state knows alive starts a hold (one

@@ -956,7 +956,8 @@ def newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     wait = None
     if not c.rejects_fast:
         need = c.early_drop_min_chance if chance is None else chance
-        wait = wait_estimate(cls, snap, shares, headroom).admits_after(
+        # (the rule that turned it away: without the arrivals to come for a class set not to count them)
+        wait = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals).admits_after(
             need, margin=not spends_budget(c, need), enough_s=c.queue_timeout_s + floor_s if floor_s > 0 else 0.0)
     if wait is None:
         est = wait_estimate(cls, snap, shares, headroom, arrivals_low=True)

@@ -497,8 +497,8 @@ async def clocked_pool(client: aioredis.Redis, pool: str, gateways: tuple[str, .
 async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_went_quiet_or_its_time_ran_out(
         client: aioredis.Redis) -> None:
     """Redis answering below a fence the gateway had acknowledged holds every grant (leases.lua
-    `held`) until each gateway alive in that state has synced, has died, or one renewal period
-    and a second have passed (TTL 3 s: 2 s). Fake clock; the loss is made by lowering the stored
+    `held`) until each gateway alive in that state has synced, or has gone unheard past the
+    quiet time (2 s), or one renewal period and a second have passed (TTL 3 s: 2 s). Fake clock; the loss is made by lowering the stored
     fence, as a replica that missed the last batches holds it."""
     p = await clocked_pool(client, "hold", ("gb", "ga"), limit=2, ttl=3)
     ga = p.st["ga"]

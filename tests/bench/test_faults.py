@@ -38,10 +38,16 @@ def explain(r: Result, workdir: Path) -> str:
     """The result, and what the processes logged of the fault: a failure in a loaded CI run
     must be readable after its work directory is gone."""
     marks = ("WARNING", "ERROR", "+try-failover", "send-slaveof-noone", "+promoted-slave", "+switch-master")
-    lines = sorted(f"{log.stem}: {line.strip()}"[:300] for log in workdir.rglob("*.log")
-                   for line in log.read_text(errors="replace").splitlines()
-                   if any(m in line for m in marks) and "overcommit" not in line)
-    return f"{r}\ninjected at {r.injected_at} UTC; the processes logged:\n" + "\n".join(lines[:60])
+    lines: list[str] = []
+    try:
+        # the sentinels' steps first, then at most 15 lines of each other process
+        for log in sorted(workdir.rglob("*.log"), key=lambda p: ("sentinel" not in p.stem, p.stem)):
+            kept = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                    if any(m in ln for m in marks) and "overcommit" not in ln]
+            lines += [f"{log.stem}: {ln}"[:300] for ln in kept[:15]]
+    except OSError as exc:
+        lines.append(f"(logs unreadable: {exc})")
+    return f"{r}\ninjected at {r.injected_at} UTC; the processes logged (local time):\n" + "\n".join(lines)
 
 
 def back_in_time(r: Result) -> bool:
