@@ -133,3 +133,28 @@ def test_a_promotion_is_a_pool_hit_only_for_a_replica_pooled_before_the_scale_up
     assert pool_hit(started_at=None, scale_up_since=200.0)  # adopted
     assert not pool_hit(started_at=205.0, scale_up_since=200.0)  # a refill started during it
     assert pool_hit(started_at=205.0, scale_up_since=None)  # no scale-up under way
+
+
+
+async def test_cancel_and_wait_names_a_task_that_will_not_end(caplog: pytest.LogCaptureFixture) -> None:
+    """A task that swallows its cancellations is cancelled again with growing pauses (1, 2, 4,
+    8, 16, 16 ... x the nudge), and named in a warning once it has run 60 nudges past its first
+    cancel (30 s at the default 0.5 s): the stop that waits for it says why."""
+    import asyncio
+    import logging
+
+    from floodgate.extproc import cancel
+
+    async def stubborn() -> None:
+        for _ in range(8):  # ends after its 8th cancel: 1+2+4+8+16+16+16 = 63 nudges
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass
+
+    t = asyncio.create_task(stubborn(), name="stubborn-loop")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="floodgate.cancel"):
+        await asyncio.wait_for(cancel.cancel_and_wait([t], nudge_s=0.002), 10)
+    assert t.done()
+    assert "stubborn-loop" in caplog.text
