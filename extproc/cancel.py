@@ -25,8 +25,8 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], nudge_s: float = 0
     lost cancellation; the growing pause leaves a slow clean-up, such as closing a connection to
     a server that does not answer, the time to finish, where a cancel every 0.5 s cut it short
     again and again). A task still running 60 x `nudge_s` (30 s) after its first cancel is
-    logged by name, once. An error a task ended with is
-    retrieved, not raised: each task handles (or logs) its own operations' errors."""
+    logged by name, once. An error a task ended with is retrieved, not raised: each task
+    handles (or logs) its own operations' errors."""
     tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     waited, pause, warned = 0.0, nudge_s, False

@@ -507,7 +507,8 @@ end
 -- killed around the failover: otherwise it held every grant for the whole hold; a live one
 -- moves its connections here within a follower interval and a reconnect), or the hold runs out
 -- (one renewal period and a second: every live gateway syncs within a renewal period). Its
--- liveness here does not end the wait: it is as old as the lost state. State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
+-- liveness here does not end the wait: it is as old as the lost state.
+-- State field `hold` = "until_ms|start_ms|gw gw ...", '' when none.
 local HOLD_QUIET_MS = 2000
 -- A hold's length: one renewal period and a second, at the caller's lease TTL.
 local function hold_ms() return math.floor(ttl / 3) + 1000 end
@@ -1774,8 +1775,8 @@ function OPS.batch(ARGV)
   -- The processor also sends that fence (ARGV 5 '@<fence>': the highest of a batch whose reply
   -- it had), so the loss is seen here too, before this batch's ops run: the other gateways'
   -- permits in the lost writes are missing as well, and what they freed is counted free. The
-  -- pool then holds its grants (held()) until each gateway alive in this state has synced or gone unheard; each
-  -- is told to sync now ('!resync' on its channel). Without it a switchover read 14 in flight
+  -- pool then holds its grants (held()) until each gateway alive in this state has synced or
+  -- gone unheard; each is told to sync now ('!resync' on its channel). Without it a switchover read 14 in flight
   -- of L 8: the first processor on the new primary granted the permits the other had taken on
   -- the old one since the promotion. Only a gateway this state knows alive starts a hold (one
   -- declared dead, or an emptied Redis, has no fence here: nothing to compare).

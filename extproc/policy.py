@@ -956,7 +956,7 @@ def newcomer_wait(cls: int, snap: Snapshot, classes: Mapping[int, ClassConfig],
     wait = None
     if not c.rejects_fast:
         need = c.early_drop_min_chance if chance is None else chance
-        # (the rule that turned it away: without the arrivals to come for a class set not to count them)
+        # the rule that turned it away (`early_drop_counts_arrivals`)
         wait = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals).admits_after(
             need, margin=not spends_budget(c, need), enough_s=c.queue_timeout_s + floor_s if floor_s > 0 else 0.0)
     if wait is None:

@@ -498,8 +498,9 @@ async def test_the_hold_after_lost_writes_ends_when_its_gateways_synced_went_qui
         client: aioredis.Redis) -> None:
     """Redis answering below a fence the gateway had acknowledged holds every grant (leases.lua
     `held`) until each gateway alive in that state has synced, or has gone unheard past the
-    quiet time (2 s), or one renewal period and a second have passed (TTL 3 s: 2 s). Fake clock; the loss is made by lowering the stored
-    fence, as a replica that missed the last batches holds it."""
+    quiet time (2 s), or one renewal period and a second have passed (TTL 3 s: 2 s). Fake
+    clock; the loss is made by lowering the stored fence, as a replica that missed the last
+    batches holds it."""
     p = await clocked_pool(client, "hold", ("gb", "ga"), limit=2, ttl=3)
     ga = p.st["ga"]
 

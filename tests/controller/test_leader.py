@@ -135,7 +135,6 @@ def test_a_promotion_is_a_pool_hit_only_for_a_replica_pooled_before_the_scale_up
     assert pool_hit(started_at=205.0, scale_up_since=None)  # no scale-up under way
 
 
-
 async def test_cancel_and_wait_names_a_task_that_will_not_end(caplog: pytest.LogCaptureFixture) -> None:
     """A task that swallows its cancellations is cancelled again with growing pauses (1, 2, 4,
     8, 16, 16 ... x the nudge), and named in a warning once it has run 60 nudges past its first
