@@ -43,13 +43,6 @@ MIN_RELEASES = 20
 ARRIVAL_TAU_S = 2.0  # decay time of the per-class arrival rates (they must follow a burst's onset)
 ARRIVAL_FAST_TAU_S = 0.5  # the fast-reacting arrival rates (a 3x onset reads ~1.8x after 0.25 s, ~2.7x after 1 s)
 CONFIDENCE_Z = 2.0  # standard errors of margin on the measured rate before a wait counts as too long
-# A class that waits when unsure counts ahead of a request only the higher-class arrivals that
-# are 99 % sure to come during its wait: their count's lower quantile (Poisson, normal
-# approximation, this many standard deviations below the mean), as a fixed count, not a random
-# stream. Counted at the rate's mean with its spread, P1s were turned away on P0s a rate
-# predicted where fewer came (21 of 15,001 P0/P1 early drops over the property test's 40
-# histories were of requests the grant loop served in time; 0 with this; docs/admission.md).
-ARRIVALS_SURE_Z = 2.33
 
 
 def reservations(limit: int, shares: Sequence[float]) -> list[int]:
@@ -450,10 +443,6 @@ class WaitEstimate:
     pf_rate: float = 0.0
     pf_wait: float = 0.0
     pf_backlog: float = 0.0
-    # > 0: the higher arrivals count only as far as they are sure to come (their count's lower
-    # quantile this many standard deviations below its mean, a fixed count; `ARRIVALS_SURE_Z`);
-    # 0: as a random stream at their rate (a class told at once reads them so, pessimistically)
-    arrivals_sure_z: float = 0.0
 
     @property
     def open_ahead(self) -> int:
@@ -541,18 +530,13 @@ class WaitEstimate:
         if self.higher_arrivals is None or self.rate <= 0:
             return max(p_res, poisson_tail(self.open_rate * scale * t, n + ahead - math.floor(ref)))
         lam = self.higher_arrivals / scale  # the higher arrivals at their lower bound, as the releases at their upper
-        lv = lam  # the arrivals' share of the walk's variance
-        if self.arrivals_sure_z > 0 and lam > 0:
-            # only the arrivals sure to come within t, as a fixed count (`ARRIVALS_SURE_Z`)
-            m = lam * t
-            lam, lv = max(0.0, m - self.arrivals_sure_z * math.sqrt(m)) / t, 0.0
         at_end = extra > 0  # the walk's value at t (see `chance`)
         if lam <= 0 and self.higher_queued == 0:
             # nothing higher waits or arrives: every release reaches it (a count, no walk)
             return max(p_res, poisson_tail(self.rate * scale * t, n + self.blocked - extra - math.floor(ref)))
         if self.excess > 0 or self.gap > 0:
             r = self.rate * scale
-            return max(p_res, reach_chance(r + self.refill - lam, r + lv, t, n + ahead - 0.5, at_end,
+            return max(p_res, reach_chance(r + self.refill - lam, r + lam, t, n + ahead - 0.5, at_end,
                                            releases=r, refill=self.refill))
         # Its reservation turns over while the higher classes take the other releases (and
         # whatever their arrivals leave reaches it too): P(turnover j) x P(the rest reach n - j).
@@ -560,12 +544,12 @@ class WaitEstimate:
         other = max(0.0, self.rate - self.class_rate) * scale
         if turn > 50:  # many turnovers: fold their (Poisson) spread into the walk instead
             tr = self.class_rate * scale
-            return max(p_res, reach_chance(other + tr + self.refill - lam, other + tr + lv, t,
+            return max(p_res, reach_chance(other + tr + self.refill - lam, other + tr + lam, t,
                                            n + ahead - 0.5, at_end, releases=other + tr, refill=self.refill))
         p, term = 0.0, math.exp(-turn)
         # terms beyond ~12 standard deviations of the turnover count weigh nothing
         for j in range(min(n, int(turn + 12 * math.sqrt(turn) + 12))):
-            p += term * reach_chance(other + self.refill - lam, other + lv, t, n - j + ahead - 0.5, at_end,
+            p += term * reach_chance(other + self.refill - lam, other + lam, t, n - j + ahead - 0.5, at_end,
                                      releases=other, refill=self.refill)
             term *= turn / (j + 1)
         return min(1.0, p + poisson_tail(turn, n))
@@ -766,8 +750,7 @@ def wait_estimate(cls: int, snap: Snapshot, shares: Sequence[float],
         higher_queued=higher_queued, open_rate=open_rate, higher_arrivals=lam, gap_rate=r, claim=claim,
         excess=excess,
         excess_rate=per_permit * inflight[cls], blocked=blocked, refill=refill, arriving=snap.arriving,
-        pf_rate=snap.pf_rate if only_pacing else 0.0, pf_wait=snap.pf_wait, pf_backlog=snap.pf_backlog,
-        arrivals_sure_z=0.0 if reject_fast else ARRIVALS_SURE_Z)
+        pf_rate=snap.pf_rate if only_pacing else 0.0, pf_wait=snap.pf_wait, pf_backlog=snap.pf_backlog)
 
 
 def predicted_wait(cls: int, snap: Snapshot, shares: Sequence[float] = (0.5, 0.3, 0.1),
