@@ -50,6 +50,8 @@ class Outcome:
     retry_after: dict[int, int] = field(default_factory=dict)
     # every early drop: (index, the grant loop's state then, the snapshot the policy saw, now)
     drop_states: list[tuple[int, PermitTable, Snapshot, float]] = field(default_factory=list)
+    # every request let into the queue: (index, the snapshot the policy saw, the chance it needed)
+    wait_states: list[tuple[int, Snapshot, float | None]] = field(default_factory=list)
 
     def early_drops(self) -> list[int]:
         return [i for i, d in self.decisions.items() if d == "early_drop"]
@@ -143,6 +145,7 @@ def replay(limit: int, classes: Mapping[int, ClassConfig], history: list[Arrival
                 out.retry_after[i] = decision.retry_after_s
                 continue
             out.decisions[i] = "queued"
+            out.wait_states.append((i, snap, chance))
             if chance is not None and waits_on_budget(a.cls, snap, classes, adm, chance):
                 on_budget[a.cls].add(i)
             deadline = now + classes[a.cls].queue_timeout_s

@@ -280,6 +280,47 @@ def test_the_replays_do_drop_early_and_the_queue_serves_its_waiters() -> None:
     assert timeouts < drops
 
 
+def test_requests_let_wait_are_served_as_often_as_early_drop_promised() -> None:
+    """The other side of the wrong-drop check, which a rule passes by dropping less: a P0/P1
+    request early drop let wait because the grant loop reaches it before its deadline with
+    chance >= `early_drop_min_chance` (0.5; rates at their bound, as the rule reads them) is
+    served in time at least that often, and one let in at 0.99 or more nearly always.
+
+    Measured over the 40 histories with the shipped classes: waits let in at 0.5-0.99 served
+    63.6 % (P0, 910) and 63.0 % (P1, 9,070); at >= 0.99, 98.1 % and 97.1 %. A variant tried on
+    2026-12-06 that counted only the higher arrivals sure to come (0 wrong drops; reverted)
+    served its P1 waits 52 % and 91.7 %: it let in P1s the P0s then kept from a permit, and
+    fails the second bound here. (By bucket the chance is not calibrated: P0s let in at 0.95-0.99 just
+    before a tenant switch, where the other tenant's later arrivals pass them in the fair order,
+    were served 43 %; so the promise is checked over the range, not per bucket.)"""
+    shares = [SHIPPED[k].share for k in range(3)]
+    headroom = [SHIPPED[k].headroom for k in range(3)]
+    n = {(c, hi): 0 for c in (0, 1) for hi in (False, True)}
+    served = dict.fromkeys(n, 0)
+    for seed in range(40):
+        _, history, out = shipped_replay(seed)
+        for i, snap, _ in out.wait_states:
+            cls = history[i].cls
+            c = SHIPPED[cls]
+            if cls == 2 or c.rejects_fast:
+                continue
+            est = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals)
+            scale = est._bound_scale(True)
+            if scale is None:  # too few releases to read: the rule waits unsure, and promised nothing
+                continue
+            chance = est.chance(c.queue_timeout_s, scale)
+            if chance < c.early_drop_min_chance:  # let in by the slow-rejection budget or a race: not this rule's
+                continue
+            key = (cls, chance >= 0.99)
+            n[key] += 1
+            served[key] += i in out.granted_at and out.granted_at[i] <= out.deadline[i]
+    for cls in (0, 1):
+        mid, sure = (cls, False), (cls, True)
+        assert n[mid] > 500 and n[sure] > 3000, n
+        assert served[mid] >= SHIPPED[cls].early_drop_min_chance * n[mid], (cls, served[mid], n[mid])
+        assert served[sure] >= 0.95 * n[sure], (cls, served[sure], n[sure])
+
+
 def saturated_background(rng: random.Random, limit: int, service: float, end: float) -> list[Arrival]:
     """P1 and P2 at 2x capacity: the pool stays full with a standing queue."""
     cap = limit / service
