@@ -215,16 +215,53 @@ def summarize(res):
     return "\n".join(lines)
 
 
+def served_as_promised(name: str, seeds: range) -> str:
+    """How often the P0/P1 requests early drop let wait were served in time, by the chance the
+    rule read for them (rates at their bound): 0.5-0.99 (`mid`), >= 0.99 (`sure`), too few
+    releases to read (`unsure`: waits regardless), below the class's minimum (`budget`: let in
+    by a slow-rejection budget). The property test's other side
+    (tests/test_policy_replay.py::test_requests_let_wait_are_served_as_often_as_early_drop_promised)."""
+    from floodgate.extproc.policy import wait_estimate
+    shares = [SHIPPED[k].share for k in range(3)]
+    headroom = [SHIPPED[k].headroom for k in range(3)]
+    n: dict[tuple[int, str], int] = {}
+    ok: dict[tuple[int, str], int] = {}
+    for seed in seeds:
+        limit, history = shape(name, seed)
+        out = replay(limit, SHIPPED, history)
+        for i, snap, _ in out.wait_states:
+            cls = history[i].cls
+            c = SHIPPED[cls]
+            if c.rejects_fast:
+                continue
+            est = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals)
+            scale = est._bound_scale(True)
+            if scale is None:
+                key = (cls, "unsure")
+            else:
+                chance = est.chance(c.queue_timeout_s, scale)
+                key = (cls, "budget" if chance < c.early_drop_min_chance else "sure" if chance >= 0.99 else "mid")
+            n[key] = n.get(key, 0) + 1
+            ok[key] = ok.get(key, 0) + (i in out.granted_at and out.granted_at[i] <= out.deadline[i])
+    cells = [f"P{k[0]} {k[1]}: {ok[k]}/{n[k]} ({ok[k] / n[k]:.0%})" for k in sorted(n)]
+    return f"== {name}: served in time / let wait  " + "  ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shapes", nargs="*", metavar="shape", help=f"shapes to run (default: all of {', '.join(SHAPES)})")
     p.add_argument("--seeds", type=int, default=3, help="seeds per shape (default: %(default)s)")
+    p.add_argument("--served", action="store_true",
+                   help="instead: how often the P0/P1 waits early drop let in were served in time, by the chance it read")
     args = p.parse_args(argv)
     unknown = sorted(set(args.shapes) - set(SHAPES))
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     for name in args.shapes or SHAPES:
         t0 = time.time()
+        if args.served:
+            print(served_as_promised(name, range(args.seeds)), flush=True)
+            continue
         print(summarize(run(name, range(args.seeds))), f"  [{time.time() - t0:.0f}s]", flush=True)
     return 0
 
