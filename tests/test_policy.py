@@ -935,7 +935,7 @@ def test_a_class_may_be_set_not_to_count_arrivals_still_to_come() -> None:
     """`early_drop_counts_arrivals: false`: a request is turned away early only when the waiters
     already queued and the release rate keep the grant loop from reaching it in time, not on the
     higher-class requests a rate predicts (where fewer came, a burst's end, such drops were of
-    requests the grant loop would have served in time: 21 of 15,001 P0/P1 drops over the
+    requests the grant loop would have served in time: 21 of 14,998 P0/P1 drops over the
     property test's histories, tests/test_policy_replay.py). Shipped: counted."""
     shipped = PoolConfig().classes
     assert all(c.early_drop_counts_arrivals for c in shipped.values())
