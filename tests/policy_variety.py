@@ -215,11 +215,12 @@ def summarize(res):
     return "\n".join(lines)
 
 
-def served_as_promised(name: str, seeds: range) -> str:
+def served_counts(name: str, seeds: range) -> dict[tuple[int, str], tuple[int, int]]:
     """How often the P0/P1 requests early drop let wait were served in time, by the chance the
     rule read for them (rates at their bound): 0.5-0.99 (`mid`), >= 0.99 (`sure`), too few
     releases to read (`unsure`: waits regardless), below the class's minimum (`budget`: let in
-    by a slow-rejection budget). The property test's other side
+    by a slow-rejection budget). (class, bucket) -> (served in time, let wait). The property
+    test's other side
     (tests/test_policy_replay.py::test_requests_let_wait_are_served_as_often_as_early_drop_promised)."""
     from floodgate.extproc.policy import wait_estimate
     shares = [SHIPPED[k].share for k in range(3)]
@@ -243,7 +244,12 @@ def served_as_promised(name: str, seeds: range) -> str:
                 key = (cls, "budget" if chance < c.early_drop_min_chance else "sure" if chance >= 0.99 else "mid")
             n[key] = n.get(key, 0) + 1
             ok[key] = ok.get(key, 0) + (i in out.granted_at and out.granted_at[i] <= out.deadline[i])
-    cells = [f"P{k[0]} {k[1]}: {ok[k]}/{n[k]} ({ok[k] / n[k]:.0%})" for k in sorted(n)]
+    return {k: (ok[k], n[k]) for k in sorted(n)}
+
+
+def served_as_promised(name: str, seeds: range) -> str:
+    """`served_counts` as one line."""
+    cells = [f"P{k[0]} {k[1]}: {ok}/{n} ({ok / n:.0%})" for k, (ok, n) in served_counts(name, seeds).items()]
     return f"== {name}: served in time / let wait  " + "  ".join(cells)
 
 

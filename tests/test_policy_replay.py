@@ -433,6 +433,22 @@ def test_on_shapes_the_random_histories_lack_p0_is_never_wrongly_dropped(name: s
     assert p1["wrong"] <= max(3, 0.12 * p1["drops"]), (p1, res["examples"])
 
 
+@pytest.mark.parametrize("name", ["flash", "onoff", "p0ramp"])
+def test_on_shapes_the_random_histories_lack_p0_waits_are_served_as_promised(name: str) -> None:
+    """The other side for P0 on the review's shapes (seed 0; `python -m tests.policy_variety
+    --served`): P0 waits let in at a chance of 0.5-0.99 are served in time at least half the
+    time, at 0.99 or more 95 % of it (flash 258 of 258, on/off 309 of 309, the P0 ramp 640 of
+    765 and 835 of 867). P1 does not keep it on burst onsets and with many tenants, nor P0 at
+    85 % P0 (docs/admission.md, "The other side"): not pinned here."""
+    from tests.policy_variety import served_counts
+
+    counts = served_counts(name, range(1))
+    ok, n = counts.get((0, "sure"), (0, 0))
+    assert n > 200 and ok >= 0.95 * n, counts
+    ok, n = counts.get((0, "mid"), (0, 0))
+    assert ok >= SHIPPED[0].early_drop_min_chance * n, counts
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["mostlyp0", "p0ramp"])
 def test_retry_after_of_an_early_dropped_p0_says_when_the_next_one_gets_in(name: str) -> None:
