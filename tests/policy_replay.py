@@ -30,6 +30,7 @@ from floodgate.extproc.policy import (
     Snapshot,
     min_chance,
     queue_decision,
+    wait_estimate,
     waits_on_budget,
 )
 
@@ -261,6 +262,34 @@ def granted_in_time_at_current_rate(table: PermitTable, snap: Snapshot, cls: int
     return False
 
 
+def served_by_promise(out: Outcome, classes: Mapping[int, ClassConfig], history: list[Arrival],
+                      counts: dict[tuple[int, str], tuple[int, int]] | None = None) -> dict[tuple[int, str], tuple[int, int]]:
+    """How often the requests early drop let wait were served in time, by the chance the rule
+    read for them (rates at their bound, as `WaitEstimate.certainly_over` reads them): 0.5-0.99
+    (`mid`), >= 0.99 (`sure`), too few releases to read (`unsure`: it waits regardless), below
+    the class's minimum (`budget`: let in by a slow-rejection budget). Classes told at once are
+    left out (their promise is the other one). (class, bucket) -> (served in time, let wait),
+    added to `counts` when given."""
+    counts = {} if counts is None else counts
+    shares = [classes[k].share for k in CLASSES]
+    headroom = [classes[k].headroom for k in CLASSES]
+    for i, snap, _ in out.wait_states:
+        cls = history[i].cls
+        c = classes[cls]
+        if c.rejects_fast:
+            continue
+        est = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals)
+        scale = est._bound_scale(True)
+        if scale is None:
+            key = (cls, "unsure")
+        else:
+            chance = est.chance(c.queue_timeout_s, scale)
+            key = (cls, "budget" if chance < c.early_drop_min_chance else "sure" if chance >= 0.99 else "mid")
+        ok, n = counts.get(key, (0, 0))
+        counts[key] = (ok + (i in out.granted_at and out.granted_at[i] <= out.deadline[i]), n + 1)
+    return counts
+
+
 def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig],
                                 history: list[Arrival], only: Container[int] = CLASSES) -> list[int]:
     """Early drops the grant loop would have granted before their deadline at the current
@@ -276,5 +305,5 @@ def wrong_drops_at_current_rate(out: Outcome, classes: Mapping[int, ClassConfig]
                                                 now, joined, history[i].tenant)]
 
 
-__all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_in_time",
-           "wrong_drops_at_current_rate", "wrongly_dropped"]
+__all__ = ["CLASSES", "Arrival", "Outcome", "granted_in_time_at_current_rate", "replay", "served_by_promise",
+           "served_in_time", "wrong_drops_at_current_rate", "wrongly_dropped"]

@@ -22,7 +22,13 @@ import zlib
 
 from floodgate.extproc.config import PoolConfig
 
-from tests.policy_replay import Arrival, replay, wrong_drops_at_current_rate, wrongly_dropped
+from tests.policy_replay import (
+    Arrival,
+    replay,
+    served_by_promise,
+    wrong_drops_at_current_rate,
+    wrongly_dropped,
+)
 
 SHIPPED = PoolConfig().classes
 
@@ -222,29 +228,11 @@ def served_counts(name: str, seeds: range) -> dict[tuple[int, str], tuple[int, i
     by a slow-rejection budget). (class, bucket) -> (served in time, let wait). The property
     test's other side
     (tests/test_policy_replay.py::test_requests_let_wait_are_served_as_often_as_early_drop_promised)."""
-    from floodgate.extproc.policy import wait_estimate
-    shares = [SHIPPED[k].share for k in range(3)]
-    headroom = [SHIPPED[k].headroom for k in range(3)]
-    n: dict[tuple[int, str], int] = {}
-    ok: dict[tuple[int, str], int] = {}
+    counts: dict[tuple[int, str], tuple[int, int]] = {}
     for seed in seeds:
         limit, history = shape(name, seed)
-        out = replay(limit, SHIPPED, history)
-        for i, snap, _ in out.wait_states:
-            cls = history[i].cls
-            c = SHIPPED[cls]
-            if c.rejects_fast:
-                continue
-            est = wait_estimate(cls, snap, shares, headroom, arrivals=c.early_drop_counts_arrivals)
-            scale = est._bound_scale(True)
-            if scale is None:
-                key = (cls, "unsure")
-            else:
-                chance = est.chance(c.queue_timeout_s, scale)
-                key = (cls, "budget" if chance < c.early_drop_min_chance else "sure" if chance >= 0.99 else "mid")
-            n[key] = n.get(key, 0) + 1
-            ok[key] = ok.get(key, 0) + (i in out.granted_at and out.granted_at[i] <= out.deadline[i])
-    return {k: (ok[k], n[k]) for k in sorted(n)}
+        served_by_promise(replay(limit, SHIPPED, history), SHIPPED, history, counts)
+    return dict(sorted(counts.items()))
 
 
 def served_as_promised(name: str, seeds: range) -> str:
