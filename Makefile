@@ -10,8 +10,18 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: install up test lint
+.PHONY: install up test lint tools
 install: $(STAMP)
+
+# wrk drives the overhead and reject benchmarks (and their smoke tests, which skip without it).
+# It is a Debian package, not a wheel: installed here when we are root with apt-get (CI is);
+# elsewhere a note, and those tests skip.
+tools:
+	@command -v wrk >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null 2>&1) \
+	      || echo "note: apt-get could not install wrk; the wrk-driven bench tests will skip"; \
+	  else echo "note: wrk is not installed (apt-get install wrk); the wrk-driven bench tests will skip"; fi; }
 
 up: $(STAMP)
 	$(VENV)/bin/floodgate up $(ARGS)
@@ -24,7 +34,7 @@ COMPONENTS := extproc controller sim bench
 
 # Two workers (pytest-xdist), each file's tests on one of them: the suite spends most of its
 # time waiting on the processes it starts, so two run in about half the time on 2 cores.
-test: lint
+test: lint tools
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 $(ARGS)
 
 lint: $(STAMP)

@@ -1,8 +1,8 @@
 """Elastic: the whole loop — admission and scaling together — against either one alone.
 
-One invocation replays one seeded open-loop plan (a diurnal ramp, then a 3x burst, then
-recovery, then a second, smaller burst that the warm pool — the replicas drained after the
-first — can hold) against three configurations, each on fresh processes on this machine:
+One invocation replays one seeded open-loop plan (a diurnal ramp, then a burst at 3x the ramp's
+top — 6x one replica's capacity — then recovery, then a second, smaller burst that the warm
+pool — the replicas drained after the first — can hold) against three configurations, each on fresh processes on this machine:
 
 * `admission`  admission only: Envoy + Floodgate (Vegas) in front of a FIXED pool;
 * `scaling`    scaling only: the controller with the process actuator and a warm pool, but no
