@@ -101,6 +101,8 @@ class Workload:
     cold_start_s: float = 150.0  # before ops_scale
     wake_s: float = 10.0  # vLLM sleep level 1 wake, before ops_scale
     phases: tuple[Phase, ...] = DEFAULT_PHASES
+    # The controllers' per-replica capacity prior (policy.target_concurrency); None: shipped.
+    target_concurrency: float | None = None
 
     @property
     def cold_start(self) -> float:
@@ -217,6 +219,8 @@ def controller_config(name: str, w: Workload, redis_url: str, envoy_admin: str, 
 
     scaled = ops_scaled(w)
     policy: dict[str, Any] = {**scaled["policy"], "min_replicas": w.replicas, "max_replicas": w.max_replicas}
+    if w.target_concurrency is not None:
+        policy["target_concurrency"] = w.target_concurrency
     pool: dict[str, Any] = {
         "name": "default",
         "policy": policy,
@@ -927,6 +931,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="multiply cold start, wake and the controller's windows (default 0.1: 10x faster)")
     p.add_argument("--cold-start", type=float, default=150.0,
                    help="replica cold start before --ops-scale, s (default 150)")
+    p.add_argument("--target-concurrency", type=float, default=None, metavar="N",
+                   help="the controllers' per-replica capacity prior, policy.target_concurrency, in every "
+                        "configuration (default: shipped, 7: 7/8 of the default 8 slots; with bigger "
+                        "replicas set it as a user would, or see how the shipped prior does)")
     p.add_argument("--per-replica-rps", type=float, default=None,
                    help="one replica's capacity (default: derived from the engine model)")
     p.add_argument("--seed", type=int, default=1, help="seed of the request plan (default 1)")
@@ -947,7 +955,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _workload(args: argparse.Namespace) -> Workload:
     w = Workload(replicas=args.replicas, max_replicas=args.max_replicas, max_num_seqs=args.max_num_seqs,
-                 seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start)
+                 seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start,
+                 target_concurrency=args.target_concurrency)
     return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
 
 

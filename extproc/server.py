@@ -350,8 +350,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if self.cfg.pool(pool).endpoint_picking:
             picked = self.admitter.any_active_endpoint(pool)
             refused = None
-            if picked is None:
-                refused = Reject("no_endpoints", 1, status=503)
+            if picked is None:  # Retry-After as for an admitted request (retry_after_min_s, jittered)
+                refused = self.admitter.no_endpoints(self.admitter.pools[pool], self.cfg.admission.default_priority)
             elif not admit_mutation(count, self.cfg.server.max_headers, picked, (), dest_present)[0]:
                 refused = Reject("header_limit", 0, status=431)
             if refused is not None:

@@ -173,13 +173,16 @@ async def test_a_request_passed_by_its_method_but_refused_counts_as_refused(stac
                                                                            upstream: int) -> None:
     """With endpoint picking and no active endpoint, a GET that takes no permit still gets 503
     no_endpoints: counted as a refusal (floodgate_decisions_total), not as passed
-    (floodgate_unadmitted_total counted it as passed before)."""
+    (floodgate_unadmitted_total counted it as passed before), with the Retry-After an admitted
+    request gets (`retry_after_min_s`, jittered, and retry-after-ms; it said 1 whatever was set)."""
     stack.start_redis()
-    p = stack.start_processor({"pools": [{"name": "default", "endpoint_picking": True}]})
+    p = stack.start_processor({"admission": {"retry_after_min_s": 3, "retry_after_max_s": 60},
+                               "pools": [{"name": "default", "endpoint_picking": True}]})
     envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
     async with aiohttp.ClientSession() as s:
         status, headers = await raw(envoy.port, req("GET", "/v1/chat/completions"))
         assert status == 503 and headers.get("x-floodgate-reject-reason") == "no_endpoints", (status, headers)
+        assert 3 <= int(headers["retry-after"]) <= 60 and int(headers["retry-after-ms"]) >= 3000, headers
         m = await metrics(s, p.metrics_url)
     assert _count(m, "floodgate_unadmitted_total") == 0
     assert _count(m, "floodgate_decisions_total", 'outcome="rejected"', 'reason="no_endpoints"') == 1
