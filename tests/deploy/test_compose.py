@@ -155,6 +155,22 @@ def test_validator_rejects_a_bad_file(tmp_path: Path) -> None:
     assert r.returncode != 0 and "bogus_key" in r.stderr
 
 
+@pytest.mark.parametrize("profile", [None, "gpu"], ids=["sim", "gpu"])
+def test_the_controllers_capacity_prior_fits_the_replicas_it_sizes(profile: str | None) -> None:
+    """The prior every sizing and the cold-start admission ceiling start from (learning only
+    lowers it) must fit the replicas' batch, emulated or vLLM: the shipped default, 7, is for 8
+    slots (docs/controller.md, "Capacity prior")."""
+    svcs = services(profile)
+    replicas = [svc for name, svc in svcs.items() if name.startswith("vllm-")]
+    slots = {int(_flag([str(c) for c in svc["command"]], "--max-num-seqs") or 0) for svc in replicas}
+    assert len(replicas) == 3 and len(slots) == 1 and 0 not in slots, slots
+    ctl = svcs["controller"]
+    cfg = load_controller_config(host_path(ctl, _flag(ctl["command"], "--config") or ""), env=ctl.get("environment") or {})
+    for pool in cfg.pools:
+        assert "target_concurrency" in pool.policy.model_fields_set
+        assert 0.5 * max(slots) <= pool.policy.target_concurrency <= max(slots)
+
+
 def test_default_stack_and_gpu_profile_swap_the_replicas() -> None:
     common = {"redis", "envoy", "processor-1", "processor-2", "controller", "prometheus", "grafana"}
     assert set(services()) == common | {"vllm-1", "vllm-2", "vllm-3"}

@@ -262,6 +262,35 @@ def test_embedded_controller_config_is_valid(tmp_path: Path) -> None:
     assert "floodgate-redis" in cfg.redis.url
 
 
+def max_num_seqs(args: list[str]) -> int:
+    """vLLM's --max-num-seqs from a container's args (`--flag=value` or `--flag value`)."""
+    for i, a in enumerate(args):
+        if a.startswith("--max-num-seqs="):
+            return int(a.split("=", 1)[1])
+        if a == "--max-num-seqs":
+            return int(args[i + 1])
+    raise AssertionError(f"--max-num-seqs not set: {args}")
+
+
+@pytest.mark.parametrize("kdir", [KDIR, KEDA_DIR], ids=["base", "keda"])
+def test_the_controllers_capacity_prior_fits_the_replicas_it_sizes(kdir: Path, tmp_path: Path) -> None:
+    """The prior every sizing and the cold-start admission ceiling start from (learning only
+    lowers it) must fit the pods' batch: the shipped default, 7, is for 8 slots, and on vLLM's
+    default batch it ran many more replicas than needed and held the active ones at 10.5
+    requests each during a cold start (docs/controller.md, "Capacity prior")."""
+    from floodgate.controller.config import load_config
+
+    docs = kustomize(kdir)
+    vllm = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm")
+    slots = max_num_seqs(container(vllm, "vllm")["args"])
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "controller.yaml" in d.get("data", {}))
+    path = tmp_path / "controller.yaml"
+    path.write_text(cm["data"]["controller.yaml"])
+    for pool in load_config(path, env={}).pools:
+        assert "target_concurrency" in pool.policy.model_fields_set, "the prior must be set for these replicas"
+        assert 0.5 * slots <= pool.policy.target_concurrency <= slots, (pool.policy.target_concurrency, slots)
+
+
 def test_config_map_is_mounted_where_the_args_point() -> None:
     for name in ("floodgate-extproc", "floodgate-controller"):
         spec = find("Deployment", name)["spec"]["template"]["spec"]
