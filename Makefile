@@ -19,7 +19,8 @@ install: $(STAMP)
 tools:
 	@command -v wrk >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null 2>&1) \
+	    (timeout 120 apt-get update -qq -o Acquire::http::Timeout=10 -o Acquire::Retries=0 >/dev/null 2>&1 \
+	      && DEBIAN_FRONTEND=noninteractive timeout 120 apt-get install -y -qq wrk >/dev/null 2>&1) \
 	      || echo "note: apt-get could not install wrk; the wrk-driven bench tests will skip"; \
 	  else echo "note: wrk is not installed (apt-get install wrk); the wrk-driven bench tests will skip"; fi; }
 

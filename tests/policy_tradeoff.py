@@ -95,6 +95,37 @@ def variety(seeds: range) -> None:
             print(f"| {' / '.join(f'{m:g}' for m in mix)} | {'on' if ramp else 'off'} | {cells[0]} | {cells[1]} |", flush=True)
 
 
+def p0p1(chances: list[float], seeds: range, shape_seeds: range) -> None:
+    """P0 and P1's minimum chance alone (P2 as shipped, with its reject target): per class wrong
+    drops, requests served in time and queue timeouts over the random histories and over
+    `tests.policy_variety`'s shapes (issue 9's last wrong drops; docs/admission.md)."""
+    import tests.policy_variety as pv
+
+    shipped = PoolConfig().classes
+    print("| P0/P1 min chance | histories: P0 / P1 wrong drops | served in time | queue timeouts "
+          "| shapes: P0 / P1 wrong drops | served in time | queue timeouts |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for chance in chances:
+        classes = {k: (c.model_copy(update={"early_drop_min_chance": chance}) if k < 2 else c) for k, c in shipped.items()}
+        cells = []
+        runs = [("histories", [random_history(s) for s in seeds]),
+                ("shapes", [pv.shape(name, s) for name in pv.SHAPES for s in shape_seeds])]
+        for _, histories in runs:
+            wrong: Counter[int] = Counter()
+            served: Counter[int] = Counter()
+            timeouts: Counter[int] = Counter()
+            for limit, history in histories:
+                o = replay(limit, classes, history)
+                wrong.update(history[i].cls for i in wrong_drops_at_current_rate(o, classes, history, only=(0, 1)))
+                for i, a in enumerate(history):
+                    d = o.decisions[i]
+                    in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+                    served[a.cls] += in_time
+                    timeouts[a.cls] += d == "queued" and not in_time
+            cells += [f"{wrong[0]} / {wrong[1]}", f"{served[0]} / {served[1]}", f"{timeouts[0]} / {timeouts[1]}"]
+        print(f"| {chance:.2f} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("chances", nargs="*", type=float, default=[0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
@@ -104,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: P2 with and without its reject target (slo_reject_s), per-class wrong drops")
     p.add_argument("--variety", action="store_true",
                    help="instead: P2 with and without its reject target on bench seeds 4-7, three mixes, ramp off/on")
+    p.add_argument("--p0p1", action="store_true",
+                   help="instead: only P0 and P1's minimum chance at each value (P2 as shipped), over the random "
+                        "histories and the policy_variety shapes (2 seeds each)")
     args = p.parse_args(argv)
+    if args.p0p1:
+        p0p1(args.chances, range(args.seeds), range(2))
+        return 0
     if args.variety:
         variety(range(4, 8))
         return 0

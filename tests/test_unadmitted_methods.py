@@ -8,10 +8,12 @@ method."""
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import aiohttp
 import pytest
+from floodgate.extproc.config import AdmissionConfig
 
 from floodgate.envoy_config import ENVOY_DIR, load_yaml, write_config
 from floodgate.stack import LocalStack
@@ -176,13 +178,17 @@ async def test_a_request_passed_by_its_method_but_refused_counts_as_refused(stac
     (floodgate_unadmitted_total counted it as passed before), with the Retry-After an admitted
     request gets (`retry_after_min_s`, jittered, and retry-after-ms; it said 1 whatever was set)."""
     stack.start_redis()
-    p = stack.start_processor({"admission": {"retry_after_min_s": 3, "retry_after_max_s": 60},
+    # default_priority 0: its class's queue timeout (20 s) is what an unknown wait would fall back
+    # to; a 503 no_endpoints says retry_after_min_s whatever the class.
+    p = stack.start_processor({"admission": {"retry_after_min_s": 3, "retry_after_max_s": 60, "default_priority": 0},
                                "pools": [{"name": "default", "endpoint_picking": True}]})
     envoy = stack.start_envoy([("127.0.0.1", upstream)], picking=True)
     async with aiohttp.ClientSession() as s:
         status, headers = await raw(envoy.port, req("GET", "/v1/chat/completions"))
         assert status == 503 and headers.get("x-floodgate-reject-reason") == "no_endpoints", (status, headers)
-        assert 3 <= int(headers["retry-after"]) <= 60 and int(headers["retry-after-ms"]) >= 3000, headers
+        top = 3 * (1 + AdmissionConfig().retry_after_jitter)
+        assert 3 <= int(headers["retry-after"]) <= math.ceil(top), headers
+        assert 3000 <= int(headers["retry-after-ms"]) <= top * 1000, headers
         m = await metrics(s, p.metrics_url)
     assert _count(m, "floodgate_unadmitted_total") == 0
     assert _count(m, "floodgate_decisions_total", 'outcome="rejected"', 'reason="no_endpoints"') == 1

@@ -169,6 +169,13 @@ def test_the_controllers_capacity_prior_fits_the_replicas_it_sizes(profile: str 
     for pool in cfg.pools:
         assert "target_concurrency" in pool.policy.model_fields_set
         assert 0.5 * max(slots) <= pool.policy.target_concurrency <= max(slots)
+    # The processors' Vegas limit may not pass what the pool can run (docs/operations.md, "Limits").
+    for name in ("processor-1", "processor-2"):
+        svc = svcs[name]
+        pcfg = load_config(ROOT / host_path(svc, _flag([str(c) for c in svc["command"]], "--config") or ""),
+                           env=svc.get("environment") or {})
+        for pool in pcfg.pools:
+            assert pool.limit.max <= len(replicas) * max(slots), (pool.limit.max, len(replicas), slots)
 
 
 def test_default_stack_and_gpu_profile_swap_the_replicas() -> None:

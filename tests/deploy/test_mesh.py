@@ -193,6 +193,20 @@ def test_mesh_processor_config() -> None:
     assert not trust.cidrs  # in a mesh, identities decide, not addresses
 
 
+def test_mesh_processors_admit_into_the_pool_the_controller_scales(tmp_path: Path) -> None:
+    """The controller reads a pool's queue and turned-away demand by its name: the mesh
+    processors' pool must be one the shipped controller config scales (it was not: the
+    controller never saw Floodgate's queue)."""
+    from floodgate.controller.config import load_config as load_controller_config
+
+    mesh = {p.name for p in load_config(ISTIO / "processor.yaml", env={}).pools}
+    cm = next(d for d in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "config.yaml").read_text())
+              if d and d.get("kind") == "ConfigMap" and "controller.yaml" in d.get("data", {}))
+    (tmp_path / "controller.yaml").write_text(cm["data"]["controller.yaml"])
+    scaled = {p.name for p in load_controller_config(tmp_path / "controller.yaml", env={}).pools}
+    assert mesh <= scaled, (mesh, scaled)
+
+
 def test_admin_paths_policy_covers_the_gateways_blocked_paths() -> None:
     pol = next(d for d in yaml.safe_load_all((ISTIO / "authorizationpolicy.yaml").read_text())
                if d["metadata"]["name"] == "vllm-admin-paths")
