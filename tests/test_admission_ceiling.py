@@ -16,13 +16,7 @@ from floodgate.controller.config import ActuatorConfig, AdmissionCeilingConfig, 
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import (
-    BATCH_MEMORY_S,
-    BatchSeen,
-    PolicyConfig,
-    admission_ceiling,
-    observe_batch,
-)
+from floodgate.controller.policy import BATCH_MEMORY_S, BatchSeen, PolicyConfig, admission_ceiling, observe_batch
 from floodgate.extproc.limit import LimitState, Sample, cap_to_ceiling, lift_ceiling
 from floodgate.extproc.registry import Registry, parse_ceiling
 from floodgate.extproc.state import redis_client
