@@ -55,14 +55,12 @@ from floodgate.controller.lifecycle import (
 from floodgate.controller.liveness import StartBackoff, Unresponsive
 from floodgate.controller.metrics import BackgroundOp, ControllerMetrics
 from floodgate.controller.policy import (
-    BatchSeen,
     ScalePlan,
     StartTimes,
     admission_ceiling,
     arriving_capacity,
     health_poll_pause,
     later_than_announced,
-    observe_batch,
     replica_due,
     stalled_wakes,
 )
@@ -224,7 +222,6 @@ class PoolController:
         self._desired_stored: int | None = None  # the value last written to _k_desired
         self._orphans: set[str] = set()  # registry endpoints of no known replica at the last tick
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
-        self._batch = BatchSeen()  # the largest batch the replicas ran with requests waiting (the ceiling's floor)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._stalled_said: set[str] = set()  # stalled wakes already logged
         self._arriving_set: bool | None = None  # an announcement of capacity on its way is in Redis (None: unknown)
@@ -434,7 +431,6 @@ class PoolController:
         gateway = envoy.gateway if envoy is not None and envoy.ok and self.cfg.demand.use_envoy else None
         active_ids = [rid for rid, r in self.replicas.items() if r.view.state is S.ACTIVE]
         fresh = [samples[rid] for rid in active_ids if rid in samples and samples[rid].metrics.ok]
-        self._batch = observe_batch(self._batch, now, ((s.metrics.running, s.metrics.waiting) for s in fresh))
         latency = tick_latency([(s.ttft_delta, s.itl_delta, s.metrics.running + s.metrics.waiting) for s in fresh],
                                len(active_ids), saturated=fg.signal.ok and fg.signal.depth > 0)
         pool_signals = PoolSignals(self.pool, tuple(s.metrics for s in samples.values()), fg.signal,
@@ -540,7 +536,7 @@ class PoolController:
         p = d.plan
         soon = sum(1 for r in self.replicas.values() if r.view.state in (S.ACTIVE, S.WAKING))
         value = admission_ceiling(bool(self._ceiling_set), p.desired, soon, p.active, p.demand, d.per_replica,
-                                  c.headroom, self._batch.size) if c.enabled else None
+                                  c.headroom) if c.enabled else None
         short = value is not None
         if not short and self._ceiling_set is False:
             return
@@ -553,8 +549,7 @@ class PoolController:
             self.metrics.scrape_failures.labels(source="redis").inc()
             return
         if short != bool(self._ceiling_set):
-            self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2),
-                      batch_seen=self._batch.size)
+            self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2))
         self._ceiling_set = short
         self.metrics.ceiling.labels(pool=self.pool).set(float("nan") if value is None else value)
 

@@ -54,7 +54,7 @@ Rules (docs/controller.md):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from floodgate.controller.signals import INCOMING_STATES, PoolSignals, ReplicaState, ReplicaView
@@ -522,43 +522,10 @@ def decide(
     return plan, new_state
 
 
-@dataclass(frozen=True, slots=True)
-class BatchSeen:
-    """The largest batch an active replica was seen running while requests waited inside it
-    (vLLM started no more of them: its slots, or its KV cache, were full), and when it was last
-    seen at that size (`observe_batch`)."""
-
-    size: float = 0.0
-    at: float = -math.inf
-
-
-BATCH_MEMORY_S = 600.0  # a batch size not seen again for this long is forgotten (a replica type changed)
-
-
-def observe_batch(prev: BatchSeen, now: float, replicas: Iterable[tuple[float, float]],
-                  keep_s: float = BATCH_MEMORY_S) -> BatchSeen:
-    """Fold one tick's (running, waiting) of each freshly scraped active replica into `prev`
-    (pure). Only a replica with requests waiting shows its batch: running alone may be any load.
-    The largest seen is kept, refreshed whenever it is seen again, forgotten after `keep_s`."""
-    full = max((r for r, w in replicas if w > 0 and r > 0), default=0.0)
-    if now - prev.at > keep_s:
-        prev = BatchSeen()
-    if full > 0 and full >= prev.size:
-        return BatchSeen(full, now)
-    return prev
-
-
 def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand: float, per_replica: float,
-                      headroom: float, batch: float = 0.0) -> float | None:
+                      headroom: float) -> float | None:
     """The admission ceiling per active endpoint to publish for the processors, or None (pure;
     docs/controller.md, "Admission ceiling").
-
-    Its value is `per_replica` x `headroom`, or the largest batch the replicas were seen
-    running while requests waited inside them (`batch`, `observe_batch`) when that is more: the
-    ceiling keeps out of the engines what they cannot start, and holding them below the batch
-    they start left slots idle when the capacity was set below the replicas' (16-slot replicas
-    on the shipped prior of 7: a ceiling of 10.5, the limit at 52 of 80 slots through the cold
-    start; docs/controller.md, "Capacity prior").
 
     Only while cold starts are awaited: more replicas decided (`desired`) than are active or
     waking (`soon`: a promotion serves within a wake). It turns on when the offered `demand` is
@@ -570,10 +537,9 @@ def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand
     the processors' limit 52 <-> 115 each second)."""
     if per_replica <= 0 or desired <= soon:
         return None
-    value = max(per_replica * headroom, batch)
     carried = active * per_replica
-    on = demand > active * value or (was_on and demand > carried)
-    return value if on else None
+    on = demand > carried * headroom or (was_on and demand > carried)
+    return per_replica * headroom if on else None
 
 
 @dataclass(frozen=True, slots=True)

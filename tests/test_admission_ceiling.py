@@ -16,7 +16,7 @@ from floodgate.controller.config import ActuatorConfig, AdmissionCeilingConfig, 
 from floodgate.controller.decider import Signals
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.metrics import ControllerMetrics
-from floodgate.controller.policy import BATCH_MEMORY_S, BatchSeen, PolicyConfig, admission_ceiling, observe_batch
+from floodgate.controller.policy import PolicyConfig, admission_ceiling
 from floodgate.extproc.limit import LimitState, Sample, cap_to_ceiling, lift_ceiling
 from floodgate.extproc.registry import Registry, parse_ceiling
 from floodgate.extproc.state import redis_client
@@ -40,36 +40,6 @@ def test_ceiling_turns_on_above_what_it_lets_the_active_hold_and_off_within_thei
     assert ceil(True, 60.0, desired=4) is None  # nothing awaited: the decided replicas serve
     assert ceil(True, 60.0, soon=7) is None  # the rest are waking: they serve within a wake
     assert admission_ceiling(True, 7, 4, 4, 60.0, 0.0, 1.5) is None  # no capacity known
-
-
-def test_ceiling_never_holds_the_replicas_below_the_batch_they_were_seen_running() -> None:
-    # 16-slot replicas on a prior of 7 (elastic bench, --max-num-seqs 16): 7 x 1.5 = 10.5 held
-    # 5 replicas at 52 of their 80 slots through a cold start. With their batch seen (16), the
-    # ceiling is 16 each, and it turns on only past what they start (5 x 16 = 80).
-    def ceil(was_on: bool, demand: float, batch: float) -> float | None:
-        return admission_ceiling(was_on, 10, 5, 5, demand, 7.0, 1.5, batch)
-
-    assert ceil(False, 62.0, 0.0) == 10.5  # no batch seen: as before
-    assert ceil(False, 62.0, 16.0) is None  # within what the replicas start
-    assert ceil(False, 81.0, 16.0) == 16.0
-    assert ceil(True, 40.0, 16.0) == 16.0  # the band as before: off within active x capacity (35)
-    assert ceil(True, 35.0, 16.0) is None
-    assert ceil(False, 62.0, 8.0) == 10.5  # a batch below capacity x headroom changes nothing (8 slots)
-
-
-def test_the_batch_is_seen_only_with_requests_waiting_kept_and_forgotten() -> None:
-    b = observe_batch(BatchSeen(), 0.0, [(12.0, 0.0), (16.0, 0.0)])
-    assert b == BatchSeen()  # running without waiting says nothing about the batch
-    b = observe_batch(b, 1.0, [(12.0, 3.0), (16.0, 0.0)])
-    assert b == BatchSeen(12.0, 1.0)  # prefill-limited, or the true cap: the largest seen so far
-    b = observe_batch(b, 2.0, [(16.0, 2.0)])
-    assert b == BatchSeen(16.0, 2.0)
-    b = observe_batch(b, 3.0, [(9.0, 1.0)])
-    assert b == BatchSeen(16.0, 2.0)  # a smaller one does not lower it
-    b = observe_batch(b, 300.0, [(16.0, 1.0)])
-    assert b == BatchSeen(16.0, 300.0)  # seen again: refreshed
-    assert observe_batch(b, 300.0 + BATCH_MEMORY_S + 1, []) == BatchSeen()  # not seen for long: forgotten
-    assert observe_batch(b, 310.0, [(0.0, 5.0)]) == b  # nothing running (loading): no batch
 
 
 def test_lift_gives_back_the_level_per_endpoint() -> None:
