@@ -105,6 +105,13 @@ class Workload:
     target_concurrency: float | None = None
 
     @property
+    def capacity_prior(self) -> float:
+        """The prior both controllers size with: `target_concurrency`, else the shipped default."""
+        from floodgate.controller.policy import PolicyConfig
+
+        return PolicyConfig().target_concurrency if self.target_concurrency is None else self.target_concurrency
+
+    @property
     def cold_start(self) -> float:
         return self.cold_start_s * self.ops_scale
 
@@ -857,7 +864,7 @@ for with `--configs`): the overload benchmark's hand-tuned classes. The controll
 ({w['cold_start_s']:.0f} s) and wake ({w['wake_s']:.0f} s) are × {w['ops_scale']} (so
 {w['cold_start_s'] * w['ops_scale']:.0f} s and {w['wake_s'] * w['ops_scale']:.0f} s); request
 timings are not scaled. Pools start at {w['replicas']} active + the warm pool; max
-{w['max_replicas']}; the controllers' capacity prior (`policy.target_concurrency`) {report.get('capacity_prior', 7.0):g} per
+{w['max_replicas']}; the controllers' capacity prior (`policy.target_concurrency`) {report.get('capacity_prior', Workload().capacity_prior):g} per
 replica of {w['max_num_seqs']} slots. Classes (shipped, `config.ClassConfig` derived from the TTFT SLO): `{json.dumps(report['classes'])}`.
 
 **Plan.** Loads are multiples of one replica's capacity, **{report['per_replica_rps']:.2f} req/s**
@@ -978,7 +985,6 @@ def write_raw(out_dir: Path, out: RunOutput) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from floodgate.bench.overload import derive_capacity, slo_classes
-    from floodgate.controller.policy import PolicyConfig
     from floodgate.sim.report import SLO
 
     started = time.monotonic()
@@ -1030,7 +1036,7 @@ def run(args: argparse.Namespace) -> int:
         "tuned_classes": slo_classes(slo.ttft_s),
         "controller_overrides": ops_scaled(w),
         # The prior both controllers size with (shipped unless --target-concurrency).
-        "capacity_prior": w.target_concurrency if w.target_concurrency is not None else PolicyConfig().target_concurrency,
+        "capacity_prior": w.capacity_prior,
         "rows": [asdict(r) for r in rows],
         "verdicts": lines,
         "elapsed_s": previous.get("elapsed_s") or time.monotonic() - started,

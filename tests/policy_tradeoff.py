@@ -16,8 +16,13 @@ from collections import Counter
 
 from floodgate.extproc.config import PoolConfig
 
-from tests.policy_replay import replay, wrong_drops_at_current_rate
+from tests.policy_replay import Outcome, replay, wrong_drops_at_current_rate
 from tests.test_policy_replay import bench_burst, p2_outcomes, random_history
+
+
+def served(o: Outcome, i: int) -> bool:
+    """Was request `i` of the replay served in time (at once, or granted before its deadline)?"""
+    return i in o.granted_at and (o.decisions[i] == "immediate" or o.granted_at[i] <= o.deadline[i])
 
 
 def measure(chance: float, seeds: range, burst_seeds: range) -> dict[str, Counter[str]]:
@@ -34,7 +39,7 @@ def measure(chance: float, seeds: range, burst_seeds: range) -> dict[str, Counte
         c["wrong"] += len(wrong_drops_at_current_rate(o, classes, history))
         for i, a in enumerate(history):
             d = o.decisions[i]
-            in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+            in_time = served(o, i)
             c["served"] += in_time
             c["timeouts"] += d == "queued" and not in_time
             if a.cls == 2:
@@ -68,7 +73,7 @@ def reject_target(seeds: range, bench_seeds: range) -> None:
             for i, a in enumerate(history):
                 if a.cls == 2:
                     d = o.decisions[i]
-                    in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
+                    in_time = served(o, i)
                     p2_served += in_time
                     p2_to += d == "queued" and not in_time
         bt, bd, bs = p2_outcomes(classes, bench_seeds)
@@ -105,24 +110,23 @@ def p0p1(chances: list[float], seeds: range, shape_seeds: range) -> None:
     print("| P0/P1 min chance | histories: P0 / P1 wrong drops | served in time | queue timeouts "
           "| shapes: P0 / P1 wrong drops | served in time | queue timeouts |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
+    runs = [[random_history(s) for s in seeds], [pv.shape(name, s) for name in pv.SHAPES for s in shape_seeds]]
     for chance in chances:
         classes = {k: (c.model_copy(update={"early_drop_min_chance": chance}) if k < 2 else c) for k, c in shipped.items()}
         cells = []
-        runs = [("histories", [random_history(s) for s in seeds]),
-                ("shapes", [pv.shape(name, s) for name in pv.SHAPES for s in shape_seeds])]
-        for _, histories in runs:
+        for histories in runs:
             wrong: Counter[int] = Counter()
-            served: Counter[int] = Counter()
+            in_time: Counter[int] = Counter()
             timeouts: Counter[int] = Counter()
             for limit, history in histories:
                 o = replay(limit, classes, history)
                 wrong.update(history[i].cls for i in wrong_drops_at_current_rate(o, classes, history, only=(0, 1)))
                 for i, a in enumerate(history):
                     d = o.decisions[i]
-                    in_time = i in o.granted_at and (d == "immediate" or o.granted_at[i] <= o.deadline[i])
-                    served[a.cls] += in_time
-                    timeouts[a.cls] += d == "queued" and not in_time
-            cells += [f"{wrong[0]} / {wrong[1]}", f"{served[0]} / {served[1]}", f"{timeouts[0]} / {timeouts[1]}"]
+                    ok = served(o, i)
+                    in_time[a.cls] += ok
+                    timeouts[a.cls] += d == "queued" and not ok
+            cells += [f"{wrong[0]} / {wrong[1]}", f"{in_time[0]} / {in_time[1]}", f"{timeouts[0]} / {timeouts[1]}"]
         print(f"| {chance:.2f} | " + " | ".join(cells) + " |", flush=True)
 
 
