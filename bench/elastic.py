@@ -103,6 +103,8 @@ class Workload:
     phases: tuple[Phase, ...] = DEFAULT_PHASES
     # The controllers' per-replica capacity prior (policy.target_concurrency); None: shipped.
     target_concurrency: float | None = None
+    # The floodgate controller's `capacity.max_factor` (learning above the prior); None: shipped.
+    capacity_max_factor: float | None = None
 
     @property
     def capacity_prior(self) -> float:
@@ -235,6 +237,8 @@ def controller_config(name: str, w: Workload, redis_url: str, envoy_admin: str, 
         "timeouts": {"health_s": 10 * w.cold_start + 30, "wake_s": 30, "warmup_s": 30},
         "actuator": {"kind": "process", "command": sim_command(*sim_args(w)), "state_dir": str(state_dir)},
     }
+    if w.capacity_max_factor is not None:
+        pool["capacity"] = {"max_factor": w.capacity_max_factor}
     if name == "scaling":
         # HPA-like: proportional on running + waiting, no burst triggers.
         policy.update({"queue_pressure_per_replica": 1e9, "kv_pressure_threshold": 1.0,
@@ -943,6 +947,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the controllers' per-replica capacity prior, policy.target_concurrency, in every "
                         "configuration (default: shipped, 7: 7/8 of the default 8 slots; with bigger "
                         "replicas set it as a user would, or see how the shipped prior does)")
+    p.add_argument("--capacity-max-factor", type=float, default=None, metavar="X",
+                   help="the floodgate controller's capacity.max_factor: learned capacity may rise to X x the "
+                        "prior (default: shipped, 1: learning only lowers it)")
     p.add_argument("--per-replica-rps", type=float, default=None,
                    help="one replica's capacity (default: derived from the engine model)")
     p.add_argument("--seed", type=int, default=1, help="seed of the request plan (default 1)")
@@ -964,7 +971,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace) -> Workload:
     w = Workload(replicas=args.replicas, max_replicas=args.max_replicas, max_num_seqs=args.max_num_seqs,
                  seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start,
-                 target_concurrency=args.target_concurrency)
+                 target_concurrency=args.target_concurrency, capacity_max_factor=args.capacity_max_factor)
     return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
 
 
@@ -1037,6 +1044,7 @@ def run(args: argparse.Namespace) -> int:
         "controller_overrides": ops_scaled(w),
         # The prior both controllers size with (shipped unless --target-concurrency).
         "capacity_prior": w.capacity_prior,
+        "capacity_max_factor": w.capacity_max_factor,
         "rows": [asdict(r) for r in rows],
         "verdicts": lines,
         "elapsed_s": previous.get("elapsed_s") or time.monotonic() - started,

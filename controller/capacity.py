@@ -39,9 +39,16 @@ concurrency rises:
   concurrency of those ticks. This is what reveals a hard cap that latency does not show
   (flat latency up to a fixed batch size);
 
-and by `[min_factor, max_factor]` x the prior. By default `max_factor` is 1: learning corrects
-a prior that is too optimistic (the costly direction: SLO misses) and never sizes above it, as
-flat latency below a hard cap would otherwise invite climbing until the cap is hit. A window is used only when it is fresh (no
+* a move *up* is judged on the tail: the same estimate from TTFT at `up_quantile` (p99) must
+  lie above the current one, and bounds the move. Below a full batch the p90 stays flat while
+  the requests that queue inside the engine make the tail; sizing on the p90 alone climbed past
+  the concurrency at which 99 % of requests meet the SLO;
+
+and by `[min_factor, max_factor]` x the prior. By default `max_factor` is 1: learning corrects a
+prior that is too optimistic (the costly direction: SLO misses) and never sizes above it. Raised,
+a rise past the prior goes in steps of at most `max_step_up` (10 %) per window and only while
+the tail meets the SLO; a window whose tail misses sends the estimate back towards the prior.
+Measured both ways in docs/controller.md ("Learned capacity"). A window is used only when it is fresh (no
 stale tick, no failed scrape of an active replica inside it), has at least `min_ttft` and
 `min_itl` observations, and, to move the estimate *up*, carried at least `min_load_fraction`
 of the current estimate. Accepted estimates are smoothed (EWMA) and a single window moves the
@@ -77,9 +84,17 @@ class CapacityConfig(BaseModel):
     max_extrapolation: float = Field(default=1.5, ge=1, description="A window meeting the SLO at concurrency c proves at most this x c.")
     smoothing: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of a new window.")
     max_step: float = Field(default=0.5, gt=0, description="Largest relative change of the estimate per window.")
+    max_step_up: float = Field(default=0.1, gt=0, description="Largest relative rise of the estimate per window "
+                               "above the prior (`max_step` bounds a fall, and a rise up to the prior): an overshoot "
+                               "is paid in SLO misses, a shortfall only in replicas.")
     min_factor: float = Field(default=0.25, gt=0, le=1, description="Lowest estimate as a share of the prior.")
     max_factor: float = Field(default=1.0, ge=1, description="Highest estimate as a multiple of the prior (1: "
-                              "learning only corrects a prior that is too high; raise it to also learn upwards).")
+                              "learning only corrects a prior that is too high; raise it to also learn upwards, in steps "
+                              "of `max_step_up`, judged on the TTFT tail at `up_quantile`).")
+    up_quantile: float = Field(default=0.99, gt=0, lt=1, description="TTFT quantile a rise past the prior is judged "
+                               "on (with max_factor > 1): the estimate from it bounds the rise, and a window where it misses "
+                               "the SLO sends an estimate above the prior back towards it (a p90 stays flat below a full "
+                               "batch while the requests that queue inside the engine make the tail).")
     saturated_share: float = Field(default=0.875, gt=0, le=1, description="A window in which admission held requests "
                                    "back sizes for this share of the concurrency the replicas ran at (7 of 8).")
 
@@ -209,6 +224,16 @@ def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig) -> float
     return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
 
 
+def tail_ratio(w: Window, cfg: CapacityConfig) -> float | None:
+    """The window's latency as a share of the SLO, judged on TTFT at `up_quantile` (and mean
+    ITL): what a move up must keep within the aim."""
+    q = w.ttft.interpolated(cfg.up_quantile)
+    m = w.itl.mean
+    if q is None or m is None:
+        return None
+    return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
+
+
 def window_point(w: Window, cfg: CapacityConfig) -> tuple[float, float] | None:
     """(concurrency per replica, latency ratio) of a closed window that measured enough
     (untainted, with `min_ttft`/`min_itl` observations); None otherwise."""
@@ -234,7 +259,18 @@ def estimate_window(w: Window, point: tuple[float, float] | None, current: float
             return None, r  # too light to say anything about the limit
         raw = min(c * cfg.aim / max(r, 1e-9), c * cfg.max_extrapolation)
         raw = max(raw, c * cfg.aim)  # the SLO was met at c
-        if raw < current and r <= cfg.aim and not saturated:
+        # Above the prior (the operator's word) a rise needs the tail too, and keeps it.
+        bar = max(current, prior)
+        tail = tail_ratio(w, cfg) if raw > bar or current > prior else None
+        if current > prior and tail is not None and tail > 1.0:
+            raw = max(prior, c * cfg.aim / tail)  # the tail missed: back towards the prior
+        elif raw > bar:
+            # The same estimate from `up_quantile`, up to which a rise past `bar` may go.
+            up = None if tail is None else min(c * cfg.aim / max(tail, 1e-9), c * cfg.max_extrapolation)
+            raw = bar if up is None else max(bar, min(raw, up))
+            if raw <= current and not saturated:
+                return None, r
+        elif raw < current and r <= cfg.aim and not saturated:
             # Latency within the aimed share proves a lower bound only: it never lowers the
             # estimate (a pool sized generously runs light, and reading that as its limit
             # would spiral down). Between the aim and the SLO, it lowers towards the aim.
@@ -292,6 +328,7 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
         return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)
     blended = current + cfg.smoothing * (raw - current)
     lo, hi = current * (1 - cfg.max_step), current * (1 + cfg.max_step)
+    hi = min(hi, max(prior, current * (1 + cfg.max_step_up)))  # past the prior: small steps
     new = min(max(blended, lo), hi)
     new = min(max(new, cfg.min_factor * prior), cfg.max_factor * prior)
     return CapacityState(estimate=new, window=Window(now), updated_at=now, accepted=state.accepted + 1,

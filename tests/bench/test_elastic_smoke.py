@@ -98,3 +98,20 @@ def test_replica_seconds_count_every_state_that_holds_a_replica() -> None:
                ReplicaSample(20.0, {"active": 3.0})]
     act, pooled, starting, peak = replica_seconds(samples, 30.0)
     assert (act, pooled, starting, peak) == (20 + 30 + 30, 10.0, 20.0, 3.0)  # a failed one costs until stopped
+
+
+def test_capacity_max_factor_reaches_the_floodgate_controller_as_it_loads(tmp_path: Path) -> None:
+    """`--capacity-max-factor` sets the floodgate controller's learning bound (validated as the
+    controller loads its config); scaling only keeps learning off."""
+    from floodgate.controller.config import ControllerConfig
+
+    w = elastic._workload(_args(tmp_path, "--capacity-max-factor", "4"))
+    assert w.capacity_max_factor == 4.0
+    cfg = {name: ControllerConfig.model_validate(elastic.controller_config(
+        name, w, "redis://127.0.0.1:6379", "http://127.0.0.1:9901", 9999, tmp_path)).pools[0]
+        for name in ("floodgate", "scaling")}
+    assert cfg["floodgate"].capacity.max_factor == 4.0 and cfg["floodgate"].capacity.enabled
+    assert not cfg["scaling"].capacity.enabled
+    shipped = ControllerConfig.model_validate(elastic.controller_config(
+        "floodgate", elastic.Workload(), "redis://127.0.0.1:6379", "http://127.0.0.1:9901", 9999, tmp_path)).pools[0]
+    assert shipped.capacity.max_factor == 1.0
