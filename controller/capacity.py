@@ -39,10 +39,12 @@ concurrency rises:
   concurrency of those ticks. This is what reveals a hard cap that latency does not show
   (flat latency up to a fixed batch size);
 
-* a move *up* is judged on the tail: the same estimate from TTFT at `up_quantile` (p99) must
-  lie above the current one, and bounds the move. Below a full batch the p90 stays flat while
-  the requests that queue inside the engine make the tail; sizing on the p90 alone climbed past
-  the concurrency at which 99 % of requests meet the SLO;
+* past the prior (only with `max_factor` > 1), a move *up* is judged on the tail: the same
+  estimate from TTFT at `up_quantile` (p99) must lie above the current one, and bounds the move;
+  a window whose tail misses lowers it towards the prior; nothing else raises it there (a p90
+  miss, a floor's restore). Below a full batch the p90 stays flat while the requests that
+  queue inside the engine make the tail; sizing on the p90 alone climbed past the concurrency
+  at which 99 % of requests meet the SLO;
 
 and by `[min_factor, max_factor]` x the prior. By default `max_factor` is 1: learning corrects a
 prior that is too optimistic (the costly direction: SLO misses) and never sizes above it. Raised,
@@ -263,7 +265,7 @@ def estimate_window(w: Window, point: tuple[float, float] | None, current: float
         bar = max(current, prior)
         tail = tail_ratio(w, cfg) if raw > bar or current > prior else None
         if current > prior and tail is not None and tail > 1.0:
-            raw = max(prior, c * cfg.aim / tail)  # the tail missed: back towards the prior
+            raw = max(prior, min(current, c * cfg.aim / tail))  # the tail missed: back towards the prior
         elif raw > bar:
             # The same estimate from `up_quantile`, up to which a rise past `bar` may go.
             up = None if tail is None else min(c * cfg.aim / max(tail, 1e-9), c * cfg.max_extrapolation)
@@ -281,7 +283,9 @@ def estimate_window(w: Window, point: tuple[float, float] | None, current: float
             # latency below a hard cap says nothing about what lies beyond it.
             raw = min(raw, cfg.saturated_share * w.sat_conc_sum / w.saturated_ticks)
     else:
-        raw = c * cfg.aim / r  # the SLO was missed at c: capacity is below c
+        # The SLO was missed at c: capacity is below c. (A miss never raises the estimate past
+        # the prior, or past where it is when above: a rise there needs the tail.)
+        raw = min(c * cfg.aim / r, max(current, prior))
     return min(max(raw, cfg.min_factor * prior), cfg.max_factor * prior), r
 
 
@@ -316,7 +320,7 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
             # The SLO missed at a latency the load does not move: undo the lowering the
             # windows of that floor made (the estimate before the first of them), lower nothing.
             undo = max([state.floor_restore if remembered else 0.0, *(s.before for s, _ in floor)])
-            restored = min(max(current, undo), cfg.max_factor * prior)
+            restored = min(max(current, undo), max(current, prior))  # never a rise past the prior
             return replace(state, estimate=restored if state.estimate is not None else None, window=Window(now),
                            rejected=state.rejected + 1, last_ratio=miss, recent=recent,
                            floor_windows=state.floor_windows + 1,

@@ -171,12 +171,16 @@ def _add_simulate(sub: Any) -> None:
                    help="comma-separated subset; also floodgate-served (the loop before offered demand: "
                         "no admission model, served demand only, no learned capacity); `oracle` is accepted as "
                         "an old alias of zero-wait and reported as zero-wait")
-    p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:` sections overriding the defaults")
+    p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:`, `capacity:` sections overriding the defaults")
     p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here (default: print only)")
     p.set_defaults(handler=_simulate)
 
 
-def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
+def _load_overrides(path: Path | None) -> Any:
+    """The `--config` YAML of `simulate` and `suite` as `suite.Settings` (sections `policy`,
+    `forecast`, `warm_pool`, `capacity`, each as in the live controller's pool config)."""
+    from floodgate.controller.backtest.suite import Settings
+    from floodgate.controller.capacity import CapacityConfig
     from floodgate.controller.forecast import ForecastConfig
     from floodgate.controller.lifecycle import WarmPoolConfig
     from floodgate.controller.policy import PolicyConfig
@@ -187,15 +191,16 @@ def _load_overrides(path: Path | None) -> tuple[Any, Any, Any]:
     raw: dict[str, Any] = {}
     if path is not None:
         loaded = read_mapping(path)  # a ConfigError (ValueError) names a duplicate key
-        unknown = set(loaded) - {"policy", "forecast", "warm_pool"}
+        unknown = set(loaded) - {"policy", "forecast", "warm_pool", "capacity"}
         if unknown:
             raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
         raw = loaded
     try:
-        return (
+        return Settings(
             PolicyConfig(**(raw.get("policy") or {})),
             ForecastConfig(**(raw.get("forecast") or {})),
             WarmPoolConfig(**(raw.get("warm_pool") or {})),
+            CapacityConfig(**(raw.get("capacity") or {})),
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -240,7 +245,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"floodgate controller simulate: {bad}", file=sys.stderr)
         return 2
     try:
-        policy, forecast, pool = _load_overrides(args.config)
+        settings = _load_overrides(args.config)
+        policy, forecast, pool = settings.policy, settings.forecast, settings.warm_pool
     except (OSError, ValueError) as exc:
         print(f"floodgate controller simulate: {exc}", file=sys.stderr)
         return 2
@@ -296,7 +302,8 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     print(f"workload: {w.description}", flush=True)
     c = report.compare(
-        w, sim, policy, forecast, pool, names, progress=lambda m: print(f"  ran {m}", file=sys.stderr, flush=True)
+        w, sim, policy, forecast, pool, names, progress=lambda m: print(f"  ran {m}", file=sys.stderr, flush=True),
+        capacity=settings.capacity,
     )
     print()
     print(report.markdown_table(c))
@@ -342,6 +349,7 @@ def _add_suite(sub: Any) -> None:
     p.add_argument("--eval-hours", type=float, default=24.0, help="hours of the evaluated day")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--no-pareto", action="store_true", help="skip the warm-pool sweep")
+    p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:`, `capacity:` sections overriding the shipped defaults of the floodgate policies")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.set_defaults(handler=_suite)
 
@@ -368,6 +376,11 @@ def _suite(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"floodgate controller suite: --seeds: not a list of integers: {args.seeds!r}", file=sys.stderr)
         return 2
+    try:
+        settings = _load_overrides(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"floodgate controller suite: {exc}", file=sys.stderr)
+        return 2
     trace = args.trace if args.trace is not None and args.trace.is_file() else None
     if trace is None:
         print(f"floodgate controller suite: no trace at {args.trace}: skipping the azure-* scenarios", file=sys.stderr)
@@ -375,7 +388,8 @@ def _suite(args: argparse.Namespace) -> int:
     res = suite.run_suite(names, seeds, trace, SimConfig(), args.eval_hours, args.jobs,
                           None if args.no_pareto else seeds[0],
                           progress=lambda m: print(f"  done {m} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                                                   flush=True))
+                                                   flush=True),
+                          settings=settings)
     suite.write(res, args.out)
     print((args.out / "suite.md").read_text())
     print(f"wrote {args.out}/suite.md, suite.json, pareto.png ({time.perf_counter() - t0:.0f} s)")

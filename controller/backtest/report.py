@@ -67,9 +67,10 @@ def canonical_policy(name: str) -> str:
 
 
 def floodgate_controller(
-    name: str, w: Workload, policy: PolicyConfig, forecast: fc.ForecastConfig, pool: WarmPoolConfig
+    name: str, w: Workload, policy: PolicyConfig, forecast: fc.ForecastConfig, pool: WarmPoolConfig,
+    capacity: CapacityConfig | None = None,
 ) -> FloodgateController:
-    cfg = DeciderConfig(policy, forecast, pool)
+    cfg = DeciderConfig(policy, forecast, pool, capacity=capacity or CapacityConfig())
     if name == "floodgate-served":
         cfg = replace(cfg, demand=DemandConfig(enabled=False), capacity=CapacityConfig(enabled=False))
         return FloodgateController(name, cfg, DeciderState(history=w.history), admission=False)
@@ -83,19 +84,20 @@ def build_controllers(
     forecast: fc.ForecastConfig,
     pool: WarmPoolConfig,
     names: Sequence[str] = POLICY_NAMES,
+    capacity: CapacityConfig | None = None,
 ) -> list[SimController]:
     no_pool = pool.model_copy(update={"enabled": False})
     no_fc = forecast.model_copy(update={"enabled": False})
     out: list[SimController] = []
     for name in map(canonical_policy, names):
         if name in ("floodgate", "floodgate-served"):
-            out.append(floodgate_controller(name, w, policy, forecast, pool))
+            out.append(floodgate_controller(name, w, policy, forecast, pool, capacity))
         elif name == "floodgate-no-forecast":
-            out.append(floodgate_controller(name, w, policy, no_fc, pool))
+            out.append(floodgate_controller(name, w, policy, no_fc, pool, capacity))
         elif name == "floodgate-no-warm-pool":
-            out.append(floodgate_controller(name, w, policy, forecast, no_pool))
+            out.append(floodgate_controller(name, w, policy, forecast, no_pool, capacity))
         elif name == "floodgate-reactive":
-            out.append(floodgate_controller(name, w, policy, no_fc, no_pool))
+            out.append(floodgate_controller(name, w, policy, no_fc, no_pool, capacity))
         elif name == "hpa":
             out.append(HPAController(name, policy.target_concurrency, policy.min_replicas, policy.max_replicas,
                                      pool.max_drain_s))
@@ -131,10 +133,11 @@ def compare(
     pool: WarmPoolConfig,
     names: Sequence[str] = POLICY_NAMES,
     progress: Callable[[str], None] | None = None,
+    capacity: CapacityConfig | None = None,
 ) -> Comparison:
     results = []
     init = initial_replicas(w, policy.target_concurrency, policy.min_replicas, policy.max_replicas)
-    for ctl in build_controllers(w, sim, policy, forecast, pool, names):
+    for ctl in build_controllers(w, sim, policy, forecast, pool, names, capacity):
         t0 = time.perf_counter()
         r = run_policy(w, ctl, sim, init)
         if isinstance(ctl, FloodgateController) and ctl.cfg.forecast.enabled:

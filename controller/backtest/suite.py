@@ -18,7 +18,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from floodgate.controller.backtest import report, workload
 from floodgate.controller.backtest.engine import SimConfig, initial_replicas, run_policy
 from floodgate.controller.backtest.oracle import SLO_GOAL
 from floodgate.controller.backtest.workload import DayShape, Workload
+from floodgate.controller.capacity import CapacityConfig
 from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
@@ -100,6 +101,17 @@ def fixed_pool(pool: WarmPoolConfig, k: int) -> WarmPoolConfig:
 
 
 @dataclass(frozen=True)
+class Settings:
+    """The controller settings the floodgate policies run with (default: shipped), as
+    `floodgate controller simulate/suite --config` reads them."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    warm_pool: WarmPoolConfig = field(default_factory=WarmPoolConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+
+
+@dataclass(frozen=True)
 class Job:
     scenario: str
     seed: int
@@ -108,6 +120,7 @@ class Job:
     hours: float
     sim: SimConfig
     warmup_hours: float = 2.0
+    settings: Settings = field(default_factory=Settings)
 
 
 def _load(job: Job) -> Workload:
@@ -121,15 +134,16 @@ def run_job(job: Job) -> dict[str, Any]:
     sizes); plain dicts so the result crosses a process boundary."""
     w = _load(job)
     sim = SimConfig(**{**job.sim.__dict__, "seed": job.seed})
-    policy, forecast, pool = PolicyConfig(), ForecastConfig(), WarmPoolConfig()
+    st = job.settings
+    policy, forecast, pool = st.policy, st.forecast, st.warm_pool
     if job.kind == "compare":
-        c = report.compare(w, sim, policy, forecast, pool, SUITE_POLICIES)
+        c = report.compare(w, sim, policy, forecast, pool, SUITE_POLICIES, capacity=st.capacity)
         return {"scenario": job.scenario, "seed": job.seed, "kind": job.kind, **report.summary(c),
                 "table": report.markdown_table(c)}
     init = initial_replicas(w, policy.target_concurrency, policy.min_replicas, policy.max_replicas)
     points = []
     for k in POOL_SIZES:
-        ctl = report.floodgate_controller(f"pool-{k}", w, policy, forecast, fixed_pool(pool, k))
+        ctl = report.floodgate_controller(f"pool-{k}", w, policy, forecast, fixed_pool(pool, k), st.capacity)
         r = run_policy(w, ctl, sim, init)
         points.append({"pool": k, "slo": r.slo, "cost_s": r.unweighted})
     return {"scenario": job.scenario, "seed": job.seed, "kind": job.kind, "points": points}
@@ -144,7 +158,9 @@ def run_suite(
     jobs: int = 2,
     pareto_seed: int | None = 1,
     progress: Callable[[str], None] | None = None,
+    settings: Settings | None = None,
 ) -> list[dict[str, Any]]:
+    st = settings or Settings()
     todo: list[Job] = []
     for name in scenarios:
         sc = SCENARIOS[name]
@@ -152,9 +168,9 @@ def run_suite(
             continue
         tp = str(trace_path) if trace_path else None
         for seed in seeds:
-            todo.append(Job(name, seed, "compare", tp, hours, sim))
+            todo.append(Job(name, seed, "compare", tp, hours, sim, settings=st))
         if pareto_seed is not None:
-            todo.append(Job(name, pareto_seed, "pareto", tp, hours, sim))
+            todo.append(Job(name, pareto_seed, "pareto", tp, hours, sim, settings=st))
     out: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
         for res in ex.map(run_job, todo):

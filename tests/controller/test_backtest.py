@@ -208,6 +208,43 @@ def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
     cfg.write_text("warm_pool: {min_size: 4, max_size: 2}\n")
     assert main(["controller", "simulate", "--config", str(cfg)]) == 2
     assert "min_size (4) is above max_size (2)" in capsys.readouterr().err
+    cfg.write_text("capacity: {max_factor: 0.5}\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert "max_factor" in capsys.readouterr().err
+    # The suite reads the same file and stops before running anything.
+    assert main(["controller", "suite", "--out", str(tmp_path / "o"), "--config", str(cfg)]) == 2
+    assert "max_factor" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    cfg.write_text("capacity: {max_factr: 4}\n")
+    assert main(["controller", "suite", "--out", str(tmp_path / "o"), "--config", str(cfg)]) == 2
+    assert "max_factr" in capsys.readouterr().err
+
+
+def test_config_capacity_reaches_every_floodgate_policy(tmp_path: Path) -> None:
+    """`--config` with a `capacity:` section: what `simulate` and `suite` pass on reaches the
+    floodgate policies' deciders (floodgate-served keeps learning off), and the suite's jobs."""
+    from floodgate.controller.backtest import suite
+    from floodgate.controller.cli import _load_overrides
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("capacity: {max_factor: 4}\npolicy: {target_concurrency: 6}\n")
+    st = _load_overrides(cfg)
+    assert st.capacity.max_factor == 4.0 and st.policy.target_concurrency == 6.0
+    w = workload.make_day_workload(days=2, peak_rps=2.0, sim=SIM, trace=None, tile=False, eval_hours=0.2, seed=1,
+                                   warmup_hours=0.1)
+    ctls = report.build_controllers(w, SIM, st.policy, st.forecast, st.warm_pool,
+                                    [*report.POLICY_NAMES, "floodgate-served"], st.capacity)
+    caps = {c.name: c.cfg.capacity for c in ctls if isinstance(c, engine.FloodgateController)}
+    assert caps["floodgate-served"].enabled is False
+    assert {n: c.max_factor for n, c in caps.items() if n != "floodgate-served"} == {
+        n: 4.0 for n in caps if n != "floodgate-served"} and len(caps) >= 4
+    assert _load_overrides(None).capacity.max_factor == 1.0  # shipped
+    # The suite's jobs run with them (seen here through the policy section: min_replicas 12).
+    cfg.write_text("capacity: {max_factor: 4}\npolicy: {min_replicas: 12}\n")
+    res = suite.run_suite(["smooth-long"], [1], None, SIM, 0.1, 1, None, settings=_load_overrides(cfg))
+    active = {r["name"]: r["mean_active"] for r in res[0]["results"]}
+    assert active["floodgate"] == active["hpa"] == 12.0
+    res = suite.run_suite(["smooth-long"], [1], None, SIM, 0.1, 1, None)
+    assert {r["name"]: r["mean_active"] for r in res[0]["results"]}["floodgate"] < 12.0
 
 
 def test_trace_tile_and_replay() -> None:

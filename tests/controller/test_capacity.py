@@ -283,3 +283,49 @@ def test_saturation_caps_even_where_the_tail_forbids_a_rise() -> None:
             st = update(st, TickLatency(ttft, itl, 2 * (5.0 if sat else 8.0), 2, False, saturated=sat),
                         float(i), 7.0, cfg)
         assert capacity(st, 7.0, cfg) == pytest.approx(0.875 * 5.0, rel=0.02)
+
+
+def _window(st: CapacityState, t0: float, c: float, prior: float, cfg: CapacityConfig, *, ttft: float = 0.05,
+            tail: float | None = None, tail_share: float = 0.05, itl: float = 0.03) -> CapacityState:
+    """One window of ticks at concurrency c per replica (2 replicas): TTFT `ttft`, a share
+    `tail_share` of requests at `tail` instead; ITL `itl`."""
+    n = 200
+    hi = n * tail_share if tail is not None else 0.0
+    th = Histogram(tuple((le, (n - hi if le >= ttft else 0.0) + (hi if tail is not None and le >= tail else 0.0))
+                         for le in TTFT_LE), (n - hi) * ttft + hi * (tail or 0.0), float(n))
+    tk = TickLatency(th, hist(itl, 10 * n, ITL_LE), 2 * c, 2, False)
+    for i in range(int(cfg.window_s) + 1):
+        st = update(st, tk, t0 + i, prior, cfg)
+    return st
+
+
+def test_above_the_prior_only_the_tail_moves_it_up() -> None:
+    prior = 8.0
+    # A tail miss at the estimate's load lowers an estimate above the prior towards it ...
+    st = _window(CapacityState(estimate=9.0), 0.0, 9.0, prior, UP, tail=3.0)
+    assert prior <= capacity(st, prior, UP) < 9.0
+    # ... and at a higher load (a burst) it does not raise it, though c x aim / tail is above it.
+    st = _window(CapacityState(estimate=9.0), 0.0, 14.0, prior, UP, tail=2.0)  # p99 2.2 s: 14 x 0.8 / 1.1 = 10.2
+    assert st.last_ratio is not None and capacity(st, prior, UP) <= 9.0
+    # A p90 miss at a high load never raises it past the prior (c x aim / r = 10.2 here).
+    st = _window(CapacityState(), 0.0, 14.0, prior, UP, itl=0.11)
+    assert capacity(st, prior, UP) <= prior
+    # A rise is bounded by the tail's estimate, not the p90's (one window, no smoothing or step).
+    free = UP.model_copy(update={"smoothing": 1.0, "max_step_up": 1.0})
+    st = _window(CapacityState(), 0.0, 8.0, prior, free, tail=1.2, tail_share=0.011)  # p99 1.14 s
+    p90_bound = 8.0 * free.max_extrapolation  # 12: the p90 (ITL share 0.3) allows 21
+    assert st.estimate is not None and prior < st.estimate < p90_bound
+    assert st.estimate == pytest.approx(8.0 * free.aim / (1.0 + 1.5 * (1 - 0.01 / 0.011)) * 2.0, rel=1e-6)
+
+
+def test_a_floor_restore_never_lifts_an_estimate_past_the_prior() -> None:
+    """A window whose p90 miss reads as a latency floor (flat against a lighter one) restores the
+    estimate from before the floor's windows; from above the prior that stays where it is."""
+    prior = 8.0
+    st = CapacityState(estimate=8.5, recent=(Seen(14.0, 0.5, 12.0),))
+    st = _window(st, 0.0, 7.0, prior, UP, ttft=2.4)
+    assert st.floor_windows == 1 and capacity(st, prior, UP) == pytest.approx(8.5)
+    # Below the prior the restore works as before: back to the estimate before the floor.
+    st = CapacityState(estimate=5.0, recent=(Seen(14.0, 0.5, 7.5),))
+    st = _window(st, 0.0, 7.0, prior, UP, ttft=2.4)
+    assert capacity(st, prior, UP) == pytest.approx(7.5)
