@@ -217,20 +217,11 @@ def capacity(state: CapacityState, prior: float, cfg: CapacityConfig) -> float:
     return state.estimate
 
 
-def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig) -> float | None:
-    """Measured latency as a share of the SLO (max over TTFT quantile and mean ITL)."""
-    q = ttft.interpolated(cfg.ttft_quantile)
+def latency_ratio(ttft: Histogram, itl: Histogram, cfg: CapacityConfig, quantile: float | None = None) -> float | None:
+    """Measured latency as a share of the SLO (max over the TTFT quantile, `ttft_quantile`
+    unless given, and mean ITL)."""
+    q = ttft.interpolated(cfg.ttft_quantile if quantile is None else quantile)
     m = itl.mean
-    if q is None or m is None:
-        return None
-    return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
-
-
-def tail_ratio(w: Window, cfg: CapacityConfig) -> float | None:
-    """The window's latency as a share of the SLO, judged on TTFT at `up_quantile` (and mean
-    ITL): what a move up must keep within the aim."""
-    q = w.ttft.interpolated(cfg.up_quantile)
-    m = w.itl.mean
     if q is None or m is None:
         return None
     return max(q / cfg.slo_ttft_s, m / cfg.slo_itl_s)
@@ -263,7 +254,8 @@ def estimate_window(w: Window, point: tuple[float, float] | None, current: float
         raw = max(raw, c * cfg.aim)  # the SLO was met at c
         # Above the prior (the operator's word) a rise needs the tail too, and keeps it.
         bar = max(current, prior)
-        tail = tail_ratio(w, cfg) if raw > bar or current > prior else None
+        # The same ratio with TTFT at `up_quantile`: what a rise past `bar` is judged on.
+        tail = latency_ratio(w.ttft, w.itl, cfg, cfg.up_quantile) if raw > bar or current > prior else None
         if current > prior and tail is not None and tail > 1.0:
             raw = max(prior, min(current, c * cfg.aim / tail))  # the tail missed: back towards the prior
         elif raw > bar:

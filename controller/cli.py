@@ -12,7 +12,10 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from floodgate.controller.backtest.suite import Settings
 
 # The trace shipped with the package (floodgate/sim/data); a light import.
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "AzureLLMInferenceTrace_conv.csv.gz"
@@ -176,7 +179,7 @@ def _add_simulate(sub: Any) -> None:
     p.set_defaults(handler=_simulate)
 
 
-def _load_overrides(path: Path | None) -> Any:
+def _load_overrides(path: Path | None) -> Settings:
     """The `--config` YAML of `simulate` and `suite` as `suite.Settings` (sections `policy`,
     `forecast`, `warm_pool`, `capacity`, each as in the live controller's pool config)."""
     from floodgate.controller.backtest.suite import Settings
