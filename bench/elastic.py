@@ -990,6 +990,27 @@ def write_raw(out_dir: Path, out: RunOutput) -> None:
                    "replicas": [asdict(s) for s in out.replicas], "controller": out.controller_log}, f)
 
 
+def check_workload(w: Workload, configs: Sequence[str]) -> str | None:
+    """The controller config each configuration would run, validated as the controller will
+    validate it: a bad flag (`--capacity-max-factor 0.5`, `--replicas 12 --max-replicas 10`)
+    stops the bench before anything starts, naming the field, not minutes later when the
+    controller it spawned refuses its config."""
+    from floodgate.controller.config import parse_config
+
+    from floodgate.yamlconfig import ConfigError
+
+    for name in configs:
+        if name == "admission":
+            continue  # no controller
+        raw = controller_config(name, w, "redis://127.0.0.1:6379/0", "http://127.0.0.1:9901", 9000,
+                                Path("state"))
+        try:
+            parse_config(raw, env={})
+        except ConfigError as exc:
+            return f"the {name} controller's config (from this command's flags) is invalid: {exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from floodgate.bench.overload import derive_capacity, slo_classes
     from floodgate.sim.report import SLO
@@ -997,6 +1018,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     slo = SLO(args.slo_ttft, args.slo_tpot)
     w = _workload(args)
+    problem = None if args.from_raw else check_workload(w, args.configs)
+    if problem:
+        print(f"floodgate bench elastic: {problem}", file=sys.stderr)
+        return 2
     per_replica = args.per_replica_rps
     if args.from_raw:
         per_replica = json.loads((args.out / "results.json").read_text())["per_replica_rps"]

@@ -115,3 +115,21 @@ def test_capacity_max_factor_reaches_the_floodgate_controller_as_it_loads(tmp_pa
     shipped = ControllerConfig.model_validate(elastic.controller_config(
         "floodgate", elastic.Workload(), "redis://127.0.0.1:6379", "http://127.0.0.1:9901", 9999, tmp_path)).pools[0]
     assert shipped.capacity.max_factor == 1.0
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (("--capacity-max-factor", "0.5"), "capacity.max_factor"),
+    (("--replicas", "12"), "min_replicas must be ≤ max_replicas"),
+    (("--target-concurrency", "0"), "policy.target_concurrency"),
+])
+def test_a_bad_flag_stops_the_bench_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           flags: tuple[str, ...], field: str) -> None:
+    """A flag that makes a controller config invalid is refused up front, naming the field, with
+    nothing started and nothing written (the run used to fail minutes in, when the controller it
+    spawned refused its config)."""
+    args = _args(tmp_path, "--configs", "scaling", "floodgate", *flags)
+    assert elastic.run(args) == 2
+    err = capsys.readouterr().err
+    assert field in err and "invalid" in err
+    assert not (tmp_path / "out").exists()
+    assert elastic.check_workload(elastic._workload(_args(tmp_path)), elastic.CONFIGS) is None
