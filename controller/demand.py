@@ -347,6 +347,14 @@ def answered_bound(claimed: float, answered: float) -> float:
     return min(claimed, answered * (1 + ANSWERED_TOLERANCE) + ANSWERED_SLACK_RPS)
 
 
+def abandoned_bound(unanswered_arrivals: float, admitted: float) -> float:
+    """What Floodgate's `abandoned` rate may count: a client that left while queued got no
+    immediate response, so it is one of the arrivals Envoy counted that the processors did
+    not answer (`downstream_rq_total` less the immediate responses), and not one of those they
+    admitted; with the same room for the reads' misalignment as `answered_bound`."""
+    return max(0.0, unanswered_arrivals * (1 + ANSWERED_TOLERANCE) + ANSWERED_SLACK_RPS - admitted)
+
+
 def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     """Reconciled offered demand at `now` (see the module doc)."""
     fg_ok = _fresh(w.floodgate, now, cfg)
@@ -372,8 +380,24 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # ones it refused as malformed (a review: 30 req/s of `x-tenant-id: a,b`, each a 400,
     # scaled a pool for one replica's load 1 -> 8, its max, in 28 s).
     refused, _ = not_demand_rate(w, now, cfg)
-    left = counted_between(fa, fb, "abandoned") / (fb.taken_at - fa.taken_at)
-    claimed = max(0.0, sum(away.values()) - left)  # (a client that left while queued got no reply)
+    dt_fg = fb.taken_at - fa.taken_at
+    left_c = {c: max(0.0, cb.abandoned - fa.classes.get(c, ClassCounters()).abandoned) / dt_fg
+              for c, cb in fb.classes.items()}
+    left = sum(left_c.values())
+    # A client that left while queued got no reply, so `abandoned` is not held to Envoy's
+    # immediate responses; it is held to the arrivals Envoy saw that got none, less what the
+    # processors admitted (a review forged 20,000/s of it, and the controller read that as
+    # offered and turned-away demand).
+    left_max = abandoned_bound(g_off - g_away, sum(adm.values()))
+    forged_left = max(0.0, left - left_max)
+    if forged_left > 0:
+        keep_left = left_max / left
+        for c, v in left_c.items():
+            cut = v * (1 - keep_left)
+            away[c] = max(0.0, away.get(c, 0.0) - cut)
+            off[c] = max(adm.get(c, 0.0), off.get(c, 0.0) - cut)
+        left = left_max
+    claimed = max(0.0, sum(away.values()) - left)
     answered = max(0.0, g_away - refused)
     unanswered = claimed - answered_bound(claimed, answered)
     if unanswered > 0:
@@ -390,7 +414,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # Envoy answered every attempt, so the two sources are compared on what Floodgate turned
     # away, before the retries admitted since take their first attempts back.
     off, away = net_of_retries(fa, fb, off, adm, away)
-    return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess, max(0.0, unanswered))
+    return OfferedDemand(False, "floodgate+envoy", off, adm, away, excess, max(0.0, unanswered) + forged_left)
 
 
 def recent(w: DemandWindow, now: float, span_s: float) -> DemandWindow:

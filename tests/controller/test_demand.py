@@ -135,6 +135,30 @@ def test_floodgate_counters_never_claim_more_turned_away_than_envoy_answered() -
     assert d.unanswered_rate == 0.0 and d.turned_away_rate[1] == pytest.approx(6.5)
 
 
+def test_abandoned_is_held_to_the_arrivals_envoy_saw_unanswered() -> None:
+    # `abandoned` (a client that left while queued) gets no immediate response, so the bound
+    # above leaves it out; a review forged 20,000/s of it and the controller read it as offered
+    # and turned-away demand. It is one of the arrivals Envoy counted that got no immediate
+    # response, and not one of the admitted ones.
+    a = FloodgateCounters(100.0, True, {1: ClassCounters(), 2: ClassCounters()})
+    ga, gb = GatewayCounters(100.0, True, 0, 0), GatewayCounters(110.0, True, 100, 60)  # 10/s in, 6/s answered
+    forged = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=40, early_drop=60, abandoned=150_000),
+                                             2: ClassCounters(abandoned=50_000)})
+    d = offered(feed([(100.0, a, ga), (110.0, forged, gb)]), 110.0, CFG)
+    room = (10 - 6) * 1.25 + 1.0 - 4  # 2 abandoned/s at most
+    assert sum(d.turned_away_rate.values()) == pytest.approx(6.0 + room)
+    assert sum(d.offered_rate.values()) == pytest.approx(4.0 + 6.0 + room)
+    assert d.turned_away_rate[2] == pytest.approx(room / 4)  # split as claimed (1 : 3)
+    assert d.unanswered_rate == pytest.approx(20_000 - room)
+    # Honest: 3/s left while queued out of 10/s arriving, 7/s admitted, none answered.
+    honest = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=70, abandoned=30), 2: ClassCounters()})
+    d = offered(feed([(100.0, a, ga), (110.0, honest, GatewayCounters(110.0, True, 100, 0))]), 110.0, CFG)
+    assert d.turned_away_rate[1] == pytest.approx(3.0) and d.unanswered_rate == 0.0
+    # Without Envoy's counters there is nothing to hold them to (`demand.use_envoy: false`).
+    d = offered(feed([(100.0, a, ga), (110.0, forged, gb)]), 110.0, CFG.model_copy(update={"use_envoy": False}))
+    assert d.turned_away_rate[1] == pytest.approx(6.0 + 15_000)
+
+
 def test_stale_and_missing_are_never_zero() -> None:
     a = fg(100.0, {1: (0, 0, 0, 0)})
     b = fg(110.0, {1: (10, 0, 90, 0)})
