@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+from collections.abc import Callable
 
 # Sub-benchmark name -> module, in --help order.
 BENCHMARKS: dict[str, str] = {
@@ -30,6 +32,24 @@ and print a table with ratios to its reference configuration. See docs/benchmark
 """
 
 
+def terminable(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run` with SIGTERM turned into an exception, so that the benchmark's `with Supervisor()`
+    blocks stop what they started, as they do on Ctrl-C: with Python's default SIGTERM the
+    process died at once and left Redis, Envoy and the processors running (a review: a CI
+    cancel or `timeout` left five processes behind)."""
+    def handler(args: argparse.Namespace) -> int:
+        def stop(signum: int, _frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            return run(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return handler
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         bp = benches.add_parser(name, help=module.SUMMARY, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(bp)
-        bp.set_defaults(handler=module.run)
+        bp.set_defaults(handler=terminable(module.run))
 
     def usage(_args: argparse.Namespace) -> int:
         p.print_help()

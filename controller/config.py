@@ -69,7 +69,7 @@ class ActuatorConfig(_Strict):
     kind: Literal["process", "static", "kubernetes", "endpointslices"] = Field(
         description="Where replicas run. `endpointslices`: metrics-only (KEDA/HPA owns the replica count); "
         "pods are discovered from the model Service's EndpointSlices, never created or deleted.")
-    command: list[str] | None = Field(default=None, description="process: argv template with {port} (and {replica_id}); default `floodgate sim` with sleep mode.")
+    command: list[str] | None = Field(default=None, description="process: argv template: `{port}` (required), `{replica_id}` and `{host}` are replaced, every other character (JSON arguments included) is passed as written; default `floodgate sim` with sleep mode.")
     state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: <tmp>/floodgate-controller-<pool>-<hash of the Redis URL, leader key and pool>). A table of another deployment whose replicas still run is refused.")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
     endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port, each once), or name -> endpoint.")

@@ -425,7 +425,12 @@ class ServerConfig(_Strict):
     switch_interval_s: float | None = Field(default=0.001, gt=0, le=0.1, description="How long Python lets one thread hold the interpreter lock while another waits for it (`sys.setswitchinterval`). gRPC's completion-queue thread hands every incoming message to the event loop through that lock, and the /metrics thread holds it for 10-20 ms per scrape: with the interpreter's 5 ms a message can wait 5 ms per hand-over. null: the interpreter's default (5 ms).")
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="After SIGTERM: how long requests in flight through this processor (streaming responses, queued requests) may still run before they are cut. Meanwhile health checks read NOT_SERVING, so Envoy sends new requests to the other processors, and this one keeps serving whatever still comes. Keep it below the orchestrator's kill deadline (Kubernetes `terminationGracePeriodSeconds`, compose `stop_grace_period`). A second SIGTERM cuts at once.")
     shutdown_quiet_s: float = Field(default=2.0, ge=0, description="After SIGTERM the processor stops as soon as nothing is in flight and no new stream has started for this long (Envoy has moved to the other processors: its health check interval, 2 s in envoy/floodgate-cluster.yaml), or when `shutdown_grace_s` is over.")
+    envoy_message_timeout_s: float = Field(default=35.0, gt=1, le=3600, description="The ext_proc filter's `message_timeout` in your Envoy (35 s in envoy/floodgate-filter.yaml). A queued request holds its request-headers reply while it waits, and Envoy answers 504 (\"no processor answered\") to one still waiting at that timeout: every class's `queue_timeout_s` must end at least 1 s before it (checked at start-up). Raise both together.")
     max_headers: int = Field(default=100, ge=10, le=10000, description="Envoy's header-count limit (`max_headers_count`, 100 unless your HTTP connection manager sets it). Near it, the informational headers Floodgate adds (x-floodgate-priority, x-floodgate-queue-ms) are left out rather than pushing a request over the limit (Envoy would answer 500).")
+
+
+# A queued request is answered at least this long before Envoy's ext_proc message_timeout.
+MESSAGE_TIMEOUT_MARGIN_S = 1.0
 
 
 class Config(_Strict):
@@ -454,6 +459,28 @@ class Config(_Strict):
                                      "(compared case-insensitively): each authority can select one pool")
                 seen[a] = p.name
         return v
+
+    @model_validator(mode="after")
+    def _fits_envoy(self) -> Config:
+        # Envoy answers 504 to a request still queued at its ext_proc message_timeout, with the
+        # local reply of a processor that never answered (a review: a P0 with a 60 s queue
+        # timeout got "admission unavailable, retry after 1 s" after 35 s).
+        room = self.server.envoy_message_timeout_s - MESSAGE_TIMEOUT_MARGIN_S
+        for i, p in enumerate(self.pools):
+            for c, cc in sorted(p.classes.items()):
+                if cc.queue_timeout_s > room:
+                    raise ValueError(
+                        f"pools.{i}.classes.{c}.queue_timeout_s is {cc.queue_timeout_s:g} s, but a queued request must "
+                        f"be answered {MESSAGE_TIMEOUT_MARGIN_S:g} s before Envoy's ext_proc message_timeout "
+                        f"(server.envoy_message_timeout_s: {self.server.envoy_message_timeout_s:g} s), or Envoy answers "
+                        "it 504 as if no processor ran: lower the queue timeout (or slo_ttft_s x queue_wait_slo_share), "
+                        "or raise message_timeout in your Envoy's ext_proc filter and server.envoy_message_timeout_s "
+                        "together")
+        s = self.server
+        used = [a for a in (s.listen, s.health_listen, s.metrics_listen) if a]
+        if len(set(used)) != len(used):
+            raise ValueError(f"server.listen, server.health_listen and server.metrics_listen must differ, got {used}")
+        return self
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:

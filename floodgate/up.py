@@ -386,7 +386,15 @@ def run(args: argparse.Namespace) -> int:
             # The controller's replicas come and go: Envoy reaches them through endpoint picking.
             pools = [dict(p) for p in config.get("pools") or [{"name": "default"}]]
             for p in pools:
-                p.setdefault("endpoint_picking", True)
+                if p.get("endpoint_picking") is False:
+                    # Envoy here has no cluster of its own to route to: the replicas are the
+                    # controller's and reach Envoy only by picking (a review's config with it off
+                    # never served: an empty model cluster, 503 upstream_unavailable).
+                    print(f"floodgate up: pool {p.get('name', 'default')!r}: endpoint_picking: false is overridden "
+                          "(the local stack's replicas come and go with its controller and Envoy reaches them only "
+                          "through endpoint picking; in front of your own fixed pool run `floodgate extproc` with "
+                          "your Envoy instead)", file=sys.stderr)
+                p["endpoint_picking"] = True
                 note = _loopback_allowlist(p)
                 if note:
                     print(f"floodgate up: {note}", file=sys.stderr)

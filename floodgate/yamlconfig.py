@@ -70,6 +70,24 @@ def _check_unique_keys(loader: yaml.SafeLoader, node: yaml.Node, path: tuple[str
             _check_unique_keys(loader, value_node, (*path, name), seen)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the parser found and where (line, column), without the snippet of the file that
+    PyYAML's own message quotes: the line may hold a password (a review saw
+    `password: [hunter2secret` printed to the log)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+
+    def at(mark: Any) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+    parts = []
+    if exc.context:
+        parts.append(f"{exc.context}{at(exc.context_mark)}")
+    if exc.problem:
+        parts.append(f"{exc.problem}{at(exc.problem_mark)}")
+    return ": ".join(parts) or type(exc).__name__
+
+
 def read_mapping(path: str | Path) -> dict[str, Any]:
     """The YAML file's top-level mapping (an empty file is an empty mapping)."""
     try:
@@ -82,7 +100,7 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
     try:
         loaded = load_unique(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config {path} is not valid YAML: {yaml_problem(exc)}") from None
     except DuplicateKey as exc:
         raise ConfigError(f"config {path}: {exc}") from None
     if loaded is None:

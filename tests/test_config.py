@@ -118,3 +118,38 @@ def test_check_config_warns_of_a_class_that_drops_shipped_values(tmp_path: Path)
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "pools[a].classes.0 leaves out headroom, queue_wait_slo_share" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text", [
+    "pools: [{name: a, classes: {0: {queue_timeout_s: 60, max_queue: 100, share: 0.5}}}]",
+    # derived: 5 s TTFT SLO x 10 = 50 s
+    "pools: [{name: a, classes: {0: {slo_ttft_s: 5, queue_wait_slo_share: 10, max_queue: 100, share: 0.5}}}]",
+    "pools: [{name: a, classes: {0: {queue_timeout_s: 34.5, max_queue: 100, share: 0.5}}}]",
+])
+def test_a_queue_timeout_past_envoys_message_timeout_is_refused(tmp_path: Path, text: str) -> None:
+    """Envoy answers 504 ("no processor answered", Retry-After 1) to a request still queued at
+    the ext_proc filter's message_timeout (35 s shipped): a review's P0 with a 60 s queue
+    timeout got that after 35 s. The config names the class and the setting to raise with it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), env={})
+    assert "pools.0.classes.0.queue_timeout_s" in str(err.value)
+    assert "server.envoy_message_timeout_s" in str(err.value)
+    raised = load_config(write(tmp_path, text + "\nserver: {envoy_message_timeout_s: 70}"), env={})
+    assert raised.pools[0].classes[0].queue_timeout_s > 34
+    assert load_config(write(tmp_path, text.replace("34.5", "34").replace("60", "34")
+                             .replace("queue_wait_slo_share: 10", "queue_wait_slo_share: 6")), env={})
+
+
+def test_one_address_for_two_listeners_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "server: {listen: '127.0.0.1:9464'}"), env={})
+    assert "server.metrics_listen" in str(err.value)
+
+
+def test_a_yaml_error_does_not_print_the_line(tmp_path: Path) -> None:
+    """PyYAML's own message quotes the offending line, which may hold a password (a review saw
+    one in the log); the error says where, not what."""
+    for text in ("redis:\n  password: [hunter2secret\n", 'redis: {url: "redis://u:hunter2secret@h: 1\n'):
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, text), env={})
+        assert "hunter2secret" not in str(err.value) and "line " in str(err.value)

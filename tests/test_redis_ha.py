@@ -327,9 +327,9 @@ def _sentinel_admitter(topology: SentinelTopology, *, lease_ttl_s: float) -> tup
     cfg = Config.model_validate({
         "redis": {"url": topology.url, "lease_ttl_s": lease_ttl_s, "op_timeout_s": 0.25, "poll_interval_s": 0.1},
         "pools": [{"name": "s", "local_credits": 0, "limit": {"mode": "static", "initial": 3},
-                   "classes": {0: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.5},
-                               1: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.3},
-                               2: {"queue_timeout_s": 60, "max_queue": 100, "share": 0.1}}}]})
+                   "classes": {0: {"queue_timeout_s": 30, "max_queue": 100, "share": 0.5},
+                               1: {"queue_timeout_s": 30, "max_queue": 100, "share": 0.3},
+                               2: {"queue_timeout_s": 30, "max_queue": 100, "share": 0.1}}}]})
     client = redis_client(topology.url, op_timeout_s=0.25)
     sub_client = make_client(topology.url, op_timeout_s=0.25, blocking=True)
     return cfg, client, sub_client, Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw")
@@ -609,7 +609,7 @@ async def test_controller_and_status_state_api_on_a_cluster(cluster: ClusterTopo
 def _stack_on(stack: LocalStack, url: str, limit: int) -> Any:
     stack.redis_url = url
     cfg = {"pools": [{"name": "default", "limit": {"mode": "static", "initial": limit}, "local_credits": 0,
-                      "classes": {c: {"queue_timeout_s": 60, "max_queue": 100, "share": s}
+                      "classes": {c: {"queue_timeout_s": 30, "max_queue": 100, "share": s}
                                   for c, s in ((0, 0.5), (1, 0.3), (2, 0.1))}}],
            "redis": {"lease_ttl_s": 3, "poll_interval_s": 5},  # grants must come by pub/sub
            "admission": {"trust": {"cidrs": ["127.0.0.0/8"]}}}

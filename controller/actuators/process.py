@@ -123,6 +123,15 @@ def live_entries(table: Table) -> dict[str, int]:
     return out
 
 
+
+def fill_placeholders(arg: str, **values: object) -> str:
+    """`arg` with `{port}`, `{replica_id}` and `{host}` replaced, and nothing else touched:
+    model servers take JSON arguments (vLLM's `--compilation-config '{"level": 3}'`), which
+    `str.format` read as placeholders and failed every start on (a review)."""
+    for key, value in values.items():
+        arg = arg.replace("{" + key + "}", str(value))
+    return arg
+
 class TableOwnedElsewhere(ValueError):
     """The state_dir holds running replicas of another deployment."""
 
@@ -235,7 +244,7 @@ class ProcessActuator:
             if e is not None and e.get("pid") is None and resolve_pending({replica_id: e}):
                 return self._handle(replica_id, e)  # a start its controller did not finish recording
             port = free_port(self.host)
-            argv = [a.format(port=port, replica_id=replica_id, host=self.host) for a in self.command]
+            argv = [fill_placeholders(a, port=port, replica_id=replica_id, host=self.host) for a in self.command]
             name = f"replica-{replica_id}"
             token = f"{replica_id}/{uuid.uuid4().hex}"
             e = table[replica_id] = {

@@ -346,3 +346,22 @@ async def test_a_replica_started_with_another_command_is_listed_outdated(tmp_pat
         await act.stop_all()
     finally:
         _kill_marked(tmp_path)
+
+
+async def test_a_command_with_json_arguments_starts_with_them_as_written(tmp_path: Path) -> None:
+    """Model servers take JSON arguments (vLLM's `--compilation-config '{"level": 3}'`); the
+    command template used to go through `str.format`, and every start failed with KeyError (a
+    review). Only `{port}`, `{replica_id}` and `{host}` are placeholders."""
+    import psutil
+
+    state = tmp_path / "replicas"
+    cmd = [*_replica_cmd(tmp_path), '{"level": 3}', "{bogus}", "id={replica_id}", "{host}:{port}"]
+    try:
+        act = ProcessActuator(cmd, state)
+        h = await act.start("r0")
+        assert h is not None and h.running and h.endpoint
+        argv = psutil.Process(int(h.labels["pid"])).cmdline()
+        assert argv[-4:] == ['{"level": 3}', "{bogus}", "id=r0", h.endpoint]
+        await act.stop_all()
+    finally:
+        _kill_marked(tmp_path)

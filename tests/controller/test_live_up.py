@@ -67,6 +67,11 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
     port, admin = free_port(), free_port()
     err = (tmp_path / "up.err").open("wb")
     keep = ["--keep-logs"] if stop == signal.SIGHUP else []
+    if stop == signal.SIGINT:
+        # A user's config with picking off (what the README says for a fixed pool) still serves:
+        # up's replicas reach Envoy only by picking (a review's never did: an empty cluster).
+        (tmp_path / "own.yaml").write_text("pools: [{name: default, endpoint_picking: false}]\n")
+        keep = ["--config", str(tmp_path / "own.yaml")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "1", "--processors", "1",
          "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3", *keep],
@@ -83,6 +88,7 @@ def test_up_no_demo_starts_and_stops_cleanly(tmp_path: Path, stop: signal.Signal
         assert f"gateway http://127.0.0.1:{port}/v1" in text
         assert _post(f"http://127.0.0.1:{port}") == 200
         if stop == signal.SIGINT:
+            assert "endpoint_picking: false is overridden" in text
             # The status command the banner prints finds the stack's controller (a review: the
             # quickstart's `status --redis-url` alone said no controller runs).
             cmd = re.search(r"status +floodgate (status .*)", text)
