@@ -182,6 +182,9 @@ def render_local(*, listen_port: int = 10000, admin_port: int = 9901,
                     # (cheap reads like /v1/models take no permit: `unadmitted_paths`, nor do
                     # requests that run no model, a body-less GET/HEAD/OPTIONS: `unadmitted_methods`).
                     route["route"]["cluster"] = "model_picked"
+                    # the destination is the processor's pick: a retry would go to the same
+                    # replica (the processor ejects a dead one: eject_after_failures)
+                    route["route"].pop("retry_policy", None)
                     route.pop("typed_per_filter_config", None)
     router_at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.router")
     filters[router_at:router_at] = list(extra_filters)
