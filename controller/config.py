@@ -164,6 +164,13 @@ class TimeoutsConfig(_Strict):
     crash_loop_s: float = Field(default=60.0, ge=0, description="A replica that fails within this long after it came up (its warm-up passed: it crashed on its first batches, an OOM, a bad kernel, a node that kills it) counts as a failed start for `start_backoff_s`, and the backoff resets only once a replica has served this long: such a replica otherwise restarted as fast as it died, one model load after another (a review: 16 cold starts in 40 s, no backoff). 0: only failures before coming up count.")
     start_backoff_max_s: float = Field(default=60.0, gt=0, description="The longest wait between failing starts.")
 
+    @model_validator(mode="after")
+    def _backoff(self) -> TimeoutsConfig:
+        if self.start_backoff_s > self.start_backoff_max_s:
+            raise ValueError(f"start_backoff_s ({self.start_backoff_s:g}) must be ≤ start_backoff_max_s "
+                             f"({self.start_backoff_max_s:g}): the first wait would be cut to the cap")
+        return self
+
 
 class AdmissionCeilingConfig(_Strict):
     enabled: bool = Field(default=True, description="While the pool waits for cold starts (more replicas decided than are active or waking) and the active replicas are offered more than the ceiling lets them hold (on; off again once demand is within what they carry), publish an admission ceiling for its processors: the per-replica capacity the pool is sized with (learned, else `policy.target_concurrency`) x `headroom`, per active endpoint. Processors with `limit.controller_ceiling` (on by default) hold their Vegas limit at or below it x the active endpoints, so the part of a burst the active replicas cannot start waits in Floodgate's priority queue (or is turned away, which counts as demand), not in the engines' FIFO queues, until the cold-started replicas serve; a promotion from the warm pool (serving within a wake) does not publish it (docs/controller.md, \"Admission ceiling\").")

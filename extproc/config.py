@@ -166,7 +166,7 @@ class LimitConfig(_Strict):
 
 class PoolConfig(_Strict):
     name: PoolName = Field(default="default", description="Pool name: letters, digits, `_`, `.` and `-`; one Redis hash tag per pool.")
-    match_authority: str | None = Field(default=None, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default). Two pools may not share one.")
+    match_authority: str | None = Field(default=None, min_length=1, description="Requests whose :authority equals this (case-insensitive, with or without a numeric :port) go to this pool (first pool is the default). Two pools may not share one.")
     endpoint_picking: bool = Field(default=False, description="Route each admitted request to the least-loaded active endpoint of the registry via x-gateway-destination-endpoint (needs the ORIGINAL_DST cluster include): the least estimated prefill queued (`prefill_tokens_per_s`), then the fewest permits routed there.")
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit P1 requests from them without a Redis round trip (P0 and P2 always ask Redis, which counts them in their class; 0 disables; not used with endpoint picking).")
     allowed_endpoints: list[str] = Field(
@@ -305,6 +305,15 @@ class TrustConfig(_Strict):
     cidrs: list[str] = Field(default_factory=list, description="Source address ranges whose priority header is honoured (the TCP peer Envoy reports; an IPv4 client of a dual-stack listener, `::ffff:a.b.c.d`, matches as its IPv4 address).")
     spiffe_ids: list[str] = Field(default_factory=list, description="mTLS peer URI SANs whose priority header is honoured (exact, or prefix ending in '/').")
     spiffe_priorities: dict[str, Priority] = Field(default_factory=dict, description="mTLS peer URI SAN -> priority, applied when the caller sends no header.")
+
+    @field_validator("spiffe_ids", "spiffe_priorities")
+    @classmethod
+    def _spiffe(cls, v: Any) -> Any:
+        # A peer's URI SAN is a SPIFFE ID; anything else never matches, silently (a review).
+        for sid in v:
+            if not (isinstance(sid, str) and sid.startswith("spiffe://") and len(sid) > len("spiffe://")):
+                raise ValueError(f"{sid!r} is not a SPIFFE ID (spiffe://<trust-domain>/...): it would never match a peer")
+        return v
 
     @field_validator("cidrs")
     @classmethod

@@ -44,6 +44,10 @@ def test_env_and_flag_overrides(tmp_path: Path) -> None:
      "pools.0.classes"),
     ("admission: {default_priority: 7}", "admission.default_priority"),
     ("pools: []", "pools"),
+    # accepted silently before, and never matched anything (a review)
+    ("admission: {trust: {spiffe_ids: ['not-a-uri']}}", "admission.trust.spiffe_ids"),
+    ("admission: {trust: {spiffe_priorities: {'ns/a/sa/b': 0}}}", "admission.trust.spiffe_priorities"),
+    ("pools: [{name: a, match_authority: ''}]", "pools.0.match_authority"),
 ])
 def test_bad_field_is_named(tmp_path: Path, text: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:

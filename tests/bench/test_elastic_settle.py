@@ -47,3 +47,31 @@ def test_rejections_before_the_burst_are_not_its_own() -> None:
     # but is not itself a moment of the burst.
     spec = [*_steady(55, 100, 20), (59.5, REJECTED)]
     assert rejection_settle(_recs(spec), 60, 100) == 0.0
+
+
+def test_slo_settle_counts_a_late_answer_as_a_miss_where_rejections_see_none() -> None:
+    """A pool that queues a burst instead of turning it away has no rejection to settle, but its
+    SLO has (a review: scaling only read 0.0 s on rejections, 18 s on the SLO)."""
+    from types import SimpleNamespace
+
+    from floodgate.bench.elastic import slo_settle
+
+    slow = {61.0 + 0.5 * i for i in range(30)}  # served, late: 61.0 ... 75.5 s
+    spec = sorted([*_steady(60, 100, 20), *((t, OK) for t in slow)])
+    recs = _recs(spec)
+    late = {r.id for r in recs if r.t_planned in slow}
+    met = SimpleNamespace(met=lambda r: r.id not in late)
+    assert rejection_settle(recs, 60, 100) == 0.0
+    got = slo_settle(recs, 60, 100, met)
+    assert got is not None and abs(got - 15.5) < 1e-9
+    assert slo_settle(recs, 60, 100, SimpleNamespace(met=lambda r: True)) == 0.0
+
+
+def test_a_later_detection_does_not_move_the_deadline() -> None:
+    """The deadlines count the controller's detection only up to two ticks (a review: with the
+    measured detection as the allowance, a slower detector scored better)."""
+    from floodgate.bench.elastic import DETECTION_ALLOWANCE_S, TICK_S, allowed_detection
+
+    assert DETECTION_ALLOWANCE_S == 2 * TICK_S
+    assert allowed_detection(0.3) == 0.3
+    assert allowed_detection(5.0) == allowed_detection(None) == DETECTION_ALLOWANCE_S

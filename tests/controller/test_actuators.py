@@ -135,6 +135,10 @@ def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
         parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"}}] * 2}, env={})
     with pytest.raises(ConfigError, match=r"pools\.0\.actuator"):  # a forgotten section is an error
         parse_config({"pools": [{"name": "a"}]}, env={})
+    # a first wait above the cap was cut to it, silently (a review)
+    with pytest.raises(ConfigError, match=r"pools\.0\.timeouts: .*start_backoff_max_s"):
+        parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"},
+                                 "timeouts": {"start_backoff_s": 100, "start_backoff_max_s": 1}}]}, env={})
     cfg = parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"}}], "redis": {"url": "redis://file:1/0"}},
                        env={"FLOODGATE_REDIS_URL": "redis://127.0.0.1:7/0",
                             "FLOODGATE_CONTROLLER_METRICS_LISTEN": "127.0.0.1:1234"})
