@@ -55,11 +55,16 @@ CODEC_CASES: dict[str, tuple[bytes, int]] = {
 
 def _raw_status(port: int, data: bytes) -> int | None:
     """The status line's code of Envoy's answer to raw bytes, or None for no reply at all."""
+    return _raw_reply(port, data)[0]
+
+
+def _raw_reply(port: int, data: bytes) -> tuple[int | None, bytes]:
+    """(status code or None for no reply, the rest of what Envoy sent until it closed)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(data)
         out = b""
         try:
-            while b"\r\n" not in out:
+            while True:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -67,7 +72,7 @@ def _raw_status(port: int, data: bytes) -> int | None:
         except (TimeoutError, ConnectionResetError):
             pass
     line = out.split(b"\r\n", 1)[0].split()
-    return int(line[1]) if len(line) >= 2 and line[1].isdigit() else None
+    return (int(line[1]) if len(line) >= 2 and line[1].isdigit() else None), out
 
 
 def _static(limit: int) -> dict[str, Any]:
@@ -88,8 +93,12 @@ async def test_codec_replies_keep_their_status_and_admission_still_releases(stac
     for path in (b"/v1/completions", b"/v1/models"):
         for name, (template, want) in CODEC_CASES.items():
             data = template.replace(b"{path}", path).replace(b"{{}}", b"{}")
-            got = await asyncio.to_thread(_raw_status, envoy.port, data)
+            got, raw = await asyncio.to_thread(_raw_reply, envoy.port, data)
             assert got == want, (path, name, got)
+            # OpenAI-style JSON like every other error (a review saw text/plain for the 431)
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert b"content-type: application/json" in head.lower(), (name, head)
+            assert json.loads(body)["error"]["code"] == "bad_request", (name, body)
 
     async with aiohttp.ClientSession() as s:
         # Admission works, and the permit is held exactly as long as the response streams:
