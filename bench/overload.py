@@ -909,6 +909,11 @@ def render_table(rows: Sequence[Row]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+# "Best static limit" needs a sweep: fewer static rows of a deployment variant than this and the
+# Vegas rows of that variant are not judged against them.
+MIN_STATIC_SWEEP = 3
+
+
 def best_static(rows: Sequence[Row], variant: str = "") -> Row | None:
     """The static row with the most burst goodput among those run with this deployment variant
     (`@picking`, `@engine-priority`; "" the plain rows, also for `@tuned`, which changes only
@@ -956,8 +961,14 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
             ran = sorted((x.config for x in rows if x.config.startswith("static-")
                           and best_static([x], r.config) is not None), key=lambda c: int(c[7:].split("@")[0]))
             g, s = r.goodput_burst_tok_s or 0.0, bs.goodput_burst_tok_s or 0.0
-            line += (f", vs best static ({bs.config}, of {', '.join(ran)} in this run) "
-                     f"{mark(g >= 0.95 * s)} ({_pct(_ratio(g, s), 0)})")
+            if len(ran) >= MIN_STATIC_SWEEP:
+                line += (f", vs best static ({bs.config}, of {', '.join(ran)} in this run) "
+                         f"{mark(g >= 0.95 * s)} ({_pct(_ratio(g, s), 0)})")
+            else:
+                # One or two hand-picked limits are no "best static": a review found the
+                # variants' rows judged against a sweep of one.
+                line += (f", vs {', '.join(ran)} (not judged: fewer than {MIN_STATIC_SWEEP} static limits of "
+                         f"this deployment ran, no best-static reference) {_pct(_ratio(g, s), 0)}")
         out.append(line)
     for r in rows:
         if r.config in ("none", "adaptive"):
