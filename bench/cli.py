@@ -39,6 +39,9 @@ def terminable(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
     cancel or `timeout` left five processes behind)."""
     def handler(args: argparse.Namespace) -> int:
         def stop(signum: int, _frame: object) -> None:
+            # once: a second SIGTERM during the cleanup would cut it short (a review: processes
+            # left behind with a second signal 20 ms after the first)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise SystemExit(128 + signum)
 
         previous = signal.signal(signal.SIGTERM, stop)

@@ -742,7 +742,9 @@ def evaluate(out: RunOutput, w: Workload, slo: Any) -> Row:
 
 def _capped(detection_s: float | None) -> str:
     """How the verdicts say a detection was capped at `DETECTION_ALLOWANCE_S`."""
-    if detection_s is None or detection_s <= DETECTION_ALLOWANCE_S:
+    if detection_s is None:
+        return " (the controller made no scale-up decision: counted as the allowance)"
+    if detection_s <= DETECTION_ALLOWANCE_S:
         return ""
     return f" (measured {detection_s:.1f} s, counted at most {DETECTION_ALLOWANCE_S:g})"
 

@@ -88,6 +88,13 @@ class ActuatorConfig(_Strict):
             _check_endpoints(self.endpoints)
         if self.command is not None and not any("{port}" in a for a in self.command):
             raise ValueError("command needs a {port} placeholder")
+        for i, a in enumerate(self.command or ()):
+            if "{{" in a:
+                # Braces were once doubled to pass through str.format; now every brace but the
+                # three placeholders is passed as written, so `{{` would reach the model server
+                # (no valid JSON has it: an object cannot open with an object).
+                raise ValueError(f"command[{i}] {a!r} has '{{{{': only {{port}}, {{replica_id}} and {{host}} are "
+                                 "replaced and every other brace is passed as written (write JSON with single braces)")
         if self.kind == "kubernetes":
             from floodgate.controller.actuators.kubernetes import KubernetesActuatorConfig
 

@@ -350,8 +350,9 @@ def answered_bound(claimed: float, answered: float) -> float:
 def abandoned_bound(unanswered_arrivals: float, admitted: float) -> float:
     """What Floodgate's `abandoned` rate may count: a client that left while queued got no
     immediate response, so it is one of the arrivals Envoy counted that the processors did
-    not answer (`downstream_rq_total` less the immediate responses), and not one of those they
-    admitted; with the same room for the reads' misalignment as `answered_bound`."""
+    not answer (`downstream_rq_total` less the immediate responses) or of the requests already
+    queued when the window began, and not one of those they admitted; with the same room for
+    the reads' misalignment as `answered_bound`."""
     return max(0.0, unanswered_arrivals * (1 + ANSWERED_TOLERANCE) + ANSWERED_SLACK_RPS - admitted)
 
 
@@ -388,7 +389,8 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     # immediate responses; it is held to the arrivals Envoy saw that got none, less what the
     # processors admitted (a review forged 20,000/s of it, and the controller read that as
     # offered and turned-away demand).
-    left_max = abandoned_bound(g_off - g_away, sum(adm.values()))
+    # (requests queued when the window began may leave or be admitted in it: room for them)
+    left_max = abandoned_bound(g_off - g_away + sum(fa.queued_now.values()) / dt_fg, sum(adm.values()))
     forged_left = max(0.0, left - left_max)
     if forged_left > 0:
         keep_left = left_max / left

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +75,27 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     """What the parser found and where (line, column), without the snippet of the file that
     PyYAML's own message quotes: the line may hold a password (a review saw
     `password: [hunter2secret` printed to the log)."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"unacceptable character #x{exc.character:04x} at position {exc.position}" \
+            if isinstance(exc.character, int) else f"unreadable input at position {exc.position}"
     if not isinstance(exc, yaml.MarkedYAMLError):
         return type(exc).__name__
 
     def at(mark: Any) -> str:
         return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
 
+    def said(text: str) -> str:
+        # An alias or tag the parser names is the file's own text (`password: *hunter2`): not
+        # repeated. Scanner and parser messages quote only tokens (',', '<stream end>').
+        if isinstance(exc, yaml.composer.ComposerError | yaml.constructor.ConstructorError):
+            return re.sub(r"'[^']*'", "'…'", text)
+        return text
+
     parts = []
     if exc.context:
-        parts.append(f"{exc.context}{at(exc.context_mark)}")
+        parts.append(f"{said(exc.context)}{at(exc.context_mark)}")
     if exc.problem:
-        parts.append(f"{exc.problem}{at(exc.problem_mark)}")
+        parts.append(f"{said(exc.problem)}{at(exc.problem_mark)}")
     return ": ".join(parts) or type(exc).__name__
 
 

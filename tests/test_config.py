@@ -153,7 +153,10 @@ def test_one_address_for_two_listeners_is_refused(tmp_path: Path) -> None:
 def test_a_yaml_error_does_not_print_the_line(tmp_path: Path) -> None:
     """PyYAML's own message quotes the offending line, which may hold a password (a review saw
     one in the log); the error says where, not what."""
-    for text in ("redis:\n  password: [hunter2secret\n", 'redis: {url: "redis://u:hunter2secret@h: 1\n'):
+    for text in ("redis:\n  password: [hunter2secret\n", 'redis: {url: "redis://u:hunter2secret@h: 1\n',
+                 "redis:\n  password: *hunter2secret\n", "redis:\n  password: !hunter2secret x\n"):
         with pytest.raises(ConfigError) as err:
             load_config(write(tmp_path, text), env={})
-        assert "hunter2secret" not in str(err.value) and "line " in str(err.value)
+        assert "hunter2secret" not in str(err.value) and "line " in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match="unacceptable character #x0007 at position 20"):
+        load_config(write(tmp_path, "redis:\n  password: a\x07b\n"), env={})

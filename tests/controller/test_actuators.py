@@ -135,6 +135,10 @@ def test_config_errors_name_the_field_and_env_overrides(tmp_path: Path) -> None:
         parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"}}] * 2}, env={})
     with pytest.raises(ConfigError, match=r"pools\.0\.actuator"):  # a forgotten section is an error
         parse_config({"pools": [{"name": "a"}]}, env={})
+    # braces doubled for the old str.format would reach the model server as written (a review)
+    with pytest.raises(ConfigError, match=r"command\[2\] .* has '\{\{'"):
+        parse_config({"pools": [{"name": "a", "actuator": {"kind": "process",
+                                                           "command": ["x", "{port}", '{{"level": 3}}']}}]}, env={})
     # a first wait above the cap was cut to it, silently (a review)
     with pytest.raises(ConfigError, match=r"pools\.0\.timeouts: .*start_backoff_max_s"):
         parse_config({"pools": [{"name": "a", "actuator": {"kind": "process"},

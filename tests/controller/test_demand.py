@@ -154,6 +154,15 @@ def test_abandoned_is_held_to_the_arrivals_envoy_saw_unanswered() -> None:
     honest = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=70, abandoned=30), 2: ClassCounters()})
     d = offered(feed([(100.0, a, ga), (110.0, honest, GatewayCounters(110.0, True, 100, 0))]), 110.0, CFG)
     assert d.turned_away_rate[1] == pytest.approx(3.0) and d.unanswered_rate == 0.0
+    # A queue that drains across the window: 200 queued at its start, 50 arrivals, 80 admitted,
+    # 100 left while queued, 70 still queued, no 429 (a review: the bound without the queue at
+    # the start read the honest abandonment as forged).
+    a_q = FloodgateCounters(100.0, True, {1: ClassCounters(), 2: ClassCounters()}, {1: 200.0})
+    draining = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=80, abandoned=100), 2: ClassCounters()},
+                                 {1: 70.0})
+    d = offered(feed([(100.0, a_q, ga), (110.0, draining, GatewayCounters(110.0, True, 50, 0))]), 110.0, CFG)
+    assert d.turned_away_rate[1] == pytest.approx(10.0) and d.unanswered_rate == 0.0
+    assert d.offered_rate[1] == pytest.approx(5.0)  # 8 admitted + 10 left - 13 the queue shrank, per s
     # Without Envoy's counters there is nothing to hold them to (`demand.use_envoy: false`).
     d = offered(feed([(100.0, a, ga), (110.0, forged, gb)]), 110.0, CFG.model_copy(update={"use_envoy": False}))
     assert d.turned_away_rate[1] == pytest.approx(6.0 + 15_000)
