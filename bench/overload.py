@@ -372,11 +372,12 @@ def default_configs() -> list[str]:
     limits (`STATIC_SWEEP`: the best of them is the static reference); the hand-tuned class
     settings as a second Vegas row; and Floodgate again with engine priority (a deployment
     choice: engines started with vLLM's `--scheduling-policy priority`, pool setting
-    `engine_priority`), and again with endpoint picking (how the shipped compose, Kubernetes
-    and `floodgate up` deployments route), static-96 and Vegas each."""
+    `engine_priority`; static-96 and Vegas), and again with endpoint picking (how the shipped
+    compose, Kubernetes and `floodgate up` deployments route: the static sweep and Vegas, so its
+    Vegas row has a best static of its own)."""
     return ["none", "adaptive", *(f"static-{n}" for n in STATIC_SWEEP), "vegas-combined", "vegas-combined@tuned",
             "static-96@engine-priority", "vegas-combined@engine-priority",
-            "static-96@picking", "vegas-combined@picking"]
+            *(f"static-{n}@picking" for n in STATIC_SWEEP), "vegas-combined@picking"]
 
 
 def adaptive_concurrency_filter() -> dict[str, Any]:
@@ -1067,7 +1068,7 @@ def render_section(report: dict[str, Any], rows: Sequence[Row], verdict_lines: S
 same emulated pool in several configurations, each on fresh processes, and prints the table
 below. Raw data (every request record and metric sample, gzipped JSON as written by
 `sim.report.write_json`) and `results.json` are in `{rel_out}/`.
-Reproduce: `floodgate bench overload` (about 21 minutes with the reference pass, the static sweep 64/96/128/160, the two `@engine-priority` and the two `@picking` rows; `--help` for a shorter run).
+Reproduce: `floodgate bench overload` (about 27 minutes with the reference pass, the static sweep 64/96/128/160 with Envoy's balancing and with `@picking`, the two `@engine-priority` rows and Vegas `@picking`; `--help` for a shorter run).
 
 **Pool.** {w['replicas']} `floodgate sim` replicas, default timings × time-scale
 {w['time_scale']}, `--max-num-seqs {w['max_num_seqs']}`, behind one Envoy (LEAST_REQUEST; `@picking` rows: ORIGINAL_DST, the processor picks).

@@ -16,6 +16,8 @@ def row(config: str, goodput: float) -> Row:
 
 def test_every_default_run_sweeps_the_static_limits() -> None:
     assert all(f"static-{n}" in default_configs() for n in STATIC_SWEEP) and len(STATIC_SWEEP) >= 3
+    # the shipped deployments pick endpoints: that variant is swept too
+    assert all(f"static-{n}@picking" in default_configs() for n in STATIC_SWEEP)
 
 
 def test_vegas_is_judged_against_the_best_static_limit_of_its_variant() -> None:
