@@ -32,6 +32,7 @@ from floodgate.validators import (
     OptionalListenAddress,
     RedisURL,
     check_optional_listen,
+    listeners_clash,
 )
 from floodgate.yamlconfig import STRICT, ConfigError, format_errors, name_env_sources, read_mapping
 
@@ -486,9 +487,13 @@ class Config(_Strict):
                         "or raise message_timeout in your Envoy's ext_proc filter and server.envoy_message_timeout_s "
                         "together")
         s = self.server
-        used = [a for a in (s.listen, s.health_listen, s.metrics_listen) if a]
-        if len(set(used)) != len(used):
-            raise ValueError(f"server.listen, server.health_listen and server.metrics_listen must differ, got {used}")
+        named = [(n, a) for n, a in (("server.listen", s.listen), ("server.health_listen", s.health_listen),
+                                     ("server.metrics_listen", s.metrics_listen)) if a]
+        for i, (na, a) in enumerate(named):
+            for nb, b in named[i + 1:]:
+                if listeners_clash(a, b):
+                    raise ValueError(f"{na} ({a}) and {nb} ({b}) cannot both bind: the same port on the same "
+                                     "address (or a wildcard one)")
         return self
 
     def pool(self, name: str) -> PoolConfig:

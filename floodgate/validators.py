@@ -54,6 +54,17 @@ def check_listen(v: str) -> str:
     return v
 
 
+def listeners_clash(a: str, b: str) -> bool:
+    """Two valid listen addresses that cannot both bind: the same port, and the same host or
+    either one a wildcard (`0.0.0.0`, `[::]`), which takes the port on every address."""
+    ha, _, pa = a.rpartition(":")
+    hb, _, pb = b.rpartition(":")
+    if pa != pb:
+        return False
+    wild = {"0.0.0.0", "[::]", "*", ""}
+    return ha.lower() == hb.lower() or ha in wild or hb in wild
+
+
 def check_optional_listen(v: str | None) -> str | None:
     """A listen address, or empty/None to disable."""
     return check_listen(v) if v else v
