@@ -307,15 +307,31 @@ async def _register(reg: Registry, ports: list[int]) -> None:
         await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
 
 
+def _upstreams(stack: LocalStack, n: int) -> tuple[list[Any], list[int]]:
+    """`n` upstream replicas: (their processes, their ports)."""
+    started = [_upstream(stack, f"up{i}") for i in range(n)]
+    return [up for up, _ in started], [port for _, port in started]
+
+
+async def _back_and_served(stack: LocalStack, s: aiohttp.ClientSession, url: str, port: int,
+                           timeout_s: float) -> None:
+    """The replica killed on `port` comes back there; requests through `url` are all served
+    and reach it again once its ejection ends."""
+    _upstream(stack, "up2b", port)
+
+    async def served_again() -> bool:
+        replies = await asyncio.gather(*(post(s, url) for _ in range(6)))
+        assert all(r.status == 200 for r in replies), [r.status for r in replies]
+        stats = await get_json(s, f"http://127.0.0.1:{port}/stats")
+        return bool(stats["total"] > 0)
+    assert await wait_until(served_again, timeout_s, interval=0.5)
+
+
 def _three_replicas_two_gateways(stack: LocalStack, cfg: dict[str, Any]) -> tuple[list[Any], list[int], Any, Any, Any, Any]:
     """Redis, three upstream replicas and two processors (`cfg`), each behind its own picking
     Envoy: (replicas, their ports, processor a, processor b, Envoy a, Envoy b)."""
     stack.start_redis()
-    ups, ports = [], []
-    for i in range(3):
-        up, port = _upstream(stack, f"up{i}")
-        ups.append(up)
-        ports.append(port)
+    ups, ports = _upstreams(stack, 3)
     a = stack.start_processor(cfg)
     b = stack.start_processor(cfg)
     return ups, ports, a, b, stack.start_envoy([], picking=True, processors=[a]), \
@@ -366,14 +382,7 @@ async def test_a_replica_killed_under_load_is_ejected_by_every_processor(stack: 
             raw = await c.hget(key("default", "state"), "ej")
             assert raw is not None and dead in raw.decode()
             # the replica comes back on the same port; after its ejection it is picked again
-            _upstream(stack, "up2b", ports[2])
-
-            async def served_again() -> bool:
-                replies = await asyncio.gather(*(post(s, env_a.url) for _ in range(6)))
-                assert all(r.status == 200 for r in replies), [r.status for r in replies]
-                stats = await get_json(s, f"http://127.0.0.1:{ports[2]}/stats")
-                return bool(stats["total"] > 0)
-            assert await wait_until(served_again, 20, interval=0.5)
+            await _back_and_served(stack, s, env_a.url, ports[2], 20)
     finally:
         await c.aclose()
 
@@ -572,11 +581,7 @@ async def test_without_picking_a_killed_replica_is_routed_around_by_envoy(stack:
     connection failed on another replica (nothing was sent) and ejects a replica after two
     connection failures in a row (envoy/local.yaml)."""
     stack.start_redis()
-    ups, ports = [], []
-    for i in range(3):
-        up, port = _upstream(stack, f"up{i}")
-        ups.append(up)
-        ports.append(port)
+    ups, ports = _upstreams(stack, 3)
     cfg = {"admission": {"trust": {"cidrs": ["127.0.0.0/8"]}},
            "pools": [{"name": "default", "limit": {"mode": "static", "initial": 50}}]}
     stack.start_processor(cfg)
@@ -598,14 +603,7 @@ async def test_without_picking_a_killed_replica_is_routed_around_by_envoy(stack:
         cut = await asyncio.gather(*in_flight)
         assert sum(1 for r in cut if r.status == 200) >= 5  # the live replicas' streams completed
         # the replica comes back on the same port and is served again once its ejection ends
-        _upstream(stack, "up2b", ports[2])
-
-        async def served_again() -> bool:
-            replies = await asyncio.gather(*(post(s, env.url) for _ in range(6)))
-            assert all(r.status == 200 for r in replies), [r.status for r in replies]
-            stats = await get_json(s, f"http://127.0.0.1:{ports[2]}/stats")
-            return bool(stats["total"] > 0)
-        assert await wait_until(served_again, 40, interval=0.5)
+        await _back_and_served(stack, s, env.url, ports[2], 40)
 
 
 @pytest.mark.integration
@@ -615,7 +613,7 @@ async def test_without_picking_a_burst_at_a_dead_replica_is_retried_elsewhere(st
     unless told more (`circuit_breakers.max_retries`): the rest were refused, 503 (a review: 14 to
     116 of 400 concurrent requests, `upstream_rq_retry_overflow`)."""
     stack.start_redis()
-    live = [_upstream(stack, f"up{i}")[1] for i in range(2)]
+    _, live = _upstreams(stack, 2)
     from floodgate.supervisor import free_port
 
     dead = free_port()  # nothing listens there

@@ -123,7 +123,6 @@ def live_entries(table: Table) -> dict[str, int]:
     return out
 
 
-
 def fill_placeholders(arg: str, **values: object) -> str:
     """`arg` with `{port}`, `{replica_id}` and `{host}` replaced, and nothing else touched:
     model servers take JSON arguments (vLLM's `--compilation-config '{"level": 3}'`), which
@@ -131,6 +130,7 @@ def fill_placeholders(arg: str, **values: object) -> str:
     for key, value in values.items():
         arg = arg.replace("{" + key + "}", str(value))
     return arg
+
 
 class TableOwnedElsewhere(ValueError):
     """The state_dir holds running replicas of another deployment."""
