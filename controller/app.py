@@ -75,9 +75,17 @@ from floodgate.controller.signals import (
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
 from floodgate.extproc.cancel import cancel_and_wait
-from floodgate.extproc.redis_client import OUTAGE_ERRORS, follow_sentinel_primary, parse_redis_url
+from floodgate.extproc.redis_client import (
+    OUTAGE_ERRORS,
+    follow_sentinel_primary,
+    parse_redis_url,
+    redact_url,
+    refused_connection_settings,
+)
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
+
+from floodgate.runtime import StartupError
 
 S = ReplicaState
 def steady_wall_clock() -> Callable[[], float]:
@@ -1128,6 +1136,12 @@ class Controller:
                      f"leader election as {self.lease.holder}" if self.lease is not None else "no leader election")
             # A Sentinel primary that moves takes every connection along (redis_client).
             follow_task = asyncio.create_task(follow_sentinel_primary([self.redis]), name="floodgate-sentinel")
+            try:  # credentials or a database the server refuses: a config error, not an outage
+                await asyncio.wait_for(self.redis.ping(), self.cfg.redis.op_timeout_s * 2)
+            except OUTAGE_ERRORS as exc:
+                if (why := refused_connection_settings(exc)) is not None:
+                    raise StartupError(f"redis.url ({redact_url(self.cfg.redis.url)}): {why}; "
+                                       "FLOODGATE_REDIS_URL and FLOODGATE_REDIS_PASSWORD set it too") from exc
             if self.lease is not None:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
                 lease_task = asyncio.create_task(self.lease.run(lease_stop))

@@ -92,6 +92,20 @@ def answered_with_error(exc: BaseException) -> bool:
     return not str(exc).startswith(("BUSY", "NOREPLICAS"))
 
 
+def refused_connection_settings(exc: BaseException) -> str | None:
+    """What in the connection settings a server refused while a connection was being set up
+    (None: anything else). A database index the server does not have, or credentials it
+    refuses, fail every call the same way: at start-up that is a configuration error, not an
+    outage to serve through degraded (a review: `redis://h:6379/99999` started and served on
+    local limits, its first ERROR naming an unreadable key)."""
+    text = str(exc)
+    if isinstance(exc, AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):
+        return f"the server refused the credentials ({text})"
+    if isinstance(exc, ResponseError) and "DB index is out of range" in text:
+        return "the server has no database with that index (its `databases` setting; 0-15 unless changed)"
+    return None
+
+
 class RedisURLError(ValueError):
     """A malformed Redis URL; the message says what is wrong (the caller names the field)."""
 

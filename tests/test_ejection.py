@@ -307,6 +307,12 @@ async def _register(reg: Registry, ports: list[int]) -> None:
         await reg.set(f"127.0.0.1:{p}", "active", f"r{i}")
 
 
+async def _inflight_total(s: aiohttp.ClientSession, ports: list[int], n: int) -> bool:
+    """The test replicas on `ports` hold `n` requests between them."""
+    stats = [await get_json(s, f"http://127.0.0.1:{p}/stats") for p in ports]
+    return sum(int(st["inflight"]) for st in stats) == n
+
+
 def _upstreams(stack: LocalStack, n: int) -> tuple[list[Any], list[int]]:
     """`n` upstream replicas: (their processes, their ports)."""
     started = [_upstream(stack, f"up{i}") for i in range(n)]
@@ -587,9 +593,11 @@ async def test_without_picking_a_killed_replica_is_routed_around_by_envoy(stack:
     stack.start_processor(cfg)
     env = stack.start_envoy([("127.0.0.1", p) for p in ports])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        slow = {"x-test-chunks": "20", "x-test-delay-ms": "100"}  # 2 s streams
+        slow = {"x-test-chunks": "40", "x-test-delay-ms": "100"}  # 4 s streams
         in_flight = [asyncio.create_task(post(s, env.url, headers=slow)) for _ in range(9)]
-        await asyncio.sleep(0.5)
+        # every stream under way at a replica (on a loaded box 0.5 s was not always enough)
+        assert await wait_until(lambda: _inflight_total(s, ports, 9), 10)
+        on_killed = (await get_json(s, f"http://127.0.0.1:{ports[2]}/stats"))["inflight"]
         ups[2].kill()  # SIGKILL mid-stream
         await asyncio.sleep(0.2)
         results = []
@@ -601,7 +609,8 @@ async def test_without_picking_a_killed_replica_is_routed_around_by_envoy(stack:
         # retried, and its failure counts towards the ejection; without the fix 40+ failed)
         assert len(failed) <= 6, [(r.status, r.body[:80]) for r in failed]
         cut = await asyncio.gather(*in_flight)
-        assert sum(1 for r in cut if r.status == 200) >= 5  # the live replicas' streams completed
+        # the live replicas' streams completed (only the killed one's were cut)
+        assert sum(1 for r in cut if r.status == 200) == 9 - on_killed, [(r.status, r.error) for r in cut]
         # the replica comes back on the same port and is served again once its ejection ends
         await _back_and_served(stack, s, env.url, ports[2], 40)
 

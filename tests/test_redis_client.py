@@ -272,3 +272,43 @@ def test_an_error_reply_is_told_from_an_outage(reply: str, answered: bool) -> No
     assert answered_with_error(BaseParser.parse_error(reply)) is answered
     assert answered_with_error(ConnectionError("refused")) is False
     assert answered_with_error(TimeoutError()) is False
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("server", ["extproc", "controller"])
+def test_a_database_or_credentials_the_server_refuses_stop_start_up_naming_the_url(
+        stack: LocalStack, tmp_path: Path, server: str) -> None:
+    """Not an outage to serve through on local limits: every call would fail the same way. Before,
+    `redis://h:6379/99999` started and served degraded, its first ERROR naming an unreadable key."""
+    import subprocess
+    import sys
+
+    from floodgate.supervisor import free_port
+
+    url = stack.start_redis()
+    base = url.rsplit("/", 1)[0]
+
+    def start(redis_url: str) -> subprocess.CompletedProcess[str]:
+        cfg = tmp_path / "c.yaml"
+        if server == "extproc":
+            cfg.write_text(f"server: {{listen: '127.0.0.1:{free_port()}', metrics_listen: ''}}\n"
+                           f"redis: {{url: '{redis_url}'}}\npools: [{{name: default}}]\n")
+        else:
+            cfg.write_text(f"metrics_listen: ''\nredis: {{url: '{redis_url}'}}\n"
+                           "pools: [{name: default, actuator: {kind: static, endpoints: ['127.0.0.1:9']}}]\n")
+        return subprocess.run([sys.executable, "-m", "floodgate", server, "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=60)
+
+    r = start(f"{base}/99999")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "redis.url" in r.stderr and "no database with that index" in r.stderr
+
+    async def require_password() -> None:
+        c = aioredis.from_url(url)
+        await c.config_set("requirepass", "s3cret")
+        await c.aclose()
+
+    asyncio.run(require_password())
+    r = start(url.replace("redis://", "redis://:wrong@"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "redis.url" in r.stderr and "refused the credentials" in r.stderr and "wrong" not in r.stderr
