@@ -181,6 +181,9 @@ class CapacityState:
     floor_ratio: float | None = None  # that floor: the latency at no load as a share of the SLO ...
     floor_until: float = 0.0  # ... remembered until then
     floor_restore: float = 0.0  # the estimate before the floor's windows lowered it
+    # A latency between the aim and the SLO shown flat in load (`flat_above_aim`): windows in that
+    # band lower nothing until this time, which every such window moves on.
+    band_until: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +237,22 @@ def window_point(w: Window, cfg: CapacityConfig) -> tuple[float, float] | None:
         return None
     r = latency_ratio(w.ttft, w.itl, cfg)
     return None if r is None else (w.conc_sum / w.ticks, r)
+
+
+def flat_above_aim(c: float, r: float, recent: tuple[Seen, ...], aim: float) -> list[Seen]:
+    """The recent windows that, with this one (ratio `r` between the aim and the SLO at
+    concurrency `c`), show its latency as a floor above the aimed share: every window at least
+    `LOAD_STEP` apart in load puts the latency at no load at or above `aim` (none of them shows
+    less load bringing it under). Empty when no window is that far apart, or one shows it (pure)."""
+    flat = []
+    for s in recent:
+        f = no_load_ratio((c, r), (s.concurrency, s.ratio))
+        if f is None:
+            continue
+        if f < aim:
+            return []
+        flat.append(s)
+    return flat
 
 
 def estimate_window(w: Window, point: tuple[float, float] | None, current: float, prior: float,
@@ -319,6 +338,30 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
                            floor_ratio=min(f for _, f in floor) if floor else state.floor_ratio,
                            floor_until=now + FLOOR_MEMORY_S if floor else state.floor_until,
                            floor_restore=undo)
+    if loaded is not None and cfg.aim < loaded[1] <= 1.0 and 2 * w.saturated_ticks < w.ticks:
+        flat = flat_above_aim(*loaded, state.recent, cfg.aim)
+        if not flat and now < state.band_until:
+            # Still in the band that was shown flat: the windows since sit at one load (none
+            # lowered the estimate), so none can show it again; the band is remembered while
+            # every window stays in it. Forgetting it after a while restarted the descent, and
+            # a window at a load 25 % away showed the floor again a few windows later.
+            return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=loaded[1],
+                           recent=recent, band_until=now + FLOOR_MEMORY_S)
+        if flat:
+            # The SLO met with a latency between the aim and the SLO that load does not move
+            # (TTFT is mostly prefill): a lowering towards the aim cannot buy the headroom, it
+            # only grows the pool, which lowers the concurrency per replica, and the next window
+            # lowered the estimate again (a review's half-speed Azure replay: 7 -> 1.75, i.e.
+            # `min_factor`, at 3.2x the replica-hours of the zero-wait reference where the prior
+            # alone cost 1.4x). Undo what the windows of that flat latency lowered, lower nothing;
+            # the undo goes no higher than a concurrency at which a window met the SLO (a latency
+            # that does rise, slowly, meets the SLO only below some load: a review's 0.9 + 0.01 c).
+            undo = max(s.before for s in flat)
+            proved = max([loaded[0], *(s.concurrency for s in state.recent if s.ratio <= 1.0)])
+            restored = min(max(current, undo), max(current, prior), max(current, proved))
+            return replace(state, estimate=restored if state.estimate is not None else None, window=Window(now),
+                           rejected=state.rejected + 1, last_ratio=loaded[1], recent=recent,
+                           band_until=now + FLOOR_MEMORY_S)
     raw, r = estimate_window(w, point, current, prior, cfg)
     if raw is None:
         return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)
@@ -330,7 +373,8 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
     return CapacityState(estimate=new, window=Window(now), updated_at=now, accepted=state.accepted + 1,
                          rejected=state.rejected, last_raw=raw, last_ratio=r, recent=recent,
                          floor_windows=state.floor_windows, floor_ratio=state.floor_ratio,
-                         floor_until=state.floor_until, floor_restore=state.floor_restore)
+                         floor_until=state.floor_until, floor_restore=state.floor_restore,
+                         band_until=state.band_until)
 
 
 def replicas_for(demand: float, per_replica: float) -> int:

@@ -175,6 +175,11 @@ class PolicyState:
     panic_until: float = -math.inf
     last_scale_down_at: float = -math.inf
     sized_backlog: float = 0.0  # waiting at the last scale-up (0 once panic ends)
+    # The same wave (`decide`, rule 5): the backlog the scale-up that ordered the replicas still on
+    # their way was sized with (None: no wave), and the highest backlog seen while they loaded.
+    wave_backlog: float | None = None
+    wave_top: float = 0.0
+    wave_size: int = 0  # the replicas that scale-up asked for
     react_until: float = -math.inf  # no second first reaction (`burst_reaction`) before this
 
 
@@ -366,7 +371,31 @@ def decide(
     # burst: 8 -> 9 -> 10 at demand 57 = running 32 + waiting 12 + turned away 13, cold starts
     # that arrived after the rejections had ended on the replicas already coming). Without
     # requests turned away, the queue is the whole excess and counts in full, as before.
-    demand = running + max(waiting, lacking)
+    # The same wave: while replicas a scale-up ordered are on their way (`incoming`), the backlog
+    # it was sized with keeps growing at the arrival rate, because they do not serve yet; once
+    # they serve, they drain it. Neither is more demand than that scale-up counted, so the
+    # proportional rule counts the backlog up to what it did then. Counted in full, every tick of
+    # a cold start asked for more: a review's step from 2 to 20 req/s (~25 concurrent, 4 replicas)
+    # with one replica active went 1 -> 7 -> 12 -> ... -> 38 on `demand` alone, 30 of them active
+    # after the need was gone (5x the replica-hours of a fixed set of 4). The wave ends once its
+    # replicas serve and the backlog is back to what it was sized with, or grows past the highest
+    # it reached while they loaded (they do not suffice: what grows past that top counts). Rates
+    # are the channels for more demand meanwhile (the burst estimate, turned-away demand), and the
+    # queue trigger below compares with what the last scale-up saw.
+    wave, wave_top = state.wave_backlog, state.wave_top
+    counted = waiting
+    if wave is not None:
+        # Its replicas still on their way, some from a cold start (a wake serves within seconds:
+        # the backlog of those seconds is small, and the warm-pool burst rules size on it).
+        # (A replica that ends its cold start is warm for a tick before its promotion.)
+        if active < state.wave_size and capacity + warm >= state.wave_size and incoming > waking:
+            wave_top = max(wave_top, waiting)
+            counted = min(waiting, wave)
+        elif waiting <= wave or capacity + warm < state.wave_size:  # drained, or replicas gone: no wave
+            wave = None
+        else:
+            counted = wave + max(0.0, waiting - wave_top)
+    demand = running + max(counted, lacking)
     tc = signals.capacity or cfg.target_concurrency
 
     # Proportional recommendation with a tolerance band around the current size.
@@ -396,7 +425,9 @@ def decide(
     if waiting / act > cfg.queue_pressure_per_replica:
         panic = True
         shared = queued / act > cfg.queue_pressure_per_replica
-        if shared or (waiting > sized and demand > max(current, 1) * tc):
+        # (A queue that grew while a cold wave loaded and that wave now drains is no pressure:
+        # only growth past the top it reached counts, `counted`.)
+        if (shared and (wave is None or counted > sized)) or (counted > sized and demand > max(current, 1) * tc):
             up = math.ceil(act * cfg.scale_up_factor - 1e-9)
             if up > rec:
                 rec, cause = up, REASON_QUEUE
@@ -518,6 +549,9 @@ def decide(
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,
         sized_backlog=waiting if desired > current else sized, react_until=react_until,
+        wave_backlog=counted if desired > current else wave,
+        wave_top=waiting if desired > current else wave_top,
+        wave_size=desired if desired > current else state.wave_size,
     )
     return plan, new_state
 

@@ -114,13 +114,15 @@ REFUSED_BODIES: dict[str, tuple[int, str]] = {
 
 def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, list[str]]:
     """Lower-cased name -> every value, in order (Envoy sends raw_value bytes in 1.40).
-    With `wanted`, only those names are decoded (the hot path needs a handful)."""
+    With `wanted`, only those names are decoded (the hot path needs a handful). Bytes that are
+    not UTF-8 (RFC 9110 allows obs-text) are kept apart as `\\xNN` escapes: replaced by U+FFFD,
+    every tenant differing only in them was one tenant for its queue cap and fair order."""
     out: dict[str, list[str]] = {}
     for h in headers.headers.headers:
         key = h.key.lower()
         if wanted is not None and key not in wanted:
             continue
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        value = h.raw_value.decode("utf-8", "backslashreplace") if h.raw_value else h.value
         out.setdefault(key, []).append(value)
     return out
 

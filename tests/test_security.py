@@ -98,16 +98,31 @@ async def test_redis_password_from_config_or_environment(stack: LocalStack, upst
         await r.aclose()
 
 
-async def test_wrong_redis_password_degrades_instead_of_failing(stack: LocalStack, upstream: int) -> None:
+async def test_a_password_rotated_under_a_running_processor_degrades_instead_of_failing(
+        stack: LocalStack, upstream: int) -> None:
+    """Running, a password the server stops accepting (rotated on the server first) puts the
+    processor on local limits: requests are still admitted, never failed. (At start-up the
+    same refusal is a configuration error: the processor exits 2 naming `redis.url`,
+    tests/test_redis_client.py.)"""
     _, url = stack.sup.start_redis(password="right")
     stack.redis_url = url
-    stack.start_processor({"redis": {"password": "wrong"}})
+    stack.start_processor({"redis": {"password": "right"}})
     envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    admin = aioredis.Redis.from_url(url, password="right")
+    try:
+        await admin.config_set("requirepass", "rotated")
+        await admin.client_kill_filter(_type="normal", skipme=True)  # every connection re-authenticates
+    finally:
+        await admin.aclose()
     async with aiohttp.ClientSession() as s:
-        async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
-            assert r.status == 200  # admitted by the local limiter
-        m = await metrics(s, stack.processors[0].metrics_url)
-    assert m["floodgate_degraded"] == 1
+        for _ in range(5):
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200  # admitted by the local limiter
+        assert await wait_until(lambda: _degraded(s, stack.processors[0].metrics_url), 10)
+
+
+async def _degraded(s: aiohttp.ClientSession, url: str) -> bool:
+    return (await metrics(s, url))["floodgate_degraded"] == 1
 
 
 # --- client addresses cannot be forged --------------------------------------------------------
@@ -981,3 +996,19 @@ async def test_long_tenants_that_share_128_characters_queue_as_two_tenants(stack
         replies = await asyncio.gather(hold, *waiters)
     assert [r.status for r in replies] == [200, 200, 200], [(r.status, r.headers.get("x-floodgate-reject-reason"))
                                                            for r in replies]
+
+
+def test_tenants_differing_only_in_bytes_that_are_not_utf8_stay_apart() -> None:
+    """RFC 9110 allows obs-text bytes in a header value. Decoded with U+FFFD for each, every
+    tenant differing only in them became one tenant (one queue cap, one place in fair order)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from floodgate.extproc.server import header_map
+
+    def tenant(raw: bytes) -> str:
+        hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="x-tenant-id", raw_value=raw)])
+        return header_map(pb.HttpHeaders(headers=hdrs))["x-tenant-id"][0]
+
+    assert tenant(b"m\xfcller") != tenant(b"m\xe4ller")
+    assert tenant("müller".encode()) == "müller"  # UTF-8 as it was
+    assert tenant(b"m\xfcller").isascii()

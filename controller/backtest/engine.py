@@ -194,6 +194,9 @@ def run_policy(
     arr = w.arrivals
     svc = w.service
     toks = w.tokens
+    # TTFT is the prompt's prefill (the generated tokens come after it): a review found
+    # prompt + generated here, so long outputs read as long prompts to learned capacity.
+    prompt_toks = w.prompt if w.prompt is not None else toks
     n = len(arr)
     start_at = np.full(n, np.inf)  # inf: rejected after queue_timeout_s or never started
     timeout = sim.queue_timeout_s
@@ -413,7 +416,7 @@ def run_policy(
             start_at[nxt] = st_
             n_started += 1
             if admit:
-                tick_ttft.append(sim.prefill_s_per_token * float(toks[nxt]))
+                tick_ttft.append(sim.prefill_s_per_token * float(prompt_toks[nxt]))
             nxt += 1
         grant_rate = 0.5 * grant_rate + 0.5 * (n_started - started_before) / dt
 

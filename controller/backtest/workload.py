@@ -42,6 +42,8 @@ class Workload:
     history: fc.DemandHistory | None
     description: str
     eval_start: float | None = None  # None: == start
+    # Prompt tokens alone (what prefill, and so TTFT, takes time for); None: `tokens` stands in.
+    prompt: np.ndarray | None = None
 
     @property
     def scored_from(self) -> float:
@@ -157,7 +159,7 @@ def per_minute_demand(arrivals: np.ndarray, service: np.ndarray, first_minute: i
 
 def _split(
     name: str, t: np.ndarray, svc: np.ndarray, tok: np.ndarray, eval_start: float, eval_end: float,
-    warmup_s: float, description: str, retention_days: int = 8,
+    warmup_s: float, description: str, retention_days: int = 8, prompt: np.ndarray | None = None,
 ) -> Workload:
     """The window [eval_start - warmup, eval_end) to simulate (scored from eval_start) and the
     per-minute history of everything before it (the forecaster's memory of earlier days)."""
@@ -175,7 +177,7 @@ def _split(
         hist = fc.DemandHistory(end_minute, vals)
     sel = (t >= sim_start) & (t < eval_end)
     return Workload(name, t[sel], svc[sel], tok[sel], sim_start, eval_end, hist, description,
-                    eval_start=eval_start)
+                    eval_start=eval_start, prompt=None if prompt is None else prompt[sel])
 
 
 def make_day_workload(
@@ -255,7 +257,7 @@ def make_day_workload(
         + f"{week}); day {days} evaluated ({eval_hours:g} h, {n_eval} requests, {warmup_hours:g} h warm-up)"
     )
     default = f"{'tile' if tile and trace is not None else 'synthetic'}-{days}d"
-    return _split(name or default, t, svc, c + g, eval_start, eval_end, warmup_hours * 3600.0, desc)
+    return _split(name or default, t, svc, c + g, eval_start, eval_end, warmup_hours * 3600.0, desc, prompt=c)
 
 
 def make_replay_workload(
@@ -284,6 +286,7 @@ def make_replay_workload(
     tt, idx = tt[order], idx[order]
     svc = c[idx] * sim.prefill_s_per_token + g[idx] * sim.tpot_s
     tok = c[idx] + g[idx]
+    pr = c[idx]
     end = float(tt[-1]) + 1.0
     eval_start = max(float(tt[0]), end - eval_hours * 3600.0)
     span_h = (end - float(tt[0])) / 3600.0
@@ -298,11 +301,13 @@ def make_replay_workload(
         tt = np.concatenate([tt[tail] - shift, tt])
         svc = np.concatenate([svc[tail], svc])
         tok = np.concatenate([tok[tail], tok])
+        pr = np.concatenate([pr[tail], pr])
         looped = f", warm-up: its last {min(warmup_hours * 3600.0, span) / 3600:.1f} h looped before it"
-    w = _split("replay", tt, svc, tok, eval_start, end, warmup_hours * 3600.0, "")
+    w = _split("replay", tt, svc, tok, eval_start, end, warmup_hours * 3600.0, "", prompt=pr)
     n_eval = int(np.count_nonzero(w.arrivals >= eval_start))
     hist = (f"history {w.history.days_with_data()} day(s) from the trace itself" if w.history is not None
             else "no history") + looped
     desc = (f"trace replayed as recorded (rate ×{rate_scale:g}, {span_h:.1f} h; last "
             f"{(end - eval_start) / 3600:.1f} h evaluated, {n_eval} requests; {hist})")
-    return Workload(w.name, w.arrivals, w.service, w.tokens, w.start, w.end, w.history, desc, w.eval_start)
+    return Workload(w.name, w.arrivals, w.service, w.tokens, w.start, w.end, w.history, desc, w.eval_start,
+                    prompt=w.prompt)

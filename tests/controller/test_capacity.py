@@ -104,6 +104,29 @@ def test_a_latency_floor_above_the_slo_is_not_read_as_capacity() -> None:
     # The -37.5 % mismatch (latency that does follow the load) is still closed: test above.
 
 
+@pytest.mark.parametrize("ttft", [1.7, 1.9])
+def test_a_flat_latency_between_the_aim_and_the_slo_does_not_spiral_the_estimate_down(ttft: float) -> None:
+    """A review (the Azure trace replayed at half speed): TTFT is prefill, which load does not
+    move, and its p90 read 1.5-2 s of a 2 s SLO. Each window between the aim (1.6 s) and the SLO
+    lowered the estimate towards its own concurrency per replica, the pool grew, that fell, and
+    the next window lowered it again: 7 -> 1.75 (`min_factor`), 3.2x the replica-hours of the
+    zero-wait reference. The SLO is met at any load: the estimate stays near the prior."""
+    def flat_tick(c: float, replicas: int) -> TickLatency:
+        n = max(1, round(c))
+        return tick_latency([(hist(ttft, n, (1.0, ttft, 2.5, math.inf)), hist(0.03, 10 * n, ITL_LE), c)] * replicas,
+                            replicas)
+
+    prior, demand = 7.0, 30.0
+    st = CapacityState()
+    sizes = []
+    for i in range(1800):
+        n = max(1, replicas_for(demand, capacity(st, prior, CFG)))
+        sizes.append(n)
+        st = update(st, flat_tick(demand / n, n), 1000.0 + i, prior, CFG)
+    assert capacity(st, prior, CFG) >= 0.75 * prior, capacity(st, prior, CFG)  # before: 1.75
+    assert max(sizes[-600:]) <= replicas_for(demand, 0.75 * prior)  # 6 replicas, not the 18 of min_factor
+
+
 def test_a_latency_that_rises_slowly_with_load_is_no_floor() -> None:
     """A review: ITL 0.09 + 0.001 c (the SLO met up to 10 per replica) rises only ~2 % over a
     25 % change of load. Read as a floor, the estimate stayed at the prior of 20 and every

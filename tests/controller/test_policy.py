@@ -103,11 +103,47 @@ def test_loading_replicas_prevent_a_cold_start_cascade(clock: FakeClock) -> None
         plan, state = step(CFG, state, now, reps, signals(now, reps, running=40, queue=queue))
         assert plan.desired == 8, queue
         assert plan.incoming == 4
-    # But demand that really outgrows active + incoming still scales.
+    # A backlog that grows while the wave loads is the shortfall the wave was ordered for (it
+    # grows at the arrival rate until the replicas serve), not more demand: before, every tick
+    # of a cold start asked for more (a review: 1 -> 38 replicas for a need of 4).
     now = clock.advance(2)
     reps = views(now, active=4, loading=4)
     plan, state = step(CFG, state, now, reps, signals(now, reps, running=40, queue=100))
+    assert plan.desired == 8
+    # But demand that really outgrows active + incoming still scales: its rate (here requests
+    # turned away, as concurrency) is new evidence.
+    now = clock.advance(2)
+    sig = dataclasses.replace(signals(now, reps, running=40, queue=100), lacking=100.0)
+    plan, state = step(CFG, state, now, reps, sig)
     assert (plan.desired, plan.reason) == (14, REASON_DEMAND)
+
+
+def test_the_wave_drains_its_backlog_before_more_is_asked_for(clock: FakeClock) -> None:
+    """Once the wave's replicas serve, a backlog that falls is being drained (a scale-up now
+    would arrive after it is gone); one that grows past its top while they serve is a shortfall:
+    only that growth counts."""
+    state = PolicyState(desired=4)
+    reps = views(clock.now, active=4)
+    plan, state = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=40, queue=12))
+    assert plan.desired == 8
+    for queue in (40, 80, 120):  # the cold start: the queue grows to 120
+        now = clock.advance(2)
+        plan, state = step(CFG, state, now, views(now, active=4, loading=4),
+                           signals(now, views(now, active=4, loading=4), running=40, queue=queue))
+        assert plan.desired == 8
+    for queue in (110, 80, 40):  # the wave serves and drains it: no second wave
+        now = clock.advance(2)
+        reps = views(now, active=8)
+        plan, state = step(CFG, state, now, reps, signals(now, reps, running=70, queue=queue))
+        assert plan.desired == 8, queue
+    now = clock.advance(2)
+    reps = views(now, active=8)
+    plan, state = step(CFG, state, now, reps, signals(now, reps, running=70, queue=10))  # drained to the wave's
+    assert plan.desired == 8
+    # A new step with the wave served: the backlog counts again in full.
+    now = clock.advance(2)
+    plan, state = step(CFG, state, now, reps, signals(now, reps, running=80, queue=60))
+    assert plan.desired >= 14  # demand 140 (14) or the queue trigger (16)
 
 
 def _waking(now: float, active: int, waking: int) -> tuple[ReplicaView, ...]:

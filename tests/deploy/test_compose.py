@@ -550,3 +550,5 @@ def test_processor_allowlist_admits_exactly_the_replicas_the_controller_register
         for ep in (cpool.actuator.endpoints or {}).values():
             assert endpoint_allowed(ep, rules), ep
     assert not endpoint_allowed("172.28.0.2:6379", rules)  # e.g. another container's Redis port
+    assert not endpoint_allowed("172.28.0.1:8000", rules)  # the Docker host (a local vLLM on the host)
+    assert not endpoint_allowed("172.28.0.24:8000", rules)  # another container on the network

@@ -693,3 +693,53 @@ def test_endpoint_allowlist_admits_the_common_pod_cidrs(tmp_path: Path, caplog: 
     assert len(logged) == 3, "once per endpoint"
     for msg, refused in zip(logged, ("203.0.113.7:8000", f"10.244.1.7:{port + 1}", "172.32.0.1:8000"), strict=True):
         assert refused in msg and str(pool.allowed_endpoints) in msg and pool.name in msg
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for d in docs:
+        spec = (d.get("spec") or {}).get("template", {}).get("spec")
+        if spec is not None:
+            yield d["metadata"]["namespace"], d["metadata"]["name"], spec
+
+
+def _pss_violations(level: str, spec: dict[str, Any]) -> list[str]:
+    """Pod Security Standards checks (the parts the manifests could break) for `baseline` and
+    `restricted` (https://kubernetes.io/docs/concepts/security/pod-security-standards/)."""
+    out = []
+    containers = [*spec.get("initContainers", []), *spec["containers"]]
+    if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
+        out.append("host namespaces")
+    if any("hostPath" in v for v in spec.get("volumes", [])):
+        out.append("hostPath volume")
+    for c in containers:
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            out.append(f"{c['name']}: privileged")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{c['name']}: hostPort")
+        if level == "restricted":
+            if sc.get("allowPrivilegeEscalation") is not False:
+                out.append(f"{c['name']}: allowPrivilegeEscalation not false")
+            if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+                out.append(f"{c['name']}: capabilities not dropped")
+            if not (sc.get("runAsNonRoot") or spec.get("securityContext", {}).get("runAsNonRoot")):
+                out.append(f"{c['name']}: runAsNonRoot")
+            seccomp = sc.get("seccompProfile") or spec.get("securityContext", {}).get("seccompProfile") or {}
+            if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+                out.append(f"{c['name']}: seccompProfile")
+    return out
+
+
+@pytest.mark.parametrize("kdir", [KDIR, KEDA_DIR], ids=["base", "keda"])
+def test_every_pod_meets_its_namespaces_pod_security_level(kdir: Path) -> None:
+    """The namespaces enforce Pod Security (`restricted` for the control plane, `baseline` for
+    the models): a stolen controller token, which may patch the vllm Deployment's pod template,
+    cannot start a privileged pod (a review). Every shipped pod must pass its namespace's level."""
+    docs = kustomize(kdir)
+    levels = {d["metadata"]["name"]: d["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce")
+              for d in docs if d["kind"] == "Namespace"}
+    assert levels == {CONTROL_NS: "restricted", MODELS_NS: "baseline"}
+    pods = list(_pod_specs(docs))
+    assert {ns for ns, _, _ in pods} == NAMESPACES
+    for ns, name, spec in pods:
+        assert _pss_violations(levels[ns], spec) == [], (ns, name)

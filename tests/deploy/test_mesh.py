@@ -374,3 +374,23 @@ def test_sidecar_patches_ignore_forwarded_for_and_strip_internal_headers(stack: 
     for h in seen.values():
         assert "x-gateway-destination-endpoint" not in h and "x-floodgate-x" not in h, h
     assert seen["POST"]["x-floodgate-priority"] == "1" and "x-floodgate-priority" not in seen["GET"]
+
+
+def test_the_shipped_service_gives_the_envoyfilter_its_inbound_http_chain() -> None:
+    """Istio builds a port's inbound HTTP chain only for a port of a Service selecting the pod,
+    and treats it as HTTP only when the port says so: without the Service the EnvoyFilter's
+    `portNumber` patches matched nothing and every call passed unadmitted (a review)."""
+    svc = yaml.safe_load((ISTIO / "service.yaml").read_text())
+    assert svc["kind"] == "Service" and svc["metadata"]["namespace"] == envoyfilter()["metadata"]["namespace"]
+    (port,) = svc["spec"]["ports"]
+    _, http = http_filter_patches()
+    assert port["port"] == http["match"]["listener"]["portNumber"] == port["targetPort"]
+    assert port["name"] == "http" and port["appProtocol"] == "http"
+    selector = svc["spec"]["selector"]
+    assert selector == {**envoyfilter()["spec"]["workloadSelector"]["labels"], "app-state": "active"}
+    docs = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "inference.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert {k: v for k, v in selector.items() if k != "app-state"}.items() <= pod["metadata"]["labels"].items()
+    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+    assert port["targetPort"] in ports
