@@ -18,14 +18,15 @@ WORKDIR /src
 # the `k8s` extra because the controller's Kubernetes actuator and EndpointSlice discovery run
 # from this image. tests/deploy/test_image.py repeats these COPY and pip lines in a clean
 # virtualenv and runs every command compose.yaml and deploy/kubernetes run.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY floodgate ./floodgate
 COPY extproc ./extproc
 COPY controller ./controller
 COPY sim ./sim
 COPY bench ./bench
 COPY envoy ./envoy
-RUN pip install '.[k8s]' && rm -rf /src
+# The dependency versions the test suite ran (constraints.txt), not the newest of the day.
+RUN pip install -c constraints.txt '.[k8s]' && rm -rf /src
 
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin floodgate
 USER 10001

@@ -4,10 +4,11 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the runtime dependencies to the versions the image installs.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 .PHONY: install up test lint tools

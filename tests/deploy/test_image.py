@@ -101,6 +101,21 @@ def test_dockerfile_is_parsed_and_pins_its_base_image() -> None:
         "the test builds the install set with this interpreter: keep it at the image's version")
 
 
+def test_the_image_and_the_suite_install_the_pinned_dependency_versions() -> None:
+    """A rebuild ships what the suite ran: the Dockerfile's pip line and `make install` take
+    constraints.txt, which pins the whole runtime closure of floodgate[k8s] at the versions
+    installed here (a review: with minimum versions only, a rebuild a month later shipped
+    versions nobody had run)."""
+    from tests.deploy.constraints import render
+
+    b = parse_dockerfile(DOCKERFILE.read_text())
+    assert b.pip[:2] == ["pip", "install"] and "-c" in b.pip and b.pip[b.pip.index("-c") + 1] == "constraints.txt"
+    assert any("constraints.txt" in srcs for srcs, _ in b.copies), b.copies
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+    assert (ROOT / "constraints.txt").read_text() == render(), (
+        "constraints.txt is not the installed runtime closure: .venv/bin/python -m tests.deploy.constraints > constraints.txt")
+
+
 def test_copy_set_covers_every_folder_the_distribution_maps() -> None:
     import tomllib
 
