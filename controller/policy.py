@@ -180,6 +180,7 @@ class PolicyState:
     wave_backlog: float | None = None
     wave_top: float = 0.0
     wave_size: int = 0  # the replicas that scale-up asked for
+    wave_demand: float = 0.0  # the demand it counted: running + that backlog
     react_until: float = -math.inf  # no second first reaction (`burst_reaction`) before this
 
 
@@ -385,16 +386,22 @@ def decide(
     wave, wave_top = state.wave_backlog, state.wave_top
     counted = waiting
     if wave is not None:
-        # Its replicas still on their way, some from a cold start (a wake serves within seconds:
-        # the backlog of those seconds is small, and the warm-pool burst rules size on it).
-        # (A replica that ends its cold start is warm for a tick before its promotion.)
-        if active < state.wave_size and capacity + warm >= state.wave_size and incoming > waking:
+        # Of the demand the wave was sized for, what does not run now: replicas of the wave that
+        # turn active take their requests from that backlog (counted once, not again as running).
+        left = max(0.0, state.wave_demand - running)
+        # Its replicas still on their way, more of them than wakes bring (a wake serves within
+        # seconds: the backlog of those seconds is small, and the warm-pool burst rules size on
+        # it; a pool refill loading meanwhile is no part of the wave: elastic seed 1's first
+        # burst, 3 active + 1 waking of 4 asked for, a refill loading, queue pressure to 6 is
+        # still new evidence). A replica that ends its cold start is warm for a tick before its
+        # promotion.
+        if active + waking + warm < state.wave_size <= capacity + warm:
             wave_top = max(wave_top, waiting)
-            counted = min(waiting, wave)
+            counted = min(waiting, left)
         elif waiting <= wave or capacity + warm < state.wave_size:  # drained, or replicas gone: no wave
             wave = None
         else:
-            counted = wave + max(0.0, waiting - wave_top)
+            counted = min(waiting, left + max(0.0, waiting - wave_top))
     demand = running + max(counted, lacking)
     tc = signals.capacity or cfg.target_concurrency
 
@@ -552,6 +559,7 @@ def decide(
         wave_backlog=counted if desired > current else wave,
         wave_top=waiting if desired > current else wave_top,
         wave_size=desired if desired > current else state.wave_size,
+        wave_demand=running + counted if desired > current else state.wave_demand,
     )
     return plan, new_state
 
