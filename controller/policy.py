@@ -381,10 +381,14 @@ def decide(
     # after the need was gone (5x the replica-hours of a fixed set of 4). The wave ends once its
     # replicas serve and the backlog is back to what it was sized with, or grows past the highest
     # it reached while they loaded (they do not suffice: what grows past that top counts). Rates
-    # are the channels for more demand meanwhile (the burst estimate, turned-away demand), and the
-    # queue trigger below compares with what the last scale-up saw.
+    # are the channels for more demand meanwhile (the burst estimate, turned-away demand), and so
+    # is the queue trigger below while the wave loads: it doubles the *active* replicas and is
+    # compared with the size asked for, so it cannot cascade on a backlog, and a queue growing
+    # past twice the active replicas is still what sized the elastic bench's first burst
+    # (6 -> 8 at 63 s, 8 -> 10 at 77 s, the second a cold start before the first had arrived).
     wave, wave_top = state.wave_backlog, state.wave_top
     counted = waiting
+    loading = False  # a cold wave on its way
     if wave is not None:
         # Of the demand the wave was sized for, what does not run now: replicas of the wave that
         # turn active take their requests from that backlog (counted once, not again as running).
@@ -396,6 +400,7 @@ def decide(
         # still new evidence). A replica that ends its cold start is warm for a tick before its
         # promotion.
         if active + waking + warm < state.wave_size <= capacity + warm:
+            loading = True
             wave_top = max(wave_top, waiting)
             counted = min(waiting, left)
         elif waiting <= wave or capacity + warm < state.wave_size:  # drained, or replicas gone: no wave
@@ -432,9 +437,15 @@ def decide(
     if waiting / act > cfg.queue_pressure_per_replica:
         panic = True
         shared = queued / act > cfg.queue_pressure_per_replica
-        # (A queue that grew while a cold wave loaded and that wave now drains is no pressure:
-        # only growth past the top it reached counts, `counted`.)
-        if (shared and (wave is None or counted > sized)) or (counted > sized and demand > max(current, 1) * tc):
+        # (Once a cold wave serves, the queue that grew while it loaded and that it now drains is
+        # no pressure: only a queue past the top it reached. Doubling the new active count on it
+        # at the wave's arrival was the cascade again, 7 -> 14 on a draining queue.)
+        served = wave is not None and not loading
+        if served:
+            fire = waiting > wave_top and (shared or demand > max(current, 1) * tc)
+        else:
+            fire = shared or (waiting > sized and running + max(waiting, lacking) > max(current, 1) * tc)
+        if fire:
             up = math.ceil(act * cfg.scale_up_factor - 1e-9)
             if up > rec:
                 rec, cause = up, REASON_QUEUE
