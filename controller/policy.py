@@ -181,6 +181,7 @@ class PolicyState:
     wave_top: float = 0.0
     wave_size: int = 0  # the replicas that scale-up asked for
     wave_demand: float = 0.0  # the demand it counted: running + that backlog
+    wave_served_at: float | None = None  # when its replicas were first all serving (or waking)
     react_until: float = -math.inf  # no second first reaction (`burst_reaction`) before this
 
 
@@ -399,11 +400,15 @@ def decide(
         # burst, 3 active + 1 waking of 4 asked for, a refill loading, queue pressure to 6 is
         # still new evidence). A replica that ends its cold start is warm for a tick before its
         # promotion.
+        served_at = state.wave_served_at
         if active + waking + warm < state.wave_size <= capacity + warm:
             loading = True
             wave_top = max(wave_top, waiting)
             counted = min(waiting, left)
-        elif waiting <= wave or capacity + warm < state.wave_size:  # drained, or replicas gone: no wave
+        elif (waiting <= wave or capacity + warm < state.wave_size  # drained, or replicas gone
+              or (served_at is not None and now - served_at > cfg.panic_window_s)):
+            # (A backlog its replicas have served for a panic window and not drained is the
+            # pool's own: counted in full again, as is one the wave's replicas never reached.)
             wave = None
         else:
             counted = min(waiting, left + max(0.0, waiting - wave_top))
@@ -571,6 +576,8 @@ def decide(
         wave_top=waiting if desired > current else wave_top,
         wave_size=desired if desired > current else state.wave_size,
         wave_demand=running + counted if desired > current else state.wave_demand,
+        wave_served_at=(None if desired > current or wave is None
+                        else state.wave_served_at if loading or state.wave_served_at is not None else now),
     )
     return plan, new_state
 

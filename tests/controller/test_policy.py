@@ -508,3 +508,26 @@ def test_config_validation() -> None:
     assert PolicyConfig().stabilization_window_s == 300.0
     assert PolicyConfig().queue_pressure_per_replica == 2.0
     assert PolicyConfig().scale_up_factor == 2.0
+
+
+def test_a_backlog_the_wave_has_served_for_a_panic_window_counts_again(clock: FakeClock) -> None:
+    """A queue that stands below the top it reached while the wave loaded, neither drained nor
+    growing, is the pool's own backlog once the wave has served it for a panic window: counted in
+    full again (never a wave for ever)."""
+    cfg = CFG.model_copy(update={"panic_window_s": 60.0})
+    state = PolicyState(desired=4)
+    reps = views(clock.now, active=4)
+    plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, queue=12))
+    assert plan.desired == 8
+    now = clock.advance(2)
+    loading = views(now, active=4, loading=4)
+    plan, state = step(cfg, state, now, loading, signals(now, loading, running=40, queue=120))
+    for _ in range(25):  # served for 50 s: a queue of 60 (below the top, above the wave's 12) counts as the wave
+        now = clock.advance(2)
+        reps = views(now, active=8)
+        plan, state = step(cfg, state, now, reps, signals(now, reps, running=70, queue=60))
+        assert plan.desired == 8
+    for _ in range(10):  # past the panic window: the pool's own backlog
+        now = clock.advance(2)
+        plan, state = step(cfg, state, now, reps, signals(now, reps, running=70, queue=60))
+    assert plan.desired > 8
