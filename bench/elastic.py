@@ -248,7 +248,7 @@ def controller_config(name: str, w: Workload, redis_url: str, envoy_admin: str, 
     if name == "scaling":
         # HPA-like: proportional on running + waiting, no burst triggers.
         policy.update({"queue_pressure_per_replica": 1e9, "kv_pressure_threshold": 1.0,
-                       "panic_threshold": 1e9})
+                       "panic_threshold": 1e9, "wave_backlog_once": False})
         pool.update(_optional_off())
     return {
         "redis": {"url": redis_url},
@@ -902,7 +902,8 @@ Reproduce: `{report['command']}` ({report['elapsed_s'] / 60:.0f} min here).
 **Configurations.** *admission*: Floodgate (Vegas, shipped limiter defaults) in front of a
 fixed pool of {w['replicas']}. *scaling*: the controller and warm pool, no admission (the
 processor admits everything and only picks endpoints, by the fewest permits routed: no prefill pacing), HPA-like rule (replicas ∝ running +
-waiting, ±10 %, stabilized scale-down, no queue/KV triggers, no offered demand, no learned
+waiting, ±10 %, stabilized scale-down, no queue/KV triggers, the whole backlog counted every
+tick (`wave_backlog_once: false`), no offered demand, no learned
 capacity). *floodgate*: both, on the controller's shipped policy and the processor's shipped
 defaults (limiter and classes; nothing is tuned here). *floodgate-tuned* (only when asked
 for with `--configs`): the overload benchmark's hand-tuned classes. The controller ticks every 0.5 s (shipped:

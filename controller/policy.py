@@ -150,6 +150,13 @@ class PolicyConfig(BaseModel):
     panic_window_s: float = Field(
         default=60.0, ge=0, description="No scale-down for this long after the last panic trigger."
     )
+    wave_backlog_once: bool = Field(
+        default=True,
+        description="The backlog a scale-up waiting on cold starts was sized with counts once: while those "
+        "replicas load (the queue grows at the arrival rate) and while they drain it, for at most "
+        "`panic_window_s` after they serve (docs/controller.md, rule 5). False: every tick counts the whole "
+        "backlog, as an HPA on queue length does.",
+    )
     stale_after_s: float = Field(
         default=10.0, gt=0, description="A scrape older than this is stale (never read as zero)."
     )
@@ -390,6 +397,8 @@ def decide(
     wave, wave_top = state.wave_backlog, state.wave_top
     counted = waiting
     loading = False  # a cold wave on its way
+    if not cfg.wave_backlog_once:
+        wave = None
     if wave is not None:
         # Of the demand the wave was sized for, what does not run now: replicas of the wave that
         # turn active take their requests from that backlog (counted once, not again as running).

@@ -531,3 +531,16 @@ def test_a_backlog_the_wave_has_served_for_a_panic_window_counts_again(clock: Fa
         now = clock.advance(2)
         plan, state = step(cfg, state, now, reps, signals(now, reps, running=70, queue=60))
     assert plan.desired > 8
+
+
+def test_the_wave_can_be_switched_off_as_an_hpa_on_queue_length(clock: FakeClock) -> None:
+    """`wave_backlog_once: false` counts the whole backlog every tick, as an HPA on queue length
+    does (the elastic bench's scaling-only baseline runs so)."""
+    cfg = CFG.model_copy(update={"wave_backlog_once": False})
+    state = PolicyState(desired=4)
+    reps = views(clock.now, active=4)
+    plan, state = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=40, queue=12))
+    now = clock.advance(2)
+    reps = views(now, active=4, loading=4)
+    plan, state = step(cfg, state, now, reps, signals(now, reps, running=40, queue=100))
+    assert (plan.desired, plan.reason) == (14, REASON_DEMAND)
