@@ -79,13 +79,10 @@ from floodgate.extproc.redis_client import (
     OUTAGE_ERRORS,
     follow_sentinel_primary,
     parse_redis_url,
-    redact_url,
-    refused_connection_settings,
+    refused_settings_error,
 )
 from floodgate.extproc.registry import Endpoint, Registry
 from floodgate.extproc.state import redis_client
-
-from floodgate.runtime import StartupError
 
 S = ReplicaState
 def steady_wall_clock() -> Callable[[], float]:
@@ -1139,9 +1136,8 @@ class Controller:
             try:  # credentials or a database the server refuses: a config error, not an outage
                 await asyncio.wait_for(self.redis.ping(), self.cfg.redis.op_timeout_s * 2)
             except OUTAGE_ERRORS as exc:
-                if (why := refused_connection_settings(exc)) is not None:
-                    raise StartupError(f"redis.url ({redact_url(self.cfg.redis.url)}): {why}; "
-                                       "FLOODGATE_REDIS_URL and FLOODGATE_REDIS_PASSWORD set it too") from exc
+                if (refused := refused_settings_error(exc, self.cfg.redis.url)) is not None:
+                    raise refused from exc
             if self.lease is not None:
                 await self.lease.try_acquire_or_renew()  # know at once whether to act
                 lease_task = asyncio.create_task(self.lease.run(lease_stop))

@@ -154,15 +154,21 @@ def no_load_ratio(a: tuple[float, float], b: tuple[float, float]) -> float | Non
     return lo[1] - slope * lo[0]
 
 
+def no_load_ratios(c: float, r: float, recent: tuple[Seen, ...]) -> list[tuple[Seen, float]]:
+    """The recent windows far enough in load from this one (concurrency `c`, ratio `r`) to
+    give a latency at no load (`no_load_ratio`), each with it (pure)."""
+    out = []
+    for s in recent:
+        f = no_load_ratio((c, r), (s.concurrency, s.ratio))
+        if f is not None:
+            out.append((s, f))
+    return out
+
+
 def floor_bound(c: float, r: float, recent: tuple[Seen, ...]) -> list[tuple[Seen, float]]:
     """The recent windows that, with this one (concurrency `c`, ratio `r`), put the latency at
     no load at or above the SLO, each with that no-load ratio (pure)."""
-    out = []
-    for s in recent:
-        floor = no_load_ratio((c, r), (s.concurrency, s.ratio))
-        if floor is not None and floor >= 1.0:
-            out.append((s, floor))
-    return out
+    return [(s, f) for s, f in no_load_ratios(c, r, recent) if f >= 1.0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,15 +250,8 @@ def flat_above_aim(c: float, r: float, recent: tuple[Seen, ...], aim: float) -> 
     concurrency `c`), show its latency as a floor above the aimed share: every window at least
     `LOAD_STEP` apart in load puts the latency at no load at or above `aim` (none of them shows
     less load bringing it under). Empty when no window is that far apart, or one shows it (pure)."""
-    flat = []
-    for s in recent:
-        f = no_load_ratio((c, r), (s.concurrency, s.ratio))
-        if f is None:
-            continue
-        if f < aim:
-            return []
-        flat.append(s)
-    return flat
+    ratios = no_load_ratios(c, r, recent)
+    return [] if any(f < aim for _, f in ratios) else [s for s, _ in ratios]
 
 
 def estimate_window(w: Window, point: tuple[float, float] | None, current: float, prior: float,
@@ -340,28 +339,26 @@ def update(state: CapacityState, tick: TickLatency | None, now: float, prior: fl
                            floor_restore=undo)
     if loaded is not None and cfg.aim < loaded[1] <= 1.0 and 2 * w.saturated_ticks < w.ticks:
         flat = flat_above_aim(*loaded, state.recent, cfg.aim)
-        if not flat and now < state.band_until:
-            # Still in the band that was shown flat: the windows since sit at one load (none
-            # lowered the estimate), so none can show it again; the band is remembered while
-            # every window stays in it. Forgetting it after a while restarted the descent, and
-            # a window at a load 25 % away showed the floor again a few windows later.
-            return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=loaded[1],
-                           recent=recent, band_until=now + FLOOR_MEMORY_S)
-        if flat:
+        if flat or now < state.band_until:
             # The SLO met with a latency between the aim and the SLO that load does not move
             # (TTFT is mostly prefill): a lowering towards the aim cannot buy the headroom, it
             # only grows the pool, which lowers the concurrency per replica, and the next window
             # lowered the estimate again (a review's half-speed Azure replay: 7 -> 1.75, i.e.
             # `min_factor`, at 3.2x the replica-hours of the zero-wait reference where the prior
-            # alone cost 1.4x). Undo what the windows of that flat latency lowered, lower nothing;
-            # the undo goes no higher than a concurrency at which a window met the SLO (a latency
-            # that does rise, slowly, meets the SLO only below some load: a review's 0.9 + 0.01 c).
-            undo = max(s.before for s in flat)
-            proved = max([loaded[0], *(s.concurrency for s in state.recent if s.ratio <= 1.0)])
-            restored = min(max(current, undo), max(current, prior), max(current, proved))
-            return replace(state, estimate=restored if state.estimate is not None else None, window=Window(now),
-                           rejected=state.rejected + 1, last_ratio=loaded[1], recent=recent,
-                           band_until=now + FLOOR_MEMORY_S)
+            # alone cost 1.4x). Lower nothing, and remember the band while every window stays in
+            # it: the windows after it sit at one load (none lowered the estimate), so none can
+            # show it again, and forgetting it restarted the descent until a window at a load
+            # 25 % away showed it again.
+            estimate = state.estimate
+            if flat and estimate is not None:
+                # Undo what the windows of that flat latency lowered, no higher than a
+                # concurrency at which a window met the SLO (a latency that does rise, slowly,
+                # meets the SLO only below some load: a review's 0.9 + 0.01 c).
+                undo = max(s.before for s in flat)
+                proved = max([loaded[0], *(s.concurrency for s in state.recent if s.ratio <= 1.0)])
+                estimate = min(max(current, undo), max(current, prior), max(current, proved))
+            return replace(state, estimate=estimate, window=Window(now), rejected=state.rejected + 1,
+                           last_ratio=loaded[1], recent=recent, band_until=now + FLOOR_MEMORY_S)
     raw, r = estimate_window(w, point, current, prior, cfg)
     if raw is None:
         return replace(state, window=Window(now), rejected=state.rejected + 1, last_ratio=r, recent=recent)

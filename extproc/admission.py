@@ -89,8 +89,7 @@ from floodgate.extproc.redis_client import (
     answered_with_error,
     follow_sentinel_primary,
     is_cluster,
-    redact_url,
-    refused_connection_settings,
+    refused_settings_error,
     subscribe,
 )
 from floodgate.extproc.registry import parse_ceiling, read_arriving
@@ -116,8 +115,6 @@ from floodgate.extproc.schema import (
 )
 from floodgate.extproc.state import PoolState
 from redis.exceptions import ResponseError
-
-from floodgate.runtime import StartupError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
 
@@ -494,9 +491,8 @@ class Admitter:
                                                         ttl_ms=int(ttl_s * 1000), period_s=ttl_s / 3,
                                                         clock=time.monotonic)
         except OUTAGE_ERRORS as exc:
-            if (why := refused_connection_settings(exc)) is not None:
-                raise StartupError(f"redis.url ({redact_url(self.cfg.redis.url)}): {why}; "
-                                   "FLOODGATE_REDIS_URL and FLOODGATE_REDIS_PASSWORD set it too") from exc
+            if (refused := refused_settings_error(exc, self.cfg.redis.url)) is not None:
+                raise refused from exc
             return
         if other is not None and not live:
             log.info("pool %s: gateway id %s was last renewed by instance %s, which stopped renewing it "

@@ -52,6 +52,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from floodgate.runtime import StartupError
+
 AnyRedis = aioredis.Redis | RedisCluster
 Kind = Literal["single", "sentinel", "cluster"]
 
@@ -104,6 +106,16 @@ def refused_connection_settings(exc: BaseException) -> str | None:
     if isinstance(exc, ResponseError) and "DB index is out of range" in text:
         return "the server has no database with that index (its `databases` setting; 0-15 unless changed)"
     return None
+
+
+def refused_settings_error(exc: BaseException, url: str) -> StartupError | None:
+    """The start-up error naming `redis.url` (password redacted) when `exc` is the server
+    refusing the connection settings (`refused_connection_settings`); None otherwise."""
+    why = refused_connection_settings(exc)
+    if why is None:
+        return None
+    return StartupError(f"redis.url ({redact_url(url)}): {why}; "
+                        "FLOODGATE_REDIS_URL and FLOODGATE_REDIS_PASSWORD set it too")
 
 
 class RedisURLError(ValueError):

@@ -4,6 +4,7 @@ and the -37.5 % mismatch (configured capacity 1.6x the real one) closed by learn
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 from floodgate.controller.capacity import (
@@ -55,14 +56,16 @@ def tick(c: float, replicas: int) -> TickLatency:
 
 
 def run_loop(prior: float, demand: float, seconds: int, cfg: CapacityConfig = CFG,
-             t0: float = 1000.0) -> tuple[CapacityState, list[int]]:
-    """Closed loop: size the pool from the current capacity, run it, learn."""
+             t0: float = 1000.0, replica_tick: Callable[[float, int], TickLatency] = tick,
+             ) -> tuple[CapacityState, list[int]]:
+    """Closed loop: size the pool from the current capacity, run it (`replica_tick`: the
+    replicas' latency at a concurrency per replica), learn."""
     st = CapacityState()
     sizes = []
     for i in range(seconds):
         n = max(1, replicas_for(demand, capacity(st, prior, cfg)))
         sizes.append(n)
-        st = update(st, tick(demand / n, n), t0 + i, prior, cfg)
+        st = update(st, replica_tick(demand / n, n), t0 + i, prior, cfg)
     return st, sizes
 
 
@@ -92,12 +95,7 @@ def test_a_latency_floor_above_the_slo_is_not_read_as_capacity() -> None:
         return tick_latency([(hist(3.0, n, TTFT_LE), hist(itl_of(c), 10 * n, ITL_LE), c)] * replicas, replicas)
 
     prior, demand = 7.0, 35.0
-    st = CapacityState()
-    sizes = []
-    for i in range(600):
-        n = max(1, replicas_for(demand, capacity(st, prior, CFG)))
-        sizes.append(n)
-        st = update(st, floor_tick(demand / n, n), 1000.0 + i, prior, CFG)
+    st, sizes = run_loop(prior, demand, 600, replica_tick=floor_tick)
     assert st.floor_windows >= 1
     assert capacity(st, prior, CFG) == pytest.approx(prior)
     assert max(sizes[-300:]) == replicas_for(demand, prior)  # 5, not the 20 of min_factor
@@ -117,12 +115,7 @@ def test_a_flat_latency_between_the_aim_and_the_slo_does_not_spiral_the_estimate
                             replicas)
 
     prior, demand = 7.0, 30.0
-    st = CapacityState()
-    sizes = []
-    for i in range(1800):
-        n = max(1, replicas_for(demand, capacity(st, prior, CFG)))
-        sizes.append(n)
-        st = update(st, flat_tick(demand / n, n), 1000.0 + i, prior, CFG)
+    st, sizes = run_loop(prior, demand, 1800, replica_tick=flat_tick)
     assert capacity(st, prior, CFG) >= 0.75 * prior, capacity(st, prior, CFG)  # before: 1.75
     assert max(sizes[-600:]) <= replicas_for(demand, 0.75 * prior)  # 6 replicas, not the 18 of min_factor
 
