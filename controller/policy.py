@@ -169,6 +169,17 @@ class PolicyConfig(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
+class Wave:
+    """A scale-up waiting on cold starts, whose backlog counts once (`decide`, rule 5)."""
+
+    backlog: float  # the backlog it was sized with
+    top: float  # the highest backlog seen while its replicas loaded
+    size: int  # the replicas it asked for
+    demand: float  # the demand it counted: running + that backlog
+    served_at: float | None = None  # when its replicas were first all serving (or waking)
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyState:
     """What the policy remembers between ticks (per pool).
 
@@ -182,13 +193,7 @@ class PolicyState:
     panic_until: float = -math.inf
     last_scale_down_at: float = -math.inf
     sized_backlog: float = 0.0  # waiting at the last scale-up (0 once panic ends)
-    # The same wave (`decide`, rule 5): the backlog the scale-up that ordered the replicas still on
-    # their way was sized with (None: no wave), and the highest backlog seen while they loaded.
-    wave_backlog: float | None = None
-    wave_top: float = 0.0
-    wave_size: int = 0  # the replicas that scale-up asked for
-    wave_demand: float = 0.0  # the demand it counted: running + that backlog
-    wave_served_at: float | None = None  # when its replicas were first all serving (or waking)
+    wave: Wave | None = None  # the scale-up whose backlog counts once (`decide`, rule 5); None: no wave
     react_until: float = -math.inf  # no second first reaction (`burst_reaction`) before this
 
 
@@ -394,33 +399,30 @@ def decide(
     # compared with the size asked for, so it cannot cascade on a backlog, and a queue growing
     # past twice the active replicas is still what sized the elastic bench's first burst
     # (6 -> 8 at 63 s, 8 -> 10 at 77 s, the second a cold start before the first had arrived).
-    wave, wave_top = state.wave_backlog, state.wave_top
+    wave = state.wave if cfg.wave_backlog_once else None
     counted = waiting
     loading = False  # a cold wave on its way
-    if not cfg.wave_backlog_once:
-        wave = None
     if wave is not None:
         # Of the demand the wave was sized for, what does not run now: replicas of the wave that
         # turn active take their requests from that backlog (counted once, not again as running).
-        left = max(0.0, state.wave_demand - running)
+        left = max(0.0, wave.demand - running)
         # Its replicas still on their way, more of them than wakes bring (a wake serves within
         # seconds: the backlog of those seconds is small, and the warm-pool burst rules size on
         # it; a pool refill loading meanwhile is no part of the wave: elastic seed 1's first
         # burst, 3 active + 1 waking of 4 asked for, a refill loading, queue pressure to 6 is
         # still new evidence). A replica that ends its cold start is warm for a tick before its
         # promotion.
-        served_at = state.wave_served_at
-        if active + waking + warm < state.wave_size <= capacity + warm:
+        if active + waking + warm < wave.size <= capacity + warm:
             loading = True
-            wave_top = max(wave_top, waiting)
+            wave = replace(wave, top=max(wave.top, waiting))
             counted = min(waiting, left)
-        elif (waiting <= wave or capacity + warm < state.wave_size  # drained, or replicas gone
-              or (served_at is not None and now - served_at > cfg.panic_window_s)):
+        elif (waiting <= wave.backlog or capacity + warm < wave.size  # drained, or replicas gone
+              or (wave.served_at is not None and now - wave.served_at > cfg.panic_window_s)):
             # (A backlog its replicas have served for a panic window and not drained is the
             # pool's own: counted in full again, as is one the wave's replicas never reached.)
             wave = None
         else:
-            counted = min(waiting, left + max(0.0, waiting - wave_top))
+            counted = min(waiting, left + max(0.0, waiting - wave.top))
     demand = running + max(counted, lacking)
     tc = signals.capacity or cfg.target_concurrency
 
@@ -454,9 +456,8 @@ def decide(
         # (Once a cold wave serves, the queue that grew while it loaded and that it now drains is
         # no pressure: only a queue past the top it reached. Doubling the new active count on it
         # at the wave's arrival was the cascade again, 7 -> 14 on a draining queue.)
-        served = wave is not None and not loading
-        if served:
-            fire = waiting > wave_top and (shared or demand > max(current, 1) * tc)
+        if wave is not None and not loading:  # a wave that serves
+            fire = waiting > wave.top and (shared or demand > max(current, 1) * tc)
         else:
             fire = shared or (waiting > sized and running + max(waiting, lacking) > max(current, 1) * tc)
         if fire:
@@ -578,15 +579,16 @@ def decide(
         burst_mid=signals.burst_mid,
         burst_high=signals.burst_high,
     )
+    if desired > current:  # a new scale-up: a new wave (whether it waits on cold starts shows next tick)
+        next_wave: Wave | None = Wave(backlog=counted, top=waiting, size=desired, demand=running + counted)
+    elif wave is not None and not loading and wave.served_at is None:
+        next_wave = replace(wave, served_at=now)  # its replicas serve from now
+    else:
+        next_wave = wave
     new_state = replace(
         state, desired=desired, window=window, panic_until=panic_until, last_scale_down_at=last_down,
         sized_backlog=waiting if desired > current else sized, react_until=react_until,
-        wave_backlog=counted if desired > current else wave,
-        wave_top=waiting if desired > current else wave_top,
-        wave_size=desired if desired > current else state.wave_size,
-        wave_demand=running + counted if desired > current else state.wave_demand,
-        wave_served_at=(None if desired > current or wave is None
-                        else state.wave_served_at if loading or state.wave_served_at is not None else now),
+        wave=next_wave,
     )
     return plan, new_state
 
