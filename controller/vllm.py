@@ -25,6 +25,11 @@ WAITING = "vllm:num_requests_waiting"
 # A `/metrics` page larger than this is a failed scrape (vLLM's is ~100 KB; parsing runs ~0.5 s
 # per MB, and the body is foreign input).
 MAX_METRICS_BYTES = 4 << 20
+# Any other reply (health, sleep state, models, the warm-up completion) is a few hundred bytes;
+# read whole, a replica streaming one (compromised, or a buggy server) grew the controller's memory
+# for as long as the call's timeout (the warm-up's 60 s, a wake's 120 s; a review: past the
+# shipped pod's 512 MiB limit). A longer reply is a failed call.
+MAX_REPLY_BYTES = 1 << 20
 # More requests running or waiting on one replica than this is no engine's real queue (a review's
 # `num_requests_waiting 1e12` scaled an idle pool to its maximum): a failed scrape.
 MAX_PLAUSIBLE_REQUESTS = 100_000.0
@@ -253,22 +258,19 @@ class VllmClient:
 
     async def _call(self, method: str, path: str, *, limit: aiohttp.ClientTimeout | None = None,
                     json: object = None, ok: tuple[int, ...] = (200,),
-                    max_bytes: int | None = None) -> tuple[int, bytes]:
-        """`max_bytes`: a longer body is a VllmError, read no further (a foreign page)."""
+                    max_bytes: int = MAX_REPLY_BYTES) -> tuple[int, bytes]:
+        """`max_bytes`: a longer body is a VllmError, read no further (foreign input)."""
         try:
             async with self.session.request(method, self.base + path, json=json,
                                             timeout=limit or self.timeout) as r:
-                if max_bytes is None:
-                    body = await r.read()
-                else:
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in r.content.iter_chunked(1 << 16):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise VllmError(f"{method} {self.endpoint}{path}: a page over {max_bytes >> 20} MiB")
-                        chunks.append(chunk)
-                    body = b"".join(chunks)
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise VllmError(f"{method} {self.endpoint}{path}: a page over {max_bytes >> 20} MiB")
+                    chunks.append(chunk)
+                body = b"".join(chunks)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise VllmError(f"{method} {self.endpoint}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status not in ok:

@@ -894,6 +894,18 @@ def test_tenant_values_name_each_tenant_once() -> None:
     assert tenant_values([",", " , "]) == [] and tenant_values([", bob,"]) == ["bob"]
 
 
+def test_tenant_values_stop_at_the_second_tenant() -> None:
+    """Two tenants already refuse the request (`conflicting_tenant`): reading on through a
+    client's header of ~14k distinct items (56 KB, under Envoy's header limit) was quadratic
+    and held the processor's event loop for about a second (a review). Only the first two are
+    read, however many follow."""
+    from floodgate.extproc.server import tenant_values
+
+    items = [f"t{i}" for i in range(14_000)]
+    assert tenant_values([",".join(items)]) == ["t0", "t1"]
+    assert tenant_values(["bob," * 14_000, "vip", ",".join(items)]) == ["bob", "vip"]
+
+
 # Paths that reach a model route on a server that normalizes or decodes them, or that look like
 # a skipped path to a careless matcher (prefix, decoded, case-folded, query or fragment split).
 PATH_TRICKS = ["/v1/models/../completions", "/v1/models/..%2Fcompletions", "/v1/models%2F..%2Fcompletions",

@@ -237,6 +237,46 @@ async def test_a_bad_page_is_a_failed_scrape_keeping_the_previous_histograms() -
         assert not got.metrics.ok and "a page over 4 MiB" in got.error
 
 
+async def test_a_replica_streaming_a_huge_reply_fails_the_call_read_no_further() -> None:
+    """Every reply but `/metrics` is a few hundred bytes; read whole, a replica streaming one
+    (compromised, or a buggy server) grew the controller's memory for as long as the call's
+    timeout allowed (a review: the warm-up's 60 s of a 1,200 MiB stream, past the shipped pod's
+    512 MiB limit). Now a reply past MAX_REPLY_BYTES is a failed call, and the connection is
+    dropped there: the server gets to send little more than the cap and the socket buffers."""
+    from aiohttp import web
+    from floodgate.controller.vllm import MAX_REPLY_BYTES, VllmError
+
+    sent = {"/health": 0, "/v1/completions": 0}
+    chunk = b"a" * (1 << 16)
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        r = web.StreamResponse()
+        await r.prepare(request)
+        try:
+            for _ in range(64 << 4):  # 64 MiB
+                await r.write(chunk)
+                sent[request.path] += len(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        return r
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", stream)
+    app.router.add_post("/v1/completions", stream)
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as port, aiohttp.ClientSession() as s:
+        vc = VllmClient(s, f"127.0.0.1:{port}", timeout_s=30.0)
+        assert await vc.health() is False
+        with pytest.raises(VllmError, match="a page over 1 MiB"):
+            await vc.warmup(timeout_s=30.0)
+        await asyncio.sleep(0.2)
+    for path, n in sent.items():
+        assert MAX_REPLY_BYTES < n < 32 << 20, (path, n)  # dropped long before the 64 MiB end
+
+
 async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Whatever escapes `VllmClient.scrape` for one replica (here a bug) is that replica's
