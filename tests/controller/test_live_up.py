@@ -231,6 +231,11 @@ def test_up_config_that_is_not_utf8_is_an_error_naming_it(tmp_path: Path) -> Non
     (["--redis-url", "http://x:1"], "redis.url"),
     (["--port", "70000"], "70000 is not a TCP port"),  # was an OverflowError traceback
     (["--admin-port", "-1"], "-1 is not a TCP port"),
+    # inf and nan parse as floats and passed the range checks; --demo-rate inf started the stack
+    # and died building the demo plan (a review)
+    (["--demo-rate", "inf"], "--demo-rate: must be a finite number, got 'inf'"),
+    (["--demo-duration", "nan"], "--demo-duration: must be a finite number, got 'nan'"),
+    (["--sim-cold-start", "inf"], "--sim-cold-start: must be a finite number, got 'inf'"),
 ])
 def test_up_rejects_bad_arguments_before_starting_anything(argv: list[str], words: str) -> None:
     """The arguments and the controller config they make are checked first: exit 2 with the reason,
