@@ -508,6 +508,16 @@ def test_redis_start_script_runs_and_enforces_the_acl(tmp_path: Path) -> None:
         assert admin.ping()
         with pytest.raises(redis_sync.AuthenticationError):
             redis_sync.Redis(port=port).ping()  # no anonymous access
+        # The processors' user writes pool keys, so one of its commands could grow a string to
+        # 512 MB (a review: `SETRANGE fg:{default}:zz 500000000 a`, 1 -> 478 MB, past the pod's
+        # 512 MiB limit: Redis OOM-killed with the controller's registry and lease). Now a value
+        # past 1 MB is refused, and writes stop at 384 MB (noeviction: the processors' calls fail,
+        # they run on local limits; nothing is evicted from under a pool).
+        with pytest.raises(redis_sync.ResponseError, match="maximum allowed size"):
+            proc_user.setrange("fg:{default}:zz", 500_000_000, "a")
+        assert int(admin.info("memory")["used_memory"]) < 16 << 20
+        assert admin.config_get("maxmemory") == {"maxmemory": str(384 << 20)}
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
     finally:
         proc.terminate()
         proc.wait(10)
