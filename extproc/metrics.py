@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Any, get_args
 
 from floodgate.extproc.limit import Outcome
 from floodgate.extproc.schema import TURNED_AWAY
@@ -219,3 +219,51 @@ class Metrics:
                   self.resync_requests, self.gateway_id_conflicts, self.unregistered_grants, self.ejections,
                   self.invalid_priority, self.untrusted_priority, self.limit_updates):
             c.labels(pool)
+
+
+# The metrics listener: prometheus_client's WSGI server (a thread per connection, none on the
+# event loop) with a read timeout and a bound on connections. Its own had neither: a review's 500
+# connections that sent nothing kept 500 threads for good.
+METRICS_READ_TIMEOUT_S = 10.0
+METRICS_MAX_CONNECTIONS = 32
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
+    """Serve `registry` on host:port from daemon threads: a connection that sends no complete
+    request within METRICS_READ_TIMEOUT_S is closed, and past METRICS_MAX_CONNECTIONS at once a
+    new one is closed unanswered (a scraper retries; Prometheus scrapes one at a time). Returns
+    the server (`shutdown()` stops it). OSError when it cannot listen."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
+
+    slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+
+    class Handler(WSGIRequestHandler):
+        timeout = METRICS_READ_TIMEOUT_S  # socket timeout on every read and write (StreamRequestHandler)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    class Server(ThreadingWSGIServer):
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # (a read timed out, or the client went away: nothing to print to stderr)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    Server.address_family, addr = _get_best_family(host, port)
+    httpd = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    return httpd

@@ -1,0 +1,60 @@
+"""The processor's metrics listener bounds what idle connections hold (an attacker review:
+prometheus_client's own server kept one thread per connection for good, 500 connections that
+sent nothing = 500 threads)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from floodgate.extproc import metrics as metrics_mod
+from floodgate.extproc.metrics import Metrics, serve_metrics
+
+from floodgate.supervisor import free_port
+
+
+def _wait(cond: object, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_mod, "METRICS_READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 4)
+    port = free_port()
+    httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
+    base = threading.active_count()
+    idle = []
+    try:
+        for _ in range(3 * metrics_mod.METRICS_MAX_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metr")  # a request that never completes
+            idle.append(s)
+        # Every connection was accepted; past the bound they are closed unanswered, so the
+        # threads they hold are at most the bound.
+        time.sleep(0.5)
+        assert threading.active_count() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
+        # Each idle connection is closed by the server after the read timeout, not held for good.
+        for s in idle:
+            s.settimeout(10)
+            try:
+                got = s.recv(1024)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""  # closed by the server, unanswered (over the bound, or timed out)
+        assert _wait(lambda: threading.active_count() <= base)
+        # ...and a scrape is served again.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and b"floodgate_decisions" in r.read()
+    finally:
+        for s in idle:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
