@@ -197,6 +197,49 @@ async def test_envoys_own_upstream_errors_are_openai_json(stack: LocalStack, ups
     assert st.inflight_total == 0 and st.queued_total == 0
 
 
+async def _raw_head_and_body(port: int, data: bytes) -> tuple[int | None, str, bytes]:
+    """(status, lower-cased head, body) of Envoy's answer to raw bytes on one connection, read up
+    to its content-length (an upgrade request keeps the connection open)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(data)
+        await w.drain()
+        head = (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)).decode("latin-1").lower()
+        length = next((int(h.split(":", 1)[1]) for h in head.split("\r\n") if h.startswith("content-length:")), 0)
+        body = await asyncio.wait_for(r.readexactly(length), 10)
+    finally:
+        w.close()
+    line = head.split("\r\n", 1)[0].split()
+    return (int(line[1]) if len(line) >= 2 and line[1].isdigit() else None), head, body
+
+
+async def test_connect_and_refused_upgrades_are_openai_json(stack: LocalStack, upstream: int) -> None:
+    """CONNECT (no route takes it: 404) and a WebSocket upgrade (403) were empty text/plain replies
+    (an attacker review); neither reaches a model server or keeps a permit."""
+    stack.start_redis()
+    p = stack.start_processor(_static(4))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    cases = {
+        b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nhost: 127.0.0.1:1\r\n\r\n": (404, "not_found"),
+        (b"GET /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+         b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"): (403, "invalid_request_error"),
+    }
+    for data, (status, kind) in cases.items():
+        got, head, body = await _raw_head_and_body(envoy.port, data)
+        assert got == status, (data[:20], got, head)
+        assert "content-type: application/json" in head, head
+        assert json.loads(body)["error"]["type"] == kind, body
+    async with aiohttp.ClientSession() as s:
+        # (The upgrade, a GET that could run the model, was admitted before the router refused
+        # it; its permit comes back with the stream.)
+        async def released() -> bool:
+            return _released(await metrics(s, p.metrics_url)) >= 1
+
+        assert await wait_until(released, 5)
+    st = await drained(stack.redis_url)
+    assert st.inflight_total == 0 and st.queued_total == 0
+
+
 def _istio_sidecar(stack: LocalStack, processor_port: int, app_port: int, *, fail_open: bool = True) -> str:
     """deploy/istio/envoyfilter.yaml as a sidecar gets it: its inbound HCM merge (with the
     local_reply_config), the strip filter and the ext_proc filter in an inbound listener that
