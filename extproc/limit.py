@@ -108,10 +108,19 @@ class LatencyMeter:
     later_tokens: int = 0
     whole: bool | None = None  # a JSON body (not SSE), told by its first byte; None: no body yet
     tail: bytes = b""  # a JSON body's last WHOLE_TAIL bytes, where `usage` is
+    # Choices the response carries (`n` > 1: 1 + the highest choice index seen). The engine
+    # writes one event per choice per step and counts every choice's tokens in `usage`, so any
+    # client's `n: 64` read a time per token 64 times too short, enough to drag the pool's
+    # no-load latency down and the shared limit with it (an attacker review). Tokens are
+    # counted per choice.
+    choices: int = 1
 
     def chunk(self, now: float, data: bytes) -> None:
         if self.whole is None and data.strip():
             self.whole = data.lstrip()[:1] == b"{"
+        if b'"index"' in data:
+            for m in _CHOICE_INDEX.finditer(data):
+                self.choices = max(self.choices, min(int(m.group(1)), MAX_CHOICES - 1) + 1)
         if self.whole:
             self.tail = (self.tail + data)[-WHOLE_TAIL:]
             self.last_at = now
@@ -129,14 +138,20 @@ class LatencyMeter:
             found = _COMPLETION_TOKENS.findall(self.tail)
             if not found or self.last_at is None:
                 return None
-            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]))
+            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]) // self.choices)
         if self.first_at is None:
             return None
         tpot = None
-        if self.later_tokens > 0 and self.last_at is not None:
-            tpot = (self.last_at - self.first_at) / self.later_tokens
+        steps = self.later_tokens / self.choices
+        if steps >= 1 and self.last_at is not None:
+            tpot = (self.last_at - self.first_at) / steps
         return Latency(self.first_at - self.admitted_at, tpot)
 
+
+# A choice object of a completion (`text`), chat chunk (`delta`) or chat response (`message`):
+# its index comes first (vLLM and OpenAI write it so); a tool call's index is followed by others.
+_CHOICE_INDEX = re.compile(rb'\{\s*"index"\s*:\s*(\d{1,6})\s*,\s*"(?:text|delta|message)"')
+MAX_CHOICES = 1024
 
 # A whole response's token count: OpenAI's `usage.completion_tokens`, which vLLM writes after the
 # choices, at the body's end (with the prompt token details and kv_transfer_params after it).
