@@ -386,6 +386,7 @@ class Admitter:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False
+        self._checked = False  # `check` ran (start need not repeat its wait)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.pools: dict[str, PoolRuntime] = {}
         for p in cfg.pools:
@@ -438,6 +439,12 @@ class Admitter:
         self._tasks.append(self._keep_running("fg-sentinel", partial(follow_sentinel_primary, list(clients.values()),
                                                                      on_moved=self._primary_moved)))
 
+    async def check(self) -> None:
+        """What refuses a start and writes nothing: another live processor under this gateway id
+        (`_check_gateway_id`). Run before the ports are bound, as `start` is run after."""
+        await asyncio.gather(*(self._check_gateway_id(rt) for rt in self.pools.values()))
+        self._checked = True
+
     def _primary_moved(self) -> None:
         """Sentinel named a new primary: every pool re-asserts its permits, waiters and
         liveness there now, not at its next renewal."""
@@ -469,7 +476,8 @@ class Admitter:
         return asyncio.create_task(run(), name=name)
 
     async def _start_pool(self, rt: PoolRuntime) -> None:
-        await self._check_gateway_id(rt)
+        if not self._checked:
+            await self._check_gateway_id(rt)
         try:
             await self._store_settings(rt)
             await self._sync(rt)

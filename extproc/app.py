@@ -115,7 +115,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
                                 op_timeout_s=cfg.redis.op_timeout_s, blocking=True)
     pool_clients = make_pool_clients(cfg)
     admitter = Admitter(cfg, client, metrics=metrics, pubsub_client=pubsub_client, pool_clients=pool_clients)
-    await admitter.start()
+    await admitter.check()
 
     server = grpc.aio.server(options=[
         # gRPC turns SO_REUSEPORT on by default: a second processor (a stale one, a unit started
@@ -142,7 +142,6 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         else:
             server.add_secure_port(cfg.server.listen, server_credentials(cfg.server.tls))
     except RuntimeError:
-        await admitter.stop()
         raise ListenError(f"server.listen {cfg.server.listen}: cannot listen (in use, or not an address of "
                           "this host)") from None
     health_server = None
@@ -153,10 +152,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         try:
             health_server.add_insecure_port(cfg.server.health_listen)
         except RuntimeError:
-            await admitter.stop()
             raise ListenError(f"server.health_listen {cfg.server.health_listen}: cannot listen (in use, or not an "
                               "address of this host)") from None
-        await health_server.start()
     if cfg.server.metrics_listen:
         host, port = _split(cfg.server.metrics_listen)
         # No `*_created` samples (one per counter and histogram label set; Prometheus ingests
@@ -167,9 +164,14 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         try:
             serve_metrics(host, port, metrics.registry)
         except OSError as exc:
-            await admitter.stop()
             raise ListenError(f"server.metrics_listen {cfg.server.metrics_listen}: cannot listen: "
                               f"{exc.strerror or exc}") from None
+    # Only with every port ours: start() writes the pool's shared settings (settings_epoch, the
+    # limit), and a processor that then exits 2 on a busy port had rolled them out to the running
+    # fleet (an operator review: a new epoch's limit 5 in force on the others, 40 before).
+    await admitter.start()
+    if health_server is not None:
+        await health_server.start()
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -119,3 +119,43 @@ async def test_a_redis_flush_mid_rollout_ends_on_the_new_epochs_limit(stack: Loc
 
         assert await wait_until(back_to_the_new_epoch, 15)
         assert _mismatch(new) == 0
+
+
+@pytest.mark.parametrize("busy", ["listen", "metrics"])
+async def test_a_processor_that_cannot_listen_leaves_the_shared_settings_alone(stack: LocalStack, busy: str) -> None:
+    """A processor that exits 2 on a busy port stored its pool settings first: a rollout's new
+    `settings_epoch` (limit 5) was in force on the running fleet (limit 40) though no processor
+    ran it (an operator review). Now the ports are bound before anything is written."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import yaml
+
+    from floodgate.supervisor import free_port
+
+    url = stack.start_redis()
+    old = stack.start_processor({"pools": [{"name": "a", "limit": {"mode": "static", "initial": 40}}]})
+    client = redis_client(url, op_timeout_s=1)
+    try:
+        assert await wait_until(lambda: _stored_limit(client, "40"), 10)
+        listen = f"127.0.0.1:{old.port}" if busy == "listen" else f"127.0.0.1:{free_port()}"
+        metrics = f"127.0.0.1:{old.metrics_port}" if busy == "metrics" else f"127.0.0.1:{free_port()}"
+        path = stack.sup.workdir / f"new-{busy}.yaml"
+        path.write_text(yaml.safe_dump({
+            "server": {"listen": listen, "metrics_listen": metrics, "gateway_id": f"new-{busy}"},
+            "redis": {"url": url},
+            "pools": [{"name": "a", "settings_epoch": 1, "limit": {"mode": "static", "initial": 5}}]}))
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "floodgate", "extproc", "--config", str(path)],
+                                    capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"server.{busy}" in r.stderr and "cannot listen" in r.stderr, r.stderr[-2000:]
+        settings = await client.hgetall(key("a", "settings"))
+        assert settings.get(b"epoch", b"0") in (b"0", b""), settings
+        assert await _stored_limit(client, "40")
+    finally:
+        await client.aclose()
+
+
+async def _stored_limit(client: Any, want: str) -> bool:
+    raw = await client.hget(key("a", "state"), "limit")
+    return raw is not None and float(raw) == float(want)
