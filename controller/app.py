@@ -1083,6 +1083,7 @@ class Controller:
         for pc in self.pools.values():
             await pc.shutdown()
         self.pools = {}
+        self.metrics.forget_pools()
         self.ready.clear()
 
     async def _pool_loop(self, pc: PoolController) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from aiohttp import web
+from floodgate.controller import policy
 from floodgate.controller.lifecycle import ActionKind
 from floodgate.controller.signals import ReplicaState
 from prometheus_client import (
@@ -24,6 +25,12 @@ FAILURE_REASONS = ("not_running", "vanished", "action_failed", "unresponsive", "
 # in floodgate_controller_actions_total with outcome ok or error.
 BackgroundOp = Literal["start", "bring_up", "promote", "sleep"]
 SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate")
+# The (direction, reason) pairs a change of the desired count can carry (`floodgate_scale_events_total`).
+SCALE_REASONS = {
+    "up": (policy.REASON_QUEUE, policy.REASON_KV, policy.REASON_DEMAND, policy.REASON_BURST, policy.REASON_REACTION,
+           policy.REASON_FLOOR, policy.REASON_BOUNDS),
+    "down": (policy.REASON_DOWN, policy.REASON_BOUNDS),
+}
 
 
 class ControllerMetrics:
@@ -103,8 +110,21 @@ class ControllerMetrics:
         for c in (self.warm_hits, self.warm_misses, self.unresponsive):
             c.labels(pool=pool)
         self.start_backoff.labels(pool=pool).set(0)
+        for direction, reasons in SCALE_REASONS.items():
+            for reason in reasons:
+                self.scale_events.labels(pool=pool, direction=direction, reason=reason)
         for source in SCRAPE_SOURCES:
             self.scrape_failures.labels(source=source)
+
+    def forget_pools(self) -> None:
+        """Drop every per-pool gauge (a controller that steps down decides nothing any more). Kept,
+        a standby's last decisions read as current: KEDA's `max(floodgate_desired_replicas)` took
+        the old leader's 3 over the new one's 1, and Grafana's `sum by (state)` counted the
+        replicas twice (an operator review). Counters stay: they only count what happened."""
+        for g in (self.replicas, self.desired, self.actual, self.warm_target, self.start_backoff, self.forecast,
+                  self.forecast_demand, self.demand, self.lacking, self.offered_rate, self.turned_away_rate,
+                  self.per_replica, self.ceiling):
+            g.clear()
 
     def set_states(self, pool: str, counts: dict[ReplicaState, int]) -> None:
         for st, n in counts.items():

@@ -215,6 +215,9 @@ class Metrics:
         for reason in ("path", "method"):
             self.unadmitted.labels(pool, reason)
         self.grants_held.labels(pool)
+        for prio in ("0", "1", "2"):
+            for outcome in ("served", "timed_out", "gone"):
+                self.budget_waits.labels(pool, prio, outcome)
         for c in (self.degraded_transitions, self.lost_leases, self.waiters_dropped, self.state_rollbacks,
                   self.resync_requests, self.gateway_id_conflicts, self.unregistered_grants, self.ejections,
                   self.invalid_priority, self.untrusted_priority, self.limit_updates):

@@ -67,3 +67,25 @@ async def test_a_first_degraded_spell_is_an_increase_from_zero(stack: LocalStack
         m = await metrics(s, proc.metrics_url)
         assert m['floodgate_degraded_transitions_total{pool="default"}'] == 1
         assert sum(v for k, v in m.items() if k.startswith("floodgate_redis_errors_total")) >= 1
+
+
+def test_budget_waits_and_scale_events_start_at_zero() -> None:
+    """Two counters an operator review found absent until their first event: the processor's
+    floodgate_budget_waits_total (P2 ships with a time-to-429 target) and the controller's
+    floodgate_scale_events_total (the first scale-up was no increase)."""
+    from floodgate.controller.metrics import SCALE_REASONS, ControllerMetrics
+    from floodgate.extproc.metrics import Metrics
+
+    m = Metrics()
+    m.prepare("p")
+    for prio in ("0", "1", "2"):
+        for outcome in ("served", "timed_out", "gone"):
+            assert m.registry.get_sample_value("floodgate_budget_waits_total",
+                                               {"pool": "p", "priority": prio, "outcome": outcome}) == 0
+    c = ControllerMetrics()
+    c.prepare("p")
+    assert SCALE_REASONS["up"] and SCALE_REASONS["down"]
+    for direction, reasons in SCALE_REASONS.items():
+        for reason in reasons:
+            assert c.registry.get_sample_value("floodgate_scale_events_total",
+                                               {"pool": "p", "direction": direction, "reason": reason}) == 0

@@ -83,9 +83,20 @@ async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(
             await wait_for(lambda: _one_active(pc), 30)
             (h,) = [h for h in await act.list() if h.running]
             await wait_for(lambda: _just_renewed(c, cfg.leader.key), 30)
+            reg = ctl.metrics.registry
+            assert reg.get_sample_value("floodgate_desired_replicas", {"pool": "default"}) == 1
             await c.set(cfg.leader.key, "b", px=60_000)  # a standby holds it now
             os.kill(int(h.labels["pid"]), signal.SIGKILL)
             await wait_for(lambda: _stepped_down(ctl), 10)
+            # A controller that stepped down exports no decisions (an operator review: KEDA's
+            # max(floodgate_desired_replicas) read the old leader's 3 over the new one's 1).
+            async def forgotten() -> bool:
+                return all(reg.get_sample_value(name, {"pool": "default"}) is None for name in (
+                    "floodgate_desired_replicas", "floodgate_actual_replicas", "floodgate_warm_pool_target"))
+
+            await wait_for(forgotten, 10)
+            assert reg.get_sample_value("floodgate_replicas", {"pool": "default", "state": "active"}) is None
+            assert reg.get_sample_value("floodgate_controller_leader") == 0
             skipped = [e for e in pc.events if e["event"] == "not_leader"]
             assert skipped and any(a.startswith("start:") for e in skipped for a in e["skipped"]), list(pc.events)[-5:]
             await asyncio.sleep(1)
