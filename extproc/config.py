@@ -337,8 +337,11 @@ class AdmissionConfig(_Strict):
     tenant_header: HeaderName = Field(default="x-tenant-id", description="Header naming the tenant (set it in an auth filter you trust, overwriting any the client sent: a request whose header names two different tenants, as repeated values or as one comma-separated value, is refused with 400 conflicting_tenant).")
     tenant_priorities: dict[str, Priority] = Field(default_factory=dict, description="Tenant -> priority for callers that are not trusted (a tenant name is 1-128 characters, without a comma or surrounding spaces).")
     trust: TrustConfig = TrustConfig()
-    retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent.")
-    retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent.")
+    retry_after_min_s: float = Field(default=1, ge=0, description="Smallest Retry-After sent (the header "
+                                     "is whole seconds: a fraction rounds up; `retry-after-ms` carries the exact "
+                                     "value).")
+    retry_after_max_s: float = Field(default=60, gt=0, description="Largest Retry-After sent (whole seconds: "
+                                     "a fraction rounds down, never below the smallest).")
     retry_after_jitter: float = Field(default=0.2, ge=0, le=1, description="Retry-After is spread uniformly over a band this wide (relative), also at the min/max clamps.")
     anonymous_tenant_cap: bool = Field(default=False, description="Apply `tenant_queue_share` to requests without a tenant header as if they were one tenant (default: they are not capped).")
     retry_count_header: str = Field(default="x-stainless-retry-count", pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]*$", description="Header in which a client says how many times it sent this request before (OpenAI's SDKs send `x-stainless-retry-count` and retry a 429 twice by default). A request turned away with a count above 0 is counted as `retried`, not as demand: its first attempt was counted already, and counting every retry made the controller read up to 3x the demand admission turned away. An admitted retry whose first attempt this processor turned away (same class, tenant and caller: mTLS peer, else source address) is counted `retried_admitted`, which the controller takes off the turned-away count. Admission itself ignores it. Empty: every turned-away request counts.")

@@ -256,6 +256,21 @@ def test_retry_after_is_jittered_everywhere_including_the_clamps() -> None:
     assert 5 <= retry_after(None, c, ADM, rand=0.0) <= 6  # unknown: the class timeout
 
 
+def test_retry_after_stays_inside_fractional_bounds() -> None:
+    """The header is whole seconds inside [min, max]: clamped to [floor(min), ceil(max)] it sent 0
+    under a min of 0.5 for 44 % of rejections and 2 over a max of 1.5 (an operator review)."""
+    c = CLASSES[2]
+    for lo, hi in ((0.5, 60.0), (1.5, 60.0), (1.0, 1.5), (0.0, 0.4), (2.5, 2.7)):
+        adm = ADM.model_copy(update={"retry_after_min_s": lo, "retry_after_max_s": hi})
+        for wait in (0.0, 0.3, 1.2, 30.0, 1000.0, None):
+            got = {int(retry_after(wait, c, adm, rand=r / 200)) for r in range(200)}
+            whole = [n for n in range(0, 62) if lo <= n <= hi]
+            if whole:
+                assert min(whole) <= min(got) and max(got) <= max(whole), (lo, hi, wait, got)
+            else:  # no whole second inside: the next one up
+                assert got == {math.ceil(lo)}, (lo, hi, wait, got)
+
+
 def test_timeout_reject_uses_the_snapshot_it_is_given() -> None:
     # 20 P1s queued at 1 release/s: the queue a timed-out waiter leaves takes ~21 s. Waiters
     # time out together, so each is told a point spread over that wait (a review: 92 told
