@@ -233,6 +233,16 @@ class ControllerConfig(_Strict):
         names = [p.name for p in pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        # A static endpoint in two pools: one pool slept or drained it under the other, whose
+        # registry still listed it active (an operator review: 503 "The model is sleeping").
+        owner: dict[str, str] = {}
+        for p in pools:
+            eps = p.actuator.endpoints or ()
+            for ep in set(eps.values() if isinstance(eps, Mapping) else eps):
+                if ep in owner:
+                    raise ValueError(f"pool {p.name!r}: actuator.endpoints {ep} is also pool {owner[ep]!r}'s "
+                                     "(a replica serves one pool: each static endpoint in one pool only)")
+                owner[ep] = p.name
         return pools
 
 

@@ -249,6 +249,14 @@ class PoolConfig(_Strict):
             v = {**{c: dict(d) for c, d in SHIPPED_CLASSES.items() if c not in given}, **v}
         return v
 
+    @field_validator("engine_priority", mode="before")
+    @classmethod
+    def _engine_priority_once(cls, v: Any) -> Any:
+        # As for `classes`: {"0": -1, 0: 5} kept one of the two silently (an operator review).
+        if isinstance(v, dict) and len({str(k).strip() for k in v}) != len(v):
+            raise ValueError(f"a class is given twice ({list(v)!r}: 0 and \"0\" are the same class)")
+        return v
+
     def class_warnings(self) -> list[str]:
         """Warnings about the classes, logged at start and by `--check-config`: a class this
         config defines is the whole class (fields it leaves out take the generic defaults, not

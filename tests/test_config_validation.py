@@ -83,6 +83,8 @@ PROCESSOR_BAD = [
     ({"pools": [{"name": "a", "classes": {3: {"max_queue": 5}}}]}, "pools.0.classes"),
     ({"pools": [{"name": "a", "classes": {2: {"max_queue": 5, "share": 0}, "2": {"max_queue": 9, "share": 0}}}]},
      "pools.0.classes"),
+    # the same for engine_priority: {"0": -1, 0: 5} kept one silently (an operator review)
+    ({"pools": [{"name": "a", "engine_priority": {"0": -1, 0: 5}}]}, "pools.0.engine_priority"),
 ]
 
 
@@ -246,6 +248,22 @@ def test_controller_contradictions_name_the_fields(pool: dict, field: str, words
     with pytest.raises(ControllerConfigError) as exc:
         parse_config({"pools": [{"name": "a", **pool}]}, env={})
     assert f"  {field}: " in str(exc.value) and words in str(exc.value), str(exc.value)
+
+
+def test_a_static_endpoint_serves_one_pool_only() -> None:
+    """Two pools listing one static endpoint: one slept it under the other, whose registry still
+    listed it active (an operator review: 503 "The model is sleeping")."""
+    from floodgate.controller.config import ConfigError as ControllerConfigError
+
+    pools = [{"name": "a", "actuator": {"kind": "static", "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]},
+              "policy": {"min_replicas": 0, "max_replicas": 2}},
+             {"name": "b", "actuator": {"kind": "static", "endpoints": {"x": "127.0.0.1:3", "y": "127.0.0.1:2"}},
+              "policy": {"min_replicas": 0, "max_replicas": 2}}]
+    with pytest.raises(ControllerConfigError) as exc:
+        parse_config({"pools": pools}, env={})
+    assert "  pools: " in str(exc.value) and "pool 'b': actuator.endpoints 127.0.0.1:2 is also pool 'a'" in str(exc.value)
+    pools[1]["actuator"]["endpoints"]["y"] = "127.0.0.1:4"
+    assert [p.name for p in parse_config({"pools": pools}, env={}).pools] == ["a", "b"]
 
 
 @pytest.mark.parametrize("pool", [
