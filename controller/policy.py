@@ -340,8 +340,8 @@ def decide(
             warm += 1
     active = len(active_ids)
     capacity = active + incoming
-    current = state.desired if state.desired is not None else capacity
-    current = min(max(current, cfg.min_replicas), cfg.max_replicas)
+    before = state.desired if state.desired is not None else capacity
+    current = min(max(before, cfg.min_replicas), cfg.max_replicas)
 
     # Fresh values only; anything missing or stale for an active replica marks the tick stale.
     waiting = 0.0
@@ -552,13 +552,19 @@ def decide(
             reason = REASON_BOUNDS if stabilized < cfg.min_replicas <= current else REASON_HOLD_WINDOW
         else:
             reason = REASON_STEADY
+    if desired == current != before:
+        # Only the bounds moved it (min_replicas or max_replicas changed under a running pool): a
+        # change like any other in the log and `floodgate_scale_events_total`, not a hold (an
+        # operator review: a raised min_replicas started replicas on a tick logged "none",
+        # `hold_stale`, previous 3).
+        reason = REASON_BOUNDS
     if reason not in (REASON_BOUNDS, REASON_QUEUE, REASON_KV, REASON_DEMAND, REASON_BURST, REASON_REACTION,
                       REASON_FLOOR):
         cause = reason
 
     plan = ScalePlan(
         desired=desired,
-        previous=current,
+        previous=before,
         reason=reason,
         cause=cause,
         recommendation=rec,

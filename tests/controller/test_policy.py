@@ -544,3 +544,21 @@ def test_the_wave_can_be_switched_off_as_an_hpa_on_queue_length(clock: FakeClock
     reps = views(now, active=4, loading=4)
     plan, state = step(cfg, state, now, reps, signals(now, reps, running=40, queue=100))
     assert (plan.desired, plan.reason) == (14, REASON_DEMAND)
+
+
+def test_a_change_of_the_bounds_is_a_change_in_the_plan(clock: FakeClock) -> None:
+    """Raising min_replicas (or lowering max_replicas) under a running pool moves the desired
+    count: the plan says so (previous, direction, reason `bounds`) even on a stale tick, so the
+    decision log and floodgate_scale_events_total show it (an operator review: logged as "none",
+    `hold_stale`, previous 3, while replicas were started or drained)."""
+    t = clock.now
+    reps = views(t, active=2)
+    state = PolicyState(desired=2)
+    stale = signals(t, reps, running=10, stale_ids=frozenset(r.replica_id for r in reps))
+    for sig in (signals(t, reps, running=10), stale):
+        plan, _ = step(PolicyConfig(min_replicas=3, max_replicas=5, target_concurrency=10.0), state, t, reps, sig)
+        assert (plan.previous, plan.desired, plan.direction, plan.reason) == (2, 3, "up", REASON_BOUNDS), plan
+    reps = views(t, active=5)
+    plan, _ = step(PolicyConfig(min_replicas=1, max_replicas=1, target_concurrency=10.0), PolicyState(desired=5), t,
+                   reps, signals(t, reps, running=40))
+    assert (plan.previous, plan.desired, plan.direction, plan.reason) == (5, 1, "down", REASON_BOUNDS), plan
