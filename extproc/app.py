@@ -131,6 +131,18 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
         # ("too many pings"), cutting responses mid-stream. Accept pings this often, never strike.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
         ("grpc.http2.max_ping_strikes", 0),
+        # Our own pings: an admitted request's permit is released when its stream ends, and only
+        # Envoy ends it. An Envoy that froze or was cut off (a partition that drops, not closes)
+        # held its permits for good and, alive to Redis through us, drew every freed permit to its
+        # queued requests: the pool stopped serving until gRPC's 2 h default noticed (a fault
+        # review: 8 of 8 permits held, every other client 429, until gRPC's 1-minute ping-ack
+        # timeout). Unanswered for 5 s after a ping (sent every 5 s, with data or without), the
+        # connection closes and its streams release. (gRPC 1.85 closes a transport on a missing
+        # ack after `ping_timeout_ms`, not `keepalive_timeout_ms`: both are set.)
+        ("grpc.keepalive_time_ms", 5000),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.http2.ping_timeout_ms", 5000),
+        ("grpc.http2.max_pings_without_data", 0),
     ])
     processor = Processor(cfg, admitter)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)

@@ -150,3 +150,32 @@ def test_envoys_own_errors_are_json_and_leave_floodgates_replies_alone() -> None
             "!response.code_details.startsWith('floodgate_')" in expr, expr
         assert set(m["body_format_override"]["json_format"]["error"]) == {"message", "type", "param", "code"}
 
+
+
+def _seconds(d: str) -> float:
+    assert d.endswith("s"), d
+    return float(d[:-1])
+
+
+def test_a_stopped_processor_loses_its_streams_before_its_leases_expire() -> None:
+    """A processor SIGSTOPped (a frozen VM) keeps its leases until 2/3 of `lease_ttl_s` after its
+    last renewal at the soonest; Envoy must have cut its streams by then, or their requests still
+    run upstream while Redis hands their permits out again (a fault review: 14 of L 8 for ~1 s
+    with the 10 s + 5 s keepalive that shipped). Every shipped copy of the processor cluster:
+    interval x 1.15 (Envoy's default jitter) + timeout below that."""
+    import yaml
+    from floodgate.extproc.config import RedisConfig
+
+    ttl = RedisConfig(url="redis://127.0.0.1:6379/0").lease_ttl_s
+    root = ENVOY_DIR.parent
+    istio = [d for d in yaml.safe_load_all((root / "deploy/istio/envoyfilter.yaml").read_text()) if d]
+    clusters = [load_yaml(ENVOY_DIR / "floodgate-cluster.yaml"),
+                *(c for c in yaml.safe_load((root / "deploy/compose/envoy.yaml").read_text())["static_resources"]["clusters"]
+                  if c["name"] == "floodgate_extproc"),
+                *(p["patch"]["value"] for d in istio for p in d["spec"]["configPatches"]
+                  if p["applyTo"] == "CLUSTER" and p["patch"]["value"].get("name") == "floodgate_extproc")]
+    assert len(clusters) == 3, len(clusters)
+    for c in clusters:
+        opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        ka = opts["explicit_http_config"]["http2_protocol_options"]["connection_keepalive"]
+        assert _seconds(ka["interval"]) * 1.15 + _seconds(ka["timeout"]) < ttl * 2 / 3, ka
