@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes (default: %(default)s)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
-    p.add_argument("--config", type=Path, help="processor config YAML (default: demo config, trusts 127.0.0.0/8); its pools pick only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note)")
+    p.add_argument("--config", type=Path, help="processor config YAML of one pool (default: demo config, trusts 127.0.0.0/8); its pool picks only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note), and with `engine_priority` the emulated engines schedule by priority")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory (every process's log, the "
                    "generated configs) after a clean stop too; it is always kept after a failure")
@@ -369,6 +369,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"floodgate up: {exc}", file=sys.stderr)
             return 2
         config = read_mapping(args.config)
+        names = [str(p.get("name", "default")) for p in config.get("pools") or []]
+        if len(names) > 1:
+            # The stack's controller scales one pool of emulated replicas: the others would get
+            # `503 no_endpoints` for as long as it ran, without a word (an operator review).
+            print(f"floodgate up: {args.config}: pools: the local stack runs one pool, this config has "
+                  f"{len(names)} ({', '.join(names)}): keep one, or run `floodgate extproc` and "
+                  "`floodgate controller` with configs of your own for several", file=sys.stderr)
+            return 2
     # Every argument is checked, and the controller config they make validated, before anything
     # starts: a bad one would otherwise surface only as the controller's exit, with the stack up.
     problem = check_args(args, str((config.get("pools") or [{}])[0].get("name", "default")))
@@ -419,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
             envoy = stack.start_envoy([], port=port, admin_port=admin, name="envoy", picking=picking)
             ctl_metrics = free_port()
             replica_dir = sup.workdir / "replicas"
-            ctl_cfg = controller_config(args, stack.redis_url, envoy.admin_port, ctl_metrics, replica_dir, pool)
+            ctl_cfg = controller_config(args, stack.redis_url, envoy.admin_port, ctl_metrics, replica_dir, pool,
+                                        engine_priority=bool(pools[0].get("engine_priority")))
             ctl_path = sup.workdir / "controller.yaml"
             ctl_path.write_text(yaml.safe_dump(ctl_cfg, sort_keys=False))
             ctl = sup.start_python("controller", ["-m", "floodgate", "controller", "--config", str(ctl_path),
@@ -507,7 +516,7 @@ def check_args(args: argparse.Namespace, pool: str = "default") -> str | None:
 
 
 def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int, metrics_port: int,
-                      replica_dir: Path, pool: str = "default") -> dict[str, Any]:
+                      replica_dir: Path, pool: str = "default", *, engine_priority: bool = False) -> dict[str, Any]:
     """The controller config `floodgate up` runs: process actuator with emulated replicas,
     windows shortened so a 90 s demo shows the whole cycle: promotions from the warm pool and
     cold starts during the burst, then drains, recycles into the pool and terminations.
@@ -518,8 +527,11 @@ def controller_config(args: argparse.Namespace, redis_url: str, envoy_admin: int
     from floodgate.controller.actuators.process import sim_command
     from floodgate.extproc.schema import controller_leader_key
 
+    # A pool with `engine_priority` writes vLLM priorities into the bodies: its engines need
+    # priority scheduling (vLLM's fcfs answers 400 to a non-zero priority: an operator review's
+    # stack never came up with the documented {0: -1, 1: 0, 2: 1}).
     sim = sim_command("--cold-start", str(args.sim_cold_start), "--wake-delay-level1", "1.0",
-                      "--log-level", "warning")
+                      "--log-level", "warning", *(("--scheduling-policy", "priority") if engine_priority else ()))
     max_active = args.max_replicas or 3 * args.replicas
     return {
         "redis": {"url": redis_url},

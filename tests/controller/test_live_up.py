@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from floodgate.supervisor import free_port
 
@@ -260,6 +261,34 @@ def test_up_check_args_accepts_the_defaults_and_the_documented_ones() -> None:
     said = check_args(parser.parse_args(["up", "--demo-rate", "0"]))
     assert said is not None and "--demo-rate above 0" in said
     assert check_args(parser.parse_args(["up", "--demo-rate", "3"])) is None
+
+
+def test_up_refuses_a_config_of_several_pools(tmp_path: Path) -> None:
+    """The local stack's controller scales one pool: a second pool's requests got `503
+    no_endpoints` for as long as the stack ran, without a word (an operator review)."""
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(yaml.safe_dump({"pools": [{"name": "default"}, {"name": "second"}]}))
+    r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
+                        "--admin-port", str(free_port()), "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "pools: the local stack runs one pool, this config has 2 (default, second)" in r.stderr, r.stderr
+    assert "logs and configs in" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_up_gives_engine_priority_pools_engines_that_schedule_by_priority(tmp_path: Path) -> None:
+    """A pool with `engine_priority` writes vLLM priorities into the request bodies; the stack's
+    emulated engines ran fcfs and answered 400 to the documented {0: -1, 1: 0, 2: 1} (an operator
+    review): they now start with `--scheduling-policy priority`, only then."""
+    from floodgate.cli import build_parser
+    from floodgate.up import controller_config
+
+    args = build_parser("up").parse_args(["up"])
+    for on in (True, False):
+        cmd = controller_config(args, "redis://127.0.0.1:1/0", 1, 2, tmp_path, engine_priority=on)[
+            "pools"][0]["actuator"]["command"]
+        sim_args = build_parser("sim").parse_args(["sim", *(a.replace("{port}", "1") for a in cmd[cmd.index("sim") + 1:])])
+        assert sim_args.scheduling_policy == ("priority" if on else "fcfs"), cmd
 
 
 def test_choose_port_takes_a_free_one_only_when_asked() -> None:
