@@ -541,9 +541,11 @@ class Admitter:
                 w.future.cancel()
         await cancel_and_wait(self._tasks)  # (a lost cancellation would hang the stop; cancel.py)
         for rt in self.pools.values():
-            if rt.degraded:
-                continue
-            tickets = [*rt.held, *rt.credits]
+            # Degraded pools too: Redis may be back (a reconcile asserted this process's permits
+            # and the reserve of its local budget, and it had not switched back yet); skipped,
+            # those stayed counted for a lease TTL and it never left the pool (a fault review).
+            # With Redis still down, the first call fails within its timeout and nothing follows.
+            tickets = [*rt.held, *rt.credits, *(rt.reserved if rt.degraded else ())]
             released = True
             if tickets:
                 try:
@@ -558,6 +560,7 @@ class Admitter:
                         await gateway_claim.release(rt.client, self._claim_key(rt), self.instance)
             rt.held.clear()
             rt.credits.clear()
+            rt.reserved.clear()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
 

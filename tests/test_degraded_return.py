@@ -414,3 +414,37 @@ async def test_a_switch_whose_reply_is_lost_may_have_landed(stack: LocalStack) -
         finally:
             for t in tasks:
                 t.cancel()
+
+
+async def test_a_processor_stopped_while_degraded_hands_its_leases_back(stack: LocalStack) -> None:
+    """A processor stopped (SIGTERM) while degraded but with Redis reachable again — after its
+    reconcile with its reserve, before it switched back — released nothing: its permits and the
+    reserve leases of its whole local budget stayed counted for a lease TTL, and it never left
+    the pool (a fault review). Now it releases and leaves as on shared state: the next call
+    reclaims the rest."""
+    from floodgate.extproc.schema import key
+
+    async with _fast_and_slow(stack) as (fast, slow):
+        assert stack.redis_child is not None
+        rf, rs = fast.pools["a"], slow.pools["a"]
+        await _hold_on_both(fast, slow, 2)
+        stack.redis_child.kill(signal.SIGSTOP)
+        try:
+            assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
+            assert await wait_until(lambda: rf.budget_open and rs.budget_open, 10)
+        finally:
+            stack.redis_child.kill(signal.SIGCONT)
+        assert await wait_until(lambda: not rf.degraded and rs.degraded and rs.back_since is not None, 10)
+        c = redis_client(stack.redis_url, op_timeout_s=1)
+        try:
+            def slows(members: list[bytes]) -> list[bytes]:
+                return [m for m in members if m.startswith(b"slow/")]
+
+            before = slows(await c.zrange(key("a", "leases"), 0, -1))
+            assert len(before) > 2, before  # its 2 permits and the reserve of its local budget
+            await slow.stop()
+            got = await fast.admit("a", 0, "")  # any call reclaims what a gateway that left held
+            assert isinstance(got, Permit), got
+            assert slows(await c.zrange(key("a", "leases"), 0, -1)) == []
+        finally:
+            await c.aclose()
