@@ -340,8 +340,10 @@ def decide(
             warm += 1
     active = len(active_ids)
     capacity = active + incoming
-    before = state.desired if state.desired is not None else capacity
-    current = min(max(before, cfg.min_replicas), cfg.max_replicas)
+    current = state.desired if state.desired is not None else capacity
+    current = min(max(current, cfg.min_replicas), cfg.max_replicas)
+    # The last decision's count (a boot or a takeover has none: it starts from the bounds)
+    before = state.desired if state.desired is not None else current
 
     # Fresh values only; anything missing or stale for an active replica marks the tick stale.
     waiting = 0.0
