@@ -240,6 +240,34 @@ async def test_connect_and_refused_upgrades_are_openai_json(stack: LocalStack, u
     assert st.inflight_total == 0 and st.queued_total == 0
 
 
+async def test_an_auth_filters_403_keeps_its_own_reply(stack: LocalStack, upstream: int) -> None:
+    """The JSON mappers for Envoy's 403/404 match by their details (`upgrade_failed`,
+    `route_not_found`): matched by status, an RBAC or ext_authz denial in front of the processor
+    (where docs/operations.md puts the auth filter) read as "does not accept this request (an
+    upgrade ...)" (a review of the change)."""
+    from floodgate.envoy_config import render_local, write_config
+    from floodgate.supervisor import free_port, wait_for_port
+
+    stack.start_redis()
+    p = stack.start_processor(_static(4))
+    rbac = {"name": "envoy.filters.http.rbac", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
+        "rules": {"action": "DENY", "policies": {"no-guests": {
+            "permissions": [{"any": True}],
+            "principals": [{"header": {"name": "x-user", "string_match": {"exact": "guest"}}}]}}}}}
+    port, admin = free_port(), free_port()
+    cfg = render_local(listen_port=port, admin_port=admin, processors=[("127.0.0.1", p.port)],
+                       upstreams=[("127.0.0.1", upstream)])
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(1, rbac)  # after the strip filter, before ext_proc
+    child = stack.sup.start_envoy(write_config(cfg, stack.sup.workdir / "envoy-rbac.json"), admin, name="envoy-rbac")
+    wait_for_port("127.0.0.1", port, 20, child.proc)
+    async with aiohttp.ClientSession() as s:
+        r = await post(s, f"http://127.0.0.1:{port}", headers={"x-user": "guest"})
+    assert r.status == 403, (r.status, r.body[:200])
+    assert b"RBAC: access denied" in r.body and b"unsupported_request" not in r.body, r.body[:300]
+
+
 def _istio_sidecar(stack: LocalStack, processor_port: int, app_port: int, *, fail_open: bool = True) -> str:
     """deploy/istio/envoyfilter.yaml as a sidecar gets it: its inbound HCM merge (with the
     local_reply_config), the strip filter and the ext_proc filter in an inbound listener that
