@@ -77,6 +77,7 @@ from floodgate.extproc import schema
 from floodgate.extproc.cancel import cancel_and_wait
 from floodgate.extproc.redis_client import (
     OUTAGE_ERRORS,
+    answered_with_error,
     follow_sentinel_primary,
     parse_redis_url,
     refused_settings_error,
@@ -225,6 +226,7 @@ class PoolController:
         self._k_seq = schema.key(cfg.name, schema.CTL_SEQ)
         self._k_desired = schema.key(cfg.name, schema.CTL_DESIRED)
         self._desired_stored: int | None = None  # the value last written to _k_desired
+        self._history_refused = False  # Redis refused the last demand-history write (said once)
         self._orphans: set[str] = set()  # registry endpoints of no known replica at the last tick
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
@@ -599,8 +601,18 @@ class PoolController:
             with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.redis.set(self._k_seq, self.state.next_seq)
         if d.recorded is not None and self.state.history is not None:
-            with contextlib.suppress(*OUTAGE_ERRORS):
+            try:
                 await self.redis.set(self._k_history, json.dumps(self.state.history.to_dict()))
+                self._history_refused = False
+            except OUTAGE_ERRORS as exc:
+                # An outage is retried next minute; a refusal (a value past the server's
+                # `proto-max-bulk-len`, `maxmemory` reached) would be refused every time, and a
+                # restart or failover would start the forecast from nothing: say so, once.
+                if answered_with_error(exc) and not self._history_refused:
+                    log.warning("pool %s: Redis refused the demand history (%s): it is not kept across restarts "
+                                "(lower forecast.retention_days, or raise the server's proto-max-bulk-len / "
+                                "maxmemory)", self.pool, exc)
+                self._history_refused = answered_with_error(exc)
 
     async def _sync_registry(self, eps: dict[str, Endpoint] | None, acted: set[str]) -> None:
         """Level-triggered registry: rewrite every entry that differs from the lifecycle view

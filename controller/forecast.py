@@ -53,7 +53,9 @@ class ForecastConfig(BaseModel):
     min_error_minutes: int = Field(default=15, ge=1, description="Actual minutes needed to judge the error (fewer: not judged).")
     error_floor: float = Field(default=1.0, gt=0, description="Per-minute demand added to the WAPE denominator so idle hours do not read as huge errors.")
     headroom: float = Field(default=1.0, gt=0, description="Multiplier on the forecast before it becomes replicas.")
-    retention_days: int = Field(default=8, ge=1, description="Days of minutes the history keeps.")
+    retention_days: int = Field(default=8, ge=1, le=366, description="Days of minutes the history keeps (at most a "
+                                "year: the history is stored as one value, ~12 KB a day, under the shipped Redis's "
+                                "16 MB value cap).")
     outlier_ratio: float | None = Field(
         default=2.0, ge=1, description="Robustness to one-off spikes: a past day's minute above this multiple "
         "of the largest value any *other* day had within `outlier_window_min` of the same minute of day "

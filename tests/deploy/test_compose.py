@@ -511,11 +511,24 @@ def test_redis_start_script_runs_and_enforces_the_acl(tmp_path: Path) -> None:
         # The processors' user writes pool keys, so one of its commands could grow a string to
         # 512 MB (a review: `SETRANGE fg:{default}:zz 500000000 a`, 1 -> 478 MB, past the pod's
         # 512 MiB limit: Redis OOM-killed with the controller's registry and lease). Now a value
-        # past 1 MB is refused, and writes stop at 384 MB (noeviction: the processors' calls fail,
+        # past 16 MB is refused, and writes stop at 384 MB (noeviction: the processors' calls fail,
         # they run on local limits; nothing is evicted from under a pool).
         with pytest.raises(redis_sync.ResponseError, match="maximum allowed size"):
             proc_user.setrange("fg:{default}:zz", 500_000_000, "a")
-        assert int(admin.info("memory")["used_memory"]) < 16 << 20
+        assert int(admin.info("memory")["used_memory"]) < 64 << 20
+        # The largest value Floodgate writes fits: the controller's demand history, one JSON
+        # value, at the longest retention its config allows (at 1 MB a review's 90 days were
+        # refused, and the controller's persist swallowed the error: every restart forgot it).
+        import json
+
+        import numpy as np
+        from floodgate.controller.forecast import DemandHistory, ForecastConfig
+
+        days = ForecastConfig.model_fields["retention_days"].metadata
+        longest = next(m.le for m in days if getattr(m, "le", None) is not None)
+        rng = np.random.default_rng(1)
+        history = DemandHistory(longest * 1440, 40 + rng.normal(0, 3, longest * 1440) * 10)
+        assert ctl_user.set("fg:{default}:ctl:history", json.dumps(history.to_dict()))
         assert admin.config_get("maxmemory") == {"maxmemory": str(384 << 20)}
         assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
     finally:
