@@ -30,6 +30,7 @@ MAX_METRICS_BYTES = 4 << 20
 # for as long as the call's timeout (the warm-up's 60 s, a wake's 120 s; a review: past the
 # shipped pod's 512 MiB limit). A longer reply is a failed call.
 MAX_REPLY_BYTES = 1 << 20
+MAX_MODELS_BYTES = 16 << 20  # /v1/models: one entry per served LoRA adapter too
 # More requests running or waiting on one replica than this is no engine's real queue (a review's
 # `num_requests_waiting 1e12` scaled an idle pool to its maximum): a failed scrape.
 MAX_PLAUSIBLE_REQUESTS = 100_000.0
@@ -324,7 +325,9 @@ class VllmClient:
         if self.model is None:
             import json as _json
 
-            _, body = await self._call("GET", "/v1/models")
+            # (vLLM lists every LoRA adapter it serves here, ~500 bytes each: a review's 2,000
+            # adapters passed 1 MiB and no replica could warm up)
+            _, body = await self._call("GET", "/v1/models", max_bytes=MAX_MODELS_BYTES)
             self.model = str(_json.loads(body)["data"][0]["id"])
         return self.model
 

@@ -545,11 +545,18 @@ class Admitter:
             # and the reserve of its local budget, and it had not switched back yet); skipped,
             # those stayed counted for a lease TTL and it never left the pool (a fault review).
             # With Redis still down, the first call fails within its timeout and nothing follows.
-            tickets = [*rt.held, *rt.credits, *(rt.reserved if rt.degraded else ())]
+            # Degraded, this process no longer knows every lease Redis holds of it (a permit
+            # released locally after the last reconcile keeps the lease that reconcile asserted:
+            # a review of the first fix), so it asserts that it holds nothing at all: Redis drops
+            # every entry of this gateway.
+            tickets = [*rt.held, *rt.credits]
             released = True
-            if tickets:
+            if rt.degraded or tickets:
                 try:
-                    await self.call(rt, "release", partial(rt.state.release, *tickets))
+                    if rt.degraded:
+                        await self.call(rt, "sync", partial(rt.state.sync, self.gateway_id, self._next_seq, {}, {}))
+                    else:
+                        await self.call(rt, "release", partial(rt.state.release, *tickets))
                 except RedisDown:
                     released = False
             if released:  # else its leases must expire with its liveness, as after a crash

@@ -253,8 +253,13 @@ class PoolConfig(_Strict):
     @classmethod
     def _engine_priority_once(cls, v: Any) -> Any:
         # As for `classes`: {"0": -1, 0: 5} kept one of the two silently (an operator review).
-        if isinstance(v, dict) and len({str(k).strip() for k in v}) != len(v):
-            raise ValueError(f"a class is given twice ({list(v)!r}: 0 and \"0\" are the same class)")
+        if isinstance(v, dict):
+            try:
+                given = {int(str(k).strip()) for k in v}
+            except ValueError:
+                return v  # not a class at all: the field's own validation names it
+            if len(given) != len(v):
+                raise ValueError(f"a class is given twice ({list(v)!r}: 0, \"0\" and \"00\" are the same class)")
         return v
 
     def class_warnings(self) -> list[str]:

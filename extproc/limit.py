@@ -111,8 +111,9 @@ class LatencyMeter:
     # Choices the response carries (`n` > 1: 1 + the highest choice index seen). The engine
     # writes one event per choice per step and counts every choice's tokens in `usage`, so any
     # client's `n: 64` read a time per token 64 times too short, enough to drag the pool's
-    # no-load latency down and the shared limit with it (an attacker review). Tokens are
-    # counted per choice.
+    # no-load latency down and the shared limit with it (an attacker review); divided by the
+    # choices, choices that end at different lengths read it up to 5x too long instead (a
+    # review of that fix). Such a response gives no latency sample: it counts as finished.
     choices: int = 1
 
     def chunk(self, now: float, data: bytes) -> None:
@@ -134,17 +135,18 @@ class LatencyMeter:
                 self.last_at = now
 
     def latency(self) -> Latency | None:
+        if self.choices > 1:
+            return None
         if self.whole:
             found = _COMPLETION_TOKENS.findall(self.tail)
             if not found or self.last_at is None:
                 return None
-            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]) // self.choices)
+            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]))
         if self.first_at is None:
             return None
         tpot = None
-        steps = self.later_tokens / self.choices
-        if steps >= 1 and self.last_at is not None:
-            tpot = (self.last_at - self.first_at) / steps
+        if self.later_tokens > 0 and self.last_at is not None:
+            tpot = (self.last_at - self.first_at) / self.later_tokens
         return Latency(self.first_at - self.admitted_at, tpot)
 
 

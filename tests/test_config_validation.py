@@ -85,6 +85,7 @@ PROCESSOR_BAD = [
      "pools.0.classes"),
     # the same for engine_priority: {"0": -1, 0: 5} kept one silently (an operator review)
     ({"pools": [{"name": "a", "engine_priority": {"0": -1, 0: 5}}]}, "pools.0.engine_priority"),
+    ({"pools": [{"name": "a", "engine_priority": {"0": -1, "00": 5}}]}, "pools.0.engine_priority"),
 ]
 
 

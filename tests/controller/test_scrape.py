@@ -277,6 +277,26 @@ async def test_a_replica_streaming_a_huge_reply_fails_the_call_read_no_further()
         assert MAX_REPLY_BYTES < n < 32 << 20, (path, n)  # dropped long before the 64 MiB end
 
 
+async def test_a_models_list_of_many_lora_adapters_is_read() -> None:
+    """vLLM lists every LoRA adapter it serves on /v1/models (~500 bytes each): under the 1 MiB
+    reply cap a pool of 2,000 adapters could never warm a replica up (a review of the cap)."""
+    from aiohttp import web
+
+    cards = [{"id": "base" if i == 0 else f"lora-{i}", "object": "model", "owned_by": "vllm", "root": "base",
+              "permission": [{"id": f"modelperm-{i:032d}", "object": "model_permission", "allow_sampling": True,
+                              "allow_logprobs": True, "organization": "*", "is_blocking": False}] * 2}
+             for i in range(4000)]
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": cards})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as port, aiohttp.ClientSession() as s:
+        vc = VllmClient(s, f"127.0.0.1:{port}", timeout_s=10.0)
+        assert await vc.model_name() == "base"
+
+
 async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Whatever escapes `VllmClient.scrape` for one replica (here a bug) is that replica's
