@@ -511,8 +511,11 @@ def test_redis_start_script_runs_and_enforces_the_acl(tmp_path: Path) -> None:
         # The processors' user writes pool keys, so one of its commands could grow a string to
         # 512 MB (a review: `SETRANGE fg:{default}:zz 500000000 a`, 1 -> 478 MB, past the pod's
         # 512 MiB limit: Redis OOM-killed with the controller's registry and lease). Now a value
-        # past 16 MB is refused, and writes stop at 384 MB (noeviction: the processors' calls fail,
-        # they run on local limits; nothing is evicted from under a pool).
+        # past 16 MB is refused, and past 384 MB the least recently used keys are evicted
+        # (allkeys-lru: junk written once goes first; an evicted pool key is rebuilt by the next
+        # renewal). Not noeviction: a review filled it with 1 MB SETs as this user and every write
+        # of every user was refused for good (the processors degraded, the controller could not
+        # take its lease or write the registry) until an admin deleted the keys.
         with pytest.raises(redis_sync.ResponseError, match="maximum allowed size"):
             proc_user.setrange("fg:{default}:zz", 500_000_000, "a")
         assert int(admin.info("memory")["used_memory"]) < 64 << 20
@@ -530,7 +533,17 @@ def test_redis_start_script_runs_and_enforces_the_acl(tmp_path: Path) -> None:
         history = DemandHistory(longest * 1440, 40 + rng.normal(0, 3, longest * 1440) * 10)
         assert ctl_user.set("fg:{default}:ctl:history", json.dumps(history.to_dict()))
         assert admin.config_get("maxmemory") == {"maxmemory": str(384 << 20)}
-        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert ctl_user.hset("fg:{default}:endpoints", "172.28.0.21:8000", "active") == 1
+        admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + (4 << 20))  # near full
+        try:
+            for i in range(12):  # 12 MB of junk into a 4 MB margin: evicted, never refused
+                proc_user.set(f"fg:{{default}}:junk{i}", b"x" * (1 << 20))
+            for _ in range(3):
+                assert ctl_user.hset("fg:{default}:endpoints", "172.28.0.22:8000", "active") in (0, 1)
+                assert ctl_user.set("fg:{default}:ctl:leader", "me", px=10_000)
+        finally:
+            admin.config_set("maxmemory", 384 << 20)
     finally:
         proc.terminate()
         proc.wait(10)
