@@ -232,10 +232,12 @@ METRICS_MAX_CONNECTIONS = 32
 
 
 def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
-    """Serve `registry` on host:port from daemon threads: a connection that sends no complete
-    request within METRICS_READ_TIMEOUT_S is closed, and past METRICS_MAX_CONNECTIONS at once a
+    """Serve `registry` on host:port from daemon threads: a connection not done within
+    METRICS_READ_TIMEOUT_S is closed (however it trickles), and past METRICS_MAX_CONNECTIONS at once a
     new one is closed unanswered (a scraper retries; Prometheus scrapes one at a time). Returns
     the server (`shutdown()` stops it). OSError when it cannot listen."""
+    import contextlib
+    import socket
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -246,6 +248,23 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
 
     class Handler(WSGIRequestHandler):
         timeout = METRICS_READ_TIMEOUT_S  # socket timeout on every read and write (StreamRequestHandler)
+
+        def setup(self) -> None:
+            super().setup()
+            # A deadline on the whole exchange, not only on each read: one byte every 5 s kept a
+            # connection (and its slot) for good under the per-read timeout (a review).
+            self._deadline = threading.Timer(METRICS_READ_TIMEOUT_S, self._cut)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def _cut(self) -> None:
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            with contextlib.suppress(OSError):
+                super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:
             pass

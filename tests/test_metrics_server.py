@@ -16,6 +16,11 @@ from floodgate.extproc.metrics import Metrics, serve_metrics
 from floodgate.supervisor import free_port
 
 
+def _threads() -> int:
+    """Threads other than the per-connection deadline timers (one per served connection)."""
+    return sum(1 for t in threading.enumerate() if not isinstance(t, threading.Timer))
+
+
 def _wait(cond: object, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -30,7 +35,7 @@ def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 4)
     port = free_port()
     httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
-    base = threading.active_count()
+    base = _threads()
     idle = []
     try:
         for _ in range(3 * metrics_mod.METRICS_MAX_CONNECTIONS):
@@ -40,7 +45,8 @@ def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch
         # Every connection was accepted; past the bound they are closed unanswered, so the
         # threads they hold are at most the bound.
         time.sleep(0.5)
-        assert threading.active_count() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
+        assert _threads() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
+        assert sum(isinstance(t, threading.Timer) for t in threading.enumerate()) <= metrics_mod.METRICS_MAX_CONNECTIONS
         # Each idle connection is closed by the server after the read timeout, not held for good.
         for s in idle:
             s.settimeout(10)
@@ -49,7 +55,32 @@ def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch
             except ConnectionResetError:
                 got = b""
             assert got == b""  # closed by the server, unanswered (over the bound, or timed out)
-        assert _wait(lambda: threading.active_count() <= base)
+        assert _wait(lambda: _threads() <= base)
+        # A connection that trickles one byte at a time (each read within the timeout) is cut
+        # at the same deadline: under a per-read timeout alone it kept its slot for good.
+        drip = socket.create_connection(("127.0.0.1", port))
+        drip.settimeout(10)
+        t0 = time.monotonic()
+        closed = False
+        for ch in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 40:
+            try:
+                drip.sendall(bytes([ch]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.3)  # each read within the 1 s timeout
+            if time.monotonic() - t0 > 4:  # 4x the deadline
+                break
+        if not closed:  # already closed by now (not merely after the dripping stops)?
+            drip.settimeout(0.2)
+            try:
+                closed = drip.recv(1024) == b""
+            except ConnectionResetError:
+                closed = True
+            except TimeoutError:
+                closed = False  # still open: the deadline did not cut it
+        drip.close()
+        assert closed
         # ...and a scrape is served again.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert r.status == 200 and b"floodgate_decisions" in r.read()
