@@ -108,20 +108,19 @@ class LatencyMeter:
     later_tokens: int = 0
     whole: bool | None = None  # a JSON body (not SSE), told by its first byte; None: no body yet
     tail: bytes = b""  # a JSON body's last WHOLE_TAIL bytes, where `usage` is
-    # Choices the response carries (`n` > 1: 1 + the highest choice index seen). The engine
-    # writes one event per choice per step and counts every choice's tokens in `usage`, so any
-    # client's `n: 64` read a time per token 64 times too short, enough to drag the pool's
-    # no-load latency down and the shared limit with it (an attacker review); divided by the
-    # choices, choices that end at different lengths read it up to 5x too long instead (a
-    # review of that fix). Such a response gives no latency sample: it counts as finished.
-    choices: int = 1
+    # A choice index above 0 was seen (`n` > 1). The engine writes one event per choice per
+    # step and counts every choice's tokens in `usage`, so any client's `n: 64` read a time per
+    # token 64 times too short, enough to drag the pool's no-load latency down and the shared
+    # limit with it (an attacker review); divided by the choices, choices that end at different
+    # lengths read it up to 5x too long instead (a review of that fix). Such a response gives no
+    # latency sample: it counts as finished.
+    several_choices: bool = False
 
     def chunk(self, now: float, data: bytes) -> None:
         if self.whole is None and data.strip():
             self.whole = data.lstrip()[:1] == b"{"
-        if b'"index"' in data:
-            for m in _CHOICE_INDEX.finditer(data):
-                self.choices = max(self.choices, min(int(m.group(1)), MAX_CHOICES - 1) + 1)
+        if not self.several_choices and b'"index"' in data:
+            self.several_choices = any(int(m.group(1)) > 0 for m in _CHOICE_INDEX.finditer(data))
         if self.whole:
             self.tail = (self.tail + data)[-WHOLE_TAIL:]
             self.last_at = now
@@ -135,7 +134,7 @@ class LatencyMeter:
                 self.last_at = now
 
     def latency(self) -> Latency | None:
-        if self.choices > 1:
+        if self.several_choices:
             return None
         if self.whole:
             found = _COMPLETION_TOKENS.findall(self.tail)
@@ -153,7 +152,6 @@ class LatencyMeter:
 # A choice object of a completion (`text`), chat chunk (`delta`) or chat response (`message`):
 # its index comes first (vLLM and OpenAI write it so); a tool call's index is followed by others.
 _CHOICE_INDEX = re.compile(rb'\{\s*"index"\s*:\s*(\d{1,6})\s*,\s*"(?:text|delta|message)"')
-MAX_CHOICES = 1024
 
 # A whole response's token count: OpenAI's `usage.completion_tokens`, which vLLM writes after the
 # choices, at the body's end (with the prompt token details and kv_transfer_params after it).
