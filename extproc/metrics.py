@@ -274,7 +274,11 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
             if not slots.acquire(blocking=False):
                 self.shutdown_request(request)
                 return
-            super().process_request(request, client_address)
+            try:
+                super().process_request(request, client_address)  # starts the connection's thread
+            except BaseException:
+                slots.release()  # no thread to release it (the server closes the connection)
+                raise
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # (a read timed out, or the client went away: nothing to print to stderr)

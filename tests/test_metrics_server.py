@@ -89,3 +89,32 @@ def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch
             s.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection the server could not start a thread for (the process is out of threads)
+    is closed, and its slot comes back: it used to stay taken, so METRICS_MAX_CONNECTIONS such
+    failures left the listener closing every scrape unanswered for good."""
+    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 1)
+    port = free_port()
+    httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
+    real_start = threading.Thread.start
+    failed = []
+
+    def start(self: threading.Thread) -> None:
+        if "process_request" in getattr(getattr(self, "_target", None), "__name__", "") and not failed:
+            failed.append(self)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        with pytest.raises(OSError):  # the first: closed unanswered (its thread could not start)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert failed
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and b"floodgate_decisions" in r.read()
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        httpd.shutdown()
+        httpd.server_close()
