@@ -87,7 +87,7 @@ class EndpointStatus:
 @dataclass
 class PoolReport:
     pool: str
-    limit: int
+    limit: int | None  # None: no processor has configured the pool (only the controller wrote it)
     inflight: dict[str, int]
     queued: dict[str, int]
     gateways: list[GatewayStatus] = field(default_factory=list)
@@ -246,7 +246,10 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
                            max(0.0, (ejected.get(ep.endpoint, 0) - now_ms) / 1000)))
     for eps in registry.values():
         eps.sort(key=lambda e: e.endpoint)
-    return PoolReport(pool, st.limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
+    # The script answers a limit for a pool without one (its fallback, 1): a pool only the
+    # controller wrote (registry, replica ids) has none, and "limit 1" read as a real one.
+    limit = st.limit if await client.hexists(schema.key(pool, "state"), "limit") else None
+    return PoolReport(pool, limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
                       {f"P{c}": n for c, n in enumerate(st.queued)},
                       sorted(gateways.values(), key=lambda g: g.gateway), registry, st.hold_s, list(st.hold_waiting))
 
@@ -359,7 +362,8 @@ def render(reports: list[PoolReport]) -> str:
     lines: list[str] = []
     for r in reports:
         inflight = sum(r.inflight.values())
-        lines.append(f"pool {r.pool}: limit {r.limit}, in-flight {inflight} "
+        limit = r.limit if r.limit is not None else "not set (no processor has configured this pool)"
+        lines.append(f"pool {r.pool}: limit {limit}, in-flight {inflight} "
                      f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}), "
                      f"queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
         if r.hold_s > 0:

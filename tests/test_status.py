@@ -139,6 +139,10 @@ def test_status_pool_unknown_is_an_error_naming_the_known_pools(redis_url: str) 
     r = status("--pool", "idle", "--pool", "ctl-only")
     assert r.returncode == 0, r.stderr
     assert "pool idle: limit 4, in-flight 0" in r.stdout and "pool ctl-only: " in r.stdout, r.stdout
+    # A pool no processor has configured has no limit: not "limit 1" (the script's fallback).
+    assert "pool ctl-only: limit not set (no processor has configured this pool)" in r.stdout, r.stdout
+    r = status("--pool", "ctl-only", "--json")
+    assert json.loads(r.stdout)["pools"][0]["limit"] is None, r.stdout
     r = status()
     assert r.returncode == 0 and all(f"pool {p}:" in r.stdout for p in ("chat", "ctl-only", "idle")), r.stdout
 
