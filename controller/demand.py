@@ -206,13 +206,14 @@ def _prune(samples: tuple, sample: object, now: float, keep_s: float) -> tuple:
 
 def observe(w: DemandWindow, now: float, cfg: DemandConfig, fg: FloodgateCounters | None = None,
             gw: GatewayCounters | None = None) -> DemandWindow:
-    """Add this tick's reads (failed reads are dropped: a gap, never a zero)."""
+    """Add this tick's reads (failed reads are dropped: a gap, never a zero; so is a gateway
+    read that is no number: an infinite rate raised in the policy and stopped the controller)."""
     f, g = w.floodgate, w.gateway
     if fg is not None and fg.ok:
         if f and _fg_reset(f[-1], fg):
             f = ()  # counters went backwards (Redis flushed / failed over): restart the window
         f = _prune(f, fg, now, cfg.window_s)
-    if gw is not None and gw.ok:
+    if gw is not None and gw.ok and math.isfinite(gw.rq_total) and math.isfinite(gw.rejected):
         if g and (gw.rq_total < g[-1].rq_total or gw.rejected < g[-1].rejected):
             g = ()  # Envoy restarted
         g = _prune(g, gw, now, cfg.window_s)

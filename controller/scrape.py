@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -58,6 +59,19 @@ def demand_counters(per_class: Mapping[int, Mapping[str, int]], now: float,
                              {c: float(q) for c, q in enumerate(queued)})
 
 
+# Envoy's counters and gauges are unsigned 64-bit integers: a value a float cannot hold exactly
+# is no count a real Envoy reached, and a NaN, infinite or negative one is no count at all.
+ENVOY_MAX_VALUE = float(2**53)
+
+
+def _envoy_value(name: str, labels: Mapping[str, str], value: float) -> float:
+    """`value` if it is a finite count in [0, ENVOY_MAX_VALUE], else ValueError (the scrape
+    fails: unknown, never an infinite rate, which stopped the controller in `policy`)."""
+    if not math.isfinite(value) or value < 0 or value > ENVOY_MAX_VALUE:
+        raise ValueError(f"{name}{dict(labels)} is {value!r}: not a count Envoy exports")
+    return value
+
+
 GW_TOTAL = "envoy_http_downstream_rq_total"
 GW_REJECTED = "envoy_http_ext_proc_immediate_responses_sent"
 
@@ -71,6 +85,8 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
     processor answered itself: 429/503) become `gateway`. A page without the prefix's
     `downstream_rq_total` gives `gateway=None` (missing is unknown, never 0); a missing ext_proc
     counter (no ext_proc filter on that listener: nothing is turned away there) reads 0.
+    A value no Envoy exports (NaN, infinite, negative, past 2^53) raises ValueError: the scrape
+    fails, as a vLLM page with one does (`vllm._sane`).
     """
     active = pending = r429 = r5xx = 0.0
     gw_total: float | None = None
@@ -81,9 +97,9 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
                     s.labels.get("envoy_http_conn_manager_prefix") == gateway_prefix and \
                     "envoy_listener_address" not in s.labels:
                 if s.name == GW_TOTAL:
-                    gw_total = (gw_total or 0.0) + s.value
+                    gw_total = (gw_total or 0.0) + _envoy_value(s.name, s.labels, s.value)
                 elif s.name in (GW_REJECTED, GW_REJECTED + "_total"):  # the parser may add _total
-                    gw_rejected += s.value
+                    gw_rejected += _envoy_value(s.name, s.labels, s.value)
                 continue
             c = s.labels.get("envoy_cluster_name")
             if c is None or (clusters is not None and c not in clusters):
@@ -91,15 +107,15 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
             if clusters is None and c.startswith("floodgate_"):
                 continue
             if s.name == "envoy_cluster_upstream_rq_active":
-                active += s.value
+                active += _envoy_value(s.name, s.labels, s.value)
             elif s.name == "envoy_cluster_upstream_rq_pending_active":
-                pending += s.value
+                pending += _envoy_value(s.name, s.labels, s.value)
             elif s.name in ("envoy_cluster_upstream_rq", "envoy_cluster_upstream_rq_total") and \
                     s.labels.get("envoy_response_code") == "429":
-                r429 += s.value
+                r429 += _envoy_value(s.name, s.labels, s.value)
             elif s.name in ("envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_xx_total") and \
                     s.labels.get("envoy_response_code_class") == "5":
-                r5xx += s.value
+                r5xx += _envoy_value(s.name, s.labels, s.value)
     gw = None if gw_total is None else GatewayCounters(now, True, gw_total, gw_rejected)
     return EnvoySample(now, True, active, pending, r429, r5xx, gateway=gw)
 

@@ -626,3 +626,35 @@ async def test_controller_survives_a_replica_with_a_bad_metrics_page_and_does_no
         await asyncio.wait({task}, timeout=15)
         await proxy.stop()
         await rc.aclose()
+
+
+@pytest.mark.parametrize("value", ["+Inf", "NaN", "-Inf", "-5", "1e18"])
+@pytest.mark.parametrize("series", [
+    'envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="gateway"}',
+    'envoy_http_ext_proc_immediate_responses_sent{envoy_http_conn_manager_prefix="gateway"}',
+    'envoy_cluster_upstream_rq_active{envoy_cluster_name="model"}',
+])
+def test_an_envoy_value_no_envoy_exports_fails_the_scrape(series: str, value: str) -> None:
+    """A controller review: one stats page with a +Inf gateway counter reached the policy as an
+    infinite turned-away rate, `math.ceil` raised OverflowError and the controller exited (with
+    `--stop-replicas-on-exit`, stopping every replica); a NaN read as 0 offered demand, 1e18 as
+    5e17 requests/s. Such a page is a failed scrape, as a vLLM one is (vllm._sane)."""
+    good = ('envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="gateway"} 100\n'
+            'envoy_cluster_upstream_rq_active{envoy_cluster_name="model"} 3\n')
+    assert parse_envoy(good, None, 1.0).gateway.rq_total == 100  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="not a count Envoy exports"):
+        parse_envoy(good + f"{series} {value}\n", None, 1.0)
+
+
+def test_offered_demand_drops_a_gateway_read_that_is_no_number() -> None:
+    """The demand window keeps no non-finite gateway read (whoever built it): the policy never
+    sees an infinite rate."""
+    from floodgate.controller import demand as dm
+
+    cfg = dm.DemandConfig()
+    w = dm.DemandWindow()
+    for i, total in enumerate([0.0, 100.0, math.inf, math.nan, 300.0]):
+        w = dm.observe(w, 10.0 + i, cfg, None, dm.GatewayCounters(10.0 + i, True, total, total / 2))
+    assert [g.rq_total for g in w.gateway] == [0.0, 100.0, 300.0]
+    off = dm.offered(w, 14.0, cfg)
+    assert all(math.isfinite(v) for v in off.offered_rate.values())
