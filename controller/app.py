@@ -159,6 +159,15 @@ def adopted_view(rid: str, entry: Endpoint | None, now: float, role: Role | None
     return ReplicaView(rid, S.LOADING, now)
 
 
+def parse_seq(raw: bytes | str | None) -> int | None:
+    """The stored next replica sequence number (pure): 0 when absent, None when it is no
+    non-negative integer (another writer's; a review: `int("1.0")` stopped every start)."""
+    if not raw:
+        return 0
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 def next_seq_after(ids: list[str], prefix: str) -> int:
     """First sequence number not used by any id `prefix<N>` (no id is ever reused)."""
     pat = re.compile(re.escape(prefix) + r"(\d+)$")
@@ -182,6 +191,9 @@ class Replica:
     probe: asyncio.Task[None] | None = None  # a liveness check of an unresponsive replica in flight
     pool_health: Unresponsive = field(default_factory=Unresponsive)  # its current run of failed /health checks while in the warm pool
     pool_probed_at: float | None = None  # clock() of its last warm-pool /health check
+    registry_stale: bool = False  # its last registry write failed (Redis): `_sync_registry` rewrites it
+    stop_failures: int = 0  # failed `actuator.stop` calls in a row (a TERMINATED replica still present)
+    stop_retry_at: float = 0.0  # clock() from which the next stop is tried
 
     @property
     def busy(self) -> bool:
@@ -272,9 +284,11 @@ class PoolController:
         for ep, e in eps.items():
             if ep not in seen_eps and e.replica_id not in self.replicas:
                 await self.registry.remove(ep)  # a replica that died while no controller ran
-        stored_seq = await self.redis.get(self._k_seq)
-        next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix),
-                       int(stored_seq) if stored_seq else 0)
+        stored_seq = parse_seq(await self.redis.get(self._k_seq))
+        if stored_seq is None:
+            log.warning("pool %s: %s holds no replica sequence number: ignored (ids go on after the "
+                        "replicas found)", self.pool, self._k_seq)
+        next_seq = max(next_seq_after([h.replica_id for h in handles], self.prefix), stored_seq or 0)
         self.state = replace(self.state, next_seq=next_seq)
         self._resume_desired(await self.redis.get(self._k_desired))
         raw = await self.redis.get(self._k_history)
@@ -376,6 +390,12 @@ class PoolController:
         grace = self.cfg.timeouts.adopt_grace_s
         for rid, rep in list(self.replicas.items()):
             st = rep.view.state
+            if st is S.TERMINATED and rep.stop_failures and not rep.busy:
+                if rid not in handles:
+                    self.replicas.pop(rid, None)  # gone after all: nothing left to stop
+                elif now >= rep.stop_retry_at:
+                    self._spawn(rep, self._stop(rep))  # its last stop failed: again
+                continue
             if st in (S.TERMINATED, S.FAILED):
                 continue
             if rep.placeholder:
@@ -633,6 +653,7 @@ class PoolController:
                     await self.registry.set(rep.endpoint, want, rep.view.replica_id)
                     self.emit("registry_sync", replica=rep.view.replica_id,
                               frm=have.state if have else None, to=want)
+                rep.registry_stale = False
             except OUTAGE_ERRORS:
                 self.metrics.scrape_failures.labels(source="registry").inc()
                 return
@@ -686,6 +707,9 @@ class PoolController:
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
+        if kind in (ActionKind.TERMINATE, ActionKind.FORCE_STOP) and rep.registry_stale and \
+                rep.view.state is S.DRAINING:
+            return True  # its entry may still read active (processors route to it): first the write
         return kind is ActionKind.SLEEP and (not rep.can_sleep or not rep.endpoint)
 
     # ---- actions -------------------------------------------------------------------------
@@ -702,9 +726,21 @@ class PoolController:
         return VllmClient(self.session, endpoint, timeout_s=t, model=self.cfg.model)
 
     async def _set_registry(self, rep: Replica) -> None:
+        """Write `rep`'s registry entry. A Redis outage does not fail the operation that wrote
+        it (a review: a 4 s write stall failed a replica mid cold start, and an error on a
+        promotion's write left the replica waking with no operation, for good): the entry is
+        marked stale and `_sync_registry` rewrites it on a later tick, and a draining replica
+        whose entry may still read active is not stopped meanwhile (`_skip`)."""
         st = registry_state(rep.view)
         if rep.endpoint and st is not None:
-            await self.registry.set(rep.endpoint, st, rep.view.replica_id)
+            try:
+                await self.registry.set(rep.endpoint, st, rep.view.replica_id)
+            except OUTAGE_ERRORS as exc:
+                rep.registry_stale = True
+                self.metrics.scrape_failures.labels(source="registry").inc()
+                self.emit("registry_write_failed", replica=rep.view.replica_id, to=st, error=f"{type(exc).__name__}: {exc}")
+                return
+            rep.registry_stale = False
 
     def _event(self, rep: Replica, ev: Event, **kw: Any) -> None:
         before = rep.view.state
@@ -972,11 +1008,18 @@ class PoolController:
                     await self.registry.remove(rep.endpoint)
             await self.actuator.stop(rid)
             self.emit("stopped", replica=rid)
+            self.metrics.actions.labels(pool=self.pool, action="stop", outcome="ok").inc()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.emit("action_failed", replica=rid, action="stop", error=f"{type(exc).__name__}: {exc}")
-            return  # keep it as TERMINATED-but-present: the next reconcile retries via list()
+            # Kept as TERMINATED-but-present: `reconcile` tries again after a backoff (it was
+            # never retried: a review's replica ran on, out of the registry and uncounted).
+            rep.stop_failures += 1
+            rep.stop_retry_at = self.clock() + min(STOP_RETRY_MAX_S, 2.0 ** (rep.stop_failures - 1))
+            self.emit("action_failed", replica=rid, action="stop", error=f"{type(exc).__name__}: {exc}",
+                      retry_in_s=round(rep.stop_retry_at - self.clock(), 3))
+            self.metrics.actions.labels(pool=self.pool, action="stop", outcome="error").inc()
+            return
         self.replicas.pop(rid, None)
         self.kick()
 
@@ -984,6 +1027,9 @@ class PoolController:
         """Cancel operations in flight (leadership lost / exit). Replicas are left as they are:
         the next leader adopts them."""
         await cancel_and_wait([t for r in self.replicas.values() for t in (r.task, r.probe) if t is not None])
+
+
+STOP_RETRY_MAX_S = 30.0  # a stop that failed is tried again after 1, 2, 4, ... s, at most this
 
 
 def pool_hit(started_at: float | None, scale_up_since: float | None) -> bool:

@@ -62,7 +62,7 @@ class EnvoyConfig(_Strict):
 class LeaderConfig(_Strict):
     enabled: bool = Field(default=True, description="Act only while holding the Redis leader lease.")
     key: str = Field(default=controller_leader_key(), min_length=1, description="Redis key of the lease.")
-    ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash.")
+    ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash. At least 3 x `redis.op_timeout_s` (renewed every third of it, each renewal may take up to that timeout).")
 
 
 class ActuatorConfig(_Strict):
@@ -226,6 +226,17 @@ class ControllerConfig(_Strict):
     tick_interval_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between ticks.")
     metrics_listen: OptionalListenAddress = Field(default="127.0.0.1:9465", description="HOST:PORT of /metrics (IPv6 in brackets); null: none. The default port is one above the processor's (9464), so both run on one host with their defaults.")
     pools: list[PoolConfig] = Field(min_length=1, description="The pools this controller scales.")
+
+    @model_validator(mode="after")
+    def _lease_outlives_a_call(self) -> ControllerConfig:
+        # The holder counts itself leader until a third of the TTL before its last renewal's
+        # lease ends, renewing every third: a call that may take more than a third of the TTL
+        # (the per-call timeout) lets leadership lapse between renewals that all succeed, while
+        # Redis still names it (no standby takes over either: a review, leader 20 % of the time).
+        if self.leader.enabled and self.redis.op_timeout_s * 3 > self.leader.ttl_s:
+            raise ValueError(f"leader.ttl_s ({self.leader.ttl_s:g}) must be at least 3 x redis.op_timeout_s "
+                             f"({self.redis.op_timeout_s:g}): a lease renewal may take up to the per-call timeout")
+        return self
 
     @field_validator("pools")
     @classmethod

@@ -23,7 +23,7 @@ from floodgate.runtime import ListenError
 FAILURE_REASONS = ("not_running", "vanished", "action_failed", "unresponsive", "pool_unresponsive")
 # The replica operations the controller runs in the background (app.py `_guard`), each counted
 # in floodgate_controller_actions_total with outcome ok or error.
-BackgroundOp = Literal["start", "bring_up", "promote", "sleep"]
+BackgroundOp = Literal["start", "bring_up", "promote", "sleep", "stop"]
 SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate")
 # The (direction, reason) pairs a change of the desired count can carry (`floodgate_scale_events_total`).
 SCALE_REASONS = {
@@ -45,8 +45,9 @@ class ControllerMetrics:
         self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions: outcome `issued` once per "
                                "action the controller takes (every kind: start, promote, sleep, drain, undrain, "
                                "recycle, terminate, force_stop); the operations that run on beside the ticks "
-                               "(start, bring_up: a replica found loading brought to warm, promote, sleep) also "
-                               "count how they ended, `ok` or `error`. Count actions by `issued`.",
+                               "(start, bring_up: a replica found loading brought to warm, promote, sleep, stop) also "
+                               "count how they ended, `ok` or `error` (a stop that failed is tried again, "
+                               "each try counted). Count actions by `issued`.",
                                ["pool", "action", "outcome"], registry=r)
         self.failures = Counter("floodgate_replica_failures_total", "Replicas the controller marked failed (then "
                                 "terminated), by why: not_running (its process or pod ended), vanished (gone from "

@@ -155,7 +155,7 @@ def parse_metrics(
     policy reads (`num_requests_running`, `num_requests_waiting`, the KV gauge under either of
     its names) missing, NaN, infinite or negative (the KV gauge also above 1), a latency
     histogram's bucket, sum or count NaN, infinite or negative, or a bucket without a numeric
-    `le`. Each is a failed scrape, never 0 (an idle-looking replica would invite a scale-down
+    `le`, or one of those series twice. Each is a failed scrape, never 0 (an idle-looking replica would invite a scale-down
     exactly when something is wrong) and never a crash of the tick. Metrics the controller does
     not read are not checked.
     """
@@ -170,9 +170,17 @@ def parse_metrics(
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
         raise MetricsError(f"unparseable page: {type(exc).__name__}: {exc}") from exc
+    series: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     for fam in families:
         for s in fam.samples:
             n = s.name
+            if n in (WAITING, RUNNING) or n in KV_NAMES or n.startswith((TTFT, ITL)):
+                # One series twice on a page is no page a server writes: summed, a page that
+                # repeated its series 20 times read as 20x the requests (a review).
+                key = (n, frozenset(s.labels.items()))
+                if key in series:
+                    raise MetricsError(f"{n}{s.labels} appears twice on the page")
+                series.add(key)
             if n == WAITING:
                 waiting += _sane(n, s.value, upper=MAX_PLAUSIBLE_REQUESTS)
                 seen.add(n)

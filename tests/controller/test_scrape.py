@@ -156,6 +156,9 @@ BAD_PAGES: dict[str, tuple[str, str]] = {
     "waiting_absurd": (_set(GOOD, "num_requests_waiting", "1e12"), "num_requests_waiting is 1000000000000.0"),
     "running_absurd": (_set(GOOD, "num_requests_running", "250000"), "num_requests_running is 250000"),
     "garbage": ("<html>500 oops</html>\n", "unparseable page"),
+    # A review: a page repeating its series 20 times read as 20x the running and waiting requests.
+    "series_twice": (GOOD + "\n".join(ln for ln in GOOD.splitlines() if ln.startswith("vllm:num_requests_running"))
+                     + "\n", "appears twice on the page"),
 }
 
 

@@ -1,0 +1,91 @@
+"""A registry write that Redis does not take (a stall, an error) fails no replica operation (a
+controller review): a 4 s write stall during a cold start failed the loading replica (stopped,
+start backoff, another cold start), and an error on a promotion's write left the replica waking
+with no operation for good. The entry is rewritten by the tick's registry sync instead."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.exceptions
+from floodgate.controller.actuators.process import ProcessActuator, sim_command
+from floodgate.controller.app import PoolController
+from floodgate.controller.signals import ReplicaState as S
+from floodgate.extproc.registry import Registry
+from floodgate.extproc.state import redis_client
+
+from floodgate.stack import LocalStack
+from tests.controller.live import (
+    SIM_ARGS,
+    controller_config,
+    count,
+    registry_states,
+    running,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_redis_write_stall_during_a_cold_start_fails_no_replica(stack: LocalStack, tmp_path: Path) -> None:
+    url = stack.start_redis()
+    a = ProcessActuator(sim_command(*SIM_ARGS, "--cold-start", "3"), tmp_path / "r", supervisor=stack.sup)
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool={"enabled": False},
+                            leader={"ttl_s": 10})
+    admin = redis_client(url, op_timeout_s=5)
+    async with running(cfg, a, wait_ready=True) as ctl:
+        pc = ctl.pools["default"]
+        await asyncio.sleep(1.5)  # r0 is loading (3 s cold start)
+        await admin.execute_command("CLIENT", "PAUSE", "4000", "WRITE")
+        await asyncio.sleep(4.5)
+        async def one_active() -> bool:
+            return count(await registry_states(url), "active") == 1
+        await wait_for(one_active, 40)
+        ev = [(e["event"], e.get("replica"), e.get("why") or e.get("error") or e.get("seconds"))
+              for e in pc.events if e["event"] in ("failed", "action_failed", "start_backoff", "stopped")]
+        assert not [e for e in ev if e[0] in ("failed", "start_backoff")], ev
+        assert sorted(pc.replicas) == ["default-r0"], "no second cold start"
+    await admin.aclose()
+    await a.stop_all()
+
+
+async def test_a_redis_error_on_a_promotions_registry_write_does_not_strand_the_replica(
+        stack: LocalStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = stack.start_redis()
+    a = ProcessActuator(sim_command(*SIM_ARGS), tmp_path / "replicas", supervisor=stack.sup)
+    real = Registry.set
+    blips = {"n": 0}
+
+    pcs: list[PoolController] = []
+
+    async def flaky(self: Registry, endpoint: str, state: str, replica_id: str,
+                    meta: dict[str, Any] | None = None) -> None:
+        rep = pcs[0].replicas.get(replica_id) if pcs else None
+        if rep is not None and rep.view.state is S.WAKING and blips["n"] == 0:  # one Redis timeout, on a promotion's write
+            blips["n"] += 1
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+        return await real(self, endpoint, state, replica_id, meta)
+
+    monkeypatch.setattr(Registry, "set", flaky)
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 3},
+                            warm_pool={"min_size": 1, "sleep_enabled": True, "warm_min_age_s": 0})
+    async with running(cfg, a) as ctl:
+        pc = ctl.pools["default"]
+        async def ready() -> bool:
+            st = await registry_states(url)
+            return count(st, "active") == 1 and count(st, "sleeping") == 1
+        await wait_for(ready, 40)
+        st = await registry_states(url)
+        act = next(h for h in await a.list() if st.get(h.replica_id) == "active")
+        pcs.append(pc)
+        os.killpg(int(act.labels["pid"]), signal.SIGKILL)  # the serving replica dies: promote the pool one
+        await asyncio.sleep(20)
+        view = {rid: (r.view.state.value, r.busy) for rid, r in pc.replicas.items()}
+        stuck = [rid for rid, (st, busy) in view.items() if st == "waking" and not busy]
+        assert blips["n"] == 1 and not stuck, f"replicas stuck in waking with no operation: {stuck}"
+        st = await registry_states(url)
+        assert count(st, "active") == 1, st
