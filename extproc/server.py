@@ -382,11 +382,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         child(m.decision_time, (pool, label, "rejected", reason)).observe(time.perf_counter() - headers_in)
 
     def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
-        """Tell the admitter what the response headers of a request routed to `endpoint` say of
-        it (Envoy's `response.code_details` attribute: extproc/ejection.py); returns that."""
+        """What the response headers say of the request's endpoint (Envoy's
+        `response.code_details` attribute: extproc/ejection.py); with a picked `endpoint` the
+        admitter is told (ejection). Returns the outcome."""
         attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
         outcome = endpoint_outcome(_attr(attrs, "response.code_details"), status_of(msg.response_headers))
-        self.admitter.endpoint_outcome(pool, endpoint, outcome)
+        if endpoint:
+            self.admitter.endpoint_outcome(pool, endpoint, outcome)
         return outcome
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
@@ -531,8 +533,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":
                     ex.status = status_of(msg.response_headers)
-                    if result.endpoint:
-                        ex.endpoint_failed = self._endpoint_outcome(pool, result.endpoint, msg) == "failed"
+                    # Picked or not: a connection that failed is no overload drop (without
+                    # picking, a restarting model server's refused connections lowered the limit).
+                    ex.endpoint_failed = self._endpoint_outcome(pool, result.endpoint, msg) == "failed"
                     if len(msg.response_headers.headers.headers) + INFO_HEADERS <= self.cfg.server.max_headers:
                         yield _response_headers_reply(decision.priority, queue_ms)
                     else:

@@ -1134,6 +1134,37 @@ async def test_only_overload_5xx_lower_the_vegas_limit(stack: LocalStack, upstre
         assert await wait_until(lambda: _limit_below(stack.redis_url, 40), 5)
 
 
+async def test_an_unreachable_model_server_does_not_lower_the_vegas_limit_without_picking(
+        stack: LocalStack) -> None:
+    # An operator review: without endpoint picking (the mesh config, a fixed pool) a model
+    # server that refuses connections (restarting, dead) made Envoy answer 503 at once, and each
+    # counted as an overload drop: 40 such requests took the shared limit 16 -> 12. A connection
+    # that failed says nothing about load (Envoy's `response.code_details`), with or without
+    # picking; only a 502/503/504 the upstream itself sent is a drop.
+    from floodgate.supervisor import free_port
+
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 16, "min": 1, "max": 100,
+                                                   "window_min_samples": 5, "window_s": 0.2}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", free_port())], processors=[p])  # nothing listens there
+    async with aiohttp.ClientSession() as s:
+        for _ in range(5):
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))
+            assert {r.status for r in replies} == {503}, [(r.status, r.body[:100]) for r in replies]
+            await asyncio.sleep(0.25)
+
+        async def counted() -> bool:
+            m = await metrics(s, p.metrics_url)
+            return sum(v for k, v in m.items() if k.startswith("floodgate_permit_outcomes_total{")) >= 40
+
+        assert await wait_until(counted, 10)
+        m = await metrics(s, p.metrics_url)
+    assert m.get('floodgate_permit_outcomes_total{outcome="ignored",pool="default"}') == 40, m
+    assert not m.get('floodgate_permit_outcomes_total{outcome="dropped",pool="default"}'), m
+    assert (await pool_status(stack.redis_url)).limit == 16
+
+
 async def _limit_below(redis_url: str, n: int) -> bool:
     return (await pool_status(redis_url)).limit < n
 

@@ -144,7 +144,8 @@ def test_sidecar_filter_settings() -> None:
     ext = ext_proc_config(load_yaml(SIDECAR_FILTER))
     local = load_yaml(ENVOY_DIR / "floodgate-filter.yaml")["typed_config"]
     # Same stream lifetime and timeouts as the gateway filter (design §3).
-    for key in ("processing_mode", "allow_mode_override", "message_timeout", "grpc_service"):
+    # (response_attributes: a refused connection is no overload drop: an operator review)
+    for key in ("processing_mode", "allow_mode_override", "message_timeout", "grpc_service", "response_attributes"):
         assert ext[key] == local[key], key
     assert ext["failure_mode_allow"] is True  # explicit; admission-only, fail-open (docs/mesh.md)
     assert {"connection.mtls", "connection.uri_san_peer_certificate"} <= set(ext["request_attributes"])
