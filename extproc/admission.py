@@ -108,6 +108,8 @@ from floodgate.extproc.schema import (
     PoolSettings,
     PoolStatus,
     format_arrivals,
+    format_idle_credits,
+    fresh_idle_credits,
     gateway_channel,
     gateway_claim_key,
     key,
@@ -254,6 +256,7 @@ class PoolRuntime:
     # read at the status tick), and when (clock()); None: not read yet.
     peer_arrivals: tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]] | None = None
     peer_arrivals_at: float = -1e9
+    peer_idle_credits: int = 0  # the other processors' idle local credits, as they last shared them
     # Requests per class waiting now on that budget (let in where the strict reading would have
     # turned them away, and short of the class's own chance at the point estimates,
     # policy.budget_risk): they hold it until they end (policy.min_chance's `waiting`).
@@ -907,6 +910,7 @@ class Admitter:
         for c in range(3):
             self.child(self.metrics.queue_depth, (name, PRIORITY_LABELS[c])).set(st.queued[c])
             self.child(self.metrics.inflight, (name, PRIORITY_LABELS[c])).set(st.inflight[c])
+        self._set_inflight_p1(rt)
 
     def _limit_seen(self, rt: PoolRuntime, limit: float) -> None:
         """The shared limit is `limit`: if it moved, samples of requests admitted before now
@@ -1593,9 +1597,11 @@ class Admitter:
         processors' (policy.pool_arrivals). Ages are judged by the writers' wall clocks."""
         now, wall_ms = self.clock(), time.time() * 1000
         mine = format_arrivals(wall_ms, rt.own_arrival_rates(now), rt.own_arrival_rates(now, fast=True))
+        idle = format_idle_credits(wall_ms, len(rt.credits))
         try:
-            shared = await self.call(rt, "arrivals", lambda: rt.state.share_arrivals(
-                self.gateway_id, mine, forget_before_ms=wall_ms - 60_000, forget_after_ms=wall_ms + 60_000))
+            shared, credits = await self.call(rt, "arrivals", lambda: rt.state.share_arrivals(
+                self.gateway_id, mine, forget_before_ms=wall_ms - 60_000, forget_after_ms=wall_ms + 60_000,
+                idle=idle))
         except ResponseError as exc:  # e.g. a Redis user not allowed the key: own x processors, as before
             if rt.peer_arrivals is not None or rt.peer_arrivals_at == -1e9:
                 log.warning("pool %s: cannot share arrival rates in Redis (%s): early drop reads this "
@@ -1604,6 +1610,17 @@ class Admitter:
             return
         slow, fast = peer_arrivals(shared, self.gateway_id, wall_ms, PEER_ARRIVALS_FRESH_S)
         rt.peer_arrivals, rt.peer_arrivals_at = (slow, fast), now
+        peers = fresh_idle_credits(credits, wall_ms, PEER_ARRIVALS_FRESH_S)
+        rt.peer_idle_credits = sum(n for gw, n in peers.items() if gw != self.gateway_id)
+        self._set_inflight_p1(rt)
+
+    def _set_inflight_p1(self, rt: PoolRuntime) -> None:
+        """`floodgate_inflight` for P1 from the last snapshot, less the local credits the
+        processors hold idle (this one's now, the others' as they last shared them): Redis
+        counts a credit as a P1 lease, and a pool at 0.5 requests in flight read 31 (a review)."""
+        if rt.last_status is not None:
+            busy = max(0, rt.last_status.inflight[1] - len(rt.credits) - rt.peer_idle_credits)
+            self.child(self.metrics.inflight, (rt.cfg.name, PRIORITY_LABELS[1])).set(busy)
 
     def _lose_registry(self, rt: PoolRuntime) -> None:
         rt.registry_lost = True

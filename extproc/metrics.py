@@ -62,7 +62,8 @@ class Metrics:
             "floodgate_queue_depth", "Requests waiting in the cluster-wide queue (last seen by this process).",
             ["pool", "priority"], registry=r)
         self.inflight = Gauge(
-            "floodgate_inflight", "Cluster-wide requests holding a permit (last seen by this process).",
+            "floodgate_inflight", "Cluster-wide requests holding a permit (last seen by this process; the "
+            "local credits processors hold idle, P1 leases no request uses, are left out).",
             ["pool", "priority"], registry=r)
         self.local_inflight = Gauge(
             "floodgate_process_inflight", "Permits held by requests passing through this process.",

@@ -52,6 +52,10 @@ DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOME
 # written at its status tick. Early drop sums them into the pool's rates (admission.pool_arrivals)
 # instead of scaling its own by the live processors.
 ARRIVALS = "gwrates"  # (not "a…": the processors ACL may not write keys starting a, e, c: floodgate.redis_acl)
+# HASH gateway -> "ms n": the local credits each processor holds idle (leases no request uses),
+# and when it wrote that (its wall clock, ms), written with its arrival rates. Redis counts a
+# credit as a P1 lease; `floodgate status` and the `floodgate_inflight` gauge leave these out.
+IDLE_CREDITS = "gwcredits"
 
 
 # Past any arrival rate one gateway sees (requests/s of a class): a larger shared value is a
@@ -79,6 +83,31 @@ def parse_arrivals(v: str) -> tuple[float, tuple[float, float, float], tuple[flo
 
 
 Rates = tuple[float, float, float]
+
+
+def format_idle_credits(ms: float, n: int) -> str:
+    return f"{int(ms)} {int(n)}"
+
+
+def parse_idle_credits(v: str, limit: int = 1 << 20) -> tuple[int, int] | None:
+    """(ms, n) of one `IDLE_CREDITS` field; None for a value that is not "ms n" with
+    0 <= n <= `limit` (another writer's: left out, never an error)."""
+    parts = v.split()
+    if len(parts) != 2 or not all(x.isascii() and x.isdigit() and len(x) <= 15 for x in parts):
+        return None
+    ms, n = int(parts[0]), int(parts[1])
+    return (ms, n) if n <= limit else None
+
+
+def fresh_idle_credits(shared: Mapping[str, str], wall_ms: float, fresh_s: float) -> dict[str, int]:
+    """Gateway -> idle local credits of an `IDLE_CREDITS` hash, for the entries stamped within
+    `fresh_s` of `wall_ms` either way."""
+    out: dict[str, int] = {}
+    for gw, v in shared.items():
+        p = parse_idle_credits(v)
+        if p is not None and abs(wall_ms - p[0]) <= fresh_s * 1000:
+            out[gw] = p[1]
+    return out
 
 
 def peer_arrivals(shared: Mapping[str, str], me: str, wall_ms: float,

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from floodgate.extproc.redis_client import is_cluster, make_client
 from floodgate.extproc.schema import (
     ARRIVALS,
+    IDLE_CREDITS,
     CLASSES,
     DEMAND,
     DEMAND_OUTCOMES,
@@ -47,6 +48,7 @@ from floodgate.extproc.schema import (
     gateway_channel,
     key,
     parse_arrivals,
+    parse_idle_credits,
     parse_fields,
     script_keys,
 )
@@ -430,21 +432,31 @@ class PoolState:
 
 
     async def share_arrivals(self, gateway: str, mine: str, forget_before_ms: float,
-                             forget_after_ms: float = float("inf")) -> dict[str, str]:
-        """Write this gateway's arrival rates (schema.ARRIVALS) and read every gateway's;
-        entries stamped before `forget_before_ms` (gateways gone for good) or after
-        `forget_after_ms` (a writer's clock far ahead of this one's) are dropped."""
-        k = key(self.pool, ARRIVALS)
+                             forget_after_ms: float = float("inf"), idle: str | None = None
+                             ) -> tuple[dict[str, str], dict[str, str]]:
+        """Write this gateway's arrival rates (schema.ARRIVALS) and, when given, its idle local
+        credits (schema.IDLE_CREDITS), and read every gateway's of both; entries stamped before
+        `forget_before_ms` (gateways gone for good) or after `forget_after_ms` (a writer's clock
+        far ahead of this one's) are dropped."""
+        k, kc = key(self.pool, ARRIVALS), key(self.pool, IDLE_CREDITS)
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hset(k, gateway, mine)
+            if idle is not None:
+                pipe.hset(kc, gateway, idle)
             pipe.hgetall(k)
-            _, raw = await pipe.execute()
+            pipe.hgetall(kc)
+            *_, raw, raw_idle = await pipe.execute()
         out = {_text(f): _text(v) for f, v in raw.items()}
+        credits = {_text(f): _text(v) for f, v in raw_idle.items()}
         old = [g for g, v in out.items()
                if (p := parse_arrivals(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
         if old:
             await self.client.hdel(k, *old)
-        return out
+        gone = [g for g, v in credits.items()
+                if (p := parse_idle_credits(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
+        if gone:
+            await self.client.hdel(kc, *gone)
+        return out, credits
 
 
 async def read_pool_status(client: aioredis.Redis, pool: str) -> PoolStatus:

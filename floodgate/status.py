@@ -72,6 +72,7 @@ class GatewayStatus:
     heard: bool | None = None
     # it told Redis it cannot subscribe (leases.lua `hears`, `pl:<gateway>`): heard by its polls
     by_poll: bool = False
+    idle_credits: int = 0  # of its leases, local credits no request uses (as it last shared them)
 
 
 @dataclass
@@ -96,10 +97,18 @@ class PoolReport:
     # gateways it waits for (docs/admission.md, "After lost writes, no grant ...").
     hold_s: float = 0.0
     hold_waiting: list[str] = field(default_factory=list)
+    # Local credits the processors hold idle (schema.IDLE_CREDITS): P1 leases no request uses,
+    # left out of `inflight` (a pool at 0.5 requests in flight read 31: a review).
+    idle_credits: int = 0
 
     @property
     def degraded(self) -> list[str]:
         return [g.gateway for g in self.gateways if not g.live]
+
+
+# A processor shares its idle credits every second: an entry older than this (by Redis's
+# clock; processors stamp theirs) is one of a processor that stopped, whose leases count again.
+IDLE_CREDITS_FRESH_S = 5.0
 
 
 def _text(x: Any) -> str:
@@ -249,9 +258,17 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     # The script answers a limit for a pool without one (its fallback, 1): a pool only the
     # controller wrote (registry, replica ids) has none, and "limit 1" read as a real one.
     limit = st.limit if await client.hexists(schema.key(pool, "state"), "limit") else None
-    return PoolReport(pool, limit, {f"P{c}": n for c, n in enumerate(st.inflight)},
+    shared = {_text(k): _text(v) for k, v in (await client.hgetall(schema.key(pool, schema.IDLE_CREDITS))).items()}
+    idle = {gw: min(n, gateways[gw].leases) for gw, n in schema.fresh_idle_credits(
+        shared, now_ms, IDLE_CREDITS_FRESH_S).items() if gw in gateways and gateways[gw].live}
+    for gw, n in idle.items():
+        gateways[gw].idle_credits = n
+    inflight = list(st.inflight)
+    inflight[1] = max(0, inflight[1] - sum(idle.values()))
+    return PoolReport(pool, limit, {f"P{c}": n for c, n in enumerate(inflight)},
                       {f"P{c}": n for c, n in enumerate(st.queued)},
-                      sorted(gateways.values(), key=lambda g: g.gateway), registry, st.hold_s, list(st.hold_waiting))
+                      sorted(gateways.values(), key=lambda g: g.gateway), registry, st.hold_s, list(st.hold_waiting),
+                      sum(idle.values()))
 
 
 async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]:
@@ -356,6 +373,10 @@ def render_leader(leader: LeaderStatus | None) -> str:
     return f"controller: leader {leader.holder} (lease {leader.expires_s:.1f} s left, renewed every third of its TTL)"
 
 
+def _leases(g: GatewayStatus) -> str:
+    return f"{g.gateway} {g.leases}" + (f" ({g.idle_credits} idle credits)" if g.idle_credits else "")
+
+
 def render(reports: list[PoolReport]) -> str:
     if not reports:
         return "no pools in Redis yet (no processor has admitted a request, no controller registered a replica)"
@@ -364,15 +385,16 @@ def render(reports: list[PoolReport]) -> str:
         inflight = sum(r.inflight.values())
         limit = r.limit if r.limit is not None else "not set (no processor has configured this pool)"
         lines.append(f"pool {r.pool}: limit {limit}, in-flight {inflight} "
-                     f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}), "
-                     f"queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
+                     f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}"
+                     + (f"; and {r.idle_credits} idle local credits held by processors" if r.idle_credits else "")
+                     + f"), queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
         if r.hold_s > 0:
             lines.append(f"  GRANTS HELD: Redis lost acknowledged writes (a failover); no permit is granted until "
                          f"{', '.join(r.hold_waiting)} re-assert (at most {r.hold_s:.1f} s more)")
         live = [g for g in r.gateways if g.live]
         down = len(r.gateways) - len(live)
         lines.append(f"  gateways: {len(live)} live" + (f", {down} DEGRADED or gone" if down else "")
-                     + (f"; leases {', '.join(f'{g.gateway} {g.leases}' for g in r.gateways if g.leases)}"
+                     + (f"; leases {', '.join(_leases(g) for g in r.gateways if g.leases)}"
                         if any(g.leases for g in r.gateways) else ""))
         for g in r.gateways:
             if g.gone:

@@ -962,6 +962,44 @@ async def _exited(proc: Any) -> bool:
     return proc.poll() is not None
 
 
+async def test_idle_local_credits_are_not_reported_as_requests_in_flight(stack: LocalStack, upstream: int) -> None:
+    # An operator review: light P1 traffic on credits (0-1 requests in flight) showed
+    # `in-flight 31 (P1 31)` in `floodgate status` and floodgate_inflight{priority="1"} 31:
+    # Redis counts each idle credit a processor holds as a P1 lease.
+    from floodgate.status import collect, render
+
+    stack.start_redis()
+    p = stack.start_processor(static(64))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p])
+    async with aiohttp.ClientSession() as s:
+        async def light_traffic() -> None:
+            for _ in range(40):  # ~5/s of short P1 requests, one at a time: credits stay in use
+                assert (await post(s, envoy.url, headers=hdr(1))).status == 200
+                await asyncio.sleep(0.2)
+
+        traffic = asyncio.create_task(light_traffic())
+        try:
+            await asyncio.sleep(3)  # a status tick or two: the idle credits are shared
+
+            async def reported() -> bool:
+                [r] = (await collect(stack.redis_url)).reports
+                return r.idle_credits > 0
+
+            assert await wait_until(reported, 5)
+            [r] = (await collect(stack.redis_url)).reports
+            raw = (await pool_status(stack.redis_url)).inflight[1]  # Redis: credits are P1 leases
+            assert raw >= 10 and r.inflight["P1"] <= 2, (raw, r)
+            assert r.inflight["P1"] + r.idle_credits == raw
+            [g] = [g for g in r.gateways if g.leases]
+            assert g.idle_credits == r.idle_credits and g.leases == raw
+            text = render([r])
+            assert f"and {r.idle_credits} idle local credits held by processors" in text, text
+            m = await metrics(s, p.metrics_url)
+            assert m['floodgate_inflight{pool="default",priority="1"}'] <= 2, m
+        finally:
+            await traffic
+
+
 async def test_local_credits_skip_redis_and_come_back_when_a_queue_forms(stack: LocalStack, upstream: int) -> None:
     import redis.asyncio as aioredis
 

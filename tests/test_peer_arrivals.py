@@ -20,7 +20,16 @@ import pytest
 from floodgate.extproc.admission import pool_settings
 from floodgate.extproc.config import Config
 from floodgate.extproc.policy import pool_arrivals
-from floodgate.extproc.schema import ARRIVALS, format_arrivals, key, parse_arrivals, peer_arrivals
+from floodgate.extproc.schema import (
+    ARRIVALS,
+    IDLE_CREDITS,
+    format_arrivals,
+    format_idle_credits,
+    fresh_idle_credits,
+    key,
+    parse_arrivals,
+    peer_arrivals,
+)
 from floodgate.extproc.state import PoolState, redis_client
 
 from floodgate.redis_topology import ClusterTopology
@@ -70,11 +79,16 @@ async def test_share_arrivals_reads_all_and_forgets_the_long_gone(stack: LocalSt
         await c.hset(key("p", ARRIVALS), mapping={"gone": format_arrivals(now_ms - 120_000, (1, 1, 1), (1, 1, 1)),
                                                   "future": format_arrivals(now_ms + 3_600_000, (1, 1, 1), (1, 1, 1)),
                                                   "junk": "not rates", "b": format_arrivals(now_ms, (2, 0, 0), (3, 0, 0))})
-        got = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000,
-                                      now_ms + 60_000)
+        await c.hset(key("p", IDLE_CREDITS), mapping={"gone": format_idle_credits(now_ms - 120_000, 3),
+                                                      "junk": "3", "b": format_idle_credits(now_ms, 7)})
+        got, idle = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000,
+                                            now_ms + 60_000, idle=format_idle_credits(now_ms, 2))
         assert set(got) == {"a", "b", "gone", "future", "junk"}  # read as they were
         # the long gone, the far future (a clock an hour ahead) and junk dropped
         assert {f.decode() for f in await c.hkeys(key("p", ARRIVALS))} == {"a", "b"}
+        # the idle local credits the same way (schema.IDLE_CREDITS)
+        assert fresh_idle_credits(idle, now_ms, 3) == {"a": 2, "b": 7}
+        assert {f.decode() for f in await c.hkeys(key("p", IDLE_CREDITS))} == {"a", "b"}
     finally:
         await c.aclose()
 
@@ -134,7 +148,9 @@ async def test_share_arrivals_on_a_cluster(cluster: ClusterTopology) -> None:  #
         st = PoolState(c, "p", lease_ttl_s=3, settings=pool_settings(cfg.pools[0]), gateway="a")
         now_ms = time.time() * 1000
         await st.share_arrivals("b", format_arrivals(now_ms, (2, 0, 0), (3, 0, 0)), now_ms - 60_000)
-        got = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000)
+        got, idle = await st.share_arrivals("a", format_arrivals(now_ms, (1, 0, 0), (1, 0, 0)), now_ms - 60_000,
+                                            idle=format_idle_credits(now_ms, 1))
+        assert fresh_idle_credits(idle, now_ms, 3) == {"a": 1}
         assert {g: parse_arrivals(v) for g, v in got.items()} == {
             "a": (int(now_ms), (1.0, 0.0, 0.0), (1.0, 0.0, 0.0)), "b": (int(now_ms), (2.0, 0.0, 0.0), (3.0, 0.0, 0.0))}
     finally:
