@@ -37,10 +37,10 @@ import redis.asyncio as aioredis
 from floodgate.extproc.redis_client import is_cluster, make_client
 from floodgate.extproc.schema import (
     ARRIVALS,
-    IDLE_CREDITS,
     CLASSES,
     DEMAND,
     DEMAND_OUTCOMES,
+    IDLE_CREDITS,
     PoolSettings,
     PoolStatus,
     demand_field,
@@ -48,8 +48,8 @@ from floodgate.extproc.schema import (
     gateway_channel,
     key,
     parse_arrivals,
-    parse_idle_credits,
     parse_fields,
+    parse_idle_credits,
     script_keys,
 )
 from floodgate.extproc.vegas import VegasState
