@@ -453,7 +453,7 @@ class PoolState:
         if old:
             await self.client.hdel(k, *old)
         gone = [g for g, v in credits.items()
-                if (p := parse_idle_credits(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
+                if (c := parse_idle_credits(v)) is None or not forget_before_ms <= c[0] <= forget_after_ms]
         if gone:
             await self.client.hdel(kc, *gone)
         return out, credits
