@@ -66,6 +66,13 @@ class _Strict(BaseModel):
 REJECT_SLO_QUANTILE = 0.99
 
 
+# OpenAI-compatible routes where vLLM runs the model (an `unadmitted_paths` entry among these
+# turns admission off for them: `PoolConfig.class_warnings`).
+MODEL_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+                         "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/score", "/v1/rerank",
+                         "/v2/rerank", "/rerank", "/score", "/pooling", "/classify", "/invocations"})
+
+
 class ClassConfig(_Strict):
     """Per-priority-class admission settings, derived from the class's SLO unless overridden."""
 
@@ -172,10 +179,10 @@ class PoolConfig(_Strict):
     local_credits: int = Field(default=32, ge=0, le=1024, description="While nothing waits and the pool is at most half full, each processor may hold this many spare leases and admit P1 requests from them without a Redis round trip (P0 and P2 always ask Redis, which counts them in their class; 0 disables; not used with endpoint picking).")
     allowed_endpoints: list[str] = Field(
         default_factory=list,
-        description="With endpoint picking: the only endpoints this processor routes to, whatever the Redis registry says: CIDRs, optionally with a port or range (`10.0.0.0/8:8000`, `[fd00::/8]:8000-8099`). Anything else gets 503 no_endpoints. Empty: any ip:port the registry lists.")
+        description="With endpoint picking: the only endpoints this processor routes to, whatever the Redis registry says: CIDRs, optionally with a port or range (`10.0.0.0/8:8000`, `[fd00::/8]:8000-8099`). Anything else gets 503 no_endpoints. Empty: any ip:port the registry lists. Without endpoint picking it does nothing (a warning at start).")
     unadmitted_paths: list[Annotated[str, Field(pattern=r"^/")]] = Field(
         default_factory=lambda: ["/v1/models", "/health"],
-        description="Paths that take no permit (cheap reads; exact, before any `?`), whatever the method; with endpoint picking they are routed to any active endpoint. Counted in floodgate_unadmitted_total (reason `path`).")
+        description="Paths that take no permit (cheap reads; exact, before any `?`), whatever the method; with endpoint picking they are routed to any active endpoint. Counted in floodgate_unadmitted_total (reason `path`). A route where the model server runs the model (`/v1/completions`, `/v1/chat/completions`, ...) listed here warns at start: its requests would pass without admission.")
     unadmitted_methods: list[Annotated[str, Field(pattern=r"^[A-Za-z]{1,20}$"), AfterValidator(str.upper)]] = Field(
         default_factory=lambda: ["GET", "HEAD", "OPTIONS"],
         description="Request methods that run no model and take no permit on any path: a request with one of them passes unadmitted (like `unadmitted_paths`; routed to any active endpoint with endpoint picking; counted in floodgate_unadmitted_total, reason `method`) only when it also has no body (its headers end the request), asks for no protocol upgrade (`upgrade` header: vLLM's /v1/realtime runs the model over a WebSocket opened with GET) and carries no method-override header (`x-http-method-override`, `x-http-method`, `x-method-override`); otherwise it is admitted like any request. Methods compare case-insensitively. vLLM runs the model only on POST routes; CORS preflights (OPTIONS), HEAD and reads like GET /v1/models do not. A method not listed (POST, PUT, PATCH, DELETE, anything unknown) is admitted: list only methods your model server never runs the model on. Empty: every method is admitted.")
@@ -285,6 +292,13 @@ class PoolConfig(_Strict):
                        f"{', '.join(map(str, unlisted))} pass untouched, so their callers can write their own "
                        f"vLLM `priority` into the body and run ahead of the listed ones (list every class, "
                        f"e.g. {{0: -1, 1: 0, 2: 1}}, to have the gateway overwrite it for everyone)")
+        model = sorted(set(self.unadmitted_paths) & MODEL_PATHS)
+        if model:
+            out.append(f"pools[{self.name}].unadmitted_paths lists {', '.join(model)}, where the model server runs "
+                       "the model: every request there passes without admission (no permit, no queue, no limit)")
+        if self.allowed_endpoints and not self.endpoint_picking:
+            out.append(f"pools[{self.name}].allowed_endpoints has no effect without endpoint_picking: Envoy's own "
+                       "cluster picks the endpoint (restrict it there)")
         return out
 
     @field_validator("classes")

@@ -39,7 +39,8 @@ to --max-replicas under load, with a warm pool of sleeping replicas). Unless --n
 load with a live status line: steady (the --replicas active replicas carry it), then a burst of
 about 4x that needs --max-replicas (the controller promotes the warm pool at once and cold-starts
 the rest), then recovery, long enough to watch the scale-down drain replicas and recycle them
-into the warm pool (the demo's scale-down window is shortened to 10 s; production default 300 s).
+into the warm pool (this stack's scale-down window is 10 s, with or without the demo: production
+default 300 s, so here replicas drain within seconds of a burst's end).
 The report (summary.md with the scaling timeline, plots) goes to --out. With --no-demo the stack stays up until Ctrl-C; point any OpenAI client at
 http://127.0.0.1:PORT/v1 and set `x-request-priority: 0|1|2`.
 """
@@ -194,6 +195,8 @@ class StatusLine:
                         totals[key] = totals.get(key, 0.0) + s.value
                     elif s.name == "floodgate_degraded":
                         totals["degraded"] = max(totals.get("degraded", 0.0), s.value)
+                    elif s.name == "floodgate_settings_mismatch":
+                        totals["mismatch"] = max(totals.get("mismatch", 0.0), s.value)
         totals["limit"] = limit
         if self.controller_url:
             await self._controller(session, totals)
@@ -229,6 +232,8 @@ class StatusLine:
         q = "/".join(str(int(cur.get(f"q{p}", 0))) for p in range(3))
         inflight = int(sum(cur.get(f"i{p}", 0) for p in range(3)))
         degraded = "  DEGRADED (redis down)" if cur.get("degraded") else ""
+        if cur.get("mismatch"):
+            degraded += "  SETTINGS MISMATCH (Redis holds another config's: see above)"
         reps = ""
         if self.controller_url:
             loading = sum(int(cur.get(f"r_{k}", 0)) for k in ("cold", "loading", "warming", "waking"))
@@ -442,6 +447,9 @@ def run(args: argparse.Namespace) -> int:
             from floodgate.extproc.redis_client import redact_url
             from floodgate.extproc.schema import controller_leader_key
 
+            for line in _settings_mismatch(stack.processors):
+                print(f"floodgate up: WARNING: {line}", file=sys.stderr, flush=True)
+
             print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; {_priority_hint(config)})\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
                   f"  metrics      {', '.join(p.metrics_url for p in stack.processors)}\n"
@@ -449,7 +457,9 @@ def run(args: argparse.Namespace) -> int:
                   f"  redis        {stack.redis_url}\n"
                   f"  status       floodgate status --redis-url {redact_url(stack.redis_url)} "
                   f"--leader-key {controller_leader_key(f'up:{ctl_metrics}')}\n"
-                  f"  replicas     {', '.join(eps)} active (more, and a warm pool, managed by the controller)",
+                  f"  replicas     " + (f"{', '.join(eps)} active (more, and a warm pool, managed by the controller)"
+                                          if eps else "none active yet (--replicas 0: the controller starts them "
+                                          "under load, and keeps a warm pool)"),
                   file=sys.stderr, flush=True)
             watched = [c for c in (stack.redis_child, envoy.child, ctl, *(p.child for p in stack.processors))
                        if c is not None]
@@ -649,6 +659,29 @@ def _loopback_allowlist(pool: dict[str, Any]) -> str | None:
         return None
     return (f"pool {pool.get('name', 'default')}: allowed_endpoints {rules} would refuse this stack's replicas "
             "(on 127.0.0.1, ports chosen at start): using ['127.0.0.1/32']")
+
+
+def _settings_mismatch(processors: Sequence[Any]) -> list[str]:
+    """The processors' "settings differ" errors: a Redis that holds a pool's admission settings
+    from an earlier run (another config) keeps them, and every grant uses them; the ERROR went
+    only to a processor's log, which a clean stop deletes (an operator review: a config's
+    `fair_order: false` silently ran as true)."""
+    out: list[str] = []
+    for p in processors:
+        try:
+            with open(p.child.log_path, errors="replace") as f:
+                text = f.read(1 << 20)  # said at start-up: near the top
+        except (OSError, AttributeError):
+            continue
+        for line in text.splitlines():
+            if "settings differ from the ones stored in Redis" in line:
+                said = line.split("pool ", 1)[-1]
+                out.append(f"pool {said} (Redis keeps a pool's settings across runs: use an empty Redis "
+                           "database for this stack, or raise pools[].settings_epoch in --config)")
+                break
+        if out:
+            break  # every processor says the same
+    return out
 
 
 def _redis_problem(redis_url: str) -> str | None:

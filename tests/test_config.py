@@ -171,3 +171,26 @@ def test_a_yaml_error_does_not_print_the_line(tmp_path: Path) -> None:
         assert "hunter2secret" not in str(err.value) and "line " in str(err.value), str(err.value)
     with pytest.raises(ConfigError, match="unacceptable character #x0007 at position 20"):
         load_config(write(tmp_path, "redis:\n  password: a\x07b\n"), env={})
+
+
+def test_settings_that_turn_admission_off_or_do_nothing_warn(tmp_path: Path) -> None:
+    # An operator review: a model route in unadmitted_paths (every request there passes without
+    # a permit) and an allowlist without endpoint picking (it does nothing) were accepted silently.
+    import subprocess
+    import sys
+
+    def warns(**pool: object) -> list[str]:
+        return load_config(None, {("pools",): [{"name": "a", **pool}]}, env={}).pools[0].class_warnings()
+
+    (w,) = warns(unadmitted_paths=["/health", "/v1/chat/completions"])
+    assert "unadmitted_paths lists /v1/chat/completions" in w and "without admission" in w
+    (w,) = warns(allowed_endpoints=["127.0.0.1/32"])
+    assert "allowed_endpoints has no effect without endpoint_picking" in w
+    assert warns(allowed_endpoints=["127.0.0.1/32"], endpoint_picking=True) == []
+    assert warns(unadmitted_paths=["/v1/models", "/health", "/metrics"]) == []
+    # --check-config says so too, and still exits 0 (a warning, not an error)
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pools: [{name: a, unadmitted_paths: [/v1/completions]}]\n")
+    r = subprocess.run([sys.executable, "-m", "floodgate", "extproc", "--check-config", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "unadmitted_paths lists /v1/completions" in r.stderr, r.stderr

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import yaml
 
+from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 
 pytestmark = pytest.mark.integration
@@ -566,3 +567,20 @@ def test_the_banner_names_the_configured_priority_header_and_whether_it_is_trust
     assert _priority_hint({"admission": {"priority_header": "x-prio", "trust": {"cidrs": ["127.0.0.0/8"]}}}) \
         == "x-prio: 0|1|2"
     assert "not trusted" in _priority_hint({"admission": {"priority_header": "x-prio", "trust": {"cidrs": []}}})
+
+
+def test_up_says_when_redis_holds_another_configs_pool_settings(stack: LocalStack) -> None:
+    """An operator review: `up --redis-url` against a Redis an earlier run had used kept that
+    run's stored pool settings (every grant uses them: a config's `fair_order: false` ran as
+    true), and the processors' ERROR went only to their logs, which a clean stop deletes. `up`
+    prints it (and its status line says SETTINGS MISMATCH)."""
+    from floodgate.up import _settings_mismatch
+
+    stack.start_redis()
+    first = stack.start_processor({"pools": [{"name": "default"}]})  # stores the pool's settings
+    assert _settings_mismatch([first]) == []
+    other = stack.start_processor({"pools": [{"name": "default", "fair_order": False}]})
+    _wait(lambda: bool(_settings_mismatch([other])), 20)
+    [line] = _settings_mismatch([first, other])
+    assert line.startswith("pool default: this processor's settings differ") and "fair" in line, line
+    assert "settings_epoch" in line and "empty Redis database" in line
