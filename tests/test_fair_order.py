@@ -100,6 +100,39 @@ async def test_a_quiet_tenant_goes_ahead_of_a_flooding_tenants_backlog(stack: Lo
         await c.aclose()
 
 
+async def test_a_tenant_with_two_waiters_is_not_passed_by_tenants_taking_turns(stack: LocalStack) -> None:
+    # A Redis HA review: tenant h queues two requests; two tenants then take turns, each sending
+    # its next request when its last one is granted. A flow's tag was dropped with its last
+    # waiter, so each came back at the virtual time, ahead of h's second waiter (one past it),
+    # which was passed every time until its deadline. A flow just served now comes back one
+    # past its last tag (start-time fair queueing): h's second waiter is served in its round.
+    st, c = await _pool(stack.start_redis(), limit=1)
+    try:
+        assert (await st.acquire("g/1", "g", 1, 1, "x")).granted
+        await st.admit("g/2", "g", 2, 1, "h", 0, 60.0)
+        await st.admit("g/3", "g", 3, 1, "h", 0, 60.0)
+        held, order = "g/1", []
+        for i in range(6):
+            await st.admit(f"g/{10 + i}", "g", 10 + i, 1, f"u{i % 2}", 0, 60.0)
+            await st.release(held)
+            held = await _holder(c)
+            order.append(held)
+        assert order.index("g/3") <= 3, order  # (was never granted: g/2, g/10, g/11, ..., g/15)
+        assert order[:2] == ["g/2", "g/10"]  # u0 arrived first at the virtual time, with g/2
+        # An idle class starts every flow afresh: once the queue is empty, a flow's old tag is
+        # moot, and the renewal forgets it.
+        for _ in range(10):
+            if not await c.zcard(key("p", "queue")):
+                break
+            await st.release(held)
+            held = await _holder(c)
+        assert await c.zcard(key("p", "queue")) == 0
+        await st.sync("g", 100, {held: (1, int(held.split("/")[1]), "")}, {})
+        assert [f for f in await c.hkeys(key("p", "counts")) if f.decode().startswith("f")] == []
+    finally:
+        await c.aclose()
+
+
 async def test_one_flow_alone_keeps_arrival_order(stack: LocalStack) -> None:
     st, c = await _pool(stack.start_redis(), limit=1)
     try:
