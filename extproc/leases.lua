@@ -1153,7 +1153,7 @@ local function snapshot(out, c, tenant, gw)
     -- alone, arrival order, no command). A flow with waiters is also passed by the later
     -- arrivals of flows with fewer: with every flow as backlogged as its own, each flow has as
     -- many ahead of it as it has waiters (own x flows, at most the whole queue). A flow with no
-    -- waiter starts at the virtual time, where no later arrival passes it.
+    -- waiter starts at max(the virtual time, one past its last tag), where no later arrival passes it.
     if queued[c] > 0 and S.fair then
       local tag = next_tag(c, tenant, named_next)
       if tag <= fair().t[c] then
