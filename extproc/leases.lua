@@ -789,14 +789,15 @@ end
 -- Fair order within a class (start-time fair queueing over tenants): a waiter's queue score is
 -- its flow's virtual start tag, not its arrival. A flow is one tenant; the requests without a
 -- tenant are one flow together. Per class: `v` the tag of the waiter granted last (virtual
--- time), `a` the next tag of the tenant-less flow, `t` the highest tag given (every waiter's tag
--- is at most it). A named tenant's next tag is the counts field `f<class>:<tenant>`, kept after
--- its last waiter left until the virtual time passes it (`sync` drops it then). A new waiter's
--- tag is max(v, its flow's next tag), and its flow's next tag becomes that + 1: one flow alone
--- is served in arrival order (as before), a new tenant goes in right behind the waiter granted
--- last, one just served comes back one past its last tag, and a flooding tenant's waiters
--- spread out behind everyone else's (one grant per flow in turn). When a class's queue empties,
--- v moves past every tag given: every flow starts afresh. Without the state field (a
+-- time: the round under way), `a` the next tag of the tenant-less flow, `t` the highest tag
+-- given (every waiter's tag is at most it). A named tenant's next tag is the counts field
+-- `f<class>:<tenant>`, dropped with its last waiter. A new waiter's tag is max(v + 1, its flow's
+-- next tag), and its flow's next tag becomes that + 1: one flow alone is served in arrival
+-- order, a tenant with no waiters joins the next round (behind the round under way, not in it:
+-- a flow just served that came back at v, and every new tenant, passed a waiter at v + 1 for
+-- as long as such flows kept coming — a review), and a flooding tenant's waiters spread out
+-- behind everyone else's (one grant per flow per round). A round's members are fixed once it
+-- is under way, so every waiter is reached. Without the state field (a
 -- pool queued by an older version, whose scores are the queue sequence) tags start past it.
 local function fair()
   if not FQ then
@@ -819,8 +820,8 @@ local function flow_field(c, tenant) return 'f' .. CLS[c] .. ':' .. tenant end
 -- tenant's next tag as stored (nil: none).
 local function next_tag(c, tenant, named_next)
   local F = fair()
-  if tenant == '' then return math.max(F.v[c], F.a[c]) end
-  return math.max(F.v[c], num(named_next, 0))
+  if tenant == '' then return math.max(F.v[c] + 1, F.a[c]) end
+  return math.max(F.v[c] + 1, num(named_next, 0))
 end
 
 -- A granted head's tag moves class c's virtual time (`score`: its queue score).
@@ -848,17 +849,14 @@ local function unqueue(ticket, meta, popped, c, tenant)
     local field = 't' .. CLS[c + 1] .. ':' .. tenant
     local n = redis.pcall('HINCRBY', K.counts, field, -1)  -- (not a number: as its last waiter)
     if type(n) ~= 'number' or n <= 0 then
-      -- Its flow's next tag stays: a flow just served comes back one past its last tag, behind
-      -- the others' waiters (dropped, it came back at the virtual time, ahead of a waiter one
-      -- past it, for good while flows took turns: a review). `sync` drops it once moot.
-      redis.call('HDEL', K.counts, field)
+      redis.call('HDEL', K.counts, field, flow_field(c + 1, tenant))  -- and its flow's tag: no backlog
       add_flow(c + 1, -1)
     end
   end
-  -- The class's queue is empty: every flow starts afresh (the virtual time passes every tag given).
-  if QUE[c + 1] <= 0 then
+  -- The tenant-less flow (every waiter's with the fair order off) has no waiter left: no backlog either.
+  if (tenant == '' or not S.fair) and QUE[c + 1] <= (S.fair and NQ[c + 1] or 0) then
     local F = fair()
-    if F.v[c + 1] <= F.t[c + 1] then F.v[c + 1] = F.t[c + 1] + 1 FQ_DIRTY = true end
+    if F.a[c + 1] > F.v[c + 1] then F.a[c + 1] = F.v[c + 1] FQ_DIRTY = true end
   end
 end
 
@@ -1153,7 +1151,7 @@ local function snapshot(out, c, tenant, gw)
     -- alone, arrival order, no command). A flow with waiters is also passed by the later
     -- arrivals of flows with fewer: with every flow as backlogged as its own, each flow has as
     -- many ahead of it as it has waiters (own x flows, at most the whole queue). A flow with no
-    -- waiter starts at max(the virtual time, one past its last tag), where no later arrival passes it.
+    -- waiter joins the next round, where no later arrival passes it.
     if queued[c] > 0 and S.fair then
       local tag = next_tag(c, tenant, named_next)
       if tag <= fair().t[c] then
@@ -1592,12 +1590,8 @@ function OPS.sync(ARGV)
         recounted = recounted + 1
         if n then redis.call('HSET', K.counts, cf[i], n) else redis.call('HDEL', K.counts, cf[i]) end
       end
-    elseif kind == 'f' and (not string.match(cf[i + 1], '^%d+$') or not CLASS0[c1] or
-        (not per['t' .. c1 .. ':' .. rest] and
-         (cf[i + 1] + 0 <= fair().v[CLASS0[c1] + 1] or cf[i + 1] + 0 > fair().t[CLASS0[c1] + 1] + 1))) then
-      -- no tag; or no waiter and moot (the virtual time past it) or one no flow can have (past
-      -- every tag given: another writer's)
-      redis.call('HDEL', K.counts, cf[i])
+    elseif kind == 'f' and (not per['t' .. c1 .. ':' .. rest] or not string.match(cf[i + 1], '^%d+$')) then
+      redis.call('HDEL', K.counts, cf[i])  -- no waiter left, or no tag: the flow joins the next round
     end
   end
   for f, n in pairs(per) do  -- tenants waiting whose count was lost

@@ -97,12 +97,10 @@ class PermitTable:
     pacer: Pacer | None = None  # models only: see Pacer
     # The fair order within each class (leases.lua `fair`: start-time fair queueing over
     # tenants, the tenant-less requests one flow): per class the tag of the waiter granted
-    # last, the tenant-less flow's next tag, each named tenant's next tag (kept after its last
-    # waiter left: a flow just served comes back behind the others), and the highest tag given.
+    # last, the tenant-less flow's next tag, and each named tenant's next tag while it waits.
     vtime: list[int] = field(default_factory=lambda: [0, 0, 0])
     anon_next: list[int] = field(default_factory=lambda: [0, 0, 0])
     flow_next: dict[tuple[int, str], int] = field(default_factory=dict)
-    top_tag: list[int] = field(default_factory=lambda: [0, 0, 0])
     arrivals: int = 0
     fair: bool = True  # off: every waiter in the tenant-less flow (arrival order)
 
@@ -133,7 +131,7 @@ class PermitTable:
     def _next_tag(self, cls: int, tenant: str) -> int:
         tenant = self._flow(tenant)
         nxt = self.flow_next.get((cls, tenant), 0) if tenant else self.anon_next[cls]
-        return max(self.vtime[cls], nxt)
+        return max(self.vtime[cls] + 1, nxt)  # (leases.lua `next_tag`: at the earliest, the next round)
 
     def ahead(self, cls: int, tenant: str) -> int:
         """Waiters of `cls` a new request of `tenant` counts ahead of it (leases.lua
@@ -156,22 +154,22 @@ class PermitTable:
         else:
             self.anon_next[w.cls] = tag + 1
         self.arrivals += 1
-        self.top_tag[w.cls] = max(self.top_tag[w.cls], tag)
         w.tag, w.arrival = tag, self.arrivals
         bisect.insort(self.queues[w.cls], w, key=lambda x: (x.tag, x.arrival))
 
     def _left(self, w: Waiter) -> None:
-        """`w` left its queue (granted, cancelled, reaped). Its flow keeps its next tag (a flow
-        just served comes back behind the others' waiters); when the class's queue is empty the
-        virtual time passes every tag given, and every flow starts afresh."""
-        if not self.queues[w.cls]:
-            c = w.cls
-            self.vtime[c] = max(self.vtime[c], self.top_tag[c] + 1)
-            self.flow_next = {k: v for k, v in self.flow_next.items() if k[0] != c}  # all moot now
+        """`w` left its queue (granted, cancelled, reaped): a flow with no waiter left starts
+        afresh (a named tenant's next tag goes; the tenant-less flow's comes back to now)."""
+        q = self.queues[w.cls]
+        if self._flow(w.tenant):
+            if not any(x.tenant == w.tenant for x in q):
+                self.flow_next.pop((w.cls, w.tenant), None)
+        elif not any(not self._flow(x.tenant) for x in q):
+            self.anon_next[w.cls] = min(self.anon_next[w.cls], self.vtime[w.cls])
 
     def forget_order(self) -> None:
         """The shared state was lost (Redis restarted empty): the fair order starts again."""
-        self.vtime, self.anon_next, self.flow_next, self.top_tag = [0, 0, 0], [0, 0, 0], {}, [0, 0, 0]
+        self.vtime, self.anon_next, self.flow_next = [0, 0, 0], [0, 0, 0], {}
 
     def snapshot(self, cls: int, tenant: str, grant_rate: float, *, now: float | None = None,
                  release_n: int = 0, inflight_avg: float = 0.0,

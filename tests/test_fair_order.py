@@ -5,7 +5,7 @@ queue short, so before the fair order a quiet tenant's request joined the tail b
 flooding tenant's waiters and was early-dropped like theirs (a review: a tenant asking 2 req/s
 of a 16 req/s pool was served 40 % of the time beside a 60 req/s flood). leases.lua now places
 each waiter at its flow's start tag (start-time fair queueing; the tenant-less requests are one
-flow): the quiet tenant's request goes right behind the waiter granted last, and the policy is
+flow): the quiet tenant's request joins the next round of grants, and the policy is
 told where it stands (`ahead`), not the class's whole queue.
 """
 
@@ -82,7 +82,7 @@ async def test_a_quiet_tenant_goes_ahead_of_a_flooding_tenants_backlog(stack: Lo
         r = await st.admit(t, "g", n, 1, "noisy", 0, 30.0)
         assert (r.ahead, r.queued[1]) == (6, 6)
         noisy.append(t)
-        # a tenant with no waiter starts at the virtual time: behind only the flood's first
+        # a tenant with no waiter joins the next round: behind only the flood's first
         # waiter, tied there and earlier, not behind all seven
         t, n = nxt()
         r = await st.admit(t, "g", n, 1, "quiet", 0, 30.0)
@@ -129,6 +129,53 @@ async def test_a_tenant_with_two_waiters_is_not_passed_by_tenants_taking_turns(s
         assert await c.zcard(key("p", "queue")) == 0
         await st.sync("g", 100, {held: (1, int(held.split("/")[1]), "")}, {})
         assert [f for f in await c.hkeys(key("p", "counts")) if f.decode().startswith("f")] == []
+    finally:
+        await c.aclose()
+
+
+async def test_no_flow_is_passed_for_good_by_new_tenants_or_charged_for_waiters_never_served(
+        stack: LocalStack) -> None:
+    # A review of a first fix for the test above (a flow's tag kept after its last waiter left):
+    # a flow just served was then passed by every new tenant (each at the virtual time, which a
+    # grant there never moves: 60 of them and counting), and a tenant whose 20 waiters were all
+    # cancelled came back behind 20 of another's. New tenants now join the next round, and a
+    # flow's tag still goes with its last waiter.
+    st, c = await _pool(stack.start_redis(), limit=1)
+    try:
+        assert (await st.acquire("g/1", "g", 1, 1, "x")).granted
+        await st.admit("g/2", "g", 2, 1, "R", 0, 600.0)
+        for k in range(3):
+            await st.admit(f"g/{3 + k}", "g", 3 + k, 1, f"u{k}", 0, 600.0)
+        await st.release("g/1")
+        assert await _holder(c) == "g/2"
+        await st.admit("g/6", "g", 6, 1, "u3", 0, 600.0)
+        r = await st.admit("g/7", "g", 7, 1, "R", 0, 600.0)  # R, just served, asks again
+        assert r.enqueued and r.ahead == 4, r
+        held, passed = "g/2", 0
+        for n in range(8, 70):  # one new tenant per grant
+            await st.release(held)
+            held = await _holder(c)
+            if held == "g/7":
+                break
+            passed += 1
+            await st.admit(f"g/{n}", "g", n, 1, f"u{n}", 0, 600.0)
+        assert held == "g/7" and passed == 4, passed  # the 4 told ahead of it, then R
+        # A tenant whose waiters all left unserved (cancelled) is not charged for them.
+        for n in range(100, 120):
+            await st.admit(f"g/{n}", "g", n, 1, "A", 0, 600.0)
+        for n in range(100, 120):
+            await st.cancel(f"g/{n}")
+        before = await c.zcard(key("p", "queue"))
+        await st.admit("g/200", "g", 200, 1, "A", 0, 600.0)
+        passed = 0
+        for n in range(300, 340):  # tenant B keeps asking, one request per grant
+            await st.release(held)
+            held = await _holder(c)
+            if held == "g/200":
+                break
+            passed += 1
+            await st.admit(f"g/{n}", "g", n, 1, "B", 0, 600.0)
+        assert held == "g/200" and passed <= before, (passed, before)  # (was 20 behind B with the first fix)
     finally:
         await c.aclose()
 
