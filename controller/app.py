@@ -240,6 +240,7 @@ class PoolController:
         self._desired_stored: int | None = None  # the value last written to _k_desired
         self._history_refused = False  # Redis refused the last demand-history write (said once)
         self._orphans: set[str] = set()  # registry endpoints of no known replica at the last tick
+        self._stops_due: list[Replica] = []  # replicas whose failed stop is due again (reconcile; run after the leader check)
         self._ceiling_set: bool | None = None  # None: unknown (a previous leader's may be in Redis: cleared)
         self.start_times = StartTimes()  # measured cold starts and wakes (policy.replica_due)
         self._stalled_said: set[str] = set()  # stalled wakes already logged
@@ -369,6 +370,7 @@ class PoolController:
     # ---- reconcile with the actuator -----------------------------------------------------
 
     async def reconcile(self, now: float) -> None:
+        self._stops_due = []
         handles = {h.replica_id: h for h in await self.actuator.list()}
         for rid, h in handles.items():
             rep = self.replicas.get(rid)
@@ -394,7 +396,7 @@ class PoolController:
                 if rid not in handles:
                     self.replicas.pop(rid, None)  # gone after all: nothing left to stop
                 elif now >= rep.stop_retry_at:
-                    self._spawn(rep, self._stop(rep))  # its last stop failed: again
+                    self._stops_due.append(rep)  # its last stop failed: again, once the tick may act
                 continue
             if st in (S.TERMINATED, S.FAILED):
                 continue
@@ -489,6 +491,10 @@ class PoolController:
         todo = [a for a in self.logged_actions if not self._skip(a.replica_id, a.kind)]
         for a in todo:
             await self._execute(a.kind, a.replica_id, a.reason, now)
+        for rep in self._stops_due:  # (after the leader check: another leader may own it by now)
+            if not rep.busy and self.replicas.get(rep.view.replica_id) is rep:
+                self._spawn(rep, self._stop(rep))
+        self._stops_due = []
         await self._publish_ceiling(d)  # after the promotions: they count as coming within a wake
         await self._publish_arriving(d, now)
         await self._sync_registry(eps, {a.replica_id for a in todo})
@@ -707,8 +713,8 @@ class PoolController:
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
-        if kind in (ActionKind.TERMINATE, ActionKind.FORCE_STOP) and rep.registry_stale and \
-                rep.view.state is S.DRAINING:
+        if kind in (ActionKind.TERMINATE, ActionKind.FORCE_STOP, ActionKind.SLEEP) and rep.registry_stale and \
+                rep.view.state is not S.FAILED:
             return True  # its entry may still read active (processors route to it): first the write
         return kind is ActionKind.SLEEP and (not rep.can_sleep or not rep.endpoint)
 

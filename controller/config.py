@@ -62,7 +62,7 @@ class EnvoyConfig(_Strict):
 class LeaderConfig(_Strict):
     enabled: bool = Field(default=True, description="Act only while holding the Redis leader lease.")
     key: str = Field(default=controller_leader_key(), min_length=1, description="Redis key of the lease.")
-    ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash. At least 3 x `redis.op_timeout_s` (renewed every third of it, each renewal may take up to that timeout).")
+    ttl_s: float = Field(default=10.0, ge=1, le=600, description="Lease lifetime; a standby takes over this long after a crash. At least 3 x `redis.op_timeout_s`: renewed every third of it, a renewal slower than a third lets leadership lapse until the next.")
 
 
 class ActuatorConfig(_Strict):

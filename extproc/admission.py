@@ -926,7 +926,8 @@ class Admitter:
             return
         tickets, rt.credits = rt.credits, []
         self._held_fell(rt)
-        self.spawn(self._quietly(rt, "return_credits", lambda: rt.state.return_credits(*tickets)))
+        idle = format_idle_credits(time.time() * 1000, 0)
+        self.spawn(self._quietly(rt, "return_credits", lambda: rt.state.return_credits(*tickets, idle=idle)))
 
     async def _quietly(self, rt: PoolRuntime, op: str, fn: Callable[[], Awaitable[object]]) -> None:
         with contextlib.suppress(RedisDown):

@@ -291,9 +291,14 @@ class PoolState:
         return PoolStatus.from_reply(await self._run("admit", ticket, gateway, seq, cls, tenant, credits,
                                                      max(1, round(timeout_s * 1000)), *_size(tokens)))
 
-    async def return_credits(self, *tickets: str) -> None:
+    async def return_credits(self, *tickets: str, idle: str | None = None) -> None:
+        """Hand idle credits back; `idle`: this gateway's idle credits now (schema.IDLE_CREDITS),
+        written at once (a queue formed: the count shared at the last status tick would hide
+        requests really in flight from `floodgate status` until the next)."""
         if tickets:
             await self._run("return_credits", *tickets)
+        if idle is not None and self.gateway:
+            await self.client.hset(key(self.pool, IDLE_CREDITS), self.gateway, idle)
 
     async def enqueue(self, ticket: str, gateway: str, seq: int, cls: int, tenant: str,
                       timeout_s: float, tokens: float | None = None) -> PoolStatus:

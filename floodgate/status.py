@@ -257,7 +257,9 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
         eps.sort(key=lambda e: e.endpoint)
     # The script answers a limit for a pool without one (its fallback, 1): a pool only the
     # controller wrote (registry, replica ids) has none, and "limit 1" read as a real one.
-    limit = st.limit if await client.hexists(schema.key(pool, "state"), "limit") else None
+    configured = await client.hexists(schema.key(pool, "state"), "limit") or \
+        await client.exists(schema.key(pool, "settings"))
+    limit = st.limit if configured else None
     shared = {_text(k): _text(v) for k, v in (await client.hgetall(schema.key(pool, schema.IDLE_CREDITS))).items()}
     idle = {gw: min(n, gateways[gw].leases) for gw, n in schema.fresh_idle_credits(
         shared, now_ms, IDLE_CREDITS_FRESH_S).items() if gw in gateways and gateways[gw].live}

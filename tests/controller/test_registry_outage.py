@@ -89,3 +89,44 @@ async def test_a_redis_error_on_a_promotions_registry_write_does_not_strand_the_
         assert blips["n"] == 1 and not stuck, f"replicas stuck in waking with no operation: {stuck}"
         st = await registry_states(url)
         assert count(st, "active") == 1, st
+
+
+async def test_a_replica_whose_registry_entry_is_stale_is_not_stopped_or_put_to_sleep(
+        stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the write that took a replica out of `active` has not reached Redis, processors may
+    still route to it: it is not terminated, force-stopped or put to sleep until the sync has
+    written its entry (a dead one, FAILED, is stopped whatever its entry says)."""
+    import aiohttp
+    from floodgate.controller.actuators.static import StaticActuator
+    from floodgate.controller.app import Replica
+    from floodgate.controller.config import PoolConfig
+    from floodgate.controller.lifecycle import ActionKind
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.controller.signals import ReplicaView
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    session = aiohttp.ClientSession()
+    try:
+        pc = PoolController(PoolConfig(name="default", actuator={"kind": "static", "endpoints": ["127.0.0.1:1"]}),
+                            StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+        rep = Replica(ReplicaView("r0", S.DRAINING, pc.clock()), "127.0.0.1:1")
+        dead = Replica(ReplicaView("r1", S.FAILED, pc.clock()), "127.0.0.1:2", registry_stale=True)
+        pc.replicas = {"r0": rep, "r1": dead}
+        real = Registry.set
+
+        async def down(self: Registry, *args: Any, **kw: Any) -> None:
+            raise redis.exceptions.TimeoutError("Timeout writing to socket")
+
+        monkeypatch.setattr(Registry, "set", down)
+        await pc._set_registry(rep)  # the drain's write: not taken
+        assert rep.registry_stale
+        assert all(pc._skip("r0", k) for k in (ActionKind.TERMINATE, ActionKind.FORCE_STOP, ActionKind.SLEEP))
+        assert not pc._skip("r1", ActionKind.TERMINATE)
+        monkeypatch.setattr(Registry, "set", real)
+        await pc._sync_registry(await pc.registry.endpoints(), set())  # Redis answers again
+        assert not rep.registry_stale and not pc._skip("r0", ActionKind.TERMINATE)
+        assert (await pc.registry.endpoints())["127.0.0.1:1"].state == "draining"
+    finally:
+        await session.close()
+        await c.aclose()
