@@ -909,7 +909,8 @@ class Admitter:
         self.child(self.metrics.limit, (name,)).set(st.limit)
         for c in range(3):
             self.child(self.metrics.queue_depth, (name, PRIORITY_LABELS[c])).set(st.queued[c])
-            self.child(self.metrics.inflight, (name, PRIORITY_LABELS[c])).set(st.inflight[c])
+            if c != 1:  # (P1 less the idle credits: `_set_inflight_p1`)
+                self.child(self.metrics.inflight, (name, PRIORITY_LABELS[c])).set(st.inflight[c])
         self._set_inflight_p1(rt)
 
     def _limit_seen(self, rt: PoolRuntime, limit: float) -> None:

@@ -453,14 +453,11 @@ class PoolState:
             *_, raw, raw_idle = await pipe.execute()
         out = {_text(f): _text(v) for f, v in raw.items()}
         credits = {_text(f): _text(v) for f, v in raw_idle.items()}
-        old = [g for g, v in out.items()
-               if (p := parse_arrivals(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
-        if old:
-            await self.client.hdel(k, *old)
-        gone = [g for g, v in credits.items()
-                if (c := parse_idle_credits(v)) is None or not forget_before_ms <= c[0] <= forget_after_ms]
-        if gone:
-            await self.client.hdel(kc, *gone)
+        for hkey, entries, parse in ((k, out, parse_arrivals), (kc, credits, parse_idle_credits)):
+            old = [g for g, v in entries.items()
+                   if (p := parse(v)) is None or not forget_before_ms <= p[0] <= forget_after_ms]
+            if old:
+                await self.client.hdel(hkey, *old)
         return out, credits
 
 

@@ -447,8 +447,8 @@ def run(args: argparse.Namespace) -> int:
             from floodgate.extproc.redis_client import redact_url
             from floodgate.extproc.schema import controller_leader_key
 
-            for line in _settings_mismatch(stack.processors):
-                print(f"floodgate up: WARNING: {line}", file=sys.stderr, flush=True)
+            if (mismatch := _settings_mismatch(stack.processors)) is not None:
+                print(f"floodgate up: WARNING: {mismatch}", file=sys.stderr, flush=True)
 
             print(f"floodgate up: gateway {envoy.url}/v1  (OpenAI API; {_priority_hint(config)})\n"
                   f"  envoy admin  http://127.0.0.1:{envoy.admin_port}\n"
@@ -661,12 +661,11 @@ def _loopback_allowlist(pool: dict[str, Any]) -> str | None:
             "(on 127.0.0.1, ports chosen at start): using ['127.0.0.1/32']")
 
 
-def _settings_mismatch(processors: Sequence[Any]) -> list[str]:
-    """The processors' "settings differ" errors: a Redis that holds a pool's admission settings
-    from an earlier run (another config) keeps them, and every grant uses them; the ERROR went
-    only to a processor's log, which a clean stop deletes (an operator review: a config's
-    `fair_order: false` silently ran as true)."""
-    out: list[str] = []
+def _settings_mismatch(processors: Sequence[Any]) -> str | None:
+    """The processors' "settings differ" error (every processor says the same), or None: a Redis
+    that holds a pool's admission settings from an earlier run (another config) keeps them, and
+    every grant uses them; the ERROR went only to a processor's log, which a clean stop deletes
+    (an operator review: a config's `fair_order: false` silently ran as true)."""
     for p in processors:
         try:
             with open(p.child.log_path, errors="replace") as f:
@@ -675,13 +674,9 @@ def _settings_mismatch(processors: Sequence[Any]) -> list[str]:
             continue
         for line in text.splitlines():
             if "settings differ from the ones stored in Redis" in line:
-                said = line.split("pool ", 1)[-1]
-                out.append(f"pool {said} (Redis keeps a pool's settings across runs: use an empty Redis "
-                           "database for this stack, or raise pools[].settings_epoch in --config)")
-                break
-        if out:
-            break  # every processor says the same
-    return out
+                return (f"pool {line.split('pool ', 1)[-1]} (Redis keeps a pool's settings across runs: use an "
+                        "empty Redis database for this stack, or raise pools[].settings_epoch in --config)")
+    return None
 
 
 def _redis_problem(redis_url: str) -> str | None:
