@@ -476,14 +476,16 @@ class PoolController:
         signals = Signals(pool_signals, views, stalled, unhealthy)
         seq_before = self.state.next_seq
         d = self.step(signals, now, extra={"queue": fg.queued, "limit": fg.limit,
-                                           "envoy_active": envoy.rq_active if envoy and envoy.ok else None})
+                                           "envoy_active": envoy.rq_active if envoy and envoy.ok else None},
+                      count=False)
         if self.confirm is not None and not await self.confirm():
             # Another controller took the lease since this one last renewed it (Redis lost it,
             # a pause): whatever this tick writes — replicas started or stopped, the desired
             # count, the registry, the ceiling — would fight the new leader's. Nothing.
             if self.logged_actions:
                 self.emit("not_leader", skipped=[f"{a.kind.value}:{a.replica_id}:{a.reason}" for a in self.logged_actions])
-            return d.plan
+            return d.plan  # (and counts no change: a standby's decision changed nothing)
+        self.count_change(d.plan, now)
         await self._persist(d, seq_before)
         # The actions the decision log named (`step`), less any that became skippable while the
         # plan was persisted: filtering d.actions afresh here started a replica the log did not
@@ -504,9 +506,20 @@ class PoolController:
             self._booting = False
         return d.plan
 
-    def step(self, signals: Signals, now: float, extra: dict[str, Any] | None = None) -> Decision:
+    def count_change(self, plan: ScalePlan, now: float) -> None:
+        """Count a change of the desired count (`floodgate_scale_events_total`, the scale-up under
+        way for warm-pool hits): only one this controller acts on."""
+        if plan.direction != "none":
+            self.metrics.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
+        if plan.direction == "up" and self.scale_up_since is None:
+            self.scale_up_since = now  # a scale-up runs until the next step down (warm-pool hits)
+        elif plan.direction == "down":
+            self.scale_up_since = None
+
+    def step(self, signals: Signals, now: float, extra: dict[str, Any] | None = None, count: bool = True) -> Decision:
         """The decider's step for this pool (pure `decider.decide`) plus its metrics and decision
-        log; no I/O. The backtest calls the same `decide` with the same `Signals`."""
+        log; no I/O. The backtest calls the same `decide` with the same `Signals`. `count`: count
+        the change here (`tick` counts it after its leader check instead)."""
         seq_before = self.state.next_seq
         self.state, d = decide(self.dcfg, self.state, signals, now)
         plan = d.plan
@@ -526,12 +539,8 @@ class PoolController:
                 m.turned_away_rate.labels(pool=self.pool, priority=str(c)).set(away)
         m.forecast.labels(pool=self.pool).set(float("nan") if d.floor is None else d.floor)
         m.forecast_demand.labels(pool=self.pool).set(float("nan") if d.forecast.peak is None else d.forecast.peak)
-        if plan.direction != "none":
-            m.scale_events.labels(pool=self.pool, direction=plan.direction, reason=plan.reason).inc()
-        if plan.direction == "up" and self.scale_up_since is None:
-            self.scale_up_since = now  # a scale-up runs until the next step down (warm-pool hits)
-        elif plan.direction == "down":
-            self.scale_up_since = None
+        if count:
+            self.count_change(plan, now)
         actions = self._cap_starts([a for a in d.actions if not self._skip(a.replica_id, a.kind)], now)
         if not any(a.kind is ActionKind.START for a in actions):
             # Starts held back (a start backoff) take no ids: the next planned start gets the

@@ -68,6 +68,7 @@ async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(
     # its last renewal for up to a renewal period and acted beside the new one (a review: two
     # leaders for 0.9 s and an extra cold start). Now it asks Redis before it acts. Here its
     # replica dies right after the lease changed hands: it must not start a replacement.
+    import dataclasses
     import os
     import signal
 
@@ -85,7 +86,14 @@ async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(
             await wait_for(lambda: _just_renewed(c, cfg.leader.key), 30)
             reg = ctl.metrics.registry
             assert reg.get_sample_value("floodgate_desired_replicas", {"pool": "default"}) == 1
+            def ups() -> float:
+                return sum(s.value for m in reg.collect() if m.name == "floodgate_scale_events"
+                           for s in m.samples if s.name.endswith("_total") and s.labels.get("direction") == "up")
+
+            ups_before = ups()
             await c.set(cfg.leader.key, "b", px=60_000)  # a standby holds it now
+            # (and the pool's floor rises: the next decision is a scale-up, 1 -> 2)
+            pc.dcfg = dataclasses.replace(pc.dcfg, policy=pc.dcfg.policy.model_copy(update={"min_replicas": 2}))
             os.kill(int(h.labels["pid"]), signal.SIGKILL)
             await wait_for(lambda: _stepped_down(ctl), 10)
             # A controller that stepped down exports no decisions (an operator review: KEDA's
@@ -99,6 +107,9 @@ async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(
             assert reg.get_sample_value("floodgate_controller_leader") == 0
             skipped = [e for e in pc.events if e["event"] == "not_leader"]
             assert skipped and any(a.startswith("start:") for e in skipped for a in e["skipped"]), list(pc.events)[-5:]
+            # The decision it did not act on is no scale event either (it was counted before the
+            # leader check: `floodgate_scale_events_total` said up while nothing started).
+            assert ups() == ups_before
             await asyncio.sleep(1)
             assert [x.replica_id for x in await act.list() if x.running] == []  # no replacement started
     finally:
