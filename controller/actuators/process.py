@@ -279,10 +279,19 @@ class ProcessActuator:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_grace_s
-            while time.monotonic() < deadline:
-                if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
-                    break
-                await asyncio.sleep(0.05)
+            try:
+                while time.monotonic() < deadline:
+                    if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
+                        break
+                    await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                # Cancelled in the grace (the controller steps down or exits): the stop was
+                # decided, so it ends now rather than leaving a process that ignores SIGTERM
+                # running out of the registry with no one to stop it (its entry stays: the next
+                # leader's list sees it dead and forgets it).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                raise
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # stragglers in the group, or a hung process
             if proc is not None:

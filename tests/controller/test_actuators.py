@@ -373,3 +373,29 @@ async def test_a_command_with_json_arguments_starts_with_them_as_written(tmp_pat
         await act.stop_all()
     finally:
         _kill_marked(tmp_path)
+
+
+async def test_a_stop_cancelled_in_its_grace_still_kills_the_replica(stack: LocalStack) -> None:
+    # A stop sends SIGTERM and waits `stop_grace_s` for the process to exit before SIGKILL. A
+    # controller that steps down (or exits) cancels its operations in flight: a stop cancelled
+    # in that wait left a replica that ignores SIGTERM (a hung vLLM) running, drained and out
+    # of the registry, with no one stopping it. The stop was decided: a cancelled one kills.
+    state = stack.sup.workdir / "replicas-cancelled-stop"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    act = ProcessActuator([sys.executable, "-c", stubborn, "{port}"], state, supervisor=stack.sup,
+                          stop_grace_s=30.0)
+    h = await act.start("r0")
+    assert h is not None and h.running
+    pid = int(h.labels["pid"])
+    await asyncio.sleep(0.5)  # (the interpreter has set its SIGTERM handler)
+    stop = asyncio.create_task(act.stop("r0"))
+    await asyncio.sleep(0.5)  # in the grace wait: SIGTERM sent, ignored
+    assert pid_alive(pid)
+    stop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stop
+    await wait_for(lambda: _dead(pid), 5)
+
+
+async def _dead(pid: int) -> bool:
+    return not pid_alive(pid)
