@@ -49,7 +49,8 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
     raise TimeoutError(f"{what} not reached within {timeout}s")
 
 
-def _start_server(sup: Supervisor, name: str, *extra: str) -> Node:
+def start_server(sup: Supervisor, name: str, *extra: str) -> Node:
+    """One valkey server on a free loopback port, no persistence; `extra`: more server arguments."""
     port = free_port()
     data = sup.workdir / f"{name}-data"
     data.mkdir(exist_ok=True)
@@ -120,9 +121,9 @@ class SentinelTopology:
 
 def start_sentinel(sup: Supervisor, *, replicas: int = 1, sentinels: int = 3, service: str = "floodgate",
                    down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> SentinelTopology:
-    primary = _start_server(sup, f"{service}-primary")
+    primary = start_server(sup, f"{service}-primary")
     servers = [primary] + [
-        _start_server(sup, f"{service}-replica{i}", "--replicaof", "127.0.0.1", str(primary.port))
+        start_server(sup, f"{service}-replica{i}", "--replicaof", "127.0.0.1", str(primary.port))
         for i in range(replicas)]
     sents: list[Node] = []
     quorum = sentinels // 2 + 1
@@ -239,7 +240,7 @@ def _cluster_node(sup: Supervisor, name: str, extra: tuple[str, ...]) -> Node:
     # The bus port defaults to port + 10000, which overflows for high ephemeral ports: pick one.
     # Each node keeps its nodes.conf in its own data dir (--dir).
     bus = free_port()
-    node = _start_server(sup, name, *extra, "--cluster-config-file", f"{name}.conf", "--cluster-port", str(bus))
+    node = start_server(sup, name, *extra, "--cluster-config-file", f"{name}.conf", "--cluster-port", str(bus))
     node.bus_port = bus
     return node
 

@@ -27,7 +27,7 @@ from floodgate.extproc.schema import PoolSettings, gateway_channel, key, script_
 from floodgate.extproc.state import PoolState, redis_client
 from redis.exceptions import MovedError, RedisError
 
-from floodgate.redis_topology import ClusterTopology, SentinelTopology
+from floodgate.redis_topology import ClusterTopology, SentinelTopology, start_server
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.helpers import Reply, get_json, metrics, pool_status, post, wait_until
@@ -800,3 +800,56 @@ def test_status_with_one_shard_frozen_answers_before_a_probe_gives_up(cluster: C
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     doc = json.loads(r.stdout)
     assert [p["pool"] for p in doc["pools"]] == [live] and len(doc["unreachable"]) >= 1, doc
+
+
+async def test_a_primary_that_refuses_writes_without_replicas_degrades_the_processor(stack: LocalStack) -> None:
+    """docs/operations.md, "A partition that isolates the old primary": with
+    `min-replicas-to-write`, a primary that lost its replicas answers every write NOREPLICAS.
+    The processor must treat that as an outage (local limits, its queued waiter still served),
+    not as a script error that fails requests, and return to shared state once a replica is
+    back, with nothing left held in Redis. Here with permits held and a waiter queued."""
+    primary = start_server(stack.sup, "norep-primary", "--min-replicas-to-write", "1",
+                            "--min-replicas-max-lag", "2")
+    replica = start_server(stack.sup, "norep-replica", "--replicaof", "127.0.0.1", str(primary.port))
+    url = f"redis://127.0.0.1:{primary.port}/0"
+    probe = redis.Redis(port=primary.port)
+    assert await wait_until(lambda: int(probe.info("replication")["connected_slaves"]) == 1, 10)
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2},
+        "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 2},
+                   "classes": {"1": {"queue_timeout_s": 30, "max_queue": 100, "share": 0.1}}}]})
+    client = redis_client(url, op_timeout_s=0.25)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    stopped = False
+
+    def degraded() -> float:
+        return metrics.pool_degraded.labels("a")._value.get()
+    try:
+        assert await wait_until(lambda: degraded() == 0, 10)  # (a replica not yet acked at start)
+        held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held)
+        waiter = asyncio.create_task(admitter.admit("a", 1, "t"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        replica.child.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        assert await wait_until(lambda: degraded() == 1, 15)
+        await admitter.release(held.pop())
+        got = await asyncio.wait_for(waiter, 10)
+        assert isinstance(got, Permit)  # served on local limits, not failed
+        held.append(got)
+        replica.child.proc.send_signal(signal.SIGCONT)
+        stopped = False
+        assert await wait_until(lambda: degraded() == 0, 30)
+        for p in held:
+            await admitter.release(p)
+        st = await asyncio.wait_for(admitter.pools["a"].state.status(), 2)
+        assert st.inflight_total == 0
+    finally:
+        if stopped:
+            replica.child.proc.send_signal(signal.SIGCONT)
+        await admitter.stop()
+        await client.aclose()
+        probe.close()
