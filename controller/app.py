@@ -61,6 +61,7 @@ from floodgate.controller.policy import (
     arriving_capacity,
     health_poll_pause,
     later_than_announced,
+    offered_to_active,
     replica_due,
     stalled_wakes,
 )
@@ -577,7 +578,8 @@ class PoolController:
         c = self.cfg.admission_ceiling
         p = d.plan
         soon = sum(1 for r in self.replicas.values() if r.view.state in (S.ACTIVE, S.WAKING))
-        value = admission_ceiling(bool(self._ceiling_set), p.desired, soon, p.active, p.demand, d.per_replica,
+        offered = offered_to_active(p.running, p.waiting, p.lacking)
+        value = admission_ceiling(bool(self._ceiling_set), p.desired, soon, p.active, offered, d.per_replica,
                                   c.headroom) if c.enabled else None
         short = value is not None
         if not short and self._ceiling_set is False:
@@ -591,7 +593,8 @@ class PoolController:
             self.metrics.scrape_failures.labels(source="redis").inc()
             return
         if short != bool(self._ceiling_set):
-            self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2))
+            self.emit("ceiling", per_endpoint=value, active=p.active, desired=p.desired, demand=round(p.demand, 2),
+                      offered=round(offered, 2))
         self._ceiling_set = short
         self.metrics.ceiling.labels(pool=self.pool).set(float("nan") if value is None else value)
 

@@ -601,6 +601,19 @@ def decide(
     return plan, new_state
 
 
+def offered_to_active(running: float, waiting: float, lacking: float) -> float:
+    """What the active replicas are offered, for the admission ceiling (pure): what runs, plus
+    the backlog in full — the engines' queues and Floodgate's, or what admission turned away,
+    whichever is larger (`decide`'s two views of one excess). Not the plan's `demand`: that
+    counts a cold wave's backlog only up to what the wave was sized with (`wave_backlog_once`:
+    right for sizing, since those replicas drain it), so while the wave loads the demand stood
+    still as vLLM's queue grew behind it. The ceiling then never turned on when the tick that
+    sized the wave was just under its threshold (elastic bench, seed 2 on 98ad419: demand 31
+    against 31.5, then 32 while the 4 active replicas held 32 running and 19 -> 68 waiting, the
+    processors' limit 48 -> 158 and P0's SLO 91.5 %)."""
+    return running + max(waiting, lacking)
+
+
 def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand: float, per_replica: float,
                       headroom: float) -> float | None:
     """The admission ceiling per active endpoint to publish for the processors, or None (pure;
@@ -613,7 +626,7 @@ def admission_ceiling(was_on: bool, desired: int, soon: int, active: int, demand
     sized from it, such as the onset ramp's bucket), and stays on until demand is back within
     active x per_replica: between the two it keeps its state. Without the band, demand
     hovering around one threshold switched it every tick (elastic bench, burst 2, 23:35 run:
-    the processors' limit 52 <-> 115 each second)."""
+    the processors' limit 52 <-> 115 each second). `demand`: `offered_to_active`."""
     if per_replica <= 0 or desired <= soon:
         return None
     carried = active * per_replica

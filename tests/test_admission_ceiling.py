@@ -153,6 +153,44 @@ async def test_controller_ceiling_caps_the_processor_limit(stack: LocalStack) ->
         await c.aclose()
 
 
+async def test_ceiling_counts_the_backlog_a_cold_wave_was_sized_with(stack: LocalStack) -> None:
+    """The scale-up's demand counts a cold wave's backlog only up to what the wave was sized
+    with (`wave_backlog_once`), and it stood still while vLLM's queue grew behind the active
+    replicas. Read as the ceiling's input it kept the ceiling off for a whole cold start when
+    the tick that sized the wave was just under the threshold: elastic seed 2, the processors'
+    limit 48 -> 158 on 4 replicas of 8 slots, 68 waiting inside them. The ceiling reads what the
+    active replicas are offered, the backlog in full (`policy.offered_to_active`)."""
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    reg = Registry(c, "f")
+    policy = PolicyConfig(min_replicas=1, max_replicas=10, target_concurrency=7.0)
+    session = aiohttp.ClientSession()
+    pc = PoolController(PoolConfig(name="f", actuator=STATIC, policy=policy, forecast=ForecastConfig(enabled=False),
+                                   admission_ceiling=AdmissionCeilingConfig(headroom=1.5, ttl_s=30)),
+                        StaticActuator(["127.0.0.1:1"]), c, session, ControllerMetrics())
+    clock = FakeClock()
+    try:
+        reps = views(clock.now, active=3)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in reps}
+        # 24 running + 5 waiting on 3 replicas of 7: a scale-up, sized with demand 29, under
+        # what the ceiling lets 3 hold (3 x 7 x 1.5 = 31.5): no ceiling yet.
+        d = pc.step(Signals(signals(clock.now, reps, running=24.0, waiting=5.0), reps), clock.now)
+        assert d.plan.desired == 5 and d.plan.demand == pytest.approx(29.0)
+        await pc._publish_ceiling(d)
+        assert await reg.ceiling() is None
+        # Its cold starts load; the backlog inside the 3 active replicas grows to 19.
+        t = clock.advance(2.0)
+        loading = views(t, active=3, loading=2)
+        pc.replicas = {v.replica_id: Replica(v, None) for v in loading}
+        d2 = pc.step(Signals(signals(t, loading, running=24.0, waiting=19.0), loading), t)
+        assert d2.plan.demand < 31.5  # the wave's backlog, counted once ...
+        await pc._publish_ceiling(d2)
+        assert await reg.ceiling() == pytest.approx(10.5)  # ... but 43 are offered to the 3 active
+    finally:
+        await session.close()
+        await c.aclose()
+
+
 async def test_disabled_ceiling_publishes_nothing_and_clears_a_left_one(stack: LocalStack) -> None:
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
