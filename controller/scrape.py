@@ -19,6 +19,7 @@ from floodgate.controller.demand import ClassCounters, FloodgateCounters, Gatewa
 from floodgate.controller.signals import QueueSignal
 from floodgate.controller.vllm import VllmClient, VllmSample, failed_sample
 from floodgate.extproc.redis_client import OUTAGE_ERRORS
+from floodgate.extproc.schema import UNREADABLE_REPLY
 from floodgate.extproc.state import read_demand, read_pool_status
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,11 +144,15 @@ async def scrape_floodgate(client: aioredis.Redis, pool: str, now: float, timeou
     try:
         async with asyncio.timeout(timeout_s):
             st, raw = await asyncio.gather(read_pool_status(client, pool), read_demand(client, pool))
+        counters = demand_counters(raw, now, st.queued)
     except OUTAGE_ERRORS as exc:
         return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"{type(exc).__name__}: {exc}",
                                counters=FloodgateCounters(now, ok=False))
+    except UNREADABLE_REPLY as exc:  # a library under our name that is not ours (schema.UNREADABLE_REPLY)
+        return FloodgateSample(QueueSignal(0.0, now, ok=False), error=f"unreadable reply: {type(exc).__name__}: {exc}",
+                               counters=FloodgateCounters(now, ok=False))
     return FloodgateSample(QueueSignal(float(st.queued_total), now), st.queued, st.inflight_total, st.limit,
-                           counters=demand_counters(raw, now, st.queued))
+                           counters=counters)
 
 
 @dataclass

@@ -105,6 +105,7 @@ from floodgate.extproc.schema import (
     RESYNC,
     RETRIED_ADMITTED,
     TURNED_AWAY,
+    UNREADABLE_REPLY,
     PoolSettings,
     PoolStatus,
     format_arrivals,
@@ -115,7 +116,7 @@ from floodgate.extproc.schema import (
     key,
     peer_arrivals,
 )
-from floodgate.extproc.state import PoolState
+from floodgate.extproc.state import FUNCTION, PoolState
 from redis.exceptions import ResponseError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
@@ -603,6 +604,17 @@ class Admitter:
                 if "WRONGTYPE" in str(exc):
                     rt.wrong_type = True  # the next reconcile repairs the pool's keys first
             self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
+            raise RedisDown(op) from exc
+        except UNREADABLE_REPLY as exc:
+            # Redis answered something this version cannot read: the library under our name is
+            # not ours (a holder of the processors' credentials replaced it) or a key holds what
+            # no Floodgate wrote. The request is not at fault: local limits, and our library is
+            # loaded again before the next call (an attacker review: every request a 503, for good).
+            self.metrics.redis_errors.labels(op).inc()
+            self.metrics.redis_error_replies.labels(op).inc()
+            rt.state.reload_library()
+            self._enter_degraded(rt, f"{op}: unreadable reply ({type(exc).__name__}: {exc}); the function "
+                                 f"library {FUNCTION} is loaded again", answered=True)
             raise RedisDown(op) from exc
 
     async def _store_settings(self, rt: PoolRuntime) -> None:

@@ -44,6 +44,12 @@ PAD_FIELD = "~"
 ACTIVE = "active"
 EPINF = "epinf"
 
+# What reading a reply this version cannot parse raises (the parsers below, state.py's replies):
+# the library under Floodgate's name is not this version's (any holder of the processors' Redis
+# credentials may FUNCTION LOAD REPLACE it), or a key holds what no Floodgate wrote. Both halves
+# treat it as an outage (a failed scrape; degraded admission), never as a crash or a failed request.
+UNREADABLE_REPLY: tuple[type[Exception], ...] = (ValueError, KeyError, IndexError, TypeError)
+
 # Keys outside the script.
 ENDPOINTS = "endpoints"  # HASH endpoint -> JSON {state, replica, since_ms, meta} (the registry)
 DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOMES)

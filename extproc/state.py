@@ -75,9 +75,15 @@ class Leases:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self.functions: bool | None = None  # None: not known yet
+        # A reply could not be read (schema.UNREADABLE_REPLY): the library under our name may be
+        # another's, so the next call loads ours again first (REPLACE: idempotent).
+        self.reload = False
         self._script = client.register_script(_LUA)
 
     async def __call__(self, keys: Sequence[str], args: Sequence[Any], *, read: bool = False) -> Any:
+        if self.reload and self.functions is not False:
+            await self.load(keys[0])
+            self.reload = False
         if self.functions is not False:
             # A read goes by FCALL_RO: the server refuses every write inside it, whatever the
             # library now holds. Any holder of the processors' credentials can load a library
@@ -383,6 +389,11 @@ class PoolState:
             pipe.srem(key(self.pool, "creditors"), gateway)
             pipe.zrem(key(self.pool, "gws"), gateway)
             await pipe.execute()
+
+    def reload_library(self) -> None:
+        """Load the function library again before the next call (a reply could not be read:
+        `Leases.reload`)."""
+        self._script.reload = True
 
     async def status(self, gateway: str = "") -> PoolStatus:
         """A read: never grants, reclaims or stores anything."""

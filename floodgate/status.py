@@ -203,12 +203,25 @@ class UnknownPool(LookupError):
     """`--pool` named a pool no processor or controller has written to this Redis."""
 
 
+class UnreadablePool(RuntimeError):
+    """Redis answered a pool's status read with a reply this version cannot read
+    (schema.UNREADABLE_REPLY): the library under Floodgate's name is not this version's, or a
+    pool key holds what no Floodgate wrote."""
+
+
 async def read_pool(client: Any, pool: str) -> PoolReport:
     from floodgate.extproc import schema
     from floodgate.extproc.registry import STATES, Registry
-    from floodgate.extproc.state import read_pool_status
+    from floodgate.extproc.schema import UNREADABLE_REPLY
+    from floodgate.extproc.state import FUNCTION, read_pool_status
 
-    st = await read_pool_status(client, pool)
+    try:
+        st = await read_pool_status(client, pool)
+    except UNREADABLE_REPLY as exc:
+        raise UnreadablePool(
+            f"pool {pool}: Redis answered a reply this version cannot read ({type(exc).__name__}: {exc}): the "
+            f"function library {FUNCTION} there is not this version's (a processor of this version loads its "
+            f"own again), or a pool key holds what no Floodgate wrote") from None
     now_s, now_us = await client.time()
     now_ms = int(now_s) * 1000 + int(now_us) // 1000
     leases: dict[str, int] = {}
@@ -472,6 +485,11 @@ def run(args: argparse.Namespace) -> int:
     except UnknownPool as exc:
         print(f"floodgate status: --pool: {exc}", file=sys.stderr)
         return 2
+    except UnreadablePool as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}))
+        print(f"floodgate status: {exc}", file=sys.stderr)
+        return 1
     print(as_json(got.reports, got.unreachable, got.leader) if args.json
           else render_leader(got.leader) + "\n" + render(got.reports))
     for what in got.unreachable:
