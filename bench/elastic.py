@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -1012,7 +1012,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip timeline.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--from-raw", action="store_true",
-                   help="run nothing: re-evaluate the raw data already in --out (same workload flags) "
+                   help="run nothing: re-evaluate the raw data already in --out with the workload and SLO "
+                        "its results.json recorded (a workload flag that disagrees with it is refused) "
                         "and rewrite results.json, the plot and the doc section")
 
 
@@ -1021,6 +1022,24 @@ def _workload(args: argparse.Namespace) -> Workload:
                  seed=args.seed, ops_scale=args.ops_scale, cold_start_s=args.cold_start,
                  target_concurrency=args.target_concurrency, capacity_max_factor=args.capacity_max_factor)
     return replace(w, phases=tuple(replace(p, duration_s=p.duration_s * args.scale) for p in w.phases))
+
+
+def recorded_workload(d: dict[str, Any]) -> Workload:
+    """The workload a results.json recorded (`--from-raw` re-evaluates that run: its deadlines,
+    windows and plan come from what ran, not from this command's flags). Fields an older file
+    lacks take their defaults."""
+    known = {f.name for f in fields(Workload)}
+    kw: dict[str, Any] = {k: v for k, v in d.items() if k in known and k != "phases"}
+    if "priority_shares" in kw:
+        kw["priority_shares"] = tuple(kw["priority_shares"])
+    if "phases" in d:
+        kw["phases"] = tuple(Phase(**p) for p in d["phases"])
+    return Workload(**kw)
+
+
+def _differences(given: Any, recorded: Any) -> list[str]:
+    return [f"{f.name} {getattr(recorded, f.name)!r} recorded, {getattr(given, f.name)!r} given"
+            for f in fields(given) if getattr(given, f.name) != getattr(recorded, f.name)]
 
 
 def _load_raw(out_dir: Path, name: str) -> RunOutput:
@@ -1066,6 +1085,21 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     slo = SLO(args.slo_ttft, args.slo_tpot)
     w = _workload(args)
+    if args.from_raw:
+        # Re-evaluate what ran: the recorded workload and SLO, never this command's flags (a
+        # review: `--from-raw --cold-start 300` turned a recorded FAIL at 16.1 s against 16.0
+        # into a PASS against 31.0, and wrote the flag's 300 into results.json). A flag that
+        # disagrees with the record is refused.
+        recorded = json.loads((args.out / "results.json").read_text())
+        rec_w = recorded_workload(recorded.get("workload", {}))
+        rec_slo = SLO(**recorded["slo"]) if "slo" in recorded else SLO()
+        clash = ([] if w in (Workload(), rec_w) else _differences(w, rec_w)) + \
+            ([] if slo in (SLO(), rec_slo) else _differences(slo, rec_slo))
+        if clash:
+            print(f"floodgate bench elastic: --from-raw re-evaluates the recorded run in {args.out}; these flags "
+                  f"disagree with it: {'; '.join(clash)}", file=sys.stderr)
+            return 2
+        w, slo = rec_w, rec_slo
     problem = None if args.from_raw else check_workload(w, args.configs)
     if problem:
         print(f"floodgate bench elastic: {problem}", file=sys.stderr)

@@ -135,3 +135,27 @@ def test_a_bad_flag_stops_the_bench_before_anything_starts(tmp_path: Path, capsy
     assert field in err and "invalid" in err
     assert not (tmp_path / "out").exists()
     assert elastic.check_workload(elastic._workload(_args(tmp_path)), elastic.CONFIGS) is None
+
+
+def test_from_raw_evaluates_the_recorded_workload_not_this_commands_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--from-raw` re-evaluates a recorded run: its deadlines come from the workload that ran.
+    Before, they came from the command's flags (a review: `--from-raw --cold-start 300` turned
+    the committed run's burst-1 FAIL at 16.1 s against 16.0 into a PASS against 31.0, and wrote
+    300 into results.json). A flag that disagrees with the record is refused; the committed
+    run re-evaluates to its committed verdicts."""
+    import shutil
+
+    src = Path(elastic.DEFAULT_OUT)
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    committed = json.loads((out / "results.json").read_text())
+    assert elastic.run(_args(tmp_path, "--from-raw", "--no-plots", "--no-doc", "--cold-start", "300")) == 2
+    err = capsys.readouterr().err
+    assert "cold_start_s 150.0 recorded, 300.0 given" in err
+    assert json.loads((out / "results.json").read_text()) == committed  # nothing rewritten
+    assert elastic.run(_args(tmp_path, "--from-raw", "--no-plots", "--no-doc")) in (0, 1)
+    again = json.loads((out / "results.json").read_text())
+    assert again["verdicts"] == committed["verdicts"] and again["workload"] == committed["workload"]
+    # The recorded run's own flags are no clash (its command, re-run with --from-raw).
+    assert elastic.run(_args(tmp_path, "--from-raw", "--no-plots", "--no-doc", "--seed", "1")) in (0, 1)
