@@ -121,6 +121,7 @@ def _run_live(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(sub: Any) -> None:
+    from floodgate.controller.backtest.engine import SHIPPED_QUEUE_TIMEOUT_S
     from floodgate.controller.backtest.oracle import SLO_GOAL
     from floodgate.controller.backtest.report import POLICY_NAMES
 
@@ -161,7 +162,9 @@ def _add_simulate(sub: Any) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="replay mode: multiply the trace's rate")
     p.add_argument("--seed", type=int, default=1, help="seed of the generated traffic and the replicas' start times")
     p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
-    p.add_argument("--queue-timeout", type=float, default=15.0, help="queued requests are rejected (429) after this long")
+    p.add_argument("--queue-timeout", type=float, default=SHIPPED_QUEUE_TIMEOUT_S,
+                   help=f"queued requests are rejected (429) after this long (default {SHIPPED_QUEUE_TIMEOUT_S:g}: the "
+                        "shipped default class's queue_timeout_s)")
     p.add_argument("--warm-weight", type=float, default=1.0,
                    help="cost of a sleeping warm-pool replica-second relative to an active one; 1 unless the "
                    "sleeping replica's GPU is really given to something else (docs/controller.md, Backtest)")

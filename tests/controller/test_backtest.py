@@ -62,7 +62,11 @@ def test_every_policy_reported_with_consistent_numbers(comparison: report.Compar
     assert comparison.goal_lower_bound_s <= comparison.lower_bound_s
     by = comparison.by_name()
     assert by["zero-wait"].slo == 1.0 and by["zero-wait"].max_wait == 0.0
-    assert by["floodgate-reactive"].warm_s == 0
+    # Without a warm pool nothing is woken from one; a replica whose cold start ends after the
+    # need has gone sleeps only until its anti-churn age (`warm_min_age_s`) has passed, then goes.
+    reactive = by["floodgate-reactive"]
+    assert reactive.wakes == 0
+    assert reactive.warm_s <= reactive.cold_starts * (WarmPoolConfig().warm_min_age_s + 2 * SIM.tick_s)
     assert by["floodgate"].warm_s > 0
     # Baselines borrow nothing from the warm pool: nothing sleeps, nothing is woken.
     for name in ("hpa", "kpa", "zero-wait"):
