@@ -233,4 +233,12 @@ def test_documented_keda_controller_config_is_valid_and_matches_the_manifests() 
     so = yaml.safe_load((ROOT / "deploy/kubernetes-keda/scaledobject.yaml").read_text())
     query = so["spec"]["triggers"][0]["metadata"]["query"]
     assert "floodgate_desired_replicas" in query and "floodgate_warm_pool_target" in query
+    # Scoped to this install's controller (an attacker review: unscoped, any scraped target
+    # exporting the series, or a second install, set the vLLM Deployment's size).
+    ctl = next(d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/controller.yaml").read_text())
+               if d and d.get("kind") == "Deployment")
+    for series in re.findall(r"floodgate_\w+\{([^}]*)\}", query):
+        assert f'namespace="{ctl["metadata"]["namespace"]}"' in series, series
+        pod = re.search(r'pod=~"([^"]+)"', series)
+        assert pod is not None and re.fullmatch(pod.group(1), ctl["metadata"]["name"] + "-7d9f8c6b5-x2x4q"), series
     assert so["spec"]["maxReplicaCount"] >= cfg.pools[0].policy.max_replicas + cfg.pools[0].warm_pool.max_size
