@@ -579,10 +579,34 @@ end
 -- clock, so only being heard keeps one listed) and asks each to sync, the caller too (its
 -- fence goes with the reclaim, so it would notice only at its next call). A processor that
 -- itself stalled past the TTL trips it too: a short pause of the grants until all re-assert.
-local function start_hold(jump)
+-- The gateways listening on this pool's grant channels, shaped as `gws` WITHSCORES (score 0),
+-- the caller among them: after the keys were emptied (a restart without persistence, a
+-- FLUSHALL) no liveness is left to list, but the server's pub/sub still knows the processors
+-- (a subscription outlives a FLUSHALL; after a restart each subscribes again within seconds).
+local function listeners()
+  local prefix = 'fg:{' .. S.pool .. '}:gw:'
+  local pat = string.gsub(prefix, '[%*%?%[%]\\]', '\\%0') .. '*'
+  local found = {}
+  local ok, shard = pcall(redis.call, 'PUBSUB', 'SHARDCHANNELS', pat)
+  if ok then found[1] = shard end
+  found[#found + 1] = redis.call('PUBSUB', 'CHANNELS', pat)
+  local out, seen = {}, {}
+  for _, chans in ipairs(found) do
+    for _, ch in ipairs(chans) do
+      local gw = string.sub(ch, #prefix + 1)
+      if gw ~= '' and not seen[gw] then seen[gw] = true out[#out + 1] = gw out[#out + 1] = 0 end
+    end
+  end
+  if not seen[MY_GW] then out[#out + 1] = MY_GW out[#out + 1] = 0 end
+  return out
+end
+
+local function start_hold(jump, emptied)
   local gws
   if jump then
     gws = redis.call('ZRANGE', K.gws, 0, -1, 'WITHSCORES')
+  elseif emptied then
+    gws = listeners()
   else
     -- Alive here, or lapsed within a TTL: a liveness in the state Redis went back to may have
     -- been renewed in the writes it lost.
@@ -1781,8 +1805,9 @@ function OPS.batch(ARGV)
   -- pool then holds its grants (held()) until each gateway alive in this state has synced or
   -- gone unheard; each is told to sync now ('!resync' on its channel). Without it a switchover read 14 in flight
   -- of L 8: the first processor on the new primary granted the permits the other had taken on
-  -- the old one since the promotion. Only a gateway this state knows alive starts a hold (one
-  -- declared dead, or an emptied Redis, has no fence here: nothing to compare).
+  -- the old one since the promotion. A gateway this state knows alive starts that hold; one with
+  -- no fence here at all (an emptied Redis, or its liveness purged) starts one that lists the
+  -- gateways listening on the pool's channels (below).
   MY_GW, MINE = ARGV[3], {}
   local replies = {}
   local i = 4
@@ -1805,6 +1830,14 @@ function OPS.batch(ARGV)
       return {replies, MINE, last}
     end
     if last and acked and last + 0 < acked and gateway_alive(MY_GW) and not held() then start_hold() end
+    -- A fence the caller had answered, and none here at all: Redis lost everything this gateway
+    -- wrote (emptied: a restart without persistence that no call saw fail, a FLUSHALL, a failover
+    -- to a replica that had nothing; or its liveness ran out and was purged). The other gateways'
+    -- permits are gone from it too: without a hold this batch's acquires were granted from an
+    -- empty pool and the re-assertions came on top (a fault review: 12 in flight of L 6 after a
+    -- fast restart). With no liveness left to list, the hold lists the gateways listening on the
+    -- pool's channels and tells them to re-assert.
+    if not last and acked and not held() then start_hold(false, true) end
     if last and gateway_lapsed(MY_GW) and not held() then start_hold(true) end  -- the clock jumped
     if last ~= ARGV[4] then set_state(fx, ARGV[4]) end
   end

@@ -174,6 +174,48 @@ async def test_after_a_rollback_no_permit_is_granted_until_every_gateway_has_re_
         assert await leased(raw, "a") == []
 
 
+async def test_after_redis_was_emptied_no_permit_is_granted_until_every_gateway_has_re_asserted(
+        stack: LocalStack) -> None:
+    """L 4: `ga` and `gb` hold two permits each, `ga` has a waiter; Redis is emptied (a restart
+    without persistence that no call saw fail, or a FLUSHALL). `ga`'s next call ran its ops on
+    the empty state: its acquires were granted up to L, and only then did it re-assert its own
+    permits on top, and `gb` its two at its renewal (a fault review: 12 in flight of L 6 after a
+    fast restart, 9 after a FLUSHALL). An emptied Redis keeps no fence or liveness to compare,
+    but the processors still listen on their channels: the call that brings a fence Redis does
+    not have holds the grants, tells those listening to re-assert, and the waiters wait for a
+    real release."""
+    async with two_processors(stack, limit=4) as (ga, gb, raw):
+        held_a = [await ga.admit("a", 0, "t") for _ in range(2)]
+        held_b = [await gb.admit("a", 0, "t") for _ in range(2)]
+        assert all(isinstance(p, Permit) for p in held_a + held_b)
+        waiter = asyncio.create_task(ga.admit("a", 0, "t"))
+        assert await wait_until(lambda: len(ga.pools["a"].waiting) == 1
+                                and all(w.enqueued for w in ga.pools["a"].waiting.values()), 5)
+        await raw.flushall()
+        fresh = [asyncio.create_task(ga.admit("a", 0, "t")) for _ in range(2)]  # ga's next calls
+        want = sorted(p.ticket for p in held_a + held_b)
+        assert await _until(raw, lambda lease, h: lease == want, 5), (await leased(raw, "a"), await hold(raw, "a"))
+        await asyncio.sleep(0.3)
+        granted = [t.result() for t in [waiter, *fresh] if t.done() and isinstance(t.result(), Permit)]
+        assert granted == []  # the pool is full: 4 of L 4, all re-asserted
+        assert len(ga.pools["a"].held) + len(gb.pools["a"].held) == 4
+        await gb.release(held_b.pop())  # a real release: one waiter's turn
+        assert await wait_until(lambda: sum(t.done() for t in [waiter, *fresh]) == 1, 5)
+        assert len(ga.pools["a"].held) + len(gb.pools["a"].held) == 4
+        for t in [waiter, *fresh]:
+            t.cancel()
+        for t in [waiter, *fresh]:
+            with contextlib.suppress(asyncio.CancelledError):
+                r = await t
+                if isinstance(r, Permit):
+                    await ga.release(r)
+        for p in held_a:
+            await ga.release(p)
+        for p in held_b:
+            await gb.release(p)
+        assert await _until(raw, lambda lease, h: lease == [], 5)
+
+
 async def _until(raw: aioredis.Redis, pred: Callable[[list[str], str], bool], timeout: float) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
