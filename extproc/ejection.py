@@ -64,6 +64,22 @@ def endpoint_outcome(code_details: object, status: int | None = None) -> Endpoin
     return "other"
 
 
+# Envoy's own replies that still say the upstream was too slow: its response timeouts (504).
+_UPSTREAM_TIMEOUTS = ("upstream_response_timeout", "upstream_per_try_timeout")
+
+
+def load_signal(code_details: object) -> bool:
+    """May a 5xx with these `response.code_details` count as overload for the limit? Only what
+    the upstream answered (`via_upstream`) or Envoy's timeout of an upstream too slow to answer;
+    not Envoy's own replies that never reached a replica (`no_healthy_upstream` while a model
+    server restarts, a refused connection, a circuit breaker's `overflow`): a fault review saw
+    40 `no_healthy_upstream` 503s take the shared limit 16 -> 12. Unknown (no attribute: an
+    include that does not send it) counts, as before."""
+    if not isinstance(code_details, str):
+        return True
+    return code_details == VIA_UPSTREAM or code_details.startswith(_UPSTREAM_TIMEOUTS)
+
+
 def ejectable(endpoint: str) -> bool:
     """Can the script store this endpoint in its ejection list (no '|', no whitespace)? A
     registry entry that cannot (written by hand) is simply never ejected."""

@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from floodgate.extproc.admission import PRIORITY_LABELS, Admitter, Permit
 from floodgate.extproc.config import TENANT_MAX_CHARS, Config
-from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome
+from floodgate.extproc.ejection import EndpointOutcome, endpoint_outcome, load_signal
 from floodgate.extproc.limit import LatencyMeter
 from floodgate.extproc.policy import Reject
 from floodgate.extproc.prefill import body_encoded, prompt_tokens, unprefilled
@@ -302,7 +302,9 @@ class _Exchange:
     status: int | None = None
     meter: LatencyMeter | None = None  # sampled: what its body chunks measured
     finished: bool = False
-    endpoint_failed: bool = False  # the picked endpoint refused or dropped the connection (ejection.py)
+    # no replica answered it: the endpoint refused or dropped the connection, or Envoy replied
+    # itself (no healthy upstream, a circuit breaker): its 5xx says nothing of load (ejection.py)
+    endpoint_failed: bool = False
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -381,15 +383,17 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.admitter.count_not_demand(pool, priority, "refused")
         child(m.decision_time, (pool, label, "rejected", reason)).observe(time.perf_counter() - headers_in)
 
-    def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> EndpointOutcome:
+    def _endpoint_outcome(self, pool: str, endpoint: str, msg: pb.ProcessingRequest) -> tuple[EndpointOutcome, bool]:
         """What the response headers say of the request's endpoint (Envoy's
         `response.code_details` attribute: extproc/ejection.py); with a picked `endpoint` the
-        admitter is told (ejection). Returns the outcome."""
+        admitter is told (ejection). Returns the outcome, and whether a 5xx of it may count as
+        overload (`ejection.load_signal`: not Envoy's own reply that never reached a replica)."""
         attrs = msg.attributes[ATTR_NS] if ATTR_NS in msg.attributes else None
-        outcome = endpoint_outcome(_attr(attrs, "response.code_details"), status_of(msg.response_headers))
+        details = _attr(attrs, "response.code_details")
+        outcome = endpoint_outcome(details, status_of(msg.response_headers))
         if endpoint:
             self.admitter.endpoint_outcome(pool, endpoint, outcome)
-        return outcome
+        return outcome, outcome != "failed" and load_signal(details)
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
         """The pool whose `match_authority` the request's :authority equals (case-insensitive),
@@ -533,9 +537,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 kind = msg.WhichOneof("request")
                 if kind == "response_headers":
                     ex.status = status_of(msg.response_headers)
-                    # Picked or not: a connection that failed is no overload drop (without
-                    # picking, a restarting model server's refused connections lowered the limit).
-                    ex.endpoint_failed = self._endpoint_outcome(pool, result.endpoint, msg) == "failed"
+                    # Picked or not: a connection that failed, or Envoy's own reply that never
+                    # reached a replica, is no overload drop (without picking, a restarting model
+                    # server's refused connections, or `no_healthy_upstream`, lowered the limit).
+                    ex.endpoint_failed = not self._endpoint_outcome(pool, result.endpoint, msg)[1]
                     if len(msg.response_headers.headers.headers) + INFO_HEADERS <= self.cfg.server.max_headers:
                         yield _response_headers_reply(decision.priority, queue_ms)
                     else:

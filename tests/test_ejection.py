@@ -13,7 +13,13 @@ from typing import Any
 import aiohttp
 import pytest
 from floodgate.extproc.config import PoolConfig
-from floodgate.extproc.ejection import EjectionSettings, Ejector, ejectable, endpoint_outcome
+from floodgate.extproc.ejection import (
+    EjectionSettings,
+    Ejector,
+    ejectable,
+    endpoint_outcome,
+    load_signal,
+)
 from floodgate.extproc.picking import Picker
 from floodgate.extproc.prefill import PrefillEstimate, PrefillSettings
 from floodgate.extproc.registry import Registry
@@ -636,3 +642,17 @@ async def test_without_picking_a_burst_at_a_dead_replica_is_retried_elsewhere(st
     assert failed == [], (len(failed), [(r.status, r.body[:80]) for r in failed[:3]])
     assert env.stat("cluster.model.upstream_rq_retry_overflow") == 0
     assert env.stat("cluster.model.upstream_rq_retry") >= 1  # the dead one was picked and retried
+
+
+@pytest.mark.parametrize(("details", "counts"), [
+    ("via_upstream", True),  # the replica answered 503: overloaded
+    ("upstream_response_timeout", True),  # too slow to answer
+    ("upstream_per_try_timeout", True),
+    ("no_healthy_upstream", False),  # Envoy's own reply: no replica was asked (a fault review)
+    ("upstream_reset_before_response_started{remote_connection_failure}", False),
+    ("overflow", False),  # a circuit breaker of this Envoy
+    ("cluster_not_found", False),
+    (None, True),  # no attribute (an include that does not send it): by the status, as before
+])
+def test_only_what_a_replica_answered_or_timed_out_may_count_as_overload(details: object, counts: bool) -> None:
+    assert load_signal(details) is counts
