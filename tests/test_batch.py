@@ -186,8 +186,14 @@ async def test_a_batch_means_its_ops_one_call_at_a_time(client: aioredis.Redis, 
             # call where a batch does not: the two histories would part for that reason alone.
             mine = {t.decode(): (1, int(t.decode().split("/")[1].split(":")[0]), "")
                     for t in await client.zrange(one.keys[K["leases"]], 0, -1) if t.decode().startswith("ga")}
+            waits: dict[str, tuple[int, int, float, str]] = {}
+            for t, meta in (await client.hgetall(one.keys[K["qmeta"]])).items():
+                fields = meta.decode().split("|")
+                if t.decode().startswith("ga/") and len(fields) == 5:  # class|deadline|gateway|seq|tenant
+                    waits[t.decode()] = (int(fields[0]), int(fields[3]), max(0.001, (int(fields[1]) - now) / 1000),
+                                         fields[4])
             for st in (one, bat):
-                await st.sync("ga", seqs["ga"] + 1, mine, {})
+                await st.sync("ga", seqs["ga"] + 1, mine, waits)
         if rng.random() < 0.1:
             for st in (one, bat):
                 await st.sync("gb", seqs["gb"] + 1, {}, {})  # gb lets go of everything it had
