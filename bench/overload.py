@@ -1099,7 +1099,7 @@ Envoy's ORIGINAL_DST cluster steered by the processor (shipped prefill-aware pic
 {PoolConfig().prefill_request_tokens:.0f}, `prefill_pace_tokens` {PoolConfig().prefill_pace_tokens:.0f},
 `prefill_bytes_per_token` {PoolConfig().prefill_bytes_per_token:g}, `prefill_max_request_tokens`
 {PoolConfig().prefill_max_request_tokens:.0f}: each request counts its content-length / bytes per token);
-the other rows leave the choice of replica to Envoy. `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
+the other rows leave the choice of replica to Envoy. Every other processor setting of the rows is the code's default, not the deployment configs' overrides: `fair_order` true (the compose and Kubernetes configs set it false; the bench's two tenants are ordered by it), the Vegas limit's `min` 1 / `max` 512 (compose: 2 / 192). `@tuned` rows the hand-tuned ones (`{json.dumps(report['classes'].get('tuned') if isinstance(report['classes'], dict) else report['classes'])}`).
 Vegas rows run the shipped `LimitConfig` (signal `{LIMIT_SIGNAL}`); a `vegas-SIG` row with another signal sets only `signal`.
 **adaptive_concurrency**: `{json.dumps(report['adaptive_concurrency_filter']['typed_config']['gradient_controller_config'])}`.
 
