@@ -614,7 +614,8 @@ class Admitter:
             self.metrics.redis_error_replies.labels(op).inc()
             rt.state.reload_library()
             self._enter_degraded(rt, f"{op}: unreadable reply ({type(exc).__name__}: {exc}); the function "
-                                 f"library {FUNCTION} is loaded again", answered=True)
+                                 f"library {FUNCTION} is checked and loaded again if it is not this version's",
+                                 answered=True)
             raise RedisDown(op) from exc
 
     async def _store_settings(self, rt: PoolRuntime) -> None:

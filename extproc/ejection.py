@@ -65,7 +65,7 @@ def endpoint_outcome(code_details: object, status: int | None = None) -> Endpoin
 
 
 # Envoy's own replies that still say the upstream was too slow: its response timeouts (504).
-_UPSTREAM_TIMEOUTS = ("upstream_response_timeout", "upstream_per_try_timeout")
+_UPSTREAM_TIMEOUTS = ("upstream_response_timeout", "upstream_per_try_timeout", "upstream_per_try_idle_timeout")
 
 
 def load_signal(code_details: object) -> bool:

@@ -513,10 +513,11 @@ local HOLD_QUIET_MS = 2000
 -- A hold's length: one renewal period and a second, at the caller's lease TTL.
 local function hold_ms() return math.floor(ttl / 3) + 1000 end
 
--- Write the state field: `u` nil for an ended hold ("0"), `t0` nil when unknown; `jump`: a
--- hold after the server's clock jumped (start_hold), marked by a 'j' after its start.
-local function store_hold(u, t0, gws, jump)
-  set_state('hold', (u and intstr(u) or '0') .. '|' .. (t0 and intstr(t0) or '') .. ((u and jump) and 'j' or '')
+-- Write the state field: `u` nil for an ended hold ("0"), `t0` nil when unknown; `mark`, after
+-- its start: 'j' a hold after the server's clock jumped, 'e' one after Redis was emptied
+-- (start_hold), nil any other.
+local function store_hold(u, t0, gws, mark)
+  set_state('hold', (u and intstr(u) or '0') .. '|' .. (t0 and intstr(t0) or '') .. ((u and mark) or '')
             .. '|' .. table.concat(gws, ' '))
 end
 
@@ -532,8 +533,8 @@ local function held(capped)
     local v = state().hold
     if v and v ~= '' then
       local u, t0, rest = string.match(v, '^([^|]*)|([^|]*)|(.*)$')
-      local jump = string.sub(t0 or '', -1) == 'j'
-      if jump then t0 = string.sub(t0, 1, -2) end
+      local mark = string.match(t0 or '', '[je]$')
+      if mark then t0 = string.sub(t0, 1, -2) end
       u, t0 = tonumber(u or ''), tonumber(t0 or '')
       if u == 0 then
         if not t0 or t0 > now or now - t0 >= 2 * hold_ms() then set_state('hold', '') end  -- forgotten
@@ -547,12 +548,16 @@ local function held(capped)
           -- the rest of the state (it renewed on the server whose writes were lost; a
           -- processor moving late, or reconnecting after its first call on the new primary
           -- timed out, read dead here while its permits ran, and the grants filled them).
+          -- After Redis was emptied ('e') the list is whoever listens on the pool's channels, which
+          -- are server-wide: a processor of another deployment in another database number is heard
+          -- and never syncs here (a review: a hold of 11 s). Told to sync at once, a processor of
+          -- this pool has done so within the quiet time; the rest are not waited for.
           for _, gw in ipairs(listed) do
-            if not (quiet and not hears(gw)) then table.insert(left, gw) end
+            if not (quiet and (mark == 'e' or not hears(gw))) then table.insert(left, gw) end
           end
         end
         if #left > 0 then
-          HOLD = {u, t0, listed, left, jump}
+          HOLD = {u, t0, listed, left, mark}
         else  -- over: the next grant loop grants again
           store_hold(nil, t0 and t0 <= now and t0 or nil, listed)
         end
@@ -625,8 +630,9 @@ local function start_hold(jump, emptied)
   end
   if #list == 0 then return end
   local u = now + hold_ms()
-  HOLD = {u, now, list, list, jump}
-  store_hold(u, now, list, jump)
+  local mark = (jump and 'j') or (emptied and 'e') or nil
+  HOLD = {u, now, list, list, mark}
+  store_hold(u, now, list, mark)
   for _, gw in ipairs(list) do
     if gw ~= MY_GW or jump then notify(gw, S.pool .. '|!resync|') end
   end

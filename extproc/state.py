@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -55,6 +57,8 @@ from floodgate.extproc.schema import (
 from floodgate.extproc.vegas import VegasState
 from redis.exceptions import ResponseError
 
+log = logging.getLogger("floodgate.state")
+
 __all__ = ["LimitRecord", "PoolSettings", "PoolState", "PoolStatus", "SyncResult", "gateway_channel",
            "read_demand", "read_pool_status", "redis_client"]
 
@@ -76,14 +80,29 @@ class Leases:
         self.client = client
         self.functions: bool | None = None  # None: not known yet
         # A reply could not be read (schema.UNREADABLE_REPLY): the library under our name may be
-        # another's, so the next call loads ours again first (REPLACE: idempotent).
+        # another's, so the next call checks it first and loads ours again if it is not (at most
+        # every RELOAD_CHECK_S: a reply this version cannot parse from its own library is a bug
+        # or data no Floodgate wrote, and loading 95 KB twice a second would not mend it).
         self.reload = False
+        self.foreign_loads = 0  # libraries under our name found not ours, and replaced
+        self._checked_at = -math.inf
         self._script = client.register_script(_LUA)
 
+    RELOAD_CHECK_S = 5.0
+
     async def __call__(self, keys: Sequence[str], args: Sequence[Any], *, read: bool = False) -> Any:
-        if self.reload and self.functions is not False:
-            await self.load(keys[0])
+        if self.reload and self.functions is not False and time.monotonic() - self._checked_at >= self.RELOAD_CHECK_S:
             self.reload = False
+            self._checked_at = time.monotonic()
+            if not await self.ours(keys[0]):
+                await self.load(keys[0])
+                self.foreign_loads += 1
+                log.error("the function library %s in Redis was not this version's (replaced by a holder of the "
+                          "processors' credentials?): loaded ours again", FUNCTION)
+            else:
+                log.error("Redis answered a reply this version cannot read from its own function library %s: a "
+                          "pool key holds data no Floodgate wrote, or a bug in this version (degraded meanwhile)",
+                          FUNCTION)
         if self.functions is not False:
             # A read goes by FCALL_RO: the server refuses every write inside it, whatever the
             # library now holds. Any holder of the processors' credentials can load a library
@@ -101,6 +120,22 @@ class Leases:
             if await self.load(keys[0]):
                 return await call(name, len(keys), *keys, *args)
         return await self._script(keys=keys, args=args)
+
+    async def ours(self, key: str) -> bool:
+        """Is the library under our name the code this version loads (or none at all: a call
+        loads it)? On a Cluster, on the shard that holds `key`."""
+        args: list[Any] = ["FUNCTION", "LIST", "LIBRARYNAME", FUNCTION, "WITHCODE"]
+        if is_cluster(self.client):
+            node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
+            libs = await self.client.execute_command(*args, target_nodes=node)
+        else:
+            libs = await self.client.execute_command(*args)
+        for lib in libs or []:
+            info = lib if isinstance(lib, dict) else dict(zip(lib[::2], lib[1::2], strict=False))
+            info = {_text(k): v for k, v in info.items()}
+            if _text(info.get("library_name", "")) == FUNCTION:
+                return _text(info.get("library_code", "")).strip() == LIBRARY.strip()
+        return True
 
     async def load(self, key: str) -> bool:
         """Load the library (REPLACE: idempotent) on the server that holds `key` (on a Cluster,
@@ -240,6 +275,12 @@ class PoolState:
             async with asyncio.timeout(self.batch_timeout_s):
                 reply = await self._run_configured(argv)
             replies, grants = expand_snapshots(reply[0]), reply[1]
+            # A reply of another shape (a library under our name that is not ours) is the callers'
+            # failure like any other, not an exception out of this task that leaves them waiting
+            # (schema.UNREADABLE_REPLY: they degrade and the library is checked).
+            if len(replies) != len(todo) or len(grants) % 2 or (fence and len(reply) < 3):
+                raise ValueError(f"batch reply of {len(replies)} for {len(todo)} ops, {len(grants)} grant fields")
+            before = _text(reply[2]) if fence else ""
         except asyncio.CancelledError:
             for _, _, fut in todo:
                 fut.cancel()
@@ -253,7 +294,6 @@ class PoolState:
             # The fence Redis held before this batch, below one it acknowledged already: Redis
             # lost acknowledged writes of this processor (a failover, a restart, or it was
             # declared dead). Told before the callers get their replies.
-            before = _text(reply[2]) if len(reply) > 2 else ""
             if self._acked and (not before.isdigit() or int(before) < self._acked) and self.on_lost is not None:
                 with contextlib.suppress(Exception):
                     self.on_lost()
@@ -389,6 +429,9 @@ class PoolState:
             pipe.srem(key(self.pool, "creditors"), gateway)
             pipe.zrem(key(self.pool, "gws"), gateway)
             await pipe.execute()
+        # Its fence is gone on purpose: a late batch of this process (a release racing the stop)
+        # must not read as Redis having lost it (leases.lua starts a hold for that).
+        self._acked = 0
 
     def reload_library(self) -> None:
         """Load the function library again before the next call (a reply could not be read:

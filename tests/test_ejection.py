@@ -648,6 +648,7 @@ async def test_without_picking_a_burst_at_a_dead_replica_is_retried_elsewhere(st
     ("via_upstream", True),  # the replica answered 503: overloaded
     ("upstream_response_timeout", True),  # too slow to answer
     ("upstream_per_try_timeout", True),
+    ("upstream_per_try_idle_timeout", True),
     ("no_healthy_upstream", False),  # Envoy's own reply: no replica was asked (a fault review)
     ("upstream_reset_before_response_started{remote_connection_failure}", False),
     ("overflow", False),  # a circuit breaker of this Envoy

@@ -13,6 +13,7 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
 import redis.asyncio as aioredis
 from floodgate.controller.scrape import scrape_floodgate
 from floodgate.extproc.admission import Admitter
@@ -79,3 +80,80 @@ async def test_a_replaced_library_degrades_the_processor_and_is_loaded_again(sta
         await admitter.stop()
         await client.aclose()
         await attacker.aclose()
+
+
+JUNK_BATCH = (f"#!lua name={FUNCTION}\n"
+              "local function junk(keys, args) if args[1] == 'batch' then return {{}, {'t'}, ''} end return {'limit'} end\n"
+              f"redis.register_function{{function_name='{FUNCTION}', callback=junk}}\n"
+              f"redis.register_function{{function_name='{FUNCTION_RO}', callback=junk, flags={{'no-writes'}}}}\n")
+
+
+async def test_a_batch_reply_of_another_shape_is_the_callers_failure_not_a_hang(stack: LocalStack) -> None:
+    """A review: a replacement answering a batch with `{{}, {'t'}, ''}` raised inside the batch
+    sender after the reply, so the callers waited out their timeout and the processor stayed
+    degraded for good, the library never checked. The shape is checked with the reply."""
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.5, "reconnect_interval_s": 0.2},
+        "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
+    client = redis_client(url, op_timeout_s=0.5)
+    attacker = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    try:
+        first = await admitter.admit("a", 1, "t")
+        assert isinstance(first, Permit)
+        await attacker.function_load(JUNK_BATCH, replace=True)
+        t0 = asyncio.get_running_loop().time()
+        second = await admitter.admit("a", 1, "t")
+        assert isinstance(second, Permit)  # on local limits, at once
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        assert await wait_until(lambda: metrics.pool_degraded.labels("a")._value.get() == 0, 15)
+        assert (await _library(attacker)).strip() == LIBRARY.strip()
+        for p in (first, second):
+            await admitter.release(p)
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await attacker.aclose()
+
+
+async def test_an_unreadable_reply_from_our_own_library_is_not_mended_by_loading_it_again(
+        stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parser that fails on our own library's replies (a bug, or a pool key holding what no
+    Floodgate wrote) is not a replaced library: it is checked at most every
+    `Leases.RELOAD_CHECK_S`, and ours is not loaded again (a review: 22 loads of the 95 KB
+    library in 10 s, and the log blamed a foreign library)."""
+    from floodgate.extproc import schema
+
+    url = stack.start_redis()
+    cfg = Config.model_validate({
+        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.5, "reconnect_interval_s": 0.2},
+        "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
+    client = redis_client(url, op_timeout_s=0.5)
+    raw = aioredis.Redis.from_url(url)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
+    await admitter.start()
+    try:
+        def broken(_raw: object) -> object:
+            raise KeyError("a parser bug")
+
+        loads_before = await _function_loads(raw)
+        monkeypatch.setattr(schema.PoolStatus, "from_reply", staticmethod(broken))
+        assert isinstance(await admitter.admit("a", 1, "t"), Permit)  # local limits
+        await asyncio.sleep(3.0)
+        assert metrics.pool_degraded.labels("a")._value.get() == 1
+        assert await _function_loads(raw) == loads_before  # checked, found ours, not loaded
+        assert admitter.pools["a"].state._script.foreign_loads == 0
+    finally:
+        monkeypatch.undo()
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
+
+
+async def _function_loads(raw: aioredis.Redis) -> int:
+    stats = await raw.info("commandstats")
+    return int(stats.get("cmdstat_function|load", {}).get("calls", 0))

@@ -216,6 +216,72 @@ async def test_after_redis_was_emptied_no_permit_is_granted_until_every_gateway_
         assert await _until(raw, lambda lease, h: lease == [], 5)
 
 
+async def test_after_redis_was_emptied_a_listener_of_another_database_is_not_waited_for(stack: LocalStack) -> None:
+    """Pub/sub channels are server-wide: the hold after an emptied Redis lists whoever listens on
+    the pool's channels, a processor of another deployment in another database number too, which
+    is heard but never syncs here (a review: the hold lasted its whole length, 11 s at TTL 30 s).
+    Told to sync at once, this pool's processors have within the quiet time (2 s); the rest are
+    not waited for after it."""
+    async with two_processors(stack, limit=4) as (ga, _gb, raw):
+        port = raw.connection_pool.connection_kwargs["port"]
+        other_url = f"redis://127.0.0.1:{port}/1"  # the same server, database 1
+        cfg = Config.model_validate({
+            "redis": {"url": other_url, "lease_ttl_s": 30, "op_timeout_s": 2, "poll_interval_s": 0.25},
+            "pools": [{"name": "a", "match_authority": "a.x", "local_credits": 0,
+                       "limit": {"mode": "static", "initial": 4}}]})
+        other_client = redis_client(other_url, op_timeout_s=2)
+        other = Admitter(cfg, other_client, metrics=Metrics(), gateway_id="gc")  # same pool name
+        await other.start()
+        try:
+            theirs = await other.admit("a", 0, "t")
+
+            async def listening() -> bool:
+                return b"fg:{a}:gw:gc" in await raw.execute_command("PUBSUB", "SHARDCHANNELS", "fg:{a}:gw:*")
+
+            assert await wait_until(listening, 5)  # gc listens on the channel name ga and gb use
+            held = await ga.admit("a", 0, "t")
+            assert isinstance(held, Permit)
+            await raw.flushdb()  # database 0 only
+            t0 = asyncio.get_running_loop().time()
+            waiter = asyncio.create_task(ga.admit("a", 0, "t"))  # its batch starts the hold
+            assert await wait_until(lambda: _hold_lists(raw, "gc"), 5)  # gc is listed (it listens) ...
+            st = ga.pools["a"].state
+
+            async def over() -> bool:
+                return (await st.status()).hold_s == 0
+
+            assert await wait_until(over, 10)  # ... and not waited for past the quiet time (2 s)
+            assert asyncio.get_running_loop().time() - t0 < 4.0  # (its whole length is 11 s here)
+            await ga.release(held)  # a call: the grant loop runs (the test's processors poll every 60 s)
+            got = await asyncio.wait_for(waiter, 5)
+            assert isinstance(got, Permit)
+            await ga.release(got)
+            await other.release(theirs)
+        finally:
+            await other.stop()
+            await other_client.aclose()
+
+
+async def _hold_lists(raw: aioredis.Redis, gw: str) -> bool:
+    return gw in (await hold(raw, "a")).split("|")[-1].split()
+
+
+async def test_a_batch_after_a_clean_leave_starts_no_hold(stack: LocalStack) -> None:
+    """`leave` drops the gateway's fence with its liveness on purpose: a batch of the same
+    process that comes after it (a release racing the stop) must not read as Redis having lost
+    that fence, or it held every grant of the pool (a review: another processor's admit waited
+    1.5 s and got 429 with 2 of L 4 free)."""
+    async with two_processors(stack, limit=4) as (ga, gb, raw):
+        p1 = await ga.admit("a", 0, "t")
+        assert isinstance(p1, Permit)
+        await ga.pools["a"].state.leave("ga")
+        await ga.pools["a"].state.release(p1.ticket)
+        assert await hold(raw, "a") == ""  # no hold began (an ended one leaves "0|<start>|...")
+        got = await asyncio.wait_for(gb.admit("a", 1, "t"), 2)
+        assert isinstance(got, Permit)
+        await gb.release(got)
+
+
 async def _until(raw: aioredis.Redis, pred: Callable[[list[str], str], bool], timeout: float) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
