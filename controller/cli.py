@@ -163,8 +163,8 @@ def _add_simulate(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of the generated traffic and the replicas' start times")
     p.add_argument("--slo-wait", type=float, default=2.0, help="SLO: queueing delay budget in seconds")
     p.add_argument("--queue-timeout", type=float, default=SHIPPED_QUEUE_TIMEOUT_S,
-                   help=f"queued requests are rejected (429) after this long (default {SHIPPED_QUEUE_TIMEOUT_S:g}: the "
-                        "shipped default class's queue_timeout_s)")
+                   help=f"queued requests are rejected (429) after this long (default {SHIPPED_QUEUE_TIMEOUT_S:g}: "
+                        "the shipped queue_timeout_s of P1, the class of a request without a priority header)")
     p.add_argument("--warm-weight", type=float, default=1.0,
                    help="cost of a sleeping warm-pool replica-second relative to an active one; 1 unless the "
                    "sleeping replica's GPU is really given to something else (docs/controller.md, Backtest)")

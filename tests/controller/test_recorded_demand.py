@@ -15,7 +15,9 @@ from floodgate.controller.forecast import ForecastConfig
 from floodgate.controller.lifecycle import Action, WarmPoolConfig
 from floodgate.controller.policy import PolicyConfig
 
-SIM = engine.SimConfig()
+# A long queue timeout (the shipped P1's is 1.5 s): the pool holds a queue while it sheds, so
+# the history must tell the offered concurrency from running + that queue.
+SIM = engine.SimConfig(queue_timeout_s=15.0)
 
 
 @dataclass
