@@ -216,6 +216,10 @@ class Metrics:
         for reason in ("path", "method"):
             self.unadmitted.labels(pool, reason)
         self.grants_held.labels(pool)
+        # Every pool's own background loops (admission.Admitter.start runs them, after Redis
+        # answered its start-up calls: a scrape before that, in a loaded CI run, found no series).
+        for loop in ("sync", "poll"):
+            self.loop_restarts.labels(f"fg-{loop}-{pool}")
         for prio in ("0", "1", "2"):
             for outcome in ("served", "timed_out", "gone"):
                 self.budget_waits.labels(pool, prio, outcome)

@@ -89,3 +89,15 @@ def test_budget_waits_and_scale_events_start_at_zero() -> None:
         for reason in reasons:
             assert c.registry.get_sample_value("floodgate_scale_events_total",
                                                {"pool": "p", "direction": direction, "reason": reason}) == 0
+
+
+def test_a_pools_background_loops_are_counted_from_zero_before_they_start() -> None:
+    """A scrape between the metrics listener's start and the loops' (the admitter's start-up
+    calls to Redis come first) found no `floodgate_background_loop_restarts_total` series for
+    the pool's sync loop (a loaded fresh-clone CI run); `prepare` creates them."""
+    from floodgate.extproc.metrics import Metrics
+
+    m = Metrics()
+    m.prepare("p")
+    for loop in ("fg-sync-p", "fg-poll-p"):
+        assert m.registry.get_sample_value("floodgate_background_loop_restarts_total", {"loop": loop}) == 0
