@@ -1181,26 +1181,7 @@ async def test_an_unreachable_model_server_does_not_lower_the_vegas_limit_withou
     # picking; only a 502/503/504 the upstream itself sent is a drop.
     from floodgate.supervisor import free_port
 
-    stack.start_redis()
-    cfg = {"pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 16, "min": 1, "max": 100,
-                                                   "window_min_samples": 5, "window_s": 0.2}}], **TRUST_LOCAL}
-    p = stack.start_processor(cfg)
-    envoy = stack.start_envoy([("127.0.0.1", free_port())], processors=[p])  # nothing listens there
-    async with aiohttp.ClientSession() as s:
-        for _ in range(5):
-            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))
-            assert {r.status for r in replies} == {503}, [(r.status, r.body[:100]) for r in replies]
-            await asyncio.sleep(0.25)
-
-        async def counted() -> bool:
-            m = await metrics(s, p.metrics_url)
-            return sum(v for k, v in m.items() if k.startswith("floodgate_permit_outcomes_total{")) >= 40
-
-        assert await wait_until(counted, 10)
-        m = await metrics(s, p.metrics_url)
-    assert m.get('floodgate_permit_outcomes_total{outcome="ignored",pool="default"}') == 40, m
-    assert not m.get('floodgate_permit_outcomes_total{outcome="dropped",pool="default"}'), m
-    assert (await pool_status(stack.redis_url)).limit == 16
+    await _envoys_503s_leave_the_vegas_limit(stack, [("127.0.0.1", free_port())])  # nothing listens there
 
 
 async def test_envoys_own_503_does_not_lower_the_vegas_limit(stack: LocalStack) -> None:
@@ -1209,11 +1190,17 @@ async def test_envoys_own_503_does_not_lower_the_vegas_limit(stack: LocalStack) 
     # itself, and each counted as an overload drop (40 requests: the limit 16 -> 12) where a
     # refused connection no longer did. Only what the upstream answered (`via_upstream`), or
     # Envoy's timeout of an upstream too slow to answer, says anything of its load.
+    await _envoys_503s_leave_the_vegas_limit(stack, [])  # the model cluster has no endpoint at all
+
+
+async def _envoys_503s_leave_the_vegas_limit(stack: LocalStack, upstreams: list[tuple[str, int]]) -> None:
+    """40 requests that Envoy answers 503 itself (from a Vegas pool at 16, through a model
+    cluster of `upstreams`): each is `ignored` for the limit, none `dropped`; the limit stays 16."""
     stack.start_redis()
     cfg = {"pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 16, "min": 1, "max": 100,
                                                    "window_min_samples": 5, "window_s": 0.2}}], **TRUST_LOCAL}
     p = stack.start_processor(cfg)
-    envoy = stack.start_envoy([], processors=[p])  # the model cluster has no endpoint at all
+    envoy = stack.start_envoy(upstreams, processors=[p])
     async with aiohttp.ClientSession() as s:
         for _ in range(5):
             replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1)) for _ in range(8)))

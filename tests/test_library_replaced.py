@@ -10,8 +10,11 @@ runs on local limits and loads its own library again, and shared state resumes."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -41,20 +44,32 @@ async def _library(c: aioredis.Redis) -> str:
     return ""
 
 
-async def test_a_replaced_library_degrades_the_processor_and_is_loaded_again(stack: LocalStack) -> None:
+@contextlib.asynccontextmanager
+async def _processor(stack: LocalStack) -> AsyncIterator[tuple[str, Any, aioredis.Redis, Metrics, Admitter]]:
+    """A processor (gateway `gw`, pool `a`: static limit 4, no credits) on a fresh server, and a
+    plain client of that server (the attacker's, or the test's own reads)."""
     url = stack.start_redis()
     cfg = Config.model_validate({
         "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.5, "reconnect_interval_s": 0.2},
         "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
     client = redis_client(url, op_timeout_s=0.5)
-    attacker = aioredis.Redis.from_url(url)
+    raw = aioredis.Redis.from_url(url)
     metrics = Metrics()
     admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
     await admitter.start()
-
-    def degraded() -> float:
-        return metrics.pool_degraded.labels("a")._value.get()
     try:
+        yield url, client, raw, metrics, admitter
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        await raw.aclose()
+
+
+async def test_a_replaced_library_degrades_the_processor_and_is_loaded_again(stack: LocalStack) -> None:
+    async with _processor(stack) as (url, client, attacker, metrics, admitter):
+        def degraded() -> float:
+            return metrics.pool_degraded.labels("a")._value.get()
+
         first = await admitter.admit("a", 1, "t")
         assert isinstance(first, Permit) and degraded() == 0
         await attacker.function_load(JUNK, replace=True)
@@ -76,10 +91,6 @@ async def test_a_replaced_library_degrades_the_processor_and_is_loaded_again(sta
         await admitter.release(second)
         assert (await admitter.pools["a"].state.status()).inflight_total == 0
         assert (await scrape_floodgate(client, "a", 0.0)).signal.ok
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await attacker.aclose()
 
 
 JUNK_BATCH = (f"#!lua name={FUNCTION}\n"
@@ -92,16 +103,7 @@ async def test_a_batch_reply_of_another_shape_is_the_callers_failure_not_a_hang(
     """A review: a replacement answering a batch with `{{}, {'t'}, ''}` raised inside the batch
     sender after the reply, so the callers waited out their timeout and the processor stayed
     degraded for good, the library never checked. The shape is checked with the reply."""
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.5, "reconnect_interval_s": 0.2},
-        "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
-    client = redis_client(url, op_timeout_s=0.5)
-    attacker = aioredis.Redis.from_url(url)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
-    try:
+    async with _processor(stack) as (_url, _client, attacker, metrics, admitter):
         first = await admitter.admit("a", 1, "t")
         assert isinstance(first, Permit)
         await attacker.function_load(JUNK_BATCH, replace=True)
@@ -113,10 +115,6 @@ async def test_a_batch_reply_of_another_shape_is_the_callers_failure_not_a_hang(
         assert (await _library(attacker)).strip() == LIBRARY.strip()
         for p in (first, second):
             await admitter.release(p)
-    finally:
-        await admitter.stop()
-        await client.aclose()
-        await attacker.aclose()
 
 
 async def test_an_unreadable_reply_from_our_own_library_is_not_mended_by_loading_it_again(
@@ -127,31 +125,20 @@ async def test_an_unreadable_reply_from_our_own_library_is_not_mended_by_loading
     library in 10 s, and the log blamed a foreign library)."""
     from floodgate.extproc import schema
 
-    url = stack.start_redis()
-    cfg = Config.model_validate({
-        "redis": {"url": url, "lease_ttl_s": 3, "op_timeout_s": 0.5, "reconnect_interval_s": 0.2},
-        "pools": [{"name": "a", "local_credits": 0, "limit": {"mode": "static", "initial": 4}}]})
-    client = redis_client(url, op_timeout_s=0.5)
-    raw = aioredis.Redis.from_url(url)
-    metrics = Metrics()
-    admitter = Admitter(cfg, client, metrics=metrics, gateway_id="gw")
-    await admitter.start()
-    try:
+    async with _processor(stack) as (_url, _client, raw, metrics, admitter):
         def broken(_raw: object) -> object:
             raise KeyError("a parser bug")
 
         loads_before = await _function_loads(raw)
         monkeypatch.setattr(schema.PoolStatus, "from_reply", staticmethod(broken))
-        assert isinstance(await admitter.admit("a", 1, "t"), Permit)  # local limits
-        await asyncio.sleep(3.0)
-        assert metrics.pool_degraded.labels("a")._value.get() == 1
-        assert await _function_loads(raw) == loads_before  # checked, found ours, not loaded
-        assert admitter.pools["a"].state._script.foreign_loads == 0
-    finally:
-        monkeypatch.undo()
-        await admitter.stop()
-        await client.aclose()
-        await raw.aclose()
+        try:
+            assert isinstance(await admitter.admit("a", 1, "t"), Permit)  # local limits
+            await asyncio.sleep(3.0)
+            assert metrics.pool_degraded.labels("a")._value.get() == 1
+            assert await _function_loads(raw) == loads_before  # checked, found ours, not loaded
+            assert admitter.pools["a"].state._script.foreign_loads == 0
+        finally:
+            monkeypatch.undo()  # (before the processor stops: its last calls read replies too)
 
 
 async def _function_loads(raw: aioredis.Redis) -> int:
