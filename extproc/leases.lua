@@ -232,12 +232,15 @@ end
 -- A failure is not remembered: the fallback stays per message, as before.
 local HAS_SPUBLISH = false
 local CHAN = {}  -- pool -> gateway -> channel name, kept for the library's life (one concat per grant less)
+-- The pool's gateway channels start so (schema.gateway_channel).
+local function channel_prefix() return 'fg:{' .. S.pool .. '}:gw:' end
+
 local function channel(gw)
   local chans = CHAN[S.pool]
   if not chans then chans = {} CHAN[S.pool] = chans end
   local ch = chans[gw]
   if not ch then
-    ch = 'fg:{' .. S.pool .. '}:gw:' .. gw
+    ch = channel_prefix() .. gw
     chans[gw] = ch
   end
   return ch
@@ -589,7 +592,7 @@ end
 -- FLUSHALL) no liveness is left to list, but the server's pub/sub still knows the processors
 -- (a subscription outlives a FLUSHALL; after a restart each subscribes again within seconds).
 local function listeners()
-  local prefix = 'fg:{' .. S.pool .. '}:gw:'
+  local prefix = channel_prefix()
   local pat = string.gsub(prefix, '[%*%?%[%]\\]', '\\%0') .. '*'
   local found = {}
   local ok, shard = pcall(redis.call, 'PUBSUB', 'SHARDCHANNELS', pat)
