@@ -608,8 +608,9 @@ class Admitter:
         except UNREADABLE_REPLY as exc:
             # Redis answered something this version cannot read: the library under our name is
             # not ours (a holder of the processors' credentials replaced it) or a key holds what
-            # no Floodgate wrote. The request is not at fault: local limits, and our library is
-            # loaded again before the next call (an attacker review: every request a 503, for good).
+            # no Floodgate wrote. The request is not at fault: local limits, and before the next
+            # call the library is checked and ours loaded again if it is not (an attacker review:
+            # every request a 503, for good).
             self.metrics.redis_errors.labels(op).inc()
             self.metrics.redis_error_replies.labels(op).inc()
             rt.state.reload_library()

@@ -121,15 +121,18 @@ class Leases:
                 return await call(name, len(keys), *keys, *args)
         return await self._script(keys=keys, args=args)
 
+    async def _on_shard(self, key: str, *args: Any) -> Any:
+        """A command on the server that holds `key` (on a Cluster, that shard's primary: a shard
+        that is down elsewhere must not stop it)."""
+        if is_cluster(self.client):
+            node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
+            return await self.client.execute_command(*args, target_nodes=node)
+        return await self.client.execute_command(*args)
+
     async def ours(self, key: str) -> bool:
         """Is the library under our name the code this version loads (or none at all: a call
         loads it)? On a Cluster, on the shard that holds `key`."""
-        args: list[Any] = ["FUNCTION", "LIST", "LIBRARYNAME", FUNCTION, "WITHCODE"]
-        if is_cluster(self.client):
-            node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
-            libs = await self.client.execute_command(*args, target_nodes=node)
-        else:
-            libs = await self.client.execute_command(*args)
+        libs = await self._on_shard(key, "FUNCTION", "LIST", "LIBRARYNAME", FUNCTION, "WITHCODE")
         for lib in libs or []:
             info = lib if isinstance(lib, dict) else dict(zip(lib[::2], lib[1::2], strict=False))
             info = {_text(k): v for k, v in info.items()}
@@ -138,15 +141,10 @@ class Leases:
         return True
 
     async def load(self, key: str) -> bool:
-        """Load the library (REPLACE: idempotent) on the server that holds `key` (on a Cluster,
-        that shard's primary: a shard that is down elsewhere must not stop it). False when the
-        server has no Functions: calls run as a script from now on."""
+        """Load the library (REPLACE: idempotent) on the server that holds `key` (`_on_shard`).
+        False when the server has no Functions: calls run as a script from now on."""
         try:
-            if is_cluster(self.client):
-                node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
-                await self.client.execute_command("FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=node)
-            else:
-                await self.client.function_load(LIBRARY, replace=True)
+            await self._on_shard(key, "FUNCTION", "LOAD", "REPLACE", LIBRARY)
         except ResponseError as exc:
             if "unknown command" not in str(exc).lower():
                 raise
