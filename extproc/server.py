@@ -393,7 +393,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         outcome = endpoint_outcome(details, status_of(msg.response_headers))
         if endpoint:
             self.admitter.endpoint_outcome(pool, endpoint, outcome)
-        return outcome, outcome != "failed" and load_signal(details)
+        return outcome, load_signal(details)  # (a failed connection is no answer: never a load signal)
 
     def _pool_for(self, headers: dict[str, list[str]]) -> str:
         """The pool whose `match_authority` the request's :authority equals (case-insensitive),
