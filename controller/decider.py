@@ -9,7 +9,9 @@
     forecast             once per minute: the policy floor (lead window) and the pool forecast
                          (0 .. warm_pool.forecast_horizon_s)
     burst memory         lifecycle.observe_burst on the desired count
-    warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst, max)
+    shed record          lifecycle.record_shed: requests offered and turned away (the last hour)
+    warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst, max,
+                         the reserve's share: lifecycle.reserve_scale of the shed record)
     plan                 lifecycle.plan_pool -> replica actions with ids (a burst's own replicas,
                          lifecycle.returning_replicas, count toward the pool's refills)
 
@@ -32,9 +34,12 @@ from floodgate.controller import forecast as fc
 from floodgate.controller.lifecycle import (
     Action,
     BurstMemory,
+    ShedRecord,
     WarmPoolConfig,
     observe_burst,
     plan_pool,
+    record_shed,
+    reserve_scale,
     returning_replicas,
     warm_pool_target,
 )
@@ -79,6 +84,7 @@ class DeciderState:
 
     policy: PolicyState = field(default_factory=PolicyState)
     bursts: BurstMemory = field(default_factory=BurstMemory)
+    shed: ShedRecord = field(default_factory=ShedRecord)  # offered / turned away: the pool's reserve
     history: fc.DemandHistory | None = None  # None: created empty at the first tick
     acc: fc.MinuteAccumulator = field(default_factory=fc.MinuteAccumulator)
     # (minute, history end) the cached forecasts were made for: they change only when the
@@ -142,7 +148,9 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
             history = history.record(*recorded)
 
     bursts = observe_burst(state.bursts, now, plan.desired, cfg.warm_pool)
-    target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas)
+    shed = record_shed(state.shed, now, *_shed_rates(off, cfg.demand.exclude_classes), cfg.warm_pool.reserve_window_s)
+    target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas,
+                              reserve=reserve_scale(shed, now, cfg.warm_pool))
     pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix,
                    returning=returning_replicas(bursts, now, plan.desired, cfg.warm_pool),
                    stalled=signals.stalled, unhealthy=signals.unhealthy)
@@ -151,6 +159,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         state,
         policy=pstate,
         bursts=bursts,
+        shed=shed,
         history=history,
         acc=acc,
         forecast_key=key,
@@ -165,6 +174,15 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         grown_at=grown_at,
     )
     return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
+
+
+def _shed_rates(off: dm.OfferedDemand | None, exclude: tuple[int, ...]) -> tuple[float | None, float]:
+    """(offered, turned away) requests/s of the classes not excluded; offered None when the
+    tick measured neither (stale counters, or no Floodgate in front)."""
+    if off is None or off.stale:
+        return None, 0.0
+    offered = sum(v for c, v in off.offered_rate.items() if c not in exclude)
+    return offered, off.lacking_rate(exclude)
 
 
 def offered_concurrency(plan: ScalePlan) -> float:

@@ -141,6 +141,17 @@ class WarmPoolConfig(BaseModel):
     forecast_horizon_s: float = Field(
         default=1800.0, ge=0, description="The pool is sized for the forecast peak over [now, now + this]."
     )
+    reserve_shed_share: float | None = Field(
+        default=0.005, gt=0, le=1, description="The constant reserve (`burst_fraction`) is insurance against "
+        "requests turned away: it is held in full once admission turns away this share of the requests offered "
+        "over `reserve_window_s` (classes in `demand.exclude_classes` left out), and in proportion below it "
+        "(none turned away: no constant reserve; the forecast rise and the burst memory still size the pool). "
+        "Held in full while the controller has measured less than half the window (just started, counters "
+        "stale, or no Floodgate in front). null: always in full."
+    )
+    reserve_window_s: float = Field(
+        default=3600.0, gt=0, description="The window of offered and turned-away requests `reserve_shed_share` reads."
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> WarmPoolConfig:
@@ -194,14 +205,61 @@ def returning_replicas(mem: BurstMemory, now: float, desired_active: int, cfg: W
     return max(0, desired_active - mem.lows[0][1])
 
 
+@dataclass(frozen=True, slots=True)
+class ShedRecord:
+    """Requests offered and turned away (classes not excluded) per minute, over the last
+    `reserve_window_s`: (minute, offered, turned away, seconds measured) oldest first, and when
+    the last tick was recorded. Integrated from each tick's offered-demand rates."""
+
+    minutes: tuple[tuple[int, float, float, float], ...] = ()
+    last_at: float | None = None
+
+
+# A gap between two ticks longer than this is not integrated (the controller was stopped, or
+# lost the leader lease): the minutes it spans count as not measured.
+_SHED_MAX_GAP_S = 10.0
+
+
+def record_shed(rec: ShedRecord, now: float, offered: float | None, turned_away: float,
+                window_s: float) -> ShedRecord:
+    """`rec` with this tick: `offered` and `turned_away` are rates (requests/s) over the demand
+    window, None when they are stale or not measured (that time counts as not measured)."""
+    minutes = [m for m in rec.minutes if (now - m[0] * 60.0) <= window_s + 60.0]
+    dt = 0.0 if rec.last_at is None else now - rec.last_at
+    if offered is not None and 0.0 < dt <= _SHED_MAX_GAP_S:
+        minute = int(now // 60)
+        if minutes and minutes[-1][0] == minute:
+            _, o, t, c = minutes[-1]
+            minutes[-1] = (minute, o + offered * dt, t + turned_away * dt, c + dt)
+        else:
+            minutes.append((minute, offered * dt, turned_away * dt, dt))
+    return ShedRecord(tuple(minutes), now)
+
+
+def reserve_scale(rec: ShedRecord, now: float, cfg: WarmPoolConfig) -> float:
+    """The share of the constant reserve to hold (`reserve_shed_share`): 1 until half the
+    window is measured; else the window's turned-away share over `reserve_shed_share`, at most 1."""
+    if cfg.reserve_shed_share is None:
+        return 1.0
+    inside = [m for m in rec.minutes if now - m[0] * 60.0 <= cfg.reserve_window_s]
+    if sum(m[3] for m in inside) < cfg.reserve_window_s / 2:
+        return 1.0
+    offered = sum(m[1] for m in inside)
+    if offered <= 0.0:
+        return 0.0
+    return min(1.0, sum(m[2] for m in inside) / offered / cfg.reserve_shed_share)
+
+
 def warm_pool_target(
     desired_active: int,
     forecast_replicas: int | None,
     cfg: WarmPoolConfig,
     largest_burst: int = 0,
     max_active: int | None = None,
+    reserve: float = 1.0,
 ) -> int:
-    """Pool size that follows the forecast: a burst reserve proportional to the expected size,
+    """Pool size that follows the forecast: a burst reserve proportional to the expected size
+    (times `reserve`, `reserve_scale`: the share of it the recent turned-away requests call for),
     plus the forecast rise above the current desired count (so pre-scaling wakes instead of
     cold-starting); at least `burst_memory_fraction` of the largest recent burst
     (`BurstMemory.largest()`), so a burst that repeats is answered by wakes.
@@ -212,7 +270,7 @@ def warm_pool_target(
     if not cfg.enabled:
         return 0
     f = forecast_replicas or 0
-    target = math.ceil(cfg.burst_fraction * max(desired_active, f) - 1e-9) + max(0, f - desired_active)
+    target = math.ceil(reserve * cfg.burst_fraction * max(desired_active, f) - 1e-9) + max(0, f - desired_active)
     target = max(target, int(cfg.burst_memory_fraction * largest_burst + 1e-9))
     target = min(max(target, cfg.min_size), cfg.max_size)
     if max_active is not None:

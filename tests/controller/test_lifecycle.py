@@ -11,11 +11,14 @@ from floodgate.controller.lifecycle import (
     BurstMemory,
     Event,
     InvalidTransition,
+    ShedRecord,
     WarmPoolConfig,
     apply_action,
     apply_event,
     observe_burst,
     plan_pool,
+    record_shed,
+    reserve_scale,
     returning_replicas,
     transition,
     warm_pool_target,
@@ -150,6 +153,63 @@ def test_warm_pool_target_covers_half_the_largest_recent_burst() -> None:
     assert warm_pool_target(8, None, cfg, largest_burst=2) == 2  # reserve wins
     assert warm_pool_target(8, None, cfg, largest_burst=50) == 16  # max_size
     assert warm_pool_target(8, None, cfg.model_copy(update={"enabled": False}), largest_burst=12) == 0
+
+
+def _shed(cfg: WarmPoolConfig, ticks: list[tuple[float, float | None, float]], t0: float = NOW) -> ShedRecord:
+    """Ticks of (seconds after the previous one, offered/s or None for a stale tick, turned away/s)."""
+    rec, now = ShedRecord(), t0
+    rec = record_shed(rec, now, None, 0.0, cfg.reserve_window_s)  # the first tick: nothing to integrate yet
+    for dt, offered, turned in ticks:
+        now += dt
+        rec = record_shed(rec, now, offered, turned, cfg.reserve_window_s)
+    return rec
+
+
+def test_the_reserve_follows_the_share_turned_away_over_the_window() -> None:
+    cfg = WarmPoolConfig(reserve_shed_share=0.005, reserve_window_s=3600)
+    hour = 3600
+    # Nothing turned away for an hour: no constant reserve.
+    clean = _shed(cfg, [(1.0, 10.0, 0.0)] * hour)
+    assert reserve_scale(clean, NOW + hour, cfg) == 0.0
+    # 0.25 % turned away: half of it; 0.5 % or more: all of it.
+    assert reserve_scale(_shed(cfg, [(1.0, 10.0, 0.025)] * hour), NOW + hour, cfg) == pytest.approx(0.5)
+    assert reserve_scale(_shed(cfg, [(1.0, 10.0, 0.05)] * hour), NOW + hour, cfg) == pytest.approx(1.0)
+    assert reserve_scale(_shed(cfg, [(1.0, 10.0, 5.0)] * hour), NOW + hour, cfg) == 1.0
+    # One minute of shedding inside a clean hour is read against the whole hour's offered
+    # requests: 60 of ~36,000 (0.17 %), a third of the reserve.
+    spike = [(1.0, 10.0, 0.0)] * (hour - 60) + [(1.0, 10.0, 1.0)] * 60
+    assert reserve_scale(_shed(cfg, spike), NOW + hour, cfg) == pytest.approx(1 / 3, rel=0.03)
+    # An idle pool (nothing offered) holds none.
+    assert reserve_scale(_shed(cfg, [(1.0, 0.0, 0.0)] * hour), NOW + hour, cfg) == 0.0
+
+
+def test_the_reserve_is_held_in_full_until_half_the_window_is_measured() -> None:
+    cfg = WarmPoolConfig(reserve_shed_share=0.005, reserve_window_s=3600)
+    assert reserve_scale(ShedRecord(), NOW, cfg) == 1.0  # just started
+    assert reserve_scale(_shed(cfg, [(1.0, 10.0, 0.0)] * 1700), NOW + 1700, cfg) == 1.0
+    assert reserve_scale(_shed(cfg, [(1.0, 10.0, 0.0)] * 1900), NOW + 1900, cfg) == 0.0
+    # Stale ticks (no counters, or no Floodgate in front) measure nothing: still in full.
+    assert reserve_scale(_shed(cfg, [(1.0, None, 0.0)] * 3600), NOW + 3600, cfg) == 1.0
+    # A gap between ticks (a stopped controller, a lost leader lease) is not integrated.
+    gap = _shed(cfg, [(1.0, 10.0, 0.0)] * 1000 + [(1800.0, 10.0, 0.0)] + [(1.0, 10.0, 0.0)] * 100)
+    assert reserve_scale(gap, NOW + 2900, cfg) == 1.0
+    # Measurements older than the window are forgotten: an hour clean, then an hour stale.
+    old = _shed(cfg, [(1.0, 10.0, 0.0)] * 3600 + [(1.0, None, 0.0)] * 3600)
+    assert reserve_scale(old, NOW + 7200, cfg) == 1.0
+    assert len(old.minutes) <= 62  # bounded: one entry a minute over the window
+    # null: the reserve is always held in full (the behaviour before).
+    off = cfg.model_copy(update={"reserve_shed_share": None})
+    assert reserve_scale(_shed(off, [(1.0, 10.0, 0.0)] * 3600), NOW + 3600, off) == 1.0
+
+
+def test_warm_pool_target_scales_only_the_constant_reserve() -> None:
+    cfg = WarmPoolConfig(burst_fraction=0.25, max_size=16, burst_memory_fraction=0.5)
+    assert warm_pool_target(8, None, cfg, reserve=1.0) == 2
+    assert warm_pool_target(8, None, cfg, reserve=0.5) == 1
+    assert warm_pool_target(8, None, cfg, reserve=0.0) == 0
+    assert warm_pool_target(8, 12, cfg, reserve=0.0) == 4  # the forecast rise stays
+    assert warm_pool_target(8, None, cfg, largest_burst=6, reserve=0.0) == 3  # and the burst memory
+    assert warm_pool_target(8, None, cfg.model_copy(update={"min_size": 1}), reserve=0.0) == 1  # and min_size
 
 
 def _feed(cfg: WarmPoolConfig, series: list[tuple[float, int]]) -> BurstMemory:

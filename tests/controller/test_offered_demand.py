@@ -599,3 +599,26 @@ async def test_malformed_requests_through_envoy_are_no_demand(stack: LocalStack,
     off = offered(w, t0 + 5, dc)
     assert off.source == "floodgate+envoy" and off.envoy_excess_rate == 0.0 and off.lacking_rate() == 0.0
     assert burst_concurrency(w, t0 + 5, dc, 0.5).size == 0.0
+
+
+def test_the_pool_holds_its_constant_reserve_only_while_requests_are_turned_away(clock: FakeClock) -> None:
+    """The warm pool's constant reserve (`burst_fraction` of the desired count) is insurance
+    against turned-away requests (`warm_pool.reserve_shed_share`): a pool that turned none away
+    over the last hour holds none of it, one that sheds holds all of it, and a controller that
+    cannot read the counters holds it in full."""
+    pool = WarmPoolConfig(burst_fraction=0.5, burst_memory_s=0, reserve_window_s=600)
+    c = replace(cfg(), warm_pool=pool, policy=POLICY.model_copy(update={"max_replicas": 100}))
+    st, d = run(c, clock, 200, {})
+    assert d.warm_target == 1  # type: ignore[attr-defined]  # measured under half the window: in full (0.5 x 2)
+    st, d = run(c, clock, 200, {}, state=st)
+    assert d.warm_target == 0  # type: ignore[attr-defined]  # 400 s of 600 measured, none turned away
+    # Two minutes of shedding, 0.65 % of the window's offered requests (the default share is
+    # 0.5 %): the reserve is back in full, on the desired count the shedding raised.
+    st, d = run(c, clock, 120, {1: 0.2}, state=st)
+    assert d.plan.desired > 2 and d.warm_target == math.ceil(0.5 * d.plan.desired)  # type: ignore[attr-defined]
+    # Unreadable counters: nothing measured while the window moves on; in full again.
+    st, d = run(c, FakeClock(clock.now + 700), 400, {}, counters_ok=False, state=st)
+    assert d.warm_target == math.ceil(0.5 * d.plan.desired) > 0  # type: ignore[attr-defined]
+    # The setting at null keeps the reserve whatever is turned away.
+    _, d = run(replace(c, warm_pool=pool.model_copy(update={"reserve_shed_share": None})), FakeClock(), 400, {})
+    assert d.warm_target == 1  # type: ignore[attr-defined]
