@@ -529,6 +529,7 @@ class PoolController:
         m.desired.labels(pool=self.pool).set(plan.desired)
         m.actual.labels(pool=self.pool).set(plan.active)
         m.warm_target.labels(pool=self.pool).set(d.warm_target)
+        m.warm_reserve.labels(pool=self.pool).set(d.reserve)
         m.demand.labels(pool=self.pool).set(plan.demand)
         m.lacking.labels(pool=self.pool).set(plan.lacking)
         m.per_replica.labels(pool=self.pool).set(d.per_replica)
@@ -555,6 +556,7 @@ class PoolController:
                       running=round(plan.running, 2), kv_mean=plan.kv_mean, stale=plan.stale,
                       panic=plan.panic, recommendation=plan.recommendation, stabilized=plan.stabilized,
                       floor=d.floor, forecast=d.forecast.reason, warm_target=d.warm_target,
+                      warm_reserve=round(d.reserve, 3),
                       lacking=round(plan.lacking, 2), burst=round(plan.burst, 2), burst_low=round(plan.burst_low, 2),
                       burst_mid=round(plan.burst_mid, 2), burst_high=round(plan.burst_high, 2), per_replica=round(d.per_replica, 2),
                       offered=None if d.offered is None else {

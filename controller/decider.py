@@ -116,6 +116,7 @@ class Decision:
     recorded: tuple[int, float] | None  # (minute, mean demand) closed into the history this tick
     offered: dm.OfferedDemand | None = None  # reconciled offered demand (None: not wired)
     per_replica: float = 0.0  # the capacity the pool was sized with (learned or the prior)
+    reserve: float = 1.0  # the share of the pool's constant reserve held (lifecycle.reserve_scale)
 
 
 def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float) -> tuple[DeciderState, Decision]:
@@ -149,8 +150,9 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
 
     bursts = observe_burst(state.bursts, now, plan.desired, cfg.warm_pool)
     shed = record_shed(state.shed, now, *_shed_rates(off, cfg.demand.exclude_classes), cfg.warm_pool.reserve_window_s)
+    reserve = reserve_scale(shed, now, cfg.warm_pool)
     target = warm_pool_target(plan.desired, pool_floor, cfg.warm_pool, bursts.largest(), cfg.policy.max_replicas,
-                              reserve=reserve_scale(shed, now, cfg.warm_pool))
+                              reserve=reserve)
     pp = plan_pool(plan.desired, signals.replicas, target, now, cfg.warm_pool, state.next_seq, cfg.id_prefix,
                    returning=returning_replicas(bursts, now, plan.desired, cfg.warm_pool),
                    stalled=signals.stalled, unhealthy=signals.unhealthy)
@@ -173,7 +175,7 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
         active=active,
         grown_at=grown_at,
     )
-    return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc)
+    return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc, reserve)
 
 
 def _shed_rates(off: dm.OfferedDemand | None, exclude: tuple[int, ...]) -> tuple[float | None, float]:

@@ -40,6 +40,10 @@ class ControllerMetrics:
         self.desired = Gauge("floodgate_desired_replicas", "Desired active replicas (policy output).", ["pool"], registry=r)
         self.actual = Gauge("floodgate_actual_replicas", "Active replicas (serving, in the registry).", ["pool"], registry=r)
         self.warm_target = Gauge("floodgate_warm_pool_target", "Warm-pool target size.", ["pool"], registry=r)
+        self.warm_reserve = Gauge("floodgate_warm_pool_reserve_share", "Share of the warm pool's constant reserve "
+                                  "(burst_fraction) held: the last hour's turned-away share over "
+                                  "warm_pool.reserve_shed_share, at most 1 (1 until half the hour is measured).",
+                                  ["pool"], registry=r)
         self.scale_events = Counter("floodgate_scale_events_total", "Changes of the desired count.",
                                     ["pool", "direction", "reason"], registry=r)
         self.actions = Counter("floodgate_replica_actions_total", "Lifecycle actions: outcome `issued` once per "
@@ -122,7 +126,8 @@ class ControllerMetrics:
         a standby's last decisions read as current: KEDA's `max(floodgate_desired_replicas)` took
         the old leader's 3 over the new one's 1, and Grafana's `sum by (state)` counted the
         replicas twice (an operator review). Counters stay: they only count what happened."""
-        for g in (self.replicas, self.desired, self.actual, self.warm_target, self.start_backoff, self.forecast,
+        for g in (self.replicas, self.desired, self.actual, self.warm_target, self.warm_reserve, self.start_backoff,
+                  self.forecast,
                   self.forecast_demand, self.demand, self.lacking, self.offered_rate, self.turned_away_rate,
                   self.per_replica, self.ceiling):
             g.clear()

@@ -611,7 +611,7 @@ def test_the_pool_holds_its_constant_reserve_only_while_requests_are_turned_away
     st, d = run(c, clock, 200, {})
     assert d.warm_target == 1  # type: ignore[attr-defined]  # measured under half the window: in full (0.5 x 2)
     st, d = run(c, clock, 200, {}, state=st)
-    assert d.warm_target == 0  # type: ignore[attr-defined]  # 400 s of 600 measured, none turned away
+    assert d.warm_target == 0 and d.reserve == 0.0  # type: ignore[attr-defined]  # 400 s of 600 measured, none away
     # Two minutes of shedding, 0.65 % of the window's offered requests (the default share is
     # 0.5 %): the reserve is back in full, on the desired count the shedding raised.
     st, d = run(c, clock, 120, {1: 0.2}, state=st)
