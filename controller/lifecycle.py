@@ -216,8 +216,9 @@ class ShedRecord:
 
 
 # A gap between two ticks longer than this is not integrated (the controller was stopped, or
-# lost the leader lease): the minutes it spans count as not measured.
-_SHED_MAX_GAP_S = 10.0
+# lost the leader lease): the minutes it spans count as not measured. The longest tick
+# (`tick_interval_s` ≤ 60) is integrated.
+_SHED_MAX_GAP_S = 60.0
 
 
 def record_shed(rec: ShedRecord, now: float, offered: float | None, turned_away: float,
