@@ -44,7 +44,7 @@ from floodgate.extproc.backends import (
     Waiter,
 )
 from floodgate.extproc.cancel import cancel_and_wait
-from floodgate.extproc.config import ClassConfig, Config, PoolConfig
+from floodgate.extproc.config import MESSAGE_TIMEOUT_MARGIN_S, ClassConfig, Config, PoolConfig
 from floodgate.extproc.ejection import EjectionSettings, Ejector, EndpointOutcome, ejectable
 from floodgate.extproc.endpoint_guard import make_guard
 from floodgate.extproc.limit import (
@@ -951,18 +951,20 @@ class Admitter:
     # ---------------------------------------------------------------- admission
 
     async def admit(self, pool: str, priority: int, tenant: str, tokens: float | None = None, *,
-                    retry: bool = False, caller: str = "") -> Permit | Reject:
+                    retry: bool = False, caller: str = "", age_s: float = 0.0) -> Permit | Reject:
         """`tokens`: the request's prompt tokens for the prefill estimate (`prompt_tokens`;
         None: the pool's `prefill_request_tokens`). `retry`: the client says it sent this
         request before (`admission.retry_count_header`); if turned away it is counted as
         `retried`, no demand (schema.NOT_DEMAND); if admitted and its first attempt was turned
         away here, also as `retried_admitted` (schema.RETRIED_ADMITTED, extproc/retry_match.py).
-        `caller`: who sent it (mTLS peer or source address), part of that match."""
+        `caller`: who sent it (mTLS peer or source address), part of that match. `age_s`: how
+        long ago Envoy took the request in (server.request_age), see `queue_timeout`."""
         rt = self.pools[pool]
         started = self.clock()
         if not tenant and self.cfg.admission.anonymous_tenant_cap:
             tenant = "(anonymous)"  # tenant-less requests share one tenant cap only when configured
-        req = Request(pool, priority, tenant, started, started + rt.cfg.classes[priority].queue_timeout_s, tokens)
+        req = Request(pool, priority, tenant, started, started + self.queue_timeout(rt.cfg.classes[priority], age_s),
+                      tokens)
         rt.arrivals[priority].bump(started)
         rt.arrivals_fast[priority].bump(started)
         result: Permit | Reject | None = None
@@ -993,6 +995,20 @@ class Admitter:
             raise
         self._count_result(rt, priority, result, retry, tenant, caller)
         return result
+
+    def queue_timeout(self, c: ClassConfig, age_s: float) -> float:
+        """How long a request `age_s` old may wait here: its class's `queue_timeout_s`, but never
+        past Envoy's ext_proc `message_timeout` (`server.envoy_message_timeout_s`, less the margin
+        the config check keeps) counted from when Envoy took it in. Envoy retries the stream of a
+        request queued at a processor that died (the filter's `retry_policy`) on another one, and
+        its message timer keeps running from the first send: given a fresh queue timeout there, a
+        request that had already waited got Envoy's 504 ("admission unavailable, retry after
+        1 s") instead of a 429 with its Retry-After (a review: P0s queued 18 s at a killed
+        processor, 504 at 35 s). A fresh request is ~0 s old: no change."""
+        if age_s <= 0:
+            return c.queue_timeout_s
+        room = self.cfg.server.envoy_message_timeout_s - MESSAGE_TIMEOUT_MARGIN_S - age_s
+        return max(0.0, min(c.queue_timeout_s, room))
 
     async def _registered(self, rt: PoolRuntime, endpoint: str) -> bool:
         """Is a granted endpoint one the controller registered? A grant names its endpoint (the

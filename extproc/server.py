@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import grpc
@@ -167,6 +168,22 @@ def tenant_key(tenant: str) -> str:
         return tenant
     digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
     return f"{tenant[:64]}#{digest}"
+
+
+def request_age(value: object, now: float, limit: float) -> float:
+    """Seconds since Envoy took the request in, by its `request.time` attribute (RFC 3339, as
+    Envoy 1.40 sends it: "2026-12-07T13:07:13.515499+00:00") and this process's clock `now`
+    (`time.time()`). 0 when it says nothing usable: absent, unreadable, in the future, or older
+    than `limit` (Envoy's message timeout: no request still waiting for its reply is that old,
+    so the clocks disagree). Never raises: an attribute changes no decision it cannot support."""
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        return 0.0
+    try:
+        at = datetime.fromisoformat(value).timestamp()
+    except (ValueError, OverflowError, OSError):
+        return 0.0
+    age = now - at
+    return age if 0 < age <= limit else 0.0
 
 
 def status_of(headers: pb.HttpHeaders) -> int:
@@ -511,8 +528,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         sized = self._sized.get(pool)
         tokens = sized(headers.get("content-length"), headers.get("content-encoding")) if sized else None
         retry = bool(self._retry_header) and is_retry(headers.get(self._retry_header))
+        # (a stream Envoy retried here from a processor that died comes with the time it first
+        # took the request in: its wait here ends before Envoy's message timeout, admission.queue_timeout)
+        attrs = first.attributes[ATTR_NS] if ATTR_NS in first.attributes else None
+        age = request_age(_attr(attrs, "request.time"), time.time(), self.cfg.server.envoy_message_timeout_s)
         result = await self.admitter.admit(pool, decision.priority, caller.tenant or "", tokens, retry=retry,
-                                           caller=caller.identity)
+                                           caller=caller.identity, age_s=age)
         if isinstance(result, Reject):
             reply = reject_response(result, decision.priority)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "rejected", result.reason)).observe(
