@@ -361,6 +361,9 @@ def run(args: argparse.Namespace) -> int:
     from floodgate.yamlconfig import read_mapping
 
     config: dict[str, Any] = DEMO_CONFIG
+    # (before the --config and the controller config are read: they would apply them too)
+    for dropped in _drop_env_overrides():
+        print(f"floodgate up: {dropped}", file=sys.stderr)
     try:
         port = choose_port(args.port, "--port", args.any_port)
         admin = choose_port(args.admin_port, "--admin-port", args.any_port)
@@ -636,6 +639,28 @@ def _wait_serving(gateway: str, timeout: float, ctl: Any, processors: int = 1) -
         streak = 0
         time.sleep(0.2)
     raise TimeoutError(f"the gateway {gateway} did not serve a request in {timeout:.0f} s (last: {last})")
+
+
+def _drop_env_overrides() -> list[str]:
+    """Take the processors' and the controller's config overrides (FLOODGATE_REDIS_URL, ...) out
+    of this process's environment, which the stack's children inherit, and say which were set.
+    Those variables win over a config file, and `up` configures its children through files: an
+    operator's FLOODGATE_REDIS_URL (the default of `floodgate status`) sent the local processors
+    and controller to that Redis, writing pool settings and a replica registry there, while `up`
+    waited on its own Redis for replicas that never came; FLOODGATE_GATEWAY_ID gave both
+    processors one id (the second refused to start); FLOODGATE_ENVOY_ADMIN_URL had the
+    controller scale on another Envoy's stats."""
+    import os
+
+    from floodgate.controller.config import ENV_OVERRIDES as CONTROLLER_ENV
+    from floodgate.extproc.config import ENV_OVERRIDES as PROCESSOR_ENV
+
+    notes = []
+    for name in sorted({*PROCESSOR_ENV, *CONTROLLER_ENV}):
+        if os.environ.pop(name, None) is not None:
+            notes.append(f"{name} is set: ignored (the local stack configures its processes itself"
+                         + ("; --redis-url names another Redis)" if name.startswith("FLOODGATE_REDIS_") else ")"))
+    return notes
 
 
 def _loopback_allowlist(pool: dict[str, Any]) -> str | None:

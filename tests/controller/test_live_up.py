@@ -264,6 +264,60 @@ def test_up_check_args_accepts_the_defaults_and_the_documented_ones() -> None:
     assert check_args(parser.parse_args(["up", "--demo-rate", "3"])) is None
 
 
+def _up_serves(tmp_path: Path, argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run `floodgate up --no-demo` (1 replica, no warm pool) with `argv` and `env`, check that its
+    gateway serves a request, stop it with SIGINT; its stderr."""
+    port, admin = free_port(), free_port()
+    log = tmp_path / "up.err"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "floodgate", "up", "--no-demo", "--replicas", "1", "--warm-pool", "0",
+             "--port", str(port), "--admin-port", str(admin), "--sim-cold-start", "0.3", *argv],
+            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            def serving() -> bool:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                return "replicas active 1/1" in log.read_text()
+
+            _wait(serving, 90)
+            assert _post(f"http://127.0.0.1:{port}") == 200
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) in (0, 130)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return log.read_text()
+
+
+def test_up_ignores_the_components_env_overrides(tmp_path: Path) -> None:
+    """The processors' and the controller's env overrides win over their config files, through
+    which `up` configures them: an operator's FLOODGATE_REDIS_URL (the default of `floodgate
+    status`) sent the local stack's processors and controller to that Redis (pool settings and a
+    replica registry written there) while `up` waited on its own Redis for replicas that never
+    came; FLOODGATE_GATEWAY_ID gave both processors one id (the second exited 2). Now they are
+    dropped, with a note each, before the configs are read (a bad FLOODGATE_LISTEN is no error)."""
+    from floodgate.supervisor import Supervisor
+
+    (tmp_path / "other").mkdir()
+    with Supervisor(workdir=tmp_path / "other") as sup:
+        _, other = sup.start_redis()
+        text = _up_serves(tmp_path, ["--processors", "2"], env={
+            "FLOODGATE_REDIS_URL": other, "FLOODGATE_GATEWAY_ID": "gw-1",
+            "FLOODGATE_ENVOY_ADMIN_URL": "http://127.0.0.1:1", "FLOODGATE_CONTROLLER_METRICS_LISTEN": "127.0.0.1:1",
+            "FLOODGATE_LISTEN": "not-an-address"})
+        for name in ("FLOODGATE_REDIS_URL", "FLOODGATE_GATEWAY_ID", "FLOODGATE_ENVOY_ADMIN_URL",
+                     "FLOODGATE_CONTROLLER_METRICS_LISTEN", "FLOODGATE_LISTEN"):
+            assert f"{name} is set: ignored" in text, text[-3000:]
+        import redis
+
+        c = redis.Redis.from_url(other)
+        try:
+            assert c.keys("*") == [], "the stack wrote into the Redis of FLOODGATE_REDIS_URL"
+        finally:
+            c.close()
+
+
 def test_up_refuses_a_config_of_several_pools(tmp_path: Path) -> None:
     """The local stack's controller scales one pool: a second pool's requests got `503
     no_endpoints` for as long as the stack ran, without a word (an operator review)."""
