@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes (default: %(default)s)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
-    p.add_argument("--config", type=Path, help="processor config YAML of one pool (default: demo config, trusts 127.0.0.0/8); its pool picks only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note), and with `engine_priority` the emulated engines schedule by priority")
+    p.add_argument("--config", type=Path, help="processor config YAML of one pool (default: demo config, trusts 127.0.0.0/8); its pool picks only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note), and with `engine_priority` the emulated engines schedule by priority; its server section's tls and health_listen are left out (each processor gets loopback ports of its own, plaintext)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory (every process's log, the "
                    "generated configs) after a clean stop too; it is always kept after a failure")
@@ -370,6 +370,9 @@ def run(args: argparse.Namespace) -> int:
     except PortBusy as exc:
         print(f"floodgate up: {exc}", file=sys.stderr)
         return 2
+    if port == admin:  # Envoy would fail to bind its second listener: a traceback after Redis and the processors
+        print(f"floodgate up: --port and --admin-port are both {port}: give them different ports", file=sys.stderr)
+        return 2
     if args.config:
         try:
             load_config(args.config)
@@ -411,7 +414,11 @@ def run(args: argparse.Namespace) -> int:
                     return 1
                 stack.redis_url = args.redis_url
             else:
-                stack.start_redis()
+                try:
+                    stack.start_redis()
+                except (RuntimeError, OSError) as exc:
+                    print(f"floodgate up: {_start_failure(sup, exc)}", file=sys.stderr)
+                    return 1
             # The controller's replicas come and go: Envoy reaches them through endpoint picking.
             pools = [dict(p) for p in config.get("pools") or [{"name": "default"}]]
             for p in pools:
@@ -428,11 +435,20 @@ def run(args: argparse.Namespace) -> int:
                 if note:
                     print(f"floodgate up: {note}", file=sys.stderr)
             config = {**config, "pools": pools}
+            server, note = _local_server(config.get("server"))
+            if note:
+                print(f"floodgate up: {note}", file=sys.stderr)
+                config = {**config, "server": server}
             pool = str(pools[0].get("name", "default"))
             picking = any(p.get("endpoint_picking") for p in pools)
-            for _ in range(args.processors):
-                stack.start_processor(config)
-            envoy = stack.start_envoy([], port=port, admin_port=admin, name="envoy", picking=picking)
+            try:
+                for _ in range(args.processors):
+                    stack.start_processor(config)
+                envoy = stack.start_envoy([], port=port, admin_port=admin, name="envoy", picking=picking)
+            except (RuntimeError, OSError) as exc:  # (TimeoutError is an OSError)
+                # A child that exited or never listened: say which, and its log (was a traceback).
+                print(f"floodgate up: {_start_failure(sup, exc)}", file=sys.stderr)
+                return 1
             ctl_metrics = free_port()
             replica_dir = sup.workdir / "replicas"
             ctl_cfg = controller_config(args, stack.redis_url, envoy.admin_port, ctl_metrics, replica_dir, pool,
@@ -661,6 +677,35 @@ def _drop_env_overrides() -> list[str]:
             notes.append(f"{name} is set: ignored (the local stack configures its processes itself"
                          + ("; --redis-url names another Redis)" if name.startswith("FLOODGATE_REDIS_") else ")"))
     return notes
+
+
+def _local_server(server: Any) -> tuple[Any, str | None]:
+    """The processor config's `server` section for this stack, and a note when it had to change:
+    `up` gives each processor its own loopback ports and its Envoy speaks plaintext gRPC to them,
+    so a config's `server.tls` (Envoy's health checks and streams would fail the handshake: the
+    stack never came up, a traceback after 20 s) and `server.health_listen` (one fixed port for
+    every processor: the second could not bind it) are left out."""
+    if not isinstance(server, dict):
+        return server, None
+    dropped = [k for k in ("tls", "health_listen") if server.get(k) is not None]
+    if not dropped:
+        return server, None
+    return ({k: v for k, v in server.items() if k not in dropped},
+            f"{', '.join('server.' + k for k in dropped)} left out (the local stack's Envoy reaches each "
+            "processor in plaintext on a loopback port of its own)")
+
+
+def _start_failure(sup: Supervisor, exc: BaseException) -> str:
+    """What to print when a child of the stack did not start: which one (the last started: they
+    start one at a time), the error, and the end of its log."""
+    from floodgate.binaries import BinaryNotFound
+
+    child = sup.children[-1] if sup.children else None
+    if child is None or isinstance(exc, BinaryNotFound) or (isinstance(exc, OSError) and not isinstance(exc, TimeoutError)):
+        return str(exc)  # (no binary, or one that could not be run: no child of it to blame)
+    said = (str(exc).splitlines() or [type(exc).__name__])[0]  # (some carry a log tail of their own)
+    tail = "\n".join("  " + line for line in child.log_tail(15).splitlines())
+    return f"{child.name} did not start: {said}; its log: {child.log_path}" + (f"\n{tail}" if tail else "")
 
 
 def _loopback_allowlist(pool: dict[str, Any]) -> str | None:

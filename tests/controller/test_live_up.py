@@ -318,6 +318,44 @@ def test_up_ignores_the_components_env_overrides(tmp_path: Path) -> None:
             c.close()
 
 
+def test_up_says_which_process_did_not_start_without_a_traceback(tmp_path: Path) -> None:
+    """A child of the stack that exits at start (here an Envoy binary that fails) was a Python
+    traceback (`RuntimeError: process exited with 1 before listening on N`); now one line names
+    it and its log, exit 1. The same port given twice is refused before anything starts (Envoy
+    could not bind its second listener: the same traceback, after Redis and the processors)."""
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(port),
+                        "--admin-port", str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert f"--port and --admin-port are both {port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "logs and configs in" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
+                        "--admin-port", str(free_port())], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "FLOODGATE_ENVOY_BIN": "/bin/false"})
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "floodgate up: envoy did not start: process exited with 1" in r.stderr, r.stderr[-2000:]
+    assert "envoy.log" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    found = re.search(r"logs and configs kept in (\S+)", r.stderr)
+    assert found is not None, r.stderr
+    shutil.rmtree(found.group(1), ignore_errors=True)
+
+
+def test_up_serves_with_a_config_for_tls_and_a_health_port(tmp_path: Path) -> None:
+    """A production processor config (TLS on the ext_proc port, a plaintext health port) given
+    to `up --config`: the stack's Envoy speaks plaintext to its processors, each on ports of
+    its own, so Envoy found no healthy processor (a traceback after 20 s) and a second
+    processor could not bind the one health port. Both are left out here, with a note."""
+    from tests.certs import make_pki
+
+    server = make_pki(tmp_path / "pki").issue("processor", ips=("127.0.0.1",))
+    cfg = tmp_path / "prod.yaml"
+    cfg.write_text(yaml.safe_dump({"server": {
+        "tls": {"cert_file": str(server.cert), "key_file": str(server.key)},
+        "health_listen": f"127.0.0.1:{free_port()}"}}))
+    text = _up_serves(tmp_path, ["--processors", "2", "--config", str(cfg)])
+    assert "server.tls, server.health_listen left out" in text, text[-3000:]
+
+
 def test_up_refuses_a_config_of_several_pools(tmp_path: Path) -> None:
     """The local stack's controller scales one pool: a second pool's requests got `503
     no_endpoints` for as long as the stack ran, without a word (an operator review)."""
