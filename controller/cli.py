@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from floodgate.validators import out_dir
+
 if TYPE_CHECKING:
     from floodgate.controller.backtest.suite import Settings
 
@@ -178,7 +180,7 @@ def _add_simulate(sub: Any) -> None:
                         "no admission model, served demand only, no learned capacity); `oracle` is accepted as "
                         "an old alias of zero-wait and reported as zero-wait")
     p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:`, `capacity:` sections overriding the defaults")
-    p.add_argument("--out", type=Path, default=None, help="write simulate.json, timeline.json and replicas.png here (default: print only)")
+    p.add_argument("--out", type=out_dir, default=None, help="write simulate.json, timeline.json and replicas.png here (default: print only)")
     p.set_defaults(handler=_simulate)
 
 
@@ -356,7 +358,7 @@ def _add_suite(sub: Any) -> None:
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--no-pareto", action="store_true", help="skip the warm-pool sweep")
     p.add_argument("--config", type=Path, default=None, help="YAML with `policy:`, `forecast:`, `warm_pool:`, `capacity:` sections overriding the shipped defaults of the floodgate policies")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--out", type=out_dir, required=True, help="output directory")
     p.set_defaults(handler=_suite)
 
 

@@ -31,6 +31,7 @@ import aiohttp
 from floodgate.extproc.cancel import cancel_and_wait
 from floodgate.stack import LocalStack
 from floodgate.supervisor import Child, Supervisor, free_port
+from floodgate.validators import out_dir, out_dir_problem
 
 HELP = """\
 Bring up Floodgate locally: Redis (embedded Valkey), M Floodgate processors, Envoy on
@@ -66,7 +67,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="steady demo rate in req/s, above 0 (default: 70%% of the pool's estimated capacity)")
     p.add_argument("--demo-duration", type=_seconds_or_rate, default=90.0,
                    help="demo length in seconds (default: %(default)s): steady for the first quarter, burst in the second, recovery after")
-    p.add_argument("--out", type=Path, default=Path("runs/up"), help="where the demo report goes (default: %(default)s)")
+    p.add_argument("--out", type=out_dir, default=Path("runs/up"), help="where the demo report goes (default: %(default)s)")
     p.add_argument("--sim-cold-start", type=_seconds_or_rate, default=1.0, help="emulator cold-start delay in seconds (default: %(default)s)")
     p.set_defaults(handler=run)
 
@@ -533,6 +534,8 @@ def check_args(args: argparse.Namespace, pool: str = "default") -> str | None:
                              or not (args.demo_rate or args.replicas)):
         return ("the demo needs --demo-duration above 0, --demo-rate above 0, and --replicas or --demo-rate "
                 "above 0 (or pass --no-demo)")
+    if not args.no_demo and (problem := out_dir_problem(args.out)) is not None:  # (the default is no flag)
+        return f"--out: {problem}"
     # The ports, paths and Redis URL are placeholders here; the values the flags give are real.
     raw = controller_config(args, args.redis_url or "redis://127.0.0.1:6379/0", 9901, 9465,
                             Path(tempfile.gettempdir()), pool)

@@ -7,8 +7,11 @@ library that would have received it later.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import os
 import re
+from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -125,3 +128,29 @@ OptionalListenAddress = Annotated[str | None, AfterValidator(check_optional_list
 RedisURL = Annotated[str, AfterValidator(check_redis_url)]
 HttpURL = Annotated[str, AfterValidator(check_http_url)]
 OptionalHttpURL = Annotated[str | None, AfterValidator(check_optional_http_url)]
+
+
+def out_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be the output directory of a run (None: it exists as a writable
+    directory, or can be created as one). Checked before the run: the reports are written at
+    its end, and a path that could not take them was a traceback after the whole run (the
+    load's or the demo's results lost)."""
+    p = path.absolute()
+    if p.exists():
+        if not p.is_dir():
+            return f"{path} exists and is not a directory"
+        return None if os.access(p, os.W_OK | os.X_OK) else f"{path} is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path}: {parent} is not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{path}: cannot create it in {parent} (not writable)"
+
+
+def out_dir(text: str) -> Path:
+    """argparse type of an output directory (`out_dir_problem`)."""
+    path = Path(text)
+    if (problem := out_dir_problem(path)) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return path

@@ -26,6 +26,8 @@ from floodgate.sim.arrivals import (
 )
 from floodgate.sim.cli import non_negative, non_negative_int, positive, positive_int
 
+from floodgate.validators import out_dir
+
 T = TypeVar("T")
 
 EPILOG = """\
@@ -204,7 +206,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--sample-interval", type=positive, default=1.0, help="metrics scrape period, s (default: %(default)s)")
     g.add_argument("--window", type=window, action="append", default=[], metavar="NAME=T0:T1",
                    help="extra summary for requests arriving in [T0,T1) s (repeatable; burst adds one)")
-    g.add_argument("--out", type=Path, help="directory for requests.json, summary.md and plots")
+    g.add_argument("--out", type=out_dir, help="directory for requests.json, summary.md and plots")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--dry-run", action="store_true", help="print the plan's statistics and exit without sending")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary on stdout")

@@ -85,3 +85,44 @@ def test_config_reference_shows_the_type_inside_annotated() -> None:
     assert "| `pools[].engine_priority` | map int (0-2) → int |" in text
     assert "| `pools[].unadmitted_paths` | list of str |" in text
     assert "Annotated" not in (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [
+    ["load", "--dry-run", "--out", "{file}/report"],
+    ["controller", "simulate", "--out", "{file}"],
+    ["controller", "suite", "--out", "{file}/suite"],
+    ["up", "--out", "{file}/up"],
+])
+def test_an_output_directory_that_cannot_be_one_is_refused_before_the_run(
+        argv: list[str], tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reports are written at the end of a run: an --out under a file (or not writable) was
+    a NotADirectoryError traceback after the whole load, demo or backtest, its results lost (a
+    user review: `floodgate up --out FILE/x` after its 90 s demo, `floodgate load` likewise)."""
+    from pathlib import Path
+
+    file = Path(str(tmp_path)) / "a-file"
+    file.write_text("")
+    from floodgate.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:  # (parsed only: without the check `up` would start the stack)
+        build_parser(argv[0]).parse_args([a.replace("{file}", str(file)) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --out: " in err and "is not a directory" in err, err
+
+
+def test_up_checks_its_default_output_directory_before_the_demo(tmp_path: pytest.TempPathFactory,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runs/up` (no flag, so no argparse type) under a `runs` that is a file: said before anything
+    starts, not after the demo; nothing to write without a demo."""
+    from pathlib import Path
+
+    from floodgate.cli import build_parser
+    from floodgate.up import check_args
+
+    monkeypatch.chdir(str(tmp_path))
+    (Path(str(tmp_path)) / "runs").write_text("")
+    parser = build_parser("up")
+    said = check_args(parser.parse_args(["up"]))
+    assert said is not None and said.startswith("--out: runs/up: ") and "is not a directory" in said, said
+    assert check_args(parser.parse_args(["up", "--no-demo"])) is None
