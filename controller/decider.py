@@ -218,7 +218,6 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         off = dm.offered(dwin, now, cfg.demand)
         measured = dm.service_time(off, running, cfg.demand)
         service_s = measured or service_s
-        lacking = dm.lacking_concurrency(off, running, cfg.demand, service_s)
         lacking_stale = off.stale
         waiting = sum(m.waiting for m in pool.replicas if m.ok and now - m.scraped_at <= cfg.demand.stale_after_s)
         # A burst that admission lets in waits inside vLLM: admitted counts it before it runs
@@ -236,6 +235,7 @@ def _measured(cfg: DeciderConfig, state: DeciderState, pool: PoolSignals, now: f
         if measured is not None and waiting == 0 and mean is not None:
             slot = dm.update_slot(slot, now, mean, off.admitted_total, cfg.demand)
         slot_s = min(slot.seconds, cfg.demand.max_service_s) if slot else None
+        lacking = dm.lacking_concurrency(off, running, cfg.demand, service_s, slot_s)
         est = dm.burst_concurrency(dwin, now, cfg.demand, slot_s, waiting)
         # Up on the short window too (Knative's panic window), never down on it; sized with
         # the averaged slot time where there is one (this tick's ratio scatters, and reads

@@ -475,14 +475,21 @@ def service_time(d: OfferedDemand, running: float, cfg: DemandConfig) -> float |
 
 
 def lacking_concurrency(d: OfferedDemand, running: float, cfg: DemandConfig,
-                        service_s_hint: float | None = None) -> float:
-    """Turned-away demand as concurrency (Little's law): turned-away rate x the measured time
-    a request holds a slot. Without admissions in the window the last measured service time
-    (`service_s_hint`) is used; without either, 0 (served demand and queue pressure then
-    carry the signal). 0 when stale."""
+                        service_s_hint: float | None = None, slot_s: float | None = None) -> float:
+    """Turned-away demand as concurrency (Little's law): turned-away rate x the time a request
+    holds a slot: the averaged slot time (`SlotTime`, `slot_s`) where there is one, else this
+    window's running / admitted rate, else the last one measured (`service_s_hint`); without
+    any, 0 (served demand and queue pressure then carry the signal). 0 when stale.
+
+    The window's own ratio is the fallback, not the first choice: a full pool admits only as
+    requests finish, and with long requests a 5 s window holds a few admissions, so the ratio
+    scatters; read high, it multiplies every request turned away (the backtest's smooth-long
+    day, ~20 s generations at ~1.3 req/s: 24 running over one admission in 3 s read 72 s, and
+    1.3 turned away per second asked for 96 more concurrent, 9 -> 18 replicas, where the slot
+    time read 28 s)."""
     if d.stale or not cfg.enabled:
         return 0.0
-    service_s = service_time(d, running, cfg) or service_s_hint
+    service_s = slot_s or service_time(d, running, cfg) or service_s_hint
     if service_s is None:
         return 0.0
     return d.lacking_rate(cfg.exclude_classes) * service_s

@@ -12,6 +12,7 @@ from floodgate.controller.demand import (
     DemandWindow,
     FloodgateCounters,
     GatewayCounters,
+    OfferedDemand,
     lacking_concurrency,
     mean_running,
     observe,
@@ -260,3 +261,18 @@ def test_recent_keeps_one_read_at_or_before_the_short_window() -> None:
     assert [s.taken_at for s in recent(w, 105.0, 2.0).floodgate] == [103.0, 104.0, 105.0]
     assert [s.taken_at for s in recent(w, 105.0, 1.5).floodgate] == [103.0, 104.0, 105.0]
     assert [s.taken_at for s in recent(w, 105.0, 0.5).floodgate] == [104.0, 105.0]
+
+
+def test_turned_away_demand_is_sized_with_the_averaged_slot_time_before_the_windows_ratio() -> None:
+    """A full pool admits only as requests finish: with long requests a 5 s window holds a few
+    admissions and its running / admitted ratio scatters. Read high, it multiplied every request
+    turned away (the backtest's smooth-long day: 72 s where the slot time read 28 s, 9 -> 18
+    replicas); the averaged slot time, where there is one, sizes the turned-away demand."""
+    d = OfferedDemand(False, "floodgate", {1: 2.0}, {1: 1 / 3}, {1: 5 / 3})
+    assert lacking_concurrency(d, 24.0, CFG) == pytest.approx(5 / 3 * 72.0)  # the window's ratio: 24 / (1/3)
+    assert lacking_concurrency(d, 24.0, CFG, service_s_hint=30.0, slot_s=28.0) == pytest.approx(5 / 3 * 28.0)
+    # Without a slot time, the window's ratio, then the last one measured.
+    assert lacking_concurrency(d, 24.0, CFG, service_s_hint=30.0) == pytest.approx(5 / 3 * 72.0)
+    none_admitted = OfferedDemand(False, "floodgate", {1: 2.0}, {1: 0.0}, {1: 2.0})
+    assert lacking_concurrency(none_admitted, 24.0, CFG, service_s_hint=30.0) == pytest.approx(60.0)
+    assert lacking_concurrency(none_admitted, 24.0, CFG, service_s_hint=30.0, slot_s=20.0) == pytest.approx(40.0)

@@ -622,3 +622,27 @@ def test_the_pool_holds_its_constant_reserve_only_while_requests_are_turned_away
     # The setting at null keeps the reserve whatever is turned away.
     _, d = run(replace(c, warm_pool=pool.model_copy(update={"reserve_shed_share": None})), FakeClock(), 400, {})
     assert d.warm_target == 1  # type: ignore[attr-defined]
+
+
+def test_the_decider_sizes_turned_away_demand_with_the_averaged_slot_time(clock: FakeClock) -> None:
+    """A minute at 7 admitted/s with 14 running (2 s a request) measures the slot time; then
+    the pool fills and admits 0.5/s while 2/s are turned away. The 5 s window's running /
+    admitted ratio reads ~4.5 s: the turned-away demand is sized with the averaged slot time
+    (~2.4 s) instead (`demand.lacking_concurrency`)."""
+    c = cfg(up_window_s=0.0)  # (the short window's reading is its own test)
+    st = DeciderState(history=DemandHistory.empty(8 * 1440))
+    reps = views(clock.now, active=2)
+    adm = away = 0.0
+    d = None
+    for i in range(63):
+        t = clock.advance(1.0)
+        full = i >= 60
+        adm += 0.5 if full else 7.0
+        away += 2.0 if full else 0.0
+        ps = replace(signals(t, reps, running=14.0), counters=counters(t, adm, {1: away}))
+        st, d = decide(c, st, Signals(ps, reps), t)
+    assert st.slot is not None and 2.0 < st.slot.seconds < 3.0
+    window_ratio = 14.0 / d.offered.admitted_total  # type: ignore[attr-defined]
+    assert window_ratio > 4.0
+    away_rate = d.offered.lacking_rate()  # type: ignore[attr-defined]
+    assert d.plan.lacking == pytest.approx(away_rate * st.slot.seconds, rel=0.02)  # type: ignore[attr-defined]
