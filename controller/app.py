@@ -445,7 +445,10 @@ class PoolController:
             busy_now = running + inf > 0
             rep.view = replace(rep.view, running=running, inflight=inf,
                                last_busy_at=now if busy_now else rep.view.last_busy_at)
-            if rep.view.state is S.ACTIVE:
+            if rep.view.state in (S.ACTIVE, S.DRAINING):
+                # Draining too: a hung draining replica reads as busy (its scrapes fail), so its
+                # drain never ended before max_drain_s (300 s), holding the pool's one drain
+                # and its refill all that time (a review).
                 rep.unresponsive = rep.unresponsive.observe(now, None if s is None else s.metrics.ok)
             else:
                 rep.unresponsive = Unresponsive()
@@ -841,8 +844,9 @@ class PoolController:
             self.kick()  # the next tick should see the outcome at once
 
     async def _fail_unresponsive(self, now: float) -> None:
-        """Check the active replicas whose scrapes have failed for `timeouts.unresponsive_s`
-        (controller.liveness): each gets one /health check of its own, beside the ticks."""
+        """Check the active and draining replicas whose scrapes have failed for
+        `timeouts.unresponsive_s` (controller.liveness): each gets one /health check of its own,
+        beside the ticks."""
         t = self.cfg.timeouts
         for rep in list(self.replicas.values()):
             if rep.busy or not rep.endpoint or not rep.unresponsive.due(now, t.unresponsive_s):
@@ -857,12 +861,12 @@ class PoolController:
         starts a new run: checked again after another `unresponsive_s` of failed scrapes."""
         t = self.cfg.timeouts
         assert rep.endpoint is not None
-        since = rep.unresponsive.since
+        since, state = rep.unresponsive.since, rep.view.state
         if await self._client_at(rep.endpoint, t.liveness_probe_s).health():
             rep.unresponsive = Unresponsive(self.clock())
             return
-        if rep.view.state is not S.ACTIVE or rep.busy or rep.unresponsive.since != since or since is None:
-            return  # it moved on while the check ran (a scrape came back, a drain began)
+        if rep.view.state is not state or rep.busy or rep.unresponsive.since != since or since is None:
+            return  # it moved on while the check ran (a scrape came back, a drain began or ended)
         self.metrics.unresponsive.labels(pool=self.pool).inc()
         await self._fail(rep, f"unresponsive: scrapes failing for {self.clock() - since:.0f} s, "
                               f"/health not answering within {t.liveness_probe_s:g} s", kind="unresponsive")

@@ -3,8 +3,8 @@
 The actuator's `list()` says whether a replica's process (pod, endpoint) exists, not whether it
 serves: a hung process (SIGSTOP, a deadlocked server, a frozen node) stays "running" while its
 scrapes fail, and the controller held such a replica active for good, with every tick stale and
-no scale-down (docs/operations.md). `Unresponsive` tracks an active replica's run of failed
-scrapes; once it lasts `after_s`, the controller asks /health once more and fails the replica
+no scale-down (docs/operations.md). `Unresponsive` tracks an active or draining replica's run
+of failed scrapes; once it lasts `after_s`, the controller asks /health once more and fails the replica
 only if that does not answer either, so a slow or broken /metrics alone never costs a replica
 its in-flight requests.
 

@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from floodgate.controller.actuators.process import ProcessActuator
@@ -21,11 +22,13 @@ from floodgate.controller.metrics import FAILURE_REASONS
 
 from floodgate.stack import LocalStack
 from tests.controller.live import (
+    StreamStats,
     controller_config,
     count,
     process_actuator,
     registry_states,
     running,
+    stream_once,
     wait_for,
 )
 from tests.helpers import serving
@@ -124,6 +127,64 @@ async def test_a_hung_warm_pool_replica_is_failed_and_replaced_before_any_burst(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.integration
+async def test_a_hung_draining_replica_is_failed_not_held_until_max_drain(stack: LocalStack) -> None:
+    # A replica that hangs (SIGSTOP: a deadlock, a wedged GPU) after its drain began: its
+    # scrapes fail, and a failed scrape reads as busy, so the drain never finished and only
+    # `max_drain_s` (300 s) ended it. Meanwhile it held the pool's one concurrent drain and
+    # counted as the pool's refill (no other scale-down, no refill for five minutes). The
+    # liveness checks of active replicas now cover draining ones too.
+    url = stack.start_redis()
+    state_dir = stack.sup.workdir / "replicas"
+    timeouts = {"unresponsive_s": 2, "scrape_s": 0.5, "liveness_probe_s": 0.5}
+    pool = {"enabled": False, "min_size": 0, "max_size": 0, "max_drain_s": 300}
+    two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, warm_pool=pool, timeouts=timeouts)
+    one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool=pool, timeouts=timeouts)
+    async with running(two, process_actuator(stack, state_dir), holder="a"):
+        await wait_for(lambda: _pool_is(url, active=2, spare=0), 40)
+    act = process_actuator(stack, state_dir)
+    endpoints = {h.replica_id: h.endpoint for h in await act.list()}
+    stats = StreamStats()
+    async with aiohttp.ClientSession() as s:
+        # A long stream straight to each replica: neither drain can end while it runs.
+        streams = [asyncio.create_task(stream_once(s, f"http://{ep}", 3000, stats)) for ep in endpoints.values()]
+        try:
+            await wait_for(lambda: _each_runs(s, endpoints), 10)
+            async with running(one, act, holder="b") as ctl:
+                pc = ctl.pools["default"]
+                hung = await wait_for(lambda: _draining(url), 20)
+                pid = await _pid(act, hung)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await wait_for(lambda: _stopped(act, hung), 40)
+                    failed = [e for e in pc.events if e["event"] == "failed" and e["replica"] == hung]
+                    assert failed and failed[0]["why"].startswith("unresponsive"), failed
+                    assert not [e for e in pc.events if e["event"] == "transition" and e["on"] == "drain_timeout"]
+                    assert ctl.metrics.failures.labels(pool="default", reason="unresponsive")._value.get() == 1
+                    assert hung not in await registry_states(url)
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+        finally:
+            for t in streams:
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+
+async def _each_runs(s: aiohttp.ClientSession, endpoints: dict[str, str]) -> bool:
+    for ep in endpoints.values():
+        async with s.get(f"http://{ep}/metrics") as r:
+            text = await r.text()
+        if not any(line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1
+                   for line in text.splitlines()):
+            return False
+    return True
+
+
+async def _draining(url: str) -> str | None:
+    return next((rid for rid, st in (await registry_states(url)).items() if st == "draining"), None)
 
 
 def _one_and_a_spare(url: str, **timeouts: float) -> ControllerConfig:
