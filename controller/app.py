@@ -1153,7 +1153,15 @@ class Controller:
                                 kick=functools.partial(self.kick, p.name), clock=self.clock,
                                 tick_interval_s=self.cfg.tick_interval_s,
                                 confirm=self.confirm_leader if self.lease is not None else None)
-            await pc.rebuild()
+            try:
+                await pc.rebuild()
+            except BaseException:
+                # Cut short (Redis failed halfway): the pool is not taken over, and neither are
+                # the operations its rebuild started (bring-ups of the replicas it adopted). Left
+                # running, they acted outside any view, beside the next takeover's, and on after
+                # this controller stopped leading (a review).
+                await pc.shutdown()
+                raise
             self.pools[p.name] = pc
         self._ticked = set()
         for name, pc in self.pools.items():

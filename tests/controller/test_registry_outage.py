@@ -130,3 +130,44 @@ async def test_a_replica_whose_registry_entry_is_stale_is_not_stopped_or_put_to_
     finally:
         await session.close()
         await c.aclose()
+
+
+async def test_a_takeover_that_redis_cuts_short_leaves_no_replica_operation_running(
+        stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis error halfway through a pool's rebuild (after it adopted a replica and started its
+    bring-up, before it read the stored sequence) abandoned that pool's view but not its
+    operations: the bring-up ran on outside any controller's view (its /health polls, then its
+    registry writes, role and, at `health_s`, a failure that takes the entry out of routing),
+    beside the one the next takeover started, and on after this controller stopped leading."""
+    from aiohttp import web
+    from floodgate.controller.actuators.static import StaticActuator
+    from floodgate.extproc import schema
+
+    from tests.helpers import serving
+
+    async def loading(_: web.Request) -> web.Response:  # a replica still loading its model
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_get("/health", loading)
+    real_get = redis.asyncio.Redis.get
+    cut = {"n": 0}
+
+    async def flaky_get(self: Any, name: Any, *a: Any, **kw: Any) -> Any:
+        if name == schema.key("default", schema.CTL_SEQ) and cut["n"] == 0:
+            cut["n"] += 1
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        return await real_get(self, name, *a, **kw)
+
+    monkeypatch.setattr(redis.asyncio.Redis, "get", flaky_get)
+    url = stack.start_redis()
+    async with serving(app) as port:
+        ep = f"127.0.0.1:{port}"
+        cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 1}, warm_pool={"enabled": False},
+                                actuator={"kind": "static", "endpoints": [ep]})
+        async with running(cfg, StaticActuator([ep]), wait_ready=True) as ctl:  # type: ignore[arg-type]
+            assert cut["n"] == 1  # the first takeover was cut short, the second one took the pool
+            assert ctl.pools["default"].replicas[ep].view.state is S.LOADING
+            await asyncio.sleep(0.5)
+            bring_ups = [t for t in asyncio.all_tasks() if t.get_name() == f"default:{ep}" and not t.done()]
+            assert len(bring_ups) == 1, bring_ups
