@@ -49,6 +49,7 @@ from floodgate.controller.lifecycle import (
     ActionKind,
     Event,
     action_event,
+    allows,
     apply_action,
     apply_event,
 )
@@ -730,6 +731,12 @@ class PoolController:
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
+        ev = action_event(rep.view, kind)
+        if not (rep.view.state is S.WARM if ev is None else allows(rep.view.state, ev)):
+            # It moved on since the plan: a liveness check beside the tick failed it while the
+            # tick checked its lease or persisted (a PROMOTE of a FAILED replica raised
+            # InvalidTransition out of the tick and stopped the controller). The next tick re-plans.
+            return True
         if kind in (ActionKind.TERMINATE, ActionKind.FORCE_STOP, ActionKind.SLEEP) and rep.registry_stale and \
                 rep.view.state is not S.FAILED:
             return True  # its entry may still read active (processors route to it): first the write

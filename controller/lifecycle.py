@@ -83,6 +83,11 @@ _TABLE: dict[tuple[ReplicaState, Event], ReplicaState] = {
 }
 
 
+def allows(state: ReplicaState, event: Event) -> bool:
+    """Is `event` allowed in `state` (`transition` would not raise)?"""
+    return (state, event) in _TABLE
+
+
 def transition(state: ReplicaState, event: Event, *, recycle: bool = False) -> ReplicaState:
     """Next state, or `InvalidTransition`. `recycle` picks warm vs terminated after a drain."""
     nxt = _TABLE.get((state, event))

@@ -384,3 +384,39 @@ async def _slow_replica_kept(url: str, fake: FakeVllm, ep: str) -> None:
 
 async def _r1_active(url: str) -> bool:
     return (await registry_states(url)).get("r1") == "active"
+
+
+async def test_a_replica_failed_by_its_check_while_the_tick_acts_is_not_acted_on(stack: LocalStack) -> None:
+    # The liveness checks run beside the ticks and fail a replica whenever their /health call
+    # ends: a hung pool replica's check can end between the tick's plan and its actions (during
+    # the leader check or the persist, both Redis round trips). The plan had promoted it (a
+    # burst needs it): PROMOTE on a FAILED replica raised InvalidTransition out of the tick,
+    # which stops the controller (and, with --stop-replicas-on-exit, every replica with it).
+    from floodgate.controller.app import PoolController, Replica
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.controller.signals import ReplicaState, ReplicaView
+    from floodgate.extproc.state import redis_client
+
+    from floodgate.supervisor import free_port
+    from tests.controller.test_registry_sync import Fixed
+
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 1},
+                            warm_pool={"min_size": 0, "max_size": 0, "max_total": 1})
+    rc = redis_client(url)
+    ep = f"127.0.0.1:{free_port()}"  # nothing answers: a hung pool replica
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed({"r0": ep}), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        rep = Replica(ReplicaView("r0", ReplicaState.WARM, pc.clock() - 600, asleep=True), ep)
+        pc.replicas = {"r0": rep}
+
+        async def check_ends_now() -> bool:  # the pool check's failure lands during the leader check
+            await pc._fail(rep, "unresponsive in the warm pool", kind="pool_unresponsive")
+            return True
+
+        pc.confirm = check_ends_now
+        await pc.tick()  # raised InvalidTransition
+        assert any(a.kind.value == "promote" for a in pc.logged_actions), pc.logged_actions
+        assert rep.view.state is ReplicaState.FAILED and not rep.busy
+        await pc.shutdown()
+    await rc.aclose()
