@@ -208,7 +208,8 @@ class PoolController:
     def __init__(self, cfg: PoolConfig, actuator: Actuator, client: aioredis.Redis,
                  session: aiohttp.ClientSession, metrics: ControllerMetrics, *,
                  kick: Callable[[], None] = lambda: None, clock: Callable[[], float] = STEADY_CLOCK,
-                 tick_interval_s: float = 1.0, confirm: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 tick_interval_s: float = 1.0, confirm: Callable[[], Awaitable[bool]] | None = None,
+                 leading: Callable[[], bool] = lambda: True) -> None:
         self.cfg = cfg
         self.pool = cfg.name
         self.tick_interval_s = tick_interval_s  # a replica warm mid-tick is promoted by the next
@@ -221,6 +222,13 @@ class PoolController:
         # Asked before a tick acts (starts, stops, drains, registry writes): does this controller
         # still hold the leader lease in Redis? (Controller.confirm_leader; None: no lease.)
         self.confirm = confirm
+        # Does this controller still count itself leader (its lease, by its own clock)? Asked by
+        # the replica operations that run beside the ticks before each registry write, role or
+        # stop: a controller paused past its lease (SIGSTOP, a VM freeze, a long GC) resumed
+        # those operations before it noticed the loss and stepped down, and acted beside the
+        # new leader (a review: a promotion's role written after the new leader had recycled
+        # the replica; a stop that resumed would kill a replica the new leader serves on).
+        self.leading = leading
         self.clock = clock
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
@@ -762,6 +770,11 @@ class PoolController:
         marked stale and `_sync_registry` rewrites it on a later tick, and a draining replica
         whose entry may still read active is not stopped meanwhile (`_skip`)."""
         st = registry_state(rep.view)
+        if not self.leading():
+            # No longer leads: the registry is the new leader's (see `leading`). Should this
+            # controller lead on after all (a renewal that came late), the sync writes it.
+            rep.registry_stale = True
+            return
         if rep.endpoint and st is not None:
             try:
                 await self.registry.set(rep.endpoint, st, rep.view.replica_id)
@@ -771,6 +784,12 @@ class PoolController:
                 self.emit("registry_write_failed", replica=rep.view.replica_id, to=st, error=f"{type(exc).__name__}: {exc}")
                 return
             rep.registry_stale = False
+
+    async def _set_role(self, rid: str, role: Role) -> None:
+        """Record a replica's role with the actuator (best effort), while this controller leads."""
+        if self.leading():
+            with contextlib.suppress(Exception):
+                await self.actuator.set_role(rid, role)
 
     def _event(self, rep: Replica, ev: Event, **kw: Any) -> None:
         before = rep.view.state
@@ -818,14 +837,12 @@ class PoolController:
             m.drain.labels(pool=self.pool, outcome="undrained").observe(now - rep.view.state_since)
             self._act(rep, kind)
             await self._set_registry(rep)  # routed to again at once
-            with contextlib.suppress(Exception):
-                await self.actuator.set_role(rid, "active")
+            await self._set_role(rid, "active")
         elif kind is ActionKind.RECYCLE:
             m.drain.labels(pool=self.pool, outcome="recycled").observe(now - rep.view.state_since)
             self._act(rep, kind)
             await self._set_registry(rep)
-            with contextlib.suppress(Exception):
-                await self.actuator.set_role(rid, "warm-pool")
+            await self._set_role(rid, "warm-pool")
         elif kind is ActionKind.TERMINATE:
             if rep.view.state is S.DRAINING:
                 m.drain.labels(pool=self.pool, outcome="terminated").observe(now - rep.view.state_since)
@@ -939,7 +956,7 @@ class PoolController:
             self._event(rep, Event.FAIL)
             self.metrics.failures.labels(pool=self.pool, reason=kind).inc()
             self.emit("failed", replica=rep.view.replica_id, why=why)
-        if rep.endpoint:
+        if rep.endpoint and self.leading():
             with contextlib.suppress(*OUTAGE_ERRORS):
                 await self.registry.remove(rep.endpoint)
 
@@ -992,8 +1009,7 @@ class PoolController:
         if rep.started_at is not None:
             self.start_times = self.start_times.observe("cold", self.clock() - rep.started_at)
         await self._set_registry(rep)
-        with contextlib.suppress(Exception):
-            await self.actuator.set_role(rep.view.replica_id, "warm-pool")
+        await self._set_role(rep.view.replica_id, "warm-pool")
 
     async def _promote(self, rep: Replica) -> None:
         async def run() -> None:
@@ -1013,8 +1029,7 @@ class PoolController:
             self.start_times = self.start_times.observe("wake_asleep" if asleep else "wake_awake", self.clock() - c0)
             await self._set_registry(rep)
             self.emit("promoted", replica=rep.view.replica_id, seconds=round(time.monotonic() - t0, 3), fresh=fresh)
-            with contextlib.suppress(Exception):
-                await self.actuator.set_role(rep.view.replica_id, "active")
+            await self._set_role(rep.view.replica_id, "active")
 
         await self._guard(rep, "promote", run())
 
@@ -1034,9 +1049,17 @@ class PoolController:
     async def _stop(self, rep: Replica) -> None:
         rid = rep.view.replica_id
         try:
+            # Decided while leading, resumed after the lease lapsed (a pause): the new leader may
+            # have adopted it and serve on it (a drained replica out of the registry, found awake
+            # with its role `active`), and stops what it wants stopped. Should this controller
+            # lead on after all (a renewal that came late), the stop is tried again (below).
+            if not self.leading():
+                raise NotLeading("the leader lease lapsed: not stopped")
             if rep.endpoint:
                 with contextlib.suppress(*OUTAGE_ERRORS):
                     await self.registry.remove(rep.endpoint)
+            if not self.leading():
+                raise NotLeading("the leader lease lapsed: not stopped")
             await self.actuator.stop(rid)
             self.emit("stopped", replica=rid)
             self.metrics.actions.labels(pool=self.pool, action="stop", outcome="ok").inc()
@@ -1058,6 +1081,10 @@ class PoolController:
         """Cancel operations in flight (leadership lost / exit). Replicas are left as they are:
         the next leader adopts them."""
         await cancel_and_wait([t for r in self.replicas.values() for t in (r.task, r.probe) if t is not None])
+
+
+class NotLeading(RuntimeError):
+    """A replica operation found its controller no longer leading (`PoolController.leading`)."""
 
 
 STOP_RETRY_MAX_S = 30.0  # a stop that failed is tried again after 1, 2, 4, ... s, at most this
@@ -1159,7 +1186,8 @@ class Controller:
             pc = PoolController(p, self.actuators[p.name], self.redis, self.session, self.metrics,
                                 kick=functools.partial(self.kick, p.name), clock=self.clock,
                                 tick_interval_s=self.cfg.tick_interval_s,
-                                confirm=self.confirm_leader if self.lease is not None else None)
+                                confirm=self.confirm_leader if self.lease is not None else None,
+                                leading=lambda: self.is_leader)
             try:
                 await pc.rebuild()
             except BaseException:

@@ -227,3 +227,42 @@ def test_a_lease_shorter_than_three_redis_calls_is_refused() -> None:
         parse_config({"redis": {"op_timeout_s": 1.5}, "leader": {"ttl_s": 3}, "pools": pools}, env={})
     parse_config({"redis": {"op_timeout_s": 1.0}, "leader": {"ttl_s": 3}, "pools": pools}, env={})
     parse_config({"redis": {"op_timeout_s": 1.5}, "leader": {"enabled": False, "ttl_s": 3}, "pools": pools}, env={})
+
+
+async def test_an_operation_resumed_after_the_lease_lapsed_stops_and_writes_nothing(stack: LocalStack) -> None:
+    # A controller paused past its lease (SIGSTOP, a VM freeze, a long GC) resumes the replica
+    # operations it had under way before its main loop notices the loss and steps down. A
+    # review's SIGSTOPped leader wrote a promotion's role after the new leader had recycled the
+    # replica; a stop that resumed would kill a replica the new leader had adopted and serves on
+    # (a drained one out of the registry is found awake with its role `active`). The operations
+    # now check that this controller still counts itself leader before each write or stop.
+    from floodgate.controller.signals import ReplicaState
+
+    from tests.controller.live import count, registry_states
+
+    url = stack.start_redis()
+    act = process_actuator(stack, stack.sup.workdir / "replicas")
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 1}, warm_pool={"enabled": False},
+                            leader={"ttl_s": 3})
+
+    async def one_active() -> bool:
+        return count(await registry_states(url), "active") == 1
+
+    async with running(cfg, act) as ctl:
+        await wait_for(one_active, 40)
+        pc = ctl.pools["default"]
+        ((rid, rep),) = pc.replicas.items()
+        assert ctl.lease is not None
+
+        async def held_by_another(*_: object, **__: object) -> int:
+            return 0
+
+        ctl.lease._acquire = held_by_another  # type: ignore[assignment]  # another controller took it
+        ctl.lease._valid_until = 0.0  # paused past the lease; not noticed yet
+        await pc._stop(rep)  # a stop it had decided, resumed now
+        await pc._fail(rep, "a check that ended now", kind="unresponsive")
+        await pc._set_registry(rep)
+        assert [h.replica_id for h in await act.list() if h.running] == [rid]  # not stopped
+        assert (await registry_states(url)).get(rid) == "active"  # not taken out of routing
+        assert rep.view.state is ReplicaState.FAILED and rep.stop_failures == 1  # tried again if it leads on
+    await act.stop_all()
