@@ -321,13 +321,24 @@ class VllmClient:
         return status == 200
 
     async def is_sleeping(self) -> bool | None:
-        """True/False, or None when the replica has no sleep mode."""
+        """True/False, or None when the replica has no sleep mode. An answer other than vLLM's
+        `{"is_sleeping": <bool>}` is a VllmError: read with `.get`, a JSON list, `null` or a bare
+        `true` raised AttributeError, which stopped the controller in its rebuild's look at a
+        replica found without a registry entry, at every restart (a review); `bool()` of a
+        string read `"no"` as asleep."""
         import json as _json
 
         status, body = await self._call("GET", "/is_sleeping", ok=(200, 404))
         if status == 404:
             return None
-        return bool(_json.loads(body).get("is_sleeping"))
+        try:
+            doc = _json.loads(body)
+        except ValueError as exc:
+            raise VllmError(f"GET {self.endpoint}/is_sleeping: not JSON: {body[:200]!r}") from exc
+        value = doc.get("is_sleeping") if isinstance(doc, dict) else None
+        if not isinstance(value, bool):
+            raise VllmError(f"GET {self.endpoint}/is_sleeping: no is_sleeping true/false: {body[:200]!r}")
+        return value
 
     async def model_name(self) -> str:
         if self.model is None:
