@@ -503,9 +503,13 @@ class PoolController:
         # The actions the decision log named (`step`), less any that became skippable while the
         # plan was persisted: filtering d.actions afresh here started a replica the log did not
         # name when a start backoff ended in between (a flaky test, and a log that undercounts).
-        todo = [a for a in self.logged_actions if not self._skip(a.replica_id, a.kind)]
-        for a in todo:
-            await self._execute(a.kind, a.replica_id, a.reason, now)
+        # Checked as each is carried out, not once before: an action's registry write lets a
+        # liveness check beside the tick fail the replica of an action after it (`_skip`).
+        todo: list[Action] = []
+        for a in self.logged_actions:
+            if not self._skip(a.replica_id, a.kind):
+                todo.append(a)
+                await self._execute(a.kind, a.replica_id, a.reason, now)
         for rep in self._stops_due:  # (after the leader check: another leader may own it by now)
             if not rep.busy and self.replicas.get(rep.view.replica_id) is rep:
                 self._spawn(rep, self._stop(rep))

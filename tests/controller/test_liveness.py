@@ -420,3 +420,47 @@ async def test_a_replica_failed_by_its_check_while_the_tick_acts_is_not_acted_on
         assert rep.view.state is ReplicaState.FAILED and not rep.busy
         await pc.shutdown()
     await rc.aclose()
+
+
+async def test_a_replica_failed_by_its_check_during_an_earlier_action_is_not_acted_on(
+        stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same race one step later: the tick carries out its actions one after the other, and
+    # an action's registry write (a Redis round trip) lets a check fail the replica of an action
+    # after it. Two pool replicas promoted for a burst; the second one's check ends during the
+    # first one's registry write.
+    from floodgate.controller.app import PoolController, Replica
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.controller.signals import ReplicaState, ReplicaView
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
+
+    from floodgate.supervisor import free_port
+    from tests.controller.test_registry_sync import Fixed
+
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2},
+                            warm_pool={"min_size": 0, "max_size": 0, "max_total": 2})
+    rc = redis_client(url)
+    eps = {"r0": f"127.0.0.1:{free_port()}", "r1": f"127.0.0.1:{free_port()}"}  # nothing answers
+    real_set = Registry.set
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        reps = {rid: Replica(ReplicaView(rid, ReplicaState.WARM, pc.clock() - 600, asleep=True), ep)
+                for rid, ep in eps.items()}
+        pc.replicas = dict(reps)
+
+        async def write_then_check_ends(self: Registry, endpoint: str, state: str, replica_id: str,
+                                        meta: object = None) -> None:
+            await real_set(self, endpoint, state, replica_id)
+            other = reps["r1" if replica_id == "r0" else "r0"]
+            if other.view.state is ReplicaState.WARM:
+                await pc._fail(other, "unresponsive in the warm pool", kind="pool_unresponsive")
+
+        monkeypatch.setattr(Registry, "set", write_then_check_ends)
+        await pc.tick()  # raised InvalidTransition
+        assert sorted(a.kind.value for a in pc.logged_actions) == ["promote", "promote"], pc.logged_actions
+        promoted = [e["replica"] for e in pc.events if e["event"] == "transition" and e["on"] == "promote"]
+        failed = [e["replica"] for e in pc.events if e["event"] == "failed"]
+        assert len(promoted) == 1 and failed[0] != promoted[0], (promoted, failed)  # the other one: failed, not promoted
+        await pc.shutdown()
+    await rc.aclose()
