@@ -221,7 +221,13 @@ class ProcessActuator:
         # An entry without one (a table of an older version) is taken as current.
         if e.get("command") is not None and e["command"] != self.command:
             labels["outdated"] = "1"
-        return ReplicaHandle(rid, e["endpoint"], self._alive(rid, e), e.get("role"), labels)
+        # Being stopped (SIGTERM sent, in its grace): not running (`ReplicaHandle.running`: "not
+        # terminating"), so a controller that finds it after the one stopping it died (SIGKILL in
+        # the grace) stops it too instead of adopting it out of the registry: not answering, it
+        # was brought up again, then failed when it exited (start backoff); still answering
+        # /health with its role `active` (a drained replica), it would have been routed to.
+        running = self._alive(rid, e) and not e.get("stopping")
+        return ReplicaHandle(rid, e["endpoint"], running, e.get("role"), labels)
 
     def _list_sync(self) -> Table:
         table = self._table()
@@ -276,6 +282,12 @@ class ProcessActuator:
         pid = int(e["pid"])
         proc = self._procs.pop(replica_id, None)
         if proc is not None or self._alive(replica_id, e):
+
+            def mark_stopping(table: Table) -> None:
+                if table.get(replica_id, {}).get("pid") == pid:
+                    table[replica_id]["stopping"] = True
+
+            await asyncio.to_thread(self._update, mark_stopping)  # on disk before the signal (`_handle`)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_grace_s

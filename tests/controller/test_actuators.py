@@ -399,3 +399,44 @@ async def test_a_stop_cancelled_in_its_grace_still_kills_the_replica(stack: Loca
 
 async def _dead(pid: int) -> bool:
     return not pid_alive(pid)
+
+
+_STOPS_AND_DIES = '''
+import asyncio, sys
+from pathlib import Path
+from floodgate.controller.actuators.process import ProcessActuator
+
+act = ProcessActuator(sys.argv[2:], Path(sys.argv[1]), stop_grace_s=60.0)
+asyncio.run(act.stop("r0"))
+'''
+
+
+async def test_a_replica_whose_stop_its_controller_died_in_is_not_listed_running(tmp_path: Path) -> None:
+    # A stop sends SIGTERM and waits for the process to exit (vLLM takes seconds to shut down).
+    # A controller SIGKILLed in that wait left the replica in the table as running: the next
+    # controller adopted it out of the registry (not answering: brought up again, then failed
+    # when it exited, with a start backoff; still answering /health with its role `active`,
+    # routed to while it shut down). It is listed as terminating (not running) now, and the
+    # next controller stops it.
+    import subprocess
+
+    state = tmp_path / "replicas"
+    slow = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    cmd = [sys.executable, "-c", slow, "{port}", str(tmp_path)]
+    act = ProcessActuator(cmd, state, stop_grace_s=0.5)
+    try:
+        h = await act.start("r0")
+        assert h is not None and h.running
+        pid = int(h.labels["pid"])
+        await asyncio.sleep(0.5)  # (the interpreter has set its SIGTERM handler)
+        ctl = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-c", _STOPS_AND_DIES, str(state), *cmd])
+        await asyncio.sleep(2.0)  # in the stop's grace: SIGTERM sent, the process shuts down slowly
+        ctl.kill()  # the controller dies there
+        await asyncio.to_thread(ctl.wait)
+        assert pid_alive(pid)
+        (h,) = await ProcessActuator(cmd, state).list()  # the next controller's look
+        assert not h.running, "a replica being stopped was listed running: the next controller adopts it"
+        await act.stop("r0")  # ...and stops it (`PoolController._forget`)
+        assert not pid_alive(pid) and await act.list() == []
+    finally:
+        _kill_marked(tmp_path)
