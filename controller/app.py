@@ -347,6 +347,10 @@ class PoolController:
         try:
             await self.actuator.stop(h.replica_id)
         except Exception as exc:  # the next rebuild or reconcile tries again
+            # (not once per replica then: kept in _forgotten, it was never tried again by this
+            # leader, and a replica being stopped, `stopping` in the process actuator's table,
+            # ran on untracked)
+            self._forgotten.discard(h.replica_id)
             log.warning("%s: could not forget dead replica %s: %s", self.pool, h.replica_id, exc)
             return
         self.emit("forgotten", replica=h.replica_id, endpoint=h.endpoint, role=h.role)

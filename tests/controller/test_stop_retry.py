@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 import pytest
 from floodgate.controller.actuators.process import ProcessActuator, pid_alive, sim_command
 
@@ -57,3 +58,52 @@ async def test_a_failed_stop_is_tried_again(stack: LocalStack, tmp_path: Path) -
 
 async def _n_active(url: str, n: int) -> bool:
     return count(await registry_states(url), "active") == n
+
+
+async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack: LocalStack) -> None:
+    # A replica the actuator lists as not running (dead, or being stopped by a controller that
+    # died) is stopped to drop it from the actuator's books (`_forget`). A stop that failed was
+    # marked done anyway: "the next rebuild or reconcile tries again" said its comment, but
+    # neither did while this controller led.
+    from floodgate.controller.actuators.base import ReplicaHandle
+    from floodgate.controller.app import PoolController
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.extproc.state import redis_client
+
+    class Flaky:
+        name = "flaky"
+
+        def __init__(self) -> None:
+            self.stops = 0
+            self.gone = False
+
+        async def list(self) -> list[ReplicaHandle]:
+            return [] if self.gone else [ReplicaHandle("r0", "127.0.0.1:1", False)]
+
+        async def stop(self, replica_id: str) -> None:
+            self.stops += 1
+            if self.stops == 1:
+                raise RuntimeError("the platform's API answered 500")
+            self.gone = True
+
+        async def start(self, replica_id: str) -> None:
+            raise AssertionError("no start expected")
+
+        async def set_role(self, replica_id: str, role: str) -> None:
+            return None
+
+        async def close(self) -> None:
+            return None
+
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 0, "max_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    act = Flaky()
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        await pc.rebuild()  # the first stop fails
+        assert act.stops == 1
+        await pc.reconcile(pc.clock())
+        assert act.stops == 2 and act.gone
+        assert [e for e in pc.events if e["event"] == "forgotten"]
+    await rc.aclose()
