@@ -264,5 +264,9 @@ async def test_an_operation_resumed_after_the_lease_lapsed_stops_and_writes_noth
         await pc._set_registry(rep)
         assert [h.replica_id for h in await act.list() if h.running] == [rid]  # not stopped
         assert (await registry_states(url)).get(rid) == "active"  # not taken out of routing
-        assert rep.view.state is ReplicaState.FAILED and rep.stop_failures == 1  # tried again if it leads on
+        # Kept, and tried again if it leads on. (The controller's own tick may run between these
+        # calls and plan the FAILED replica's stop, TERMINATED-but-present: refused as well; a run
+        # of the controller tests on a busy box saw it.)
+        assert pc.replicas.get(rid) is rep and rep.stop_failures >= 1
+        assert rep.view.state in (ReplicaState.FAILED, ReplicaState.TERMINATED)
     await act.stop_all()
