@@ -220,10 +220,13 @@ class ShedRecord:
     last_at: float | None = None
 
 
-# A gap between two ticks longer than this is not integrated (the controller was stopped, or
-# lost the leader lease): the minutes it spans count as not measured. The longest tick
-# (`tick_interval_s` ≤ 60) is integrated.
-_SHED_MAX_GAP_S = 60.0
+# A gap between two ticks longer than this is not integrated (ticks skipped: Redis down, a
+# tick that hung): the minutes it spans count as not measured. Twice the longest tick
+# (`tick_interval_s` ≤ 60): a tick comes a little after its interval, never before it (the
+# loop waits the interval less the tick's own time, and asyncio's timers fire late), so at
+# 60 s nearly every gap was 60.00x s and a bound of exactly 60 s integrated none of them: the
+# reserve stayed in full (a review).
+_SHED_MAX_GAP_S = 120.0
 
 
 def record_shed(rec: ShedRecord, now: float, offered: float | None, turned_away: float,

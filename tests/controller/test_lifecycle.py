@@ -202,6 +202,22 @@ def test_the_reserve_is_held_in_full_until_half_the_window_is_measured() -> None
     assert reserve_scale(_shed(off, [(1.0, 10.0, 0.0)] * 3600), NOW + 3600, off) == 1.0
 
 
+def test_the_reserve_is_measured_at_the_longest_tick_interval() -> None:
+    """`tick_interval_s` 60 (its maximum): the live loop's ticks come a little after the
+    interval (it waits the interval less the tick's own time, and timers fire late), so the
+    gaps are 60.00x s. A bound of exactly 60 s integrated none of them and the reserve stayed
+    in full for good."""
+    cfg = WarmPoolConfig(reserve_shed_share=0.005, reserve_window_s=3600)
+    late = _shed(cfg, [(60.02, 10.0, 0.0)] * 60)
+    assert reserve_scale(late, NOW + 60 * 60.02, cfg) == 0.0
+    shedding = _shed(cfg, [(60.02, 10.0, 0.1)] * 60)  # 1 % turned away: in full
+    assert reserve_scale(shedding, NOW + 60 * 60.02, cfg) == 1.0
+    # ... while ticks skipped for minutes (Redis down) still count as not measured.
+    # (29 ticks measured, 1,740 s: under half the hour)
+    skipped = _shed(cfg, [(60.02, 10.0, 0.0)] * 20 + [(600.0, 10.0, 0.0)] + [(60.02, 10.0, 0.0)] * 9)
+    assert reserve_scale(skipped, NOW + 29 * 60.02 + 600, cfg) == 1.0
+
+
 def test_warm_pool_target_scales_only_the_constant_reserve() -> None:
     cfg = WarmPoolConfig(burst_fraction=0.25, max_size=16, burst_memory_fraction=0.5)
     assert warm_pool_target(8, None, cfg, reserve=1.0) == 2
