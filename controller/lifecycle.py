@@ -155,7 +155,8 @@ class WarmPoolConfig(BaseModel):
         "stale, or no Floodgate in front). null: always in full."
     )
     reserve_window_s: float = Field(
-        default=3600.0, gt=0, description="The window of offered and turned-away requests `reserve_shed_share` reads."
+        default=3600.0, ge=300, description="The window of offered and turned-away requests `reserve_shed_share` "
+        "reads (kept a minute at a time: at least 5 minutes)."
     )
 
     @model_validator(mode="after")

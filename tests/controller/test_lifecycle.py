@@ -218,6 +218,25 @@ def test_the_reserve_is_measured_at_the_longest_tick_interval() -> None:
     assert reserve_scale(skipped, NOW + 29 * 60.02 + 600, cfg) == 1.0
 
 
+def test_the_reserve_window_is_several_minutes() -> None:
+    """The shed record is kept a minute at a time: a window under two minutes lost its last
+    whole minute at each minute's turn and read "under half measured" (the reserve in full)
+    on ~47 % of the ticks of a clean pool at 60 s, so the pool target flapped every minute."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        WarmPoolConfig(reserve_window_s=60)
+    cfg = WarmPoolConfig(reserve_window_s=300)
+    rec, now = record_shed(ShedRecord(), NOW, None, 0.0, 300), NOW
+    held = []
+    for i in range(900):
+        now += 1.0
+        rec = record_shed(rec, now, 10.0, 0.0, 300)
+        if i > 300:
+            held.append(reserve_scale(rec, now, cfg))
+    assert max(held) == 0.0
+
+
 def test_warm_pool_target_scales_only_the_constant_reserve() -> None:
     cfg = WarmPoolConfig(burst_fraction=0.25, max_size=16, burst_memory_fraction=0.5)
     assert warm_pool_target(8, None, cfg, reserve=1.0) == 2
