@@ -152,7 +152,10 @@ class WarmPoolConfig(BaseModel):
         "over `reserve_window_s` (classes in `demand.exclude_classes` left out), and in proportion below it "
         "(none turned away: no constant reserve; the forecast rise and the burst memory still size the pool). "
         "Held in full while the controller has measured less than half the window (just started, counters "
-        "stale, or no Floodgate in front). null: always in full."
+        "stale, or no Floodgate in front). A tick whose queue's mean wait is past `capacity.slo_ttft_s` counts all "
+        "it offered as turned away; still, a pool whose traffic mostly waits past the SLO rather than being turned "
+        "away (a class whose `queue_timeout_s` is above it, P0's 20 s) and bursts rarer than the window loses SLO "
+        "without the reserve: null for such a pool. null: always in full."
     )
     reserve_window_s: float = Field(
         default=3600.0, ge=300, description="The window of offered and turned-away requests `reserve_shed_share` "
