@@ -10,7 +10,7 @@
                          (0 .. warm_pool.forecast_horizon_s)
     burst memory         lifecycle.observe_burst on the desired count
     shed record          lifecycle.record_shed: requests offered and turned away or served late
-                         (the queue's mean wait past the TTFT SLO: _shed_rates), the last hour
+                         (the queue's mean wait past the TTFT SLO: _shed_rates), warm_pool.reserve_window_s
     warm-pool target     lifecycle.warm_pool_target(desired, pool forecast, largest burst, max,
                          the reserve's share: lifecycle.reserve_scale of the shed record)
     plan                 lifecycle.plan_pool -> replica actions with ids (a burst's own replicas,

@@ -41,8 +41,8 @@ class ControllerMetrics:
         self.actual = Gauge("floodgate_actual_replicas", "Active replicas (serving, in the registry).", ["pool"], registry=r)
         self.warm_target = Gauge("floodgate_warm_pool_target", "Warm-pool target size.", ["pool"], registry=r)
         self.warm_reserve = Gauge("floodgate_warm_pool_reserve_share", "Share of the warm pool's constant reserve "
-                                  "(burst_fraction) held: the last hour's turned-away (or served-late) share over "
-                                  "warm_pool.reserve_shed_share, at most 1 (1 until half the hour is measured).",
+                                  "(burst_fraction) held: the turned-away (or served-late) share over warm_pool.reserve_window_s, "
+                                  "over warm_pool.reserve_shed_share, at most 1 (1 until half the window is measured).",
                                   ["pool"], registry=r)
         self.scale_events = Counter("floodgate_scale_events_total", "Changes of the desired count.",
                                     ["pool", "direction", "reason"], registry=r)
