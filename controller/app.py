@@ -233,6 +233,7 @@ class PoolController:
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
         self._forgotten: set[str] = set()  # dead replicas already dropped from the actuator's books
+        self._forget_retry: dict[str, tuple[int, float]] = {}  # failed drops: (failures, clock() of the next try)
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
@@ -343,16 +344,23 @@ class PoolController:
         day) and say so. Once per replica: an actuator may keep listing a stopped one (static)."""
         if h.replica_id in self._forgotten:
             return
+        failures, retry_at = self._forget_retry.get(h.replica_id, (0, 0.0))
+        if self.clock() < retry_at:
+            return
         self._forgotten.add(h.replica_id)
         try:
             await self.actuator.stop(h.replica_id)
-        except Exception as exc:  # the next rebuild or reconcile tries again
+        except Exception as exc:  # the next rebuild or reconcile tries again, after a backoff
             # (not once per replica then: kept in _forgotten, it was never tried again by this
             # leader, and a replica being stopped, `stopping` in the process actuator's table,
-            # ran on untracked)
+            # ran on untracked; nor at every tick: a stop that keeps failing logged a warning a
+            # second)
             self._forgotten.discard(h.replica_id)
-            log.warning("%s: could not forget dead replica %s: %s", self.pool, h.replica_id, exc)
+            self._forget_retry[h.replica_id] = (failures + 1, self.clock() + min(STOP_RETRY_MAX_S, 2.0 ** failures))
+            log.warning("%s: could not forget dead replica %s (attempt %d, next in %.0f s): %s", self.pool,
+                        h.replica_id, failures + 1, min(STOP_RETRY_MAX_S, 2.0 ** failures), exc)
             return
+        self._forget_retry.pop(h.replica_id, None)
         self.emit("forgotten", replica=h.replica_id, endpoint=h.endpoint, role=h.role)
 
     async def _probe(self, h: ReplicaHandle) -> tuple[bool, bool | None]:

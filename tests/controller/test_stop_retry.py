@@ -101,8 +101,13 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
     act = Flaky()
     async with aiohttp.ClientSession() as s:
         pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        now = [1000.0]
+        pc.clock = lambda: now[0]  # type: ignore[method-assign]
         await pc.rebuild()  # the first stop fails
         assert act.stops == 1
+        await pc.reconcile(pc.clock())  # not at once: after a backoff (1 s, doubling), not a try every tick
+        assert act.stops == 1
+        now[0] += 1.0
         await pc.reconcile(pc.clock())
         assert act.stops == 2 and act.gone
         assert [e for e in pc.events if e["event"] == "forgotten"]
