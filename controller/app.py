@@ -305,9 +305,20 @@ class PoolController:
         self._resume_desired(await self.redis.get(self._k_desired))
         raw = await self.redis.get(self._k_history)
         if raw:
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                retention = self.cfg.forecast.retention_days * fc.MINUTES_PER_DAY
-                self.state = replace(self.state, history=fc.DemandHistory.from_dict(json.loads(raw), retention))
+            retention = self.cfg.forecast.retention_days * fc.MINUTES_PER_DAY
+            try:
+                stored = fc.DemandHistory.from_dict(json.loads(raw), retention)
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:  # (an infinite end: OverflowError)
+                log.warning("pool %s: %s is unreadable (%s: %s): the history starts empty", self.pool,
+                            self._k_history, type(exc).__name__, exc)
+            else:
+                # Another writer's end far ahead of the clock would leave every minute this
+                # controller records behind it, unrecorded until that time.
+                if stored.end_minute > fc.minute_of(self.clock()) + fc.MINUTES_PER_DAY:
+                    log.warning("pool %s: %s ends at minute %d, more than a day ahead of the clock: the "
+                                "history starts empty", self.pool, self._k_history, stored.end_minute)
+                else:
+                    self.state = replace(self.state, history=stored)
         assert self.state.history is not None
         self._booting = not self.replicas
         self.emit("rebuild", replicas={rid: r.view.state.value for rid, r in self.replicas.items()},

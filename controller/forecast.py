@@ -196,7 +196,11 @@ class DemandHistory:
     def from_dict(d: dict[str, Any], retention_minutes: int | None = None) -> DemandHistory:
         # Redis JSON may hold Infinity / NaN / negatives (a bad write, a hand edit): no data.
         vals = np.array([np.nan if x is None else _clean(float(x)) for x in d["values"]], dtype=float)
-        h = DemandHistory(int(d["end_minute"]), vals)
+        end = d["end_minute"]
+        if not isinstance(end, (int, float)) or not math.isfinite(end) or not 0 <= end < 2**40:
+            # (an infinite end raised OverflowError, 1e300 an IndexError deep in numpy)
+            raise ValueError(f"end_minute {end!r} is no minute a clock reaches")
+        h = DemandHistory(int(end), vals)
         if retention_minutes is not None and retention_minutes != len(vals):
             # Re-size (retention changed in config): keep the newest minutes.
             out = DemandHistory.empty(retention_minutes, h.end_minute)

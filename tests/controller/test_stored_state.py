@@ -48,3 +48,39 @@ async def test_a_controller_starts_over_a_stored_sequence_that_is_no_number(
         await asyncio.gather(task, return_exceptions=True)
         await c.aclose()
         await a.stop_all()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("history", [
+    '{"end_minute": Infinity, "values": [1.0]}',  # int(inf): OverflowError, which the read did not catch
+    '{"end_minute": 1e300, "values": [1.0]}',
+    '{"end_minute": 99999999999, "values": [1.0, 2.0]}',  # far ahead of the clock
+])
+async def test_a_controller_starts_over_a_stored_history_it_cannot_use(
+        stack: LocalStack, tmp_path: Path, history: str) -> None:
+    """A stored demand history with an end no clock reaches (a hand edit, another writer):
+    the history starts empty with a warning; an infinite end crash-looped every start."""
+    import time
+
+    from floodgate.controller import forecast as fc
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    await c.set(schema.key("default", schema.CTL_HISTORY), history)
+    a = ProcessActuator(sim_command(*SIM_ARGS), tmp_path / "r", supervisor=stack.sup)
+    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool={"enabled": False})
+    ctl = Controller(cfg, {"default": a}, holder="t")
+    stop = asyncio.Event()
+    task = asyncio.create_task(ctl.run(stop))
+    try:
+        async def one_active() -> bool:
+            assert not task.done(), f"controller exited: {task.exception()!r}"
+            return count(await registry_states(url), "active") == 1
+        await wait_for(one_active, 30)
+        h = ctl.pools["default"].state.history
+        assert h is not None and h.end_minute <= fc.minute_of(time.time()) + 1
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await c.aclose()
+        await a.stop_all()
