@@ -110,10 +110,16 @@ class Registry:
         return _count(await self.client.hget(self.k_epinf, endpoint))
 
     async def endpoints(self) -> dict[str, Endpoint]:
+        """Every endpoint of the registry by its document; an endpoint in the `active` set without
+        a readable document (another writer, or a document malformed since) is listed `active`
+        with no replica id: processors route to what the set holds, so the controller must see it
+        to take it out (`PoolController._drop_orphans`; a review: such an entry was routed to and
+        never removed)."""
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(self.k_endpoints)
             pipe.hgetall(self.k_epinf)
-            docs, inflight = await pipe.execute()
+            pipe.smembers(self.k_active)
+            docs, inflight, active = await pipe.execute()
         out: dict[str, Endpoint] = {}
         counts = {k.decode("utf-8", "replace"): _count(v) for k, v in inflight.items()}
         for raw_ep, raw_doc in docs.items():
@@ -128,6 +134,10 @@ class Registry:
                 log.warning("pool %s: registry entry %r is malformed (%s): ignored", self.pool, ep, exc)
                 continue
             out[ep] = e
+        for raw_ep in active:
+            ep = raw_ep.decode("utf-8", "replace")
+            if ep not in out:
+                out[ep] = Endpoint(ep, "active", "", 0, counts.get(ep, 0))
         return out
 
     async def set_ceiling(self, per_endpoint: float, ttl_s: float) -> None:

@@ -100,6 +100,38 @@ async def test_an_entry_of_no_known_replica_is_removed_on_the_second_tick(stack:
     await rc.aclose()
 
 
+async def test_an_active_endpoint_without_a_document_is_removed_too(stack: LocalStack) -> None:
+    # Processors route to the `active` set; the controller read only the documents, so an
+    # endpoint in the set with no document (another writer) or a malformed one was routed to
+    # and never removed (a controller review).
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    reg = Registry(rc, "default")
+    eps = {"r0": f"127.0.0.1:{free_port()}"}
+    bare, garbled = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    await reg.set(eps["r0"], "active", "r0")
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        pc.replicas = {"r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, pc.clock() - 600), eps["r0"])}
+        await pc.tick()
+        await rc.sadd(reg.k_active, bare, garbled)
+        await rc.hset(reg.k_endpoints, garbled, "{not json")
+        listed = await reg.endpoints()
+        assert listed[bare].state == "active" and listed[bare].replica_id == ""
+        await pc.tick()
+        await pc.tick()
+        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
+        assert not await rc.hexists(reg.k_endpoints, garbled)
+        # The known replica's own entry, garbled, is written again rather than dropped.
+        await rc.hset(reg.k_endpoints, eps["r0"], "{not json")
+        await pc.tick()
+        await pc.tick()
+        assert (await reg.endpoints())[eps["r0"]].replica_id == "r0"
+        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
+    await rc.aclose()
+
+
 async def test_a_resumed_desired_count_never_drains_what_serves(stack: LocalStack) -> None:
     # The last leader's desired count (ctl:desired) tells a new leader which replicas in their
     # cold start were wanted to serve. Below what serves (a controller stopped long ago, another
