@@ -181,9 +181,8 @@ def decide(cfg: DeciderConfig, state: DeciderState, signals: Signals, now: float
     return new_state, Decision(plan, fcast, floor, pool_floor, pp.warm_target, pp.actions, recorded, off, tc, reserve)
 
 
-def _shed_rates(off: dm.OfferedDemand | None, exclude: tuple[int, ...], queue: QueueSignal | None = None,
-                now: float = 0.0, late_wait_s: float = math.inf, stale_after_s: float = 0.0
-                ) -> tuple[float | None, float]:
+def _shed_rates(off: dm.OfferedDemand | None, exclude: tuple[int, ...], queue: QueueSignal | None,
+                now: float, late_wait_s: float, stale_after_s: float) -> tuple[float | None, float]:
     """(offered, turned away or served late) requests/s of the classes not excluded; offered
     None when the tick measured neither (stale counters, or no Floodgate in front).
 
