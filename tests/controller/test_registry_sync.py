@@ -3,6 +3,8 @@ registry write lost to a Redis blip (a DRAIN that the processors never saw) is r
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import aiohttp
@@ -13,6 +15,7 @@ from floodgate.controller.policy import PolicyState
 from floodgate.controller.signals import ReplicaState, ReplicaView
 from floodgate.extproc.registry import Registry
 from floodgate.extproc.state import redis_client
+from redis.asyncio import Redis
 
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
@@ -77,59 +80,58 @@ async def test_an_entry_of_no_known_replica_is_removed_on_the_second_tick(stack:
     # A removal lost to a Redis blip (or an old leader's late write) left a dead endpoint
     # `active` for good while the leader ran, and processors routed to it; only a restart's
     # rebuild removed it (a review: 120 ticks). Now the second tick that sees it removes it.
-    url = stack.start_redis()
-    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
-    rc = redis_client(url)
-    reg = Registry(rc, "default")
-    eps = {"r0": f"127.0.0.1:{free_port()}"}
     dead = f"127.0.0.1:{free_port()}"
-    await reg.set(eps["r0"], "active", "r0")
-    async with aiohttp.ClientSession() as s:
-        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
-        pc.replicas = {"r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, pc.clock() - 600), eps["r0"])}
-        await pc.tick()
+    async with _one_known_replica(stack) as (pc, rc, reg, ep0):
         await reg.set(dead, "active", "r99")  # appears while the leader runs
         await pc.tick()  # seen once: could be a write racing this tick
         assert dead in await reg.endpoints()
         await pc.tick()
         after = await reg.endpoints()
-        assert dead not in after and eps["r0"] in after
-        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
+        assert dead not in after and ep0 in after
+        assert await rc.smembers(reg.k_active) == {ep0.encode()}
         dropped = [e for e in pc.events if e["event"] == "registry_sync" and e.get("why") == "no such replica"]
         assert [(e["replica"], e["endpoint"]) for e in dropped] == [("r99", dead)]
-    await rc.aclose()
+
+
+@asynccontextmanager
+async def _one_known_replica(stack: LocalStack) -> AsyncIterator[tuple[PoolController, Redis, Registry, str]]:
+    """A leader's pool controller that knows one active replica, r0 (registered, one tick run)."""
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    reg = Registry(rc, "default")
+    eps = {"r0": f"127.0.0.1:{free_port()}"}
+    await reg.set(eps["r0"], "active", "r0")
+    try:
+        async with aiohttp.ClientSession() as s:
+            pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
+            pc.replicas = {"r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, pc.clock() - 600), eps["r0"])}
+            await pc.tick()
+            yield pc, rc, reg, eps["r0"]
+    finally:
+        await rc.aclose()
 
 
 async def test_an_active_endpoint_without_a_document_is_removed_too(stack: LocalStack) -> None:
     # Processors route to the `active` set; the controller read only the documents, so an
     # endpoint in the set with no document (another writer) or a malformed one was routed to
     # and never removed (a controller review).
-    url = stack.start_redis()
-    cfg = controller_config(url, policy={"min_replicas": 1}, warm_pool={"enabled": False})
-    rc = redis_client(url)
-    reg = Registry(rc, "default")
-    eps = {"r0": f"127.0.0.1:{free_port()}"}
     bare, garbled = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    await reg.set(eps["r0"], "active", "r0")
-    async with aiohttp.ClientSession() as s:
-        pc = PoolController(cfg.pools[0], Fixed(eps), rc, s, ControllerMetrics())  # type: ignore[arg-type]
-        pc.replicas = {"r0": Replica(ReplicaView("r0", ReplicaState.ACTIVE, pc.clock() - 600), eps["r0"])}
-        await pc.tick()
+    async with _one_known_replica(stack) as (pc, rc, reg, ep0):
         await rc.sadd(reg.k_active, bare, garbled)
         await rc.hset(reg.k_endpoints, garbled, "{not json")
         listed = await reg.endpoints()
         assert listed[bare].state == "active" and listed[bare].replica_id == ""
         await pc.tick()
         await pc.tick()
-        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
+        assert await rc.smembers(reg.k_active) == {ep0.encode()}
         assert not await rc.hexists(reg.k_endpoints, garbled)
         # The known replica's own entry, garbled, is written again rather than dropped.
-        await rc.hset(reg.k_endpoints, eps["r0"], "{not json")
+        await rc.hset(reg.k_endpoints, ep0, "{not json")
         await pc.tick()
         await pc.tick()
-        assert (await reg.endpoints())[eps["r0"]].replica_id == "r0"
-        assert await rc.smembers(reg.k_active) == {eps["r0"].encode()}
-    await rc.aclose()
+        assert (await reg.endpoints())[ep0].replica_id == "r0"
+        assert await rc.smembers(reg.k_active) == {ep0.encode()}
 
 
 async def test_a_resumed_desired_count_never_drains_what_serves(stack: LocalStack) -> None:

@@ -5,6 +5,8 @@ neighbouring `ctl:desired` and `ctl:history` were already read defensively)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from floodgate.controller.actuators.process import ProcessActuator, sim_command
 from floodgate.controller.app import Controller, parse_seq
 from floodgate.extproc import schema
 from floodgate.extproc.state import redis_client
+from redis.asyncio import Redis
 
 from floodgate.stack import LocalStack
 from tests.controller.live import SIM_ARGS, controller_config, count, registry_states, wait_for
@@ -28,10 +31,19 @@ def test_parse_seq() -> None:
 @pytest.mark.parametrize("value", ["1.0", "abc"])
 async def test_a_controller_starts_over_a_stored_sequence_that_is_no_number(
         stack: LocalStack, tmp_path: Path, value: str) -> None:
+    async with _serving_over(stack, tmp_path, {schema.CTL_SEQ: value, schema.CTL_DESIRED: value}) as (_, c):
+        assert await c.get(schema.key("default", schema.CTL_SEQ)) == b"1"  # r0 started: the sequence goes on
+
+
+@asynccontextmanager
+async def _serving_over(stack: LocalStack, tmp_path: Path, stored: dict[str, str]
+                        ) -> AsyncIterator[tuple[Controller, Redis]]:
+    """A controller started over `stored` (its pool's keys set first), once it serves one active
+    replica (it must not have exited meanwhile)."""
     url = stack.start_redis()
     c = redis_client(url, op_timeout_s=5)
-    await c.set(schema.key("default", schema.CTL_SEQ), value)
-    await c.set(schema.key("default", schema.CTL_DESIRED), value)
+    for k, v in stored.items():
+        await c.set(schema.key("default", k), v)
     a = ProcessActuator(sim_command(*SIM_ARGS), tmp_path / "r", supervisor=stack.sup)
     cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool={"enabled": False})
     ctl = Controller(cfg, {"default": a}, holder="t")
@@ -42,7 +54,7 @@ async def test_a_controller_starts_over_a_stored_sequence_that_is_no_number(
             assert not task.done(), f"controller exited: {task.exception()!r}"
             return count(await registry_states(url), "active") == 1
         await wait_for(one_active, 30)
-        assert await c.get(schema.key("default", schema.CTL_SEQ)) == b"1"  # r0 started: the sequence goes on
+        yield ctl, c
     finally:
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
@@ -64,23 +76,6 @@ async def test_a_controller_starts_over_a_stored_history_it_cannot_use(
 
     from floodgate.controller import forecast as fc
 
-    url = stack.start_redis()
-    c = redis_client(url, op_timeout_s=5)
-    await c.set(schema.key("default", schema.CTL_HISTORY), history)
-    a = ProcessActuator(sim_command(*SIM_ARGS), tmp_path / "r", supervisor=stack.sup)
-    cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, warm_pool={"enabled": False})
-    ctl = Controller(cfg, {"default": a}, holder="t")
-    stop = asyncio.Event()
-    task = asyncio.create_task(ctl.run(stop))
-    try:
-        async def one_active() -> bool:
-            assert not task.done(), f"controller exited: {task.exception()!r}"
-            return count(await registry_states(url), "active") == 1
-        await wait_for(one_active, 30)
+    async with _serving_over(stack, tmp_path, {schema.CTL_HISTORY: history}) as (ctl, _):
         h = ctl.pools["default"].state.history
         assert h is not None and h.end_minute <= fc.minute_of(time.time()) + 1
-    finally:
-        stop.set()
-        await asyncio.gather(task, return_exceptions=True)
-        await c.aclose()
-        await a.stop_all()
