@@ -73,6 +73,7 @@ from floodgate.controller.signals import (
     ReplicaState,
     ReplicaView,
     count_states,
+    engine_held,
 )
 from floodgate.controller.vllm import VllmClient, VllmError, VllmSample
 from floodgate.extproc import schema
@@ -471,8 +472,7 @@ class PoolController:
                 rep.sample = s
             running = rep.view.running
             if s is not None:
-                # Unknown is not idle: a failed scrape keeps a drain from completing.
-                running = int(s.metrics.running) if s.metrics.ok else max(1, rep.view.running)
+                running = engine_held(s.metrics.ok, s.metrics.running, s.metrics.waiting, rep.view.running)
             inf = inflight.get(rid, rep.view.inflight) if eps is not None else max(1, rep.view.inflight)
             busy_now = running + inf > 0
             rep.view = replace(rep.view, running=running, inflight=inf,

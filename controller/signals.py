@@ -104,7 +104,8 @@ class ReplicaView:
     """What the controller knows about one replica: lifecycle state plus load.
 
     `inflight` is Floodgate's in-flight count for the endpoint (from the lease table);
-    `running` is vLLM's `num_requests_running`. Both must reach 0 before a drain completes.
+    `running` is what the engine holds: vLLM's `num_requests_running` plus
+    `num_requests_waiting` (`engine_held`). Both must reach 0 before a drain completes.
     `last_busy_at` orders replicas by idleness when choosing one to drain. `busy`: an operation
     on it is in flight (a sleep, a wake); the controller starts no other one until it ends.
     `outdated`: it runs another command than the one configured now (the process actuator
@@ -121,6 +122,16 @@ class ReplicaView:
     last_busy_at: float = 0.0
     busy: bool = False
     outdated: bool = False
+
+
+def engine_held(ok: bool, running: float, waiting: float, previous: int) -> int:
+    """Requests a replica's engine holds, from one scrape: running plus waiting. A request still in
+    vLLM's waiting queue (not yet scheduled, or waiting for a LoRA adapter or remote KV blocks)
+    is lost if the replica stops, so a drain must not end on `running` 0 alone. A failed scrape
+    (`ok` false) is at least 1: unknown is not idle, and a drain does not end on it."""
+    if not ok:
+        return max(1, previous)
+    return int(running + waiting)
 
 
 def count_states(replicas: tuple[ReplicaView, ...]) -> dict[ReplicaState, int]:

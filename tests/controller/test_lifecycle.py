@@ -23,7 +23,7 @@ from floodgate.controller.lifecycle import (
     transition,
     warm_pool_target,
 )
-from floodgate.controller.signals import ReplicaState, ReplicaView
+from floodgate.controller.signals import ReplicaState, ReplicaView, engine_held
 
 S = ReplicaState
 E = Event
@@ -385,6 +385,20 @@ def test_finished_drain_recycled_when_pool_below_target_else_terminated() -> Non
     # Pool disabled: always terminate.
     off = CFG.model_copy(update={"enabled": False})
     assert kinds(plan_pool(1, reps, 5, NOW, off).actions) == [("terminate", "d0")]
+
+
+def test_a_drain_does_not_end_while_the_engine_still_holds_waiting_requests() -> None:
+    # vLLM reported 0 running and 2 waiting (not yet scheduled, or waiting for remote KV): the
+    # drain used to end on running 0 alone, and the stop lost those two requests.
+    held = engine_held(True, running=0.0, waiting=2.0, previous=0)
+    assert held == 2
+    draining = rv("d0", S.DRAINING, NOW - 30, inflight=0, running=held)
+    assert kinds(plan_pool(1, (rv("a0", S.ACTIVE), draining), 1, NOW, CFG).actions) == []
+    assert engine_held(True, running=3.0, waiting=1.0, previous=0) == 4
+    assert engine_held(True, running=0.0, waiting=0.0, previous=5) == 0  # idle is idle
+    # A failed scrape is unknown, not idle: at least 1, the last reading if higher.
+    assert engine_held(False, running=0.0, waiting=0.0, previous=0) == 1
+    assert engine_held(False, running=0.0, waiting=0.0, previous=7) == 7
 
 
 def test_a_drain_is_taken_back_before_a_pool_replica_is_woken_or_one_cold_started() -> None:
