@@ -352,7 +352,13 @@ def main(args: argparse.Namespace) -> int:
         retry=args.retry, retry_max_wait=args.retry_max_wait, metrics_url=args.metrics_url,
         metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
         sample_interval=args.sample_interval, extra_headers=dict(args.header), progress=progress,
+        stop_on_cancel=True,
     ))
+    interrupted = bool(result.meta.get("interrupted"))
+    if interrupted:
+        print(f"floodgate load: interrupted after {result.meta['wall_s']:.1f} s: the report covers the "
+              f"{len(result.records)} requests sent (those in flight count as errors, kind "
+              f"'interrupted')", file=sys.stderr)
     result.meta.update(shape=args.shape, seed=args.seed, windows={k: list(v) for k, v in windows.items()})
     slo = SLO(args.slo_ttft, args.slo_tpot)
     if args.out:
@@ -370,6 +376,8 @@ def main(args: argparse.Namespace) -> int:
     scrape_warning = scrape_failure(result.meta)
     if scrape_warning:
         print(f"floodgate load: warning: {scrape_warning}", file=sys.stderr)
+    if interrupted:
+        return 130
     if all(r.status is None for r in result.records):
         first = next((r.error for r in result.records if r.error), "no response")
         print(f"floodgate load: no request got a response from {args.target}: {first}", file=sys.stderr)

@@ -33,6 +33,8 @@ DEFAULT_MODEL = "floodgate-sim"
 OK = "ok"
 REJECTED = "rejected"
 ERROR = "error"
+# A request in flight when `floodgate load` was interrupted (Ctrl-C): its outcome is unknown.
+INTERRUPTED = "interrupted: the run was stopped with the request in flight"
 Outcome = Literal["ok", "rejected", "error"]
 Api = Literal["completions", "chat"]
 
@@ -419,8 +421,14 @@ async def run_load_detailed(
     extra_headers: dict[str, str] | None = None,
     progress: bool = False,
     on_record: Callable[[Record], None] | None = None,
+    stop_on_cancel: bool = False,
 ) -> LoadResult:
-    """Send `plan` open-loop to `target`; return records, metric samples and run metadata."""
+    """Send `plan` open-loop to `target`; return records, metric samples and run metadata.
+
+    With `stop_on_cancel` (`floodgate load`, run under `asyncio.Runner`, which turns Ctrl-C
+    into one cancel of this task), a cancel ends the run early instead of raising: requests in
+    flight are cancelled and recorded as errors (`INTERRUPTED`), requests never sent are left
+    out, and `meta["interrupted"]` is true."""
     loop = asyncio.get_running_loop()
     plan = sorted(plan, key=lambda p: p.t_offset)
     records = [
@@ -451,25 +459,38 @@ async def run_load_detailed(
             if on_record is not None:
                 on_record(rec)
 
+        interrupted = False
         try:
-            for p, rec in zip(plan, records, strict=True):
-                delay = t0 + p.t_offset - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(
-                    send_one(
-                        session, p, rec, target=target, model=model, api=api, request_timeout=request_timeout,
-                        retry=retry, retry_max_wait=retry_max_wait, extra_headers=extra_headers,
-                        loop=loop, t0=t0,
+            try:
+                for p, rec in zip(plan, records, strict=True):
+                    delay = t0 + p.t_offset - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    task = asyncio.create_task(
+                        send_one(
+                            session, p, rec, target=target, model=model, api=api, request_timeout=request_timeout,
+                            retry=retry, retry_max_wait=retry_max_wait, extra_headers=extra_headers,
+                            loop=loop, t0=t0,
+                        )
                     )
-                )
-                task.add_done_callback(done)
-                tasks.append(task)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                    task.add_done_callback(done)
+                    tasks.append(task)
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            except asyncio.CancelledError:
+                # Ctrl-C: asyncio.Runner cancels this task once (a second Ctrl-C raises
+                # KeyboardInterrupt at once). Stop sending and report what was sent, as wrk, hey
+                # and k6 do: a long run stopped early used to lose everything. Only that cancel
+                # is taken; any other caller's is passed on.
+                me = asyncio.current_task()
+                if not stop_on_cancel or me is None or me.uncancel() > 0:
+                    raise
+                interrupted = True
         finally:
             for t in tasks:
                 t.cancel()
+            if interrupted and tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
             stop.set()
             if sampler_task is not None:
                 await sampler_task
@@ -480,6 +501,12 @@ async def run_load_detailed(
         if not task.cancelled() and task.exception() is not None:
             rec.outcome = ERROR
             rec.error = f"loadgen: {task.exception()!r}"[:300]
+        elif task.cancelled() and rec.t_sent is not None:
+            rec.outcome = ERROR
+            rec.error = INTERRUPTED
+    if interrupted:
+        # What was never sent was never offered: the report covers the requests sent.
+        records = [r for r in records if r.t_sent is not None]
     lags = sorted((r.t_sent - r.t_planned) for r in records if r.t_sent is not None)
     meta: dict[str, Any] = {
         "target": target,
@@ -500,6 +527,7 @@ async def run_load_detailed(
         "send_lag_p99_s": lags[int(0.99 * (len(lags) - 1))] if lags else None,
         "send_lag_max_s": lags[-1] if lags else None,
         "unix_time_at_t0": time.time() - (loop.time() - t0),
+        "interrupted": interrupted,
     }
     return LoadResult(records, sampler.samples if sampler else [], meta)
 

@@ -232,3 +232,47 @@ async def test_rejection_headers_and_bounded_retry() -> None:
     assert h["x-request-priority"] == "2" and h["x-sim-output-tokens"] == "7" and h["x-sim-prompt-tokens"] == "40"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 7 and len(body["prompt"].split()) == pytest.approx(40, abs=2)
+
+
+def test_ctrl_c_ends_the_run_with_a_report_of_what_was_sent(emulator: str, tmp_path: Path) -> None:
+    # A long run stopped with Ctrl-C used to end in a traceback and no report; like wrk, hey and
+    # k6, it now reports the requests sent: the finished ones as they ended, the ones in flight
+    # as errors of kind "interrupted", the ones never sent left out. Exit 130.
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "floodgate", "load", "--target", emulator, "--shape", "constant", "--rate", "10",
+         "--duration", "120", "--prompt-mean", "32", "--prompt-sigma", "0", "--output-mean", "400",
+         "--output-sigma", "0", "--out", str(out), "--no-plots", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        running = 0.0
+        while running < 3:  # streams in flight on the emulator when the interrupt comes
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the emulator never had 3 streams running"
+            with urllib.request.urlopen(emulator + "/metrics", timeout=2) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("vllm:num_requests_running"):
+                        running = float(line.split()[-1])
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "floodgate load: interrupted after" in err and "Traceback" not in err
+    data = json.loads((out / "requests.json").read_text())
+    recs = data["records"]
+    assert data["meta"]["interrupted"] is True
+    assert 3 <= len(recs) < 1200  # only what was sent, not the 1,200 planned
+    assert all(r["t_sent"] is not None for r in recs)
+    interrupted = [r for r in recs if r["outcome"] == ERROR]
+    assert len(interrupted) >= 3 and all(r["error"].startswith("interrupted") for r in interrupted)
+    assert all(r["outcome"] in (OK, ERROR) for r in recs)
+    assert "| overall |" in (out / "summary.md").read_text()
