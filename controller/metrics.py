@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import asyncio
+from typing import Any, Literal, get_args
 
-from aiohttp import web
 from floodgate.controller import policy
 from floodgate.controller.lifecycle import ActionKind
 from floodgate.controller.signals import ReplicaState
+from floodgate.extproc.metrics import serve_metrics
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -139,20 +139,31 @@ class ControllerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def serve(self, listen: str) -> web.AppRunner:
+    async def serve(self, listen: str) -> MetricsListener:
+        """Serve /metrics on `listen` (HOST:PORT) until the returned listener's `cleanup()`.
+        The processor's listener (extproc.metrics.serve_metrics): threads off the event loop,
+        a deadline on each connection's whole exchange and a bound on connections at once.
+        aiohttp's server, used before, kept every connection that sent nothing (or trickled a
+        request line) for good: an attacker review's 1,100 idle connections held a controller
+        at its 1,024 file descriptors, its /metrics timed out, and any connection it then had
+        to open (Redis after a reconnect, a new replica's scrape) failed with EMFILE."""
         host, _, port = listen.rpartition(":")
         disable_created_metrics()  # as the processor (extproc/app.py): no `*_created` samples
-
-        async def handler(_req: web.Request) -> web.Response:
-            return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
         try:
-            await web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port)).start()
+            httpd = serve_metrics(host.strip("[]") or "127.0.0.1", int(port), self.registry)
         except OSError as exc:
-            await runner.cleanup()
             raise ListenError(f"metrics_listen {listen}: cannot listen: {exc.strerror or exc}") from None
-        return runner
+        return MetricsListener(httpd)
+
+
+class MetricsListener:
+    """A running metrics listener (`ControllerMetrics.serve`)."""
+
+    def __init__(self, httpd: Any) -> None:
+        self._httpd = httpd
+
+    async def cleanup(self) -> None:
+        """Stop serving and close the listening socket (the serving loop polls every 0.5 s:
+        waited for in a thread, not on the event loop)."""
+        await asyncio.to_thread(self._httpd.shutdown)
+        self._httpd.server_close()
