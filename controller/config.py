@@ -56,7 +56,7 @@ class RedisConfig(_Strict):
 class EnvoyConfig(_Strict):
     admin_url: OptionalHttpURL = Field(default=None, description="Envoy admin base URL (http:// or https://); unset: no Envoy signals.")
     clusters: list[str] | None = Field(default=None, min_length=1, description="Upstream clusters to sum: list the ones routes reach the models through. Unset: all but floodgate_*, including one that proxies this very stats scrape (compose's envoy_admin: one active request per scrape). An empty list would sum none.")
-    gateway_stat_prefix: str | None = Field(default="gateway", description="stat_prefix of the gateway's HTTP connection manager: its downstream_rq_total and ext_proc immediate responses are the offered-demand cross-check; null: not read.")
+    gateway_stat_prefix: str | None = Field(default="gateway", description="stat_prefix of the gateway's HTTP connection manager: its ext_proc streams started (the requests that reached admission; downstream_rq_total where it has no ext_proc stats) and ext_proc immediate responses are the offered-demand cross-check; null: not read.")
 
 
 class LeaderConfig(_Strict):

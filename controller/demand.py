@@ -12,7 +12,9 @@ them stale like every other signal:
   Arrivals = admitted + turned away + growth of the queue (a queued request is counted once:
   when it is admitted or when it leaves the queue without a permit).
 * **Envoy's gateway listener** (the HTTP connection manager's stat prefix, `gateway` in the
-  shipped config): `downstream_rq_total` (every request that arrived) and
+  shipped config): `ext_proc.streams_started` (every request that reached the processor; not
+  the ones Envoy answers itself, a 404 path or the routes around the filter, which
+  `downstream_rq_total` counts too: a client's flood of those read as arrivals) and
   `ext_proc_immediate_responses_sent` (every request the processor answered itself: 429s and
   503s). Envoy keeps no per-status downstream counter (only `downstream_rq_xx` per class), so
   the ext_proc counter is the exact "turned away by admission" count. It also covers what the
@@ -145,7 +147,7 @@ class GatewayCounters:
 
     taken_at: float
     ok: bool = True
-    rq_total: float = 0.0  # http.<prefix>.downstream_rq_total
+    rq_total: float = 0.0  # arrivals: http.<prefix>.ext_proc.streams_started (else downstream_rq_total)
     rejected: float = 0.0  # http.<prefix>.ext_proc_immediate_responses_sent
 
 
@@ -351,7 +353,7 @@ def answered_bound(claimed: float, answered: float) -> float:
 def abandoned_bound(unanswered_arrivals: float, admitted: float) -> float:
     """What Floodgate's `abandoned` rate may count: a client that left while queued got no
     immediate response, so it is one of the arrivals Envoy counted that the processors did
-    not answer (`downstream_rq_total` less the immediate responses) or of the requests already
+    not answer (Envoy's arrivals less the immediate responses) or of the requests already
     queued when the window began, and not one of those they admitted; with the same room for
     the reads' misalignment as `answered_bound`."""
     return max(0.0, unanswered_arrivals * (1 + ANSWERED_TOLERANCE) + ANSWERED_SLACK_RPS - admitted)
@@ -550,8 +552,9 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
     Knative's panic window: the rate window (`window_s`) dilutes a step at its start (0.5 s of
     a 6x burst in a 5 s window reads as 1.5x), so the first decision after the step adds one
     replica; the rate since the step reads it at its height. Arrivals come from Envoy's
-    `downstream_rq_total` when it is read (live: the processors flush their Redis counters
-    about once a second, so a short span of those is lumpy), else from Floodgate's counters.
+    `ext_proc.streams_started` (the requests that reached admission) when it is read (live:
+    the processors flush their Redis counters about once a second, so a short span of those
+    is lumpy), else from Floodgate's counters.
 
     The step is a change point in the window's reads: every read k splits the window into
     the arrivals before it (rate r0 over span s0) and since it (n over the last dt seconds, at

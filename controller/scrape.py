@@ -74,6 +74,12 @@ def _envoy_value(name: str, labels: Mapping[str, str], value: float) -> float:
 
 
 GW_TOTAL = "envoy_http_downstream_rq_total"
+# Requests that reached admission: each opens one ext_proc stream. Envoy answers some without
+# the processor (a 404 path, an admin path's 404, the routes around the filter: `/health`,
+# `/v1/models`; its own 400/408/431), and downstream_rq_total counts those too: a client's
+# flood of them read as arrivals, a step the burst estimate sized a scale-up for (an attacker
+# review: 60 404s/s beside 2 real requests/s read as a burst of ~30 concurrent).
+GW_STREAMS = "envoy_http_ext_proc_streams_started"
 GW_REJECTED = "envoy_http_ext_proc_immediate_responses_sent"
 
 
@@ -81,9 +87,11 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
                 gateway_prefix: str | None = "gateway") -> EnvoySample:
     """Parse `/stats/prometheus`; `clusters=None` sums every cluster except Floodgate's own.
 
-    `gateway_prefix`: stat prefix of the gateway's HTTP connection manager; its
-    `downstream_rq_total` (arrivals) and `ext_proc_immediate_responses_sent` (requests the
-    processor answered itself: 429/503) become `gateway`. A page without the prefix's
+    `gateway_prefix`: stat prefix of the gateway's HTTP connection manager; its arrivals
+    (`ext_proc_streams_started`: the requests that reached the processor, `GW_STREAMS`; its
+    `downstream_rq_total` when the page has no ext_proc stats) and
+    `ext_proc_immediate_responses_sent` (requests the processor answered itself: 429/503)
+    become `gateway`. A page without the prefix's
     `downstream_rq_total` gives `gateway=None` (missing is unknown, never 0); a missing ext_proc
     counter (no ext_proc filter on that listener: nothing is turned away there) reads 0.
     A value no Envoy exports (NaN, infinite, negative, past 2^53) raises ValueError: the scrape
@@ -91,6 +99,7 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
     """
     active = pending = r429 = r5xx = 0.0
     gw_total: float | None = None
+    gw_streams: float | None = None
     gw_rejected = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -99,6 +108,8 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
                     "envoy_listener_address" not in s.labels:
                 if s.name == GW_TOTAL:
                     gw_total = (gw_total or 0.0) + _envoy_value(s.name, s.labels, s.value)
+                elif s.name in (GW_STREAMS, GW_STREAMS + "_total"):  # the parser may add _total
+                    gw_streams = (gw_streams or 0.0) + _envoy_value(s.name, s.labels, s.value)
                 elif s.name in (GW_REJECTED, GW_REJECTED + "_total"):  # the parser may add _total
                     gw_rejected += _envoy_value(s.name, s.labels, s.value)
                 continue
@@ -117,7 +128,8 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
             elif s.name in ("envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_xx_total") and \
                     s.labels.get("envoy_response_code_class") == "5":
                 r5xx += _envoy_value(s.name, s.labels, s.value)
-    gw = None if gw_total is None else GatewayCounters(now, True, gw_total, gw_rejected)
+    gw = None if gw_total is None else GatewayCounters(now, True, gw_total if gw_streams is None else gw_streams,
+                                                       gw_rejected)
     return EnvoySample(now, True, active, pending, r429, r5xx, gateway=gw)
 
 

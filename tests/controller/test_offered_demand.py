@@ -601,6 +601,50 @@ async def test_malformed_requests_through_envoy_are_no_demand(stack: LocalStack,
     assert burst_concurrency(w, t0 + 5, dc, 0.5).size == 0.0
 
 
+async def test_requests_that_never_reach_admission_are_no_arrivals(stack: LocalStack, upstream: int) -> None:
+    """An attacker review: requests Envoy answers without asking the processor (a 404 path, an
+    admin path's 404, `/health`, `/v1/models`: no model work) counted as arrivals, since
+    `downstream_rq_total` counts every request on the gateway. A flood of them read as a
+    step in arrivals, and the burst estimate sized a scale-up for it (60 404s/s beside 2 real
+    requests/s: a burst of ~30 concurrent at a 0.5 s slot time, 0 now). Arrivals are the
+    requests that opened an ext_proc stream (`ext_proc.streams_started`). Real Envoy,
+    processor and Redis; the controller's own scrapers and demand reconcile."""
+    from floodgate.controller.demand import DemandWindow, burst_concurrency, observe, offered
+    from floodgate.controller.scrape import scrape_envoy, scrape_floodgate
+
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc])
+    dc = DemandConfig()
+    client = redis_client(stack.redis_url, op_timeout_s=2)
+    w = DemandWindow((), ())
+    t0 = 1000.0
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def read(t: float) -> DemandWindow:
+                gw = (await scrape_envoy(s, f"http://127.0.0.1:{envoy.admin_port}", None, t)).gateway
+                fg = (await scrape_floodgate(client, "default", t)).counters
+                return observe(w, t, dc, fg, gw)
+
+            w = await read(t0)
+            for i in range(1, 9):  # 2 real requests a second; from the 5th second 60 that skip admission
+                flood = [s.get(envoy.url + p) for p in ("/nope", "/sleep", "/health", "/v1/models") * 15] if i > 4 else []
+                good = [s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
+                for r in await asyncio.gather(*flood, *good):
+                    await r.read()
+                    r.release()
+                await asyncio.sleep(1.0)  # the processor flushes its counters within a second
+                w = await read(t0 + i)
+    finally:
+        await client.aclose()
+    off = offered(w, t0 + 8, dc)
+    assert off.source == "floodgate+envoy" and off.lacking_rate() == 0.0
+    # (replica_waiting: the pool is behind, as under any real load, so a step would count)
+    assert burst_concurrency(w, t0 + 8, dc, 0.5, replica_waiting=1.0).size == 0.0
+    arrived = w.gateway[-1].rq_total - w.gateway[0].rq_total
+    assert arrived <= 2 * (len(w.gateway) - 1) + 2, arrived
+
+
 def test_the_pool_holds_its_constant_reserve_only_while_requests_are_turned_away(clock: FakeClock) -> None:
     """The warm pool's constant reserve (`burst_fraction` of the desired count) is insurance
     against turned-away requests (`warm_pool.reserve_shed_share`): a pool that turned none away
