@@ -277,10 +277,19 @@ class _Sentinel(Sentinel):
         return addr
 
     async def _says_primary(self, addr: tuple[str, int]) -> bool:
+        """HELLO (no protocol change) names the server's role and is in `@connection`, which the
+        shipped ACL users have (floodgate/redis_acl.py); ROLE is `@admin @dangerous`, refused to
+        them, and the refusal read as "not a primary" (a review: under floodgate-processor the
+        fallback never held). ROLE only where HELLO needs a protocol version (Redis 6.0)."""
         c = aioredis.Redis(host=addr[0], port=addr[1], **self.check_kwargs)
         try:
-            role = await c.execute_command("ROLE")
-            return bool(role) and role[0] in (b"master", "master")
+            try:
+                hello = await c.execute_command("HELLO")
+            except ResponseError:
+                role = await c.execute_command("ROLE")
+                return bool(role) and role[0] in (b"master", "master")
+            fields = hello if isinstance(hello, dict) else dict(zip(hello[::2], hello[1::2], strict=False))
+            return fields.get(b"role", fields.get("role")) in (b"master", "master")
         except OUTAGE_ERRORS:
             return False
         finally:

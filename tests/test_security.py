@@ -572,6 +572,47 @@ async def test_processor_redis_user_admits_but_cannot_rewrite_the_registry(stack
         await processor.aclose()
 
 
+async def test_the_shipped_redis_users_keep_the_last_primary_when_no_sentinel_answers(
+        stack: LocalStack, tmp_path: Path) -> None:
+    """With every sentinel silent, a new connection goes to the last primary the sentinels named
+    while that server says it is a primary (extproc/redis_client.py, `_Sentinel`). It asked with
+    ROLE, which the shipped ACL users may not run (@admin, @dangerous): the refusal read as "not
+    a primary", so under floodgate-processor or floodgate-controller the fallback never held and
+    a blip left the processors on local limits until a sentinel answered (tests/test_redis_ha.py
+    tests the fallback only as `default`)."""
+    from floodgate.extproc.redis_client import make_client
+    from redis.asyncio.sentinel import MasterNotFoundError
+
+    from floodgate.redis_acl import CONTROLLER_USER, PROCESSOR_USER
+
+    port = start_acl_redis(stack, tmp_path)
+    silent = free_port()  # the sentinels: nothing answers there
+    users = {PROCESSOR_USER: ACL_PASSWORDS["processor_password"], CONTROLLER_USER: ACL_PASSWORDS["controller_password"]}
+    admin = aioredis.Redis(port=port, password=ACL_PASSWORDS["admin_password"])
+    try:
+        for user, password in users.items():
+            client: Any = make_client(f"redis+sentinel://{user}@127.0.0.1:{silent}/fg", password=password)
+            try:
+                client.fg_sentinel.last_primary = ("127.0.0.1", port)
+                assert await client.fg_sentinel.discover_master("fg") == ("127.0.0.1", port), user
+                assert await client.hget("fg:{default}:epinf", "x") is None  # a pool key both users read
+            finally:
+                await client.aclose()
+        # A demoted server is still no fallback, whoever asks.
+        await admin.execute_command("REPLICAOF", "127.0.0.1", str(silent))
+        for user, password in users.items():
+            client = make_client(f"redis+sentinel://{user}@127.0.0.1:{silent}/fg", password=password)
+            try:
+                client.fg_sentinel.last_primary = ("127.0.0.1", port)
+                with pytest.raises(MasterNotFoundError):
+                    await client.fg_sentinel.discover_master("fg")
+            finally:
+                await client.aclose()
+    finally:
+        await admin.execute_command("REPLICAOF", "NO", "ONE")
+        await admin.aclose()
+
+
 async def test_a_forged_grant_sends_no_prompt_to_an_endpoint_the_controller_did_not_register(
         stack: LocalStack, upstream: int, tmp_path: Path) -> None:
     """A grant names its endpoint (`pool|ticket|endpoint` on the waiter's channel), and the
