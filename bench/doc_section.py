@@ -5,6 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The repository checkout these modules run from, if they do: the benchmarks record their results
+# in its docs/. Installed from a wheel, floodgate/bench/.. is the installed package, which has no
+# docs/ (and in the container image belongs to root): results go under the working directory
+# there, and no doc is updated unless --doc names one.
+_CHECKOUT_DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def in_checkout() -> bool:
+    return (_CHECKOUT_DOCS / "benchmarks.md").is_file()
+
+
+def default_out(name: str) -> Path:
+    """Where benchmark `name` writes its raw results and plots unless --out says otherwise."""
+    return _CHECKOUT_DOCS / "benchmarks" / name if in_checkout() else Path("runs") / "bench" / name
+
+
+def default_doc() -> Path | None:
+    """The markdown file a benchmark updates unless --doc says otherwise (None: none)."""
+    return _CHECKOUT_DOCS / "benchmarks.md" if in_checkout() else None
+
 
 def replace_section(doc: Path, start: str, end: str, section: str, *, heading: str = "") -> None:
     """Replace the text between the `start` and `end` markers (markers included) with `section`,

@@ -21,9 +21,10 @@ request timings are not scaled.
     floodgate bench elastic                        # full run, ~11 min
     floodgate bench elastic --scale 0.3 --configs floodgate --no-doc   # a quick look
 
-Writes `--out` (default docs/benchmarks/elastic/): results.json, one `<config>.json.gz` per
-config (request records and replica samples) and timeline.png; and, unless --no-doc, the
-"Elastic" section of docs/benchmarks.md.
+Writes `--out` (default docs/benchmarks/elastic/ in a checkout, runs/bench/elastic/ when
+installed): results.json, one `<config>.json.gz` per config (request records and replica
+samples) and timeline.png; and, unless --no-doc, the "Elastic" section of `--doc` (default
+docs/benchmarks.md in a checkout, none when installed).
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from floodgate.bench.doc_section import kept_notes, replace_section
+from floodgate.bench.doc_section import default_doc, default_out, kept_notes, replace_section
 from floodgate.bench.doc_section import num as _num
 from floodgate.bench.doc_section import pct as _pct
 
 SUMMARY = "elastic: admission only vs scaling only vs Floodgate (both) through a diurnal ramp and a 3x burst"
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "elastic"
-DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+# In a checkout: docs/benchmarks/elastic and docs/benchmarks.md; installed: runs/bench/elastic
+# under the working directory and no doc (bench/doc_section.py).
+DEFAULT_OUT = default_out("elastic")
+DEFAULT_DOC = default_doc()
 SECTION_START = "<!-- elastic:begin -->"
 SECTION_END = "<!-- elastic:end -->"
 CONFIGS = ("admission", "scaling", "floodgate", "floodgate-tuned")
@@ -1005,9 +1007,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, s (default 0.1)")
     p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s (default 30)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
-                   help="directory for results.json, the raw runs and timeline.png (default docs/benchmarks/elastic)")
+                   help=f"directory for results.json, the raw runs and timeline.png (default {DEFAULT_OUT})")
     p.add_argument("--doc", type=Path, default=DEFAULT_DOC, metavar="FILE",
-                   help="markdown file whose Elastic section is rewritten (default docs/benchmarks.md)")
+                   help="markdown file whose Elastic section is rewritten (default "
+                        f"{DEFAULT_DOC or 'none: installed, not in a checkout'})")
     p.add_argument("--no-doc", action="store_true", help="do not update --doc")
     p.add_argument("--no-plots", action="store_true", help="skip timeline.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -1159,8 +1162,9 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     if not args.no_plots and runs:
         plot_timeline(runs, w, per_replica, slo, args.out / "timeline.png")
-    if not args.no_doc:
-        rel = os.path.relpath(args.out, args.doc.parent)
-        update_doc(args.doc, render_section(report, rows, lines, rel, _existing_notes(args.doc)))
+    doc = None if args.no_doc else args.doc
+    if doc is not None:
+        rel = os.path.relpath(args.out, doc.parent)
+        update_doc(doc, render_section(report, rows, lines, rel, _existing_notes(doc)))
     print(f"\nwrote {args.out}/results.json in {time.monotonic() - started:.0f} s")
     return 0 if all(r.consistent for r in rows) else 1

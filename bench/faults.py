@@ -22,7 +22,8 @@ shards apart from the dead shard's pool (`Fault.rows`), with each row's switches
     floodgate bench faults --faults cluster-shard-down cluster-shard-freeze
 
 Unless --no-doc, the table and the command go into the "Faults" section of docs/benchmarks.md
-(a run of some faults replaces only their rows there).
+(a run of some faults replaces only their rows there) when run from a checkout; installed, no
+doc is written.
 """
 
 from __future__ import annotations
@@ -41,13 +42,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from floodgate.bench.doc_section import replace_section
+from floodgate.bench.doc_section import default_doc, replace_section
 from floodgate.extproc.cancel import cancel_and_wait
 
 SUMMARY = "faults: SIGKILL, Redis stop/restart, partition, client disconnects, upstream errors under load"
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+DEFAULT_DOC = default_doc()  # docs/benchmarks.md in a checkout; installed, none (bench/doc_section.py)
 SECTION_START = "<!-- faults:begin -->"
 SECTION_END = "<!-- faults:end -->"
 
@@ -997,7 +997,7 @@ def run(args: argparse.Namespace) -> int:
     print(body)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
-    if not args.no_doc:
+    if not args.no_doc and args.doc is not None:
         rerun = None if set(args.faults) == set(FAULT_NAMES) else set(args.faults)
         write_doc(args.doc, body, doc_command(sys.argv[1:]), rerun)
     return 0 if all(r.passed() for r in results) else 1

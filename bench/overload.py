@@ -33,10 +33,11 @@ step sweep without admission control.
     floodgate bench overload                                  # the headline, shipped defaults, ~21 min
     floodgate bench overload --configs none vegas-tpot --scale 0.2 --no-calibrate --no-doc
 
-Writes `--out` (default docs/benchmarks/overload/): results.json (every number of the table,
+Writes `--out` (default docs/benchmarks/overload/ in a checkout, runs/bench/overload/ when
+installed): results.json (every number of the table,
 the plan and the measured CPU use), one `<config>.json.gz` per config (every request record
 and metric sample, as `sim.report.write_json`), and timeline.png; and, unless --no-doc, the
-"Overload" section of docs/benchmarks.md.
+"Overload" section of `--doc` (default docs/benchmarks.md in a checkout, none when installed).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from floodgate.bench.doc_section import kept_notes, replace_section
+from floodgate.bench.doc_section import default_doc, default_out, kept_notes, replace_section
 from floodgate.bench.doc_section import num as _num
 from floodgate.bench.doc_section import pct as _pct
 from floodgate.bench.overhead import cpu_seconds, register_active
@@ -65,9 +66,10 @@ from floodgate.extproc.config import PoolConfig
 
 SUMMARY = "overload: Envoy alone vs adaptive_concurrency vs Floodgate static vs Vegas under a 3x burst"
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "overload"
-DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
+# In a checkout: docs/benchmarks/overload and docs/benchmarks.md; installed: runs/bench/overload
+# under the working directory and no doc (bench/doc_section.py).
+DEFAULT_OUT = default_out("overload")
+DEFAULT_DOC = default_doc()
 SECTION_START = "<!-- overload:begin -->"
 SECTION_END = "<!-- overload:end -->"
 
@@ -1297,8 +1299,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-nice", type=int, default=PROBE_NICE,
                    help="the probe process's niceness change (negative: ahead of the bench's other "
                         "processes, as a client with its own CPU; needs privileges, else it runs as is)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for JSON and plots")
-    p.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="markdown file to update")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory for JSON and plots (default {DEFAULT_OUT})")
+    p.add_argument("--doc", type=Path, default=DEFAULT_DOC,
+                   help=f"markdown file to update (default {DEFAULT_DOC or 'none: installed, not in a checkout'})")
     p.add_argument("--no-doc", action="store_true", help="do not update the markdown file")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -1354,13 +1357,14 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     if not args.no_plots and runs:
         plot_timeline(runs, w if args.from_raw else _workload(args), slo, args.out / "timeline.png")
-    if not args.no_doc:
+    doc = None if args.no_doc else args.doc
+    if doc is not None:
         try:
-            rel = os.path.relpath(args.out, args.doc.parent)
+            rel = os.path.relpath(args.out, doc.parent)
         except ValueError:
             rel = str(args.out)
-        update_doc(args.doc, render_section(report, rows, lines, rel, _existing_notes(args.doc)))
-    print(f"\nwrote {args.out}/results.json" + ("" if args.no_doc else f" and {args.doc}")
+        update_doc(doc, render_section(report, rows, lines, rel, _existing_notes(doc)))
+    print(f"\nwrote {args.out}/results.json" + ("" if doc is None else f" and {doc}")
           + f" in {time.monotonic() - started:.0f} s (best steady goodput {best:.0f} tok/s)")
     return 0 if all(r.consistent for r in rows) else 1
 

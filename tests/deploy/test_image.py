@@ -456,3 +456,31 @@ def test_top_level_help_imports_no_component() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_benchmarks_write_nothing_into_the_installed_package(image: Image, tmp_path: Path) -> None:
+    """`floodgate bench overload|elastic|faults` record their results in docs/ of the checkout
+    they run from. Installed, their defaults pointed into the installed package (a review:
+    `site-packages/floodgate/docs/benchmarks/overload`, created there, root's in the image, so
+    `floodgate bench overload` failed at once as the image's user, and `faults` wrote (or failed
+    to write, after the whole run) `site-packages/floodgate/docs/benchmarks.md`). Installed,
+    results go under the working directory and no doc is updated unless --doc names one."""
+    code = ("import argparse, json, floodgate\n"
+            "from pathlib import Path\n"
+            "from floodgate.bench import elastic, faults, overload\n"
+            "out = {}\n"
+            "for m in (overload, elastic, faults):\n"
+            "    p = argparse.ArgumentParser(); m.add_arguments(p); a = p.parse_args([])\n"
+            "    out[m.__name__] = {k: None if getattr(a, k, None) is None else str(Path(getattr(a, k)).resolve())\n"
+            "                       for k in ('out', 'doc') if hasattr(a, k)}\n"
+            "print(json.dumps({'package': str(Path(floodgate.__file__).resolve().parent), 'defaults': out}))\n")
+    r = subprocess.run([image.python(), "-c", code], env=image.env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)
+    package = Path(found["package"])
+    for module, paths in found["defaults"].items():
+        for flag, path in paths.items():
+            assert path is None or not Path(path).is_relative_to(package), f"{module} --{flag} defaults to {path}"
+    assert found["defaults"]["floodgate.bench.overload"]["out"] == str(tmp_path.resolve() / "runs" / "bench" / "overload")
+    assert all(paths.get("doc") is None for paths in found["defaults"].values()), found
