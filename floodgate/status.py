@@ -24,6 +24,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 HELP = """\
 Show what every processor and the controller share in Redis: per pool the limit, in-flight and
@@ -31,8 +32,9 @@ queued requests per priority class, leases per gateway, degraded gateways (silen
 Redis still holds their permits or waiters), live gateways whose grant channel nobody hears (NOT
 HEARD: a pub/sub connection just broke; BY POLL: it cannot subscribe and finds its grants by
 polling) and the replica registry by state; first, which controller holds the leader lease
-(the one that acts) and for how long. `--json` prints the same as one JSON document
-(`{"error": ...}` when Redis cannot be read).
+(the one that acts) and for how long: NOT SHOWN under a Redis user that may not read the lease,
+as the processors' ACL user that `--config processor.yaml` takes (the pools are shown). `--json`
+prints the same as one JSON document (`{"error": ...}` when Redis cannot be read).
 
   floodgate status --redis-url redis://127.0.0.1:6379/0
   floodgate status --config processor.yaml --json
@@ -317,17 +319,24 @@ async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]
 
 async def collect(redis_url: str, password: str | None = None, pools: list[str] | None = None,
                   op_timeout_s: float = 2.0, leader_key: str | None = None) -> Collected:
+    from redis.exceptions import NoPermissionError
+
     from floodgate.extproc.redis_client import OUTAGE_ERRORS
     from floodgate.extproc.schema import controller_leader_key
     from floodgate.extproc.state import redis_client
 
     client = redis_client(redis_url, password=password, op_timeout_s=op_timeout_s)
+    key = leader_key or controller_leader_key()
     try:
         got = await _collect_pools(client, pools)
         try:
             # Bounded: on a Cluster the client retries a frozen node's slot several times over.
-            got.leader = await asyncio.wait_for(read_leader(client, leader_key or controller_leader_key()),
-                                                2 * op_timeout_s)
+            got.leader = await asyncio.wait_for(read_leader(client, key), 2 * op_timeout_s)
+        except NoPermissionError:
+            # The processors' ACL user (floodgate/redis_acl.py) reads the pool keys only, and
+            # `--config` takes a processor config's user: the pools are shown without the lease.
+            user = unquote(urlsplit(redis_url).username or "") or "default"
+            got.leader = LeaderStatus(key, None, 0.0, readable=False, user=user)
         except OUTAGE_ERRORS as exc:
             if not got.unreachable:  # one server: it answered the pools a moment ago; say what failed
                 raise
@@ -364,6 +373,8 @@ class LeaderStatus:
     key: str
     holder: str | None
     expires_s: float
+    readable: bool = True  # False: this Redis user may not read the key (a processor's ACL user)
+    user: str | None = None  # the Redis user, when not readable
 
 
 @dataclass
@@ -382,6 +393,9 @@ async def read_leader(client: Any, key: str) -> LeaderStatus:
 def render_leader(leader: LeaderStatus | None) -> str:
     if leader is None:
         return "controller: UNKNOWN (the node holding the leader lease could not be read)"
+    if not leader.readable:
+        return (f"controller: NOT SHOWN (Redis user {leader.user} may not read {leader.key}: the processors' user "
+                "reads pool keys only; use the controller's user or `default` to see the leader)")
     if leader.holder is None:
         return (f"controller: no leader (nothing holds {leader.key}: no controller runs, or it runs without "
                 "leader election, or it cannot reach Redis)")

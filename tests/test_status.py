@@ -262,3 +262,46 @@ def test_status_names_the_controller_holding_the_leader_lease(redis_url: str) ->
     asyncio.run(lead("fg:other:leader"))  # a deployment with its own leader.key
     assert json.loads(status("--json", "--leader-key", "fg:other:leader").stdout)["controller"]["leader"]["key"] \
         == "fg:other:leader"
+
+
+def test_status_runs_as_the_processors_redis_user_from_the_shipped_config(tmp_path: Path) -> None:
+    """`floodgate status --config` takes Redis URL and password from a processor config: with the
+    shipped one (deploy/compose/processor.yaml) that is the ACL user floodgate-processor, which
+    may read every pool key but not the controllers' leader lease (fg:controller:leader is no pool
+    key). Status read the lease after the pools and failed whole ("cannot read ...:
+    NoPermissionError", exit 1, no pool shown). Now the pools are shown, and the leader line says
+    this user may not read the lease."""
+    import os
+
+    import yaml
+
+    from floodgate.redis_acl import acl_lines
+
+    acl = tmp_path / "users.acl"
+    acl.write_text("\n".join(acl_lines(admin_password="a", processor_password="p", controller_password="c")) + "\n")
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "deploy" / "compose" / "processor.yaml").read_text())
+    with Supervisor(workdir=tmp_path) as sup:
+        _, url = sup.start_redis(extra=["--aclfile", str(acl)])
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        asyncio.run(_fill(f"redis://:a@127.0.0.1:{port}/0"))
+        cfg["redis"]["url"] = cfg["redis"]["url"].replace("@redis:6379", f"@127.0.0.1:{port}")
+        assert cfg["redis"]["url"].startswith("redis://floodgate-processor@"), cfg["redis"]["url"]
+        path = tmp_path / "processor.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "FLOODGATE_REDIS_PASSWORD": "p"}
+
+        def status(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "floodgate", "status", "--config", str(path), *extra],
+                                  env=env, capture_output=True, text=True, timeout=30)
+
+        r = status()
+        assert r.returncode == 0, r.stderr
+        first, *rest = r.stdout.splitlines()
+        assert first.startswith("controller: NOT SHOWN (Redis user floodgate-processor may not read "
+                                "fg:controller:leader"), first
+        assert any("chat" in line for line in rest), r.stdout
+        r = status("--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert [p["pool"] for p in doc["pools"]] == ["chat"]
+        assert doc["controller"]["leader"]["readable"] is False and doc["controller"]["leader"]["holder"] is None
