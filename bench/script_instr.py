@@ -4,7 +4,8 @@ The CPU figures of `floodgate bench scale` move with this shared VM's load (the 
 measured 30 and 69 µs per decision in runs minutes apart). This counts instead: the server runs
 under `valgrind --tool=callgrind` (instrumentation switched on only around the measured calls),
 and the same workload is run against this checkout's leases.lua and against the one of a git
-revision (`--base`), loaded side by side as two Function libraries
+revision (`--base`; run from an installed package, which has no git revision, give the reference
+file as `--base-file`), loaded side by side as two Function libraries
 in the same server, alternating. Instruction counts do not depend on the box's load, so the
 ratio does not move with the box (it is no time: a cache miss costs more than an instruction).
 The pools run on a clock of their own (the script's `admin_testclock`, 2 ms per call), not the
@@ -46,6 +47,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -159,10 +161,18 @@ def run(args: argparse.Namespace) -> int:
     from floodgate.binaries import redis_server_binary
     from floodgate.supervisor import free_port, wait_for_port
 
+    root = Path(__file__).resolve().parent.parent
+    # A git checkout of Floodgate (root is its top), or the installed package (no git revision
+    # to compare with: the reference must come as --base-file).
+    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    checkout = top.returncode == 0 and Path(top.stdout.strip()).resolve() == root
+    if not checkout and not args.base_file:
+        print(f"floodgate bench script-instr: {root} is not a git checkout (an installed package): give the "
+              "reference leases.lua as --base-file PATH", file=sys.stderr)
+        return 2
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind (callgrind) is not installed: apt-get install valgrind")
         return 2
-    root = Path(__file__).resolve().parent.parent
     here = (root / "extproc" / "leases.lua").read_text()
     if args.base_file:
         base_rev, base = str(args.base_file), Path(args.base_file).read_text()
@@ -171,10 +181,13 @@ def run(args: argparse.Namespace) -> int:
                                   capture_output=True, text=True).stdout.strip()
         base = subprocess.run(["git", "-C", str(root), "show", f"{base_rev}:extproc/leases.lua"], check=True,
                               capture_output=True, text=True).stdout
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "extproc/leases.lua"]).returncode
-    label_here = f"{head}{'+changes' if dirty else ''}"
+    if checkout:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "extproc/leases.lua"]).returncode
+        label_here = f"{head}{'+changes' if dirty else ''}"
+    else:
+        label_here = "the installed package"
     batches = [int(x) for x in str(args.batch).split(",") if x.strip()]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"fg-script-instr-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)

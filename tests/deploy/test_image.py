@@ -484,3 +484,26 @@ def test_the_benchmarks_write_nothing_into_the_installed_package(image: Image, t
             assert path is None or not Path(path).is_relative_to(package), f"{module} --{flag} defaults to {path}"
     assert found["defaults"]["floodgate.bench.overload"]["out"] == str(tmp_path.resolve() / "runs" / "bench" / "overload")
     assert all(paths.get("doc") is None for paths in found["defaults"].values()), found
+
+
+def test_script_instr_runs_from_the_installed_package(image: Image, tmp_path: Path) -> None:
+    """`floodgate bench script-instr` compares this leases.lua with a git revision's. Installed
+    (no git checkout around the package) it died with a CalledProcessError traceback from
+    `git rev-parse`, even with the reference given as --base-file. Now --base-file runs it, and
+    without one it says to give one (exit 2, no traceback)."""
+    r = run(image, ["bench", "script-instr"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--base-file" in r.stdout + r.stderr, r.stdout + r.stderr
+    if not shutil.which("valgrind"):
+        pytest.skip("valgrind is not installed")
+    base = tmp_path / "leases.lua"
+    shutil.copy(ROOT / "extproc" / "leases.lua", base)
+    from floodgate.binaries import redis_server_binary
+
+    # The image has no Redis server (compose runs the official image): the test's, as the docs'
+    # FLOODGATE_REDIS_BIN.
+    r = run(image, ["bench", "script-instr", "--base-file", str(base), "--gateways", "1", "--batch", "1",
+                    "--decisions", "40", "--count", "script"], env={"FLOODGATE_REDIS_BIN": redis_server_binary()},
+            cwd=tmp_path, timeout=240)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "leases.lua of the installed package vs" in r.stdout, r.stdout
