@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import signal
+import sys
 from collections.abc import Callable
 
 # Sub-benchmark name -> module, in --help order.
@@ -38,6 +39,8 @@ def terminable(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
     process died at once and left Redis, Envoy and the processors running (a review: a CI
     cancel or `timeout` left five processes behind)."""
     def handler(args: argparse.Namespace) -> int:
+        from floodgate.binaries import BinaryNotFound
+
         def stop(signum: int, _frame: object) -> None:
             # once: a second SIGTERM during the cleanup would cut it short (a review: processes
             # left behind with a second signal 20 ms after the first)
@@ -47,6 +50,11 @@ def terminable(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         previous = signal.signal(signal.SIGTERM, stop)
         try:
             return run(args)
+        except BinaryNotFound as exc:
+            # No Envoy or Redis server here (the image, a plain `pip install floodgate`): say what
+            # to install on one line, as `floodgate up` does, not in a traceback.
+            print(f"floodgate bench {args.benchmark}: {exc}", file=sys.stderr)
+            return 2
         finally:
             signal.signal(signal.SIGTERM, previous)
 

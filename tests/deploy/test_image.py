@@ -507,3 +507,13 @@ def test_script_instr_runs_from_the_installed_package(image: Image, tmp_path: Pa
             cwd=tmp_path, timeout=240)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "leases.lua of the installed package vs" in r.stdout, r.stdout
+
+
+def test_a_benchmark_without_the_local_binaries_says_what_to_install(image: Image, tmp_path: Path) -> None:
+    """The image (and a plain `pip install floodgate`) has neither Envoy nor a Redis server: a
+    benchmark that needs them ended in a traceback (BinaryNotFound, whose last line said what to
+    install). Now it says so on one line and exits 2, as `floodgate up` does."""
+    for bench in ("overhead", "scale"):
+        r = run(image, ["bench", bench], cwd=tmp_path, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (bench, r.stderr[-2000:])
+        assert f"floodgate bench {bench}: " in r.stderr and "floodgate[local]" in r.stderr, (bench, r.stderr)
