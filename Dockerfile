@@ -18,7 +18,7 @@ WORKDIR /src
 # the `k8s` extra because the controller's Kubernetes actuator and EndpointSlice discovery run
 # from this image. tests/deploy/test_image.py repeats these COPY and pip lines in a clean
 # virtualenv and runs every command compose.yaml and deploy/kubernetes run.
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY floodgate ./floodgate
 COPY extproc ./extproc
 COPY controller ./controller

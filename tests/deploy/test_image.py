@@ -517,3 +517,18 @@ def test_a_benchmark_without_the_local_binaries_says_what_to_install(image: Imag
         r = run(image, ["bench", bench], cwd=tmp_path, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (bench, r.stderr[-2000:])
         assert f"floodgate bench {bench}: " in r.stderr and "floodgate[local]" in r.stderr, (bench, r.stderr)
+
+
+def test_the_installed_distribution_carries_its_license(image: Image) -> None:
+    # pyproject declares Apache-2.0; the license text ships with what users install (a
+    # shipping review found no LICENSE in the repository, the wheel or the image).
+    r = subprocess.run([image.python(), "-c", (
+        "import importlib.metadata as m; d = m.distribution('floodgate');"
+        "fs = [f for f in d.files or [] if f.name == 'LICENSE'];"
+        "print(d.metadata.get('License-Expression') or d.metadata.get('License'));"
+        "print(fs[0].read_text() if fs else '')")],
+        env=image.env, cwd="/", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    expression, _, text = r.stdout.partition("\n")
+    assert expression == "Apache-2.0"
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
