@@ -532,3 +532,13 @@ def test_the_installed_distribution_carries_its_license(image: Image) -> None:
     expression, _, text = r.stdout.partition("\n")
     assert expression == "Apache-2.0"
     assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_the_installed_package_is_marked_typed(image: Image) -> None:
+    # PEP 561: without py.typed a user's mypy treats every floodgate import as untyped
+    # (pyproject listed one for floodgate.extproc that did not exist).
+    r = subprocess.run([image.python(), "-c", (
+        "import importlib.resources as r; print(r.files('floodgate').joinpath('py.typed').is_file())")],
+        env=image.env, cwd="/", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
