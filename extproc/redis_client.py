@@ -263,11 +263,66 @@ class _Sentinel(Sentinel):
                  check_kwargs: dict[str, Any]) -> None:
         super().__init__(list(sentinels), sentinel_kwargs=sentinel_kwargs)
         self.last_primary: tuple[str, int] | None = None
+        self.stragglers: set[asyncio.Task[Any]] = set()  # questions answered by a faster sentinel
         self.check_kwargs = check_kwargs  # how to reach the primary (auth, TLS, timeouts)
+
+    HEDGE_S = 0.05  # how long the first sentinel has alone before the others are asked too
+
+    async def _ask_all(self, service_name: str) -> tuple[str, int]:
+        """The primary the sentinels name, in redis-py's order (the first in the list that names
+        a primary, moved to the top: the one that answered last time is believed first, so
+        during a switchover, while some still name the old primary, the answer does not flip).
+        The first is asked alone; when it has not answered within `HEDGE_S` (or refused), the
+        others are asked all at once: one timeout in all when none answers, not one per sentinel.
+        Asked in turn, three frozen sentinels took 3 × `op_timeout_s` before the fallback below,
+        past the processor's `2 × op_timeout_s` per call, so every new connection was cancelled
+        before it was made and a processor stayed on local limits for as long as they were away."""
+        async def ask(s: Any) -> tuple[str, int]:
+            state = (await s.sentinel_masters()).get(service_name)
+            if state and self.check_master_state(state, service_name):
+                return state["ip"], state["port"]
+            raise MasterNotFoundError(f"{s} names no primary for {service_name!r}")
+
+        def start(s: Any) -> asyncio.Task[tuple[str, int]]:
+            # A question still open when an answer was taken (or this call was cancelled)
+            # finishes by itself, within its socket timeout: cancelled mid-read, its connection
+            # would be closed and made again at every discovery.
+            t = asyncio.ensure_future(ask(s))
+            self.stragglers.add(t)
+            t.add_done_callback(self._forget)
+            return t
+
+        sentinels = list(self.sentinels)
+        errors: list[str] = []
+        first = start(sentinels[0])
+        await asyncio.wait([first], timeout=self.HEDGE_S)
+        if first.done():
+            try:
+                return first.result()  # (the usual case: one question, as redis-py asks)
+            except OUTAGE_ERRORS as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        order = [(i, start(s)) for i, s in enumerate(sentinels[1:], 1)]
+        if not first.done():
+            order.append((0, first))  # (believed last: it did not answer in time)
+        for i, t in order:
+            try:
+                addr = await asyncio.shield(t)
+            except OUTAGE_ERRORS as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if i and self.sentinels[i] is sentinels[i]:
+                self.sentinels[0], self.sentinels[i] = self.sentinels[i], self.sentinels[0]
+            return addr
+        raise MasterNotFoundError(f"No master found for {service_name!r} : {', '.join(errors)}")
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self.stragglers.discard(task)
+        if not task.cancelled():
+            task.exception()  # (retrieved: a sentinel that did not answer, or not first)
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         try:
-            addr = await super().discover_master(service_name)
+            addr = await self._ask_all(service_name)
         except MasterNotFoundError:
             last = self.last_primary
             if last is None or not await self._says_primary(last):
@@ -305,6 +360,8 @@ class _SentinelManaged(aioredis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
+        if isinstance(self.fg_sentinel, _Sentinel):
+            await cancel_and_wait(list(self.fg_sentinel.stragglers))
         if self.fg_sentinel is not None:
             for s in self.fg_sentinel.sentinels:
                 with contextlib.suppress(Exception):

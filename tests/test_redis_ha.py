@@ -138,6 +138,43 @@ async def test_with_every_sentinel_frozen_a_dropped_connection_reconnects_to_the
         await client.aclose()
 
 
+async def test_with_every_sentinel_frozen_a_processor_returns_to_shared_state_after_a_blip(
+        sentinel: SentinelTopology) -> None:  # noqa: F811
+    """The same through a processor, whose every call has `2 x op_timeout_s`: the sentinels
+    were asked one after another, one `op_timeout_s` each, so with three frozen a new
+    connection took 0.75 s before the fallback to the last primary and every call was cancelled
+    at 0.5 s while making it. After a primary stall that degraded it (a permit held), the
+    processor stayed on local limits for as long as the sentinels were away (> 15 s in a
+    review, the primary healthy throughout). A sentinel that has not answered within 50 ms
+    no longer holds up the others now."""
+    cfg, client, sub_client, _ = _sentinel_admitter(sentinel, lease_ttl_s=3)
+    metrics = Metrics()
+    admitter = Admitter(cfg, client, pubsub_client=sub_client, gateway_id="gw", metrics=metrics)
+    await admitter.start()
+    primary = sentinel.primary()
+    frozen: list[Any] = []
+    try:
+        held = await admitter.admit("s", 1, "t")
+        assert isinstance(held, Permit) and not admitter.degraded
+        for node in (*sentinel.sentinels, primary):
+            node.child.kill(signal.SIGSTOP)
+            frozen.append(node)
+        assert await wait_until(lambda: admitter.degraded, 10)  # the stall: a call timed out
+        primary.child.kill(signal.SIGCONT)
+        frozen.remove(primary)
+        # The sentinels stay frozen: the connections are made again to the last primary they named.
+        assert await wait_until(lambda: not admitter.degraded, 10), "still on local limits"
+        st = await asyncio.wait_for(admitter.pools["s"].state.status(), 2)
+        assert st.inflight_total == 1  # the held permit, re-asserted
+        await admitter.release(held)
+    finally:
+        for node in frozen:
+            node.child.kill(signal.SIGCONT)
+        await admitter.stop()
+        await client.aclose()
+        await sub_client.aclose()
+
+
 # ------------------------------------------------------------------------------------- cluster
 
 
