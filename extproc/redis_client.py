@@ -19,8 +19,9 @@ dead node.
 each channel is subscribed on the primary that owns its slot, so a grant published there
 (SPUBLISH from the pool's script) is not broadcast to every node. A gateway's channel is per
 pool and carries the pool's hash tag (schema.gateway_channel) so it lives in the pool's slot.
-A cluster subscription notices a moved slot within about 5 s (it re-reads the slot map) and a
-dead node within seconds; the caller then subscribes again.
+A cluster subscription fails at once when its node dies or a subscribed slot leaves it
+(the node says so), and a moved slot it was not told of within about 5 s (it re-reads the
+slot map); the caller then subscribes again.
 """
 
 from __future__ import annotations
@@ -602,7 +603,13 @@ class _ShardedSubscription(Subscription):
         for ch, node in owners.items():
             by_node.setdefault(node.name, (node, []))[1].append(ch)
         for node, chans in by_node.values():
+            # One reconnect at once, as every other client here (make_client): redis-py's default
+            # retry made a lost connection again to a dead node three times with backoffs of up
+            # to 2, 4 and 8 s, and the subscription failed only at the slot-map check 5 s later:
+            # this processor counted itself subscribed (and its polls did not say it was deaf)
+            # while Redis dropped its waiters at their turns on the promoted replica.
             c = aioredis.Redis(host=node.host, port=int(node.port), socket_connect_timeout=self._connect_timeout,
+                               retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                                **self._auth())
             self._clients.append(c)
             ps = c.pubsub()

@@ -22,7 +22,13 @@ from floodgate.extproc.app import make_pool_clients
 from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.metrics import Metrics
-from floodgate.extproc.redis_client import AnyRedis, make_client, publish, subscribe
+from floodgate.extproc.redis_client import (
+    AnyRedis,
+    _ShardedSubscription,
+    make_client,
+    publish,
+    subscribe,
+)
 from floodgate.extproc.schema import PoolSettings, gateway_channel, key, script_keys
 from floodgate.extproc.state import PoolState, redis_client
 from redis.exceptions import MovedError, RedisError
@@ -295,6 +301,37 @@ async def test_a_slot_migration_ends_the_subscription_at_once(cluster: ClusterTo
         sub, _ = await eventually(resubscribe)
         assert dst.client().execute_command("PUBSUB", "SHARDNUMSUB", ch)[1] == 1
         assert await publish(client, ch, "after") == 1 and await sub.get_message(2) == (ch, b"after")
+        await sub.aclose()
+    finally:
+        await client.aclose()
+        await sub_client.aclose()
+
+
+async def test_a_sharded_subscription_on_a_dead_node_fails_at_once(cluster: ClusterTopology) -> None:  # noqa: F811
+    """The slot owner of a subscribed channel is SIGKILLed (a Cluster failover follows). The
+    per-node subscription used redis-py's default retry: the lost connection was made again to
+    the dead node three times with backoffs of up to 2, 4 and 8 s, and only the slot-map check
+    (every 5 s) ended it: 4.9-5.0 s in a review, during which the processor counted itself
+    subscribed, did not say it was deaf at its polls, and Redis dropped its waiters at their
+    turns on the promoted replica. Now the reader fails at once (the slot-map check is
+    put out of reach here), as a single server's or a Sentinel's subscription does."""
+    pool = cluster.key_on_shard(0)
+    ch = gateway_channel("a", pool)
+    client = make_client(cluster.url, op_timeout_s=0.5)
+    sub_client = make_client(cluster.url, op_timeout_s=0.5, blocking=True)
+    try:
+        sub = await subscribe(sub_client, [ch])
+        assert isinstance(sub, _ShardedSubscription)
+        for task in sub._tasks:
+            if task.get_name() == "fg-ssub-watch":
+                task.cancel()  # the slot-map check: not what this test is about
+        assert await publish(client, ch, "before") == 1 and await sub.get_message(2) == (ch, b"before")
+        cluster.kill(cluster.shards[0].primary)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(RedisError, match="subscription lost"):
+            while asyncio.get_running_loop().time() - t0 < 20:
+                await sub.get_message(0.1)
+        assert asyncio.get_running_loop().time() - t0 < 2.0
         await sub.aclose()
     finally:
         await client.aclose()
