@@ -601,9 +601,7 @@ def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) ->
         finally:
             await c.aclose()
 
-    import redis.exceptions
-
-    from floodgate.extproc.redis_client import redact_url
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS, redact_url
 
     deadline = time.monotonic() + timeout
     problem = ""
@@ -612,7 +610,7 @@ def _wait_active(redis_url: str, pool: str, n: int, timeout: float, ctl: Any) ->
             raise RuntimeError(f"controller exited:\n{ctl.log_tail()}")
         try:
             eps = asyncio.run(active())
-        except (redis.exceptions.RedisError, OSError) as exc:  # Redis gone or not there yet: keep asking
+        except OUTAGE_ERRORS as exc:  # Redis gone or not there yet (a whole Cluster too): keep asking
             problem = f" (Redis at {redact_url(redis_url)}: {exc})"
             eps = []
         if len(eps) >= n:
@@ -754,10 +752,12 @@ def _settings_mismatch(processors: Sequence[Any]) -> str | None:
 
 def _redis_problem(redis_url: str) -> str | None:
     """Why the Redis at `redis_url` cannot serve the stack (None: it answers PING)."""
-    import redis.exceptions
-
-    from floodgate.extproc.redis_client import redact_url
+    from floodgate.extproc.redis_client import OUTAGE_ERRORS, redact_url
     from floodgate.extproc.state import redis_client
+
+    # An outage or a bad URL. (OUTAGE_ERRORS: a Cluster none of whose nodes answers raises
+    # RedisClusterUnreachableError, which is no RedisError, and `up` ended in its traceback.)
+    refused: tuple[type[BaseException], ...] = (*OUTAGE_ERRORS, ValueError)
 
     async def ping() -> None:
         c = redis_client(redis_url, op_timeout_s=2)
@@ -768,7 +768,7 @@ def _redis_problem(redis_url: str) -> str | None:
 
     try:
         asyncio.run(ping())
-    except (redis.exceptions.RedisError, OSError, ValueError) as exc:
+    except refused as exc:
         return f"cannot use Redis at {redact_url(redis_url)}: {exc}"
     return None
 

@@ -198,16 +198,19 @@ def test_up_refuses_a_busy_port_unless_asked(tmp_path: Path) -> None:
         assert r.returncode == 2 and f"--admin-port {port} is in use" in r.stderr
 
 
-def test_up_against_a_dead_redis_says_so_without_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_up_against_a_dead_redis_says_so_without_a_traceback(tmp_path: Path, scheme: str) -> None:
     """`--redis-url` pointing at nothing: one line naming the URL (password redacted) and the
     error, exit 1, before any processor starts (before: a 74-line redis-py traceback after
-    starting the processors, Envoy and the controller)."""
-    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    starting the processors, Envoy and the controller). A Cluster none of whose seed nodes
+    answers too: redis-py raises RedisClusterUnreachableError there, which is no RedisError,
+    and `up` ended in its traceback (a Redis HA review)."""
+    dead = f"{scheme}://:hunter2@127.0.0.1:{free_port()}" + ("/0" if scheme == "redis" else "")
     r = subprocess.run([sys.executable, "-m", "floodgate", "up", "--no-demo", "--port", str(free_port()),
                         "--admin-port", str(free_port()), "--redis-url", dead], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
-    assert "cannot use Redis at redis://:***@127.0.0.1" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"cannot use Redis at {scheme}://:***@127.0.0.1" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "hunter2" not in r.stderr and "extproc0" not in r.stderr
 
 
