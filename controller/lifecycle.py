@@ -201,22 +201,16 @@ def observe_burst(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPo
 
 
 def returning_replicas(mem: BurstMemory, now: float, desired_active: int, cfg: WarmPoolConfig) -> int:
-    """Active replicas a rise in progress will hand back to the pool: the desired count above
-    its lowest value within `burst_window_s` (`mem` already holds this tick). `plan_pool` counts
-    them toward the pool the way it counts drains in progress, so it does not cold-start pool
-    refills for them: a refill started at a rise's onset sits warm through it and, when the
-    rise's replicas drain, pushes them out as `pool_full` (elastic bench, 15:20 run: the two
-    refills cold-started in the first burst were pooled ~80 s each through the burst and the
-    recovery while six drained replicas were terminated). A level that outlasts
-    `burst_window_s` is no longer a rise (the window's low rises to it): its pool is refilled
-    as usual.
-
-    Any rise counts, not only a burst (`burst_min_ratio`, which sizes the burst memory): a pool
-    of 3 that a 4x burst took to 6 (a doubling, not more) cold-started three refills that came
-    up as the burst ended and sat in the pool (elastic bench, seed 3: 1.055x scaling only's
-    replica-seconds). On the backtest suite (15 runs) counting every rise cost 1-6 % less on 13
-    runs (+0.01x on one) at -0.06 .. +0.03 pt of SLO, every run still >= 99 %."""
-    if not mem.lows:
+    """Active replicas a burst in progress will hand back to the pool: the desired count above
+    the window's lowest value, while a burst (`observe_burst`; `mem` already holds this tick)
+    was seen within `burst_window_s`. `plan_pool` counts them toward the pool the way it
+    counts drains in progress, so it does not cold-start pool refills for them: a refill
+    started at a burst's onset sits warm through the burst and, when the burst's replicas
+    drain, pushes them out as `pool_full` (elastic bench, 15:20 run: the two refills
+    cold-started in the first burst were pooled ~80 s each through the burst and the recovery
+    while six drained replicas were terminated). A level that outlasts `burst_window_s` is no
+    longer a burst (the window's low rises to it): its pool is refilled as usual."""
+    if not mem.lows or not mem.bursts or now - mem.bursts[-1][0] > cfg.burst_window_s:
         return 0
     return max(0, desired_active - mem.lows[0][1])
 

@@ -286,25 +286,18 @@ def test_burst_memory_ignores_slow_or_small_rises() -> None:
     assert len(mem.lows) == 1
 
 
-def test_returning_replicas_are_a_rise_while_it_lasts() -> None:
+def test_returning_replicas_are_a_bursts_rise_while_it_lasts() -> None:
     cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
     assert returning_replicas(BurstMemory(), 0, 5, cfg) == 0
     # 3 -> 8 within the window: the 5 replicas above the low go back to the pool after it,
     # also while the burst subsides.
     assert returning_replicas(_feed(cfg, [(0, 3), (60, 8)]), 60, 8, cfg) == 5
     assert returning_replicas(_feed(cfg, [(0, 3), (60, 8), (120, 6)]), 120, 6, cfg) == 3
-    # 3 -> 6 is no burst for the burst memory (not more than a doubling), but a rise all the
-    # same: its 3 replicas come back as it passes (they used to be refilled by three cold starts
-    # that came up as it ended and sat in the pool).
-    mem = _feed(cfg, [(0, 3), (60, 6)])
-    assert returning_replicas(mem, 60, 6, cfg) == 3 and mem.largest() == 0
-    # Flat: nothing comes back.
-    assert returning_replicas(_feed(cfg, [(0, 6), (60, 6)]), 60, 6, cfg) == 0
-    # A level held past the window is no longer a rise (the remembered burst stays).
+    # 4 -> 6 is no burst (not more than a doubling): a level, its pool refills as usual.
+    assert returning_replicas(_feed(cfg, [(0, 4), (60, 6)]), 60, 6, cfg) == 0
+    # A level held past the window is no longer a burst (the remembered burst stays).
     mem = _feed(cfg, [(0, 3), (60, 8), (200, 8), (400, 8)])
     assert returning_replicas(mem, 400, 8, cfg) == 0 and mem.largest() == 5
-    mem = _feed(cfg, [(0, 4), (60, 6), (400, 6)])
-    assert returning_replicas(mem, 400, 6, cfg) == 0
 
 
 # --- planner ----------------------------------------------------------------------------------
