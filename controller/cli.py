@@ -203,17 +203,20 @@ def _load_overrides(path: Path | None) -> Settings:
         if unknown:
             raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
         raw = loaded
-    try:
-        return Settings(
-            PolicyConfig(**(raw.get("policy") or {})),
-            ForecastConfig(**(raw.get("forecast") or {})),
-            WarmPoolConfig(**(raw.get("warm_pool") or {})),
-            CapacityConfig(**(raw.get("capacity") or {})),
-        )
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ValueError(f"{path}: {exc.title}.{loc}: {err['msg']}") from None
+    models: dict[str, type[Any]] = {"policy": PolicyConfig, "forecast": ForecastConfig,
+                                    "warm_pool": WarmPoolConfig, "capacity": CapacityConfig}
+    built: dict[str, Any] = {}
+    for section, model in models.items():
+        given = raw.get(section) or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"{path}: {section}: expected a mapping of settings, got {type(given).__name__} {given!r}")
+        try:
+            built[section] = model(**given)
+        except ValidationError as exc:  # named by its path in the file, as the live config's errors are
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in (section, *err["loc"]))
+            raise ValueError(f"{path}: {loc}: {err['msg']}") from None
+    return Settings(built["policy"], built["forecast"], built["warm_pool"], built["capacity"])
 
 
 def _bad_simulate_args(args: argparse.Namespace) -> str | None:

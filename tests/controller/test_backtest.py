@@ -221,6 +221,18 @@ def test_cli_rejects_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
     cfg.write_text("capacity: {max_factr: 4}\n")
     assert main(["controller", "suite", "--out", str(tmp_path / "o"), "--config", str(cfg)]) == 2
     assert "max_factr" in capsys.readouterr().err
+    # A field is named by its path in the file, as the live controller's config names it.
+    cfg.write_text("warm_pool: {min_size: -1}\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert f"{cfg}: warm_pool.min_size: Input should be greater than or equal to 0" in capsys.readouterr().err
+    cfg.write_text("policy: {min_replicas: 3, max_replicas: 1}\n")
+    assert main(["controller", "simulate", "--config", str(cfg)]) == 2
+    assert f"{cfg}: policy: Value error, min_replicas must be" in capsys.readouterr().err
+    # A section that is not a mapping is an error naming it, not a traceback.
+    for bad in ("capacity: 4\n", "policy: [1, 2]\n", "forecast: on\n"):
+        cfg.write_text(bad)
+        assert main(["controller", "simulate", "--config", str(cfg)]) == 2, bad
+        assert f"{cfg}: {bad.split(':')[0]}: " in capsys.readouterr().err, bad
 
 
 def test_config_capacity_reaches_every_floodgate_policy(tmp_path: Path) -> None:
