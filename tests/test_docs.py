@@ -18,6 +18,8 @@
 4. Every relative link (and its #anchor), repository path (`deploy/kubernetes/...`), file
    named bare (`leases.lua`), test cited by name, module in docs/architecture.md's maps, Python
    import in a ```python example and dotted Python name (`extproc.state.read_demand`) exists.
+5. docs/admission.md names the error code of every reply the shipped bootstrap's
+   `local_reply_config` (envoy/local.yaml) rewrites into JSON.
 
 Fast (no network, no processes, no clock): a failure names the doc file and line. The only
 skip lists are of words that are not Floodgate's (NOT_METRICS, EXTERNAL_OPTIONS,
@@ -832,6 +834,46 @@ def test_the_metrics_reference_lists_every_metric() -> None:
     assert current == rendered_metrics_doc(current), (
         "docs/metrics.md is out of date with extproc/metrics.py and controller/metrics.py: "
         "run `.venv/bin/python tests/test_docs.py` to regenerate its table")
+
+
+def local_reply_codes() -> dict[str, str]:
+    """The error `code` of every reply the shipped gateway bootstrap's `local_reply_config`
+    rewrites (envoy/local.yaml), with the CEL filter that selects it."""
+    from floodgate.envoy_config import load_yaml
+
+    boot = load_yaml(ROOT / "envoy" / "local.yaml")
+    codes: dict[str, str] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "local_reply_config" in node:
+                for mapper in node["local_reply_config"].get("mappers", []):
+                    expr = str(mapper.get("filter", {}).get("extension_filter", {})
+                               .get("typed_config", {}).get("expression", ""))
+                    body = mapper.get("body_format_override", {}).get("json_format", {}).get("error", {})
+                    codes[str(body.get("code") or body.get("type"))] = expr
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(boot)
+    return codes
+
+
+def test_every_error_envoy_answers_itself_is_documented() -> None:
+    """docs/admission.md, "Errors Envoy answers itself", names the code of every reply the shipped
+    local_reply_config gives a JSON body (the codec's 426/431/400 were said to keep Envoy's plain
+    bodies after they got one)."""
+    doc = (ROOT / "docs" / "admission.md").read_text()
+    start = doc.index("**Errors Envoy answers itself.**")
+    section = doc[start:doc.index("\n\n", start)]
+    codes = local_reply_codes()
+    assert len(codes) >= 8, codes
+    missing = {c: e for c, e in codes.items() if f"`{c}`" not in section}
+    assert not missing, f"docs/admission.md, 'Errors Envoy answers itself', does not name: {missing}"
+    assert "plain bodies" not in section, "the codec's refusals get a JSON body too (envoy/local.yaml)"
 
 
 # --- 3. YAML examples and config keys -------------------------------------------------------
