@@ -6,7 +6,7 @@ FLOODGATE_CONTROLLER_METRICS_LISTEN, FLOODGATE_ENVOY_ADMIN_URL.
 
     redis: {url: redis://127.0.0.1:6379/0}
     tick_interval_s: 1.0
-    metrics_listen: 127.0.0.1:9464
+    metrics_listen: 127.0.0.1:9465
     envoy: {admin_url: http://127.0.0.1:9901}
     pools:
       - name: default

@@ -34,8 +34,8 @@ from floodgate.supervisor import Child, Supervisor, free_port
 from floodgate.validators import out_dir, out_dir_problem
 
 HELP = """\
-Bring up Floodgate locally: Redis (embedded Valkey), M Floodgate processors, Envoy on
-127.0.0.1:PORT, and the scaling controller, which runs N emulated vLLM replicas (scaling out
+Bring up Floodgate locally: Redis (embedded Valkey), --processors Floodgate processors, Envoy on
+127.0.0.1:--port, and the scaling controller, which runs --replicas emulated vLLM replicas (scaling out
 to --max-replicas under load, with a warm pool of sleeping replicas). Unless --no-demo, run a demo
 load with a live status line: steady (the --replicas active replicas carry it), then a burst of
 about 4x that needs --max-replicas (the controller promotes the warm pool at once and cold-starts
