@@ -238,9 +238,11 @@ METRICS_MAX_CONNECTIONS = 32
 
 def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
     """Serve `registry` on host:port from daemon threads: a connection not done within
-    METRICS_READ_TIMEOUT_S is closed (however it trickles), and past METRICS_MAX_CONNECTIONS at once a
-    new one is closed unanswered (a scraper retries; Prometheus scrapes one at a time). Returns
-    the server (`shutdown()` stops it). OSError when it cannot listen."""
+    METRICS_READ_TIMEOUT_S is closed (however it trickles), and at METRICS_MAX_CONNECTIONS at once
+    a new one takes the place of the oldest that has not sent a whole request yet (closed); with
+    none such (all serving a request), it is closed unanswered (a scraper retries; Prometheus
+    scrapes one at a time). Returns the server (`shutdown()` stops it). OSError when it cannot
+    listen."""
     import contextlib
     import socket
     import threading
@@ -250,9 +252,36 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
     from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 
     slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+    # Connections holding a slot that have not sent a whole request yet, oldest first: at the
+    # bound a new connection takes the oldest one's place. Closing new ones alone let the bound's
+    # worth of connections that sent nothing (opened again as each was cut at its deadline) keep
+    # every scrape out (a review: with KEDA, the pool's scaling too). A scraper sends its request
+    # at once, so it is not the oldest for long. Shut down under the lock only (never closed
+    # here): a connection leaves the list under it before its own thread closes it.
+    unsent: dict[Any, None] = {}
+    unsent_lock = threading.Lock()
+
+    def sent(conn: Any) -> None:
+        with unsent_lock:
+            unsent.pop(conn, None)
+
+    def evict_oldest_unsent() -> bool:
+        with unsent_lock:
+            if not unsent:
+                return False
+            conn = next(iter(unsent))
+            del unsent[conn]
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # its read ends: its thread gives the slot back
+            return True
 
     class Handler(WSGIRequestHandler):
         timeout = METRICS_READ_TIMEOUT_S  # socket timeout on every read and write (StreamRequestHandler)
+
+        def parse_request(self) -> bool:
+            ok = bool(super().parse_request())  # (reads the headers: a trickle of them can still be cut)
+            sent(self.connection)  # a whole request is in: its place is not given up any more
+            return ok
 
         def setup(self) -> None:
             super().setup()
@@ -267,6 +296,7 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
                 self.connection.shutdown(socket.SHUT_RDWR)
 
         def finish(self) -> None:
+            sent(self.connection)  # (before the socket is closed)
             self._deadline.cancel()
             with contextlib.suppress(OSError):
                 super().finish()
@@ -276,12 +306,16 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
 
     class Server(ThreadingWSGIServer):
         def process_request(self, request: Any, client_address: Any) -> None:
-            if not slots.acquire(blocking=False):
+            if not slots.acquire(blocking=False) and \
+                    not (evict_oldest_unsent() and slots.acquire(timeout=1.0)):
                 self.shutdown_request(request)
                 return
+            with unsent_lock:
+                unsent[request] = None
             try:
                 super().process_request(request, client_address)  # starts the connection's thread
             except BaseException:
+                sent(request)
                 slots.release()  # no thread to release it (the server closes the connection)
                 raise
 
@@ -292,6 +326,7 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> Any:
             try:
                 super().process_request_thread(request, client_address)
             finally:
+                sent(request)  # (its handler could not be made: not done in its finish())
                 slots.release()
 
     Server.address_family, addr = _get_best_family(host, port)

@@ -99,7 +99,7 @@ def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(monkeypatch:
     port = free_port()
     httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
     real_start = threading.Thread.start
-    failed = []
+    failed: list[threading.Thread] = []
 
     def start(self: threading.Thread) -> None:
         if "process_request" in getattr(getattr(self, "_target", None), "__name__", "") and not failed:
@@ -116,5 +116,37 @@ def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(monkeypatch:
             assert r.status == 200 and b"floodgate_decisions" in r.read()
     finally:
         monkeypatch.setattr(threading.Thread, "start", real_start)
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_idle_connections_at_the_bound_do_not_keep_a_scrape_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that have not sent a whole request give way to a new one at the bound (the
+    oldest first): METRICS_MAX_CONNECTIONS connections that sent nothing (or a request line
+    never finished), opened again as each is cut at its deadline, kept every scrape out, and
+    with KEDA (whose trigger reads the controller's floodgate_desired_replicas through
+    Prometheus) the pool's scaling with it. A review: 4 such connections at a bound of 4, the
+    scrape closed unanswered."""
+    monkeypatch.setattr(metrics_mod, "METRICS_READ_TIMEOUT_S", 60.0)  # the idle ones outlive the test
+    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 4)
+    port = free_port()
+    httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
+    base = _threads()
+    idle = []
+    try:
+        for i in range(2 * metrics_mod.METRICS_MAX_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", port))
+            if i % 2:
+                s.sendall(b"GET /metr")  # a request that never completes
+            idle.append(s)
+        assert _wait(lambda: _threads() - base >= metrics_mod.METRICS_MAX_CONNECTIONS)
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                assert r.status == 200 and b"floodgate_decisions" in r.read()
+        # Still bounded: the idle ones made room, no more threads than the bound.
+        assert _threads() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
         httpd.shutdown()
         httpd.server_close()
