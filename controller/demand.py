@@ -149,6 +149,21 @@ class GatewayCounters:
     ok: bool = True
     rq_total: float = 0.0  # arrivals: http.<prefix>.ext_proc.streams_started (else downstream_rq_total)
     rejected: float = 0.0  # http.<prefix>.ext_proc_immediate_responses_sent
+    # http.<prefix>.downstream_rq_total, when `rq_total` is the streams counter: arrivals never
+    # grow more than it does (`gateway_arrivals`). Every ext_proc filter on the listener counts
+    # its streams in that one counter, so with a second one (an operator's own processor, an AI
+    # gateway's) each request counted twice.
+    downstream: float | None = None
+
+
+def gateway_arrivals(a: GatewayCounters, b: GatewayCounters) -> float:
+    """Requests that reached admission between two reads: the ext_proc streams started, held
+    to what `downstream_rq_total` grew by (a review: a second ext_proc filter on the gateway,
+    5 requests read as 10 arrivals)."""
+    n = b.rq_total - a.rq_total
+    if a.downstream is not None and b.downstream is not None:
+        n = min(n, b.downstream - a.downstream)
+    return max(0.0, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +230,11 @@ def observe(w: DemandWindow, now: float, cfg: DemandConfig, fg: FloodgateCounter
         if f and _fg_reset(f[-1], fg):
             f = ()  # counters went backwards (Redis flushed / failed over): restart the window
         f = _prune(f, fg, now, cfg.window_s)
-    if gw is not None and gw.ok and math.isfinite(gw.rq_total) and math.isfinite(gw.rejected):
-        if g and (gw.rq_total < g[-1].rq_total or gw.rejected < g[-1].rejected):
+    if gw is not None and gw.ok and math.isfinite(gw.rq_total) and math.isfinite(gw.rejected) and \
+            (gw.downstream is None or math.isfinite(gw.downstream)):
+        if g and (gw.rq_total < g[-1].rq_total or gw.rejected < g[-1].rejected
+                  or (gw.downstream is not None and g[-1].downstream is not None
+                      and gw.downstream < g[-1].downstream)):
             g = ()  # Envoy restarted
         g = _prune(g, gw, now, cfg.window_s)
     return DemandWindow(f, g, w.running)
@@ -369,7 +387,7 @@ def offered(w: DemandWindow, now: float, cfg: DemandConfig) -> OfferedDemand:
     if gw_ok:
         a, b = w.gateway[0], w.gateway[-1]
         dt = b.taken_at - a.taken_at
-        g_off = max(0.0, b.rq_total - a.rq_total) / dt
+        g_off = gateway_arrivals(a, b) / dt
         g_away = max(0.0, b.rejected - a.rejected) / dt
     dc = cfg.default_class
     if not fg_ok:
@@ -600,7 +618,7 @@ def burst_concurrency(w: DemandWindow, now: float, cfg: DemandConfig, service_s:
 
     def arrivals(a: Any, b: Any) -> float:
         if use_gw:
-            return max(0.0, b.rq_total - a.rq_total - bypass_rate * (b.taken_at - a.taken_at))
+            return max(0.0, gateway_arrivals(a, b) - bypass_rate * (b.taken_at - a.taken_at))
         return sum(net_of_retries(a, b, *floodgate_rates(a, b))[0].values()) * (b.taken_at - a.taken_at)
 
     def turned_away(a: Any, b: Any) -> float:

@@ -89,7 +89,7 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
 
     `gateway_prefix`: stat prefix of the gateway's HTTP connection manager; its arrivals
     (`ext_proc_streams_started`: the requests that reached the processor, `GW_STREAMS`; its
-    `downstream_rq_total` when the page has no ext_proc stats) and
+    `downstream_rq_total` when the page has no ext_proc stats, else held to it: `GatewayCounters.downstream`) and
     `ext_proc_immediate_responses_sent` (requests the processor answered itself: 429/503)
     become `gateway`. A page without the prefix's
     `downstream_rq_total` gives `gateway=None` (missing is unknown, never 0); a missing ext_proc
@@ -128,8 +128,10 @@ def parse_envoy(text: str, clusters: frozenset[str] | None, now: float,
             elif s.name in ("envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_xx_total") and \
                     s.labels.get("envoy_response_code_class") == "5":
                 r5xx += _envoy_value(s.name, s.labels, s.value)
+    # (with the streams counter as arrivals, downstream_rq_total bounds them: every ext_proc
+    # filter on the listener counts its streams in that one counter, `gateway_arrivals`)
     gw = None if gw_total is None else GatewayCounters(now, True, gw_total if gw_streams is None else gw_streams,
-                                                       gw_rejected)
+                                                       gw_rejected, None if gw_streams is None else gw_total)
     return EnvoySample(now, True, active, pending, r429, r5xx, gateway=gw)
 
 

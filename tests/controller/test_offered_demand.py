@@ -704,3 +704,38 @@ def test_requests_served_late_out_of_the_queue_hold_the_reserve(queue: float, he
     c = replace(cfg(), warm_pool=pool, policy=POLICY.model_copy(update={"max_replicas": 100}))
     _, d = run(c, clock, 400, {}, queue=queue)
     assert d.reserve == held  # type: ignore[attr-defined]
+
+
+async def test_a_second_ext_proc_filter_on_the_gateway_does_not_double_arrivals(stack: LocalStack, upstream: int) -> None:
+    """Arrivals are the gateway's ext_proc streams started, and every ext_proc filter on the
+    listener counts its streams in that one counter (`http.<prefix>.ext_proc.streams_started`):
+    with a second one (an operator's own processor, an AI gateway's), each request counted
+    twice, the offered rate read double and the pool was sized for twice its demand (a review:
+    5 requests, 10 arrivals; `downstream_rq_total`, read before, said 5). Arrivals are held to
+    what `downstream_rq_total` grew by. Real Envoy (the second filter's processor unreachable,
+    failure_mode_allow), processor and Redis."""
+    from floodgate.controller.demand import DemandWindow, observe, offered
+    from floodgate.controller.scrape import scrape_envoy
+
+    second = {"name": "audit_ext_proc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"google_grpc": {"target_uri": "127.0.0.1:1", "stat_prefix": "audit"}, "timeout": "1s"},
+        "failure_mode_allow": True,
+        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP"}}}
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc], extra_filters=[second])
+    dc = DemandConfig()
+    w = DemandWindow((), ())
+    t0 = 1000.0
+    async with aiohttp.ClientSession() as s:
+        admin = f"http://127.0.0.1:{envoy.admin_port}"
+        w = observe(w, t0, dc, None, (await scrape_envoy(s, admin, None, t0)).gateway)
+        for _ in range(6):
+            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+                assert r.status == 200
+        w = observe(w, t0 + 2, dc, None, (await scrape_envoy(s, admin, None, t0 + 2)).gateway)
+    assert envoy.stat("http.gateway.ext_proc.streams_started") == 12  # both filters' streams
+    off = offered(w, t0 + 2, dc)
+    assert off.source == "envoy"
+    assert off.offered_total == pytest.approx(3.0)  # 6 requests in 2 s, not 12
