@@ -164,8 +164,12 @@ def run(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parent.parent
     # A git checkout of Floodgate (root is its top), or the installed package (no git revision
     # to compare with: the reference must come as --base-file).
-    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    checkout = top.returncode == 0 and Path(top.stdout.strip()).resolve() == root
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    except OSError:  # no git at all (the image, python:3.11-slim; a minimal host): no checkout to use
+        checkout = False
+    else:
+        checkout = top.returncode == 0 and Path(top.stdout.strip()).resolve() == root
     if not checkout and not args.base_file:
         print(f"floodgate bench script-instr: {root} is not a git checkout (an installed package): give the "
               "reference leases.lua as --base-file PATH", file=sys.stderr)

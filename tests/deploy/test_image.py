@@ -542,3 +542,13 @@ def test_the_installed_package_is_marked_typed(image: Image) -> None:
         env=image.env, cwd="/", capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
+
+
+def test_script_instr_without_git_says_what_it_needs(image: Image, tmp_path: Path) -> None:
+    """The image has no git (python:3.11-slim), nor has a minimal host: `floodgate bench
+    script-instr` asked git whether it runs from a checkout before anything else and died in a
+    FileNotFoundError traceback ('git'), where it said valgrind is missing before e295533.
+    Without git it is the installed package: without --base-file it asks for one (exit 2)."""
+    r = run(image, ["bench", "script-instr"], env={"PATH": str(image.bin)}, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "--base-file" in r.stdout + r.stderr, r.stdout + r.stderr
