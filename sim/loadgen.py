@@ -480,8 +480,10 @@ async def run_load_detailed(
             except asyncio.CancelledError:
                 # Ctrl-C: asyncio.Runner cancels this task once (a second Ctrl-C raises
                 # KeyboardInterrupt at once). Stop sending and report what was sent, as wrk, hey
-                # and k6 do: a long run stopped early used to lose everything. Only that cancel
-                # is taken; any other caller's is passed on.
+                # and k6 do: a long run stopped early used to lose everything. With
+                # `stop_on_cancel` the first cancel of any origin is taken this way (a caller's
+                # wait_for timeout too: it would get a short result, not TimeoutError), so only
+                # the CLI, whose task nothing else cancels, sets it; a second cancel is passed on.
                 me = asyncio.current_task()
                 if not stop_on_cancel or me is None or me.uncancel() > 0:
                     raise
