@@ -116,7 +116,7 @@ from floodgate.extproc.schema import (
     key,
     peer_arrivals,
 )
-from floodgate.extproc.state import FUNCTION, PoolState
+from floodgate.extproc.state import FUNCTION, DemandBatch, PoolState
 from redis.exceptions import ResponseError
 
 __all__ = ["PRIORITY_LABELS", "Admitter", "Permit", "RedisDown", "default_gateway_id", "pool_settings"]
@@ -226,6 +226,10 @@ class PoolRuntime:
     pending_refund: list[tuple[str, float]] = field(default_factory=list)  # (endpoint, tokens), sent with them
     wrong_type: bool = False  # a call failed with WRONGTYPE: the next reconcile repairs the keys (`_repair`)
     demand: Counter[tuple[int, str]] = field(default_factory=Counter)  # not yet added in Redis
+    # A batch of `demand` written without a reply (Redis down, or a lost reply): sent again as it
+    # is, under its seq, so Redis adds it once (`PoolState.add_demand`)
+    demand_unsent: tuple[int, dict[tuple[int, str], int]] | None = None
+    demand_seq: int = 0
     retries: RetryMatch = field(default_factory=RetryMatch)  # first attempts turned away, for their retries
     demand_flushed_at: float = -1e9  # clock() of the last write of `demand` to Redis
     demand_flush_due: bool = False  # a write soon (`DEMAND_FLUSH_S`) is scheduled: a request was turned away
@@ -371,6 +375,7 @@ class Admitter:
         self.client = client
         self.pubsub_client = pubsub_client or client
         self.gateway_id = gateway_id or cfg.server.gateway_id or default_gateway_id()
+        self._demand_nonce = secrets.token_hex(6)  # this process's run of demand batches (DemandBatch)
         # This process among any others started under the same gateway id (gateway_claim.py).
         self.instance = secrets.token_hex(8)
         self._claimed: set[str] = set()  # pools whose claim this process has renewed
@@ -1094,15 +1099,26 @@ class Admitter:
             self._demand_soon(rt)
 
     async def _flush_demand(self, rt: PoolRuntime) -> None:
-        """Add the counts since the last write to the pool's demand counters in Redis (kept for
-        the next write when Redis is down)."""
+        """Add the counts since the last write to the pool's demand counters in Redis. A batch
+        whose write failed is sent again as it is (its seq with it), before anything newer: a
+        write that timed out may still have run (a frozen server), and Redis adds a batch once
+        (before, those counts were added again with the next write: counted twice)."""
         rt.demand_flushed_at = self.clock()
-        if rt.demand:
-            counts, rt.demand = dict(rt.demand), Counter()
+        for _ in range(2):  # the batch left over, then what came since
+            if rt.demand_unsent is None:
+                if not rt.demand:
+                    return
+                rt.demand_seq += 1
+                rt.demand_unsent = (rt.demand_seq, dict(rt.demand))
+                rt.demand = Counter()
+            seq, counts = rt.demand_unsent
+            batch = DemandBatch(self.gateway_id, self._demand_nonce, seq)
             try:
-                await self.call(rt, "demand", lambda: rt.state.add_demand(counts))
+                await self.call(rt, "demand", lambda c=counts, b=batch: rt.state.add_demand(c, b))
             except RedisDown:
-                rt.demand.update(counts)
+                return  # kept, sent again by the next write
+            if rt.demand_unsent is not None and rt.demand_unsent[0] == seq:
+                rt.demand_unsent = None  # (a write beside this one may have ended it already)
 
     def _count_result(self, rt: PoolRuntime, priority: int, result: Permit | Reject, retry: bool = False,
                       tenant: str = "", caller: str = "") -> None:

@@ -1938,6 +1938,26 @@ local function reset_memos()
   NQ, NQ0, NF, NF0, FQ, FQ_DIRTY = nil, nil, nil, nil, nil, false
 end
 
+-- Demand counters (schema.DEMAND), one batch of a processor's at a time, each written once:
+-- KEYS after the pool's are the demand hash and the processor's last batch (schema.DEMAND_BATCH,
+-- a STRING "nonce:seq"); ARGV 3 the processor's nonce, 4 the batch's seq (growing), then
+-- field/count pairs. A batch whose seq is not above the last one of the same nonce is in
+-- already (its reply was lost on a frozen server that then ran it, and the processor sent it
+-- again: before, counted twice): 0. Else added, 1. Needs no pool settings.
+local function add_demand(KEYS, ARGV)
+  local n = #KEY_NAMES
+  local dkey, bkey, nonce, seq = KEYS[n + 1], KEYS[n + 2], ARGV[3], tonumber(ARGV[4])
+  if not (dkey and bkey and seq) then return redis.error_reply('add_demand: keys or seq missing') end
+  local last = redis.call('GET', bkey)
+  if last then
+    local lnonce, lseq = string.match(last, '^(.*):(%d+)$')
+    if lnonce == nonce and tonumber(lseq) >= seq then return 0 end
+  end
+  for i = 5, #ARGV - 1, 2 do redis.call('HINCRBY', dkey, ARGV[i], ARGV[i + 1]) end
+  redis.call('SET', bkey, nonce .. ':' .. ARGV[4], 'PX', 3600000)
+  return 1
+end
+
 local function main(KEYS, ARGV)
   tonumber, tostring, string, table, math, pcall, unpack, ipairs, pairs, next, type =
     _G.tonumber, _G.tostring, _G.string, _G.table, _G.math, _G.pcall, _G.unpack, _G.ipairs, _G.pairs, _G.next, _G.type
@@ -1960,6 +1980,7 @@ local function main(KEYS, ARGV)
   EXPIRY_S = intstr(now + ttl)
   local op = ARGV[1]
   if READS[op] then return READS[op](ARGV) end
+  if op == 'add_demand' then return add_demand(KEYS, ARGV) end
   local f = OPS[op]
   if not f then return redis.error_reply('unknown op ' .. tostring(op)) end
   if op == 'repair' then return OPS.repair(ARGV) end

@@ -53,6 +53,10 @@ UNREADABLE_REPLY: tuple[type[Exception], ...] = (ValueError, KeyError, IndexErro
 # Keys outside the script.
 ENDPOINTS = "endpoints"  # HASH endpoint -> JSON {state, replica, since_ms, meta} (the registry)
 DEMAND = "demand"        # HASH "<class>:<outcome>" -> count (see DEMAND_OUTCOMES)
+# STRING "nonce:seq" per processor (`dbatch:<gateway>`, expires in an hour): the last batch of
+# its demand counts written (leases.lua add_demand), so a batch sent again after a lost reply
+# is not counted twice.
+DEMAND_BATCH = "dbatch"
 # HASH gateway -> "ms r0 r1 r2 f0 f1 f2": each processor's own arrival rates per class (requests
 # per second, the slow and the fast-decaying ones) and when it wrote them (its wall clock, ms),
 # written at its status tick. Early drop sums them into the pool's rates (admission.pool_arrivals)

@@ -29,7 +29,9 @@ import contextlib
 import hashlib
 import logging
 import math
+import secrets
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -41,6 +43,7 @@ from floodgate.extproc.schema import (
     ARRIVALS,
     CLASSES,
     DEMAND,
+    DEMAND_BATCH,
     DEMAND_OUTCOMES,
     IDLE_CREDITS,
     PoolSettings,
@@ -156,6 +159,17 @@ class Leases:
 
 def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+@dataclass(frozen=True)
+class DemandBatch:
+    """One write of a processor's demand counts (`PoolState.add_demand`): `gateway` names its
+    batch key, `nonce` the process (a restart under the same gateway id starts a new run of
+    `seq`), `seq` grows with each new batch and stays the same when one is sent again."""
+
+    gateway: str
+    nonce: str
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -478,14 +492,16 @@ class PoolState:
         f = parse_fields(await self._run("set_limit", *args))
         return f["ok"] == "1"
 
-    async def add_demand(self, counts: dict[tuple[int, str], int]) -> None:
-        """Add to the pool's per-class demand counters (schema.DEMAND_OUTCOMES)."""
-        if counts:
-            k = key(self.pool, DEMAND)
-            async with self.client.pipeline(transaction=False) as pipe:
-                for (cls, outcome), n in counts.items():
-                    pipe.hincrby(k, demand_field(cls, outcome), n)
-                await pipe.execute()
+    async def add_demand(self, counts: dict[tuple[int, str], int], batch: DemandBatch | None = None) -> bool:
+        """Add to the pool's per-class demand counters (schema.DEMAND_OUTCOMES), once per `batch`:
+        a batch sent again (its first reply was lost: a timeout on a frozen server that then ran
+        it) is skipped by Redis. False when it was in already. Without `batch`, a one-off."""
+        if not counts:
+            return True
+        b = batch or DemandBatch("once-" + uuid.uuid4().hex, secrets.token_hex(8), 1)
+        pairs = [x for (cls, outcome), n in counts.items() for x in (demand_field(cls, outcome), n)]
+        keys = [*self.keys, key(self.pool, DEMAND), key(self.pool, f"{DEMAND_BATCH}:{b.gateway}")]
+        return int(await self._script(keys, ["add_demand", self._ttl, b.nonce, b.seq, *pairs])) == 1
 
 
     async def share_arrivals(self, gateway: str, mine: str, forget_before_ms: float,

@@ -11,7 +11,7 @@ import time
 from floodgate.extproc.admission import DEMAND_FLUSH_S, Admitter, Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.policy import Reject
-from floodgate.extproc.state import read_demand, redis_client
+from floodgate.extproc.state import DemandBatch, read_demand, redis_client
 
 from floodgate.stack import LocalStack
 
@@ -84,12 +84,12 @@ async def test_turned_away_during_a_write_goes_with_the_next_write(stack: LocalS
         real = rt.state.add_demand
         interleaved = False
 
-        async def add_demand(counts: dict[tuple[int, str], int]) -> None:
+        async def add_demand(counts: dict[tuple[int, str], int], batch: DemandBatch | None = None) -> bool:
             nonlocal interleaved
             if not interleaved:  # one more turned away while this write is in the air
                 interleaved = True
                 a.count(rt, 2, "early_drop")
-            await real(counts)
+            return await real(counts, batch)
 
         rt.state.add_demand = add_demand  # type: ignore[method-assign]
         a.count(rt, 2, "queue_full")
@@ -137,3 +137,48 @@ async def _until(pred: object, timeout_s: float = 10.0) -> bool:
             return False
         await asyncio.sleep(0.02)
     return True
+
+
+async def test_a_write_whose_reply_was_lost_is_counted_once(stack: LocalStack) -> None:
+    # Redis froze while a demand write was in the air: the call timed out, the processor kept the
+    # counts and sent them again with its next write; the server, resumed, had run the first one
+    # too. Before, those counts were added twice (3 turned away read as 6); now the batch goes
+    # again under its seq and Redis skips it.
+    import signal
+
+    url = stack.start_redis()
+    assert stack.redis_child is not None
+    c = redis_client(url, op_timeout_s=5)
+    cfg = Config.model_validate({"redis": {"url": url, "op_timeout_s": 0.3},
+                                 "pools": [{"name": "z", "limit": {"mode": "static", "initial": 1}}]})
+    a = Admitter(cfg, redis_client(url, op_timeout_s=0.3), gateway_id="z1", clock=lambda: 1000.0)
+    try:
+        await a.start()
+        rt = a.pools["z"]
+        await _wait_for(lambda: asyncio.sleep(0, rt.demand_flushed_at == 1000.0))
+        before = (await read_demand(c, "z"))[2]["early_drop"]
+        for _ in range(3):
+            a.count(rt, 2, "early_drop")
+        stack.redis_child.kill(signal.SIGSTOP)
+        try:
+            await a._flush_demand(rt)  # times out: the server holds the call, unanswered
+            assert rt.demand_unsent is not None
+        finally:
+            stack.redis_child.kill(signal.SIGCONT)
+
+        async def ran() -> bool:  # the frozen server ran the first write once resumed
+            return (await read_demand(c, "z"))[2]["early_drop"] == before + 3
+        await _wait_for(ran, timeout_s=10.0)
+        a.count(rt, 2, "queue_full")  # something new goes with the resend
+
+        async def sent_again() -> bool:
+            await a._flush_demand(rt)
+            return rt.demand_unsent is None and not rt.demand
+        await _wait_for(sent_again, timeout_s=10.0)
+        d = await read_demand(c, "z")
+        assert d[2]["early_drop"] == before + 3  # not + 6
+        # (counted "degraded" if the processor has not yet left the local limits the timeout put it on)
+        assert d[2]["queue_full"] + d[2]["degraded"] == 1
+    finally:
+        await a.stop()
+        await c.aclose()
