@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -1114,7 +1115,7 @@ class Admitter:
             seq, counts = rt.demand_unsent
             batch = DemandBatch(self.gateway_id, self._demand_nonce, seq)
             try:
-                await self.call(rt, "demand", lambda c=counts, b=batch: rt.state.add_demand(c, b))
+                await self.call(rt, "demand", functools.partial(rt.state.add_demand, counts, batch))
             except RedisDown:
                 return  # kept, sent again by the next write
             if rt.demand_unsent is not None and rt.demand_unsent[0] == seq:
