@@ -1948,8 +1948,9 @@ local function add_demand(KEYS, ARGV)
   local n = #KEY_NAMES
   local dkey, bkey, nonce, seq = KEYS[n + 1], KEYS[n + 2], ARGV[3], tonumber(ARGV[4])
   if not (dkey and bkey and seq) then return redis.error_reply('add_demand: keys or seq missing') end
-  local last = redis.call('GET', bkey)
-  if last then
+  -- (a key of another type reads as no batch, and SET below replaces it: it cannot stop the counts)
+  local last = redis.pcall('GET', bkey)
+  if type(last) == 'string' then
     local lnonce, lseq = string.match(last, '^(.*):(%d+)$')
     if lnonce == nonce and tonumber(lseq) >= seq then return 0 end
   end

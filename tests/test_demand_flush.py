@@ -182,3 +182,22 @@ async def test_a_write_whose_reply_was_lost_is_counted_once(stack: LocalStack) -
     finally:
         await a.stop()
         await c.aclose()
+
+
+async def test_a_batch_key_of_another_type_does_not_stop_the_counts(stack: LocalStack) -> None:
+    # Whatever sits under a processor's batch key (a hash someone wrote there), its counts go in.
+    from floodgate.extproc.schema import DEMAND_BATCH, key
+    from floodgate.extproc.state import PoolState
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    try:
+        await c.hset(key("k", f"{DEMAND_BATCH}:g1"), "x", "y")
+        st = PoolState(c, "k", lease_ttl_s=15)
+        assert await st.add_demand({(1, "admitted"): 2}, DemandBatch("g1", "n", 1))
+        assert not await st.add_demand({(1, "admitted"): 2}, DemandBatch("g1", "n", 1))  # sent again: once
+        assert await st.add_demand({(1, "admitted"): 1}, DemandBatch("g1", "n", 2))
+        assert await st.add_demand({(1, "admitted"): 1}, DemandBatch("g1", "other-run", 1))  # a restart
+        assert (await read_demand(c, "k"))[1]["admitted"] == 4
+    finally:
+        await c.aclose()
