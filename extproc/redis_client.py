@@ -278,11 +278,15 @@ class _Sentinel(Sentinel):
         Asked in turn, three frozen sentinels took 3 × `op_timeout_s` before the fallback below,
         past the processor's `2 × op_timeout_s` per call, so every new connection was cancelled
         before it was made and a processor stayed on local limits for as long as they were away."""
+        def name(s: Any) -> str:  # for an operator: which sentinel said what
+            kw = getattr(getattr(s, "connection_pool", None), "connection_kwargs", {})
+            return f"sentinel {kw.get('host', '?')}:{kw.get('port', '?')}"
+
         async def ask(s: Any) -> tuple[str, int]:
             state = (await s.sentinel_masters()).get(service_name)
             if state and self.check_master_state(state, service_name):
                 return state["ip"], state["port"]
-            raise MasterNotFoundError(f"{s} names no primary for {service_name!r}")
+            raise MasterNotFoundError(f"names no primary for {service_name!r}")
 
         def start(s: Any) -> asyncio.Task[tuple[str, int]]:
             # A question still open when an answer was taken (or this call was cancelled)
@@ -301,7 +305,7 @@ class _Sentinel(Sentinel):
             try:
                 return first.result()  # (the usual case: one question, as redis-py asks)
             except OUTAGE_ERRORS as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
+                errors.append(f"{name(sentinels[0])}: {type(exc).__name__}: {exc}")
         order = [(i, start(s)) for i, s in enumerate(sentinels[1:], 1)]
         if not first.done():
             order.append((0, first))  # (believed last: it did not answer in time)
@@ -309,7 +313,7 @@ class _Sentinel(Sentinel):
             try:
                 addr = await asyncio.shield(t)
             except OUTAGE_ERRORS as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
+                errors.append(f"{name(sentinels[i])}: {type(exc).__name__}: {exc}")
                 continue
             if i and self.sentinels[i] is sentinels[i]:
                 self.sentinels[0], self.sentinels[i] = self.sentinels[i], self.sentinels[0]

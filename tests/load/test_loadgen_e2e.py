@@ -248,6 +248,9 @@ def test_ctrl_c_ends_the_run_with_a_report_of_what_was_sent(emulator: str, tmp_p
          "--duration", "120", "--prompt-mean", "32", "--prompt-sigma", "0", "--output-mean", "400",
          "--output-sigma", "0", "--out", str(out), "--no-plots", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # As a terminal starts it: a pytest-xdist worker ignores SIGINT, and a child inherits
+        # that (Python then leaves it ignored, as for a background job: Ctrl-C never arrives).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 60
