@@ -258,7 +258,7 @@ class _Sentinel(Sentinel):
     call that timed out once on a healthy primary left a processor on local limits until a
     sentinel answered again (a review: 9 s instead of 0.8 s; 12 in flight of L 8 when one
     processor of two was hit). Now, when no sentinel answers, that server is used for as long
-    as it says it is a primary (`ROLE`); a demoted one is not."""
+    as it says it is a primary (its `HELLO` reply: `_says_primary`); a demoted one is not."""
 
     def __init__(self, sentinels: Sequence[tuple[str, int]], *, sentinel_kwargs: dict[str, Any],
                  check_kwargs: dict[str, Any]) -> None:
