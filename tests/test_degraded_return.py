@@ -163,16 +163,40 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
     reconcile puts its own back. One that switched back before another had reconciled would
     admit from a Redis that does not count the other's permits. So the fast one stays local
     until the slow one (retrying every 2 s) has reconciled, with requests arriving all along.
-    (A TTL after its own return the fast one goes back anyway: a peer that never reconciles
-    must not hold it local for ever. The 6 s TTL leaves the slow one three tries before that;
-    with 3 s, one failed try on a loaded box, at a 0.25 s call timeout, was enough to read as
-    "early".)"""
-    async with _fast_and_slow(stack, ttl_s=6) as (fast, slow):
+
+    Redis is thawed just after one of the slow one's tries failed, so its next comes ~2 s after
+    the fast one is back: a fast one that did not wait would be seen switching. (Thawed at a
+    fixed time, the slow one's try fell ~0.25 s after the thaw, as soon as the fast one's; the
+    check could not fail.) A TTL after its own return the fast one goes back anyway: a peer that
+    never reconciles must not hold it local for ever; the 7 s TTL leaves the slow one three tries.
+
+    "Reconciled" is what Redis has run, not what the slow one has heard back: Redis stamps the
+    slow one's reconcile with its first call, and the fast one may see that and switch while the
+    rest of the slow one's round trips are in the air (Redis counts its whole budget by then:
+    `test_admissions_while_a_reconcile_is_in_the_air_are_counted`). So "early" is a switch
+    before the slow one had sent a reconcile since the thaw. (Read as "the slow one not yet
+    back", fresh-clone CI once flagged a 50 ms check inside that window.)"""
+    async with _fast_and_slow(stack, ttl_s=7) as (fast, slow):
         assert stack.redis_child is not None
         rf, rs = fast.pools["a"], slow.pools["a"]
         frozen = False
         early: list[float] = []
         held: list[tuple[Admitter, Permit]] = []
+        thawed_at: float | None = None
+        sent: list[float] = []  # loop times of the slow one's syncs sent since the thaw
+        failed: list[float] = []  # and of those that failed (Redis frozen)
+        sync = rs.state.sync
+
+        async def watched(*args: Any, **kwargs: Any) -> Any:
+            if thawed_at is not None:
+                sent.append(asyncio.get_running_loop().time())
+            try:
+                return await sync(*args, **kwargs)
+            except BaseException:
+                failed.append(asyncio.get_running_loop().time())
+                raise
+
+        rs.state.sync = watched  # type: ignore[method-assign]
 
         async def load() -> None:
             # A request every 50 ms on each, held 300 ms: permits come and go across the return.
@@ -184,8 +208,8 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
                 while len(held) > 6:
                     a, p = held.pop(0)
                     await a.release(p)
-                if not rf.degraded and rs.degraded and rs.back_since is None:
-                    early.append(asyncio.get_running_loop().time())
+                if thawed_at is not None and not rf.degraded and rs.degraded and not sent:
+                    early.append(asyncio.get_running_loop().time() - thawed_at)
                 if len(rf.held) + len(rs.held) > LIMIT:
                     early.append(-1.0)
                 await asyncio.sleep(0.05)
@@ -196,11 +220,19 @@ async def test_no_processor_switches_back_before_the_others_reasserted(stack: Lo
             stack.redis_child.kill(signal.SIGSTOP)
             frozen = True
             assert await wait_until(lambda: rf.degraded and rs.degraded, 10)
-            await asyncio.sleep(6.5)  # past the 6 s TTL: Redis comes back holding nothing
+            await asyncio.sleep(7.5)  # past the 7 s TTL: Redis comes back holding nothing
+            tries = len(failed)
+            assert await wait_until(lambda: len(failed) > tries, 5, interval=0.01), "the slow one stopped trying"
+            thawed_at = asyncio.get_running_loop().time()
             stack.redis_child.kill(signal.SIGCONT)
             frozen = False
             assert await wait_until(lambda: not rf.degraded and not rs.degraded, 15)
-            assert not early, f"fast back on shared state before slow had reconciled ({len(early)} checks)"
+            assert -1.0 not in early, f"more than L = {LIMIT} permits held at once"
+            since = [round(t - thawed_at, 3) for t in sent[:3]]
+            assert not early, f"the fast one back on shared state before the slow one had sent a reconcile " \
+                              f"(s after the thaw: {early}; the slow one's sends {since}, its last failed try " \
+                              f"{round(failed[tries] - thawed_at, 3)})"
+            assert sent, "the slow one switched back without a reconcile"
         finally:
             loader.cancel()
             if frozen:
