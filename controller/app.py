@@ -236,6 +236,9 @@ class PoolController:
         self._forgotten: set[str] = set()  # dead replicas already dropped from the actuator's books
         self._forget_retry: dict[str, tuple[int, float]] = {}  # failed drops: (failures, clock() of the next try)
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
+        self._capped: tuple[int, DeciderConfig] | None = None  # dcfg held to the actuator's capacity
+        self._over_capacity = False  # said once: more wanted than the actuator can run
+        self.no_capacity_until = 0.0  # clock(): a start found no capacity (NoCapacity); starts wait
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
         self.state = DeciderState(history=fc.DemandHistory.empty(retention, fc.minute_of(clock())))
@@ -546,6 +549,19 @@ class PoolController:
             self._booting = False
         return d.plan
 
+    def _decider_config(self, capacity: int | None) -> DeciderConfig:
+        """The pool's decider settings with `warm_pool.max_total` held to the replicas the actuator
+        can have (a static list's endpoints; read every tick, as EndpointSlice discovery changes
+        them). Beyond them every planned start failed with NoCapacity, and the failure's kick ran
+        the next tick at once: a static pool of 1 endpoint wanting 2 replicas failed 333 starts
+        in 3 s, each a `failed` replica and a new replica id."""
+        wp = self.dcfg.warm_pool
+        if capacity is None or capacity >= wp.max_total:
+            return self.dcfg
+        if self._capped is None or self._capped[0] != capacity:
+            self._capped = (capacity, replace(self.dcfg, warm_pool=wp.model_copy(update={"max_total": capacity})))
+        return self._capped[1]
+
     def count_change(self, plan: ScalePlan, now: float) -> None:
         """Count a change of the desired count (`floodgate_scale_events_total`, the scale-up under
         way for warm-pool hits): only one this controller acts on."""
@@ -561,8 +577,16 @@ class PoolController:
         log; no I/O. The backtest calls the same `decide` with the same `Signals`. `count`: count
         the change here (`tick` counts it after its leader check instead)."""
         seq_before = self.state.next_seq
-        self.state, d = decide(self.dcfg, self.state, signals, now)
+        capacity = self.actuator.capacity
+        self.state, d = decide(self._decider_config(capacity), self.state, signals, now)
         plan = d.plan
+        over = capacity is not None and plan.desired > capacity
+        if over and not self._over_capacity:
+            log.warning("pool %s: %d replicas wanted, the %s actuator has %d endpoints: no start is planned "
+                        "beyond them (add endpoints, or lower policy.max_replicas)", self.pool, plan.desired,
+                        self.actuator.name, capacity)
+            self.emit("over_capacity", desired=plan.desired, capacity=capacity)
+        self._over_capacity = over
         self.last_plan = plan
         m = self.metrics
         m.desired.labels(pool=self.pool).set(plan.desired)
@@ -761,8 +785,8 @@ class PoolController:
         return out
 
     def _skip(self, rid: str, kind: ActionKind) -> bool:
-        if kind is ActionKind.START:
-            return self.start_backoff.blocks(self.clock())  # the plan asks again next tick
+        if kind is ActionKind.START:  # the plan asks again next tick
+            return self.start_backoff.blocks(self.clock()) or self.clock() < self.no_capacity_until
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
@@ -890,6 +914,10 @@ class PoolController:
         except Exception as exc:
             self.metrics.actions.labels(pool=self.pool, action=what, outcome="error").inc()
             self.emit("action_failed", replica=rep.view.replica_id, action=what, error=f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, NoCapacity):
+                # Not a failing start (no backoff that doubles), but the platform has no room
+                # now: asked again at once (the kick below), it failed as fast as ticks ran.
+                self.no_capacity_until = self.clock() + self.cfg.timeouts.start_backoff_s
             await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, NoCapacity), kind="action_failed")
         finally:
             self.kick()  # the next tick should see the outcome at once

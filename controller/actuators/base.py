@@ -35,6 +35,11 @@ class Actuator(Protocol):
     """Start/stop/label replicas. Every call is idempotent: a restarted controller may repeat one."""
 
     name: str
+    @property
+    def capacity(self) -> int | None:
+        """The most replicas that can exist at once (a static list's length); None: as many as
+        the platform gives. The controller plans no start beyond it (`PoolController`)."""
+        ...
 
     async def list(self) -> list[ReplicaHandle]:
         """Every replica that exists now: what a restarted controller rebuilds its view from."""

@@ -100,6 +100,7 @@ class KubernetesActuator:
     """Actuator over one Deployment. Every call is idempotent (see the module docstring)."""
 
     name = "kubernetes"
+    capacity: int | None = None
 
     def __init__(self, config: KubernetesActuatorConfig, api_client: Any | None = None) -> None:
         self.config = config

@@ -153,6 +153,7 @@ def check_owner(state_dir: Path, owner: str | None) -> None:
 
 class ProcessActuator:
     name = "process"
+    capacity: int | None = None
 
     def __init__(self, command: Sequence[str], state_dir: Path, *, host: str = "127.0.0.1",
                  supervisor: Supervisor | None = None, env: Mapping[str, str] | None = None,

@@ -38,6 +38,11 @@ class StaticActuator:
         self._roles: dict[str, Role] = {}
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def capacity(self) -> int:
+        """Every endpoint is one replica, active or asleep: there are no more."""
+        return len(self.endpoints)
+
     def _client(self, rid: str) -> VllmClient:
         if self._session is None:
             self._session = aiohttp.ClientSession()

@@ -155,6 +155,7 @@ class SelfNaming:
     later under a name the platform chose."""
 
     name = "self-naming"
+    capacity = None
 
     def __init__(self, inner: ProcessActuator) -> None:
         self.inner = inner

@@ -67,7 +67,8 @@ async def test_live_shell_and_backtest_take_identical_actions() -> None:
                      actuator=ActuatorConfig(kind="process"))
     client = redis_client("redis://127.0.0.1:1/0")  # never contacted: step() does no I/O
     async with aiohttp.ClientSession() as session:
-        pc = PoolController(cfg, StaticActuator(["127.0.0.1:1"]), client, session, ControllerMetrics())
+        # The backtest's platform has room for every start (`max_total`): so must this one's.
+        pc = PoolController(cfg, _Unbounded(["127.0.0.1:1"]), client, session, ControllerMetrics())
         pc.state = DeciderState(history=w.history)
         for sig, now, acts in rec.log:
             d = pc.step(sig, now)
@@ -81,6 +82,14 @@ async def test_live_shell_and_backtest_take_identical_actions() -> None:
     assert any(sig.pool.counters is not None and sig.pool.latency is not None for sig, _, _ in rec.log)
     assert a.history is not None and b.history is not None
     assert np.array_equal(a.history.values, b.history.values, equal_nan=True)
+
+
+class _Unbounded(StaticActuator):
+    """Never contacted (step() does no I/O), and of no fixed size, as the backtest's platform."""
+
+    @property
+    def capacity(self) -> None:  # type: ignore[override]
+        return None
 
 
 def test_decider_records_history_and_skips_stale_ticks(clock: FakeClock) -> None:

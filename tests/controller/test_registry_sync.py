@@ -26,6 +26,7 @@ class Fixed:
     """Two running replicas; the test fails if the controller starts or stops anything."""
 
     name = "fixed"
+    capacity = None
 
     def __init__(self, eps: dict[str, str]) -> None:
         self.eps = eps

@@ -397,6 +397,7 @@ async def test_dead_replica_is_marked_failed_and_policy_holds(stack: LocalStack)
 
         class Fixed:
             name = "fixed"
+            capacity = None
 
             async def list(self) -> list[object]:
                 from floodgate.controller.actuators.base import ReplicaHandle

@@ -72,6 +72,7 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
 
     class Flaky:
         name = "flaky"
+        capacity = None
 
         def __init__(self) -> None:
             self.stops = 0
