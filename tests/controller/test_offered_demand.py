@@ -5,9 +5,12 @@ counters hold scale-down; the forecaster records offered demand; sizing uses lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
-from dataclasses import replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aiohttp
 import pytest
@@ -19,13 +22,16 @@ from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, d
 from floodgate.controller.demand import (
     ClassCounters,
     DemandConfig,
+    DemandWindow,
     FloodgateCounters,
     GatewayCounters,
+    observe,
 )
 from floodgate.controller.forecast import DemandHistory, ForecastConfig
 from floodgate.controller.lifecycle import WarmPoolConfig
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import PolicyConfig
+from floodgate.controller.scrape import scrape_envoy, scrape_floodgate
 from floodgate.controller.vllm import Histogram
 from floodgate.extproc.state import read_demand, redis_client
 
@@ -554,6 +560,38 @@ def test_a_pool_at_zero_turning_requests_away_starts_a_replica(clock: FakeClock)
         assert d.plan.desired == want, d.plan  # type: ignore[attr-defined]
 
 
+@dataclass
+class _Gateway:
+    """Envoy in front of a processor (a static limit of 8) and Redis, and the controller's own
+    reading of them: `read(t)` scrapes Envoy (and the processors' counters in Redis) and adds
+    the sample to the demand window `w`, as the controller's tick does."""
+
+    envoy: Any
+    s: aiohttp.ClientSession
+    client: Any
+    dc: DemandConfig = field(default_factory=DemandConfig)
+    w: DemandWindow = field(default_factory=lambda: DemandWindow((), ()))
+
+    async def read(self, t: float, floodgate: bool = True) -> DemandWindow:
+        gw = (await scrape_envoy(self.s, f"http://127.0.0.1:{self.envoy.admin_port}", None, t)).gateway
+        fg = (await scrape_floodgate(self.client, "default", t)).counters if floodgate else None
+        self.w = observe(self.w, t, self.dc, fg, gw)
+        return self.w
+
+
+@contextlib.asynccontextmanager
+async def _gateway(stack: LocalStack, upstream: int, **envoy_kw: Any) -> AsyncIterator[_Gateway]:
+    stack.start_redis()
+    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc], **envoy_kw)
+    client = redis_client(stack.redis_url, op_timeout_s=2)
+    try:
+        async with aiohttp.ClientSession() as s:
+            yield _Gateway(envoy, s, client)
+    finally:
+        await client.aclose()
+
+
 async def test_malformed_requests_through_envoy_are_no_demand(stack: LocalStack, upstream: int) -> None:
     """A review: 30 req/s of `x-tenant-id: a,b` (each answered 400 by the processor, no model
     work) scaled a pool for one replica's load to its max: Envoy counts them among the
@@ -561,44 +599,29 @@ async def test_malformed_requests_through_envoy_are_no_demand(stack: LocalStack,
     The processors now count them (`refused`, with the body-less GETs they pass as
     `unadmitted`) and the reconcile takes them out of Envoy's counters. Real Envoy, processor
     and Redis; the controller's own scrapers and demand reconcile."""
-    from floodgate.controller.demand import DemandWindow, burst_concurrency, observe, offered
-    from floodgate.controller.scrape import scrape_envoy, scrape_floodgate
+    from floodgate.controller.demand import burst_concurrency, offered
 
-    stack.start_redis()
-    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
-    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc])
-    dc = DemandConfig()
-    client = redis_client(stack.redis_url, op_timeout_s=2)
-    w = DemandWindow((), ())
     t0 = 1000.0
-    try:
-        async with aiohttp.ClientSession() as s:
-            async def read(t: float) -> DemandWindow:
-                gw = (await scrape_envoy(s, f"http://127.0.0.1:{envoy.admin_port}", None, t)).gateway
-                fg = (await scrape_floodgate(client, "default", t)).counters
-                return observe(w, t, dc, fg, gw)
-
-            w = await read(t0)
-            for i in range(1, 6):  # 5 s: 30 malformed + 5 GETs + 2 good requests per second
-                bad = [s.post(envoy.url + "/v1/completions", json={"prompt": "x"},
-                              headers={"x-tenant-id": "a,b"}) for _ in range(30)]
-                gets = [s.get(envoy.url + "/v1/completions") for _ in range(5)]
-                good = [s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
-                for r in await asyncio.gather(*bad, *gets, *good):
-                    await r.read()
-                    r.release()
-                await asyncio.sleep(1.0)  # the processor flushes its counters within a second
-                w = await read(t0 + i)
-        counts = await read_demand(client, "default")
-    finally:
-        await client.aclose()
+    async with _gateway(stack, upstream) as g:
+        await g.read(t0)
+        for i in range(1, 6):  # 5 s: 30 malformed + 5 GETs + 2 good requests per second
+            bad = [g.s.post(g.envoy.url + "/v1/completions", json={"prompt": "x"},
+                            headers={"x-tenant-id": "a,b"}) for _ in range(30)]
+            gets = [g.s.get(g.envoy.url + "/v1/completions") for _ in range(5)]
+            good = [g.s.post(g.envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
+            for r in await asyncio.gather(*bad, *gets, *good):
+                await r.read()
+                r.release()
+            await asyncio.sleep(1.0)  # the processor flushes its counters within a second
+            await g.read(t0 + i)
+        counts = await read_demand(g.client, "default")
     refused = sum(c["refused"] for c in counts.values())
     assert refused == 150 and sum(c["unadmitted"] for c in counts.values()) == 25
-    g = w.gateway[-1]
-    assert g.rejected >= 150  # Envoy: every 400 is an immediate response of the processor
-    off = offered(w, t0 + 5, dc)
+    gw = g.w.gateway[-1]
+    assert gw.rejected >= 150  # Envoy: every 400 is an immediate response of the processor
+    off = offered(g.w, t0 + 5, g.dc)
     assert off.source == "floodgate+envoy" and off.envoy_excess_rate == 0.0 and off.lacking_rate() == 0.0
-    assert burst_concurrency(w, t0 + 5, dc, 0.5).size == 0.0
+    assert burst_concurrency(g.w, t0 + 5, g.dc, 0.5).size == 0.0
 
 
 async def test_requests_that_never_reach_admission_are_no_arrivals(stack: LocalStack, upstream: int) -> None:
@@ -609,40 +632,25 @@ async def test_requests_that_never_reach_admission_are_no_arrivals(stack: LocalS
     requests/s: a burst of ~30 concurrent at a 0.5 s slot time, 0 now). Arrivals are the
     requests that opened an ext_proc stream (`ext_proc.streams_started`). Real Envoy,
     processor and Redis; the controller's own scrapers and demand reconcile."""
-    from floodgate.controller.demand import DemandWindow, burst_concurrency, observe, offered
-    from floodgate.controller.scrape import scrape_envoy, scrape_floodgate
+    from floodgate.controller.demand import burst_concurrency, offered
 
-    stack.start_redis()
-    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
-    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc])
-    dc = DemandConfig()
-    client = redis_client(stack.redis_url, op_timeout_s=2)
-    w = DemandWindow((), ())
     t0 = 1000.0
-    try:
-        async with aiohttp.ClientSession() as s:
-            async def read(t: float) -> DemandWindow:
-                gw = (await scrape_envoy(s, f"http://127.0.0.1:{envoy.admin_port}", None, t)).gateway
-                fg = (await scrape_floodgate(client, "default", t)).counters
-                return observe(w, t, dc, fg, gw)
-
-            w = await read(t0)
-            for i in range(1, 9):  # 2 real requests a second; from the 5th second 60 that skip admission
-                flood = [s.get(envoy.url + p) for p in ("/nope", "/sleep", "/health", "/v1/models") * 15] if i > 4 else []
-                good = [s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
-                for r in await asyncio.gather(*flood, *good):
-                    await r.read()
-                    r.release()
-                await asyncio.sleep(1.0)  # the processor flushes its counters within a second
-                w = await read(t0 + i)
-    finally:
-        await client.aclose()
-    off = offered(w, t0 + 8, dc)
+    async with _gateway(stack, upstream) as g:
+        await g.read(t0)
+        for i in range(1, 9):  # 2 real requests a second; from the 5th second 60 that skip admission
+            flood = [g.s.get(g.envoy.url + p) for p in ("/nope", "/sleep", "/health", "/v1/models") * 15] if i > 4 else []
+            good = [g.s.post(g.envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(2)]
+            for r in await asyncio.gather(*flood, *good):
+                await r.read()
+                r.release()
+            await asyncio.sleep(1.0)  # the processor flushes its counters within a second
+            await g.read(t0 + i)
+    off = offered(g.w, t0 + 8, g.dc)
     assert off.source == "floodgate+envoy" and off.lacking_rate() == 0.0
     # (replica_waiting: the pool is behind, as under any real load, so a step would count)
-    assert burst_concurrency(w, t0 + 8, dc, 0.5, replica_waiting=1.0).size == 0.0
-    arrived = w.gateway[-1].rq_total - w.gateway[0].rq_total
-    assert arrived <= 2 * (len(w.gateway) - 1) + 2, arrived
+    assert burst_concurrency(g.w, t0 + 8, g.dc, 0.5, replica_waiting=1.0).size == 0.0
+    arrived = g.w.gateway[-1].rq_total - g.w.gateway[0].rq_total
+    assert arrived <= 2 * (len(g.w.gateway) - 1) + 2, arrived
 
 
 def test_the_pool_holds_its_constant_reserve_only_while_requests_are_turned_away(clock: FakeClock) -> None:
@@ -714,28 +722,21 @@ async def test_a_second_ext_proc_filter_on_the_gateway_does_not_double_arrivals(
     5 requests, 10 arrivals; `downstream_rq_total`, read before, said 5). Arrivals are held to
     what `downstream_rq_total` grew by. Real Envoy (the second filter's processor unreachable,
     failure_mode_allow), processor and Redis."""
-    from floodgate.controller.demand import DemandWindow, observe, offered
-    from floodgate.controller.scrape import scrape_envoy
+    from floodgate.controller.demand import offered
 
     second = {"name": "audit_ext_proc", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"google_grpc": {"target_uri": "127.0.0.1:1", "stat_prefix": "audit"}, "timeout": "1s"},
         "failure_mode_allow": True,
         "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP"}}}
-    stack.start_redis()
-    proc = stack.start_processor({"pools": [{"name": "default", "limit": {"mode": "static", "initial": 8}}]})
-    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[proc], extra_filters=[second])
-    dc = DemandConfig()
-    w = DemandWindow((), ())
     t0 = 1000.0
-    async with aiohttp.ClientSession() as s:
-        admin = f"http://127.0.0.1:{envoy.admin_port}"
-        w = observe(w, t0, dc, None, (await scrape_envoy(s, admin, None, t0)).gateway)
+    async with _gateway(stack, upstream, extra_filters=[second]) as g:
+        await g.read(t0, floodgate=False)
         for _ in range(6):
-            async with s.post(envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+            async with g.s.post(g.envoy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
                 assert r.status == 200
-        w = observe(w, t0 + 2, dc, None, (await scrape_envoy(s, admin, None, t0 + 2)).gateway)
-    assert envoy.stat("http.gateway.ext_proc.streams_started") == 12  # both filters' streams
-    off = offered(w, t0 + 2, dc)
+        await g.read(t0 + 2, floodgate=False)
+    assert g.envoy.stat("http.gateway.ext_proc.streams_started") == 12  # both filters' streams
+    off = offered(g.w, t0 + 2, g.dc)
     assert off.source == "envoy"
     assert off.offered_total == pytest.approx(3.0)  # 6 requests in 2 s, not 12
