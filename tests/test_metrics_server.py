@@ -4,10 +4,12 @@ sent nothing = 500 threads)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from floodgate.extproc import metrics as metrics_mod
@@ -30,11 +32,33 @@ def _wait(cond: object, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(metrics_mod, "METRICS_READ_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 4)
+@contextlib.contextmanager
+def _listener(monkeypatch: pytest.MonkeyPatch, max_connections: int,
+              read_timeout_s: float | None = None) -> Iterator[int]:
+    """The processor's metrics listener on a free port, with the bounds given; shut down after."""
+    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", max_connections)
+    if read_timeout_s is not None:
+        monkeypatch.setattr(metrics_mod, "METRICS_READ_TIMEOUT_S", read_timeout_s)
     port = free_port()
     httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
+    try:
+        yield port
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _scrape(port: int) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200 and b"floodgate_decisions" in r.read()
+
+
+def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _listener(monkeypatch, 4, read_timeout_s=1.0) as port:
+        _idle_connections_bounded_and_closed(port)
+
+
+def _idle_connections_bounded_and_closed(port: int) -> None:
     base = _threads()
     idle = []
     try:
@@ -81,23 +105,16 @@ def test_idle_connections_are_bounded_and_closed(monkeypatch: pytest.MonkeyPatch
                 closed = False  # still open: the deadline did not cut it
         drip.close()
         assert closed
-        # ...and a scrape is served again.
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            assert r.status == 200 and b"floodgate_decisions" in r.read()
+        _scrape(port)  # ...and a scrape is served again
     finally:
         for s in idle:
             s.close()
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection the server could not start a thread for (the process is out of threads)
     is closed, and its slot comes back: it used to stay taken, so METRICS_MAX_CONNECTIONS such
     failures left the listener closing every scrape unanswered for good."""
-    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 1)
-    port = free_port()
-    httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
     real_start = threading.Thread.start
     failed: list[threading.Thread] = []
 
@@ -107,17 +124,15 @@ def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(monkeypatch:
             raise RuntimeError("can't start new thread")
         real_start(self)
 
-    monkeypatch.setattr(threading.Thread, "start", start)
-    try:
-        with pytest.raises(OSError):  # the first: closed unanswered (its thread could not start)
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        assert failed
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            assert r.status == 200 and b"floodgate_decisions" in r.read()
-    finally:
-        monkeypatch.setattr(threading.Thread, "start", real_start)
-        httpd.shutdown()
-        httpd.server_close()
+    with _listener(monkeypatch, 1) as port:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        try:
+            with pytest.raises(OSError):  # the first: closed unanswered (its thread could not start)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            assert failed
+            _scrape(port)
+        finally:
+            monkeypatch.setattr(threading.Thread, "start", real_start)
 
 
 def test_idle_connections_at_the_bound_do_not_keep_a_scrape_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,26 +142,20 @@ def test_idle_connections_at_the_bound_do_not_keep_a_scrape_out(monkeypatch: pyt
     with KEDA (whose trigger reads the controller's floodgate_desired_replicas through
     Prometheus) the pool's scaling with it. A review: 4 such connections at a bound of 4, the
     scrape closed unanswered."""
-    monkeypatch.setattr(metrics_mod, "METRICS_READ_TIMEOUT_S", 60.0)  # the idle ones outlive the test
-    monkeypatch.setattr(metrics_mod, "METRICS_MAX_CONNECTIONS", 4)
-    port = free_port()
-    httpd = serve_metrics("127.0.0.1", port, Metrics().registry)
-    base = _threads()
-    idle = []
-    try:
-        for i in range(2 * metrics_mod.METRICS_MAX_CONNECTIONS):
-            s = socket.create_connection(("127.0.0.1", port))
-            if i % 2:
-                s.sendall(b"GET /metr")  # a request that never completes
-            idle.append(s)
-        assert _wait(lambda: _threads() - base >= metrics_mod.METRICS_MAX_CONNECTIONS)
-        for _ in range(3):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                assert r.status == 200 and b"floodgate_decisions" in r.read()
-        # Still bounded: the idle ones made room, no more threads than the bound.
-        assert _threads() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
-    finally:
-        for s in idle:
-            s.close()
-        httpd.shutdown()
-        httpd.server_close()
+    with _listener(monkeypatch, 4, read_timeout_s=60.0) as port:  # the idle ones outlive the test
+        base = _threads()
+        idle = []
+        try:
+            for i in range(2 * metrics_mod.METRICS_MAX_CONNECTIONS):
+                s = socket.create_connection(("127.0.0.1", port))
+                if i % 2:
+                    s.sendall(b"GET /metr")  # a request that never completes
+                idle.append(s)
+            assert _wait(lambda: _threads() - base >= metrics_mod.METRICS_MAX_CONNECTIONS)
+            for _ in range(3):
+                _scrape(port)
+            # Still bounded: the idle ones made room, no more threads than the bound.
+            assert _threads() - base <= metrics_mod.METRICS_MAX_CONNECTIONS
+        finally:
+            for s in idle:
+                s.close()
