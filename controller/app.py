@@ -551,8 +551,7 @@ class PoolController:
 
     def _decider_config(self, capacity: int | None) -> DeciderConfig:
         """The pool's decider settings with `warm_pool.max_total` held to the replicas the actuator
-        can have (a static list's endpoints; read every tick, as EndpointSlice discovery changes
-        them). Beyond them every planned start failed with NoCapacity, and the failure's kick ran
+        can have (a static list's endpoints; read every tick). Beyond them every planned start failed with NoCapacity, and the failure's kick ran
         the next tick at once: a static pool of 1 endpoint wanting 2 replicas failed 333 starts
         in 3 s, each a `failed` replica and a new replica id."""
         wp = self.dcfg.warm_pool

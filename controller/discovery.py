@@ -98,6 +98,12 @@ class EndpointSliceActuator(StaticActuator):
 
     name = "endpointslices"
 
+    @property
+    def capacity(self) -> None:  # type: ignore[override]
+        """KEDA (or an HPA) adds pods from the exported desired count: a start beyond the
+        endpoints found is a placeholder adopted when its pod appears (`start` returns None)."""
+        return None
+
     def __init__(self, config: EndpointSliceConfig, api_client: Any | None = None) -> None:
         super().__init__({}, timeout_s=config.wake_timeout_s)
         self.config = config

@@ -38,7 +38,8 @@ class Actuator(Protocol):
     @property
     def capacity(self) -> int | None:
         """The most replicas that can exist at once (a static list's length); None: as many as
-        the platform gives. The controller plans no start beyond it (`PoolController`)."""
+        the platform gives (or a scaler adds: EndpointSlices). The controller plans no start
+        beyond it (`PoolController`)."""
         ...
 
     async def list(self) -> list[ReplicaHandle]:
