@@ -720,8 +720,7 @@ async def test_processors_through_envoy_on_a_cluster(stack: LocalStack, upstream
 async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalStack, upstream: int,
                                                                    sentinel: SentinelTopology) -> None:  # noqa: F811
     """SIGKILL the primary while requests are queued and streaming: every request is answered
-    (no hang), in-flight stays within the limit plus what the processors' local shares allow
-    during the outage, and after one renewal period the new primary holds no phantom lease."""
+    (no hang), in-flight stays within the documented bound (L + one processor's share), and after one renewal period the new primary holds no phantom lease."""
     _stack_on(stack, sentinel.url, limit=4)
     envoys = [stack.start_envoy([("127.0.0.1", upstream)], processors=[p]) for p in stack.processors]
     async with aiohttp.ClientSession() as s:
@@ -734,9 +733,10 @@ async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalS
         assert all(r.status in (200, 429) for r in replies), [(r.status, r.error) for r in replies]
         assert sum(r.status == 200 for r in replies) >= 20
         stats = await get_json(s, f"http://127.0.0.1:{upstream}/stats")
-        # Shared limit 4; during the outage each of the 2 processors admits its local share
-        # (4 / 2) while permits it held still run: bounded by 2 x limit.
-        assert stats["max_inflight"] <= 2 * 4
+        # Shared limit 4: at most L, but on leaving local limits one processor's share more
+        # (docs/operations.md: L + L / processors, as after a failover). Read 4 in 3 of 3 runs
+        # (the test had allowed 2 x L, beyond what the docs promise).
+        assert stats["max_inflight"] <= 4 + 4 // 2, stats["max_inflight"]
         await asyncio.sleep(3 + 1)  # one lease TTL after the last request: nothing held
         r = redis.Redis(port=new_port)
         assert r.zcard("fg:{default}:leases") == 0 and r.zcard("fg:{default}:queue") == 0
