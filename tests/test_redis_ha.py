@@ -720,7 +720,8 @@ async def test_processors_through_envoy_on_a_cluster(stack: LocalStack, upstream
 async def test_processors_through_envoy_across_a_sentinel_failover(stack: LocalStack, upstream: int,
                                                                    sentinel: SentinelTopology) -> None:  # noqa: F811
     """SIGKILL the primary while requests are queued and streaming: every request is answered
-    (no hang), in-flight stays within the documented bound (L + one processor's share), and after one renewal period the new primary holds no phantom lease."""
+    (no hang), in-flight stays within the documented bound (L + one processor's share), and
+    after one renewal period the new primary holds no phantom lease."""
     _stack_on(stack, sentinel.url, limit=4)
     envoys = [stack.start_envoy([("127.0.0.1", upstream)], processors=[p]) for p in stack.processors]
     async with aiohttp.ClientSession() as s:
