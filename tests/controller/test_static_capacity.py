@@ -36,12 +36,17 @@ def _failed(events: Any) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "action_failed"]
 
 
-async def test_no_start_is_planned_beyond_the_static_endpoints(stack: LocalStack) -> None:
+def _redis_and_sim(stack: LocalStack) -> tuple[str, int, str]:
+    """Redis and one emulated replica (2 slots): its URL, its port and endpoint."""
     url = stack.start_redis()
     port = free_port()
     stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), *SIM_ARGS],
-                         name="sim-static", port=port)
-    ep = f"127.0.0.1:{port}"
+                         name="sim", port=port)
+    return url, port, f"127.0.0.1:{port}"
+
+
+async def test_no_start_is_planned_beyond_the_static_endpoints(stack: LocalStack) -> None:
+    url, port, ep = _redis_and_sim(stack)
     cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 4},
                             actuator={"kind": "static", "endpoints": {"r1": ep}})
     async with running(cfg, StaticActuator({"r1": ep})) as ctl:  # type: ignore[arg-type]
@@ -90,11 +95,7 @@ class _Full:
 
 
 async def test_a_start_without_room_holds_the_next(stack: LocalStack) -> None:
-    url = stack.start_redis()
-    port = free_port()
-    stack.start_upstream([sys.executable, "-m", "floodgate", "sim", "--port", str(port), *SIM_ARGS],
-                         name="sim-full", port=port)
-    ep = f"127.0.0.1:{port}"
+    url, port, ep = _redis_and_sim(stack)
     full = _Full(ep)
     cfg = controller_config(url, policy={"min_replicas": 1, "max_replicas": 4}, timeouts={"start_backoff_s": 1.0})
     async with running(cfg, full) as ctl:  # type: ignore[arg-type]
