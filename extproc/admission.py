@@ -77,6 +77,7 @@ from floodgate.extproc.policy import (
     DecayingMean,
     DecayingRate,
     Reject,
+    credits_usable,
     level_growth,
     min_chance,
     pool_arrivals,
@@ -220,7 +221,7 @@ class PoolRuntime:
     last_status: PoolStatus | None = None
     last_status_at: float = -1e9  # clock() when last_status was seen
     last_sync: PoolStatus | None = None  # has the rank among live gateways
-    queue_clear: bool = False  # last seen: nothing waits anywhere, so credits may be used
+    queue_clear: bool = False  # last seen: nothing waits, in-flight within L: credits may be used (credits_usable)
     credit_uses: int = 0  # since the last status tick; idle credits go back after an unused tick
     credit_done: int = 0  # credit-admitted requests completed since the last report (`credit_done`)
     pending_release: list[str] = field(default_factory=list)  # batched into one script call
@@ -913,7 +914,7 @@ class Admitter:
     def observe(self, rt: PoolRuntime, st: PoolStatus) -> None:
         if st.partial:
             return
-        rt.queue_clear = st.queued_total == 0
+        rt.queue_clear = credits_usable(st.queued_total, st.inflight, st.limit)
         if not rt.queue_clear:
             self._return_credits(rt)
         rt.last_status = st

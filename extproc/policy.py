@@ -179,6 +179,18 @@ def credit_admits(cls: int, inflight: Sequence[int], ramp: bool) -> bool:
 CREDIT_CLASS = 1  # the class leases.lua leases credits as (`try_lease`)
 
 
+def credits_usable(queued_total: int, inflight: Sequence[int], limit: float) -> bool:
+    """May a processor keep admitting from (and recycling) its idle local credits, given the
+    pool's last snapshot? Only while nothing waits anywhere and the leases Redis counts (idle
+    credits among them) are within the shared limit. Credits are leased while the pool is at
+    most half full, but then circulate locally without Redis: when the limit fell below them
+    (a `settings_epoch` rollout to a lower static limit, a Vegas decrease, fewer endpoints),
+    a processor kept admitting up to its credits while no queue formed (an operator review:
+    20 in flight through one processor of L 8 for as long as the traffic lasted). Over the
+    limit they go back, and credit-admitted requests release to Redis as they end."""
+    return queued_total == 0 and sum(inflight) <= limit
+
+
 @dataclass
 class DecayingRate:
     """Events per second, exponentially decayed (tau `RATE_TAU_S`), as leases.lua keeps them.

@@ -17,7 +17,7 @@ from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.limit import sample_request
 from floodgate.extproc.metrics import Metrics
-from floodgate.extproc.policy import Reject, credit_admits
+from floodgate.extproc.policy import Reject, credit_admits, credits_usable
 from floodgate.extproc.schema import key
 from floodgate.extproc.state import redis_client
 
@@ -145,3 +145,10 @@ async def test_before_any_status_only_p1_takes_or_fetches_credits(admitter: Admi
     assert isinstance(p0b, Permit) and not p0b.credit
     for p in (p0, p1, p0b):
         await admitter.release(p)
+
+
+def test_credits_are_used_only_within_the_limit() -> None:
+    assert credits_usable(0, (0, 31, 0), limit=64)
+    assert not credits_usable(1, (0, 3, 0), limit=64)  # something waits
+    assert credits_usable(0, (0, 8, 0), limit=8)  # full with them: still within
+    assert not credits_usable(0, (0, 31, 0), limit=8)  # the limit fell below the leases

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from floodgate.extproc.admission import Admitter, pool_settings
+from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.schema import key
@@ -159,3 +160,47 @@ async def test_a_processor_that_cannot_listen_leaves_the_shared_settings_alone(s
 async def _stored_limit(client: Any, want: str) -> bool:
     raw = await client.hget(key("a", "state"), "limit")
     return raw is not None and float(raw) == float(want)
+
+
+async def test_local_credits_give_way_to_a_lower_limit_rolled_out_beside_them(stack: LocalStack) -> None:
+    """An operator review: a processor still on epoch 0 (static 64) held 31 idle local credits,
+    leased while the pool was nearly empty, when a processor on epoch 1 stored a limit of 8. The
+    old one kept admitting P1 from its credits (no Redis round trip, and no queue ever formed to
+    recall them): 20 requests in flight through it against L 8, for as long as they kept coming.
+    Once a status read shows the leases above the limit, the credits go back to Redis."""
+    url = stack.start_redis()
+    classes = {"0": {"share": 0.5, "max_queue": 100}, "1": {"share": 0.1, "max_queue": 0},  # P1: no wait
+               "2": {"share": 0.0, "max_queue": 0}}
+
+    def config(limit: int, epoch: int) -> Config:
+        return Config.model_validate({
+            "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 1},
+            "pools": [{"name": "a", "local_credits": 32, "settings_epoch": epoch, "classes": classes,
+                       "limit": {"mode": "static", "initial": limit}}]})
+
+    async with AsyncExitStack() as s:
+        procs = []
+        for gid, limit, epoch in (("old", 64, 0), ("new", 8, 1)):
+            client = redis_client(url, op_timeout_s=1)
+            s.push_async_callback(client.aclose)
+            a = Admitter(config(limit, epoch), client, metrics=Metrics(), gateway_id=gid)
+            s.push_async_callback(a.stop)
+            procs.append(a)
+        old, new = procs
+        await old._start_pool(old.pools["a"])  # configure + first sync, without the background loops
+        first = await old.admit("a", 1, "t")
+        assert isinstance(first, Permit)
+        await old.release(first)  # back among its idle credits
+        rt = old.pools["a"]
+        assert len(rt.credits) >= 20
+        await new._start_pool(new.pools["a"])  # the rollout: epoch 1 stores limit 8
+        old.observe(rt, await rt.state.status(old.gateway_id))  # the old one's next status tick
+
+        async def returned() -> bool:
+            return sum((await rt.state.status()).inflight) == 0
+
+        assert await wait_until(returned, 10)
+        admitted = [p for p in [await old.admit("a", 1, "t") for _ in range(20)] if isinstance(p, Permit)]
+        assert len(admitted) == 8, [p.credit for p in admitted]  # before: 20, every one on a credit
+        st = await rt.state.status()
+        assert sum(st.inflight) == 8 and st.limit == 8
