@@ -59,6 +59,7 @@ from floodgate.extproc.limit import (
     lift_ceiling,
     limit_for,
     sample_request,
+    writes_shared_limit,
 )
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.permits import PermitTable
@@ -648,8 +649,11 @@ class Admitter:
         if diff:
             log.error("pool %s: this processor's settings differ from the ones stored in Redis "
                       "(epoch %d), which every grant uses: %s. Make the configs agree, or raise "
-                      "pools[].settings_epoch to replace the stored settings.",
-                      rt.cfg.name, stored.epoch, "; ".join(diff))
+                      "pools[].settings_epoch to replace the stored settings.%s",
+                      rt.cfg.name, stored.epoch, "; ".join(diff),
+                      "" if writes_shared_limit(rt.settings.epoch, stored.epoch) else
+                      " A newer epoch is stored: this processor no longer changes the shared limit "
+                      "(to roll back, raise the epoch again with the old settings).")
         return not diff
 
     def _local_limit(self, rt: PoolRuntime) -> int:
@@ -1245,7 +1249,7 @@ class Admitter:
         rtt = latency.signal(rt.cfg.limit.signal) if latency is not None else None
         kind: Outcome = "success" if outcome == "success" else "dropped" if outcome == "dropped" else "ignored"
         sample = rt.limit.record(self.clock(), kind, rtt, rt.inflight_seen(), permit.admitted_at)
-        if sample is not None and not rt.degraded:
+        if sample is not None and not rt.degraded and self._writes_limit(rt):
             self.spawn(self._apply_sample(rt, sample))
 
     def measures(self, pool: str) -> bool:
@@ -1285,10 +1289,18 @@ class Admitter:
                     self._limit_seen(rt, new.limit)
                     return
 
+    @staticmethod
+    def _writes_limit(rt: PoolRuntime) -> bool:
+        """Not once a newer settings_epoch replaced this processor's (limit.writes_shared_limit)."""
+        return writes_shared_limit(rt.settings.epoch, rt.state.stored.epoch if rt.state.stored else None)
+
     async def _follow_endpoints(self, rt: PoolRuntime, endpoints: int) -> None:
         """Scale the shared limit to the active endpoint count (limit.follow_endpoints) and hold
         it under the controller's ceiling (limit.cap_to_ceiling); every processor sees the same
         count, the first compare-and-set wins, the rest find it done."""
+        if not self._writes_limit(rt):
+            rt.endpoints_applied = endpoints  # (the newer epoch's processors apply it)
+            return
         c = rt.cfg.limit
         for _ in range(5):
             rec = await self.call(rt, "get_limit", rt.state.get_limit)
@@ -1430,7 +1442,7 @@ class Admitter:
         flight fell to 38 after a FLUSHALL and turned away 230 of 1,165 requests over the ~20 s
         Vegas took to climb back. Adaptive limits only (a fixed one is its config); the first
         processor to write it wins (compare-and-set on version 0), the others find it there."""
-        if not rt.limit.adaptive or rt.last_limit is None:
+        if not rt.limit.adaptive or rt.last_limit is None or not self._writes_limit(rt):
             return
         rec = await self.call(rt, "get_limit", rt.state.get_limit)
         if rec.version != 0 or rec.state.limit == rt.last_limit.limit:

@@ -390,6 +390,18 @@ def lift_ceiling(state: LimitState, per_endpoint: float | None, endpoints: int, 
     return state if state.limit >= target else replace(state, limit=target)
 
 
+def writes_shared_limit(own_epoch: int, stored_epoch: int | None) -> bool:
+    """May a processor change the pool's shared limit (Vegas samples, following the endpoint
+    count, restoring a lost limit), given its own `settings_epoch` and the newest one it has
+    seen stored? Not once a newer epoch replaced its settings: the limit is the new epoch's to
+    set. An adaptive processor left on the old config went on moving it: a rollout from
+    `vegas` to `static` 4 (epoch 1) ran at 10 two seconds after the first new processor set 4
+    and at 34 from four seconds on, 14-16 in flight upstream, for as long as an old processor ran (an operator review). A processor
+    whose settings differ at the same epoch keeps adapting (a new version whose shipped defaults
+    differ leaves every processor so until the epoch is raised)."""
+    return stored_epoch is None or stored_epoch <= own_epoch
+
+
 def limit_for(pool: PoolConfig) -> WindowedLimit:
     """The pool's limit as configured: `static` holds `initial`, `vegas` adapts (vegas.py)."""
     from floodgate.extproc.vegas import VegasLimit

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from floodgate.extproc.admission import Admitter, pool_settings
 from floodgate.extproc.backends import Permit
 from floodgate.extproc.config import Config
+from floodgate.extproc.limit import Latency
 from floodgate.extproc.metrics import Metrics
 from floodgate.extproc.schema import key
 from floodgate.extproc.state import PoolState, redis_client
@@ -127,7 +129,6 @@ async def test_a_processor_that_cannot_listen_leaves_the_shared_settings_alone(s
     """A processor that exits 2 on a busy port stored its pool settings first: a rollout's new
     `settings_epoch` (limit 5) was in force on the running fleet (limit 40) though no processor
     ran it (an operator review). Now the ports are bound before anything is written."""
-    import asyncio
     import subprocess
     import sys
 
@@ -204,3 +205,44 @@ async def test_local_credits_give_way_to_a_lower_limit_rolled_out_beside_them(st
         assert len(admitted) == 8, [p.credit for p in admitted]  # before: 20, every one on a credit
         st = await rt.state.status()
         assert sum(st.inflight) == 8 and st.limit == 8
+
+
+async def test_an_adaptive_processor_left_on_the_old_epoch_does_not_move_the_new_static_limit(stack: LocalStack) -> None:
+    """An operator review, real Envoy and processors: a rollout from `vegas` (epoch 0) to
+    `static` 4 (epoch 1). The first new processor set 4; the one still on the old config went
+    on applying its Vegas windows to the shared limit: 10 two seconds later, 34 from four seconds
+    on, 14-16 requests in flight upstream, for as long as it ran. The limit is the newer epoch's to set."""
+    url = stack.start_redis()
+    clock = [1000.0]
+
+    def config(epoch: int, limit: dict[str, Any]) -> Config:
+        return Config.model_validate({
+            "redis": {"url": url, "lease_ttl_s": 30, "op_timeout_s": 1},
+            "pools": [{"name": "a", "local_credits": 0, "settings_epoch": epoch, "limit": limit}]})
+
+    async with AsyncExitStack() as s:
+        procs = []
+        for gid, cfg in (("old", config(0, {"mode": "vegas", "initial": 4, "max": 64, "signal": "ttft",
+                                             "window_min_samples": 1, "window_s": 0.1})),
+                         ("new", config(1, {"mode": "static", "initial": 4}))):
+            client = redis_client(url, op_timeout_s=1)
+            s.push_async_callback(client.aclose)
+            a = Admitter(cfg, client, metrics=Metrics(), gateway_id=gid, clock=lambda: clock[0])
+            s.push_async_callback(a.stop)
+            procs.append(a)
+        old, new = procs
+        rt = old.pools["a"]
+        await old._start_pool(rt)  # without the background loops
+        await new._start_pool(new.pools["a"])  # the rollout: epoch 1 stores the static limit 4
+        await old._configure(rt)  # what the old one's status tick does on seeing the newer epoch
+        assert _mismatch(old) == 1 and await _limit(old) == 4
+        for _ in range(3):  # full windows of fast answers: Vegas on its own would raise the limit
+            permits = [await old.admit("a", 1, "t") for _ in range(4)]
+            old.observe(rt, await rt.state.status(old.gateway_id))  # 4 in flight: the limit is used
+            clock[0] += 0.2
+            for p in permits:
+                assert isinstance(p, Permit)
+                old.finish(p, "success", Latency(ttft=0.05, tpot=None))
+                await old.release(p)
+            await asyncio.gather(*list(old._background))
+        assert await _limit(old) == 4  # before: 10
