@@ -70,7 +70,7 @@ class ActuatorConfig(_Strict):
         description="Where replicas run. `endpointslices`: metrics-only (KEDA/HPA owns the replica count); "
         "pods are discovered from the model Service's EndpointSlices, never created or deleted.")
     command: list[str] | None = Field(default=None, description="process: argv template: `{port}` (required), `{replica_id}` and `{host}` are replaced, every other character (JSON arguments included) is passed as written; default `floodgate sim` with sleep mode.")
-    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: <tmp>/floodgate-controller-<pool>-<hash of the Redis URL, leader key and pool>). A table of another deployment whose replicas still run is refused.")
+    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: <tmp>/floodgate-controller-<pool>-<hash of the Redis hosts, leader key and pool>). A table of another deployment whose replicas still run is refused.")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
     endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port, each once), or name -> endpoint.")
     options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator; endpointslices: namespace, service, port_name, in_cluster, ... (controller/discovery.py).")
@@ -290,22 +290,40 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Contr
 
 def table_owner(cfg: ControllerConfig, pool: PoolConfig) -> str:
     """Who a process actuator's replica table belongs to: the Redis the replicas are registered
-    in (password redacted), the leader key and the pool. Two controllers of one deployment (a
-    leader and its standby) agree on it; two unrelated stacks on one host do not."""
+    in (its hosts and path, without credentials or options: `process.redis_deployment`), the
+    leader key and the pool. Two controllers of one deployment (a leader and its standby) agree
+    on it; two unrelated stacks on one host do not."""
+    from floodgate.controller.actuators.process import redis_deployment
+
+    return f"redis {redis_deployment(cfg.redis.url)} leader {cfg.leader.key} pool {pool.name}"
+
+
+def _legacy_table_owner(cfg: ControllerConfig, pool: PoolConfig) -> str:
+    """`table_owner` as versions before `redis_deployment` wrote it (the URL with its user and a
+    masked password, and its options): where their default state_dir was."""
     from floodgate.extproc.redis_client import redact_url
 
     return f"redis {redact_url(cfg.redis.url)} leader {cfg.leader.key} pool {pool.name}"
 
 
+def _default_state_dir(pool: PoolConfig, owner: str) -> Path:
+    tag = hashlib.sha256(owner.encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}-{tag}"
+
+
 def process_state_dir(cfg: ControllerConfig, pool: PoolConfig) -> Path:
     """The directory a `process` actuator keeps its replica table in (`app.build_actuator` and the
     start-up check use this one rule). The default is per owner (`table_owner`), so unrelated
-    stacks on one host never share a table."""
+    stacks on one host never share a table; the directory an earlier version's default gave
+    this config is used while it holds the table and the new one holds none (an upgrade)."""
     a = pool.actuator
     if a.state_dir:
         return Path(a.state_dir)
-    tag = hashlib.sha256(table_owner(cfg, pool).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"floodgate-controller-{pool.name}-{tag}"
+    new = _default_state_dir(pool, table_owner(cfg, pool))
+    old = _default_state_dir(pool, _legacy_table_owner(cfg, pool))
+    if old != new and not (new / "replicas.json").exists() and (old / "replicas.json").exists():
+        return old
+    return new
 
 
 def check_state_dirs(cfg: ControllerConfig, *, create: bool) -> None:

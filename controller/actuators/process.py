@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psutil
 from floodgate.controller.actuators.base import ReplicaHandle, Role
@@ -136,11 +137,34 @@ class TableOwnedElsewhere(ValueError):
     """The state_dir holds running replicas of another deployment."""
 
 
+def redis_deployment(url: str) -> str:
+    """The Redis a deployment registers its replicas in, as a table's owner names it: scheme,
+    hosts and path, without who logs in and how (user, password) or the connection options.
+    An operator changes those on a running deployment (moving the password from the URL to
+    FLOODGATE_REDIS_PASSWORD, switching to the shipped `floodgate-controller` ACL user, adding
+    `?socket_timeout=`): with them in the owner, the restarted controller refused its own
+    table while its replicas ran ("another deployment"), or, with the default state_dir,
+    looked in another directory and left them running unmanaged (an operator review)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def owner_key(owner: str) -> str:
+    """`owner` (`config.table_owner`: `redis <url> leader <key> pool <name>`) with its URL
+    reduced to `redis_deployment`, so a table written by an earlier version (whose owner
+    kept the user and a masked password) still reads as this deployment's."""
+    head, sep, rest = owner.partition(" ")
+    if head != "redis" or not sep:
+        return owner
+    url, sep, tail = rest.partition(" ")
+    return f"redis {redis_deployment(url)}{sep}{tail}"
+
+
 def check_owner(state_dir: Path, owner: str | None) -> None:
     """Raise TableOwnedElsewhere if `state_dir`'s table belongs to another owner and lists
     processes that still run (a table whose processes are all gone is simply taken over)."""
     theirs, table = read_table(state_dir)
-    if owner is None or theirs is None or theirs == owner:
+    if owner is None or theirs is None or owner_key(theirs) == owner_key(owner):
         return
     live = live_entries(table)
     if live:

@@ -5,9 +5,11 @@ real Redis, the controllers in the test's loop."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,41 @@ async def test_a_table_of_another_deployment_is_refused_while_its_replicas_run(s
     p2 = process_state_dir(u2, u2.pools[0])  # type: ignore[attr-defined, arg-type]
     assert p1 != p2 and p1.name.startswith("floodgate-controller-default-")
     assert "secret" not in table_owner(u2, u2.pools[0])  # type: ignore[arg-type, attr-defined]
+
+
+async def test_credentials_and_options_of_the_same_redis_keep_the_table(
+        stack: LocalStack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An operator review: a controller restarted with the password moved from its URL to
+    FLOODGATE_REDIS_PASSWORD, or logging in as the shipped `floodgate-controller` ACL user, or
+    with `?socket_timeout=2` added, is the same deployment. Its owner named the URL as written:
+    with a state_dir set, start-up refused its own running replicas as "another deployment";
+    with the default one it looked in another directory and left them running unmanaged."""
+    state_dir = stack.sup.workdir / "table"
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", "{port}"]
+    # The table as the version before wrote it (the user and a masked password in the URL).
+    act = ProcessActuator(cmd, state_dir, supervisor=stack.sup,
+                          owner="redis redis://:***@10.0.0.1:6379/0 leader fg:controller:leader pool default")
+    h = await act.start("default-r0")
+    assert h is not None and h.running
+    same = ["redis://10.0.0.1:6379/0", "redis://floodgate-controller:pw@10.0.0.1:6379/0",
+            "redis://:pw@10.0.0.1:6379/0?socket_timeout=2"]
+    for url in same:
+        check_state_dirs(_cfg(url, state_dir), create=True)  # type: ignore[arg-type]  # before: refused
+    with pytest.raises(ConfigError):  # another Redis is another deployment, as before
+        check_state_dirs(_cfg("redis://10.0.0.2:6379/0", state_dir), create=True)  # type: ignore[arg-type]
+    await act.stop("default-r0")
+    # The default directory: one for the three (before: three), and an earlier version's is
+    # still found while it holds the table.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dirs = {process_state_dir(c, c.pools[0]) for c in map(lambda u: _cfg(u, None), same)}  # type: ignore[attr-defined]
+    assert len(dirs) == 1
+    legacy_url = "redis://:pw@10.0.0.1:6379/0"
+    legacy = tmp_path / ("floodgate-controller-default-" + hashlib.sha256(
+        b"redis redis://:***@10.0.0.1:6379/0 leader fg:controller:leader pool default").hexdigest()[:8])
+    legacy.mkdir()
+    (legacy / "replicas.json").write_text('{"owner": null, "replicas": {}}')
+    c = _cfg(legacy_url, None)
+    assert process_state_dir(c, c.pools[0]) == legacy  # type: ignore[attr-defined, arg-type]
 
 
 async def test_the_table_survives_concurrent_writers(stack: LocalStack, tmp_path: Path) -> None:
