@@ -10,8 +10,9 @@ Model (docs/controller.md):
   the config refuses such a selector.
 * start = Deployment `spec.replicas` + 1; the new pod shows up in `list()` under its own name,
   so `start()` returns None.
-* stop(pod) = annotate the pod `controller.kubernetes.io/pod-deletion-cost: "-1000"`, then
-  `spec.replicas` − 1, so the ReplicaSet deletes that pod rather than another one.
+* stop(pod) = annotate the pod `controller.kubernetes.io/pod-deletion-cost: "-1000"` and
+  `floodgate.io/stopping: "true"`, then `spec.replicas` − 1, so the ReplicaSet deletes that pod
+  rather than another one. From the first step on, `list()` reports the pod not running.
 
 Idempotency (the controller may repeat a call after a restart): every change of
 `spec.replicas` is written in the same patch as a bounded ledger annotation on the Deployment
@@ -19,7 +20,8 @@ Idempotency (the controller may repeat a call after a restart): every change of
 by `metadata.resourceVersion` (optimistic concurrency, 409 → re-read and retry). A repeated
 `start(id)` or `stop(pod)` whose id is already in the ledger changes nothing, and a crash
 between the two steps of `stop` is repaired by the repeat (the annotation is idempotent and the
-decrement has not been recorded). The ledger lives in the cluster, so it survives the
+decrement has not been recorded): the next controller repeats it because `list()` reports the
+annotated pod not running (it stops such a pod instead of adopting it). The ledger lives in the cluster, so it survives the
 controller. `set_replicas(n)` is there for a controller that prefers to reconcile by count.
 
 RBAC this needs (deploy/kubernetes/controller-rbac.yaml, checked by a test against the fake
@@ -43,6 +45,12 @@ from floodgate.yamlconfig import STRICT
 log = logging.getLogger(__name__)
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+# Set with the deletion cost in `stop`'s first step: this pod's stop has begun. `list()` reports
+# such a pod not running, so a controller that finds it (its predecessor died, or lost the lease,
+# between the two steps, or after a failed scale-down write) finishes the stop instead of adopting
+# it: adopted, it was served on with the deletion cost still set, and the next scale-down of any
+# other pod deleted it, streams and all (its cost ties the other's, and newer pods go first).
+STOPPING_ANNOTATION = "floodgate.io/stopping"
 LEDGER_ANNOTATION = "floodgate.io/actuator-ledger"
 ROLES: tuple[str, ...] = get_args(Role)
 # Merge patch (RFC 7386) rather than the client's default strategic merge: plain semantics
@@ -171,7 +179,7 @@ class KubernetesActuator:
         # Step 1: make this pod the cheapest to delete. Idempotent, so a repeat after a crash
         # between the steps simply does it again.
         if not await self._patch_pod(replica_id, {"metadata": {"annotations": {
-                DELETION_COST_ANNOTATION: str(self.config.deletion_cost)}}}):
+                DELETION_COST_ANNOTATION: str(self.config.deletion_cost), STOPPING_ANNOTATION: "true"}}}):
             return
 
         # Step 2: one replica fewer, recorded in the ledger in the same write.
@@ -209,6 +217,7 @@ class KubernetesActuator:
     def _handle(self, pod: Any) -> ReplicaHandle:
         meta, status = pod.metadata, pod.status
         labels: Mapping[str, str] = dict(meta.labels or {})
+        stopping = STOPPING_ANNOTATION in (meta.annotations or {})  # a stop began: finish it, never adopt
         ip = status.pod_ip if status is not None else None
         phase = status.phase if status is not None else None
         role_value = labels.get(self.config.role_label)
@@ -216,7 +225,7 @@ class KubernetesActuator:
         return ReplicaHandle(
             replica_id=meta.name,
             endpoint=f"{ip}:{self.config.port}" if ip else None,
-            running=meta.deletion_timestamp is None and phase in ("Pending", "Running"),
+            running=meta.deletion_timestamp is None and phase in ("Pending", "Running") and not stopping,
             role=role,
             labels=labels,
         )

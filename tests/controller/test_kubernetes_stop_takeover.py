@@ -1,0 +1,172 @@
+"""A stop the Kubernetes actuator began (pod annotated with the deletion cost) and that its
+controller did not finish (the scale-down write failed, then the controller went away): the next
+controller must finish that stop, not adopt the pod as serving. Live: the controller with the
+`kubernetes` actuator against the fake API server (tests/controller/fake_kube.py), real Redis and
+a real emulator (`floodgate sim`) behind every pod, each on its own 127.0.0.x address."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from floodgate.controller.actuators.kubernetes import (
+    DELETION_COST_ANNOTATION,
+    KubernetesActuator,
+    KubernetesActuatorConfig,
+)
+from kubernetes_asyncio import client
+
+from floodgate.stack import LocalStack
+from floodgate.supervisor import free_port
+from tests.controller.fake_kube import FakeKube
+from tests.controller.live import (
+    SIM_ARGS,
+    StreamStats,
+    controller_config,
+    count,
+    registry_states,
+    running,
+    stream_once,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+NS, DEP = "inference", "vllm"
+
+
+@contextlib.asynccontextmanager
+async def cluster(stack: LocalStack, port: int) -> AsyncIterator[FakeKube]:
+    """The fake API server; each pod is a real emulator on its own loopback address, stopped
+    (SIGTERM) when the ReplicaSet stand-in deletes the pod."""
+    ips = (f"127.0.0.{n}" for n in itertools.count(40))
+    kube = FakeKube(start_delay=0.1, terminate_delay=0.5)
+
+    def start_emulator(pod: dict[str, Any]) -> None:
+        ip = pod["status"]["podIP"]
+        stack.sup.start(pod["metadata"]["name"], [sys.executable, "-m", "floodgate", "sim", "--host", ip,
+                                                  "--port", str(port), "--enable-sleep-mode", *SIM_ARGS])
+
+    def stop_emulator(pod: dict[str, Any]) -> None:
+        child = next((c for c in stack.sup.children if c.name == pod["metadata"]["name"]), None)
+        if child is not None:
+            child.kill(signal.SIGKILL)  # the pod is gone: so is everything it was serving
+
+    kube.ip_allocator = lambda: next(ips)
+    kube.on_running = start_emulator
+    kube.on_deleted = stop_emulator
+    await kube.start()
+    kube.add_deployment(NS, DEP, replicas=0, labels={"app": "vllm"}, template_labels={"app-state": "warm-pool"})
+    try:
+        yield kube
+    finally:
+        await kube.close()
+
+
+_clients: list[client.ApiClient] = []
+
+
+def _actuator(kube: FakeKube, port: int) -> KubernetesActuator:
+    cfg = KubernetesActuatorConfig(namespace=NS, deployment=DEP, selector="app=vllm", port=port,
+                                   request_timeout_s=5, in_cluster=False)
+    api = client.ApiClient(client.Configuration(host=kube.url))
+    _clients.append(api)
+    return KubernetesActuator(cfg, api_client=api)
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _clients:
+        await _clients.pop().close()
+
+
+def _pod_of(kube: FakeKube, name: str) -> dict[str, Any] | None:
+    return kube.pods.get((NS, name))
+
+
+async def test_a_stop_its_controller_left_half_done_is_finished_not_served_on(stack: LocalStack) -> None:
+    url = stack.start_redis()
+    port = free_port()
+    cfg = {"warm_pool": {"enabled": False, "max_total": 2}, "timeouts": {"unresponsive_s": 60},
+           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, **cfg)
+    one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, **cfg)
+    async with cluster(stack, port) as kube, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        # "a" brings up two active pods.
+        act_a = _actuator(kube, port)
+        async with running(two, act_a, holder="a"):
+            await wait_for(lambda: _active(url, 2), 60)
+        first, second = sorted(p["metadata"]["name"] for p in kube.pods_of(NS, DEP))
+        endpoints = {name: f"http://{_pod_of(kube, name)['status']['podIP']}:{port}"  # type: ignore[index]
+                     for name in (first, second)}
+        # "b" wants one: it drains the idle pod (`second`: `first` serves a stream), takes it out
+        # of the registry and annotates it, but its scale-down write fails (the API server
+        # answers 409 to every Deployment write), so the stop is left half done when "b" goes.
+        hold = StreamStats()
+        holding = asyncio.create_task(stream_once(s, endpoints[first], 300, hold))
+        await wait_for(lambda: _running_on(s, endpoints[first]), 10, interval=0.05)
+        kube.conflicts_to_inject = 10**6
+        act_b = _actuator(kube, port)
+        async with running(one, act_b, holder="b") as ctl_b:
+            pc_b = ctl_b.pools["default"]
+            await wait_for(lambda: _stop_failed(pc_b.events), 30, interval=0.05)
+        kube.conflicts_to_inject = 0
+        pod = _pod_of(kube, second)
+        assert pod is not None and "deletionTimestamp" not in pod["metadata"], "the stop was not left half done"
+        assert pod["metadata"]["annotations"].get(DELETION_COST_ANNOTATION) == "-1000"
+        assert kube.replicas(NS, DEP) == 2
+        await holding
+
+        # "c" takes over with the same config as "b". Requests go where the registry says
+        # (as the processors route them): two long streams to each active pod but one, whose
+        # single stream is short, so the pool's scale-down drains that one.
+        act_c = _actuator(kube, port)
+        streams = StreamStats()
+        async with running(one, act_c, holder="c") as ctl_c:
+            pc_c = ctl_c.pools["default"]
+            states = await registry_states(url)
+            active = sorted(rid for rid, st in states.items() if st == "active")
+            # A pod whose stop has begun is never served on: the deletion cost makes the
+            # ReplicaSet delete it first at the next scale-down, whichever pod that was meant for.
+            adopted = {e["replica"]: e["state"] for e in pc_c.events if e["event"] == "adopt"}
+            short, long_ = active[0], active[1:]
+            tasks = [asyncio.create_task(stream_once(s, endpoints[short], 20, streams))]
+            tasks += [asyncio.create_task(stream_once(s, endpoints[rid], 400, streams)) for rid in long_ for _ in range(2)]
+            await asyncio.gather(*tasks)
+
+            async def settled() -> bool:
+                live = kube.pods_of(NS, DEP, include_terminating=True)
+                return kube.replicas(NS, DEP) == 1 and len(live) == 1 and await _active(url, 1)
+
+            await wait_for(settled, 30, interval=0.1)
+        assert hold.failed == [] and hold.ok == 1
+        assert streams.failed == [], (
+            f"streams cut: {streams.failed}; registry under c: {states}; c adopted {adopted}; "
+            f"{second} was being stopped by b")
+        assert second not in active, f"c serves on {second}, whose stop b began: {adopted}"
+        (left,) = kube.pods_of(NS, DEP)
+        assert left["metadata"]["name"] == first
+        assert DELETION_COST_ANNOTATION not in left["metadata"].get("annotations", {})
+
+
+async def _active(url: str, n: int) -> bool:
+    return count(await registry_states(url), "active") == n
+
+
+async def _running_on(s: aiohttp.ClientSession, base: str) -> bool:
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+    return any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1
+               for line in text.splitlines())
+
+
+async def _stop_failed(events: Any) -> bool:
+    return any(e["event"] == "action_failed" and e.get("action") == "stop" for e in list(events))
