@@ -39,7 +39,13 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 from floodgate.controller import forecast as fc
-from floodgate.controller.actuators.base import Actuator, NoCapacity, ReplicaHandle, Role
+from floodgate.controller.actuators.base import (
+    Actuator,
+    ActuatorUnavailable,
+    NoCapacity,
+    ReplicaHandle,
+    Role,
+)
 from floodgate.controller.capacity import tick_latency
 from floodgate.controller.config import ControllerConfig, PoolConfig, process_state_dir, table_owner
 from floodgate.controller.decider import DeciderConfig, DeciderState, Decision, Signals, decide
@@ -1137,6 +1143,10 @@ class PoolController:
         await cancel_and_wait([t for r in self.replicas.values() for t in (r.task, r.probe) if t is not None])
 
 
+# What cuts a takeover short without being a bug: retried on the next round (`_tick_once`).
+_TAKEOVER_OUTAGES: tuple[type[BaseException], ...] = (*OUTAGE_ERRORS, ActuatorUnavailable)
+
+
 class NotLeading(RuntimeError):
     """A replica operation found its controller no longer leading (`PoolController.leading`)."""
 
@@ -1284,6 +1294,12 @@ class Controller:
                     # Redis down: act on nothing (the registry is the routing truth); retry.
                     self.metrics.scrape_failures.labels(source="redis").inc()
                     log.warning("pool %s: tick skipped: %s", pc.pool, exc)
+                except ActuatorUnavailable as exc:
+                    # The platform's API down (Kubernetes answering 503 through an upgrade):
+                    # the same, a tick without the replica list acts on nothing. Drains and
+                    # replica operations in flight go on; the next tick asks again.
+                    self.metrics.scrape_failures.labels(source="actuator").inc()
+                    log.warning("pool %s: tick skipped: %s", pc.pool, exc)
                 finally:
                     self.metrics.tick_seconds.labels(pool=pc.pool).observe(time.monotonic() - t0)
             wait = max(0.0, self.cfg.tick_interval_s - (time.monotonic() - t0))
@@ -1398,8 +1414,10 @@ class Controller:
         if not self.pools:
             try:
                 await self._become_leader()
-            except OUTAGE_ERRORS as exc:
-                # Redis down: act on nothing (the registry is the routing truth); retry.
-                self.metrics.scrape_failures.labels(source="redis").inc()
+            except _TAKEOVER_OUTAGES as exc:
+                # Redis (or the platform's API) down: act on nothing (the registry is the
+                # routing truth); retry.
+                source = "actuator" if isinstance(exc, ActuatorUnavailable) else "redis"
+                self.metrics.scrape_failures.labels(source=source).inc()
                 log.warning("could not take over the pools yet: %s", exc)
                 await self._step_down()

@@ -24,7 +24,7 @@ FAILURE_REASONS = ("not_running", "vanished", "action_failed", "unresponsive", "
 # The replica operations the controller runs in the background (app.py `_guard`), each counted
 # in floodgate_controller_actions_total with outcome ok or error.
 BackgroundOp = Literal["start", "bring_up", "promote", "sleep", "stop"]
-SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate")
+SCRAPE_SOURCES = ("vllm", "envoy", "redis", "registry", "floodgate", "actuator")
 # The (direction, reason) pairs a change of the desired count can carry (`floodgate_scale_events_total`).
 SCALE_REASONS = {
     "up": (policy.REASON_QUEUE, policy.REASON_KV, policy.REASON_DEMAND, policy.REASON_BURST, policy.REASON_REACTION,

@@ -20,6 +20,13 @@ class NoCapacity(RuntimeError):
     at the platform's size, which is not a failing start (no start backoff)."""
 
 
+class ActuatorUnavailable(RuntimeError):
+    """The platform cannot be asked now (its API down, restarting, overloaded or unreachable):
+    the controller skips the tick that needed it, as on a Redis outage, and asks again next
+    tick. Anything else an actuator raises from `list` stops the controller (a bug, or a
+    setting that no retry fixes)."""
+
+
 @dataclass(frozen=True)
 class ReplicaHandle:
     """A replica as the actuator sees it."""

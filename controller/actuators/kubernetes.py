@@ -37,7 +37,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, get_args
 
-from floodgate.controller.actuators.base import ReplicaHandle, Role
+import aiohttp
+from floodgate.controller.actuators.base import ActuatorUnavailable, ReplicaHandle, Role
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from floodgate.yamlconfig import STRICT
@@ -152,9 +153,20 @@ class KubernetesActuator:
 
     # -- Actuator protocol ---------------------------------------------------------------
     async def list(self) -> list[ReplicaHandle]:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
         core = await self._core()
-        pods = await core.list_namespaced_pod(self.config.namespace, label_selector=self.config.selector,
-                                              _request_timeout=self._timeout)
+        try:
+            pods = await core.list_namespaced_pod(self.config.namespace, label_selector=self.config.selector,
+                                                  _request_timeout=self._timeout)
+        except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+            # An API server that answers 503 while it restarts (a managed control plane's
+            # upgrade) or 429 under load stopped the controller (a review: ApiException out of
+            # the tick, "a bug in a pool's tick"), drains in flight and all, until its Pod restarted.
+            if api_unavailable(exc):
+                raise ActuatorUnavailable(f"kubernetes: listing pods of {self.config.namespace}/"
+                                          f"{self.config.deployment}: {_describe(exc)}") from exc
+            raise
         handles = [self._handle(p) for p in pods.items]
         handles.sort(key=lambda h: h.replica_id)
         return handles
@@ -294,6 +306,28 @@ class KubernetesActuator:
             return
         raise RuntimeError(f"{what}: gave up after {self.config.max_conflict_retries} conflicting writes "
                            f"to deployment {self.config.namespace}/{self.config.deployment}")
+
+
+# Answers that mean "not now" rather than "never": 0 is kubernetes_asyncio's status for a
+# connection or TLS failure, 408/504 time-outs, 429 API Priority and Fairness, 5xx the server.
+UNAVAILABLE_STATUSES = frozenset({0, 408, 429, 500, 502, 503, 504})
+
+
+def api_unavailable(exc: BaseException) -> bool:
+    """Is `exc` an API server that cannot answer now (retry next tick), not a refusal that no
+    retry fixes (403: RBAC; 404: no such namespace)? Pure."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and type(exc).__name__ == "ApiException":
+        return status in UNAVAILABLE_STATUSES
+    return isinstance(exc, (aiohttp.ClientError, TimeoutError, OSError))
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    if type(exc).__name__ == "ApiException":
+        return f"HTTP {status} {reason or ''}".rstrip()
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _load_ledger(raw: str | None) -> Ledger:

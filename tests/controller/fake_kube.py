@@ -60,6 +60,9 @@ class FakeKube:
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     conflicts_to_inject: int = 0  # the next N deployment writes answer 409, as if raced
+    # While set, every request answers this status (503: an API server restarting or being
+    # upgraded; 429: API Priority and Fairness turning a client away), as a Status object.
+    outage_status: int | None = None
     _rv: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _ip: itertools.count[int] = field(default_factory=lambda: itertools.count(10))
@@ -265,6 +268,9 @@ class FakeKube:
         verb = {"GET": "get" if name else ("watch" if request.query.get("watch", "").lower() in ("1", "true") else "list"),
                 "PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}.get(request.method, "?")
         self.calls.append(Call(verb, group, res, sub, ns, name))
+        if self.outage_status is not None:
+            return _status(self.outage_status, "ServiceUnavailable" if self.outage_status == 503 else "TooManyRequests",
+                           "the fake API server is unavailable")
         body = await request.json() if request.can_read_body else None
         if (group, res) == ("discovery.k8s.io", "endpointslices") and not name:
             sel = request.query.get("labelSelector", "")

@@ -281,3 +281,32 @@ def test_config_refuses_role_label_in_selector() -> None:
     cfg = KubernetesActuatorConfig.model_validate({"namespace": "llm", "deployment": "qwen", "selector": "app=qwen",
                                                    "port": 8080, "in_cluster": False, "kubeconfig": "/tmp/kc"})
     assert (cfg.port, cfg.in_cluster) == (8080, False)
+
+
+def test_an_api_server_that_cannot_answer_now_is_told_from_a_refusal() -> None:
+    from aiohttp import ClientConnectionError
+    from floodgate.controller.actuators.kubernetes import api_unavailable
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    for status in (0, 408, 429, 500, 502, 503, 504):
+        assert api_unavailable(ApiException(status=status)), status
+    for status in (400, 401, 403, 404, 409, 422):
+        assert not api_unavailable(ApiException(status=status)), status
+    assert api_unavailable(ClientConnectionError("reset")) and api_unavailable(TimeoutError())
+    assert not api_unavailable(ValueError("a bug"))
+
+
+async def test_list_on_an_unavailable_api_server_raises_actuator_unavailable(kube: FakeKube,
+                                                                              make: ActuatorFactory) -> None:
+    from floodgate.controller.actuators.base import ActuatorUnavailable
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    act = make()
+    kube.outage_status = 503
+    with pytest.raises(ActuatorUnavailable, match="HTTP 503"):
+        await act.list()
+    kube.outage_status = 403  # a refusal no retry fixes (RBAC): raised as it is
+    with pytest.raises(ApiException):
+        await act.list()
+    kube.outage_status = None
+    assert await act.list() == []

@@ -170,3 +170,57 @@ async def _running_on(s: aiohttp.ClientSession, base: str) -> bool:
 
 async def _stop_failed(events: Any) -> bool:
     return any(e["event"] == "action_failed" and e.get("action") == "stop" for e in list(events))
+
+
+@pytest.mark.parametrize("status", [503, 429])
+async def test_an_api_server_outage_during_a_drain_skips_ticks_and_the_drain_ends_after_it(
+        stack: LocalStack, status: int) -> None:
+    # The API server unavailable for a few seconds (an upgrade of a managed control plane: 503;
+    # API Priority and Fairness under load: 429) while a drain with a stream in flight runs. The
+    # controller skips the ticks it cannot list the pods on, as it does on a Redis outage, and
+    # goes on: the drain ends when the stream does and the drained pod is stopped.
+    url = stack.start_redis()
+    port = free_port()
+    cfg = {"warm_pool": {"enabled": False, "max_total": 2}, "timeouts": {"unresponsive_s": 60},
+           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, **cfg)
+    one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, **cfg)
+    async with cluster(stack, port) as kube, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with running(two, _actuator(kube, port), holder="a"):
+            await wait_for(lambda: _active(url, 2), 60)
+        endpoints = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:{port}" for p in kube.pods_of(NS, DEP)}
+        first, second = sorted(endpoints)
+        # A long stream on each pod: the one the scale-down drains stays draining for its length.
+        stats = StreamStats()
+        streams = [asyncio.create_task(stream_once(s, endpoints[rid], 250, stats)) for rid in (first, second)]
+        await wait_for(lambda: _running_on(s, endpoints[first]), 10, interval=0.05)
+        await wait_for(lambda: _running_on(s, endpoints[second]), 10, interval=0.05)
+        async with running(one, _actuator(kube, port), holder="b") as ctl:
+            await wait_for(lambda: _draining(url), 10, interval=0.05)
+            kube.outage_status = status
+            ticks = _tick_count(ctl)
+            # Ticks come and go meanwhile (skipped ones included), or the controller has stopped.
+            await wait_for(lambda: _ticked_past(ctl, ticks + 6), 20, interval=0.05)
+            kube.outage_status = None
+            run_task = next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Controller.run")  # type: ignore[union-attr]
+            assert not run_task.done(), run_task.exception()
+
+            async def settled() -> bool:
+                return (not run_task.done() and kube.replicas(NS, DEP) == 1
+                        and len(kube.pods_of(NS, DEP, include_terminating=True)) == 1 and await _active(url, 1))
+
+            await wait_for(settled, 30, interval=0.1)
+        await asyncio.gather(*streams)
+        assert stats.failed == [] and stats.ok == 2
+
+
+async def _draining(url: str) -> bool:
+    return count(await registry_states(url), "draining") == 1
+
+
+def _tick_count(ctl: Any) -> float:
+    return ctl.metrics.registry.get_sample_value("floodgate_controller_tick_seconds_count", {"pool": "default"}) or 0.0
+
+
+async def _ticked_past(ctl: Any, n: float) -> bool:
+    return _tick_count(ctl) >= n
