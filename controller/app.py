@@ -239,7 +239,8 @@ class PoolController:
         self.clock = clock
         self.prefix = cfg.id_prefix or f"{cfg.name}-r"
         self.replicas: dict[str, Replica] = {}
-        self._forgotten: set[str] = set()  # dead replicas already dropped from the actuator's books
+        # Dead replicas already dropped from the actuator's books: clock() of the next repeat.
+        self._forgotten: dict[str, float] = {}
         self._forget_retry: dict[str, tuple[int, float]] = {}  # failed drops: (failures, clock() of the next try)
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
         self._capped: tuple[int, DeciderConfig] | None = None  # dcfg held to the actuator's capacity
@@ -362,13 +363,18 @@ class PoolController:
         """A replica the actuator lists but that no longer runs, and that this controller never
         knew (it died while no controller ran): drop it from the actuator's books (for the
         process actuator its table entry, whose pid might otherwise be another process's one
-        day) and say so. Once per replica: an actuator may keep listing a stopped one (static)."""
-        if h.replica_id in self._forgotten:
+        day) and say so. Repeated every `FORGET_AGAIN_S` while it is listed (an actuator may
+        keep listing a stopped one, static: its repeat changes nothing), not once: a Kubernetes
+        pod whose recorded scale-down the ReplicaSet spent on another pod is stopped only by a
+        repeat made after the ReplicaSet acted (`KubernetesActuator._stop_again_if_spent`); once,
+        that repeat came a tick after the stop, before it, and the pod ran on for good."""
+        again_at = self._forgotten.get(h.replica_id)
+        if again_at is not None and self.clock() < again_at:
             return
         failures, retry_at = self._forget_retry.get(h.replica_id, (0, 0.0))
         if self.clock() < retry_at:
             return
-        self._forgotten.add(h.replica_id)
+        self._forgotten[h.replica_id] = self.clock() + FORGET_AGAIN_S
         try:
             await self.actuator.stop(h.replica_id)
         except Exception as exc:  # the next rebuild or reconcile tries again, after a backoff
@@ -376,13 +382,14 @@ class PoolController:
             # leader, and a replica being stopped, `stopping` in the process actuator's table,
             # ran on untracked; nor at every tick: a stop that keeps failing logged a warning a
             # second)
-            self._forgotten.discard(h.replica_id)
+            self._forgotten.pop(h.replica_id, None)
             self._forget_retry[h.replica_id] = (failures + 1, self.clock() + min(STOP_RETRY_MAX_S, 2.0 ** failures))
             log.warning("%s: could not forget dead replica %s (attempt %d, next in %.0f s): %s", self.pool,
                         h.replica_id, failures + 1, min(STOP_RETRY_MAX_S, 2.0 ** failures), exc)
             return
         self._forget_retry.pop(h.replica_id, None)
-        self.emit("forgotten", replica=h.replica_id, endpoint=h.endpoint, role=h.role)
+        if again_at is None:
+            self.emit("forgotten", replica=h.replica_id, endpoint=h.endpoint, role=h.role)
 
     async def _probe(self, h: ReplicaHandle) -> tuple[bool, bool | None]:
         """(healthy, asleep) of a running replica; (False, None) when it does not answer."""
@@ -415,6 +422,8 @@ class PoolController:
     async def reconcile(self, now: float) -> None:
         self._stops_due = []
         handles = {h.replica_id: h for h in await self.actuator.list()}
+        for rid in [r for r in self._forgotten if r not in handles]:
+            del self._forgotten[rid]  # no longer listed: gone for good
         for rid, h in handles.items():
             rep = self.replicas.get(rid)
             if rep is None:
@@ -1152,6 +1161,7 @@ class NotLeading(RuntimeError):
 
 
 STOP_RETRY_MAX_S = 30.0  # a stop that failed is tried again after 1, 2, 4, ... s, at most this
+FORGET_AGAIN_S = 30.0  # a dead replica still listed is stopped again this often (`_forget`)
 
 
 def pool_hit(started_at: float | None, scale_up_since: float | None) -> bool:

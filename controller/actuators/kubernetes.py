@@ -201,7 +201,42 @@ class KubernetesActuator:
             ledger["stops"].append(replica_id)
             return max(0, replicas - 1)
 
-        await self._update_replicas(change, f"stop {replica_id}")
+        if not await self._update_replicas(change, f"stop {replica_id}"):
+            await self._stop_again_if_spent(replica_id)
+
+    async def _stop_again_if_spent(self, replica_id: str) -> None:
+        """A repeated stop of a pod whose decrement is recorded: if the ReplicaSet spent that
+        decrement on another pod (a Pending or not-Ready pod ranks before this one whatever its
+        cost: "Caveats of `stop`" in docs/kubernetes.md), make it again. Without this such a pod,
+        listed not running (`STOPPING_ANNOTATION`), ran on for good. The Deployment is read
+        before the pod, and the write is conditional on that read (`resourceVersion`): a
+        ReplicaSet still acting on the first decrement (its status not caught up) or any change
+        since gives no second one; the next repeat looks again."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        dep = await self._read_deployment()
+        spec = int(dep.spec.replicas if dep.spec.replicas is not None else 1)
+        if not decrement_spent_elsewhere(spec, _status_of(dep)):
+            return
+        pod = await self._read_pod(replica_id)
+        if pod is None or pod.metadata.deletion_timestamp is not None:
+            return
+        ledger = _load_ledger((dep.metadata.annotations or {}).get(LEDGER_ANNOTATION))
+        ledger["stops"].append(replica_id)
+        body = {"metadata": {"resourceVersion": dep.metadata.resource_version,
+                             "annotations": {LEDGER_ANNOTATION: _dump_ledger(ledger, self.config.ledger_size)}},
+                "spec": {"replicas": max(0, spec - 1)}}
+        apps = await self._apps()
+        try:
+            await apps.patch_namespaced_deployment(self.config.deployment, self.config.namespace, body,
+                                                   _content_type=MERGE_PATCH, _request_timeout=self._timeout)
+        except ApiException as exc:
+            if exc.status == 409:
+                return
+            raise
+        log.warning("stop %s: the ReplicaSet deleted another pod for its scale-down and kept this one: "
+                    "%s/%s replicas %d -> %d again", replica_id, self.config.namespace, self.config.deployment,
+                    spec, spec - 1)
 
     async def set_role(self, replica_id: str, role: Role) -> None:
         if role not in ROLES:
@@ -274,8 +309,9 @@ class KubernetesActuator:
         return True
 
     async def _update_replicas(self, change: Callable[[int, Ledger], int | None],
-                               what: str, record: bool = True) -> None:
-        """Read-modify-write of spec.replicas (+ ledger) under a resourceVersion precondition."""
+                               what: str, record: bool = True) -> bool:
+        """Read-modify-write of spec.replicas (+ ledger) under a resourceVersion precondition.
+        False: already applied, nothing written."""
         from kubernetes_asyncio.client.exceptions import ApiException
 
         apps = await self._apps()
@@ -286,7 +322,7 @@ class KubernetesActuator:
             target = change(current, ledger)
             if target is None or (target == current and not record):
                 log.debug("%s: already applied (replicas %d)", what, current)
-                return
+                return False
             metadata: dict[str, Any] = {"resourceVersion": dep.metadata.resource_version}
             if record:
                 metadata["annotations"] = {LEDGER_ANNOTATION: _dump_ledger(ledger, self.config.ledger_size)}
@@ -303,7 +339,7 @@ class KubernetesActuator:
                 raise
             log.info("%s: %s/%s replicas %d -> %d", what, self.config.namespace, self.config.deployment,
                      current, target)
-            return
+            return True
         raise RuntimeError(f"{what}: gave up after {self.config.max_conflict_retries} conflicting writes "
                            f"to deployment {self.config.namespace}/{self.config.deployment}")
 
@@ -328,6 +364,25 @@ def _describe(exc: BaseException) -> str:
     if type(exc).__name__ == "ApiException":
         return f"HTTP {status} {reason or ''}".rstrip()
     return f"{type(exc).__name__}: {exc}"
+
+
+def _status_of(dep: Any) -> tuple[int | None, int | None, int | None]:
+    """(status.replicas, status.observedGeneration, metadata.generation) of a Deployment."""
+    st = dep.status
+    return (getattr(st, "replicas", None) if st is not None else None,
+            getattr(st, "observed_generation", None) if st is not None else None,
+            getattr(dep.metadata, "generation", None))
+
+
+def decrement_spent_elsewhere(spec_replicas: int, status: tuple[int | None, int | None, int | None]) -> bool:
+    """For a pod whose stop is recorded and that is still alive: has the Deployment caught up with
+    `spec_replicas` (its controller saw the spec, and it counts that many live pods), so that this
+    pod is one of them and the recorded decrement removed another? Pure. Not caught up (the
+    ReplicaSet has not acted yet), or no status: no."""
+    replicas, observed, generation = status
+    if replicas is None or replicas != spec_replicas:
+        return False
+    return observed is None or generation is None or observed >= generation
 
 
 def _load_ledger(raw: str | None) -> Ledger:

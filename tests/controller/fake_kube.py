@@ -202,7 +202,8 @@ class FakeKube:
                     p["metadata"]["deletionTimestamp"] = _now_rfc3339()
                     p["metadata"]["resourceVersion"] = self._next_rv()
                     self._timers[(ns, p["metadata"]["name"])] = now + self.terminate_delay
-            dep["status"] = {"replicas": len(self.pods_of(ns, name))}
+            dep["status"] = {"replicas": len(self.pods_of(ns, name)),  # (live pods: terminating ones not counted)
+                             "observedGeneration": dep["metadata"]["generation"]}
         self._sync_slices()
 
     # -- the EndpointSlice controller stand-in -------------------------------------------

@@ -310,3 +310,74 @@ async def test_list_on_an_unavailable_api_server_raises_actuator_unavailable(kub
         await act.list()
     kube.outage_status = None
     assert await act.list() == []
+
+
+async def _pending_beside_a_stop(kube: FakeKube, make: ActuatorFactory) -> tuple[KubernetesActuator, str, str]:
+    """Two running pods, a third started and still Pending, then a stop of the first: the
+    ReplicaSet (its ranking: Pending before Running, whatever the cost) deletes the Pending pod
+    and keeps the one the stop annotated. Returns (actuator, the stopped pod, the other one)."""
+    act = make()
+    for i in range(2):
+        await act.start(f"r{i}")
+    await kube.settle()
+    victim, other = (h.replica_id for h in await act.list())
+    kube.start_delay = 60.0  # the next pod stays Pending
+    await act.start("r2")
+    await act.stop(victim)
+    live = {p["metadata"]["name"] for p in kube.pods_of(NS, DEP)}
+    assert live == {victim, other}, live  # the decrement went to the Pending pod
+    assert kube.replicas(NS, DEP) == 2
+    return act, victim, other
+
+
+async def test_a_stop_whose_decrement_the_replicaset_spent_elsewhere_is_made_again(
+        kube: FakeKube, make: ActuatorFactory) -> None:
+    act, victim, other = await _pending_beside_a_stop(kube, make)
+    listed = {h.replica_id: h.running for h in await act.list()}
+    assert (listed[victim], listed[other]) == (False, True)  # (and the Pending pod, terminating)
+    await make().stop(victim)  # the repeat (the next controller's, or this one's `_forget`)
+    assert kube.replicas(NS, DEP) == 1
+    assert "deletionTimestamp" in kube.pods[(NS, victim)]["metadata"]
+    assert "deletionTimestamp" not in kube.pods[(NS, other)]["metadata"]
+    await make().stop(victim)  # and again: the pod is going, nothing more
+    assert kube.replicas(NS, DEP) == 1
+
+
+async def test_the_controller_stops_a_listed_dead_replica_again_until_it_is_gone(
+        kube: FakeKube, make: ActuatorFactory) -> None:
+    # The controller's side: a replica listed not running that it does not know is stopped
+    # again every FORGET_AGAIN_S while listed (once, the repeat came a tick after the stop,
+    # before the ReplicaSet acted, and the pod ran on for good).
+    import aiohttp
+    from floodgate.controller.app import FORGET_AGAIN_S, PoolController
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.extproc.state import redis_client
+
+    from tests.controller.live import controller_config
+
+    act, victim, _ = await _pending_beside_a_stop(kube, make)
+    now = [1000.0]
+    cfg = controller_config("redis://127.0.0.1:1/0")  # (never connected to here)
+    redis = redis_client("redis://127.0.0.1:1/0")
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], act, redis, s, ControllerMetrics(), clock=lambda: now[0])
+        (h,) = [h for h in await act.list() if h.replica_id == victim]
+        real_reconcile = kube.reconcile
+        kube.reconcile = lambda: None  # type: ignore[method-assign]  # the ReplicaSet lags: the first repeat finds it acting
+        deps = kube.deployments[(NS, DEP)]
+        deps["status"]["replicas"] = 3
+        try:
+            await pc._forget(h)
+        finally:
+            kube.reconcile = real_reconcile  # type: ignore[method-assign]
+        kube.reconcile()
+        assert kube.replicas(NS, DEP) == 2 and "deletionTimestamp" not in kube.pods[(NS, victim)]["metadata"]
+        now[0] += 1.0
+        await pc._forget(h)  # not yet due again
+        assert kube.replicas(NS, DEP) == 2
+        now[0] += FORGET_AGAIN_S
+        await pc._forget(h)
+        assert kube.replicas(NS, DEP) == 1
+        assert "deletionTimestamp" in kube.pods[(NS, victim)]["metadata"]
+        assert [e["event"] for e in pc.events].count("forgotten") == 1
+    await redis.aclose()
