@@ -245,7 +245,6 @@ class PoolController:
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
         self._capped: tuple[int, DeciderConfig] | None = None  # dcfg held to the actuator's capacity
         self._over_capacity = False  # said once: more wanted than the actuator can run
-        self.no_capacity_until = 0.0  # clock(): a start found no capacity (NoCapacity); starts wait
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
         self.state = DeciderState(history=fc.DemandHistory.empty(retention, fc.minute_of(clock())))
@@ -800,7 +799,7 @@ class PoolController:
 
     def _skip(self, rid: str, kind: ActionKind) -> bool:
         if kind is ActionKind.START:  # the plan asks again next tick
-            return self.start_backoff.blocks(self.clock()) or self.clock() < self.no_capacity_until
+            return self.start_backoff.blocks(self.clock())
         rep = self.replicas.get(rid)
         if rep is None or rep.busy:
             return True  # an operation is in flight: the next tick sees its outcome
@@ -928,11 +927,16 @@ class PoolController:
         except Exception as exc:
             self.metrics.actions.labels(pool=self.pool, action=what, outcome="error").inc()
             self.emit("action_failed", replica=rep.view.replica_id, action=what, error=f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, NoCapacity):
-                # Not a failing start (no backoff that doubles), but the platform has no room
-                # now: asked again at once (the kick below), it failed as fast as ticks ran.
-                self.no_capacity_until = self.clock() + self.cfg.timeouts.start_backoff_s
-            await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, NoCapacity), kind="action_failed")
+            # Neither a platform at its size (NoCapacity) nor one whose API refused for now
+            # (ActuatorUnavailable: the start never happened) is a failing start: counted as one,
+            # a few seconds of an API server's 503s held the scale-up that followed to one start
+            # at a time until a replica had come up (`StartBackoff.starts_allowed`). Both pause
+            # starts for `start_backoff_s`: asked again at once (the kick below), they failed as
+            # fast as ticks ran (a static pool: 246 starts in 3 s; an API outage: 219 in 4.2 s).
+            if isinstance(exc, (NoCapacity, ActuatorUnavailable)):
+                self.start_backoff = self.start_backoff.paused(self.clock(), self.cfg.timeouts.start_backoff_s)
+            await self._fail(rep, f"{what}: {exc}", start_failed=not isinstance(exc, (NoCapacity, ActuatorUnavailable)),
+                             kind="action_failed")
         finally:
             self.kick()  # the next tick should see the outcome at once
 

@@ -52,6 +52,12 @@ class StartBackoff:
         n = self.failures + 1
         return StartBackoff(n, now + min(max_s, base_s * 2.0 ** (n - 1)), failed_at=now)
 
+    def paused(self, now: float, pause_s: float) -> StartBackoff:
+        """Hold starts for `pause_s` without counting a failure (the platform refused a start for
+        now: nothing failed to load, so no one-at-a-time afterwards; the pause only keeps the
+        retries of an outage to one per `pause_s` instead of one per tick and kick)."""
+        return replace(self, until=max(self.until, now + pause_s))
+
     def up(self) -> StartBackoff:
         """A replica came up (it may still die young: that is a failure again)."""
         return replace(self, came_up=True) if self.failures else self

@@ -178,7 +178,16 @@ class KubernetesActuator:
             ledger["starts"].append(replica_id)
             return replicas + 1
 
-        await self._update_replicas(change, f"start {replica_id}")
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            await self._update_replicas(change, f"start {replica_id}")
+        except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+            # Refused for now, not a model that fails to start: the controller must not count
+            # it toward its start backoff (`PoolController._guard`).
+            if api_unavailable(exc):
+                raise ActuatorUnavailable(f"kubernetes: start {replica_id}: {_describe(exc)}") from exc
+            raise
         return None
 
     async def stop(self, replica_id: str) -> None:

@@ -63,6 +63,7 @@ class FakeKube:
     # While set, every request answers this status (503: an API server restarting or being
     # upgraded; 429: API Priority and Fairness turning a client away), as a Status object.
     outage_status: int | None = None
+    outage_resources: frozenset[str] | None = None  # only requests for these (e.g. "deployments"); None: all
     _rv: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _ip: itertools.count[int] = field(default_factory=lambda: itertools.count(10))
@@ -269,7 +270,7 @@ class FakeKube:
         verb = {"GET": "get" if name else ("watch" if request.query.get("watch", "").lower() in ("1", "true") else "list"),
                 "PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}.get(request.method, "?")
         self.calls.append(Call(verb, group, res, sub, ns, name))
-        if self.outage_status is not None:
+        if self.outage_status is not None and (self.outage_resources is None or res in self.outage_resources):
             return _status(self.outage_status, "ServiceUnavailable" if self.outage_status == 503 else "TooManyRequests",
                            "the fake API server is unavailable")
         body = await request.json() if request.can_read_body else None

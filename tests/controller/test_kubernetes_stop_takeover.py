@@ -1,8 +1,9 @@
-"""A stop the Kubernetes actuator began (pod annotated with the deletion cost) and that its
-controller did not finish (the scale-down write failed, then the controller went away): the next
-controller must finish that stop, not adopt the pod as serving. Live: the controller with the
-`kubernetes` actuator against the fake API server (tests/controller/fake_kube.py), real Redis and
-a real emulator (`floodgate sim`) behind every pod, each on its own 127.0.0.x address."""
+"""The controller with the Kubernetes actuator when its actions fail part-way or the API server
+cannot answer: a stop its controller left half done (the pod annotated, the scale-down write
+failed, the controller gone) is finished by the next one, not served on; an API server outage
+(503, 429) during a drain skips ticks instead of stopping the controller; starts it refused do
+not back the scale-up off. Live: the fake API server (tests/controller/fake_kube.py), real Redis
+and a real emulator (`floodgate sim`) behind every pod, each on its own 127.0.0.x address."""
 
 from __future__ import annotations
 
@@ -224,3 +225,40 @@ def _tick_count(ctl: Any) -> float:
 
 async def _ticked_past(ctl: Any, n: float) -> bool:
     return _tick_count(ctl) >= n
+
+
+async def test_starts_the_api_server_could_not_take_do_not_back_off_the_scale_up(stack: LocalStack) -> None:
+    # A scale-up while the API server answers 503 to Deployment writes (its pod list still
+    # answers): the starts it refused never happened, they are no failing model starts. Counted
+    # as such, they built a start backoff and, once the API server was back, held the scale-up
+    # to one start at a time until a replica had come up (a whole cold start each).
+    url = stack.start_redis()
+    port = free_port()
+    cfg = {"warm_pool": {"enabled": False, "max_total": 4}, "timeouts": {"unresponsive_s": 60},
+           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 3}, **cfg)
+    three = controller_config(url, policy={"min_replicas": 3, "max_replicas": 3}, **cfg)
+    async with cluster(stack, port) as kube:
+        async with running(one, _actuator(kube, port), holder="a"):
+            await wait_for(lambda: _active(url, 1), 60)
+        kube.outage_status, kube.outage_resources = 503, frozenset({"deployments"})
+        t0 = asyncio.get_running_loop().time()
+        async with running(three, _actuator(kube, port), holder="b") as ctl:
+            pc = ctl.pools["default"]
+
+            async def refused(n: int) -> bool:
+                return sum(1 for e in list(pc.events) if e["event"] == "action_failed" and e.get("action") == "start") >= n
+
+            await wait_for(lambda: refused(2), 20, interval=0.05)
+            await asyncio.sleep(3)  # the outage goes on a while
+            kube.outage_status = None
+            outage_s = asyncio.get_running_loop().time() - t0
+            attempts = sum(1 for e in list(pc.events) if e["event"] == "action_failed" and e.get("action") == "start")
+            await wait_for(lambda: _active(url, 3), 60)
+            backoffs = [e for e in pc.events if e["event"] == "start_backoff"]
+            failures = pc.start_backoff.failures
+        assert backoffs == [] and failures == 0, backoffs
+        # Paced (timeouts.start_backoff_s, 1 s), not retried at every tick and kick: two starts
+        # at a time, about once a second (8 in 4.2 s here; unpaced, 219: a loose bound).
+        assert attempts <= 4 * (outage_s + 2), (attempts, outage_s)
+        assert kube.replicas(NS, DEP) == 3

@@ -72,6 +72,15 @@ def test_after_failed_starts_one_goes_at_a_time_until_a_replica_comes_up() -> No
     assert b.starts_allowed(0, 69.9, 60.0) == 1 and b.starts_allowed(1, 6 * 3600.0, 60.0) == 0
 
 
+def test_a_start_the_platform_refused_for_now_pauses_starts_without_a_failure() -> None:
+    b = StartBackoff().paused(10.0, 1.0)
+    assert b.blocks(10.5) and not b.blocks(11.0)
+    assert b.failures == 0 and b.starts_allowed(0, 11.0, 60.0) is None  # no one-at-a-time after it
+    assert b.paused(10.2, 0.5).until == 11.0  # never shortens a wait under way
+    f = StartBackoff().failed(0.0, 4.0, 60.0).paused(1.0, 1.0)
+    assert f.until == 4.0 and f.failures == 1
+
+
 @pytest.mark.integration
 async def test_a_hung_active_replica_is_failed_and_replaced(stack: LocalStack) -> None:
     # SIGSTOP: the process runs (the actuator lists it running) but answers nothing. It used to
