@@ -25,8 +25,9 @@ COMBINED_TOKENS = 32  # the `combined` signal: time to the 32nd token (TTFT + 31
 
 @dataclass(frozen=True)
 class Latency:
-    """What was measured of one request: time to first token after admission, and mean time
-    per output token (None with fewer than two tokens) — of a streamed (SSE) response.
+    """What was measured of one request: time to first token after admission and the request
+    body's end (`LatencyMeter.uploaded`), and mean time per output token (None with fewer than
+    two tokens) — of a streamed (SSE) response.
 
     A whole (non-streamed JSON) response has no first token to time: `ttft` and `tpot` are None,
     and `whole` (admission to the body's end) and `tokens` (its `usage.completion_tokens`) say
@@ -93,7 +94,8 @@ class LatencyMeter:
     """The latency of one sampled response, from its body chunks as the processor receives them
     (pure: `now` is passed in).
 
-    TTFT is the first chunk after admission. TPOT is the time from the first chunk to the last
+    TTFT is the first chunk after the request's body has all arrived (`uploaded`; admission for
+    a request whose body end is not seen). TPOT is the time from the first chunk to the last
     one over the tokens that came *after* the first chunk: a chunk may carry several tokens (the
     engine writes the tokens of one step together, Envoy may join chunks), so dividing by every
     token but one undercounts the time per token, and a response whose tokens all came in one
@@ -103,6 +105,9 @@ class LatencyMeter:
     3.0–4.5 s ones, each raising the limit by 6·lg, and Vegas climbed to ~230 (static-96: 96)."""
 
     admitted_at: float
+    # When the request's body had all arrived (`uploaded`), if after admission: the model server
+    # starts no work before it has the body, so the client's upload is not the servers' latency.
+    sent_at: float | None = None
     first_at: float | None = None
     last_at: float | None = None
     later_tokens: int = 0
@@ -115,6 +120,20 @@ class LatencyMeter:
     # lengths read it up to 5x too long instead (a review of that fix). Such a response gives no
     # latency sample: it counts as finished.
     several_choices: bool = False
+
+    def uploaded(self, now: float) -> None:
+        """The request's body has all arrived (`now`): TTFT, and a whole response's time, count
+        from here, not from admission. Timed from admission, a client that took 2 s to send its
+        body read a TTFT of 2 s on a server answering in 10 ms (a review: two such clients beside
+        ten quick ones took the mean TTFT from 0.011 s to 0.047 s), inflating the latency Vegas
+        sizes every class's limit by. A body end after the response began says nothing more."""
+        if self.first_at is None and self.whole is None and self.sent_at is None:
+            self.sent_at = max(now, self.admitted_at)
+
+    @property
+    def started_at(self) -> float:
+        """Where the response's latency counts from: the body's end, else admission."""
+        return self.admitted_at if self.sent_at is None else self.sent_at
 
     def chunk(self, now: float, data: bytes) -> None:
         if self.whole is None and data.strip():
@@ -140,13 +159,13 @@ class LatencyMeter:
             found = _COMPLETION_TOKENS.findall(self.tail)
             if not found or self.last_at is None:
                 return None
-            return Latency(None, None, whole=self.last_at - self.admitted_at, tokens=int(found[-1]))
+            return Latency(None, None, whole=self.last_at - self.started_at, tokens=int(found[-1]))
         if self.first_at is None:
             return None
         tpot = None
         if self.later_tokens > 0 and self.last_at is not None:
             tpot = (self.last_at - self.first_at) / self.later_tokens
-        return Latency(self.first_at - self.admitted_at, tpot)
+        return Latency(self.first_at - self.started_at, tpot)
 
 
 # A choice object of a completion (`text`), chat chunk (`delta`) or chat response (`message`):

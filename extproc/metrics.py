@@ -74,8 +74,8 @@ class Metrics:
             "floodgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
             ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(
-            "floodgate_ttft_seconds", "Time to first response byte after admission (sampled requests: "
-            "limit.sample_rate with an adaptive limit; a static limit samples none).",
+            "floodgate_ttft_seconds", "Time to first response byte after admission and the request body's "
+            "end (sampled requests: limit.sample_rate with an adaptive limit; a static limit samples none).",
             ["pool", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
             "floodgate_tpot_seconds", "Time per output token after the first (sampled requests: "

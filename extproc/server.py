@@ -5,7 +5,8 @@ headers and response trailers (bodies NONE), which keeps the stream open until t
 request ends (verified on Envoy 1.40, docs/admission.md): so the end of this stream, for whatever reason, is
 where the permit is released. Every request let through asks for its response headers via
 `mode_override` (the static mode skips them: see `_mode`); a sampled fraction also asks for the
-response body, to measure TTFT and TPOT for the Vegas limit. With a pool's
+response body (and, with a body, its request body, whose end the latency counts from), to
+measure TTFT and TPOT for the Vegas limit. With a pool's
 `engine_priority`, the admitted requests of the listed classes also get their request body
 (`mode_override`, BUFFERED) to write vLLM's `priority` field into it (`rewrite_priority`).
 """
@@ -60,21 +61,26 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _PM = processing_mode_pb2.ProcessingMode
 
 
-def _mode(stream_response: bool, buffer_request: bool) -> processing_mode_pb2.ProcessingMode:
+def _mode(stream_response: bool, buffer_request: bool, time_upload: bool = False) -> processing_mode_pb2.ProcessingMode:
     """The mode of one request the processor lets through, sent as `mode_override` in its
     request-headers reply: request and response headers and response trailers, plus, for this
     request only, the response body streamed (a latency sample) and/or the request body buffered
     (engine priority). The shipped filter's static mode skips the response headers (with them
     on, Envoy 1.40 turns its own codec replies, 426/431/400, into a closed connection), so the
     override is what turns them on; its static response trailers SEND, which keep the stream
-    open until the HTTP request ends, hold with or without the override."""
+    open until the HTTP request ends, hold with or without the override. `time_upload` (a
+    sampled request with a body): the request body streamed too, so that the sample's latency
+    counts from the body's end, not from admission (`LatencyMeter.uploaded`); its chunks are
+    answered at once (about two messages for a prompt of 20-200 KB)."""
+    body = _PM.BUFFERED_PARTIAL if buffer_request else _PM.STREAMED if time_upload else _PM.NONE
     return _PM(request_header_mode=_PM.SEND, response_header_mode=_PM.SEND,
-               request_body_mode=_PM.BUFFERED_PARTIAL if buffer_request else _PM.NONE,
+               request_body_mode=body,
                response_body_mode=_PM.STREAMED if stream_response else _PM.NONE,
                request_trailer_mode=_PM.SKIP, response_trailer_mode=_PM.SEND)
 
 
 _MODES = {(s, b): _mode(s, b) for s in (False, True) for b in (False, True)}
+_TIMED_UPLOAD = _mode(True, False, True)  # sampled, with a body to time (not one buffered for engine priority)
 _REQUEST_BODY_PASS = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
@@ -219,7 +225,8 @@ INFO_HEADERS = 2  # x-floodgate-priority, x-floodgate-queue-ms
 
 @functools.lru_cache(maxsize=4096)
 def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str, ...],
-                 sampled: bool, info: bool = True, buffer_body: bool = False) -> pb.ProcessingResponse:
+                 sampled: bool, info: bool = True, buffer_body: bool = False,
+                 time_upload: bool = False) -> pb.ProcessingResponse:
     """The request-headers reply of an admitted request (cached: replies are only serialized,
     never mutated, and most of them are alike). `remove`: headers present that must go."""
     set_headers = [_set(PRIORITY_OUT, str(priority)), _set(QUEUE_MS_OUT, queue_ms)] if info else []
@@ -230,7 +237,7 @@ def _admit_reply(priority: int, queue_ms: str, endpoint: str, remove: tuple[str,
         common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers, remove_headers=list(remove)))
     reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
     # Always: the response headers (status, endpoint outcome) come only through the override.
-    reply.mode_override.CopyFrom(_MODES[(sampled, buffer_body)])
+    reply.mode_override.CopyFrom(_TIMED_UPLOAD if time_upload and not buffer_body else _MODES[(sampled, buffer_body)])
     return reply
 
 
@@ -550,7 +557,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             _, info = admit_mutation(n_headers, self.cfg.server.max_headers, result.endpoint, remove, dest_present)
             if engine_prio is not None and not buffer_body:
                 child(m.engine_priority, (pool, PRIORITY_LABELS[decision.priority], "no_body")).inc()
-            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, sampled, info, buffer_body)
+            # (a sampled request's body end is where its latency starts: LatencyMeter.uploaded)
+            time_upload = sampled and not first.request_headers.end_of_stream
+            reply = _admit_reply(decision.priority, queue_ms, result.endpoint, remove, sampled, info, buffer_body,
+                                 time_upload)
             child(m.decision_time, (pool, PRIORITY_LABELS[decision.priority], "admitted",
                                     "queued" if result.queued else "immediate")).observe(time.perf_counter() - headers_in)
             yield reply
@@ -572,9 +582,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                     child(m.body_chunks, (pool,)).inc()
                     self._on_body(ex, msg.response_body)
                     yield _BODY_REPLY
-                elif kind == "request_body" and engine_prio is not None:
-                    yield self._priority_body(pool, decision.priority, engine_prio, msg.request_body,
-                                              body_encoded(headers.get("content-encoding")))
+                elif kind == "request_body":
+                    if msg.request_body.end_of_stream and ex.meter is not None:
+                        ex.meter.uploaded(self.admitter.clock())
+                    if engine_prio is not None:
+                        yield self._priority_body(pool, decision.priority, engine_prio, msg.request_body,
+                                                  body_encoded(headers.get("content-encoding")))
+                    else:
+                        yield _REQUEST_BODY_PASS
                 elif kind == "response_trailers":
                     ex.finished = True
                     yield _TRAILERS_REPLY

@@ -878,6 +878,55 @@ async def test_vegas_limit_learns_from_sampled_latency(stack: LocalStack, upstre
     assert m['floodgate_sampled_body_chunks_total{pool="default"}'] >= 12 * 2
 
 
+async def _trickled_post(port: int, seconds: float, *, stream: bool, pieces: int = 10) -> bytes:
+    """A completion whose body a slow client sends in `pieces` over `seconds` (HTTP/1.1,
+    content-length), the upstream answering at once (40 tokens 5 ms apart); returns the response."""
+    body = json.dumps({"model": "m", "prompt": "x" * 2000, "stream": stream, "max_tokens": 3}).encode()
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-priority: 1\r\nx-test-chunks: 40\r\nx-test-delay-ms: 5\r\n"
+                b"content-length: %d\r\n\r\n" % len(body))
+        step = len(body) // pieces + 1
+        for i in range(0, len(body), step):
+            w.write(body[i:i + step])
+            await w.drain()
+            await asyncio.sleep(seconds / pieces)
+        data = b""
+        while not data.endswith(b"\r\n0\r\n\r\n"):  # (Envoy sends both responses chunked)
+            chunk = await asyncio.wait_for(r.read(65536), 10)
+            if not chunk:
+                break
+            data += chunk
+        return data
+    finally:
+        w.close()
+
+
+async def test_a_slow_upload_is_not_the_model_servers_latency(stack: LocalStack, upstream: int) -> None:
+    """A sampled request's latency counts from when its body has all arrived, not from its
+    admission: the model server can start no work before. Timed from admission, a client that
+    took 2 s to send its prompt read a TTFT of ~2 s from a server that answered in 10 ms, and a
+    few such clients moved the mean TTFT (and the latency Vegas sizes the limit by) 4x."""
+    stack.start_redis()
+    p = stack.start_processor(_learning_vegas(signal="ttft"))
+    envoy = stack.start_envoy([("127.0.0.1", upstream)])
+    for stream in (True, False):
+        data = await _trickled_post(envoy.port, 2.0, stream=stream)
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    async with aiohttp.ClientSession() as s:
+        m: dict[str, float] = {}
+
+        async def timed() -> bool:
+            m.update(await metrics(s, p.metrics_url))
+            return m.get('floodgate_ttft_seconds_count{pool="default",priority="1"}', 0) >= 1
+
+        assert await wait_until(timed, 5)
+    # the streamed one's first token came ~10 ms after its body's end, 2 s after its admission
+    assert m['floodgate_ttft_seconds_sum{pool="default",priority="1"}'] < 1.0, m
+    assert (await drained(stack.redis_url)).inflight_total == 0
+
+
 def _json(b: bytes) -> Any:
     return json.loads(b)
 

@@ -475,6 +475,33 @@ def test_a_short_answer_in_one_chunk_has_no_tpot() -> None:
     assert lat.signal("combined") is None and lat.signal("ttft") == pytest.approx(0.2)
 
 
+def test_latency_counts_from_the_body_end_not_from_admission() -> None:
+    """A client that takes 2 s to send its body: the server starts at the body's end, so TTFT
+    (and a whole response's time) count from there (they read the upload too before). A body
+    end seen after the response began, or before admission, moves nothing."""
+    m = LatencyMeter(admitted_at=1.0)
+    m.uploaded(3.0)
+    m.chunk(3.1, _sse("a"))
+    m.chunk(3.3, _sse("b"))
+    lat = m.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.1) and lat.tpot == pytest.approx(0.2)
+    w = LatencyMeter(admitted_at=1.0)
+    w.uploaded(3.0)
+    w.chunk(4.6, _whole(64))
+    lat = w.latency()
+    assert lat is not None and lat.whole == pytest.approx(1.6)
+    late = LatencyMeter(admitted_at=1.0)
+    late.chunk(1.5, _sse("a"))
+    late.uploaded(2.0)  # (a server that answered before reading the body)
+    lat = late.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.5)
+    early = LatencyMeter(admitted_at=1.0)
+    early.uploaded(0.5)
+    early.chunk(1.2, _sse("a"))
+    lat = early.latency()
+    assert lat is not None and lat.ttft == pytest.approx(0.2)
+
+
 def test_tpot_counts_the_tokens_after_the_first_chunk() -> None:
     m = LatencyMeter(admitted_at=0.0)
     m.chunk(0.5, _sse("a", "b"))  # first chunk: two tokens (one engine step wrote both)
