@@ -1221,6 +1221,35 @@ async def test_only_overload_5xx_lower_the_vegas_limit(stack: LocalStack, upstre
         assert await wait_until(lambda: _limit_below(stack.redis_url, 40), 5)
 
 
+async def test_a_model_server_too_slow_for_the_route_timeout_lowers_the_vegas_limit(stack: LocalStack,
+                                                                                    upstream: int) -> None:
+    """Envoy's own 504 when the model server does not answer within the route's timeout is
+    overload, as a 504 the server sends is. Envoy 1.40 names it `response_timeout` in
+    `response.code_details`, which the processor did not know: the 504s were `ignored`, and a
+    pool whose replicas were too slow to answer at all never backed off."""
+    stack.start_redis()
+    cfg = {"pools": [{"name": "default", "limit": {"mode": "vegas", "initial": 40, "min": 1, "max": 100,
+                                                   "window_min_samples": 5, "window_s": 0.2}}], **TRUST_LOCAL}
+    p = stack.start_processor(cfg)
+    envoy = stack.start_envoy([("127.0.0.1", upstream)], processors=[p], route_timeout_s=0.5)
+    async with aiohttp.ClientSession() as s:
+        # whole (not streamed) answers after 40 x 25 ms: no response before the 0.5 s timeout;
+        # three waves, so that a window (5 requests, 0.2 s) closes
+        for _ in range(3):
+            replies = await asyncio.gather(*(post(s, envoy.url, headers=hdr(1, chunks="40", delay_ms="25"),
+                                                  stream=False) for _ in range(8)))
+            assert {r.status for r in replies} == {504}, [(r.status, r.body[:100]) for r in replies]
+        m: dict[str, float] = {}
+
+        async def counted() -> bool:
+            m.update(await metrics(s, p.metrics_url))
+            return sum(v for k, v in m.items() if k.startswith("floodgate_permit_outcomes_total")) >= 24
+
+        assert await wait_until(counted, 5)
+        assert m['floodgate_permit_outcomes_total{outcome="dropped",pool="default"}'] == 24, m
+        assert await wait_until(lambda: _limit_below(stack.redis_url, 40), 5)
+
+
 async def test_an_unreachable_model_server_does_not_lower_the_vegas_limit_without_picking(
         stack: LocalStack) -> None:
     # An operator review: without endpoint picking (the mesh config, a fixed pool) a model

@@ -647,6 +647,7 @@ async def test_without_picking_a_burst_at_a_dead_replica_is_retried_elsewhere(st
 @pytest.mark.parametrize(("details", "counts"), [
     ("via_upstream", True),  # the replica answered 503: overloaded
     ("upstream_response_timeout", True),  # too slow to answer
+    ("response_timeout", True),  # the route's timeout, as Envoy 1.40 names it (was not counted)
     ("upstream_per_try_timeout", True),
     ("upstream_per_try_idle_timeout", True),
     ("no_healthy_upstream", False),  # Envoy's own reply: no replica was asked (a fault review)
