@@ -1108,6 +1108,11 @@ class PoolController:
 
     async def _sleep(self, rep: Replica) -> None:
         async def run() -> None:
+            if not self.leading():
+                # Decided while leading, run after the lease lapsed (a pause): the new leader may
+                # have promoted it and serve on it; put to sleep, every request sent there would
+                # fail until someone woke it (a fault review). Left to the new leader.
+                return
             ok = await self._client(rep).sleep(1, self.cfg.timeouts.sleep_s)
             if not ok:
                 rep.can_sleep = False  # no sleep mode: keep it warm and awake
