@@ -243,7 +243,6 @@ class PoolController:
         self._forgotten: dict[str, float] = {}
         self._forget_retry: dict[str, tuple[int, float]] = {}  # failed drops: (failures, clock() of the next try)
         self.dcfg = DeciderConfig(cfg.policy, cfg.forecast, cfg.warm_pool, self.prefix, cfg.demand, cfg.capacity)
-        self._capped: tuple[int, DeciderConfig] | None = None  # dcfg held to the actuator's capacity
         self._over_capacity = False  # said once: more wanted than the actuator can run
         retention = cfg.forecast.retention_days * fc.MINUTES_PER_DAY
         # Policy window, burst memory, demand history, next replica id (controller.decider).
@@ -564,16 +563,15 @@ class PoolController:
         return d.plan
 
     def _decider_config(self, capacity: int | None) -> DeciderConfig:
-        """The pool's decider settings with `warm_pool.max_total` held to the replicas the actuator
-        can have (a static list's endpoints; read every tick). Beyond them every planned start failed with NoCapacity, and the failure's kick ran
-        the next tick at once: a static pool of 1 endpoint wanting 2 replicas failed 333 starts
-        in 3 s, each a `failed` replica and a new replica id."""
+        """The pool's decider settings with `warm_pool.max_total` held to the replicas the
+        actuator can have (a static list's endpoints; read every tick). Beyond them every
+        planned start failed with NoCapacity, and the failure's kick ran the next tick at once:
+        a static pool of 1 endpoint wanting 2 replicas failed 333 starts in 3 s, each a
+        `failed` replica and a new replica id."""
         wp = self.dcfg.warm_pool
         if capacity is None or capacity >= wp.max_total:
             return self.dcfg
-        if self._capped is None or self._capped[0] != capacity:
-            self._capped = (capacity, replace(self.dcfg, warm_pool=wp.model_copy(update={"max_total": capacity})))
-        return self._capped[1]
+        return replace(self.dcfg, warm_pool=wp.model_copy(update={"max_total": capacity}))
 
     def count_change(self, plan: ScalePlan, now: float) -> None:
         """Count a change of the desired count (`floodgate_scale_events_total`, the scale-up under

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +27,31 @@ from floodgate.stack import LocalStack
 # concurrent streams builds a waiting queue (the scale-up trigger).
 SIM_ARGS = ("--cold-start", "0.5", "--wake-delay-level1", "0.3", "--sleep-delay", "0.1",
             "--max-num-seqs", "2", "--log-level", "warning")
+
+
+def emulator_pods(kube: Any, stack: LocalStack, port: int, *, first_ip: int,
+                  stop_signal: signal.Signals = signal.SIGTERM) -> None:
+    """Make the fake API server's pods real (tests/controller/fake_kube.py): each pod that turns
+    Running is an emulator (`floodgate sim`) on its own loopback address, from 127.0.0.`first_ip`
+    on (distinct per test file, so two files' pods never share an address), and a deleted pod's
+    emulator gets `stop_signal` (SIGKILL: the pod is gone with everything it was serving;
+    SIGTERM: it shuts down as a pod's container is told to). The hooks run inside the fake's
+    loop, so they only start and signal, never wait."""
+    ips = (f"127.0.0.{n}" for n in itertools.count(first_ip))
+
+    def start_emulator(pod: dict[str, Any]) -> None:
+        ip = pod["status"]["podIP"]
+        stack.sup.start(pod["metadata"]["name"], [sys.executable, "-m", "floodgate", "sim", "--host", ip,
+                                                  "--port", str(port), "--enable-sleep-mode", *SIM_ARGS])
+
+    def stop_emulator(pod: dict[str, Any]) -> None:
+        child = next((c for c in stack.sup.children if c.name == pod["metadata"]["name"]), None)
+        if child is not None:
+            child.kill(stop_signal)
+
+    kube.ip_allocator = lambda: next(ips)
+    kube.on_running = start_emulator
+    kube.on_deleted = stop_emulator
 
 
 def controller_config(redis_url: str, *, policy: dict[str, Any] | None = None,

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import signal
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +26,7 @@ from kubernetes_asyncio import client
 from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.controller.fake_kube import FakeKube
-from tests.controller.live import SIM_ARGS, count, registry_states, wait_for
+from tests.controller.live import count, emulator_pods, registry_states, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -57,22 +54,8 @@ def keda_config(redis_url: str) -> ControllerConfig:
 @contextlib.asynccontextmanager
 async def cluster(stack: LocalStack, port: int) -> AsyncIterator[FakeKube]:
     """The fake API server; each pod is a real emulator on its own loopback address."""
-    ips = (f"127.0.0.{n}" for n in itertools.count(20))
     kube = FakeKube(start_delay=0.1, terminate_delay=1.0)
-
-    def start_emulator(pod: dict[str, Any]) -> None:
-        ip = pod["status"]["podIP"]
-        stack.sup.start(pod["metadata"]["name"], [sys.executable, "-m", "floodgate", "sim", "--host", ip,
-                                                  "--port", str(port), "--enable-sleep-mode", *SIM_ARGS])
-
-    def stop_emulator(pod: dict[str, Any]) -> None:
-        child = next((c for c in stack.sup.children if c.name == pod["metadata"]["name"]), None)
-        if child is not None:
-            child.kill(signal.SIGTERM)  # non-blocking: this runs inside the fake's loop
-
-    kube.ip_allocator = lambda: next(ips)
-    kube.on_running = start_emulator
-    kube.on_deleted = stop_emulator
+    emulator_pods(kube, stack, port, first_ip=20)
     await kube.start()
     kube.add_deployment(NS, "vllm", replicas=1, labels={"app": "vllm"})
     kube.add_service(NS, "vllm", {"app": "vllm"}, port)

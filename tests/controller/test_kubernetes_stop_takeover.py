@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import signal
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,10 +26,10 @@ from floodgate.stack import LocalStack
 from floodgate.supervisor import free_port
 from tests.controller.fake_kube import FakeKube
 from tests.controller.live import (
-    SIM_ARGS,
     StreamStats,
     controller_config,
     count,
+    emulator_pods,
     registry_states,
     running,
     stream_once,
@@ -45,24 +43,10 @@ NS, DEP = "inference", "vllm"
 
 @contextlib.asynccontextmanager
 async def cluster(stack: LocalStack, port: int) -> AsyncIterator[FakeKube]:
-    """The fake API server; each pod is a real emulator on its own loopback address, stopped
-    (SIGTERM) when the ReplicaSet stand-in deletes the pod."""
-    ips = (f"127.0.0.{n}" for n in itertools.count(40))
+    """The fake API server; each pod is a real emulator on its own loopback address, killed
+    (SIGKILL) when the ReplicaSet stand-in deletes the pod."""
     kube = FakeKube(start_delay=0.1, terminate_delay=0.5)
-
-    def start_emulator(pod: dict[str, Any]) -> None:
-        ip = pod["status"]["podIP"]
-        stack.sup.start(pod["metadata"]["name"], [sys.executable, "-m", "floodgate", "sim", "--host", ip,
-                                                  "--port", str(port), "--enable-sleep-mode", *SIM_ARGS])
-
-    def stop_emulator(pod: dict[str, Any]) -> None:
-        child = next((c for c in stack.sup.children if c.name == pod["metadata"]["name"]), None)
-        if child is not None:
-            child.kill(signal.SIGKILL)  # the pod is gone: so is everything it was serving
-
-    kube.ip_allocator = lambda: next(ips)
-    kube.on_running = start_emulator
-    kube.on_deleted = stop_emulator
+    emulator_pods(kube, stack, port, first_ip=40, stop_signal=signal.SIGKILL)
     await kube.start()
     kube.add_deployment(NS, DEP, replicas=0, labels={"app": "vllm"}, template_labels={"app-state": "warm-pool"})
     try:
@@ -89,6 +73,13 @@ async def _close_clients() -> AsyncIterator[None]:
         await _clients.pop().close()
 
 
+def _kube_pool(port: int, *, max_total: int) -> dict[str, Any]:
+    """The pool settings every test here runs: the Kubernetes actuator on the fake's Deployment,
+    no warm pool (a drained pod is stopped, not kept), replicas never declared unresponsive."""
+    return {"warm_pool": {"enabled": False, "max_total": max_total}, "timeouts": {"unresponsive_s": 60},
+            "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+
+
 def _pod_of(kube: FakeKube, name: str) -> dict[str, Any] | None:
     return kube.pods.get((NS, name))
 
@@ -96,8 +87,7 @@ def _pod_of(kube: FakeKube, name: str) -> dict[str, Any] | None:
 async def test_a_stop_its_controller_left_half_done_is_finished_not_served_on(stack: LocalStack) -> None:
     url = stack.start_redis()
     port = free_port()
-    cfg = {"warm_pool": {"enabled": False, "max_total": 2}, "timeouts": {"unresponsive_s": 60},
-           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    cfg = _kube_pool(port, max_total=2)
     two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, **cfg)
     one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, **cfg)
     async with cluster(stack, port) as kube, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -182,8 +172,7 @@ async def test_an_api_server_outage_during_a_drain_skips_ticks_and_the_drain_end
     # goes on: the drain ends when the stream does and the drained pod is stopped.
     url = stack.start_redis()
     port = free_port()
-    cfg = {"warm_pool": {"enabled": False, "max_total": 2}, "timeouts": {"unresponsive_s": 60},
-           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    cfg = _kube_pool(port, max_total=2)
     two = controller_config(url, policy={"min_replicas": 2, "max_replicas": 2}, **cfg)
     one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 2}, **cfg)
     async with cluster(stack, port) as kube, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -234,8 +223,7 @@ async def test_starts_the_api_server_could_not_take_do_not_back_off_the_scale_up
     # to one start at a time until a replica had come up (a whole cold start each).
     url = stack.start_redis()
     port = free_port()
-    cfg = {"warm_pool": {"enabled": False, "max_total": 4}, "timeouts": {"unresponsive_s": 60},
-           "actuator": {"kind": "kubernetes", "options": {"namespace": NS, "deployment": DEP, "port": port}}}
+    cfg = _kube_pool(port, max_total=4)
     one = controller_config(url, policy={"min_replicas": 1, "max_replicas": 3}, **cfg)
     three = controller_config(url, policy={"min_replicas": 3, "max_replicas": 3}, **cfg)
     async with cluster(stack, port) as kube:
