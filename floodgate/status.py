@@ -102,6 +102,10 @@ class PoolReport:
     # Local credits the processors hold idle (schema.IDLE_CREDITS): P1 leases no request uses,
     # left out of `inflight` (a pool at 0.5 requests in flight read 31: a review).
     idle_credits: int = 0
+    # The epoch of the admission settings stored for the pool (`pools[].settings_epoch`; every
+    # grant uses the stored ones): a rollout of changed settings is stored once this reads the
+    # new epoch. None: none stored (no processor has configured the pool).
+    settings_epoch: int | None = None
 
     @property
     def degraded(self) -> list[str]:
@@ -285,7 +289,7 @@ async def read_pool(client: Any, pool: str) -> PoolReport:
     return PoolReport(pool, limit, {f"P{c}": n for c, n in enumerate(inflight)},
                       {f"P{c}": n for c, n in enumerate(st.queued)},
                       sorted(gateways.values(), key=lambda g: g.gateway), registry, st.hold_s, list(st.hold_waiting),
-                      sum(idle.values()))
+                      sum(idle.values()), st.settings_epoch if st.settings_epoch >= 0 and configured else None)
 
 
 async def _heard(client: Any, pool: str, gateways: list[str]) -> dict[str, bool]:
@@ -416,7 +420,8 @@ def render(reports: list[PoolReport]) -> str:
         lines.append(f"pool {r.pool}: limit {limit}, in-flight {inflight} "
                      f"({' / '.join(f'{k} {v}' for k, v in r.inflight.items())}"
                      + (f"; and {r.idle_credits} idle local credits held by processors" if r.idle_credits else "")
-                     + f"), queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})")
+                     + f"), queued {sum(r.queued.values())} ({' / '.join(f'{k} {v}' for k, v in r.queued.items())})"
+                     + (f", settings epoch {r.settings_epoch}" if r.settings_epoch is not None else ""))
         if r.hold_s > 0:
             lines.append(f"  GRANTS HELD: Redis lost acknowledged writes (a failover); no permit is granted until "
                          f"{', '.join(r.hold_waiting)} re-assert (at most {r.hold_s:.1f} s more)")

@@ -305,3 +305,23 @@ def test_status_runs_as_the_processors_redis_user_from_the_shipped_config(tmp_pa
         doc = json.loads(r.stdout)
         assert [p["pool"] for p in doc["pools"]] == ["chat"]
         assert doc["controller"]["leader"]["readable"] is False and doc["controller"]["leader"]["holder"] is None
+
+
+async def test_status_shows_the_stored_settings_epoch_a_rollout_raises(redis_url: str) -> None:
+    # An operator raising pools[].settings_epoch to roll out changed admission settings: status
+    # says which epoch every grant uses now (the first processor on the new config stores it).
+    c = redis_client(redis_url, op_timeout_s=2)
+    try:
+        await PoolState(c, "chat", lease_ttl_s=15, settings=PoolSettings(3, (0.5, 0.3, 0.1))).configure()
+        [r] = (await collect(redis_url)).reports
+        assert r.settings_epoch == 0 and ", settings epoch 0" in render([r])
+        await PoolState(c, "chat", lease_ttl_s=15, settings=PoolSettings(5, (0.5, 0.3, 0.1), epoch=2)).configure()
+        [r] = (await collect(redis_url)).reports
+        assert (r.limit, r.settings_epoch) == (5, 2) and ", settings epoch 2" in render([r])
+        assert json.loads(as_json([r]))["pools"][0]["settings_epoch"] == 2
+        # A pool only the controller wrote (its registry) has no settings: none shown.
+        await Registry(c, "other").set("127.0.0.1:8001", "active", "other-r1")
+        reports = {x.pool: x for x in (await collect(redis_url)).reports}
+        assert reports["other"].settings_epoch is None and "settings epoch" not in render([reports["other"]])
+    finally:
+        await c.aclose()
