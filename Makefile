@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+PROM_DIR := $(VENV)/tools/prometheus
+
 .PHONY: install up test lint tools
 install: $(STAMP)
 
@@ -24,6 +26,18 @@ tools:
 	      && DEBIAN_FRONTEND=noninteractive timeout 120 apt-get install -y -qq wrk >/dev/null 2>&1) \
 	      || echo "note: apt-get could not install wrk; the wrk-driven bench tests will skip"; \
 	  else echo "note: wrk is not installed (apt-get install wrk); the wrk-driven bench tests will skip"; fi; }
+	@# Prometheus and promtool check the shipped alert rules, the compose stack's Prometheus config
+	@# and the Grafana dashboard's queries against the real exporters (tests/deploy/test_prometheus.py).
+	@# Debian's package, unpacked into the venv (nothing installed system-wide, no service
+	@# started); where apt-get cannot fetch it, a note, and those tests skip.
+	@test -x $(PROM_DIR)/usr/bin/promtool || { \
+	  rm -rf $(PROM_DIR).tmp && mkdir -p $(PROM_DIR).tmp && cd $(PROM_DIR).tmp && \
+	  { timeout 120 apt-get download -qq prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	    timeout 120 apt-get update -qq -o Acquire::http::Timeout=10 -o Acquire::Retries=0 >/dev/null 2>&1 && \
+	    timeout 120 apt-get download -qq prometheus >/dev/null 2>&1; }; } && \
+	  dpkg -x prometheus_*.deb unpacked && cd - >/dev/null && rm -rf $(PROM_DIR) && \
+	  mv $(PROM_DIR).tmp/unpacked $(PROM_DIR) && rm -rf $(PROM_DIR).tmp; } \
+	  || { rm -rf $(PROM_DIR).tmp; echo "note: could not fetch Debian's prometheus package (apt-get download prometheus); the Prometheus tests will skip"; }
 
 up: $(STAMP)
 	$(VENV)/bin/floodgate up $(ARGS)
