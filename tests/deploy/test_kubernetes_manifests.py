@@ -743,3 +743,38 @@ def test_every_pod_meets_its_namespaces_pod_security_level(kdir: Path) -> None:
     assert {ns for ns, _, _ in pods} == NAMESPACES
     for ns, name, spec in pods:
         assert _pss_violations(levels[ns], spec) == [], (ns, name)
+
+
+# -- the monitoring overlay (Prometheus Operator) -------------------------------------------
+
+MONITORING_DIR = ROOT / "deploy" / "kubernetes-monitoring"
+
+
+def test_monitoring_overlay_builds_and_its_rules_are_the_shipped_alerts() -> None:
+    docs = kustomize(MONITORING_DIR)
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("PodMonitor", "floodgate-controller"), ("PodMonitor", "floodgate-extproc"), ("PrometheusRule", "floodgate")]
+    for d in docs:
+        assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["metadata"]["namespace"] == CONTROL_NS
+        assert d["metadata"]["labels"] == {"release": "kube-prometheus-stack"}  # what the stack selects by default
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())["groups"]
+    assert rule["spec"]["groups"] == shipped, "prometheusrule.yaml differs from deploy/prometheus/alerts.yaml"
+
+
+def test_pod_monitors_select_the_pods_and_ports_the_network_policies_open() -> None:
+    docs = {d["metadata"]["name"]: d for d in kustomize(MONITORING_DIR) if d["kind"] == "PodMonitor"}
+    policies = {d["metadata"]["name"]: d for _, d in all_docs() if d["kind"] == "NetworkPolicy"
+                and d["metadata"]["namespace"] == CONTROL_NS}
+    for name in ("floodgate-extproc", "floodgate-controller"):
+        pm, dep = docs[name], find("Deployment", name)
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        (ep,) = pm["spec"]["podMetricsEndpoints"]
+        assert ep["port"] in ports(container(dep)), name
+        # The pod's policy lets the `monitoring` namespace reach that port (else every scrape
+        # times out and the alerts read nothing).
+        rules = policies[name]["spec"]["ingress"]
+        assert any({"port": ep["port"], "protocol": "TCP"} in r["ports"] and any(
+            f.get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "monitoring"}
+            for f in r["from"]) for r in rules), name
