@@ -101,7 +101,7 @@ def _dashboard_queries() -> list[str]:
 MUST_SHOW = ("floodgate_decisions_total{pool=~\"$pool\",outcome=\"admitted\"}", "floodgate_limit{",
              "floodgate_inflight{", "floodgate_replicas{", "floodgate_desired_replicas{",
              "floodgate_actual_replicas{", "floodgate_controller_leader", "floodgate_degraded)",
-             "floodgate_queue_depth{")
+             "floodgate_queue_depth{", "floodgate_offered_requests_per_second{", "floodgate_replica_capacity{")
 
 
 async def _query(s: aiohttp.ClientSession, base: str, q: str) -> dict[str, Any]:
