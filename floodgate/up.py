@@ -806,8 +806,13 @@ def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, 
     (reason `scale_up`), or during a scale-up (from a decision that raises the desired count to
     the next that lowers it), is that scale-up's cold start, promoted once warm. That includes the
     `pool_refill` starts replacing the pool replicas a burst promoted, which the next step up
-    takes as soon as they are warm (asleep a moment or not). The whole log is read (a start
-    before `t0` decides what a later promotion was); what happened from `t0` on is returned."""
+    takes as soon as they are warm (asleep a moment or not). A replica put to sleep in the pool
+    while no scale-up runs is a pool replica from then on, whatever its start's reason: at
+    bring-up the controller starts 2 for demand and 2 for the pool, promotes the first 2 that are
+    warm and puts the other 2 to sleep, often one started for demand (its promotion in the burst
+    was reported as a cold start's, with 3 such promotions against 2 cold starts). The whole log
+    is read (a start before `t0` decides what a later promotion was); what happened from `t0` on
+    is returned."""
     import json
 
     out: list[tuple[float, str, str]] = []
@@ -840,6 +845,8 @@ def scaling_timeline(controller_log: Path, t0: float) -> list[tuple[float, str, 
                     if scaling_up or reason == "scale_up":
                         cold.add(rid)
                     seen.append((rid, "cold start"))
+                elif kind == "sleep" and not scaling_up:
+                    cold.discard(rid)  # into the pool before any scale-up: a later promotion takes it from there
         elif rec.get("event") == "transition":
             rid, step = str(rec.get("replica")), (rec.get("frm"), rec.get("to"))
             if step == ("warm", "waking"):

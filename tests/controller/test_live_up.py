@@ -539,6 +539,65 @@ def test_the_scaling_report_tells_pool_promotions_from_cold_starts(tmp_path: Pat
     assert "| 25.6 | default-r5 | promoted after its cold start |" in report, report
 
 
+def test_a_replica_started_for_demand_but_put_to_sleep_at_bring_up_is_a_pool_promotion(tmp_path: Path) -> None:
+    """At bring-up the controller starts 2 replicas for demand and 2 for the pool, then promotes
+    the first 2 that are warm, not necessarily the 2 started for demand: here r1 and r2, and r0
+    (started `scale_up`) goes to sleep in the pool with r3. The burst's promotions of r0 and r3
+    are both from the warm pool. Before, r0 was still counted as a cold start waiting for its
+    promotion, and the report said "promoted after its cold start: 3" against 2 cold starts
+    (two `floodgate up` demo runs of a review, decision logs of this shape)."""
+    from itertools import pairwise
+
+    from floodgate.up import render_timeline, scaling_timeline
+
+    t0 = 1_000_000.0
+    recs: list[dict[str, object]] = []
+
+    def decision(t: float, direction: str, *actions: str) -> None:
+        recs.append({"ts": t0 + t, "pool": "default", "event": "decision", "direction": direction,
+                     "actions": list(actions)})
+
+    def moves(t: float, rid: str, *states: str) -> None:
+        recs.extend({"ts": t0 + t, "pool": "default", "event": "transition", "replica": rid, "frm": a, "to": b}
+                    for a, b in pairwise(states))
+
+    decision(-30, "none", "start:default-r0:scale_up", "start:default-r1:scale_up",
+             "start:default-r2:pool_refill", "start:default-r3:pool_refill")
+    moves(-29.5, "default-r1", "loading", "warming", "warm")
+    decision(-29.4, "none", "promote:default-r1:scale_up")
+    moves(-29.4, "default-r1", "warm", "waking", "active")
+    moves(-29.2, "default-r2", "loading", "warming", "warm")
+    decision(-29.1, "none", "promote:default-r2:scale_up")
+    moves(-29.1, "default-r2", "warm", "waking", "active")
+    moves(-29.0, "default-r3", "loading", "warming", "warm")
+    moves(-29.0, "default-r0", "loading", "warming", "warm")
+    decision(-28.9, "none", "sleep:default-r3:pool")
+    decision(-28.8, "none", "sleep:default-r0:pool")
+    # The burst: both pool replicas promoted, the pool refilled with 2 cold starts, which the
+    # next steps take once warm (r4 after a moment asleep).
+    decision(23.4, "up", "promote:default-r0:scale_up", "start:default-r4:pool_refill")
+    moves(23.4, "default-r0", "warm", "waking")
+    decision(24.4, "up", "promote:default-r3:scale_up", "start:default-r5:pool_refill")
+    moves(24.4, "default-r3", "warm", "waking")
+    moves(24.6, "default-r4", "loading", "warming", "warm")
+    decision(24.7, "none", "sleep:default-r4:pool")
+    decision(25.2, "none", "promote:default-r4:scale_up")
+    moves(25.2, "default-r4", "warm", "waking", "active")
+    moves(26.0, "default-r5", "loading", "warming", "warm")
+    decision(26.1, "none", "promote:default-r5:scale_up")
+    moves(26.1, "default-r5", "warm", "waking", "active")
+    log = tmp_path / "controller.log"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    timeline = scaling_timeline(log, t0)
+    promotions = {rid: what for _, rid, what in timeline if what.startswith("promoted")}
+    assert promotions == {"default-r0": "promoted from the warm pool", "default-r3": "promoted from the warm pool",
+                          "default-r4": "promoted after its cold start",
+                          "default-r5": "promoted after its cold start"}, promotions
+    report = render_timeline(timeline, 22.5, 45)
+    assert "promoted from the warm pool: 2" in report and "promoted after its cold start: 2" in report, report
+
+
 def test_status_line_reports_a_stack_process_that_exited_once() -> None:
     import subprocess as sp
     import sys as _sys
