@@ -134,7 +134,7 @@ def peer_arrivals(shared: Mapping[str, str], me: str, wall_ms: float,
             fast.append(p[2])
     return slow, fast
 CTL_HISTORY = "ctl:history"  # STRING controller demand history (JSON)
-CTL_SEQ = "ctl:seq"          # STRING controller decision sequence
+CTL_SEQ = "ctl:seq"          # STRING the next replica id the controller gives (`<pool>-r<seq>`)
 # STRING: the last desired active count the leader decided. A new leader (a restart, a
 # takeover) starts from it, bounded by the replicas it finds running, so a cold start it adopts
 # that was a warm-pool refill is not counted as wanted serving capacity (and refilled again).

@@ -20,10 +20,13 @@
    import in a ```python example and dotted Python name (`extproc.state.read_demand`) exists.
 5. docs/admission.md names the error code of every reply the shipped bootstrap's
    `local_reply_config` (envoy/local.yaml) rewrites into JSON.
+6. Every Redis key the docs spell (`fg:{pool}:leases`, `fg:{<pool>}:gw:<gateway>`,
+   `fg:controller:leader`) is one extproc/schema.py names, and docs/admission.md's table of a
+   pool's keys lists every key schema.py names.
 
 Fast (no network, no processes, no clock): a failure names the doc file and line. The only
 skip lists are of words that are not Floodgate's (NOT_METRICS, EXTERNAL_OPTIONS,
-EXTERNAL_PROGRAMS, NOT_CONFIG_KEYS, WRITTEN_BY_COMMANDS), each entry commented.
+EXTERNAL_PROGRAMS, NOT_CONFIG_KEYS, WRITTEN_BY_COMMANDS, NOT_KEYS), each entry commented.
 """
 from __future__ import annotations
 
@@ -1362,6 +1365,68 @@ def test_python_names_in_prose_exist() -> None:
                 failures.append(f"{doc.name}:{line}: `{span}`: no Python name {word}")
     assert not failures, "\n".join(failures)
     assert checked >= 5, checked
+
+
+# --- 6. Redis keys ---------------------------------------------------------------------------
+
+# Module-level strings of extproc/schema.py that are not key names (a field, a message).
+SCHEMA_NOT_KEYS = {"PAD_FIELD", "REGISTRY_CHANGED", "RESYNC", "EJECTED_FIELD", "RETRIED_ADMITTED"}
+# Keys the docs spell that are not Floodgate's (and only these: a key that was renamed must fail).
+NOT_KEYS = {
+    "zz",  # docs/operations.md, threat model: a junk key an attacker writes (SETRANGE)
+    "ctl:leader",  # docs/operations.md: an example `leader.key` an operator sets (`fg:{chat}:ctl:leader`)
+}
+REDIS_KEY = re.compile(r"fg:\{[^{}\s`]*\}:([a-z_]+(?::[a-z_]+)?)")
+
+
+@functools.cache
+def schema_keys() -> set[str]:
+    """The name (after `fg:{pool}:`) of every key of a pool extproc/schema.py spells."""
+    from floodgate.extproc import schema
+    names = set(schema.SCRIPT_KEYS)
+    names |= {v for k, v in vars(schema).items()
+              if k.isupper() and isinstance(v, str) and k not in SCHEMA_NOT_KEYS}
+    for spelled in (schema.gateway_channel("G", "P"), schema.gateway_claim_key("P", "G")):
+        assert spelled.startswith("fg:{P}:") and spelled.endswith(":G"), spelled
+        names.add(spelled[len("fg:{P}:"):-len(":G")])
+    return names
+
+
+def test_every_redis_key_the_docs_spell_is_one_floodgate_uses() -> None:
+    from floodgate.extproc import schema
+    keys, failures, checked = schema_keys(), [], 0
+    for doc in docs():
+        for m in REDIS_KEY.finditer(doc.text):
+            name = m.group(1)
+            checked += 1
+            if name in keys or name in NOT_KEYS or name.split(":")[0] in keys \
+                    or any(k.startswith(name + ":") for k in keys):  # `ctl:*`, `gw:<gateway>`
+                continue
+            failures.append(f"{doc.name}:{doc.line_of(m.start())}: `{m.group(0)}`: no such key in extproc/schema.py")
+        for m in re.finditer(r"fg:controller:[a-z_:]+", doc.text):
+            if m.group(0) != schema.controller_leader_key():
+                failures.append(f"{doc.name}:{doc.line_of(m.start())}: `{m.group(0)}`: the leader key is "
+                                f"{schema.controller_leader_key()}")
+    assert not failures, "\n".join(failures)
+    assert checked >= 20, checked
+
+
+def test_the_key_table_lists_every_key_of_a_pool() -> None:
+    """docs/admission.md, "Shared state": what an operator finds under `fg:{pool}:` in Redis."""
+    text = (ROOT / "docs" / "admission.md").read_text()
+    rows = [line for line in text.split("\n") if re.match(r"\| (channel )?`fg:\{pool\}:", line)]
+    assert len(rows) > 10, rows
+    listed = set()
+    for row in rows:
+        cell = row.split("|")[1]
+        for m in re.finditer(r"`(?:fg:\{pool\})?:([a-z_]+(?::[a-z_]+)?)", cell):
+            listed.add(m.group(1))
+    missing = sorted(k for k in schema_keys() if k not in listed and k.split(":")[0] + ":*" not in cell_text(rows))
+    assert not missing, f"docs/admission.md's key table does not list {missing} (extproc/schema.py)"
+
+
+def cell_text(rows: list[str]) -> str:
+    return " ".join(r.split("|")[1] for r in rows)
 
 
 if __name__ == "__main__":  # regenerate docs/metrics.md's table
