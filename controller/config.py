@@ -303,7 +303,7 @@ def _legacy_table_owner(cfg: ControllerConfig, pool: PoolConfig) -> str:
     masked password, and its options): where their default state_dir was."""
     from floodgate.extproc.redis_client import redact_url
 
-    return f"redis {redact_url(cfg.redis.url)} leader {cfg.leader.key} pool {pool.name}"
+    return f"redis {redact_url(cfg.redis.url, mask_user_only=True)} leader {cfg.leader.key} pool {pool.name}"
 
 
 def _default_state_dir(pool: PoolConfig, owner: str) -> Path:

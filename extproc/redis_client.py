@@ -241,14 +241,18 @@ def _check_tls_files(query: dict[str, str]) -> None:
             raise RedisURLError(f"{name}: {path!r} is not a readable file")
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, mask_user_only: bool = False) -> str:
     """The URL without its passwords (for logs): the userinfo's, and every `*password` query
-    parameter's (`sentinel_password`, a TLS key's `ssl_password`)."""
+    parameter's (`sentinel_password`, a TLS key's `ssl_password`). A user without a password
+    stays as written (`redis://floodgate-processor@redis:6379/0`): before, it read
+    `floodgate-processor:***@`, a password the URL does not have (`--check-config` printed it
+    beside `"password": null`). `mask_user_only` keeps that old form for what was hashed with it
+    (controller.config's legacy state_dir)."""
     scheme, _, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")
     if at:
-        user = userinfo.partition(":")[0]
-        rest = f"{user}:***@{hosts}"
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***@{hosts}" if colon or mask_user_only else f"{user}@{hosts}"
     return re.sub(r"([?&][^=&]*password=)[^&]*", r"\1***", f"{scheme}://{rest}")
 
 

@@ -405,6 +405,31 @@ def test_controller_check_config_prints_no_redis_secret(tmp_path: Path, capsys: 
     assert json.loads(out)["redis"]["url"] == "redis://u:***@h:6379/0"
 
 
+def test_check_config_masks_no_password_a_url_does_not_have(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """deploy/compose/processor.yaml names its ACL user in the URL and takes the password from
+    FLOODGATE_REDIS_PASSWORD: `--check-config` printed `redis://floodgate-processor:***@redis...`
+    beside `"password": null`, a password the URL does not have (a docs review)."""
+    import json
+
+    from floodgate.controller import config as ctl_config
+    from floodgate.extproc.redis_client import redact_url
+
+    from floodgate.cli import main
+
+    p = tmp_path / "p.yaml"
+    p.write_text('redis: {url: "redis://floodgate-processor@redis:6379/0"}\n')
+    assert main(["extproc", "--check-config", "--config", str(p)]) == 0
+    assert json.loads(capsys.readouterr().out)["redis"]["url"] == "redis://floodgate-processor@redis:6379/0"
+    assert redact_url("redis://u:pw@h:6379/0") == "redis://u:***@h:6379/0"
+    assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    # The default state_dir an earlier version derived from the masked URL is still found.
+    c = tmp_path / "c.yaml"
+    c.write_text('redis: {url: "redis://floodgate-controller@h:6379/0"}\n'
+                 'pools: [{name: default, actuator: {kind: process}}]\n')
+    cfg = ctl_config.load_config(c)
+    assert "redis://floodgate-controller:***@h:6379/0" in ctl_config._legacy_table_owner(cfg, cfg.pools[0])
+
+
 def test_tls_files_that_are_no_certificate_or_key_are_named(tmp_path: Path) -> None:
     # They passed --check-config (the files existed) and start-up then blamed the listen address.
     from tests.certs import make_pki
