@@ -5,7 +5,8 @@
    read as `floodgate up ...`) parses with the real argparse parser that floodgate/cli.py builds
    (`build_parser`): the subcommands exist and every option is spelled exactly as the parser
    knows it (no abbreviations). `python -m floodgate.<tool>` lines parse with that tool's own
-   parser (caught at its parse_args). Nothing is run. Options named alone in prose exist;
+   parser (caught at its parse_args). So does every command line a `--help` shows (its
+   examples and inline spans). Nothing is run. Options named alone in prose exist;
    flag/default tables and tables of an option's choices match the parsers.
 2. Every `floodgate_*` metric name the docs mention is one the processor (extproc/metrics.py)
    or the controller (controller/metrics.py) registers, with the labels the docs give it, and
@@ -528,6 +529,57 @@ def test_shell_lines_are_read_as_a_shell_would() -> None:
                             set())) == [("-m", "floodgate.envoy_config", "--compose")]
     assert alternatives(("extproc|controller", "--config", "FILE")) == [
         ("extproc", "--config", "FILE"), ("controller", "--config", "FILE")]
+
+
+# Modules run as `python -m` whose --help shows command lines (besides the `floodgate` CLI's).
+HELP_MODULES = ("floodgate.envoy_config", "floodgate.redis_acl", "floodgate.bench.sim_capacity",
+                "floodgate.bench.p0_onset")
+
+
+def help_commands() -> Iterator[tuple[str, str, tuple[str, ...], bool]]:
+    """(parser, line, argv, mention) of every `floodgate ...` / `python -m floodgate...` command
+    line a --help shows: example lines of a description or epilog, and inline `spans`."""
+    parsers: list[argparse.ArgumentParser] = []
+    for command in (None, *sorted(c for c in cli_commands())):
+        parsers += [p for p in parser_tree(parser_for(command)) if p not in parsers]
+    parsers += [p for p in map(module_parser, HELP_MODULES) if p is not None]
+    makefile = makefile_targets()
+    for p in parsers:
+        texts = [p.description, p.epilog, *(a.help for a in p._actions if isinstance(a.help, str))]
+        lines = "\n".join(t for t in texts if t).split("\n")
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i]
+            i += 1
+            found = [(re.sub(r"^Run:\s*", "", line.strip()), False)] \
+                if re.match(r"(Run:\s*)?(\S*/)?(floodgate|python3? -m floodgate)\b", line.strip()) else []
+            found += [(m.group(1), True) for m in re.finditer(r"`([^`]+)`", line)
+                      if re.match(r"(\S*/)?(floodgate|python3? -m floodgate)\b", m.group(1))]
+            for text, mention in found:
+                for got in commands_in(shell_words(text) or [], makefile):
+                    if isinstance(got, tuple):
+                        for argv in alternatives(got):
+                            yield p.prog, text, argv, mention
+
+
+def cli_commands() -> set[str]:
+    subs = [a for a in cli.build_parser(None)._actions if isinstance(a, argparse._SubParsersAction)]
+    return set(subs[0].choices)
+
+
+def test_every_command_a_help_shows_parses() -> None:
+    """`floodgate bench overhead --help` shows how to run it: those lines parse as the docs' do."""
+    failures, seen = [], 0
+    for prog, text, argv, mention in help_commands():
+        seen += 1
+        problem = parse_problem(argv, mention)
+        if problem:
+            failures.append(f"{prog} --help: `{text}`: {problem}")
+    assert not failures, "commands in --help texts that `floodgate` does not accept:\n" + "\n".join(failures)
+    assert seen > 30, seen
 
 
 # Options of other programs the docs name in prose (only these: a Floodgate option that is
