@@ -429,8 +429,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, metavar="DIR", help="process logs and configs (default: temp dir)")
 
 
+def variant_problem(limit: int, variants: list[Variant]) -> str | None:
+    """What is wrong with a variant's processor config (None: nothing), checked before anything
+    starts: a mistyped key (`gc_freez`) was a RuntimeError traceback, "process exited with 2
+    before listening", with the field named only in that processor's log (a docs review)."""
+    from floodgate.extproc.config import Config
+    from pydantic import ValidationError
+
+    from floodgate.yamlconfig import format_errors
+
+    for v in variants:
+        try:
+            Config.model_validate(processor_config(limit, v.overlay))
+        except ValidationError as exc:
+            return f"--variant {v.name}: {format_errors(exc)}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     variants = [Variant("shipped", {})] + [Variant(n, o) for n, o in args.variant]
+    if (problem := variant_problem(args.limit, variants)) is not None:
+        print(f"floodgate bench reject: {problem}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     samples, meta = measure(args, variants)
     rows = summarize(samples)
