@@ -576,8 +576,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.vegas is not None:
         import json
 
+        from floodgate.extproc.config import LimitConfig
+        from pydantic import ValidationError
+
+        from floodgate.yamlconfig import format_errors
+
+        # Validated, as the processor would: model_copy(update=...) took a mistyped field
+        # ('{"slo_targt": 0.5}') silently and ran the shipped value (a docs review).
         base = PoolConfig()
-        vegas = base.model_copy(update={"limit": base.limit.model_copy(update=json.loads(args.vegas))})
+        try:
+            update = json.loads(args.vegas)
+        except ValueError as exc:
+            ap.error(f"--vegas: not JSON: {exc}")
+        if not isinstance(update, dict):
+            ap.error("--vegas: expected a JSON object of LimitConfig fields")
+        try:
+            limit = LimitConfig.model_validate({**base.limit.model_dump(), **update})
+        except ValidationError as exc:
+            ap.error(f"--vegas: {format_errors(exc, 'invalid LimitConfig')}")
+        vegas = base.model_copy(update={"limit": limit})
         args.limit = [vegas.limit.initial]
     print("| remedy | limit | seed | P0 TTFT p99 burst ms | after 2 s | P0 queue p99 ms | burst goodput tok/s | "
           "rejected P0/P1/P2 (timeouts) | sparse P0 p99 ms | limit burst / recovery / sparse | "

@@ -3,6 +3,7 @@ plan, Floodgate's grant loop in front of the replicas' engine model, virtual clo
 
 from __future__ import annotations
 
+import pytest
 from floodgate.bench.overload import Workload
 from floodgate.bench.p0_onset import Remedy, run
 from floodgate.extproc.config import PoolConfig
@@ -53,3 +54,18 @@ def test_picking_with_prefill_pacing_beats_the_ramp_on_the_model() -> None:
     assert paced.p0_ttft_p99_burst_s < 0.8 * ramp.p0_ttft_p99_burst_s
     assert unpaced.p0_ttft_p99_burst_s > ramp.p0_ttft_p99_burst_s
     assert paced.goodput_burst_tok_s >= 0.95 * 1222
+
+
+def test_a_mistyped_vegas_field_is_an_error_not_the_shipped_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m floodgate.bench.p0_onset --vegas '{"slo_targt": 0.5}'` (the docs cite --vegas
+    runs) ran the shipped slo_target 0.75 without a word: model_copy(update=...) validates nothing."""
+    from floodgate.bench.p0_onset import main
+
+    for bad, said in (('{"slo_targt": 0.5}', "slo_targt: Extra inputs are not permitted"),
+                      ('{"slo_target": "x"}', "slo_target: Input should be a valid number"),
+                      ("not json", "--vegas: not JSON"), ("[1]", "a JSON object")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--vegas", bad, "--seeds", "1", "--only", "nothing"])
+        assert exc.value.code == 2
+        assert said in capsys.readouterr().err
+    assert main(["--vegas", '{"slo_target": 0.5}', "--seeds", "1", "--only", "nothing"]) in (0, None)
