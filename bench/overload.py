@@ -1260,7 +1260,9 @@ def calibrate(w: Workload, capacity: float, slo: Any, *, timeout_s: float, step_
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", type=parse_config, default=None, metavar="CONFIG",
-                   help="none, adaptive, static-N, vegas (the default signal), vegas-ttft|tpot|combined "
+                   help="none, adaptive, static-N, vegas (the default signal), vegas-ttft|tpot|combined; "
+                        "a Floodgate one with @tuned (hand-tuned classes), @engine-priority, @picking or, "
+                        "Vegas only, @sampleR (sample rate R) appended "
                         f"(default: {' '.join(default_configs())})")
     p.add_argument("--replicas", type=int, default=2, help="emulated replicas in the pool")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulator --time-scale")
