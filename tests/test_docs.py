@@ -15,7 +15,8 @@
 3. Every ```yaml example loads; those that are Floodgate processor or controller configs
    validate with the real models; dotted config keys in inline code (`pools[].limit.signal`,
    `policy.max_replicas`, `warm_pool.min_size`) exist in the models; actuator option tables
-   match their models (names and defaults).
+   match their models (names and defaults), and docs/controller.md's PolicyConfig defaults
+   table gives each field's default.
 4. Every relative link (and its #anchor), repository path (`deploy/kubernetes/...`), file
    named bare (`leases.lua`), test cited by name, module in docs/architecture.md's maps, Python
    import in a ```python example and dotted Python name (`extproc.state.read_demand`) exists.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -1151,6 +1153,47 @@ def names_code(key: str) -> bool:
 @functools.cache
 def section_names() -> set[str]:
     return {name for m in all_models() for name, f in m.model_fields.items() if models_of(f.annotation)[0]}
+
+
+def test_the_policy_defaults_table_matches_policyconfig() -> None:
+    """docs/controller.md, "`PolicyConfig` defaults": `| `min_replicas` / `max_replicas` | 1 / 64 |`
+    rows give each field's default as the model has it."""
+    from floodgate.controller.policy import PolicyConfig
+
+    doc = next(d for d in docs() if d.name == "docs/controller.md")
+    lines = doc.text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("### `PolicyConfig` defaults"))
+    defaults = {f.name: f.default for f in dataclasses.fields(PolicyConfig)} \
+        if dataclasses.is_dataclass(PolicyConfig) else {k: v.default for k, v in PolicyConfig.model_fields.items()}
+    failures, rows = [], 0
+    for n, line in enumerate(lines[start + 1:], start + 2):
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        names = re.findall(r"`([a-z_]+)`", cells[0]) if cells else []
+        if not names:
+            continue
+        rows += 1
+        values = [v.strip() for v in cells[1].split("/")]
+        if len(values) != len(names):
+            failures.append(f"docs/controller.md:{n}: {len(names)} fields, {len(values)} defaults")
+            continue
+        for name, shown in zip(names, values, strict=True):
+            if name not in defaults:
+                failures.append(f"docs/controller.md:{n}: PolicyConfig has no field {name}")
+            elif not _same_default(defaults[name], shown):
+                failures.append(f"docs/controller.md:{n}: {name} defaults to {defaults[name]!r}, the table says {shown}")
+    assert rows >= 8, rows
+    assert not failures, "\n".join(failures)
+
+
+def _same_default(value: object, shown: str) -> bool:
+    if isinstance(value, bool):
+        return shown == str(value).lower()
+    try:
+        return float(shown) == float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return shown.strip("`") == str(value)
 
 
 def test_config_keys_in_the_docs_exist() -> None:
