@@ -64,6 +64,16 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the command's modules load (building its parser imports them: up to a
+        # second or two), before its handler runs: exit 130 as after it, not a traceback from
+        # deep inside an import (a docs review pressed Ctrl-C right after `floodgate up`).
+        return 130
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command(argv))
     args, extra = parser.parse_known_args(argv)
