@@ -16,7 +16,8 @@
    validate with the real models; dotted config keys in inline code (`pools[].limit.signal`,
    `policy.max_replicas`, `warm_pool.min_size`) exist in the models; actuator option tables
    match their models (names and defaults), and docs/controller.md's PolicyConfig defaults
-   table gives each field's default.
+   table gives each field's default; docs/compose.md's service table gives each compose.yaml
+   service its image and tag.
 4. Every relative link (and its #anchor), repository path (`deploy/kubernetes/...`), file
    named bare (`leases.lua`), test cited by name, module in docs/architecture.md's maps, Python
    import in a ```python example and dotted Python name (`extproc.state.read_demand`) exists.
@@ -1460,6 +1461,27 @@ def test_python_names_in_prose_exist() -> None:
                 failures.append(f"{doc.name}:{line}: `{span}`: no Python name {word}")
     assert not failures, "\n".join(failures)
     assert checked >= 5, checked
+
+
+def test_the_compose_service_table_names_each_services_image() -> None:
+    """docs/compose.md's `| service | image | ...` table: every service compose.yaml runs, with
+    the image (and tag) compose.yaml gives it (`${VAR:-default}` read as its default)."""
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    images = {name: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(s.get("image"))) for name, s in services.items()}
+    text = (ROOT / "docs" / "compose.md").read_text()
+    shown: dict[str, str] = {}
+    for line in text.split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) < 2:
+            continue
+        image = cells[1].strip("`")
+        for name in re.findall(r"`([a-z0-9.-]+)`", cells[0].split("(")[0]):  # not "(profile `sim`)"
+            m = re.fullmatch(r"(.+)-(\d+)\.\.(\d+)", name)  # `vllm-1..3`
+            for n in ([f"{m.group(1)}-{i}" for i in range(int(m.group(2)), int(m.group(3)) + 1)] if m else [name]):
+                shown[n] = image
+    assert set(shown) == set(images), (sorted(set(images) - set(shown)), sorted(set(shown) - set(images)))
+    wrong = {n: (shown[n], images[n]) for n in images if shown[n] != images[n]}
+    assert not wrong, f"docs/compose.md shows these images (doc, compose.yaml): {wrong}"
 
 
 # --- 6. Redis keys ---------------------------------------------------------------------------
