@@ -857,6 +857,33 @@ local function next_tag(c, tenant, named_next)
   return math.max(F.v[c] + 1, num(named_next, 0))
 end
 
+-- Tags only grow (about one per waiter ever queued in the class, and the state keeps them for
+-- good), while a queue score holds a tag modulo CLASS_SPAN: past 2^32 a class's new waiters
+-- sorted ahead of its old ones, and its virtual time stopped moving (a granted head's wrapped
+-- tag is below it), so every new tenant passed every backlogged flow from then on. Once the
+-- highest tag given reaches FQ_REBASE_AT, the class's tags are shifted down by its virtual time
+-- (no waiter's tag is below it): its waiters' scores, its flows' next tags and the state's. The
+-- order is unchanged; the work is one pass over the class's waiters, once per 2^31 tags.
+local FQ_REBASE_AT = 2147483648
+local function rebase(c)
+  local F = fair()
+  local d = F.v[c]
+  if F.t[c] < FQ_REBASE_AT or d <= 0 then return end
+  local lo = (c - 1) * CLASS_SPAN
+  local q = redis.call('ZRANGEBYSCORE', K.queue, CLASS_LO[c], CLASS_HI[c], 'WITHSCORES')
+  for i = 1, #q, 2 do
+    redis.call('ZADD', K.queue, math.max(lo, tonumber(q[i + 1]) - d), q[i])
+  end
+  local prefix = 'f' .. CLS[c] .. ':'
+  local cf = redis.call('HGETALL', K.counts)
+  for i = 1, #cf, 2 do
+    local n = string.sub(cf[i], 1, #prefix) == prefix and tonumber(cf[i + 1])
+    if n then redis.call('HSET', K.counts, cf[i], intstr(math.max(0, n - d))) end
+  end
+  F.v[c], F.a[c], F.t[c] = 0, math.max(0, F.a[c] - d), math.max(0, F.t[c] - d)
+  FQ_DIRTY = true
+end
+
 -- A granted head's tag moves class c's virtual time (`score`: its queue score).
 local function advance(c, score)
   local tag = math.floor(score - (c - 1) * CLASS_SPAN)
@@ -899,6 +926,7 @@ local function put_waiter(ticket, c, deadline, gw, seq, tenant, size)
   QSEQ = QSEQ + 1
   ST_DIRTY.seq = true  -- flush writes it
   local qseq = QSEQ
+  rebase(c + 1)
   local F, tag = fair(), nil
   if tenant == '' or not S.fair then
     tag = next_tag(c + 1, '')

@@ -231,6 +231,42 @@ async def test_counts_an_older_version_left_behind_are_repaired(stack: LocalStac
         await c.aclose()
 
 
+async def test_the_fair_order_outlasts_two_to_the_32_tags(stack: LocalStack) -> None:
+    # An unbounded-growth review: a class's tags only grow (about one per waiter ever queued,
+    # kept in the state for good) and a queue score holds a tag modulo 2^32. A pool that had
+    # queued ~4.3e9 requests (a year at ~140 queued/s; days for clients that keep one waiter
+    # queued and let the rest time out) then served its newest waiters first (one flow: g/4..g/9
+    # before g/2, g/3), and its virtual time stopped moving: every new tenant passed a backlogged
+    # one for good. The state is set here as such a pool's would be; tags are now shifted down
+    # once they reach 2^31.
+    st, c = await _pool(stack.start_redis(), limit=1)
+    try:
+        near = 2**32 - 3
+        await c.hset(key("p", "state"), "fq", " ".join([str(near)] * 3 + [str(near + 1)] * 3 + [str(near)] * 3))
+        assert (await st.acquire("g/1", "g", 1, 1, "a")).granted
+        for i in range(2, 10):
+            r = await st.admit(f"g/{i}", "g", i, 1, "a", 0, 600.0)
+            assert r.enqueued and r.ahead == i - 2, (i, r)
+        assert await _grants(st, c, "g/1", 8) == [f"g/{i}" for i in range(2, 10)]  # (was g/4 first)
+        # The rounds go on: a tenant with a backlog is not passed for good by new tenants.
+        held = "g/9"
+        for n in range(10, 13):
+            await st.admit(f"g/{n}", "g", n, 1, "R", 0, 600.0)
+        order = []
+        for n in range(20, 40):  # one new tenant per grant
+            await st.admit(f"g/{n}", "g", n, 1, f"u{n}", 0, 600.0)
+            await st.release(held)
+            held = await _holder(c)
+            order.append(held)
+            if held == "g/12":
+                break
+        assert held == "g/12" and len(order) <= 6, order  # (was never granted: u20, u21, ... took every grant)
+        fq = [int(x) for x in (await c.hget(key("p", "state"), "fq")).split()]
+        assert max(fq[1::3]) < 2**31, fq  # P1's virtual time, tenant-less next tag, highest tag
+    finally:
+        await c.aclose()
+
+
 async def test_a_quiet_tenant_is_served_beside_a_flood_through_envoy(stack: LocalStack, upstream: int) -> None:
     # Static limit 8, each request holds its permit 500 ms (~16 req/s), shipped classes, all
     # P1. Tenant `noisy` sends 60 req/s (Poisson), tenant `quiet` one every 500 ms, for 12 s.
