@@ -70,7 +70,7 @@ class ActuatorConfig(_Strict):
         description="Where replicas run. `endpointslices`: metrics-only (KEDA/HPA owns the replica count); "
         "pods are discovered from the model Service's EndpointSlices, never created or deleted.")
     command: list[str] | None = Field(default=None, description="process: argv template: `{port}` (required), `{replica_id}` and `{host}` are replaced, every other character (JSON arguments included) is passed as written; default `floodgate sim` with sleep mode.")
-    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (default: <tmp>/floodgate-controller-<pool>-<hash of the Redis hosts, leader key and pool>). A table of another deployment whose replicas still run is refused.")
+    state_dir: str | None = Field(default=None, description="process: where the replica table and logs live (the logs of the 32 replicas stopped last are kept; default: <tmp>/floodgate-controller-<pool>-<hash of the Redis hosts, leader key and pool>). A table of another deployment whose replicas still run is refused.")
     env: dict[str, str] = Field(default_factory=dict, description="process: extra environment for replicas.")
     endpoints: dict[str, str] | list[str] | None = Field(default=None, description="static: endpoints (host:port, each once), or name -> endpoint.")
     options: dict[str, Any] = Field(default_factory=dict, description="kubernetes: keyword arguments of the Kubernetes actuator; endpointslices: namespace, service, port_name, in_cluster, ... (controller/discovery.py).")

@@ -41,6 +41,21 @@ from floodgate.supervisor import Supervisor, free_port
 
 Table = dict[str, dict[str, Any]]
 TOKEN_ENV = "FLOODGATE_REPLICA_TOKEN"  # names a start in its process's environment (see above)
+# Logs of stopped replicas kept (the newest), for a look after the fact. Every cold start gets a
+# new replica id and so a new `replica-<id>.log`; kept all, a controller scaling for weeks filled
+# its directory with one file per start ever made (an unbounded-growth review).
+KEEP_STOPPED_LOGS = 32
+STOPPED_LOGS = "stopped-logs.json"  # in state_dir: the stopped replicas' logs, oldest first
+
+
+def retire_log(ledger: Sequence[str], log: str | None, in_use: Sequence[str],
+               keep: int = KEEP_STOPPED_LOGS) -> tuple[list[str], list[str]]:
+    """(ledger, to delete) once a stopped replica's `log` joins the `ledger` of stopped ones:
+    the newest `keep` stay; none that a listed replica writes to (`in_use`) is deleted."""
+    out = [p for p in ledger if p != log and p not in in_use]
+    if log and log not in in_use:
+        out.append(log)
+    return out[-keep:] if keep > 0 else [], out[:-keep] if keep > 0 else out
 
 
 def sim_command(*extra: str) -> list[str]:
@@ -231,6 +246,24 @@ class ProcessActuator:
         with self._locked() as table:
             return change(table)
 
+    def _retire_log(self, table: Table, log: str | None) -> None:
+        """(With the table's lock held.) A forgotten replica's log joins the stopped ones kept;
+        the oldest beyond `KEEP_STOPPED_LOGS` are deleted."""
+        path = self.state_dir / STOPPED_LOGS
+        try:
+            ledger = [str(p) for p in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError):
+            ledger = []
+        in_use = [str(e.get("log")) for e in table.values() if e.get("log")]
+        ledger, drop = retire_log(ledger, log, in_use, KEEP_STOPPED_LOGS)
+        for p in drop:
+            with contextlib.suppress(OSError):
+                Path(p).unlink()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(ledger))
+            tmp.replace(path)
+
     def _alive(self, rid: str, e: Mapping[str, Any]) -> bool:
         p = self._procs.get(rid)
         if p is not None:
@@ -300,7 +333,7 @@ class ProcessActuator:
 
             def forget_pending(table: Table) -> None:
                 if table.get(replica_id, {}).get("token") == token and table[replica_id].get("pid") is None:
-                    del table[replica_id]
+                    self._retire_log(table, table.pop(replica_id).get("log"))
 
             await asyncio.to_thread(self._update, forget_pending)
             return
@@ -338,7 +371,7 @@ class ProcessActuator:
 
         def forget(table: Table) -> None:
             if table.get(replica_id, {}).get("pid") == pid:  # not a newer start under the same id
-                del table[replica_id]
+                self._retire_log(table, table.pop(replica_id).get("log"))
 
         await asyncio.to_thread(self._update, forget)
 

@@ -441,3 +441,27 @@ async def test_a_replica_whose_stop_its_controller_died_in_is_not_listed_running
         assert not pid_alive(pid) and await act.list() == []
     finally:
         _kill_marked(tmp_path)
+
+
+async def test_stopped_replicas_logs_are_kept_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unbounded-growth review: every cold start gets a new replica id and its own
+    `replica-<id>.log`, and none was ever deleted: a controller scaling for weeks left one file
+    per start ever made (12 starts and stops here: 12 logs). The newest KEEP_STOPPED_LOGS of
+    stopped replicas are kept now, and a running replica's log is never touched."""
+    from floodgate.controller.actuators import process
+
+    monkeypatch.setattr(process, "KEEP_STOPPED_LOGS", 3, raising=False)
+    state = tmp_path / "replicas"
+    act = ProcessActuator(["sleep", "600", "{port}"], state)
+    try:
+        assert await act.start("keep") is not None  # runs throughout
+        for i in range(12):
+            assert await act.start(f"r{i}") is not None
+            await act.stop(f"r{i}")
+        logs = sorted(p.name for p in state.glob("replica-*.log"))
+        assert logs == ["replica-keep.log", "replica-r10.log", "replica-r11.log", "replica-r9.log"], logs
+        await act.stop("keep")
+        assert len(list(state.glob("replica-*.log"))) == 3
+    finally:
+        for h in await act.list():
+            await act.stop(h.replica_id)
