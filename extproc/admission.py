@@ -133,6 +133,7 @@ PRIORITY_LABELS = ("0", "1", "2")
 # controller's scale-up reads them; controller/demand.py), instead of with the once-a-second
 # status tick: at most four extra pipelined HINCRBY writes per second per pool and process.
 DEMAND_FLUSH_S = 0.25
+MAX_REFUSED_LOGGED = 1000  # unregistered endpoints named by grants that are logged (once each)
 # A grant is acted on at once only while this process's liveness in Redis has more than this
 # share of the lease TTL left (`_granted`). Renewals come every third of it, so in normal
 # running at least two thirds are left; less means the process stalled.
@@ -278,7 +279,7 @@ class PoolRuntime:
     ceiling: float | None = None  # the controller's cap on the shared limit (limit.cap_to_ceiling); None: none
     uncapped: float | None = None  # the limit per endpoint before this process's first cap (limit.lift_ceiling)
     registry_due: bool = False  # the controller said the registry changed (schema.REGISTRY_CHANGED): read it now
-    refused_endpoints: set[str] = field(default_factory=set)  # unregistered endpoints grants named (logged once)
+    refused_endpoints: set[str] = field(default_factory=set)  # unregistered endpoints grants named (logged once; at most MAX_REFUSED_LOGGED)
     # Replicas the controller announced on their way (schema.CTL_ARRIVING): (clock() when each
     # serves, replicas, clock() until which it may still come: its time plus the controller's
     # grace); early drop counts the permits they bring (policy.Snapshot.arriving).
@@ -1044,7 +1045,10 @@ class Admitter:
             rt.wake.set()
             return True
         self.child(self.metrics.unregistered_grants, (rt.cfg.name,)).inc()
-        if endpoint not in rt.refused_endpoints:
+        # Logged once per endpoint, for the first MAX_REFUSED_LOGGED names: each forged grant
+        # may name another, and the set was kept for good (an unbounded-growth review: 2,000
+        # names, 2,000 entries); the counter counts them all.
+        if endpoint not in rt.refused_endpoints and len(rt.refused_endpoints) < MAX_REFUSED_LOGGED:
             rt.refused_endpoints.add(endpoint)
             log.warning("pool %s: a grant named endpoint %s, which the controller has not registered: refused "
                         "(503 no_endpoints). Someone with the processors' Redis credentials may be forging grants",

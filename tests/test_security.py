@@ -1065,3 +1065,31 @@ def test_tenants_differing_only_in_bytes_that_are_not_utf8_stay_apart() -> None:
     assert tenant(b"m\xfcller") != tenant(b"m\xe4ller")
     assert tenant("müller".encode()) == "müller"  # UTF-8 as it was
     assert tenant(b"m\xfcller").isascii()
+
+
+async def test_forged_grants_naming_ever_new_endpoints_are_remembered_boundedly(stack: LocalStack) -> None:
+    """An unbounded-growth review: each unregistered endpoint a grant named was kept for good
+    (to log it once), and a holder of the processors' Redis credentials can name a new one in
+    every forged grant: 1,500 names, 1,500 entries. The first 1,000 are logged; every one is
+    still refused and counted."""
+    from floodgate.extproc.admission import MAX_REFUSED_LOGGED
+    from floodgate.extproc.registry import Registry
+    from floodgate.extproc.state import redis_client
+
+    from tests.helpers import picking_admitter
+
+    url = stack.start_redis()
+    c = redis_client(url, op_timeout_s=5)
+    a = picking_admitter(url, c, 4)
+    try:
+        await Registry(c, "f").set("10.0.0.1:8000", "active", "r1")
+        await a.start()
+        rt = a.pools["f"]
+        for i in range(1500):
+            assert not await a._registered(rt, f"10.{i // 250}.{i % 250}.9:8000")
+        assert len(rt.refused_endpoints) == MAX_REFUSED_LOGGED == 1000  # (was 1,500)
+        assert await a._registered(rt, "10.0.0.1:8000")
+        assert a.metrics.unregistered_grants.labels("f")._value.get() == 1500
+    finally:
+        await a.stop()
+        await c.aclose()
