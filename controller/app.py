@@ -422,6 +422,8 @@ class PoolController:
         handles = {h.replica_id: h for h in await self.actuator.list()}
         for rid in [r for r in self._forgotten if r not in handles]:
             del self._forgotten[rid]  # no longer listed: gone for good
+        for rid in [r for r in self._forget_retry if r not in handles]:
+            del self._forget_retry[rid]  # (kept, one entry per such replica ever seen)
         for rid, h in handles.items():
             rep = self.replicas.get(rid)
             if rep is None:

@@ -113,3 +113,54 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
         assert act.stops == 2 and act.gone
         assert [e for e in pc.events if e["event"] == "forgotten"]
     await rc.aclose()
+
+
+async def test_failed_forgets_of_replicas_that_went_away_are_not_kept(stack: LocalStack) -> None:
+    # An unbounded-growth review: a dead replica whose stop (`_forget`) failed kept its retry
+    # entry after the actuator stopped listing it (gone some other way: a pod deleted by hand),
+    # one entry per such replica for as long as the controller ran (40 here, 40 kept).
+    from floodgate.controller.actuators.base import ReplicaHandle
+    from floodgate.controller.app import PoolController
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.extproc.state import redis_client
+
+    class Failing:
+        name = "failing"
+        capacity = None
+
+        def __init__(self) -> None:
+            self.listed: list[str] = []
+            self.stops = 0
+
+        async def list(self) -> list[ReplicaHandle]:
+            return [ReplicaHandle(rid, "127.0.0.1:1", False) for rid in self.listed]
+
+        async def stop(self, replica_id: str) -> None:
+            self.stops += 1
+            raise RuntimeError("the platform's API answered 500")
+
+        async def start(self, replica_id: str) -> None:
+            raise AssertionError("no start expected")
+
+        async def set_role(self, replica_id: str, role: str) -> None:
+            return None
+
+        async def close(self) -> None:
+            return None
+
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 0, "max_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    act = Failing()
+    async with aiohttp.ClientSession() as s:
+        pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
+        now = [1000.0]
+        pc.clock = lambda: now[0]  # type: ignore[method-assign]
+        await pc.rebuild()
+        for i in range(40):
+            act.listed = [f"dead-{i}"]  # listed dead; its stop fails; then it is gone
+            now[0] += 1.0
+            await pc.reconcile(pc.clock())
+        assert act.stops == 40
+        assert len(pc._forget_retry) <= 1, len(pc._forget_retry)  # (was 40)
+    await rc.aclose()
