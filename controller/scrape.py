@@ -207,4 +207,5 @@ class ReplicaScraper:
             if not s.metrics.ok and self.on_failure is not None:
                 self.on_failure("vllm")
         self.last = out  # replicas that are gone are forgotten
+        self._logged.intersection_update(endpoints)  # and so are their logged errors
         return out

@@ -329,6 +329,21 @@ async def test_an_unexpected_error_in_one_replicas_scrape_is_its_failed_scrape(
         assert len(logged) == 1 and logged[0].exc_info is not None and "bad" in logged[0].getMessage()
 
 
+async def test_replicas_gone_leave_no_logged_scrape_error_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unbounded-growth review: a replica whose scrape failed unexpectedly stayed in the
+    scraper's logged set after it was gone (30 such replicas, 30 kept for as long as the
+    controller ran); the samples of gone replicas were already forgotten."""
+    async def scrape(self: VllmClient, replica_id: str, now: float, prev: VllmSample | None = None) -> VllmSample:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(VllmClient, "scrape", scrape)
+    async with aiohttp.ClientSession() as session:
+        rs = ReplicaScraper(session)
+        for i in range(30):
+            await rs.scrape({f"r{i}": "127.0.0.1:1"}, float(i))
+        assert rs._logged == {"r29"}  # (was 30 ids)
+
+
 def test_parse_envoy_stats() -> None:
     text = """\
 # TYPE envoy_cluster_upstream_rq_active gauge
