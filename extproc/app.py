@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 import grpc
@@ -11,7 +12,7 @@ import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from floodgate.extproc.admission import Admitter
 from floodgate.extproc.config import Config, TlsConfig
-from floodgate.extproc.drain import Drain, drain_step
+from floodgate.extproc.drain import Drain, drain_step, recycle_after
 from floodgate.extproc.loopwatch import GcPauses, LoopLagProbe, tune_runtime
 from floodgate.extproc.metrics import Metrics, serve_metrics
 from floodgate.extproc.redis_client import AnyRedis, make_client, parse_redis_url
@@ -103,6 +104,15 @@ async def drain(processor: Processor, stop: asyncio.Event, grace_s: float, quiet
             continue
         log.warning("second signal: cutting %d streams", processor.streams)
         return
+
+
+async def recycle(processor: Processor, stop: asyncio.Event) -> None:
+    """Once `processor.recycle_at` streams have opened (`server.max_requests`), stop as SIGTERM
+    does: the drain that follows lets what is in flight finish, and the process exits 0."""
+    await processor.recycle_due.wait()
+    log.warning("recycling after %d requests (server.max_requests): draining as on SIGTERM, then exiting 0 for "
+                "the platform to start this processor again", processor.opened)
+    stop.set()
 
 
 async def serve(cfg: Config, stop: asyncio.Event) -> None:
@@ -198,8 +208,11 @@ async def serve(cfg: Config, stop: asyncio.Event) -> None:
     gc_pauses = GcPauses(lambda gen, s: gc_children[gen].observe(s) if gen in gc_children else None)
     gc_pauses.install()
     lag_task = asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run(), name="loop-lag-probe")
+    processor.recycle_at = recycle_after(cfg.server.max_requests, random.random())
+    recycle_task = asyncio.create_task(recycle(processor, stop), name="recycle")
     await stop.wait()
     lag_task.cancel()
+    recycle_task.cancel()
     gc_pauses.uninstall()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -7,6 +7,9 @@ through this processor. After SIGTERM the processor reports NOT_SERVING to healt
 threshold, 2 s × 2 with envoy/floodgate-cluster.yaml) and keeps serving everything, new
 streams included, until nothing is in flight and no stream has started for `quiet_s`, or
 `grace_s` has passed (then what is left is cut and its permits are released at once).
+
+`server.max_requests` starts the same drain after that many requests, and the processor then
+exits 0 for its platform to start it again (a bound on memory grpcio leaks per cancelled call).
 """
 
 from __future__ import annotations
@@ -29,3 +32,16 @@ def drain_step(now: float, since: float, streams: int, last_stream_at: float,
     if now - since >= grace_s:
         return Drain.CUT
     return Drain.WAIT
+
+
+# A processor recycles itself after a number of requests drawn from [n, n x (1 + this)): the
+# processors of one rollout start together and would otherwise all drain at the same moment.
+RECYCLE_SPREAD = 0.25
+
+
+def recycle_after(max_requests: int, draw: float) -> int | None:
+    """How many ext_proc streams this processor serves before it drains and exits
+    (`server.max_requests`; None: never). `draw` is uniform in [0, 1)."""
+    if max_requests <= 0:
+        return None
+    return max_requests + int(max_requests * RECYCLE_SPREAD * draw)

@@ -13,6 +13,7 @@ measure TTFT and TPOT for the Vegas limit. With a pool's
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import hashlib
@@ -340,6 +341,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._default_pool = cfg.pools[0].name
         self.streams = 0  # ext_proc streams open now
         self.last_stream_at = -math.inf  # time.monotonic() when the last one opened
+        self.opened = 0  # ext_proc streams opened since start
+        self.recycle_at: int | None = None  # set when opened reaches it (server.max_requests)
+        self.recycle_due = asyncio.Event()
         self._unadmitted = {p.name: frozenset(p.unadmitted_paths) for p in cfg.pools}
         self._unadmitted_methods = {p.name: frozenset(p.unadmitted_methods) for p in cfg.pools}
         self._engine_priority = {p.name: dict(p.engine_priority) for p in cfg.pools}
@@ -448,6 +452,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.ProcessingResponse]:
         # Open streams and when the last one opened: a graceful stop waits for both (extproc/drain.py).
         self.streams += 1
+        self.opened += 1
+        if self.opened == self.recycle_at:
+            self.recycle_due.set()
         self.last_stream_at = time.monotonic()
         try:
             async for reply in self._process(request_iterator):

@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--processors", type=int, default=2, help="Floodgate processor processes (default: %(default)s)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one (redis://, "
                    "redis+sentinel://h1:26379,h2/service or redis+cluster://h1:6379,h2:6379)")
-    p.add_argument("--config", type=Path, help="processor config YAML of one pool (default: demo config, trusts 127.0.0.0/8); its pool picks only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note), and with `engine_priority` the emulated engines schedule by priority; its server section's tls and health_listen are left out (each processor gets loopback ports of its own, plaintext)")
+    p.add_argument("--config", type=Path, help="processor config YAML of one pool (default: demo config, trusts 127.0.0.0/8); its pool picks only loopback replicas here (an allowlist that refuses 127.0.0.1 is replaced, with a note), and with `engine_priority` the emulated engines schedule by priority; its server section's tls and health_listen are left out (each processor gets loopback ports of its own, plaintext), and max_requests (nothing here restarts a processor)")
     p.add_argument("--no-demo", action="store_true", help="start the stack and wait for Ctrl-C")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory (every process's log, the "
                    "generated configs) after a clean stop too; it is always kept after a failure")
@@ -685,15 +685,22 @@ def _local_server(server: Any) -> tuple[Any, str | None]:
     `up` gives each processor its own loopback ports and its Envoy speaks plaintext gRPC to them,
     so a config's `server.tls` (Envoy's health checks and streams would fail the handshake: the
     stack never came up, a traceback after 20 s) and `server.health_listen` (one fixed port for
-    every processor: the second could not bind it) are left out."""
+    every processor: the second could not bind it) are left out, and so is `server.max_requests`
+    (a processor that recycles exits for its platform to start again, and nothing here does)."""
     if not isinstance(server, dict):
         return server, None
     dropped = [k for k in ("tls", "health_listen") if server.get(k) is not None]
-    if not dropped:
+    recycles = bool(server.get("max_requests"))
+    if not dropped and not recycles:
         return server, None
-    return ({k: v for k, v in server.items() if k not in dropped},
-            f"{', '.join('server.' + k for k in dropped)} left out (the local stack's Envoy reaches each "
-            "processor in plaintext on a loopback port of its own)")
+    notes = []
+    if dropped:
+        notes.append(f"{', '.join('server.' + k for k in dropped)} left out (the local stack's Envoy reaches each "
+                     "processor in plaintext on a loopback port of its own)")
+    if recycles:
+        notes.append("server.max_requests left out (a recycled processor exits for its platform to start it "
+                     "again; this stack does not restart processors)")
+    return ({k: v for k, v in server.items() if k not in (*dropped, "max_requests")}, "; ".join(notes))
 
 
 def _start_failure(sup: Supervisor, exc: BaseException) -> str:

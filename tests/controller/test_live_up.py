@@ -347,16 +347,19 @@ def test_up_serves_with_a_config_for_tls_and_a_health_port(tmp_path: Path) -> No
     """A production processor config (TLS on the ext_proc port, a plaintext health port) given
     to `up --config`: the stack's Envoy speaks plaintext to its processors, each on ports of
     its own, so Envoy found no healthy processor (a traceback after 20 s) and a second
-    processor could not bind the one health port. Both are left out here, with a note."""
+    processor could not bind the one health port. Both are left out here, with a note; so is
+    `max_requests` (a processor would exit after its first request and stay down)."""
     from tests.certs import make_pki
 
     server = make_pki(tmp_path / "pki").issue("processor", ips=("127.0.0.1",))
     cfg = tmp_path / "prod.yaml"
     cfg.write_text(yaml.safe_dump({"server": {
         "tls": {"cert_file": str(server.cert), "key_file": str(server.key)},
-        "health_listen": f"127.0.0.1:{free_port()}"}}))
+        "health_listen": f"127.0.0.1:{free_port()}", "max_requests": 1}}))
     text = _up_serves(tmp_path, ["--processors", "2", "--config", str(cfg)])
     assert "server.tls, server.health_listen left out" in text, text[-3000:]
+    # A recycling processor exits for its platform to restart it; nothing here would.
+    assert "server.max_requests left out" in text, text[-3000:]
 
 
 def test_up_refuses_a_config_of_several_pools(tmp_path: Path) -> None:
