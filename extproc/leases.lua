@@ -1579,6 +1579,14 @@ function OPS.sync(ARGV)
       -- gateway's previous liveness, the lease ran out under the live request if the next
       -- renewal came late, and its permit went to another gateway (2 of limit 1).
       redis.call('ZADD', K.leases, 'XX', EXPIRY_S, t)
+      -- And told in the reply, as a grant the batch made: its message may never come (a
+      -- connection cut around a failover or a slot move while Redis still counted it, a batch
+      -- reply lost and the batch sent again). Only the poll told it before; with
+      -- `poll_interval_s` raised, a pool stalled 14 s with every permit leased to such waiters,
+      -- each renewal extending them. A second report of one already started is ignored.
+      if MINE and gw == MY_GW then
+        table.insert(MINE, t) table.insert(MINE, redis.call('HGET', K.lep, t) or '')
+      end
     elseif not redis.call('ZSCORE', K.queue, t) then
       -- Missing from the queue (lost, or its key was): queued again. One whose meta survived
       -- (the queue key alone lost) was passed over by every grant until its deadline.

@@ -741,3 +741,26 @@ async def test_a_fence_without_liveness_is_no_clock_jump(client: aioredis.Redis)
     await p.at(10_000)  # ... while a real jump still holds: gb's liveness is here and ran out
     assert not await p.take("gb")
     assert b"j|" in await p.hold()
+
+
+async def test_a_renewal_reports_a_grant_whose_message_was_lost(client: aioredis.Redis) -> None:
+    """A grant to another processor's waiter goes by pub/sub; one that never reaches it (here a
+    subscription on its channel that the processor does not read: what Redis sees of a
+    connection cut around an operator's `CLUSTER FAILOVER`) left the waiter waiting on a
+    permit it held. Its renewals found the lease and extended it ("granted while this renewal
+    was on its way") without telling the processor, so only its poll could: with
+    `poll_interval_s` raised, two processors at L 4 stalled 14 s after a graceful failover in a
+    review, every permit leased to waiters that never heard. A renewal now reports such a
+    waiter's grant in its reply, like a grant the batch made itself."""
+    grants: dict[str, str] = {}
+    a = await make(client, "lostmsg", gateway="ga", limit=1)
+    b = await make(client, "lostmsg", gateway="gb", on_grant=grants)
+    async with listening(client, "lostmsg", "gb"):  # gb is heard; its processor never reads this
+        await b.sync("gb", 1, {}, {})  # gb is alive
+        assert (await a.acquire("ga/1", "ga", 1, 1, "t")).granted
+        assert not (await b.enqueue("gb/2", "gb", 2, 1, "t", 30)).granted
+        await a.release("ga/1")  # grants gb/2 by a message gb's processor never reads
+        assert await b.granted_among(["gb/2"]) == {"gb/2": ""} and grants == {}
+        res = await b.sync("gb", 3, {}, {"gb/2": (1, 2, 30.0, "t")})
+        assert res.requeued == 0 and res.status.inflight_total == 1
+        assert grants == {"gb/2": ""}  # told by the renewal (before: never, only by a poll)
