@@ -92,6 +92,7 @@ from floodgate.extproc.redis_client import (
     answered_with_error,
     follow_sentinel_primary,
     is_cluster,
+    outage_hint,
     refused_settings_error,
     subscribe,
 )
@@ -612,7 +613,7 @@ class Admitter:
                 self.metrics.redis_error_replies.labels(op).inc()
                 if "WRONGTYPE" in str(exc):
                     rt.wrong_type = True  # the next reconcile repairs the pool's keys first
-            self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}", answered=answered)
+            self._enter_degraded(rt, f"{op}: {type(exc).__name__}: {exc}{outage_hint(exc)}", answered=answered)
             raise RedisDown(op) from exc
         except UNREADABLE_REPLY as exc:
             # Redis answered something this version cannot read: the library under our name is

@@ -45,6 +45,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
+    ClusterError,
     ReadOnlyError,
     RedisClusterException,
     RedisError,
@@ -93,6 +94,19 @@ def answered_with_error(exc: BaseException) -> bool:
     if not isinstance(exc, ResponseError) or isinstance(exc, (ReadOnlyError, TryAgainError, ClusterDownError)):
         return False
     return not str(exc).startswith(("BUSY", "NOREPLICAS"))
+
+
+def outage_hint(exc: BaseException) -> str:
+    """What an outage's error means where its text does not say ('' where it does), appended to
+    the log line. redis-py ends a Cluster call that was redirected (MOVED, ASK, TRYAGAIN) until
+    its retries ran out with "TTL exhausted." and nothing else: an operator review saw a pool on
+    local limits, logged as `redis unreachable`, while every node was healthy and the pool's slot
+    sat half-way through a migration (its keys on two nodes: TRYAGAIN to every script)."""
+    if isinstance(exc, ClusterError) and "TTL exhausted" in str(exc):
+        return ("; the Cluster kept redirecting the call (MOVED/ASK/TRYAGAIN): most often the pool's slot is "
+                "being migrated (CLUSTER SETSLOT ... MIGRATING/IMPORTING) and the pool's scripts fail until the "
+                "slot is on one node: finish or undo the migration (valkey-cli --cluster fix)")
+    return ""
 
 
 def refused_connection_settings(exc: BaseException) -> str | None:

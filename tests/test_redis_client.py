@@ -312,3 +312,15 @@ def test_a_database_or_credentials_the_server_refuses_stop_start_up_naming_the_u
     r = start(url.replace("redis://", "redis://:wrong@"))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "redis.url" in r.stderr and "refused the credentials" in r.stderr and "wrong" not in r.stderr
+
+
+def test_an_exhausted_cluster_redirect_says_a_slot_may_be_migrating() -> None:
+    """redis-py's "TTL exhausted." names no cause: the log line adds the likely one (a slot
+    half-way through a migration); errors that say what they are get nothing added."""
+    from floodgate.extproc.redis_client import outage_hint
+    from redis.exceptions import ClusterError, ConnectionError, TryAgainError
+
+    assert "slot is being migrated" in outage_hint(ClusterError("TTL exhausted."))
+    for exc in (ConnectionError("Connection refused"), TryAgainError("Multiple keys"), TimeoutError(),
+                ClusterError("Redis Cluster cannot be connected")):
+        assert outage_hint(exc) == ""

@@ -928,3 +928,51 @@ async def test_a_primary_that_refuses_writes_without_replicas_degrades_the_proce
         await admitter.stop()
         await client.aclose()
         probe.close()
+
+
+async def test_a_pool_slot_left_half_migrated_degrades_the_pool_and_says_why(
+        cluster: ClusterTopology, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """An operator moves a pool's slot by hand (`CLUSTER SETSLOT ... IMPORTING/MIGRATING`, then
+    `MIGRATE`) and stops half-way (a reshard that crashed, or one done key by key). Every
+    script of the pool fails (its keys are on two nodes: TRYAGAIN, ASK): the pool runs on local
+    limits, which is sane; but the log said only `redis unreachable (sync: ClusterError: TTL
+    exhausted.)` with every node healthy. It now says the slot is being migrated and what to
+    do. Once the slot is on one node the pool returns to shared state with its permit."""
+    pool = cluster.key_on_shard(0, "mg")
+    classes = {c: {"queue_timeout_s": 30, "max_queue": 100, "share": s} for c, s in ((0, 0.5), (1, 0.3), (2, 0.1))}
+    cfg = Config.model_validate({
+        "redis": {"url": cluster.url, "lease_ttl_s": 3, "op_timeout_s": 0.25, "reconnect_interval_s": 0.2},
+        "pools": [{"name": pool, "local_credits": 0, "classes": classes, "limit": {"mode": "static", "initial": 2}}]})
+    clients = make_pool_clients(cfg)
+    client = redis_client(cluster.url, op_timeout_s=0.25)
+    admitter = Admitter(cfg, client, gateway_id="gw", pool_clients=clients)
+    await admitter.start()
+    src, dst = cluster.shards[0].primary, cluster.shards[1].primary
+    s, d = src.client(), dst.client()
+    slot = cluster.slot_of(script_keys(pool)[0])
+    sid, did = (x.execute_command("CLUSTER", "MYID").decode() for x in (s, d))
+    try:
+        held = await admitter.admit(pool, 1, "t")
+        assert isinstance(held, Permit) and not admitter.pools[pool].degraded
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", sid)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", did)
+        keys = s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "REPLACE", "KEYS", *keys[: len(keys) // 2])
+        with caplog.at_level("WARNING", logger="floodgate.admission"):
+            assert await wait_until(lambda: admitter.pools[pool].degraded, 15), "the renewal did not fail"
+        assert "the pool's slot is being migrated" in caplog.text, caplog.text
+        # The operator finishes the move: shared state again, the held permit re-asserted there.
+        while rest := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "REPLACE", "KEYS", *rest)
+        for shard in cluster.shards:
+            shard.primary.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", did)
+        assert await wait_until(lambda: not admitter.pools[pool].degraded, 20), "still on local limits"
+        assert await wait_until(lambda: d.zcard(script_keys(pool)[0]) == 1, 10)  # the permit, on the new owner
+        await admitter.release(held)
+        assert await wait_until(lambda: d.zcard(script_keys(pool)[0]) == 0, 10)
+    finally:
+        await admitter.stop()
+        await client.aclose()
+        for pc, ps in clients.values():
+            await pc.aclose()
+            await ps.aclose()
