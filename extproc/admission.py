@@ -1424,8 +1424,12 @@ class Admitter:
             self._sync_soon(rt)
         if rt.degraded or rt.resyncing or self._closing:
             return
+        # Eviction named too: under `maxmemory` with an allkeys-* policy, the pool's state hash
+        # (which holds the fences) evicted reads exactly so, and a review's operator, the
+        # servers up and unmoved, was sent after failovers (docs/operations.md).
         log.warning("pool %s: Redis lacks writes of this processor it had acknowledged (a failover to a "
-                    "replica that missed them, a restart, or this process stalled past the lease TTL): "
+                    "replica that missed them, a restart, a pool key evicted under maxmemory or deleted, "
+                    "or this process stalled past the lease TTL): "
                     "re-asserting its permits and waiters now (after a failover Redis grants no permit "
                     "until every processor has re-asserted, at most %.1f s)", rt.cfg.name,
                     self.cfg.redis.lease_ttl_s / 3 + 1)

@@ -315,3 +315,23 @@ async def _until_score(raw: aioredis.Redis, gws: str, pred: Callable[[float | No
         if asyncio.get_running_loop().time() >= deadline:
             return False
         await asyncio.sleep(0.05)
+
+
+async def test_an_evicted_state_key_is_named_as_a_possible_cause(gw: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    """Under `maxmemory` with an allkeys-* eviction policy, Redis may evict a pool key. The
+    pool's state hash (the processors' fences) evicted reads as lost writes, and the WARNING
+    named a failover, a restart or a stall only: an operator review, filling a Valkey with
+    allkeys-lru under two processors (7 in flight of L 4 for a moment, then recounted), was
+    sent after failovers while the servers had not moved. Here the key is deleted as an
+    eviction would; the WARNING names eviction too."""
+    from floodgate.extproc.schema import key
+
+    admitter, raw = gw.admitter, gw.raw
+    held = [await admitter.admit("a", 1, "t") for _ in range(2)]
+    assert all(isinstance(p, Permit) for p in held)
+    assert await raw.delete(key("a", "state")) == 1  # what an eviction of it does
+    with caplog.at_level("WARNING", logger="floodgate.admission"):
+        await admitter.release(held[0])  # type: ignore[arg-type]
+        assert await wait_until(lambda: "Redis lacks writes" in caplog.text, 5)
+    assert "evicted under maxmemory" in caplog.text
+    assert await leased(raw, "a") == [held[1].ticket]  # type: ignore[union-attr]
