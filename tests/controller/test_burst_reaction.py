@@ -269,3 +269,14 @@ def test_replicas_still_loading_are_not_reached_without_a_cold_start() -> None:
     # nothing (the plan already leaves it out): counted as reached within a wake, it kept the
     # reaction from firing.
     assert reacted(_step_on(waking, stalled=frozenset(f"k{i}" for i in range(4)))) == [15]
+
+
+def test_a_single_replica_past_its_size_with_a_queue_reacts_without_shedding() -> None:
+    """The "pool measurably past its size" gate counts the replicas active, at least one: a
+    single replica holding 15 where it carries 7 × 1.1, with 3 waiting (> 2 per replica), is
+    confirmed without any rejection yet. (Floored at two replicas, it waited for a shed.)"""
+    assert burst_reaction(POLICY, 15.0, 20.0, False, True, 1, 7.0, reachable=1, demand=15.0, active=1,
+                          waiting=3.0) == 3
+    # one request fewer waiting (2, not past 2 per replica): a clump, not confirmed
+    assert burst_reaction(POLICY, 15.0, 20.0, False, True, 1, 7.0, reachable=1, demand=15.0, active=1,
+                          waiting=2.0) is None

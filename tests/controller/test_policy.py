@@ -22,6 +22,7 @@ from floodgate.controller.policy import (
     PolicyConfig,
     PolicyState,
     ScalePlan,
+    _kv_after_down,
     decide,
 )
 from floodgate.controller.signals import PoolSignals, ReplicaState, ReplicaView
@@ -562,3 +563,36 @@ def test_a_change_of_the_bounds_is_a_change_in_the_plan(clock: FakeClock) -> Non
     plan, _ = step(PolicyConfig(min_replicas=1, max_replicas=1, target_concurrency=10.0), PolicyState(desired=5), t,
                    reps, signals(t, reps, running=40))
     assert (plan.previous, plan.desired, plan.direction, plan.reason) == (5, 1, "down", REASON_BOUNDS), plan
+
+
+# --- Added by the mutation review: each test below kills a mutant the suite let through. ---
+
+
+def test_kv_sizes_the_scale_up_for_kv_target_on_a_larger_pool(clock: FakeClock) -> None:
+    """KV pressure asks for ceil(active × kv_mean / kv_target). On 4 replicas `active / kv_mean`
+    rounds to the same 6, so a wrong formula hid; on 10 it does not (13, not 15)."""
+    reps = views(clock.now, active=10)
+    plan, _ = step(CFG, PolicyState(desired=10), clock.now, reps,
+                   signals(clock.now, reps, running=100, waiting=1, kv=0.95))
+    assert (plan.desired, plan.reason) == (13, REASON_KV)  # ceil(10 × 0.95 / 0.75) = ceil(12.67)
+
+
+def test_panic_threshold_is_measured_against_the_whole_pool(clock: FakeClock) -> None:
+    """Panic (which forbids scale-down for a whole panic window) starts at demand ≥
+    panic_threshold × capacity × target: 25 running on 4 replicas of 10 is below the size,
+    not a panic (measured against one replica it would be, and the pool would never shrink)."""
+    reps = views(clock.now, active=4)
+    plan, _ = step(CFG, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=25))
+    assert not plan.panic
+    plan, _ = step(CFG, PolicyState(desired=4), clock.now, reps, signals(clock.now, reps, running=80))
+    assert plan.panic  # 80 ≥ 2 × 4 × 10
+
+
+def test_a_step_that_only_cancels_incoming_replicas_is_not_held_by_kv() -> None:
+    """The KV hold asks what the active replicas would carry after the step; a step down from 4
+    to 3 with 2 active and 2 loading removes no active replica, so it moves no KV and must not
+    be held however full the KV is (else a pool that over-asked keeps its cold starts coming)."""
+    cfg = PolicyConfig(min_replicas=1, max_replicas=64, target_concurrency=10.0)
+    assert _kv_after_down(cfg, kv_mean=0.95, active=2, current=4, live=10.0) == 0.0
+    # the same KV with the step taking an active replica: 0.95 × 2 / 1 would be held
+    assert _kv_after_down(cfg, kv_mean=0.95, active=2, current=2, live=10.0) == pytest.approx(1.9)
