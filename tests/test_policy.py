@@ -13,6 +13,7 @@ from floodgate.extproc.policy import (
     Enqueue,
     Reject,
     Snapshot,
+    WaitEstimate,
     certain_reject,
     eligible,
     kept_free,
@@ -968,3 +969,36 @@ def test_a_class_may_be_set_not_to_count_arrivals_still_to_come() -> None:
     d = queue_decision(1, backlog, waits, ADM, 0.0)
     assert isinstance(d, Reject) and d.reason == "early_drop"
     assert certain_reject(1, backlog, waits, ADM, 0.0, age_s=0.05) is not None
+
+
+def test_a_class_shedding_its_excess_is_likelier_reached_the_longer_it_may_wait() -> None:
+    """Mutation review: on the reservation path a class above its reservation is reached after
+    its excess (2) and its own request (1) are released, expected `excess_rate × t` by t. The
+    existing excess test waits 1 s, where `× t` and `/ t` agree; at 4 s of 3 releases/s the
+    3 needed are near certain (P(Poisson(12) ≥ 3)), at 0.5 s unlikely (P(Poisson(1.5) ≥ 3))."""
+    est = WaitEstimate(ahead=0, free=0, gap=0, rate=3.0, class_rate=3.0, samples=200, excess=2, excess_rate=3.0)
+    assert est.chance(4.0) == pytest.approx(poisson_tail(12.0, 3))
+    assert est.chance(4.0) > 0.99
+    assert est.chance(0.5) == pytest.approx(poisson_tail(1.5, 3)) and est.chance(0.5) < 0.2
+
+
+def test_a_slow_stream_of_higher_arrivals_still_jumps_ahead() -> None:
+    """Mutation review: higher-class arrivals during the wait take releases before this request
+    (the walk of releases minus arrivals). Only a zero arrival rate may use the plain count of
+    releases; at 0.5 higher arrivals/s against 1 release/s, 3 releases needed within 10 s is
+    no longer near certain (an early-drop threshold read as `<= 1` arrivals/s ignored them)."""
+    alone = WaitEstimate(ahead=2, free=0, gap=0, rate=1.0, class_rate=0.0, samples=200, open_rate=1.0,
+                         higher_arrivals=0.0)
+    behind = WaitEstimate(ahead=2, free=0, gap=0, rate=1.0, class_rate=0.0, samples=200, open_rate=0.5,
+                          higher_arrivals=0.5)
+    assert alone.chance(10.0) == pytest.approx(poisson_tail(10.0, 3))  # > 0.99
+    assert behind.chance(10.0) < 0.95
+
+
+def test_an_unused_reservation_reaches_its_class_at_the_gap_rate() -> None:
+    """Mutation review: a class whose reservation is unused (gap 1) with nothing of its own in
+    flight (no turnover) is reached by the next release the grant loop hands to the gap: the
+    mean wait (the Enqueue's estimate, and Retry-After's point) is 1 / gap_rate, not never.
+    Boundaries: a gap of exactly 1, and exactly as many releases needed as the gap holds."""
+    est = WaitEstimate(ahead=0, free=0, gap=1, rate=2.0, class_rate=0.0, samples=200, gap_rate=2.0)
+    assert est.mean_seconds == pytest.approx(0.5)
