@@ -577,3 +577,10 @@ async def test_script_reports_when_prefill_pacing_opens(stack: LocalStack) -> No
         assert got.granted  # no P0 in flight: not paced
     finally:
         await c.aclose()
+
+
+def test_a_request_the_upstream_refused_as_malformed_is_unprefilled() -> None:
+    """Mutation review: every status of 400 or more is a refusal, 400 itself (a malformed body,
+    the engine's most common refusal) included: its prompt was never prefilled, so its size
+    must leave the endpoint's estimate, or it paces the lower classes for nothing."""
+    assert unprefilled(400) and not unprefilled(399)

@@ -96,3 +96,15 @@ def test_a_comma_joined_priority_header_is_read_as_its_values(values: tuple[str,
     # while two lines of `0` gave P0; the tenant header already reads comma lists.
     d = R.resolve(Caller(source_ip="10.2.3.4", priority_values=values))
     assert (d.priority, d.invalid_header) == (want, invalid)
+
+
+def test_the_callers_identity_is_its_spiffe_id_under_mtls_else_its_address() -> None:
+    """Mutation review: `Caller.identity` (what admission records the request's caller as) is
+    the mTLS peer's SPIFFE ID only when there is one; an mTLS peer whose certificate has no URI
+    SAN (DNS names only) and a plain caller are their source address. Neither was tested: an
+    `or` for the `and` indexed an empty SAN list (IndexError on the request path)."""
+    assert Caller(source_ip="10.0.0.7").identity == "10.0.0.7"
+    assert Caller(source_ip="10.0.0.7", mtls=True).identity == "10.0.0.7"
+    assert Caller(source_ip="10.0.0.7", mtls=True, peer_uri_sans=("spiffe://prod/sa/web",)).identity == \
+        "spiffe://prod/sa/web"
+    assert Caller().identity == ""

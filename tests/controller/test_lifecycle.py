@@ -539,3 +539,13 @@ def test_outdated_pool_replicas_are_refilled_then_retired_once_the_new_ones_are_
     # A scale-up promotes the current one first.
     p = plan_pool(2, (active, old, replace(new, asleep=True)), 1, NOW, CFG)
     assert ("promote", "r0") in kinds(p.actions) and ("promote", "w0") not in kinds(p.actions)
+
+
+def test_a_rise_of_exactly_the_min_ratio_is_not_a_burst() -> None:
+    """Mutation review: a burst is a rise that *exceeds* `burst_min_ratio` × the window's low (the
+    config's own wording). At ratio 1.0 a doubling from 10 to 20 is a rise of exactly 10: not a
+    burst; one replica more is. Read as "at least", every doubling would size the pool's burst
+    memory, holding warm replicas (cost) for `burst_memory_s` after an ordinary ramp."""
+    cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
+    assert _feed(cfg, [(0, 10), (60, 20)]).largest() == 0
+    assert _feed(cfg, [(0, 10), (60, 21)]).largest() == 11
