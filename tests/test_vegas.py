@@ -639,3 +639,26 @@ def test_a_whole_responses_api_reply_counts_its_output_tokens() -> None:
     m.chunk(2.0, body)
     lat = m.latency()
     assert lat is not None and lat.tokens == 40 and lat.signal("tpot") == pytest.approx(2.0 / 40)
+
+
+def test_floodgate_probe_counts_windows_up_to_twice_the_noload_inflight_as_low() -> None:
+    """Mutation review: a window is "at low in-flight" up to max(4, 2 × the in-flight the no-load
+    latency was seen at). The probe test above has a no-load in-flight of 2, where max and min
+    of (4, 4) agree; at 10, a window at 16 in flight is low, and a probe with no earlier low
+    window re-learns a slower model's latency from its own sample (0.1 -> 0.15)."""
+    st = VegasState(limit=100, rtt_noload=0.1, probe_count=2699, probe_jitter=0.9, noload_inflight=10)
+    out = V.update(st, Sample(rtt=0.15, inflight=16), rand=0.5)  # the probe: 0.9 × 30 × 100 = 2700
+    assert out.probe_count == 0
+    assert out.rtt_noload == 0.15 and out.noload_inflight == 16
+    # above twice the no-load in-flight: loaded latency, the baseline stays
+    out = V.update(st, Sample(rtt=0.15, inflight=21), rand=0.5)
+    assert out.rtt_noload == 0.1
+
+
+def test_netflix_flavor_steps_by_the_square_root_from_a_limit_of_1000() -> None:
+    """Mutation review: Netflix's Log10RootFunction is a log10 lookup below 1000 and sqrt from
+    1000 on; the drop step at a limit of 1000 is 31, at 999 it is 2 (only the floodgate
+    flavor's log10_root was tested at the boundary)."""
+    drop = Sample(rtt=0.0, inflight=0, dropped=True)
+    assert N.update(VegasState(limit=1000, rtt_noload=0.1), drop, 0.5).limit == 1000 - 31
+    assert N.update(VegasState(limit=999, rtt_noload=0.1), drop, 0.5).limit == 999 - 2
