@@ -345,3 +345,17 @@ def test_a_floor_restore_never_lifts_an_estimate_past_the_prior() -> None:
     st = CapacityState(estimate=5.0, recent=(Seen(14.0, 0.5, 7.5),))
     st = _window(st, 0.0, 7.0, prior, UP, ttft=2.4)
     assert capacity(st, prior, UP) == pytest.approx(7.5)
+
+
+def test_a_light_window_near_the_slo_does_not_lower_the_estimate() -> None:
+    """Mutation review: a window whose concurrency is under `min_load_fraction` of the estimate
+    says nothing about the limit, whatever its latency. The light-window test above meets the
+    SLO easily, where a later guard (latency within the aim proves a lower bound only) also
+    returns nothing; here 2 per replica (under half of 9.6) run near the ITL SLO (a slow model,
+    not load), which read as capacity would pull the estimate down towards 2."""
+    prior = 9.6
+    light_slow = tick_latency([(hist(0.2, 2, TTFT_LE), hist(0.09, 20, ITL_LE), 2.0)] * 2, 2)
+    st = CapacityState()
+    for i in range(30):
+        st = update(st, light_slow, 1000.0 + i, prior, CFG)
+    assert st.estimate is None and capacity(st, prior, CFG) == prior
