@@ -152,3 +152,10 @@ def test_credits_are_used_only_within_the_limit() -> None:
     assert not credits_usable(1, (0, 3, 0), limit=64)  # something waits
     assert credits_usable(0, (0, 8, 0), limit=8)  # full with them: still within
     assert not credits_usable(0, (0, 31, 0), limit=8)  # the limit fell below the leases
+
+
+def test_a_sample_rate_of_zero_never_samples() -> None:
+    """Mutation review: `limit.sample_rate` 0 switches latency sampling off, even for a random
+    draw of exactly 0.0 (`random.random()` can return it); read as `rand <= rate` it sampled."""
+    assert not sample_request(0.0, 0.0, 0, 0)
+    assert sample_request(0.0, 0.5, 0, 0)

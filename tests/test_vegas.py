@@ -662,3 +662,14 @@ def test_netflix_flavor_steps_by_the_square_root_from_a_limit_of_1000() -> None:
     drop = Sample(rtt=0.0, inflight=0, dropped=True)
     assert N.update(VegasState(limit=1000, rtt_noload=0.1), drop, 0.5).limit == 1000 - 31
     assert N.update(VegasState(limit=999, rtt_noload=0.1), drop, 0.5).limit == 999 - 2
+
+
+def test_a_window_after_a_take_starts_with_no_successes() -> None:
+    """Mutation review: `take` resets the window; a next window holding only a drop is all drops
+    (share 1, Vegas's full decrease), not half (a success carried over from the reset)."""
+    w = SampleWindow(min_samples=1, min_duration=0.0, max_duration=10.0)
+    w.add(0.0, 0.2, 5)
+    assert w.take() is not None
+    w.add(1.0, None, 5, dropped=True)
+    s = w.take()
+    assert s is not None and s.dropped and s.drops == 1.0
