@@ -596,3 +596,15 @@ def test_a_step_that_only_cancels_incoming_replicas_is_not_held_by_kv() -> None:
     assert _kv_after_down(cfg, kv_mean=0.95, active=2, current=4, live=10.0) == 0.0
     # the same KV with the step taking an active replica: 0.95 × 2 / 1 would be held
     assert _kv_after_down(cfg, kv_mean=0.95, active=2, current=2, live=10.0) == pytest.approx(1.9)
+
+
+def test_kv_hold_counts_waiting_requests_as_live_load(clock: FakeClock) -> None:
+    """Mutation review: the KV hold is skipped only for an idle pool (nothing running *or
+    waiting*). Long contexts: 2 running and 3 waiting on 4 replicas at KV 0.8 — one replica
+    fewer would carry 4 × 0.8 / 3 = 1.07, so the step down is held (with `running - waiting`
+    as the live load, the pool read as idle and stepped down into KV pressure)."""
+    cfg = CFG.model_copy(update={"panic_window_s": 0.0})
+    reps = views(clock.now, active=4)
+    state = PolicyState(desired=4, window=((clock.now - 400, 4),))
+    plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=2, waiting=3, kv=0.8))
+    assert (plan.desired, plan.reason) == (4, REASON_HOLD_KV)
