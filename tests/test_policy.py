@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -1002,3 +1003,24 @@ def test_an_unused_reservation_reaches_its_class_at_the_gap_rate() -> None:
     Boundaries: a gap of exactly 1, and exactly as many releases needed as the gap holds."""
     est = WaitEstimate(ahead=0, free=0, gap=1, rate=2.0, class_rate=0.0, samples=200, gap_rate=2.0)
     assert est.mean_seconds == pytest.approx(0.5)
+
+
+def test_retry_after_rounds_its_fraction_at_random_not_always_up() -> None:
+    """Mutation review: the whole-second header rounds the jittered wait up or down at random
+    (up with the chance of its fraction), so on average it tells the jittered wait itself.
+    Always rounding up adds half a second to every client's wait; the jitter test above still
+    sees 3 distinct values then, so only the mean tells (10 s, jitter 0.2: ~11.0, not 11.5)."""
+    told = [retry_after(10, CLASSES[2], ADM, rand=(r + 0.5) / 400) for r in range(400)]
+    whole = sum(told) / len(told)
+    exact = sum(t.ms for t in told) / len(told) / 1000
+    assert exact == pytest.approx(11.0, abs=0.01)
+    assert whole == pytest.approx(exact, abs=0.15)
+
+
+def test_retry_after_can_tell_a_whole_second_maximum_itself() -> None:
+    """Mutation review: with `retry_after_max_s` a whole number (60), the header's top is 60,
+    not 59: the float guard rounds the bound's own value in (`floor(max + 1e-9)`), it does
+    not shave a second off it (the clamp test only checks the top is at most 60)."""
+    draws = random.Random(1)  # seeded: an evenly spaced grid of rand aliases the rounding's own draw
+    at_max = {int(retry_after(1000, CLASSES[2], ADM, rand=draws.random())) for _ in range(400)}
+    assert max(at_max) == 60 and min(at_max) >= 50
