@@ -13,7 +13,7 @@ from floodgate.controller.app import PoolController
 from floodgate.controller.backtest import engine, report, workload
 from floodgate.controller.config import ActuatorConfig, PoolConfig
 from floodgate.controller.decider import DeciderConfig, DeciderState, Signals, decide
-from floodgate.controller.forecast import ForecastConfig
+from floodgate.controller.forecast import DemandHistory, ForecastConfig
 from floodgate.controller.lifecycle import Action, ActionKind, WarmPoolConfig
 from floodgate.controller.metrics import ControllerMetrics
 from floodgate.controller.policy import PolicyConfig
@@ -110,3 +110,25 @@ def test_decider_records_history_and_skips_stale_ticks(clock: FakeClock) -> None
     stale = signals(now + 70, reps, running=0.0, stale_ids=frozenset({"a0"}))
     st2, d2 = decide(cfg, st, Signals(stale, reps), now + 70)
     assert d2.plan.stale and d2.recorded is None and st2.acc == st.acc
+
+
+def test_the_decider_floors_the_pool_at_the_forecast_of_its_history() -> None:
+    """Mutation review: the decider caches its forecasts per (minute, history end) and must
+    compute them on a tick whose key it has not seen. With the cache test inverted the forecast
+    was never made and no floor applied, and no test noticed (the live/backtest comparison
+    only checks the two agree). A week of 40 concurrent at a target of 10: floor 4, so a light
+    tick on 4 replicas keeps them."""
+    day = 1440
+    now_min = 20 * day + 300
+    fcfg = ForecastConfig()
+    h = DemandHistory.empty(fcfg.retention_days * day, now_min)
+    v = np.array(h.values)
+    v[-7 * day:] = 40.0
+    v.flags.writeable = False
+    cfg = DeciderConfig(policy=PolicyConfig(target_concurrency=10.0), forecast=fcfg)
+    now = now_min * 60.0
+    reps = views(now, active=4)
+    _, d = decide(cfg, DeciderState(history=DemandHistory(now_min, v)), Signals(signals(now, reps, running=8), reps),
+                  now)
+    assert d.forecast.engaged and d.floor == 4
+    assert d.plan.desired == 4
