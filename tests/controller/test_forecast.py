@@ -292,3 +292,17 @@ def test_unknown_timezone_fails_config_load_naming_the_field() -> None:
         parse_config(raw, env={})
     assert parse_config({**raw, "pools": [{**raw["pools"][0], "forecast": {"timezone": "Asia/Tokyo"}}]},
                         env={}).pools[0].forecast.timezone == "Asia/Tokyo"
+
+
+def test_a_spike_over_idle_days_is_clipped_idle_minutes_are_data() -> None:
+    """Mutation review: a minute of 0 demand on the other days is data (an idle pool), not a gap.
+    A one-minute spike of 700 yesterday over six idle days is clipped to 2 × max(0, error_floor
+    1) = 2 before it votes; read as "no other day to compare", it was kept whole and the floor
+    pre-scaled ~30 replicas for an idle pool (the spike test above has 20s, not 0s, around it)."""
+    now_min = 20 * DAY + 500
+    spike = now_min + 7 - DAY
+    h = hist_from(lambda m: 700.0 if m == spike else 0.0, 7, now_min - 1)
+    f = fc.predict(h, now_min * 60.0 + 1, CFG)
+    w = fc.weights(CFG)
+    assert f.engaged and f.peak == pytest.approx(2.0 * w[0] / w.sum())
+    assert fc.floor_replicas(f, 7.0) == 1
