@@ -549,3 +549,13 @@ def test_a_rise_of_exactly_the_min_ratio_is_not_a_burst() -> None:
     cfg = WarmPoolConfig(burst_window_s=300, burst_min_ratio=1.0, burst_memory_s=3600)
     assert _feed(cfg, [(0, 10), (60, 20)]).largest() == 0
     assert _feed(cfg, [(0, 10), (60, 21)]).largest() == 11
+
+
+def test_retiring_an_outdated_replica_frees_one_place_under_max_total() -> None:
+    """Mutation review: `max_total` caps the replicas of every live state together. Retiring
+    an outdated drained replica frees one place, so at max_total 2 (one active, the outdated
+    one done draining, a pool target of 2) one pool refill starts, not two (3 replicas live)."""
+    cfg = CFG.model_copy(update={"max_total": 2})
+    done = rv("a1", S.DRAINING, NOW - 30, inflight=0, running=0, outdated=True)
+    p = plan_pool(1, (rv("a0", S.ACTIVE), done), 2, NOW, cfg)
+    assert [(a.kind.value, a.replica_id) for a in p.actions] == [("terminate", "a1"), ("start", "r0")]
