@@ -1024,3 +1024,14 @@ def test_retry_after_can_tell_a_whole_second_maximum_itself() -> None:
     draws = random.Random(1)  # seeded: an evenly spaced grid of rand aliases the rounding's own draw
     at_max = {int(retry_after(1000, CLASSES[2], ADM, rand=draws.random())) for _ in range(400)}
     assert max(at_max) == 60 and min(at_max) >= 50
+
+
+def test_a_tenant_first_in_the_fair_order_waits_behind_no_one_of_its_class() -> None:
+    """Mutation review: the fair queue may put a request ahead of all its class's waiters
+    (`Snapshot.ahead` 0: a tenant with none queued, behind others with many). Early drop and
+    the wait then count no waiter of its class ahead, not one (a floor of 1 would make the
+    head of the queue wait for one release more than it needs)."""
+    s = Snapshot(10, (5, 5, 0), (0, 5, 0), 0, grant_rate=10.0, release_n=200, ahead=0)
+    assert wait_estimate(1, s, SHARES).ahead == 0
+    assert wait_estimate(1, replace(s, ahead=3), SHARES).ahead == 3
+    assert wait_estimate(1, replace(s, ahead=None), SHARES).ahead == 5
