@@ -22,6 +22,7 @@ from floodgate.controller.policy import (
     PolicyConfig,
     PolicyState,
     ScalePlan,
+    Wave,
     _kv_after_down,
     decide,
 )
@@ -608,3 +609,16 @@ def test_kv_hold_counts_waiting_requests_as_live_load(clock: FakeClock) -> None:
     state = PolicyState(desired=4, window=((clock.now - 400, 4),))
     plan, _ = step(cfg, state, clock.now, reps, signals(clock.now, reps, running=2, waiting=3, kv=0.8))
     assert (plan.desired, plan.reason) == (4, REASON_HOLD_KV)
+
+
+def test_a_serving_waves_queue_past_its_top_doubles_only_with_demand_past_the_size(clock: FakeClock) -> None:
+    """Mutation review: once a cold wave serves, a vLLM queue past the top it reached doubles the
+    pool only if the demand is also past what the current size carries (rule 5). Here 12 wait
+    inside 4 replicas (top 10) but running + counted backlog is 32 of the 40 the 4 carry: no
+    new wave. (Compared with one replica's worth, 10, it doubled to 8: the cascade again.)"""
+    reps = views(clock.now, active=4)
+    wave = Wave(backlog=5.0, top=10.0, size=4, demand=30.0, served_at=clock.now - 5)
+    state = PolicyState(desired=4, wave=wave, panic_until=clock.now + 50)
+    plan, _ = step(CFG, state, clock.now, reps, signals(clock.now, reps, running=28, waiting=12))
+    assert plan.demand == pytest.approx(32.0)
+    assert plan.desired == 4 and plan.reason != REASON_QUEUE
