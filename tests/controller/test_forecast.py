@@ -306,3 +306,15 @@ def test_a_spike_over_idle_days_is_clipped_idle_minutes_are_data() -> None:
     w = fc.weights(CFG)
     assert f.engaged and f.peak == pytest.approx(2.0 * w[0] / w.sum())
     assert fc.floor_replicas(f, 7.0) == 1
+
+
+def test_recent_error_adds_error_floor_per_minute_to_the_denominator() -> None:
+    """Mutation review: WAPE = Σ|forecast − actual| / (Σ actual + error_floor × minutes), so an
+    idle hour does not read as an infinite error: forecast 1, actual 0 for the last hour is
+    60 / (0 + 60) = 1.0, and a halved demand (10 -> 5) 300 / (300 + 60) = 0.83. (With the
+    floor divided by the minutes instead, the idle hour read 60 / (1 / 60) = 3,600.)"""
+    now_min = 20 * DAY + 600
+    idle = hist_from(lambda m: 0.0 if m > now_min - 61 else 1.0, 7, now_min - 1)
+    assert fc.recent_error(idle, now_min * 60.0, CFG) == pytest.approx(1.0)
+    halved = hist_from(lambda m: 5.0 if m > now_min - 61 else 10.0, 7, now_min - 1)
+    assert fc.recent_error(halved, now_min * 60.0, CFG) == pytest.approx(300 / 360)
