@@ -559,3 +559,13 @@ def test_retiring_an_outdated_replica_frees_one_place_under_max_total() -> None:
     done = rv("a1", S.DRAINING, NOW - 30, inflight=0, running=0, outdated=True)
     p = plan_pool(1, (rv("a0", S.ACTIVE), done), 2, NOW, cfg)
     assert [(a.kind.value, a.replica_id) for a in p.actions] == [("terminate", "a1"), ("start", "r0")]
+
+
+def test_the_first_tick_measures_no_interval_for_the_reserve() -> None:
+    """Mutation review: the shed record integrates rates over the time between two ticks; the
+    first tick (a boot, a takeover) has no previous one, so it records nothing (read as a 1 s
+    interval, every restart added a second of made-up offered and turned-away requests)."""
+    first = record_shed(ShedRecord(), NOW, 10.0, 5.0, 3600)
+    assert first.minutes == () and first.last_at == NOW
+    second = record_shed(first, NOW + 2, 10.0, 5.0, 3600)
+    assert second.minutes == ((int((NOW + 2) // 60), 20.0, 10.0, 2.0),)
