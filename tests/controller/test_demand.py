@@ -276,3 +276,19 @@ def test_turned_away_demand_is_sized_with_the_averaged_slot_time_before_the_wind
     none_admitted = OfferedDemand(False, "floodgate", {1: 2.0}, {1: 0.0}, {1: 2.0})
     assert lacking_concurrency(none_admitted, 24.0, CFG, service_s_hint=30.0) == pytest.approx(60.0)
     assert lacking_concurrency(none_admitted, 24.0, CFG, service_s_hint=30.0, slot_s=20.0) == pytest.approx(40.0)
+
+
+def test_retries_admitted_are_read_as_the_counters_increase_not_their_total() -> None:
+    """Mutation review: the counters are cumulative since the pool's first request. The retry
+    test above starts them at 0, where the increase and the sum of the two reads agree; a pool
+    that has run a while (300 retries admitted, 100 malformed requests refused and 50 clients
+    gone while queued, all before the window) reads the same 10 s: 15 retries took back 15 of
+    the 20 turned away, 0.5/s turned away, 4.5/s offered."""
+    before = ClassCounters(admitted=1000, early_drop=500, retried_admitted=300, refused=100, abandoned=50)
+    a = FloodgateCounters(100.0, True, {1: before})
+    b = FloodgateCounters(110.0, True, {1: ClassCounters(admitted=1040, early_drop=520, retried_admitted=315,
+                                                         refused=100, abandoned=50)})
+    ga, gb = GatewayCounters(100.0, True, 5000, 2000), GatewayCounters(110.0, True, 5060, 2020)
+    for use_envoy in (True, False):
+        d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG.model_copy(update={"use_envoy": use_envoy}))
+        assert d.turned_away_rate == pytest.approx({1: 0.5}) and d.offered_rate == pytest.approx({1: 4.5})
