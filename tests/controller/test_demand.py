@@ -76,6 +76,20 @@ def test_envoy_excess_is_spread_and_envoy_alone_is_unclassed() -> None:
     assert d.source == "floodgate" and d.turned_away_rate == pytest.approx({0: 1.0, 1: 3.0})
 
 
+def test_envoy_excess_with_none_counted_goes_to_the_default_class_alone() -> None:
+    # The processors turned nothing away that they counted, and counted no request of the
+    # default class at all (only P0 admitted): Envoy's 8/s of immediate responses are the
+    # default class's, exactly — not on top of a made-up share of a class with no counters
+    # (a mutation review: the default class's missing entry read as 1/s survived every test).
+    a = fg(100.0, {0: (0, 0, 0, 0)})
+    b = fg(110.0, {0: (40, 0, 0, 0)})
+    ga, gb = GatewayCounters(100.0, True, 1000, 500), GatewayCounters(110.0, True, 1120, 580)
+    d = offered(feed([(100.0, a, ga), (110.0, b, gb)]), 110.0, CFG)
+    assert d.source == "floodgate+envoy" and d.envoy_excess_rate == pytest.approx(8.0)
+    assert d.turned_away_rate == pytest.approx({0: 0.0, 1: 8.0})
+    assert d.offered_rate == pytest.approx({0: 4.0, 1: 8.0})
+
+
 def test_retries_turned_away_again_are_no_demand_in_either_source() -> None:
     # 10 s: P1 admitted 40, 20 first attempts turned away, and their 40 retries turned away
     # again (OpenAI's SDKs retry a 429 twice). Envoy saw every one of the 60 immediate
