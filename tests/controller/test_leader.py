@@ -91,10 +91,24 @@ async def test_a_leader_whose_lease_another_took_acts_on_nothing_and_steps_down(
                            for s in m.samples if s.name.endswith("_total") and s.labels.get("direction") == "up")
 
             ups_before = ups()
-            await c.set(cfg.leader.key, "b", px=60_000)  # a standby holds it now
-            # (and the pool's floor rises: the next decision is a scale-up, 1 -> 2)
+            # The switch happens between two ticks, not during one: a tick that had decided
+            # (on the old floor, nothing to do) and was asking Redis whether it still leads while
+            # the key changed stepped down without a start to skip (a fresh-clone run saw it once).
+            ticked = asyncio.Event()
+            tick = pc.tick
+
+            async def tick_then_say(envoy: object) -> object:
+                result = await tick(envoy)
+                ticked.set()
+                return result
+
+            pc.tick = tick_then_say
+            await ticked.wait()  # right after a tick: the next one starts a tick interval later
+            # The pool's floor rises (the next decision is a scale-up, 1 -> 2), its replica dies,
+            # and a standby holds the lease now.
             pc.dcfg = dataclasses.replace(pc.dcfg, policy=pc.dcfg.policy.model_copy(update={"min_replicas": 2}))
             os.kill(int(h.labels["pid"]), signal.SIGKILL)
+            await c.set(cfg.leader.key, "b", px=60_000)
             await wait_for(lambda: _stepped_down(ctl), 10)
             # A controller that stepped down exports no decisions (an operator review: KEDA's
             # max(floodgate_desired_replicas) read the old leader's 3 over the new one's 1).
