@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -466,6 +467,23 @@ def test_demo_controller_config_shows_promote_drain_and_recycle() -> None:
     assert final.count(S.ACTIVE) == 2 and final.count(S.WARM) == 2
 
 
+class _DecisionLog:
+    """A controller decision log for the scaling report's tests: decisions and replica
+    transitions at seconds from `t0`, as the controller writes them."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.recs: list[dict[str, object]] = []
+
+    def decision(self, t: float, direction: str, *actions: str) -> None:
+        self.recs.append({"ts": self.t0 + t, "pool": "default", "event": "decision", "direction": direction,
+                          "actions": list(actions)})
+
+    def moves(self, t: float, rid: str, *states: str) -> None:
+        self.recs.extend({"ts": self.t0 + t, "pool": "default", "event": "transition", "replica": rid,
+                          "frm": a, "to": b} for a, b in pairwise(states))
+
+
 def test_the_scaling_report_tells_pool_promotions_from_cold_starts(tmp_path: Path) -> None:
     """The "Scaling" section of `floodgate up`'s report, from a decision log shaped as a demo
     run's (the controller logs a start only as a `start:` action, never as a transition). The
@@ -474,20 +492,12 @@ def test_the_scaling_report_tells_pool_promotions_from_cold_starts(tmp_path: Pat
     cold starts, not promotions from the pool (the report said "promoted from the warm pool: 4"
     and showed no cold start). After the burst, a replica drained back into the pool and promoted
     again is a pool promotion. What happened before the demo is not shown."""
-    from itertools import pairwise
 
     from floodgate.up import render_timeline, scaling_timeline
 
     t0 = 1_000_000.0
-    recs: list[dict[str, object]] = []
-
-    def decision(t: float, direction: str, *actions: str) -> None:
-        recs.append({"ts": t0 + t, "pool": "default", "event": "decision", "direction": direction,
-                     "actions": list(actions)})
-
-    def moves(t: float, rid: str, *states: str) -> None:
-        recs.extend({"ts": t0 + t, "pool": "default", "event": "transition", "replica": rid, "frm": a, "to": b}
-                    for a, b in pairwise(states))
+    log_ = _DecisionLog(t0)
+    recs, decision, moves = log_.recs, log_.decision, log_.moves
 
     # Before the demo: 2 started for min_replicas and promoted, 2 pool refills put to sleep.
     decision(-30, "none", "start:default-r0:scale_up", "start:default-r1:scale_up",
@@ -549,20 +559,12 @@ def test_a_replica_started_for_demand_but_put_to_sleep_at_bring_up_is_a_pool_pro
     are both from the warm pool. Before, r0 was still counted as a cold start waiting for its
     promotion, and the report said "promoted after its cold start: 3" against 2 cold starts
     (two `floodgate up` demo runs of a review, decision logs of this shape)."""
-    from itertools import pairwise
 
     from floodgate.up import render_timeline, scaling_timeline
 
     t0 = 1_000_000.0
-    recs: list[dict[str, object]] = []
-
-    def decision(t: float, direction: str, *actions: str) -> None:
-        recs.append({"ts": t0 + t, "pool": "default", "event": "decision", "direction": direction,
-                     "actions": list(actions)})
-
-    def moves(t: float, rid: str, *states: str) -> None:
-        recs.extend({"ts": t0 + t, "pool": "default", "event": "transition", "replica": rid, "frm": a, "to": b}
-                    for a, b in pairwise(states))
+    log_ = _DecisionLog(t0)
+    recs, decision, moves = log_.recs, log_.decision, log_.moves
 
     decision(-30, "none", "start:default-r0:scale_up", "start:default-r1:scale_up",
              "start:default-r2:pool_refill", "start:default-r3:pool_refill")
