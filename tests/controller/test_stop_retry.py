@@ -4,7 +4,10 @@ controller's view, out of the registry and uncounted, for as long as the control
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -66,9 +69,6 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
     # marked done anyway: "the next rebuild or reconcile tries again" said its comment, but
     # neither did while this controller led.
     from floodgate.controller.actuators.base import ReplicaHandle
-    from floodgate.controller.app import PoolController
-    from floodgate.controller.metrics import ControllerMetrics
-    from floodgate.extproc.state import redis_client
 
     class Flaky:
         name = "flaky"
@@ -96,14 +96,8 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
         async def close(self) -> None:
             return None
 
-    url = stack.start_redis()
-    cfg = controller_config(url, policy={"min_replicas": 0, "max_replicas": 1}, warm_pool={"enabled": False})
-    rc = redis_client(url)
     act = Flaky()
-    async with aiohttp.ClientSession() as s:
-        pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
-        now = [1000.0]
-        pc.clock = lambda: now[0]  # type: ignore[method-assign]
+    async with _pool_controller(stack, act) as (pc, now):
         await pc.rebuild()  # the first stop fails
         assert act.stops == 1
         await pc.reconcile(pc.clock())  # not at once: after a backoff (1 s, doubling), not a try every tick
@@ -112,7 +106,6 @@ async def test_a_replica_found_not_running_whose_stop_fails_is_tried_again(stack
         await pc.reconcile(pc.clock())
         assert act.stops == 2 and act.gone
         assert [e for e in pc.events if e["event"] == "forgotten"]
-    await rc.aclose()
 
 
 async def test_failed_forgets_of_replicas_that_went_away_are_not_kept(stack: LocalStack) -> None:
@@ -120,9 +113,6 @@ async def test_failed_forgets_of_replicas_that_went_away_are_not_kept(stack: Loc
     # entry after the actuator stopped listing it (gone some other way: a pod deleted by hand),
     # one entry per such replica for as long as the controller ran (40 here, 40 kept).
     from floodgate.controller.actuators.base import ReplicaHandle
-    from floodgate.controller.app import PoolController
-    from floodgate.controller.metrics import ControllerMetrics
-    from floodgate.extproc.state import redis_client
 
     class Failing:
         name = "failing"
@@ -148,14 +138,8 @@ async def test_failed_forgets_of_replicas_that_went_away_are_not_kept(stack: Loc
         async def close(self) -> None:
             return None
 
-    url = stack.start_redis()
-    cfg = controller_config(url, policy={"min_replicas": 0, "max_replicas": 1}, warm_pool={"enabled": False})
-    rc = redis_client(url)
     act = Failing()
-    async with aiohttp.ClientSession() as s:
-        pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
-        now = [1000.0]
-        pc.clock = lambda: now[0]  # type: ignore[method-assign]
+    async with _pool_controller(stack, act) as (pc, now):
         await pc.rebuild()
         for i in range(40):
             act.listed = [f"dead-{i}"]  # listed dead; its stop fails; then it is gone
@@ -163,4 +147,24 @@ async def test_failed_forgets_of_replicas_that_went_away_are_not_kept(stack: Loc
             await pc.reconcile(pc.clock())
         assert act.stops == 40
         assert len(pc._forget_retry) <= 1, len(pc._forget_retry)  # (was 40)
-    await rc.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _pool_controller(stack: LocalStack, act: object) -> AsyncIterator[tuple[Any, list[float]]]:
+    """A PoolController over a real Redis and a stand-in actuator `act`, on a clock the test
+    moves (`now[0]`); the Redis client and HTTP session closed after."""
+    from floodgate.controller.app import PoolController
+    from floodgate.controller.metrics import ControllerMetrics
+    from floodgate.extproc.state import redis_client
+
+    url = stack.start_redis()
+    cfg = controller_config(url, policy={"min_replicas": 0, "max_replicas": 1}, warm_pool={"enabled": False})
+    rc = redis_client(url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            pc = PoolController(cfg.pools[0], act, rc, s, ControllerMetrics())  # type: ignore[arg-type]
+            now = [1000.0]
+            pc.clock = lambda: now[0]  # type: ignore[method-assign]
+            yield pc, now
+    finally:
+        await rc.aclose()
